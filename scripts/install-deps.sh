@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages strata needs to build, test and benchmark.
+# Idempotent: apt-get skips what is already installed. Run as root (or via sudo).
+set -euo pipefail
+PKGS=(
+  build-essential cmake pkg-config
+  libpcre2-dev        # Unicode regexes of the GGUF pre-tokenizers
+  liburing-dev        # io_uring for the expert stream
+  nlohmann-json3-dev  # JSON output, test references
+  libcli11-dev        # command-line parsing
+  libfmt-dev          # formatting
+  libgtest-dev libgmock-dev libbenchmark-dev  # tests and benchmarks
+  python3 python3-jinja2  # test oracle for chat templates
+)
+missing=()
+for p in "${PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if ((${#missing[@]})); then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi

@@ -1,0 +1,66 @@
+#pragma once
+// Block formats: dequantization (scalar reference, bit-exact with gguf-py) and the
+// matrix kernels the forward pass uses, with fast paths chosen at run time.
+//
+// Layout convention (ggml's): a weight matrix W of shape [rows, cols] is stored as
+// `rows` consecutive rows of `cols` elements each (cols contiguous), each row
+// `row_bytes = cols / block_elems * block_bytes` bytes of blocks.
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "gguf/ggml_types.h"
+
+namespace strata::quant {
+
+/// Which kernel family runs. Auto picks the best the CPU supports (CPUID).
+enum class CpuKernels { Auto, Scalar, Avx2, Avx512 };
+
+/// Selects the kernel family for all later calls (process-wide).
+/// Throws std::runtime_error if the CPU lacks the requested instructions.
+void set_cpu_kernels(CpuKernels k);
+/// The family actually in use after resolving Auto.
+CpuKernels active_cpu_kernels();
+const char* cpu_kernels_name(CpuKernels k);
+/// Parses "scalar|avx2|avx512|auto"; throws std::invalid_argument otherwise.
+CpuKernels parse_cpu_kernels(const std::string& s);
+
+/// True if this build can dequantize and multiply type `t`.
+bool is_supported(GgmlType t);
+
+/// Scalar reference: dequantizes `n` elements (a multiple of the block size) from `src`
+/// into `dst` (n floats). Bit-exact with gguf-py's dequantize. Throws std::runtime_error for
+/// unsupported types.
+void dequantize_row(GgmlType t, const void* src, float* dst, int64_t n);
+
+/// Y = X * W^T for one row range:
+///   for t in [0, n_tok), r in [row_begin, row_end):
+///     y[t * ldy + r] = sum_k dequant(W)[r][k] * x[t * ldx + k]
+/// W: `rows` rows of type `t`, `row_bytes` apart, `cols` elements each (cols % block == 0).
+/// x: n_tok rows of `cols` floats, `ldx` floats apart. y: n_tok rows, `ldy` floats apart.
+///
+/// Invariance contract: y[t][r] is bit-identical whatever n_tok, the row range it was
+/// computed in, and the other rows of x (so results do not depend on prompt chunking or
+/// thread split). Only the kernel family (set_cpu_kernels) may change the rounding.
+void matmul(GgmlType t, const void* W, size_t row_bytes, int64_t row_begin, int64_t row_end, int64_t cols,
+            const float* x, int64_t ldx, int64_t n_tok, float* y, int64_t ldy);
+
+/// IEEE half <-> float (exact conversions, round-to-nearest-even on the way down).
+float fp16_to_fp32(uint16_t h);
+uint16_t fp32_to_fp16(float f);
+/// bfloat16 -> float (exact) and float -> bfloat16 (round-to-nearest-even, NaN kept).
+float bf16_to_fp32(uint16_t h);
+uint16_t fp32_to_bf16(float f);
+
+}  // namespace strata::quant
+
+namespace strata::quant {
+
+/// Elements per block of `t` (1 for F32/F16/BF16, 32 or 256 for block formats); 0 if unsupported.
+/// Hard-coded in src/quant (the formats of ggml/src/ggml-common.h).
+int block_elems(GgmlType t);
+/// Bytes of one row of `cols` elements of type `t` (cols must be a multiple of block_elems(t));
+/// throws std::runtime_error for unsupported types or a ragged `cols`.
+size_t row_size(GgmlType t, int64_t cols);
+
+}  // namespace strata::quant
