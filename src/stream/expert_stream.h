@@ -84,6 +84,8 @@ class ExpertStream {
 
   /// Layer `layer` needs `experts` now: pins them and queues urgent reads for the misses.
   /// Precondition: experts are distinct, and at most n_slots() experts are pinned in all.
+  /// If every unpinned slot is being read, blocks until a read finishes (exposed wait);
+  /// throws std::logic_error if every slot is pinned.
   void request(int layer, std::span<const int32_t> experts);
   /// Blocks until `expert` of `layer` (previously requested) is resident; returns its view.
   /// Rethrows an IO error from the read.

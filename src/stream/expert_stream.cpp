@@ -1,0 +1,592 @@
+// ExpertStream: a fixed arena of expert slots fed from disk by IO threads.
+//
+//   compute thread (one)                                 IO threads (io_threads >= 1)
+//   --------------------                                 ----------------------------
+//   request(l, ids) --+-- resident / reading ---> pin (hit; streamed_ahead if read ahead)
+//                     +-- queued read-ahead ----> pin, promote to urgent (miss)
+//                     +-- absent --> victim slot, pin, ----+
+//                                     (miss)               v
+//                                                   +--------------+     pop urgent first,
+//   prefetch(l+1, ids) -> victim slot (never pinned,| urgent  FIFO |---> then read-ahead:
+//                         never a pending read-ahead)| read-ahead Q |     read_at() each part
+//                         -----------------------> +--------------+     into the slot,
+//                                                                        slot -> resident,
+//   wait(l, e)  <---------- condvar "done" -------------------------------- notify_all
+//   release(l)   unpin l's slots (-> LRU); drop l's unstarted read-aheads
+//
+//   arena (one AlignedBuffer, paged in at construction):
+//   +-----------------+-----------------+-----+-----------------+
+//   | slot 0          | slot 1          | ... | slot n-1        |   n = arena_bytes / slot_bytes
+//   +-----------------+-----------------+-----+-----------------+
+//   slot = [gate aligned range][up aligned range][down aligned range][unused tail]
+//           ^ 4 KiB aligned     ^ 4 KiB aligned   ^ 4 KiB aligned
+//   aligned range of a slice [off, off+len) = [floor4k(off), ceil4k(off+len)); the view
+//   points at slot + part_start + (off - floor4k(off)).
+//
+// Slot states: empty -> queued (urgent or read-ahead) -> reading -> resident | failed.
+// A slot is evictable when it is unpinned and not reading. Evictable slots sit in two
+// LRU-ordered sets: "normal" and "pending read-ahead" (a read-ahead, or a resident expert
+// a prefetch re-confirmed, whose layer has not been released yet). Victims:
+//   urgent miss: oldest normal slot, else oldest pending read-ahead (it must make progress);
+//                if all unpinned slots are being read, wait for one read to finish;
+//   prefetch:    oldest normal slot only, so a long prediction list never evicts its own
+//                head; prefetch stops when there is none.
+// Empty slots have tick 0, so they are used before anything is evicted.
+//
+// Why urgent first: an urgent read is something the compute thread is blocked on (or soon
+// will be) at the cut; a read-ahead only saves a later wait. Serving urgent reads first
+// bounds the exposed wait of the current layer by its own misses.
+//
+// One mutex guards all bookkeeping; the IO threads hold it only to pop a job and to
+// publish its result, never during a read. Queue entries carry the slot's generation so
+// entries of dropped / reassigned slots are skipped lazily.
+#include "stream/expert_stream.h"
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "io/file.h"
+
+namespace strata::stream {
+
+namespace {
+
+constexpr uint64_t kAlign = io::kDirectAlign;
+uint64_t floor_a(uint64_t x) { return x / kAlign * kAlign; }
+uint64_t ceil_a(uint64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+enum class State : uint8_t { Empty, Queued, Reading, Resident, Failed };
+
+struct Slot {
+  int32_t layer = -1;
+  int32_t expert = -1;
+  int64_t key = -1;      // index into slot_of_, -1 when empty
+  State state = State::Empty;
+  int pins = 0;
+  bool urgent = false;   // queued as urgent
+  bool ahead = false;    // assigned by a read-ahead, not yet used by request()
+  bool pending = false;  // protected from prefetch eviction until its layer is released
+  uint64_t tick = 0;     // LRU time of last use / assignment
+  uint64_t gen = 0;      // bumped whenever the slot's assignment changes
+  int in_set = 0;        // 0 none, 1 normal LRU set, 2 pending set
+  uint64_t set_tick = 0; // tick under which it sits in its set
+  std::exception_ptr err;
+};
+
+struct Job {
+  int slot;
+  uint64_t gen;
+};
+
+// Where one part of one expert lies in the file and in its slot.
+struct PartRange {
+  uint64_t file_off;   // aligned start in the file
+  uint64_t len;        // aligned length
+  uint64_t slot_off;   // start within the slot (multiple of 4 KiB)
+  uint64_t skew;       // slice start - aligned start
+  uint64_t slice_end;  // absolute end of the slice in the file
+};
+
+}  // namespace
+
+struct ExpertStream::Impl {
+  std::unique_ptr<io::File> file;
+  std::vector<LayerExperts> layers;
+  std::vector<int64_t> layer_base;  // key of (layer, 0)
+  size_t slot_bytes = 0;
+  size_t n_slots = 0;
+  io::AlignedBuffer arena;
+
+  mutable std::mutex mu;
+  std::condition_variable work_cv;  // IO threads: a job was queued / stop / unpause
+  std::condition_variable done_cv;  // compute thread: a read finished
+  std::vector<Slot> slots;
+  std::vector<int> slot_of;  // key -> slot, -1 when not assigned
+  std::set<std::pair<uint64_t, int>> lru_normal, lru_pending;
+  std::deque<Job> urgent_q, ahead_q;
+  std::vector<std::vector<int>> pinned_by_layer;
+  uint64_t clock = 0;
+  int reading = 0;
+  bool stop = false;
+  bool paused = false;
+  StreamStats st;
+  std::vector<std::thread> threads;
+
+  // ---- geometry ----
+  void ranges(int layer, int32_t e, PartRange out[3]) const {
+    const LayerExperts& L = layers[static_cast<size_t>(layer)];
+    uint64_t pos = 0;
+    for (int p = 0; p < 3; ++p) {
+      const uint64_t off = L.part[p].base_offset + static_cast<uint64_t>(e) * L.part[p].expert_bytes;
+      const uint64_t end = off + L.part[p].expert_bytes;
+      const uint64_t a = floor_a(off);
+      const uint64_t len = L.part[p].expert_bytes == 0 ? 0 : ceil_a(end) - a;
+      out[p] = PartRange{a, len, pos, off - a, end};
+      pos += len;
+    }
+  }
+
+  int64_t key_of(int layer, int32_t e) const {
+    if (layer < 0 || static_cast<size_t>(layer) >= layers.size())
+      throw std::out_of_range(fmt::format("expert stream: layer {} out of range (0..{})", layer, layers.size()));
+    if (e < 0 || e >= layers[static_cast<size_t>(layer)].n_expert)
+      throw std::out_of_range(fmt::format("expert stream: expert {} of layer {} out of range (n_expert {})", e, layer,
+                                          layers[static_cast<size_t>(layer)].n_expert));
+    return layer_base[static_cast<size_t>(layer)] + e;
+  }
+
+  // ---- LRU index (call with mu held after any change of pins / state / pending / tick) ----
+  void reindex(int s) {
+    Slot& sl = slots[static_cast<size_t>(s)];
+    if (sl.in_set == 1) lru_normal.erase({sl.set_tick, s});
+    if (sl.in_set == 2) lru_pending.erase({sl.set_tick, s});
+    sl.in_set = 0;
+    if (sl.pins == 0 && sl.state != State::Reading) {
+      sl.set_tick = sl.tick;
+      sl.in_set = sl.pending ? 2 : 1;
+      (sl.pending ? lru_pending : lru_normal).insert({sl.tick, s});
+    }
+  }
+
+  // Oldest evictable slot, or -1. Prefetch never takes a pending read-ahead.
+  int pick_victim(bool for_prefetch) const {
+    if (!lru_normal.empty()) return lru_normal.begin()->second;
+    if (!for_prefetch && !lru_pending.empty()) return lru_pending.begin()->second;
+    return -1;
+  }
+
+  // Forget what slot s holds (counting a wasted or dropped read-ahead) and leave it empty.
+  void evict(int s) {
+    Slot& sl = slots[static_cast<size_t>(s)];
+    if (sl.ahead && sl.state == State::Resident) ++st.wasted;
+    if (sl.state == State::Queued && !sl.urgent) ++st.dropped;
+    if (sl.key >= 0) slot_of[static_cast<size_t>(sl.key)] = -1;
+    sl.layer = sl.expert = -1;
+    sl.key = -1;
+    sl.state = State::Empty;
+    sl.urgent = sl.ahead = sl.pending = false;
+    sl.err = nullptr;
+    sl.tick = 0;
+    ++sl.gen;
+    reindex(s);
+  }
+
+  void assign(int s, int layer, int32_t e, int64_t key, bool urgent) {
+    Slot& sl = slots[static_cast<size_t>(s)];
+    sl.layer = layer;
+    sl.expert = e;
+    sl.key = key;
+    slot_of[static_cast<size_t>(key)] = s;
+    queue(s, urgent);
+  }
+
+  void queue(int s, bool urgent) {
+    Slot& sl = slots[static_cast<size_t>(s)];
+    sl.state = State::Queued;
+    sl.urgent = urgent;
+    sl.ahead = !urgent;
+    sl.pending = !urgent;
+    sl.err = nullptr;
+    sl.tick = ++clock;
+    ++sl.gen;
+    (urgent ? urgent_q : ahead_q).push_back(Job{s, sl.gen});
+    reindex(s);
+  }
+
+  bool job_valid(const Job& j) const {
+    const Slot& sl = slots[static_cast<size_t>(j.slot)];
+    return sl.gen == j.gen && sl.state == State::Queued;
+  }
+
+  // Drops unstarted read-aheads for which pred(slot) holds; compacts the queue.
+  template <class Pred>
+  void drop_ahead(Pred pred) {
+    std::deque<Job> keep;
+    for (const Job& j : ahead_q) {
+      if (!job_valid(j)) continue;
+      Slot& sl = slots[static_cast<size_t>(j.slot)];
+      if (!sl.urgent && pred(sl))
+        evict(j.slot);
+      else if (!sl.urgent)
+        keep.push_back(j);
+    }
+    ahead_q.swap(keep);
+  }
+
+  // ---- IO thread ----
+  bool pop(Job& out) {
+    for (auto* q : {&urgent_q, &ahead_q}) {
+      while (!q->empty()) {
+        const Job j = q->front();
+        q->pop_front();
+        if (job_valid(j)) {
+          out = j;
+          return true;
+        }
+      }
+    }
+    return false;
+  }
+
+  void io_main() {
+    std::unique_lock lk(mu);
+    for (;;) {
+      Job job{};
+      work_cv.wait(lk, [&] { return stop || (!paused && pop(job)); });
+      if (stop) return;
+      Slot& sl = slots[static_cast<size_t>(job.slot)];
+      sl.state = State::Reading;
+      ++reading;
+      reindex(job.slot);
+      const int layer = sl.layer;
+      const int32_t e = sl.expert;
+      uint8_t* dst = arena.data() + static_cast<size_t>(job.slot) * slot_bytes;
+      lk.unlock();
+
+      std::exception_ptr err;
+      uint64_t bytes = 0;
+      double busy = 0;
+      try {
+        PartRange r[3];
+        ranges(layer, e, r);
+        for (int p = 0; p < 3; ++p) {
+          if (r[p].len == 0) continue;
+          if (r[p].slice_end > file->size())
+            throw io::IoError(fmt::format("{}: layer {} expert {} part {}: slice [{}, {}) runs past the end of the file "
+                                          "({} bytes)",
+                                          file->path(), layer, e, p, r[p].file_off + r[p].skew, r[p].slice_end,
+                                          file->size()));
+          uint64_t n = r[p].len;
+          // Buffered reads may not run past EOF; direct reads may (up to the aligned EOF).
+          if (!file->direct()) n = std::min<uint64_t>(n, file->size() - r[p].file_off);
+          const auto t0 = Clock::now();
+          try {
+            file->read_at(r[p].file_off, static_cast<size_t>(n), dst + r[p].slot_off);
+          } catch (...) {
+            busy += seconds_since(t0);
+            throw;
+          }
+          busy += seconds_since(t0);
+          bytes += n;
+        }
+      } catch (...) {
+        err = std::current_exception();
+      }
+
+      lk.lock();
+      --reading;
+      st.read_busy_s += busy;
+      st.bytes_read += bytes;
+      if (err) {
+        sl.state = State::Failed;
+        sl.err = err;
+      } else {
+        sl.state = State::Resident;
+        ++st.reads;
+      }
+      reindex(job.slot);
+      done_cv.notify_all();
+    }
+  }
+};
+
+ExpertStream::ExpertStream(const std::string& path, std::vector<LayerExperts> layers, const StreamOptions& opts)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  m.layers = std::move(layers);
+  int64_t total = 0;
+  m.layer_base.reserve(m.layers.size());
+  for (const LayerExperts& L : m.layers) {
+    if (L.n_expert < 0) throw std::invalid_argument("expert stream: negative n_expert");
+    m.layer_base.push_back(total);
+    total += L.n_expert;
+  }
+  // Slot size: the largest expert record (3 aligned ranges back to back) over all layers.
+  uint64_t slot = kAlign;
+  for (size_t l = 0; l < m.layers.size(); ++l) {
+    for (int32_t e = 0; e < m.layers[l].n_expert; ++e) {
+      PartRange r[3];
+      m.ranges(static_cast<int>(l), e, r);
+      slot = std::max(slot, r[2].slot_off + r[2].len);
+    }
+  }
+  m.slot_bytes = static_cast<size_t>(slot);
+
+  m.file = io::File::open(path, opts.direct);
+
+  const size_t min_slots = std::max<size_t>(1, opts.min_slots);
+  size_t n = opts.arena_bytes / m.slot_bytes;
+  if (n < min_slots) {
+    const size_t min_bytes = min_slots * m.slot_bytes;
+    const double MiB = 1024.0 * 1024.0;
+    const size_t min_mb = static_cast<size_t>((min_bytes + (1u << 20) - 1) >> 20);
+    throw ArenaTooSmall(fmt::format("arena of {:.1f} MiB holds {} expert slots of {:.1f} KiB; one layer can need {} at "
+                                    "once: use --arena-mb {} or more",
+                                    static_cast<double>(opts.arena_bytes) / MiB, n,
+                                    static_cast<double>(m.slot_bytes) / 1024.0, min_slots, min_mb),
+                        min_bytes);
+  }
+  // More slots than experts can never be used: don't allocate them.
+  n = std::min(n, static_cast<size_t>(std::max<int64_t>(total, static_cast<int64_t>(min_slots))));
+  m.n_slots = n;
+  m.arena = io::AlignedBuffer(n * m.slot_bytes);
+  // Page the arena in now, so first-use page faults are not charged to IO.
+  std::memset(m.arena.data(), 0, m.arena.size());
+
+  m.slots.resize(n);
+  m.slot_of.assign(static_cast<size_t>(total), -1);
+  m.pinned_by_layer.resize(m.layers.size());
+  for (size_t s = 0; s < n; ++s) m.reindex(static_cast<int>(s));
+
+  const int threads = std::max(1, opts.io_threads);
+  m.threads.reserve(static_cast<size_t>(threads));
+  try {
+    for (int i = 0; i < threads; ++i) m.threads.emplace_back([&m] { m.io_main(); });
+  } catch (...) {
+    {
+      std::lock_guard lk(m.mu);
+      m.stop = true;
+    }
+    m.work_cv.notify_all();
+    for (auto& t : m.threads) t.join();
+    throw;
+  }
+}
+
+ExpertStream::~ExpertStream() {
+  {
+    std::lock_guard lk(impl_->mu);
+    impl_->stop = true;
+  }
+  impl_->work_cv.notify_all();
+  for (auto& t : impl_->threads) t.join();
+}
+
+size_t ExpertStream::slot_bytes() const { return impl_->slot_bytes; }
+size_t ExpertStream::n_slots() const { return impl_->n_slots; }
+bool ExpertStream::direct() const { return impl_->file->direct(); }
+
+void ExpertStream::request(int layer, std::span<const int32_t> experts) {
+  Impl& m = *impl_;
+  bool queued = false;
+  {
+    std::unique_lock lk(m.mu);
+    for (const int32_t e : experts) {
+      const int64_t key = m.key_of(layer, e);
+      int s = m.slot_of[static_cast<size_t>(key)];
+      if (s >= 0) {
+        Slot& sl = m.slots[static_cast<size_t>(s)];
+        switch (sl.state) {
+          case State::Resident:
+          case State::Reading:
+            ++m.st.hits;
+            if (sl.ahead) ++m.st.streamed_ahead;
+            break;
+          case State::Queued:
+            if (sl.urgent) {
+              ++m.st.hits;  // requested again before its urgent read started
+            } else {
+              ++m.st.misses;  // read-ahead not started yet: promote it
+              m.queue(s, true);
+              queued = true;
+            }
+            break;
+          case State::Failed:
+          case State::Empty:
+            ++m.st.misses;  // retry the read
+            m.queue(s, true);
+            queued = true;
+            break;
+        }
+      } else {
+        s = m.pick_victim(false);
+        if (s < 0) {
+          // Every slot is pinned or being read. Reads finish: wait for one (exposed wait,
+          // the compute thread is blocked). All pinned: the caller broke the precondition.
+          auto unpinned_reading = [&] {
+            return std::any_of(m.slots.begin(), m.slots.end(),
+                               [](const Slot& x) { return x.state == State::Reading && x.pins == 0; });
+          };
+          const auto t0 = Clock::now();
+          while (s < 0 && unpinned_reading()) {
+            m.done_cv.wait(lk);
+            s = m.pick_victim(false);
+          }
+          m.st.exposed_wait_s += seconds_since(t0);
+        }
+        if (s < 0)
+          throw std::logic_error(fmt::format("expert stream: all {} slots are pinned; cannot make layer {} expert {} "
+                                             "resident (release layers, or use a larger arena)",
+                                             m.n_slots, layer, e));
+        ++m.st.misses;
+        m.evict(s);
+        m.assign(s, layer, e, key, true);
+        queued = true;
+      }
+      Slot& sl = m.slots[static_cast<size_t>(s)];
+      sl.ahead = false;
+      sl.pending = false;
+      sl.tick = ++m.clock;
+      ++sl.pins;
+      m.pinned_by_layer[static_cast<size_t>(layer)].push_back(s);
+      m.reindex(s);
+      ++m.st.needed;
+    }
+  }
+  if (queued) m.work_cv.notify_all();
+}
+
+ExpertView ExpertStream::wait(int layer, int32_t expert) {
+  Impl& m = *impl_;
+  std::unique_lock lk(m.mu);
+  const int64_t key = m.key_of(layer, expert);
+  const int s = m.slot_of[static_cast<size_t>(key)];
+  if (s < 0 || m.slots[static_cast<size_t>(s)].pins == 0)
+    throw std::logic_error(fmt::format("expert stream: wait for layer {} expert {} which is not requested", layer, expert));
+  Slot& sl = m.slots[static_cast<size_t>(s)];  // pinned: cannot be evicted while we wait
+  if (sl.state == State::Queued || sl.state == State::Reading) {
+    const auto t0 = Clock::now();
+    m.done_cv.wait(lk, [&] { return sl.state != State::Queued && sl.state != State::Reading; });
+    m.st.exposed_wait_s += seconds_since(t0);
+  }
+  if (sl.state == State::Failed) std::rethrow_exception(sl.err);
+  PartRange r[3];
+  m.ranges(layer, expert, r);
+  const uint8_t* base = m.arena.data() + static_cast<size_t>(s) * m.slot_bytes;
+  ExpertView v;
+  for (int p = 0; p < 3; ++p) v.part[p] = base + r[p].slot_off + r[p].skew;
+  return v;
+}
+
+void ExpertStream::release(int layer) {
+  Impl& m = *impl_;
+  std::lock_guard lk(m.mu);
+  if (layer < 0 || static_cast<size_t>(layer) >= m.layers.size())
+    throw std::out_of_range(fmt::format("expert stream: release of layer {} out of range", layer));
+  auto& pinned = m.pinned_by_layer[static_cast<size_t>(layer)];
+  for (const int s : pinned) {
+    Slot& sl = m.slots[static_cast<size_t>(s)];
+    if (sl.pins > 0) --sl.pins;
+    m.reindex(s);
+  }
+  pinned.clear();
+  // The layer is done: its unstarted read-aheads are not needed any more, and its finished
+  // but unused ones (or re-confirmed residents) lose their protection from prefetch.
+  m.drop_ahead([&](const Slot& sl) { return sl.layer == layer; });
+  for (size_t s = 0; s < m.slots.size(); ++s) {
+    Slot& sl = m.slots[s];
+    if (sl.pending && sl.layer == layer) {
+      sl.pending = false;
+      m.reindex(static_cast<int>(s));
+    }
+  }
+}
+
+void ExpertStream::prefetch(int layer, std::span<const int32_t> experts) {
+  Impl& m = *impl_;
+  bool queued = false;
+  {
+    std::lock_guard lk(m.mu);
+    for (const int32_t e : experts) {
+      const int64_t key = m.key_of(layer, e);
+      int s = m.slot_of[static_cast<size_t>(key)];
+      if (s >= 0) {
+        Slot& sl = m.slots[static_cast<size_t>(s)];
+        if (sl.state == State::Resident) {
+          // Already here: keep it until the layer is released.
+          if (sl.pins == 0) {
+            sl.pending = true;
+            sl.tick = ++m.clock;
+            m.reindex(s);
+          }
+        } else if (sl.state == State::Failed || sl.state == State::Empty) {
+          if (sl.pins == 0) {
+            m.queue(s, false);
+            queued = true;
+          }
+        }
+        continue;  // queued or reading: nothing to do
+      }
+      s = m.pick_victim(true);
+      if (s < 0) break;  // arena full of pinned slots and pending read-aheads
+      m.evict(s);
+      m.assign(s, layer, e, key, false);
+      queued = true;
+    }
+  }
+  if (queued) m.work_cv.notify_all();
+}
+
+void ExpertStream::cancel_prefetch() {
+  Impl& m = *impl_;
+  std::lock_guard lk(m.mu);
+  m.drop_ahead([](const Slot&) { return true; });
+}
+
+bool ExpertStream::resident(int layer, int32_t expert) const {
+  const Impl& m = *impl_;
+  std::lock_guard lk(m.mu);
+  const int s = m.slot_of[static_cast<size_t>(m.key_of(layer, expert))];
+  return s >= 0 && m.slots[static_cast<size_t>(s)].state == State::Resident;
+}
+
+void ExpertStream::wait_idle() {
+  Impl& m = *impl_;
+  std::unique_lock lk(m.mu);
+  m.done_cv.wait(lk, [&] {
+    if (m.reading > 0) return false;
+    if (m.paused) return true;
+    return std::none_of(m.urgent_q.begin(), m.urgent_q.end(), [&](const Job& j) { return m.job_valid(j); }) &&
+           std::none_of(m.ahead_q.begin(), m.ahead_q.end(), [&](const Job& j) { return m.job_valid(j); });
+  });
+}
+
+void ExpertStream::pause_io(bool paused) {
+  {
+    std::lock_guard lk(impl_->mu);
+    impl_->paused = paused;
+  }
+  impl_->work_cv.notify_all();
+  impl_->done_cv.notify_all();
+}
+
+StreamStats ExpertStream::stats() const {
+  std::lock_guard lk(impl_->mu);
+  return impl_->st;
+}
+
+void ExpertStream::reset_stats() {
+  std::lock_guard lk(impl_->mu);
+  impl_->st = StreamStats{};
+}
+
+void ExpertStream::clear() {
+  Impl& m = *impl_;
+  std::unique_lock lk(m.mu);
+  m.urgent_q.clear();
+  m.ahead_q.clear();
+  m.done_cv.wait(lk, [&] { return m.reading == 0; });
+  for (size_t s = 0; s < m.slots.size(); ++s) {
+    Slot& sl = m.slots[s];
+    sl.pins = 0;
+    sl.ahead = false;  // a cold start is not a wasted read
+    sl.urgent = true;  // nor a dropped one
+    m.evict(static_cast<int>(s));
+  }
+  for (auto& p : m.pinned_by_layer) p.clear();
+}
+
+}  // namespace strata::stream
