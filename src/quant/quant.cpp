@@ -1,0 +1,149 @@
+// Public entry points of src/quant: kernel-family selection (CPUID), conversions, argument
+// checking and dispatch of matmul to the active family.
+#include "quant/quant.h"
+
+#include <atomic>
+#include <stdexcept>
+#include <string>
+
+#include "quant/quant_impl.h"
+
+namespace strata::quant {
+
+namespace {
+
+bool cpu_has_avx2() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+         __builtin_cpu_supports("bmi2");
+}
+bool cpu_has_avx512() {
+  return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+
+CpuKernels best_family() {
+  if (cpu_has_avx512()) return CpuKernels::Avx512;
+  if (cpu_has_avx2()) return CpuKernels::Avx2;
+  return CpuKernels::Scalar;
+}
+
+std::atomic<CpuKernels>& active_family() {
+  static std::atomic<CpuKernels> k{best_family()};
+  return k;
+}
+
+}  // namespace
+
+void set_cpu_kernels(CpuKernels k) {
+  if (k == CpuKernels::Auto) k = best_family();
+  if (k == CpuKernels::Avx2 && !cpu_has_avx2())
+    throw std::runtime_error("cpu kernels: avx2 requested but this CPU lacks AVX2/FMA/F16C/BMI2");
+  if (k == CpuKernels::Avx512 && !cpu_has_avx512())
+    throw std::runtime_error("cpu kernels: avx512 requested but this CPU lacks AVX-512 F/BW/VL/DQ");
+  active_family().store(k, std::memory_order_relaxed);
+}
+
+CpuKernels active_cpu_kernels() { return active_family().load(std::memory_order_relaxed); }
+
+const char* cpu_kernels_name(CpuKernels k) {
+  switch (k) {
+    case CpuKernels::Auto: return "auto";
+    case CpuKernels::Scalar: return "scalar";
+    case CpuKernels::Avx2: return "avx2";
+    case CpuKernels::Avx512: return "avx512";
+  }
+  return "?";
+}
+
+CpuKernels parse_cpu_kernels(const std::string& s) {
+  if (s == "auto") return CpuKernels::Auto;
+  if (s == "scalar") return CpuKernels::Scalar;
+  if (s == "avx2") return CpuKernels::Avx2;
+  if (s == "avx512") return CpuKernels::Avx512;
+  throw std::invalid_argument("unknown cpu kernel family '" + s + "' (expected scalar|avx2|avx512|auto)");
+}
+
+namespace detail {
+const char* type_name(GgmlType t) {
+  switch (t) {
+#define STRATA_QUANT_NAME(x) \
+  case GgmlType::x: return #x;
+    STRATA_QUANT_NAME(F32) STRATA_QUANT_NAME(F16) STRATA_QUANT_NAME(BF16) STRATA_QUANT_NAME(Q8_0)
+    STRATA_QUANT_NAME(Q4_0) STRATA_QUANT_NAME(Q4_1) STRATA_QUANT_NAME(Q5_0) STRATA_QUANT_NAME(Q5_1)
+    STRATA_QUANT_NAME(Q2_K) STRATA_QUANT_NAME(Q3_K) STRATA_QUANT_NAME(Q4_K) STRATA_QUANT_NAME(Q5_K)
+    STRATA_QUANT_NAME(Q6_K) STRATA_QUANT_NAME(IQ2_XS) STRATA_QUANT_NAME(IQ3_S) STRATA_QUANT_NAME(IQ4_XS)
+    STRATA_QUANT_NAME(IQ4_NL) STRATA_QUANT_NAME(MXFP4)
+#undef STRATA_QUANT_NAME
+    default: return "unsupported type";
+  }
+}
+}  // namespace detail
+
+bool is_supported(GgmlType t) { return detail::implemented(t); }
+
+int block_elems(GgmlType t) { return detail::implemented(t) ? detail::geometry(t).elems : 0; }
+
+size_t row_size(GgmlType t, int64_t cols) {
+  const detail::Geometry g = detail::geometry(t);
+  if (!detail::implemented(t)) throw std::runtime_error("quant: unsupported type " + std::string(detail::type_name(t)));
+  if (cols < 0 || cols % g.elems != 0)
+    throw std::runtime_error("quant: " + std::to_string(cols) + " columns is not a multiple of the " +
+                             std::to_string(g.elems) + "-element block of " + std::string(detail::type_name(t)));
+  return static_cast<size_t>(cols / g.elems) * static_cast<size_t>(g.bytes);
+}
+
+float fp16_to_fp32(uint16_t h) { return detail::half_to_float(h); }
+
+uint16_t fp32_to_fp16(float f) {
+  // Round to nearest even (F. Giesen's float_to_half_fast3_rtne scheme, rewritten here).
+  uint32_t x = detail::f32_bits(f);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+  x &= 0x7fffffffu;
+  if (x >= 0x7f800000u) {  // Inf or NaN (NaN stays NaN, quiet, top payload bits kept)
+    if (x == 0x7f800000u) return sign | 0x7c00u;
+    return static_cast<uint16_t>(sign | 0x7e00u | ((x >> 13) & 0x3ffu));
+  }
+  if (x >= 0x477ff000u) return sign | 0x7c00u;  // >= 65520 rounds to infinity
+  if (x < 0x38800000u) {
+    // Result is subnormal (or zero): let the FPU round at 2^-24 granularity by adding 0.5,
+    // whose ulp is exactly 2^-24.
+    const float t = detail::bits_f32(x) + 0.5f;
+    return static_cast<uint16_t>(sign | (detail::f32_bits(t) - 0x3f000000u));
+  }
+  const uint32_t odd = (x >> 13) & 1u;
+  x += 0xc8000fffu + odd;  // rebias exponent (15-127) and round half to even
+  return static_cast<uint16_t>(sign | (x >> 13));
+}
+
+float bf16_to_fp32(uint16_t h) { return detail::bf16_to_float(h); }
+
+uint16_t fp32_to_bf16(float f) {
+  const uint32_t x = detail::f32_bits(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);  // quiet NaN
+  return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+void matmul(GgmlType t, const void* W, size_t row_bytes, int64_t row_begin, int64_t row_end, int64_t cols,
+            const float* x, int64_t ldx, int64_t n_tok, float* y, int64_t ldy) {
+  const detail::Geometry g = detail::geometry(t);
+  if (!detail::implemented(t)) throw std::runtime_error("quant::matmul: unsupported type " + std::string(detail::type_name(t)));
+  if (cols <= 0 || cols % g.elems != 0)
+    throw std::runtime_error("quant::matmul: cols=" + std::to_string(cols) + " is not a positive multiple of the " +
+                             std::to_string(g.elems) + "-element block of " + std::string(detail::type_name(t)));
+  if (row_begin < 0 || row_end < row_begin || n_tok < 0)
+    throw std::runtime_error("quant::matmul: bad row range or token count");
+  if (row_bytes < row_size(t, cols)) throw std::runtime_error("quant::matmul: row_bytes smaller than one row");
+  if (row_end == row_begin || n_tok == 0) return;
+  const detail::MatmulArgs a{t, static_cast<const uint8_t*>(W), row_bytes, row_begin, row_end, cols, x, ldx, n_tok, y, ldy};
+  switch (active_cpu_kernels()) {
+    case CpuKernels::Avx512:
+      if (detail::matmul_avx512(a)) return;
+      [[fallthrough]];
+    case CpuKernels::Avx2:
+      if (detail::matmul_avx2(a)) return;
+      [[fallthrough]];
+    default: detail::matmul_scalar(a);
+  }
+}
+
+}  // namespace strata::quant

@@ -1,0 +1,124 @@
+#pragma once
+// Internal to src/quant: block geometry, inline scalar conversions and the entry points of
+// the kernel families. Not part of the public API (include quant/quant.h instead).
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "gguf/ggml_types.h"
+
+// The helpers below are `static`: this header is included by translation units compiled with
+// different -m flags, and an inline function with external linkage could be resolved to the
+// AVX-512 copy from a baseline caller (ODR merge), which would fault on older CPUs.
+
+namespace strata::quant::detail {
+
+/// Block geometry of the formats this module implements: `elems` weights in `bytes` bytes.
+/// Plain types (F32/F16/BF16) report a block of one element. {0, 0} for unsupported types.
+struct Geometry {
+  int elems;
+  int bytes;
+};
+/// Hard-coded here (not taken from gguf/) on purpose: the kernels depend on these exact layouts.
+static constexpr Geometry geometry(GgmlType t) {
+  switch (t) {
+    case GgmlType::F32: return {1, 4};
+    case GgmlType::F16: return {1, 2};
+    case GgmlType::BF16: return {1, 2};
+    case GgmlType::Q8_0: return {32, 34};
+    case GgmlType::Q4_0: return {32, 18};
+    case GgmlType::Q4_1: return {32, 20};
+    case GgmlType::Q5_0: return {32, 22};
+    case GgmlType::Q5_1: return {32, 24};
+    case GgmlType::Q2_K: return {256, 84};
+    case GgmlType::Q3_K: return {256, 110};
+    case GgmlType::Q4_K: return {256, 144};
+    case GgmlType::Q5_K: return {256, 176};
+    case GgmlType::Q6_K: return {256, 210};
+    case GgmlType::IQ2_XS: return {256, 74};
+    case GgmlType::IQ3_S: return {256, 110};
+    case GgmlType::IQ4_XS: return {256, 136};
+    case GgmlType::IQ4_NL: return {32, 18};
+    case GgmlType::MXFP4: return {32, 17};
+    default: return {0, 0};
+  }
+}
+
+/// Types with a reference dequantizer and kernels in this build (is_supported()).
+static constexpr bool implemented(GgmlType t) {
+  switch (t) {
+    case GgmlType::F32:
+    case GgmlType::F16:
+    case GgmlType::BF16:
+    case GgmlType::Q8_0: return true;
+    default: return false;
+  }
+}
+
+/// Name of a type as llama.cpp prints it ("Q8_0"); "type#<id>" for others. Local so that this
+/// module does not depend on src/gguf's implementation.
+const char* type_name(GgmlType t);
+
+static inline uint32_t f32_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+static inline float bits_f32(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+/// IEEE binary16 -> binary32, exact (subnormals, infinities and NaN payloads included).
+static inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t mant = h & 0x3ffu;
+  if (exp == 0) {
+    // zero or subnormal: mant * 2^-24, exact in fp32
+    const float v = static_cast<float>(mant) * 0x1p-24f;
+    return bits_f32(f32_bits(v) | sign);
+  }
+  if (exp == 31) return bits_f32(sign | 0x7f800000u | (mant << 13));
+  return bits_f32(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+/// bfloat16 -> binary32, exact.
+static inline float bf16_to_float(uint16_t h) { return bits_f32(static_cast<uint32_t>(h) << 16); }
+
+static inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+static inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+/// The arguments of one matmul call, already validated (see quant.h for the contract).
+struct MatmulArgs {
+  GgmlType type;
+  const uint8_t* W;
+  size_t row_bytes;
+  int64_t row_begin, row_end, cols;
+  const float* x;
+  int64_t ldx, n_tok;
+  float* y;
+  int64_t ldy;
+};
+
+/// Scalar reference family: every supported type.
+void matmul_scalar(const MatmulArgs& a);
+/// AVX2+FMA+F16C family. Returns false (and does nothing) for types it has no fast path for.
+bool matmul_avx2(const MatmulArgs& a);
+/// AVX-512 (F/BW/VL/DQ) family. Returns false for types it has no fast path for.
+bool matmul_avx512(const MatmulArgs& a);
+/// Row decoders of the fast families, exposed for tests: decode `n` elements (a multiple of the
+/// block size) of type `t` to floats. False if the family has no decoder for `t`.
+bool decode_row_avx2(GgmlType t, const void* src, float* dst, int64_t n);
+bool decode_row_avx512(GgmlType t, const void* src, float* dst, int64_t n);
+
+}  // namespace strata::quant::detail
