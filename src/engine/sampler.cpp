@@ -1,0 +1,139 @@
+#include "engine/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <unordered_set>
+
+namespace strata::engine {
+
+namespace {
+
+constexpr uint64_t kRandomSeed = 0xFFFFFFFF;
+
+uint64_t pick_seed(uint64_t requested) {
+  if (requested != kRandomSeed) return requested;
+  std::random_device rd;
+  uint64_t s = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  return s == kRandomSeed ? s + 1 : s;
+}
+
+// Higher logit first; lower id first on ties (deterministic order).
+bool better(float la, int32_t ia, float lb, int32_t ib) { return la != lb ? la > lb : ia < ib; }
+
+}  // namespace
+
+Sampler::Sampler(const SamplerParams& params) : params_(params), seed_(pick_seed(params.seed)), rng_(seed_) {}
+
+int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> history) {
+  if (logits.empty()) throw std::invalid_argument("Sampler::sample: empty logits");
+  const auto n = static_cast<int32_t>(logits.size());
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+  logits_.assign(logits.begin(), logits.end());
+  for (float& l : logits_)
+    if (std::isnan(l)) l = kNegInf;
+
+  // 1. repetition penalty over the last repeat_last_n ids, each distinct token once.
+  if (params_.repeat_penalty != 1.0f && params_.repeat_last_n != 0 && !history.empty()) {
+    size_t last = params_.repeat_last_n < 0 ? history.size()
+                                            : std::min(history.size(), static_cast<size_t>(params_.repeat_last_n));
+    std::unordered_set<int32_t> seen;
+    for (int32_t id : history.subspan(history.size() - last)) {
+      if (id < 0 || id >= n || !seen.insert(id).second) continue;
+      float& l = logits_[static_cast<size_t>(id)];
+      l = l > 0 ? l / params_.repeat_penalty : l * params_.repeat_penalty;
+    }
+  }
+
+  // Greedy: argmax, lowest id on ties.
+  if (params_.temp <= 0.0f) {
+    int32_t best = 0;
+    for (int32_t i = 1; i < n; ++i)
+      if (logits_[static_cast<size_t>(i)] > logits_[static_cast<size_t>(best)]) best = i;
+    return best;
+  }
+
+  cands_.clear();
+  cands_.reserve(logits_.size());
+  for (int32_t i = 0; i < n; ++i) cands_.push_back({logits_[static_cast<size_t>(i)], i});
+  auto cmp = [](const Cand& a, const Cand& b) { return better(a.logit, a.id, b.logit, b.id); };
+  bool sorted = false;
+
+  // 2. top-k
+  if (params_.top_k > 0 && params_.top_k < n) {
+    auto k = static_cast<size_t>(params_.top_k);
+    std::partial_sort(cands_.begin(), cands_.begin() + static_cast<std::ptrdiff_t>(k), cands_.end(), cmp);
+    cands_.resize(k);
+    sorted = true;
+  }
+
+  // softmax over the current candidates (in candidate order) into probs_
+  auto softmax = [&](float inv_temp) {
+    float mx = kNegInf;
+    for (const auto& c : cands_) mx = std::max(mx, c.logit);
+    probs_.resize(cands_.size());
+    double sum = 0;
+    for (size_t i = 0; i < cands_.size(); ++i) {
+      const float l = cands_[i].logit;
+      double p = l == kNegInf || mx == kNegInf ? 0.0
+                 : std::isinf(mx)              ? (l == mx ? 1.0 : 0.0)  // +inf logits share everything
+                                               : std::exp(static_cast<double>(l - mx) * inv_temp);
+      probs_[i] = p;
+      sum += p;
+    }
+    return sum;
+  };
+
+  // 3. top-p: smallest prefix (by probability) whose sum reaches top_p; at least one token.
+  if (params_.top_p < 1.0f) {
+    if (!sorted) {
+      std::sort(cands_.begin(), cands_.end(), cmp);
+      sorted = true;
+    }
+    double sum = softmax(1.0f);
+    if (sum > 0) {
+      double cum = 0;
+      size_t keep = cands_.size();
+      for (size_t i = 0; i < cands_.size(); ++i) {
+        cum += probs_[i] / sum;
+        if (cum >= static_cast<double>(params_.top_p)) {
+          keep = i + 1;
+          break;
+        }
+      }
+      cands_.resize(keep);
+    }
+  }
+
+  // 4. min-p: keep p >= min_p * p_max, i.e. logit >= max_logit + log(min_p).
+  if (params_.min_p > 0.0f) {
+    float mx = kNegInf;
+    for (const auto& c : cands_) mx = std::max(mx, c.logit);
+    if (mx != kNegInf) {
+      const double thr = std::min(static_cast<double>(mx),  // min_p > 1 still keeps the best token
+                                  static_cast<double>(mx) + std::log(static_cast<double>(params_.min_p)));
+      std::erase_if(cands_, [&](const Cand& c) { return static_cast<double>(c.logit) < thr; });
+    }
+  }
+
+  // 5. temperature, 6. draw
+  double sum = softmax(1.0f / params_.temp);
+  if (!(sum > 0) || !std::isfinite(sum)) {
+    // every candidate is -inf (or overflow): fall back to the best candidate
+    return std::min_element(cands_.begin(), cands_.end(), cmp)->id;
+  }
+  const double u = static_cast<double>(rng_() >> 11) * 0x1.0p-53 * sum;  // uniform in [0, sum)
+  double cum = 0;
+  for (size_t i = 0; i < cands_.size(); ++i) {
+    cum += probs_[i];
+    if (u < cum) return cands_[i].id;
+  }
+  // rounding: the last candidate with nonzero probability
+  for (size_t i = cands_.size(); i-- > 0;)
+    if (probs_[i] > 0) return cands_[i].id;
+  return cands_.front().id;
+}
+
+}  // namespace strata::engine
