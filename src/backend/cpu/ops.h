@@ -1,0 +1,62 @@
+#pragma once
+// CPU building blocks of the forward pass. All activations are fp32, row-major with the
+// feature dimension contiguous. Each op computes one token's result from that token's
+// inputs only, in a fixed order, so results never depend on the prompt chunk or on the
+// thread count (batch invariance).
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "backend/cpu/thread_pool.h"
+#include "gguf/ggml_types.h"
+
+namespace strata::cpu {
+
+/// A weight matrix in its file type: `rows` rows of `cols` elements (cols contiguous),
+/// `row_bytes` apart. Non-owning.
+struct MatrixRef {
+  GgmlType type = GgmlType::F32;
+  const void* data = nullptr;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  size_t row_bytes = 0;
+};
+
+/// y[t][r] = sum_k W[r][k] x[t][k] for t < n_tok, r < W.rows, split by rows over the pool.
+/// x: [n_tok][ldx], y: [n_tok][ldy] (floats). Bit-identical for any thread count.
+void matmul(ThreadPool& pool, const MatrixRef& W, const float* x, int64_t ldx, int64_t n_tok, float* y, int64_t ldy);
+
+/// RMSNorm (Zhang & Sennrich 2019): y = x / sqrt(mean(x^2) + eps) * w, over n elements.
+/// x and y may alias. The mean is accumulated in double.
+void rms_norm(const float* x, const float* w, float* y, int64_t n, float eps);
+
+/// In-place softmax over n logits (max-subtracted, sum in double).
+void softmax(float* x, int64_t n);
+
+/// SiLU(x) = x * sigmoid(x).
+inline float silu(float x) { return x / (1.0f + __builtin_expf(-x)); }
+
+/// Rotary position embedding, NEOX layout (pairs (i, i + n_rot/2) of each head), as in
+/// GPT-NeoX and transformers' rotate_half. Su et al. 2021, "RoFormer".
+/// inv_freq[i] = freq_base^(-2i/n_rot) for i < n_rot/2.
+struct Rope {
+  int n_rot = 0;                 ///< rotated dimensions per head (<= head_dim, even)
+  std::vector<double> inv_freq;  ///< [n_rot/2]
+  Rope() = default;
+  /// round_freqs_to_bf16 rounds inv_freq to bfloat16, which is what transformers computes
+  /// when a checkpoint is loaded in bf16 (its non-persistent inv_freq buffer is cast with the
+  /// model): only for parity with such references.
+  Rope(int n_rot, double freq_base, bool round_freqs_to_bf16 = false);
+  /// Rotates x: [n_heads][head_dim] (head_dim contiguous) in place for position `pos` (tokens).
+  void apply(float* x, int n_heads, int head_dim, int64_t pos) const;
+};
+
+/// Causal GQA attention for one query token against a KV cache.
+/// q: [n_head][head_dim]; k_cache/v_cache: [n_pos][n_head_kv * head_dim] rows for positions
+/// 0..n_pos-1 (row stride `kv_stride` floats); out: [n_head][head_dim]. Query head h reads
+/// KV head h / (n_head / n_head_kv). scale is usually 1/sqrt(head_dim).
+/// scratch must hold n_pos floats.
+void attention_one(const float* q, const float* k_cache, const float* v_cache, int64_t kv_stride, int64_t n_pos,
+                   int n_head, int n_head_kv, int head_dim, float scale, float* out, float* scratch);
+
+}  // namespace strata::cpu

@@ -1,0 +1,49 @@
+#pragma once
+// A fixed pool of worker threads for data-parallel loops in the forward pass.
+//
+// parallel_for hands out index blocks from an atomic counter, so which thread computes
+// which block varies run to run; callers must make each index's result independent of
+// the thread that computes it (the kernels do: threads split rows, never a reduction).
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace strata::cpu {
+
+class ThreadPool {
+ public:
+  /// Starts n_threads - 1 workers; the calling thread is the n-th. n_threads >= 1.
+  explicit ThreadPool(int n_threads);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int n_threads() const { return n_threads_; }
+
+  /// Calls fn(begin, end) over [0, n) in blocks of `grain` indices, on all threads, and
+  /// returns when every block is done. Not reentrant (do not call from inside fn).
+  /// An exception thrown by fn is rethrown here after all threads stop.
+  void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
+
+ private:
+  void worker_loop();
+  void run_blocks();
+
+  int n_threads_;
+  std::vector<std::thread> workers_;
+  std::mutex mu_;
+  std::condition_variable cv_start_, cv_done_;
+  uint64_t generation_ = 0;
+  int active_ = 0;
+  bool stop_ = false;
+  const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
+  int64_t n_ = 0, grain_ = 1;
+  std::atomic<int64_t> next_{0};
+  std::exception_ptr error_;
+};
+
+}  // namespace strata::cpu

@@ -1,0 +1,98 @@
+// strata run: generate text, streaming experts through the arena, then print the counters.
+#include <fmt/format.h>
+
+#include <cstdio>
+
+#include "cli/commands.h"
+#include "cli/common.h"
+#include "engine/sampler.h"
+
+namespace strata::cli {
+
+namespace {
+struct RunFlags {
+  EngineFlags engine;
+  PromptFlags prompt;
+  int n_predict = 64;
+  engine::SamplerParams sp;
+  bool json = false;
+  bool ignore_eos = false;
+};
+}  // namespace
+
+void register_run(CLI::App& root) {
+  auto f = std::make_shared<RunFlags>();
+  CLI::App* app = root.add_subcommand("run", "generate text from a prompt");
+  f->engine.add(*app);
+  f->prompt.add(*app);
+  app->add_option("-n,--n-predict", f->n_predict, "tokens to generate")->capture_default_str()->check(CLI::NonNegativeNumber);
+  app->add_option("--temp", f->sp.temp, "temperature (0 = greedy)")->capture_default_str();
+  app->add_option("--top-k", f->sp.top_k, "top-k sampling (0 = off)")->capture_default_str();
+  app->add_option("--top-p", f->sp.top_p, "top-p sampling (1 = off)")->capture_default_str();
+  app->add_option("--min-p", f->sp.min_p, "min-p sampling (0 = off)")->capture_default_str();
+  app->add_option("--repeat-penalty", f->sp.repeat_penalty, "repetition penalty (1 = off)")->capture_default_str();
+  app->add_option("--repeat-last-n", f->sp.repeat_last_n, "tokens the repetition penalty looks back")
+      ->capture_default_str();
+  app->add_option("-s,--seed", f->sp.seed, "sampling seed (default: random)");
+  app->add_flag("--ignore-eos", f->ignore_eos, "keep generating after the end-of-text token");
+  app->add_flag("--json", f->json, "print one JSON object (prompt_ids, ids, text, stats) instead of streaming text");
+  app->callback([f] {
+    engine::Engine eng(f->engine.model, f->engine.resolve());
+    const std::vector<int32_t> prompt = f->prompt.tokens(eng.tokenizer());
+    if (!f->json)
+      fmt::print(stderr, "strata: {} ({}), {} prompt tokens, arena {} ({} slots), prompt chunk {}, {} threads\n",
+                 f->engine.model, eng.hparams().arch, prompt.size(), human_bytes(double(eng.arena_bytes())),
+                 eng.stream().n_slots(), eng.options().prompt_chunk, eng.options().n_threads);
+
+    engine::Sampler sampler(f->sp);
+    model::SequenceState st = eng.new_sequence();
+    std::vector<float> logits;
+    std::vector<int32_t> history = prompt, generated;
+    tokenizer::StreamDecoder dec(eng.tokenizer());
+    std::string text;
+    if (!f->json) {
+      for (int32_t id : prompt) {
+        std::string piece = dec.push(id);
+        std::fwrite(piece.data(), 1, piece.size(), stdout);
+      }
+      std::string rest = dec.flush();
+      std::fwrite(rest.data(), 1, rest.size(), stdout);
+      std::fflush(stdout);
+    }
+    tokenizer::StreamDecoder out(eng.tokenizer());
+    eng.prefill(st, prompt, model::LogitsMode::Last, logits);
+    for (int i = 0; i < f->n_predict; ++i) {
+      const int32_t id = sampler.sample(logits, history);
+      generated.push_back(id);
+      history.push_back(id);
+      if (id == eng.tokenizer().eos_id() && !f->ignore_eos) break;
+      std::string piece = out.push(id);
+      text += piece;
+      if (!f->json) {
+        std::fwrite(piece.data(), 1, piece.size(), stdout);
+        std::fflush(stdout);
+      }
+      if (i + 1 == f->n_predict || st.n_past >= st.n_ctx) break;
+      eng.decode(st, id, logits);
+    }
+    const std::string rest = out.flush();
+    text += rest;
+    if (f->json) {
+      nlohmann::json j = {{"prompt_ids", prompt},
+                          {"ids", generated},
+                          {"text", text},
+                          {"stats",
+                           {{"prefill", phase_json(eng.prefill_stats())},
+                            {"decode", phase_json(eng.decode_stats())},
+                            {"arena", arena_json(eng)}}}};
+      fmt::print("{}\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+    } else {
+      std::fwrite(rest.data(), 1, rest.size(), stdout);
+      std::fputc('\n', stdout);
+      std::fflush(stdout);
+      print_stats(eng);
+    }
+  });
+}
+
+}  // namespace strata::cli

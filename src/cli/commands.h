@@ -1,0 +1,11 @@
+#pragma once
+// Each subcommand registers itself on the root app; its callback does the work and
+// throws on error (main prints the message and exits 1).
+#include <CLI/CLI.hpp>
+
+namespace strata::cli {
+void register_run(CLI::App& root);
+void register_logits(CLI::App& root);
+void register_tokenize(CLI::App& root);
+void register_info(CLI::App& root);
+}  // namespace strata::cli

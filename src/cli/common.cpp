@@ -1,0 +1,128 @@
+#include "cli/common.h"
+
+#include <fmt/format.h>
+
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+namespace strata::cli {
+
+void EngineFlags::add(CLI::App& app) {
+  app.add_option("-m,--model", model, "GGUF model file")->required()->check(CLI::ExistingFile);
+  app.add_option("-t,--threads", opts.n_threads, "compute threads (0 = all cores)")->capture_default_str();
+  app.add_option("--arena-mb", opts.arena_mb,
+                 "expert arena size in MiB (0 = automatic: half of available RAM minus dense weights "
+                 "and KV cache, capped at all experts)")
+      ->capture_default_str();
+  app.add_option("--prompt-chunk", opts.prompt_chunk, "tokens per prefill chunk")->capture_default_str();
+  app.add_option("-c,--ctx-size", opts.n_ctx, "context size in tokens (0 = model's, at most 4096)")
+      ->capture_default_str();
+  app.add_option("--io-threads", opts.io_threads, "threads reading experts from disk")->capture_default_str();
+  app.add_flag("--no-direct-io", no_direct_io, "read experts through the page cache instead of O_DIRECT");
+  app.add_option("--cpu-kernels", cpu_kernels, "matrix kernels: auto, scalar, avx2, avx512")->capture_default_str();
+}
+
+engine::EngineOptions EngineFlags::resolve() const {
+  engine::EngineOptions o = opts;
+  o.kernels = quant::parse_cpu_kernels(cpu_kernels);
+  o.direct_io = !no_direct_io;
+  return o;
+}
+
+void PromptFlags::add(CLI::App& app) {
+  app.add_option("-p,--prompt", text, "prompt text");
+  app.add_option("-f,--file", file, "read the prompt from a file")->check(CLI::ExistingFile);
+  app.add_option("--prompt-ids", ids, "prompt as comma-separated token ids");
+}
+
+std::vector<int32_t> parse_id_list(const std::string& s) {
+  std::vector<int32_t> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    size_t b = item.find_first_not_of(" \t\n"), e = item.find_last_not_of(" \t\n");
+    if (b == std::string::npos) throw std::invalid_argument(fmt::format("empty entry in id list '{}'", s));
+    item = item.substr(b, e - b + 1);
+    size_t used = 0;
+    long long v = 0;
+    try {
+      v = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != item.size() || v < INT32_MIN || v > INT32_MAX)
+      throw std::invalid_argument(fmt::format("'{}' is not a token id", item));
+    out.push_back(int32_t(v));
+  }
+  return out;
+}
+
+std::vector<int32_t> PromptFlags::tokens(const tokenizer::Tokenizer& tok) const {
+  const int given = int(!text.empty()) + int(!file.empty()) + int(!ids.empty());
+  if (given != 1) throw std::invalid_argument("give exactly one of -p TEXT, -f FILE or --prompt-ids IDS");
+  if (!ids.empty()) return parse_id_list(ids);
+  if (!file.empty()) {
+    std::ifstream in(file, std::ios::binary);
+    if (!in) throw std::invalid_argument(fmt::format("cannot read prompt file '{}'", file));
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return tok.encode(ss.str());
+  }
+  return tok.encode(text);
+}
+
+std::string human_bytes(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (b >= 1024 && u < 4) {
+    b /= 1024;
+    ++u;
+  }
+  return u == 0 ? fmt::format("{:.0f} B", b) : fmt::format("{:.1f} {}", b, units[u]);
+}
+
+nlohmann::json phase_json(const engine::PhaseStats& p) {
+  return {{"tokens", p.tokens},
+          {"seconds", p.seconds},
+          {"tokens_per_s", p.tokens_per_s()},
+          {"needed", p.stream.needed},
+          {"hit", p.stream.hits},
+          {"missed", p.stream.misses},
+          {"streamed_ahead", p.stream.streamed_ahead},
+          {"wasted", p.stream.wasted},
+          {"reads", p.stream.reads},
+          {"bytes_read", p.stream.bytes_read},
+          {"exposed_wait_s", p.stream.exposed_wait_s}};
+}
+
+nlohmann::json arena_json(engine::Engine& e) {
+  return {{"bytes", e.arena_bytes()},
+          {"slots", e.stream().n_slots()},
+          {"slot_bytes", e.stream().slot_bytes()},
+          {"expert_bytes", e.expert_bytes()},
+          {"fraction_of_experts", double(e.arena_bytes()) / double(std::max<uint64_t>(1, e.expert_bytes()))},
+          {"direct_io", e.stream().direct()}};
+}
+
+void print_stats(engine::Engine& e) {
+  auto line = [&](const char* name, const engine::PhaseStats& p) {
+    const auto& s = p.stream;
+    const double hit_rate = s.needed ? 100.0 * double(s.hits) / double(s.needed) : 0.0;
+    fmt::print(stderr,
+               "{:<8} {:5d} tokens in {:7.3f} s = {:8.2f} tok/s | experts needed {} hit {} ({:.1f} %) missed {} | "
+               "read {} | exposed wait {:.3f} s\n",
+               name, p.tokens, p.seconds, p.tokens_per_s(), s.needed, s.hits, hit_rate, s.misses,
+               human_bytes(double(s.bytes_read)), s.exposed_wait_s);
+  };
+  fmt::print(stderr, "\n");
+  line("prefill", e.prefill_stats());
+  line("decode", e.decode_stats());
+  fmt::print(stderr, "arena    {} slots x {} = {} ({:.0f} % of {} of experts), {} reads, {} threads\n",
+             e.stream().n_slots(), human_bytes(double(e.stream().slot_bytes())), human_bytes(double(e.arena_bytes())),
+             100.0 * double(e.arena_bytes()) / double(std::max<uint64_t>(1, e.expert_bytes())),
+             human_bytes(double(e.expert_bytes())), e.stream().direct() ? "O_DIRECT" : "buffered",
+             e.options().n_threads);
+}
+
+}  // namespace strata::cli

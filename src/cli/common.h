@@ -1,0 +1,51 @@
+#pragma once
+// Flags shared by the subcommands (llama.cpp names where they exist) and helpers.
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "engine/engine.h"
+
+namespace strata::cli {
+
+/// Model and engine flags: -m, -t/--threads, --arena-mb, --prompt-chunk, -c/--ctx-size,
+/// --io-threads, --no-direct-io, --cpu-kernels.
+struct EngineFlags {
+  std::string model;
+  engine::EngineOptions opts;
+  std::string cpu_kernels = "auto";
+  bool no_direct_io = false;
+  void add(CLI::App& app);
+  /// The options with string flags resolved. Throws std::invalid_argument on bad values.
+  engine::EngineOptions resolve() const;
+};
+
+/// Prompt flags: -p TEXT, -f FILE, --prompt-ids 1,2,3 (exactly one).
+struct PromptFlags {
+  std::string text;
+  std::string file;
+  std::string ids;
+  void add(CLI::App& app);
+  /// Token ids of the prompt; text and files go through the model's tokenizer.
+  /// Throws std::invalid_argument if none or several are given or ids do not parse.
+  std::vector<int32_t> tokens(const tokenizer::Tokenizer& tok) const;
+};
+
+/// Parses "1,2,3" (spaces allowed). Throws std::invalid_argument.
+std::vector<int32_t> parse_id_list(const std::string& s);
+
+/// Stream counters and timings of one phase as JSON.
+nlohmann::json phase_json(const engine::PhaseStats& p);
+/// Arena facts as JSON: bytes, slots, slot_bytes, direct_io, expert_bytes.
+nlohmann::json arena_json(engine::Engine& e);
+/// One human-readable summary block (to stderr) of prefill, decode and the stream.
+void print_stats(engine::Engine& e);
+
+/// Human-readable byte count ("3.2 MiB").
+std::string human_bytes(double bytes);
+
+int cmd_run(CLI::App& app);
+int cmd_logits(CLI::App& app);
+
+}  // namespace strata::cli

@@ -1,0 +1,25 @@
+// strata: one binary, subcommands for running, inspecting and measuring MoE GGUF models.
+#include <fmt/format.h>
+
+#include <exception>
+
+#include "cli/commands.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"strata: run Mixture-of-Experts GGUF models larger than memory, streaming experts from disk"};
+  app.set_version_flag("--version", std::string("strata ") + STRATA_VERSION);
+  app.require_subcommand(1);
+  strata::cli::register_run(app);
+  strata::cli::register_logits(app);
+  strata::cli::register_tokenize(app);
+  strata::cli::register_info(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "strata: error: {}\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,192 @@
+#include "engine/engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "io/file.h"
+#include "model/weights.h"
+
+namespace strata::engine {
+
+namespace {
+
+uint64_t align_down(uint64_t v) { return v / io::kDirectAlign * io::kDirectAlign; }
+uint64_t align_up(uint64_t v) { return (v + io::kDirectAlign - 1) / io::kDirectAlign * io::kDirectAlign; }
+
+// Bytes of the arena slot that holds the largest expert record: each part is read as the
+// 4 KiB-aligned range that covers it (same layout rule as the stream).
+uint64_t slot_bytes_for(const std::vector<stream::LayerExperts>& layers) {
+  uint64_t best = 0;
+  for (const auto& L : layers) {
+    for (int e = 0; e < L.n_expert; ++e) {
+      uint64_t rec = 0;
+      for (const auto& p : L.part) {
+        const uint64_t off = p.base_offset + uint64_t(e) * p.expert_bytes;
+        rec += align_up(off + p.expert_bytes) - align_down(off);
+      }
+      best = std::max(best, rec);
+    }
+  }
+  return best;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+uint64_t mem_available_bytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  uint64_t kb = 0;
+  std::string unit;
+  while (in >> key >> kb >> unit)
+    if (key == "MemAvailable:") return kb * 1024;
+  return 0;
+}
+
+uint64_t default_arena_bytes(uint64_t all_expert_slot_bytes, uint64_t resident_bytes, uint64_t min_bytes) {
+  const uint64_t avail = mem_available_bytes();
+  uint64_t budget = avail / 2 > resident_bytes ? avail / 2 - resident_bytes : 0;
+  budget = std::min(budget, all_expert_slot_bytes);
+  return std::max(budget, min_bytes);
+}
+
+namespace {
+// Applies f(field_a, field_b) to every counter of two StreamStats.
+template <typename F>
+void each_counter(stream::StreamStats& a, const stream::StreamStats& b, F f) {
+  f(a.needed, b.needed);
+  f(a.hits, b.hits);
+  f(a.misses, b.misses);
+  f(a.streamed_ahead, b.streamed_ahead);
+  f(a.wasted, b.wasted);
+  f(a.reads, b.reads);
+  f(a.bytes_read, b.bytes_read);
+  f(a.exposed_wait_s, b.exposed_wait_s);
+  f(a.read_busy_s, b.read_busy_s);
+}
+}  // namespace
+
+stream::StreamStats operator-(const stream::StreamStats& b, const stream::StreamStats& a) {
+  stream::StreamStats d = b;
+  each_counter(d, a, [](auto& x, const auto& y) { x -= y; });
+  return d;
+}
+
+stream::StreamStats& operator+=(stream::StreamStats& a, const stream::StreamStats& b) {
+  each_counter(a, b, [](auto& x, const auto& y) { x += y; });
+  return a;
+}
+
+Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts) {
+  if (opts_.prompt_chunk < 1) throw EngineError(fmt::format("--prompt-chunk must be at least 1, got {}", opts_.prompt_chunk));
+  if (opts_.io_threads < 1) throw EngineError(fmt::format("--io-threads must be at least 1, got {}", opts_.io_threads));
+  if (opts_.arena_mb < 0) throw EngineError(fmt::format("--arena-mb must be positive, got {}", opts_.arena_mb));
+  quant::set_cpu_kernels(opts_.kernels);
+  gguf_ = std::make_unique<gguf::File>(gguf::File::open(path));
+  tok_ = std::make_unique<tokenizer::Tokenizer>(tokenizer::Tokenizer::from_gguf(*gguf_));
+  model_ = model::load_model(*gguf_, opts_.load);
+  const auto& hp = model_->hparams();
+  if (tok_->n_vocab() < hp.n_vocab)
+    throw model::ModelError(fmt::format("{}: tokenizer has {} tokens but token_embd has {} rows", path,
+                                        tok_->n_vocab(), hp.n_vocab));
+
+  if (opts_.n_ctx <= 0) opts_.n_ctx = std::min<int64_t>(hp.n_ctx_train > 0 ? hp.n_ctx_train : 4096, 4096);
+  if (opts_.n_threads <= 0) opts_.n_threads = int(std::max(1u, std::thread::hardware_concurrency()));
+  pool_ = std::make_unique<cpu::ThreadPool>(opts_.n_threads);
+
+  // Arena: at least one layer's worst case for a prompt chunk.
+  const auto& layers = model_->expert_layout();
+  const uint64_t slot = slot_bytes_for(layers);
+  uint64_t max_experts = 0;
+  for (const auto& L : layers) {
+    max_experts = std::max<uint64_t>(max_experts, L.n_expert);
+    for (const auto& p : L.part) expert_bytes_ += p.expert_bytes * uint64_t(L.n_expert);
+  }
+  uint64_t all_slots = 0;
+  for (const auto& L : layers) all_slots += uint64_t(L.n_expert) * slot;
+  const uint64_t min_slots =
+      std::min<uint64_t>(uint64_t(hp.n_expert_used) * uint64_t(opts_.prompt_chunk), max_experts);
+  min_arena_bytes_ = std::max<uint64_t>(1, min_slots) * slot;
+  const uint64_t resident = model_->dense_bytes() + model_->state_bytes(opts_.n_ctx);
+  uint64_t arena = opts_.arena_bytes > 0 ? opts_.arena_bytes
+                   : opts_.arena_mb > 0   ? uint64_t(opts_.arena_mb) << 20
+                                          : default_arena_bytes(all_slots, resident, min_arena_bytes_);
+  if (opts_.arena_mb == 0) opts_.arena_mb = int64_t((arena + (1 << 20) - 1) >> 20);
+
+  stream::StreamOptions so;
+  so.arena_bytes = arena;
+  so.io_threads = opts_.io_threads;
+  so.direct = opts_.direct_io;
+  so.min_slots = std::max<uint64_t>(1, min_slots);
+  stream_ = std::make_unique<stream::ExpertStream>(path, layers, so);
+}
+
+Engine::~Engine() = default;
+
+uint64_t Engine::arena_bytes() const { return uint64_t(stream_->n_slots()) * stream_->slot_bytes(); }
+
+model::SequenceState Engine::new_sequence() const { return model_->new_state(opts_.n_ctx); }
+
+void Engine::reset_stats() {
+  prefill_ = {};
+  decode_ = {};
+  times_ = {};
+}
+
+void Engine::check_ids(const model::SequenceState& st, std::span<const int32_t> ids) const {
+  if (ids.empty()) throw EngineError("empty prompt: give at least one token");
+  const int n_vocab = model_->hparams().n_vocab;
+  for (size_t i = 0; i < ids.size(); ++i)
+    if (ids[i] < 0 || ids[i] >= n_vocab)
+      throw EngineError(fmt::format("token id {} at position {} is out of the vocabulary (0..{})", ids[i], i,
+                                    n_vocab - 1));
+  if (st.n_past + int64_t(ids.size()) > st.n_ctx)
+    throw EngineError(fmt::format("{} tokens after {} past tokens exceed the context of {} tokens (raise --ctx-size)",
+                                  ids.size(), st.n_past, st.n_ctx));
+}
+
+void Engine::run(model::SequenceState& st, std::span<const int32_t> ids, model::LogitsMode mode,
+                 std::vector<float>& logits, model::RoutingTrace* trace, PhaseStats& phase) {
+  check_ids(st, ids);
+  const auto t0 = std::chrono::steady_clock::now();
+  const stream::StreamStats s0 = stream_->stats();
+  model::ForwardContext ctx{*pool_, *stream_, trace, &times_};
+  const int64_t n = int64_t(ids.size()), V = model_->hparams().n_vocab;
+  if (mode == model::LogitsMode::All) logits.assign(size_t(n) * V, 0.0f);
+  std::vector<float> chunk_logits;
+  for (int64_t c0 = 0; c0 < n; c0 += opts_.prompt_chunk) {
+    const int64_t c1 = std::min<int64_t>(n, c0 + opts_.prompt_chunk);
+    const bool last_chunk = c1 == n;
+    const model::LogitsMode m = mode == model::LogitsMode::All ? model::LogitsMode::All
+                                : (last_chunk && mode == model::LogitsMode::Last) ? model::LogitsMode::Last
+                                                                                  : model::LogitsMode::None;
+    model_->forward(ctx, st, ids.subspan(c0, c1 - c0), m, chunk_logits);
+    if (m == model::LogitsMode::All)
+      std::copy(chunk_logits.begin(), chunk_logits.end(), logits.begin() + c0 * V);
+    else if (m == model::LogitsMode::Last)
+      logits = chunk_logits;
+  }
+  phase.tokens += n;
+  phase.seconds += seconds_since(t0);
+  phase.stream += stream_->stats() - s0;
+}
+
+void Engine::prefill(model::SequenceState& st, std::span<const int32_t> ids, model::LogitsMode mode,
+                     std::vector<float>& logits, model::RoutingTrace* trace) {
+  run(st, ids, mode, logits, trace, prefill_);
+}
+
+void Engine::decode(model::SequenceState& st, int32_t id, std::vector<float>& logits) {
+  const int32_t one[1] = {id};
+  run(st, one, model::LogitsMode::Last, logits, nullptr, decode_);
+}
+
+}  // namespace strata::engine

@@ -1,0 +1,116 @@
+#pragma once
+// The engine: one loaded model, its expert stream and thread pool, and the prompt-chunked
+// forward pass over sequences. Front ends (CLI, server) talk to this header only.
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "backend/cpu/thread_pool.h"
+#include "gguf/gguf.h"
+#include "model/model.h"
+#include "quant/quant.h"
+#include "stream/expert_stream.h"
+#include "tokenizer/tokenizer.h"
+
+namespace strata::engine {
+
+/// Thrown for requests the engine cannot serve: ids out of vocabulary, an empty prompt,
+/// a prompt longer than the context. The message says what to change.
+class EngineError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// Run settings (from the user), as opposed to model hyper-parameters (from the file).
+struct EngineOptions {
+  int n_threads = 0;          ///< compute threads; 0 = all hardware threads
+  int64_t arena_mb = 0;       ///< arena size in MiB; 0 = automatic (see default_arena_bytes)
+  uint64_t arena_bytes = 0;   ///< exact arena size in bytes; overrides arena_mb when nonzero
+  int prompt_chunk = 512;     ///< tokens per prefill chunk (--prompt-chunk)
+  int64_t n_ctx = 0;          ///< context in tokens; 0 = min(context_length of the model, 4096)
+  int io_threads = 8;         ///< expert-reading threads
+  bool direct_io = true;      ///< O_DIRECT expert reads (buffered fallback with a warning)
+  quant::CpuKernels kernels = quant::CpuKernels::Auto;
+  model::LoadOptions load;    ///< numerics switches for parity tests (defaults are exact)
+};
+
+/// Tokens, wall time and stream counters of one phase (prefill or decode).
+struct PhaseStats {
+  int64_t tokens = 0;
+  double seconds = 0;
+  stream::StreamStats stream;
+  double tokens_per_s() const { return seconds > 0 ? double(tokens) / seconds : 0.0; }
+};
+
+class Engine {
+ public:
+  /// Loads the GGUF at `path`: header, tokenizer, dense weights (resident), and an arena
+  /// for the experts. Throws gguf::GgufError, model::ModelError, tokenizer::TokenizerError,
+  /// io::IoError, stream::ArenaTooSmall (naming the minimum --arena-mb).
+  Engine(const std::string& path, const EngineOptions& opts);
+  ~Engine();
+
+  const gguf::File& gguf() const { return *gguf_; }
+  const model::ModelHParams& hparams() const { return model_->hparams(); }
+  const model::Model& model() const { return *model_; }
+  const tokenizer::Tokenizer& tokenizer() const { return *tok_; }
+  stream::ExpertStream& stream() { return *stream_; }
+  const EngineOptions& options() const { return opts_; }
+  int64_t n_ctx() const { return opts_.n_ctx; }
+
+  /// Bytes of all routed experts in the file, and the arena actually allocated.
+  uint64_t expert_bytes() const { return expert_bytes_; }
+  uint64_t arena_bytes() const;
+  /// Smallest arena for the configured prompt chunk: one layer's worst case,
+  /// min(top-k x chunk tokens, expert count) slots (bytes).
+  uint64_t min_arena_bytes() const { return min_arena_bytes_; }
+
+  /// A fresh sequence (empty KV cache) of n_ctx() tokens.
+  model::SequenceState new_sequence() const;
+
+  /// Runs `ids` after the sequence's past tokens, in prompt chunks of options().prompt_chunk
+  /// tokens. logits: [1][n_vocab] (Last) or [ids.size()][n_vocab] (All). Counts as prefill.
+  /// Throws EngineError for an empty input, ids outside [0, n_vocab), or too little context left.
+  void prefill(model::SequenceState& st, std::span<const int32_t> ids, model::LogitsMode mode,
+               std::vector<float>& logits, model::RoutingTrace* trace = nullptr);
+  /// Runs one token; logits [n_vocab]. Counts as decode. Same errors as prefill.
+  void decode(model::SequenceState& st, int32_t id, std::vector<float>& logits);
+
+  const PhaseStats& prefill_stats() const { return prefill_; }
+  const PhaseStats& decode_stats() const { return decode_; }
+  const model::ForwardTimes& times() const { return times_; }
+  void reset_stats();
+
+ private:
+  void check_ids(const model::SequenceState& st, std::span<const int32_t> ids) const;
+  void run(model::SequenceState& st, std::span<const int32_t> ids, model::LogitsMode mode, std::vector<float>& logits,
+           model::RoutingTrace* trace, PhaseStats& phase);
+
+  EngineOptions opts_;
+  std::unique_ptr<gguf::File> gguf_;
+  std::unique_ptr<tokenizer::Tokenizer> tok_;
+  std::unique_ptr<model::Model> model_;
+  std::unique_ptr<cpu::ThreadPool> pool_;
+  std::unique_ptr<stream::ExpertStream> stream_;
+  uint64_t expert_bytes_ = 0;
+  uint64_t min_arena_bytes_ = 0;
+  PhaseStats prefill_, decode_;
+  model::ForwardTimes times_;
+};
+
+/// The automatic arena size: half of MemAvailable (/proc/meminfo) minus the dense weights
+/// and KV cache, capped at all experts' slots and never below `min_bytes` (bytes).
+uint64_t default_arena_bytes(uint64_t all_expert_slot_bytes, uint64_t resident_bytes, uint64_t min_bytes);
+
+/// MemAvailable from /proc/meminfo in bytes (0 if unknown).
+uint64_t mem_available_bytes();
+
+/// Difference of counters (b - a), for per-phase deltas.
+stream::StreamStats operator-(const stream::StreamStats& b, const stream::StreamStats& a);
+/// Sum of counters, for accumulating phases.
+stream::StreamStats& operator+=(stream::StreamStats& a, const stream::StreamStats& b);
+
+}  // namespace strata::engine

@@ -1,0 +1,54 @@
+#include "layers/attention.h"
+
+#include <cmath>
+#include <vector>
+
+namespace strata::layers {
+
+void attention_block(cpu::ThreadPool& pool, const AttentionWeights& w, const AttentionShape& s, const float* h,
+                     int64_t n_embd, int64_t T, int64_t pos0, float* k_cache, float* v_cache, float* out) {
+  const int64_t q_dim = int64_t(s.n_head) * s.head_dim;
+  const int64_t kv_dim = int64_t(s.n_head_kv) * s.head_dim;
+  std::vector<float> q(T * q_dim), k(T * kv_dim), v(T * kv_dim), att(T * q_dim);
+
+  // Projections.
+  cpu::matmul(pool, w.wq, h, n_embd, T, q.data(), q_dim);
+  cpu::matmul(pool, w.wk, h, n_embd, T, k.data(), kv_dim);
+  cpu::matmul(pool, w.wv, h, n_embd, T, v.data(), kv_dim);
+
+  // Per-head q/k RMSNorm, rotary embedding, then K and V into the cache.
+  pool.parallel_for(T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* qt = q.data() + t * q_dim;
+      float* kt = k.data() + t * kv_dim;
+      for (int hh = 0; w.q_norm && hh < s.n_head; ++hh)
+        cpu::rms_norm(qt + hh * s.head_dim, w.q_norm, qt + hh * s.head_dim, s.head_dim, s.rms_eps);
+      for (int hh = 0; w.k_norm && hh < s.n_head_kv; ++hh)
+        cpu::rms_norm(kt + hh * s.head_dim, w.k_norm, kt + hh * s.head_dim, s.head_dim, s.rms_eps);
+      s.rope->apply(qt, s.n_head, s.head_dim, pos0 + t);
+      s.rope->apply(kt, s.n_head_kv, s.head_dim, pos0 + t);
+      std::copy(kt, kt + kv_dim, k_cache + (pos0 + t) * kv_dim);
+      std::copy(v.data() + t * kv_dim, v.data() + (t + 1) * kv_dim, v_cache + (pos0 + t) * kv_dim);
+    }
+  });
+
+  // Scaled dot-product attention, one (token, head) pair per work item.
+  const float scale = 1.0f / std::sqrt(float(s.head_dim));
+  const int group = s.n_head / s.n_head_kv;
+  pool.parallel_for(T * s.n_head, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scratch(pos0 + T);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / s.n_head;
+      const int hh = int(i % s.n_head);
+      const int64_t kv_off = int64_t(hh / group) * s.head_dim;
+      cpu::attention_one(q.data() + t * q_dim + int64_t(hh) * s.head_dim, k_cache + kv_off, v_cache + kv_off, kv_dim,
+                         pos0 + t + 1, 1, 1, s.head_dim, scale, att.data() + t * q_dim + int64_t(hh) * s.head_dim,
+                         scratch.data());
+    }
+  });
+
+  // Output projection.
+  cpu::matmul(pool, w.wo, att.data(), q_dim, T, out, n_embd);
+}
+
+}  // namespace strata::layers

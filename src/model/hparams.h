@@ -1,0 +1,41 @@
+#pragma once
+// Model hyper-parameters, read from GGUF keys (`<arch>.*`). One plain struct for every
+// architecture; fields an architecture does not use stay at their defaults.
+#include <cstdint>
+#include <string>
+
+namespace strata::model {
+
+struct ModelHParams {
+  std::string arch;             ///< general.architecture, e.g. "qwen3moe"
+  std::string name;             ///< general.name
+  int n_layer = 0;              ///< <arch>.block_count
+  int n_embd = 0;               ///< <arch>.embedding_length (hidden size)
+  int n_head = 0;               ///< <arch>.attention.head_count
+  int n_head_kv = 0;            ///< <arch>.attention.head_count_kv
+  int head_dim_k = 0;           ///< <arch>.attention.key_length (default n_embd / n_head)
+  int head_dim_v = 0;           ///< <arch>.attention.value_length (default head_dim_k)
+  int n_rot = 0;                ///< <arch>.rope.dimension_count (default head_dim_k)
+  int n_ff = 0;                 ///< <arch>.feed_forward_length (dense FFN; unused by all-MoE layers)
+  int n_ff_exp = 0;             ///< <arch>.expert_feed_forward_length
+  int n_ff_shexp = 0;           ///< <arch>.expert_shared_feed_forward_length (0: no shared expert)
+  int n_expert = 0;             ///< <arch>.expert_count
+  int n_expert_used = 0;        ///< <arch>.expert_used_count (top-k)
+  bool norm_topk = true;        ///< renormalize the top-k router weights to sum to 1
+  int64_t n_ctx_train = 0;      ///< <arch>.context_length (tokens)
+  double rope_freq_base = 10000.0;  ///< <arch>.rope.freq_base
+  float rms_eps = 1e-6f;        ///< <arch>.attention.layer_norm_rms_epsilon
+  int n_vocab = 0;              ///< rows of token_embd
+  bool tied_output = false;     ///< no output.weight: logits use token_embd
+};
+
+}  // namespace strata::model
+
+namespace strata::gguf { class File; }
+namespace strata::model {
+/// Reads the keys every transformer architecture shares (`<arch>.block_count`, embedding
+/// length, heads, rope, norm epsilon, expert counts, context length; gguf.md "LLM" keys)
+/// and the vocabulary size from token_embd. Throws gguf::GgufError for missing keys and
+/// ModelError for inconsistent values (e.g. heads not dividing, top-k > experts).
+ModelHParams read_common_hparams(const gguf::File& f);
+}  // namespace strata::model

@@ -1,0 +1,67 @@
+// Bad input gets a clear error: prompt longer than the context, empty prompt, ids out of
+// the vocabulary, an arena below the minimum, an unsupported architecture.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "support/paths.h"
+#include "engine/engine.h"
+
+using namespace strata;
+using ::testing::HasSubstr;
+
+namespace {
+template <typename E, typename F>
+std::string error_of(F f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  }
+  return "<no exception>";
+}
+engine::EngineOptions small() {
+  engine::EngineOptions o;
+  o.n_threads = 1;
+  o.arena_mb = 8;
+  o.n_ctx = 16;
+  return o;
+}
+}  // namespace
+
+TEST(EngineErrors, PromptLongerThanContext) {
+  engine::Engine eng(test::shipped_model(), small());
+  auto st = eng.new_sequence();
+  std::vector<int32_t> ids(17, 100);
+  std::vector<float> logits;
+  EXPECT_THAT(error_of<engine::EngineError>([&] { eng.prefill(st, ids, model::LogitsMode::Last, logits); }),
+              HasSubstr("exceed the context of 16 tokens"));
+  EXPECT_EQ(st.n_past, 0);  // nothing was consumed
+}
+
+TEST(EngineErrors, EmptyPrompt) {
+  engine::Engine eng(test::shipped_model(), small());
+  auto st = eng.new_sequence();
+  std::vector<float> logits;
+  EXPECT_THAT(error_of<engine::EngineError>(
+                  [&] { eng.prefill(st, std::span<const int32_t>(), model::LogitsMode::Last, logits); }),
+              HasSubstr("empty prompt"));
+}
+
+TEST(EngineErrors, IdsOutOfVocabulary) {
+  engine::Engine eng(test::shipped_model(), small());
+  auto st = eng.new_sequence();
+  std::vector<float> logits;
+  for (int32_t bad : {8192, -1, 1 << 30}) {
+    std::vector<int32_t> ids = {1, 2, bad};
+    EXPECT_THAT(error_of<engine::EngineError>([&] { eng.prefill(st, ids, model::LogitsMode::Last, logits); }),
+                HasSubstr("out of the vocabulary (0..8191)"));
+  }
+}
+
+TEST(EngineErrors, ArenaBelowMinimum) {
+  engine::EngineOptions o = small();
+  o.arena_mb = 1;  // one layer of a 512-token chunk needs all 64 experts (~3.4 MiB)
+  const std::string msg = error_of<stream::ArenaTooSmall>([&] { engine::Engine eng(test::shipped_model(), o); });
+  EXPECT_THAT(msg, HasSubstr("--arena-mb"));
+  EXPECT_THAT(msg, HasSubstr("64"));
+}
