@@ -7,18 +7,276 @@
 
 #include "quant/quant.h"
 #include "quant/quant_impl.h"
+#include "quant/quant_tables.h"
 
 namespace strata::quant {
 
 namespace {
 
+using detail::bits_f32;
 using detail::half_to_float;
+using detail::load_u16;
+using detail::load_u32;
 
-// Q8_0: { fp16 d; int8 q[32]; }  value = d * q
+// Q8_0: { fp16 d; int8 q[32]; }  value = q * d
 void deq_q8_0(const uint8_t* b, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, b += 34, y += 32) {
-    const float d = half_to_float(detail::load_u16(b));
+    const float d = half_to_float(load_u16(b));
     for (int j = 0; j < 32; ++j) y[j] = static_cast<float>(static_cast<int8_t>(b[2 + j])) * d;
+  }
+}
+
+// Q4_0: { fp16 d; uint8 qs[16]; }  element j < 16: low nibble of qs[j], j >= 16: high nibble of
+// qs[j-16]; value = d * (q - 8)
+void deq_q4_0(const uint8_t* b, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, b += 18, y += 32) {
+    const float d = half_to_float(load_u16(b));
+    for (int j = 0; j < 16; ++j) {
+      y[j] = d * static_cast<float>((b[2 + j] & 0xf) - 8);
+      y[j + 16] = d * static_cast<float>((b[2 + j] >> 4) - 8);
+    }
+  }
+}
+
+// Q4_1: { fp16 d, m; uint8 qs[16]; }  value = (d * q) + m
+void deq_q4_1(const uint8_t* b, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, b += 20, y += 32) {
+    const float d = half_to_float(load_u16(b)), m = half_to_float(load_u16(b + 2));
+    for (int j = 0; j < 16; ++j) {
+      y[j] = d * static_cast<float>(b[4 + j] & 0xf) + m;
+      y[j + 16] = d * static_cast<float>(b[4 + j] >> 4) + m;
+    }
+  }
+}
+
+// Q5_0: { fp16 d; uint32 qh; uint8 qs[16]; }  5th bit of element j is bit j of qh;
+// value = d * (q - 16)
+void deq_q5_0(const uint8_t* b, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, b += 22, y += 32) {
+    const float d = half_to_float(load_u16(b));
+    const uint32_t qh = load_u32(b + 2);
+    for (int j = 0; j < 16; ++j) {
+      const int lo = (b[6 + j] & 0xf) | static_cast<int>(((qh >> j) & 1u) << 4);
+      const int hi = (b[6 + j] >> 4) | static_cast<int>(((qh >> (j + 16)) & 1u) << 4);
+      y[j] = d * static_cast<float>(lo - 16);
+      y[j + 16] = d * static_cast<float>(hi - 16);
+    }
+  }
+}
+
+// Q5_1: { fp16 d, m; uint32 qh; uint8 qs[16]; }  value = (d * q) + m
+void deq_q5_1(const uint8_t* b, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, b += 24, y += 32) {
+    const float d = half_to_float(load_u16(b)), m = half_to_float(load_u16(b + 2));
+    const uint32_t qh = load_u32(b + 4);
+    for (int j = 0; j < 16; ++j) {
+      const int lo = (b[8 + j] & 0xf) | static_cast<int>(((qh >> j) & 1u) << 4);
+      const int hi = (b[8 + j] >> 4) | static_cast<int>(((qh >> (j + 16)) & 1u) << 4);
+      y[j] = d * static_cast<float>(lo) + m;
+      y[j + 16] = d * static_cast<float>(hi) + m;
+    }
+  }
+}
+
+// Q2_K (256): { uint8 scales[16]; uint8 qs[64]; fp16 d, dmin; }  element e = 128h + 32s + j
+// (h < 2, s < 4, j < 32) is bits 2s..2s+1 of qs[32h + j]; group g = e / 16 has scale
+// scales[g] & 15 and min scales[g] >> 4; value = (d * sc) * q - (dmin * m)
+void deq_q2_k(const uint8_t* b, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, b += 84, y += 256) {
+    const uint8_t* sc = b;
+    const uint8_t* qs = b + 16;
+    const float d = half_to_float(load_u16(b + 80)), dmin = half_to_float(load_u16(b + 82));
+    for (int e = 0; e < 256; ++e) {
+      const int h = e / 128, s = (e / 32) % 4, j = e % 32, g = e / 16;
+      const float dl = d * static_cast<float>(sc[g] & 0xf), ml = dmin * static_cast<float>(sc[g] >> 4);
+      const int q = (qs[32 * h + j] >> (2 * s)) & 3;
+      y[e] = dl * static_cast<float>(q) - ml;
+    }
+  }
+}
+
+// Q3_K (256): { uint8 hmask[32]; uint8 qs[64]; uint8 scales[12]; fp16 d; }  element
+// e = 128h + 32s + j: low 2 bits from qs[32h + j] >> 2s, high bit (e / 32) of hmask[j] (a set bit
+// means no -4 offset); 16 six-bit scales (minus 32), one per 16 elements:
+// low 4 bits from scales[g % 8] >> 4*(g / 8), high 2 bits from scales[8 + g % 4] >> 2*(g / 4).
+// value = (d * sc) * q
+void deq_q3_k(const uint8_t* b, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, b += 110, y += 256) {
+    const uint8_t* hm = b;
+    const uint8_t* qs = b + 32;
+    const uint8_t* sc = b + 96;
+    const float d = half_to_float(load_u16(b + 108));
+    float dl[16];
+    for (int g = 0; g < 16; ++g) {
+      const int lo = (sc[g % 8] >> (4 * (g / 8))) & 0xf;
+      const int hi = (sc[8 + g % 4] >> (2 * (g / 4))) & 3;
+      dl[g] = d * static_cast<float>((lo | (hi << 4)) - 32);
+    }
+    for (int e = 0; e < 256; ++e) {
+      const int h = e / 128, s = (e / 32) % 4, j = e % 32;
+      const int ql = (qs[32 * h + j] >> (2 * s)) & 3;
+      const int hbit = (hm[j] >> (e / 32)) & 1;
+      y[e] = dl[e / 16] * static_cast<float>(ql - (hbit ? 0 : 4));
+    }
+  }
+}
+
+// The 8 six-bit (scale, min) pairs of Q4_K/Q5_K, packed in 12 bytes (ggml get_scale_min_k4).
+inline void k4_scale_min(const uint8_t* s, int g, int& sc, int& m) {
+  if (g < 4) {
+    sc = s[g] & 63;
+    m = s[g + 4] & 63;
+  } else {
+    sc = (s[g + 4] & 0xf) | ((s[g - 4] >> 6) << 4);
+    m = (s[g + 4] >> 4) | ((s[g] >> 6) << 4);
+  }
+}
+
+// Q4_K (256): { fp16 d, dmin; uint8 scales[12]; uint8 qs[128]; }  sub-block g (32 elements) is
+// the low (g even) or high (g odd) nibbles of qs[32*(g/2) .. +32]; value = (d*sc) * q - (dmin*m)
+void deq_q4_k(const uint8_t* b, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, b += 144, y += 256) {
+    const float d = half_to_float(load_u16(b)), dmin = half_to_float(load_u16(b + 2));
+    const uint8_t* qs = b + 16;
+    for (int g = 0; g < 8; ++g) {
+      int sc, m;
+      k4_scale_min(b + 4, g, sc, m);
+      const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(m);
+      for (int j = 0; j < 32; ++j) {
+        const int q = (qs[32 * (g / 2) + j] >> (4 * (g % 2))) & 0xf;
+        y[32 * g + j] = dl * static_cast<float>(q) - ml;
+      }
+    }
+  }
+}
+
+// Q5_K (256): { fp16 d, dmin; uint8 scales[12]; uint8 qh[32]; uint8 qs[128]; }  as Q4_K plus a
+// 5th bit: bit g of qh[j] for element 32g + j.
+void deq_q5_k(const uint8_t* b, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, b += 176, y += 256) {
+    const float d = half_to_float(load_u16(b)), dmin = half_to_float(load_u16(b + 2));
+    const uint8_t* qh = b + 16;
+    const uint8_t* qs = b + 48;
+    for (int g = 0; g < 8; ++g) {
+      int sc, m;
+      k4_scale_min(b + 4, g, sc, m);
+      const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(m);
+      for (int j = 0; j < 32; ++j) {
+        const int q = ((qs[32 * (g / 2) + j] >> (4 * (g % 2))) & 0xf) | (((qh[j] >> g) & 1) << 4);
+        y[32 * g + j] = dl * static_cast<float>(q) - ml;
+      }
+    }
+  }
+}
+
+// Q6_K (256): { uint8 ql[128]; uint8 qh[64]; int8 scales[16]; fp16 d; }  element
+// e = 128h + 32s + j: low nibble of ql[64h + 32(s%2) + j] (s < 2) or high nibble (s >= 2),
+// top 2 bits from qh[32h + j] >> 2s; value = (d * sc[e/16]) * (q - 32)
+void deq_q6_k(const uint8_t* b, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, b += 210, y += 256) {
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const auto* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = half_to_float(load_u16(b + 208));
+    for (int e = 0; e < 256; ++e) {
+      const int h = e / 128, s = (e / 32) % 4, j = e % 32;
+      const int lo = (ql[64 * h + 32 * (s % 2) + j] >> (4 * (s / 2))) & 0xf;
+      const int hi = (qh[32 * h + j] >> (2 * s)) & 3;
+      y[e] = (d * static_cast<float>(sc[e / 16])) * static_cast<float>((lo | (hi << 4)) - 32);
+    }
+  }
+}
+
+// IQ4_NL: { fp16 d; uint8 qs[16]; }  Q4_0 layout, nibbles index kvalues_iq4nl; value = d * kv
+void deq_iq4_nl(const uint8_t* b, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, b += 18, y += 32) {
+    const float d = half_to_float(load_u16(b));
+    for (int j = 0; j < 16; ++j) {
+      y[j] = d * static_cast<float>(tables::kvalues_iq4nl[b[2 + j] & 0xf]);
+      y[j + 16] = d * static_cast<float>(tables::kvalues_iq4nl[b[2 + j] >> 4]);
+    }
+  }
+}
+
+// IQ4_XS (256): { fp16 d; uint16 scales_h; uint8 scales_l[4]; uint8 qs[128]; }  sub-block g of
+// 32: six-bit scale (minus 32) = nibble g of scales_l | bits 2g..2g+1 of scales_h << 4;
+// elements: low nibbles then high nibbles of qs[16g .. +16]; value = (d * sc) * kvalues_iq4nl[q]
+void deq_iq4_xs(const uint8_t* b, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, b += 136, y += 256) {
+    const float d = half_to_float(load_u16(b));
+    const uint16_t sh = load_u16(b + 2);
+    const uint8_t* qs = b + 8;
+    for (int g = 0; g < 8; ++g) {
+      const int ls = ((b[4 + g / 2] >> (4 * (g % 2))) & 0xf) | (((sh >> (2 * g)) & 3) << 4);
+      const float dl = d * static_cast<float>(ls - 32);
+      for (int j = 0; j < 16; ++j) {
+        y[32 * g + j] = dl * static_cast<float>(tables::kvalues_iq4nl[qs[16 * g + j] & 0xf]);
+        y[32 * g + j + 16] = dl * static_cast<float>(tables::kvalues_iq4nl[qs[16 * g + j] >> 4]);
+      }
+    }
+  }
+}
+
+// IQ2_XS (256): { fp16 d; uint16 qs[32]; uint8 scales[8]; }  qs[k] covers elements 8k..8k+7:
+// bits 0-8 index iq2xs_grid (8 magnitudes, one per byte), bits 9-15 index ksigns_iq2xs (bit l
+// set: element l negative); scale nibble k/2 (one per 16 elements):
+// db = (d * (0.5 + nibble)) * 0.25, value = (db * grid) * sign
+void deq_iq2_xs(const uint8_t* b, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, b += 74, y += 256) {
+    const float d = half_to_float(load_u16(b));
+    for (int k = 0; k < 32; ++k) {
+      const uint16_t q = load_u16(b + 2 + 2 * k);
+      const int nib = (b[66 + k / 4] >> (4 * ((k / 2) % 2))) & 0xf;
+      const float db = (d * (0.5f + static_cast<float>(nib))) * 0.25f;
+      const uint64_t g = tables::iq2xs_grid[q & 511];
+      const uint8_t sg = tables::ksigns_iq2xs[q >> 9];
+      for (int l = 0; l < 8; ++l) {
+        const float v = db * static_cast<float>((g >> (8 * l)) & 0xff);
+        y[8 * k + l] = (sg >> l) & 1 ? -v : v;
+      }
+    }
+  }
+}
+
+// IQ3_S (256): { fp16 d; uint8 qs[64]; uint8 qh[8]; uint8 signs[32]; uint8 scales[4]; }
+// qs[k] | (bit k%8 of qh[k/8]) << 8 indexes iq3s_grid (4 magnitudes) for elements 4k..4k+3;
+// bit l of signs[m] negates element 8m + l; scale nibble e/32: db = d * (1 + 2*nibble),
+// value = (db * grid) * sign
+void deq_iq3_s(const uint8_t* b, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, b += 110, y += 256) {
+    const float d = half_to_float(load_u16(b));
+    const uint8_t* qs = b + 2;
+    const uint8_t* qh = b + 66;
+    const uint8_t* sg = b + 74;
+    const uint8_t* sc = b + 106;
+    for (int k = 0; k < 64; ++k) {
+      const int e0 = 4 * k;
+      const int nib = (sc[e0 / 64] >> (4 * ((e0 / 32) % 2))) & 0xf;
+      const float db = d * static_cast<float>(1 + 2 * nib);
+      const uint32_t g = tables::iq3s_grid[qs[k] | (((qh[k / 8] >> (k % 8)) & 1) << 8)];
+      for (int l = 0; l < 4; ++l) {
+        const int e = e0 + l;
+        const float v = db * static_cast<float>((g >> (8 * l)) & 0xff);
+        y[e] = (sg[e / 8] >> (e % 8)) & 1 ? -v : v;
+      }
+    }
+  }
+}
+
+// E8M0 scale halved (ggml's e8m0_to_fp32_half): 2^(e-128) exactly, subnormal for e < 2.
+inline float e8m0_half(uint8_t e) {
+  return bits_f32(e < 2 ? (0x00200000u << e) : (static_cast<uint32_t>(e - 1) << 23));
+}
+
+// MXFP4: { uint8 e; uint8 qs[16]; }  Q4_0 nibble layout; kvalues_fp4 are the E2M1 values doubled,
+// hence the halved scale; value = d * kv
+void deq_mxfp4(const uint8_t* b, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, b += 17, y += 32) {
+    const float d = e8m0_half(b[0]);
+    for (int j = 0; j < 16; ++j) {
+      y[j] = d * static_cast<float>(tables::kvalues_fp4[b[1 + j] & 0xf]);
+      y[j + 16] = d * static_cast<float>(tables::kvalues_fp4[b[1 + j] >> 4]);
+    }
   }
 }
 
@@ -41,6 +299,20 @@ void dequantize_row(GgmlType t, const void* src, float* dst, int64_t n) {
       for (int64_t i = 0; i < n; ++i) dst[i] = detail::bf16_to_float(detail::load_u16(s + 2 * i));
       return;
     case GgmlType::Q8_0: deq_q8_0(s, dst, nb); return;
+    case GgmlType::Q4_0: deq_q4_0(s, dst, nb); return;
+    case GgmlType::Q4_1: deq_q4_1(s, dst, nb); return;
+    case GgmlType::Q5_0: deq_q5_0(s, dst, nb); return;
+    case GgmlType::Q5_1: deq_q5_1(s, dst, nb); return;
+    case GgmlType::Q2_K: deq_q2_k(s, dst, nb); return;
+    case GgmlType::Q3_K: deq_q3_k(s, dst, nb); return;
+    case GgmlType::Q4_K: deq_q4_k(s, dst, nb); return;
+    case GgmlType::Q5_K: deq_q5_k(s, dst, nb); return;
+    case GgmlType::Q6_K: deq_q6_k(s, dst, nb); return;
+    case GgmlType::IQ2_XS: deq_iq2_xs(s, dst, nb); return;
+    case GgmlType::IQ3_S: deq_iq3_s(s, dst, nb); return;
+    case GgmlType::IQ4_XS: deq_iq4_xs(s, dst, nb); return;
+    case GgmlType::IQ4_NL: deq_iq4_nl(s, dst, nb); return;
+    case GgmlType::MXFP4: deq_mxfp4(s, dst, nb); return;
     default: break;
   }
   throw std::runtime_error("quant::dequantize_row: no reference dequantizer for " + std::string(detail::type_name(t)));

@@ -5,6 +5,7 @@
 #include "quant/simd_intrin.h"
 
 #include "quant/simd_driver.h"
+#include "quant/simd_decoders.h"
 
 namespace strata::quant::detail {
 
@@ -32,14 +33,43 @@ struct V256 {
 
 // Keeps the compiler from contracting a multiply into a following add (-ffp-contract=fast is
 // GCC's default): the reference rounds the product first.
-[[maybe_unused]] inline __m256 opaque(__m256 v) {
+inline __m256 opaque(__m256 v) {
   __asm__("" : "+x"(v));
   return v;
 }
 
-inline __m256 i8x8_to_ps(const uint8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
+/// Emitter of simd_decoders.h: 16 floats per call, two ymm.
+struct E256 {
+  static float half(uint16_t h) { return _cvtsh_ss(h); }
+  static void i8(float* o, __m128i q, float d) {
+    const __m256 dv = _mm256_set1_ps(d);
+    _mm256_store_ps(o, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), dv));
+    _mm256_store_ps(o + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))), dv));
+  }
+  static __m256 u8(__m128i q, float d) {
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), _mm256_set1_ps(d));
+  }
+  static void u8_add(float* o, __m128i q, float d, float m) {
+    const __m256 mv = _mm256_set1_ps(m);
+    _mm256_store_ps(o, _mm256_add_ps(opaque(u8(q, d)), mv));
+    _mm256_store_ps(o + 8, _mm256_add_ps(opaque(u8(_mm_srli_si128(q, 8), d)), mv));
+  }
+  static void u8_sub(float* o, __m128i q, float d, float m) {
+    const __m256 mv = _mm256_set1_ps(m);
+    _mm256_store_ps(o, _mm256_sub_ps(opaque(u8(q, d)), mv));
+    _mm256_store_ps(o + 8, _mm256_sub_ps(opaque(u8(_mm_srli_si128(q, 8), d)), mv));
+  }
+  /// Sign bit (bit 31) set in lane i where bit i of s is set.
+  static __m256 sign_mask8(uint32_t s) {
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(s)), bit), bit);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(on, 31));
+  }
+  static void u8_signs(float* o, __m128i q, float d, uint32_t s) {
+    _mm256_store_ps(o, _mm256_xor_ps(u8(q, d), sign_mask8(s & 0xff)));
+    _mm256_store_ps(o + 8, _mm256_xor_ps(u8(_mm_srli_si128(q, 8), d), sign_mask8((s >> 8) & 0xff)));
+  }
+};
 
 void dec_f32(const uint8_t* s, float* o, int64_t n) { std::memcpy(o, s, static_cast<size_t>(n) * 4); }
 
@@ -59,20 +89,12 @@ void dec_bf16(const uint8_t* s, float* o, int64_t n) {
   for (; i < n; ++i) o[i] = bf16_to_float(load_u16(s + 2 * i));
 }
 
-void dec_q8_0(const uint8_t* b, float* o, int64_t n) {
-  for (int64_t i = 0; i < n; i += 32, b += 34, o += 32) {
-    const __m256 d = _mm256_set1_ps(half_to_float(load_u16(b)));
-    for (int j = 0; j < 4; ++j) _mm256_store_ps(o + 8 * j, _mm256_mul_ps(i8x8_to_ps(b + 2 + 8 * j), d));
-  }
-}
-
 simd::DecodeFn decoder(GgmlType t) {
   switch (t) {
     case GgmlType::F32: return dec_f32;
     case GgmlType::F16: return dec_f16;
     case GgmlType::BF16: return dec_bf16;
-    case GgmlType::Q8_0: return dec_q8_0;
-    default: return nullptr;
+    default: return simd::block_decoder<E256>(t);
   }
 }
 

@@ -4,6 +4,7 @@
 #include "quant/simd_intrin.h"
 
 #include "quant/simd_driver.h"
+#include "quant/simd_decoders.h"
 
 namespace strata::quant::detail {
 
@@ -31,14 +32,31 @@ struct V512 {
 
 // Keeps the compiler from contracting a multiply into a following add (-ffp-contract=fast is
 // GCC's default): the reference rounds the product first.
-[[maybe_unused]] inline __m512 opaque(__m512 v) {
+inline __m512 opaque(__m512 v) {
   __asm__("" : "+v"(v));
   return v;
 }
 
-inline __m512 i8x16_to_ps(const uint8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
+/// Emitter of simd_decoders.h: 16 floats per call, one zmm.
+struct E512 {
+  static float half(uint16_t h) { return _cvtsh_ss(h); }
+  static void i8(float* o, __m128i q, float d) {
+    _mm512_store_ps(o, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_set1_ps(d)));
+  }
+  static __m512 u8(__m128i q, float d) {
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), _mm512_set1_ps(d));
+  }
+  static void u8_add(float* o, __m128i q, float d, float m) {
+    _mm512_store_ps(o, _mm512_add_ps(opaque(u8(q, d)), _mm512_set1_ps(m)));
+  }
+  static void u8_sub(float* o, __m128i q, float d, float m) {
+    _mm512_store_ps(o, _mm512_sub_ps(opaque(u8(q, d)), _mm512_set1_ps(m)));
+  }
+  static void u8_signs(float* o, __m128i q, float d, uint32_t s) {
+    const __m512 v = u8(q, d);
+    _mm512_store_ps(o, _mm512_mask_xor_ps(v, static_cast<__mmask16>(s), v, _mm512_set1_ps(-0.0f)));
+  }
+};
 
 void dec_f32(const uint8_t* s, float* o, int64_t n) { std::memcpy(o, s, static_cast<size_t>(n) * 4); }
 
@@ -58,21 +76,12 @@ void dec_bf16(const uint8_t* s, float* o, int64_t n) {
   for (; i < n; ++i) o[i] = bf16_to_float(load_u16(s + 2 * i));
 }
 
-void dec_q8_0(const uint8_t* b, float* o, int64_t n) {
-  for (int64_t i = 0; i < n; i += 32, b += 34, o += 32) {
-    const __m512 d = _mm512_set1_ps(half_to_float(load_u16(b)));
-    _mm512_store_ps(o, _mm512_mul_ps(i8x16_to_ps(b + 2), d));
-    _mm512_store_ps(o + 16, _mm512_mul_ps(i8x16_to_ps(b + 18), d));
-  }
-}
-
 simd::DecodeFn decoder(GgmlType t) {
   switch (t) {
     case GgmlType::F32: return dec_f32;
     case GgmlType::F16: return dec_f16;
     case GgmlType::BF16: return dec_bf16;
-    case GgmlType::Q8_0: return dec_q8_0;
-    default: return nullptr;
+    default: return simd::block_decoder<E512>(t);
   }
 }
 

@@ -50,7 +50,21 @@ static constexpr bool implemented(GgmlType t) {
     case GgmlType::F32:
     case GgmlType::F16:
     case GgmlType::BF16:
-    case GgmlType::Q8_0: return true;
+    case GgmlType::Q8_0:
+    case GgmlType::Q4_0:
+    case GgmlType::Q4_1:
+    case GgmlType::Q5_0:
+    case GgmlType::Q5_1:
+    case GgmlType::Q2_K:
+    case GgmlType::Q3_K:
+    case GgmlType::Q4_K:
+    case GgmlType::Q5_K:
+    case GgmlType::Q6_K:
+    case GgmlType::IQ2_XS:
+    case GgmlType::IQ3_S:
+    case GgmlType::IQ4_XS:
+    case GgmlType::IQ4_NL:
+    case GgmlType::MXFP4: return true;
     default: return false;
   }
 }
