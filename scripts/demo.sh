@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j"$(nproc)" --target strata
-exec build/strata run -m models/qwen3moe-code-Q8_0.gguf -f models/prompt.py -n 96 --temp 0 --arena-mb 7 "$@"
+exec build/strata run -m models/qwen3moe-code-Q8_0.gguf -f models/prompt.py -n 96 --temp 0 --arena-mb 8 "$@"

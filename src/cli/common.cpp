@@ -101,7 +101,11 @@ nlohmann::json arena_json(engine::Engine& e) {
           {"slots", e.stream().n_slots()},
           {"slot_bytes", e.stream().slot_bytes()},
           {"expert_bytes", e.expert_bytes()},
-          {"fraction_of_experts", double(e.arena_bytes()) / double(std::max<uint64_t>(1, e.expert_bytes()))},
+          {"expert_count", [&] {
+             uint64_t n = 0;
+             for (const auto& L : e.model().expert_layout()) n += uint64_t(L.n_expert);
+             return n;
+           }()},
           {"direct_io", e.stream().direct()}};
 }
 
@@ -118,9 +122,11 @@ void print_stats(engine::Engine& e) {
   fmt::print(stderr, "\n");
   line("prefill", e.prefill_stats());
   line("decode", e.decode_stats());
-  fmt::print(stderr, "arena    {} slots x {} = {} ({:.0f} % of {} of experts), {} reads, {} threads\n",
+  uint64_t total_experts = 0;
+  for (const auto& L : e.model().expert_layout()) total_experts += uint64_t(L.n_expert);
+  fmt::print(stderr, "arena    {} slots x {} = {} (room for {:.0f} % of the {} experts, {} of expert bytes), {} reads, {} threads\n",
              e.stream().n_slots(), human_bytes(double(e.stream().slot_bytes())), human_bytes(double(e.arena_bytes())),
-             100.0 * double(e.arena_bytes()) / double(std::max<uint64_t>(1, e.expert_bytes())),
+             100.0 * double(e.stream().n_slots()) / double(std::max<uint64_t>(1, total_experts)), total_experts,
              human_bytes(double(e.expert_bytes())), e.stream().direct() ? "O_DIRECT" : "buffered",
              e.options().n_threads);
 }
