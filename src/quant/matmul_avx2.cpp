@@ -1,9 +1,9 @@
 // AVX2 + FMA + F16C family: row decoders (block -> fp32, values bit-identical to the scalar
-// reference) and the shared driver of simd_driver.h with 8-lane vectors (2 accumulators = 16
-// lanes per (row, token) pair, micro-kernel 2 rows x 3 tokens: 12 accumulators + 2 weights +
-// 1 activation register out of 16).
+// reference) and the drivers of simd_driver.h with 8-lane vectors (2 accumulators = 16 lanes
+// per (row, token) pair; panel micro-kernel 2 rows x 3 tokens: 12 accumulators + 2 weights +
+// 1 activation register out of 16; fused path up to 4 tokens).
 #include "quant/simd_intrin.h"
-
+//
 #include "quant/simd_driver.h"
 #include "quant/simd_decoders.h"
 
@@ -13,14 +13,14 @@ namespace {
 
 struct V256 {
   using vec = __m256;
-  static constexpr int W = 8, RB = 2, TB = 3;
+  static constexpr int W = 8, RB = 2, TB = 3, FUSED_MAX = 4;
   static vec zero() { return _mm256_setzero_ps(); }
-  static vec load(const float* p) { return _mm256_load_ps(p); }
   static vec loadu(const float* p) { return _mm256_loadu_ps(p); }
   static vec loadu_n(const float* p, int n) {
     const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), idx));
   }
+  static void store(float* p, vec v) { _mm256_store_ps(p, v); }
   static vec fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
   static vec add(vec a, vec b) { return _mm256_add_ps(a, b); }
   static float hsum(vec v) {
@@ -38,26 +38,31 @@ inline __m256 opaque(__m256 v) {
   return v;
 }
 
-/// Emitter of simd_decoders.h: 16 floats per call, two ymm.
+/// Emitter of simd_decoders.h: 16 weights per call, two ymm, handed to the sink in order.
 struct E256 {
   static float half(uint16_t h) { return _cvtsh_ss(h); }
-  static void i8(float* o, __m128i q, float d) {
-    const __m256 dv = _mm256_set1_ps(d);
-    _mm256_store_ps(o, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), dv));
-    _mm256_store_ps(o + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))), dv));
-  }
   static __m256 u8(__m128i q, float d) {
     return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), _mm256_set1_ps(d));
   }
-  static void u8_add(float* o, __m128i q, float d, float m) {
-    const __m256 mv = _mm256_set1_ps(m);
-    _mm256_store_ps(o, _mm256_add_ps(opaque(u8(q, d)), mv));
-    _mm256_store_ps(o + 8, _mm256_add_ps(opaque(u8(_mm_srli_si128(q, 8), d)), mv));
+  static __m256 i8v(__m128i q, float d) {
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_set1_ps(d));
   }
-  static void u8_sub(float* o, __m128i q, float d, float m) {
+  template <class S>
+  static void i8(S& o, __m128i q, float d) {
+    o.put(i8v(q, d));
+    o.put(i8v(_mm_srli_si128(q, 8), d));
+  }
+  template <class S>
+  static void u8_add(S& o, __m128i q, float d, float m) {
     const __m256 mv = _mm256_set1_ps(m);
-    _mm256_store_ps(o, _mm256_sub_ps(opaque(u8(q, d)), mv));
-    _mm256_store_ps(o + 8, _mm256_sub_ps(opaque(u8(_mm_srli_si128(q, 8), d)), mv));
+    o.put(_mm256_add_ps(opaque(u8(q, d)), mv));
+    o.put(_mm256_add_ps(opaque(u8(_mm_srli_si128(q, 8), d)), mv));
+  }
+  template <class S>
+  static void u8_sub(S& o, __m128i q, float d, float m) {
+    const __m256 mv = _mm256_set1_ps(m);
+    o.put(_mm256_sub_ps(opaque(u8(q, d)), mv));
+    o.put(_mm256_sub_ps(opaque(u8(_mm_srli_si128(q, 8), d)), mv));
   }
   /// Sign bit (bit 31) set in lane i where bit i of s is set.
   static __m256 sign_mask8(uint32_t s) {
@@ -65,9 +70,10 @@ struct E256 {
     const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(s)), bit), bit);
     return _mm256_castsi256_ps(_mm256_slli_epi32(on, 31));
   }
-  static void u8_signs(float* o, __m128i q, float d, uint32_t s) {
-    _mm256_store_ps(o, _mm256_xor_ps(u8(q, d), sign_mask8(s & 0xff)));
-    _mm256_store_ps(o + 8, _mm256_xor_ps(u8(_mm_srli_si128(q, 8), d), sign_mask8((s >> 8) & 0xff)));
+  template <class S>
+  static void u8_signs(S& o, __m128i q, float d, uint32_t s) {
+    o.put(_mm256_xor_ps(u8(q, d), sign_mask8(s & 0xff)));
+    o.put(_mm256_xor_ps(u8(_mm_srli_si128(q, 8), d), sign_mask8((s >> 8) & 0xff)));
   }
 };
 
@@ -89,30 +95,99 @@ void dec_bf16(const uint8_t* s, float* o, int64_t n) {
   for (; i < n; ++i) o[i] = bf16_to_float(load_u16(s + 2 * i));
 }
 
-simd::DecodeFn decoder(GgmlType t) {
+simd::DecodeFn plain_decoder(GgmlType t) {
   switch (t) {
     case GgmlType::F32: return dec_f32;
     case GgmlType::F16: return dec_f16;
     case GgmlType::BF16: return dec_bf16;
-    default: return simd::block_decoder<E256>(t);
+    default: return nullptr;
   }
+}
+
+using StoreSink = simd::Store<V256>;
+
+// F16/BF16 as sink decoders (n % 8 == 0), so that decode-sized calls can use the fused path.
+template <class S>
+void sink_f16(const uint8_t* b, S& out, int64_t n) {
+  S o = out;
+  for (int64_t i = 0; i < n; i += 8)
+    o.put(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 * i))));
+  out = o;
+}
+
+template <class S>
+void sink_bf16(const uint8_t* b, S& out, int64_t n) {
+  S o = out;
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 * i)));
+    o.put(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+  }
+  out = o;
+}
+
+template <class S>
+simd::SinkDecodeFn<E256, S> decoder256(GgmlType t) {
+  switch (t) {
+    case GgmlType::F16: return sink_f16<S>;
+    case GgmlType::BF16: return sink_bf16<S>;
+    default: return simd::block_decoder<E256, S>(t);
+  }
+}
+
+template <int NT>
+bool fused(const MatmulArgs& a) {
+  const auto dec = decoder256<simd::Fused<V256, NT>>(a.type);
+  if (!dec) return false;
+  simd::run_fused<V256, NT>(dec, a);
+  return true;
 }
 
 }  // namespace
 
 bool decode_row_avx2(GgmlType t, const void* src, float* dst, int64_t n) {
-  const simd::DecodeFn f = decoder(t);
-  if (!f) return false;
-  float* tmp = simd::scratch(static_cast<size_t>(n));  // decoders store aligned
-  f(static_cast<const uint8_t*>(src), tmp, n);
+  const auto* s = static_cast<const uint8_t*>(src);
+  float* tmp = simd::scratch(static_cast<size_t>(n) + 16);  // decoders store aligned
+  if (const simd::DecodeFn f = plain_decoder(t)) {
+    f(s, tmp, n);
+  } else if (const auto dec = simd::block_decoder<E256, StoreSink>(t)) {  // block types only here
+    StoreSink sink{tmp};
+    dec(s, sink, n);
+  } else {
+    return false;
+  }
   std::memcpy(dst, tmp, static_cast<size_t>(n) * sizeof(float));
   return true;
 }
 
 bool matmul_avx2(const MatmulArgs& a) {
-  const simd::DecodeFn f = decoder(a.type);
-  if (!f) return false;
-  simd::run<V256>(f, a);
+  if (a.type == GgmlType::F32 && a.row_bytes % sizeof(float) == 0) {
+    simd::run_direct<V256>(a);
+    return true;
+  }
+  const bool plain = plain_decoder(a.type) != nullptr;
+  if (plain && a.cols % (2 * V256::W) != 0) {  // ragged rows: only the panel path has tails
+    simd::run<V256>(plain_decoder(a.type), a);
+    return true;
+  }
+  switch (a.n_tok) {
+    case 1: return fused<1>(a);
+    case 2: return fused<2>(a);
+    case 3: return fused<3>(a);
+    case 4: return fused<4>(a);
+    default: break;
+  }
+  if (plain) {
+    simd::run<V256>(plain_decoder(a.type), a);
+    return true;
+  }
+  const auto dec = simd::block_decoder<E256, StoreSink>(a.type);
+  if (!dec) return false;
+  simd::run<V256>(
+      [dec](const uint8_t* src, float* dst, int64_t cols) {
+        StoreSink sink{dst};
+        dec(src, sink, cols);
+      },
+      a);
   return true;
 }
 

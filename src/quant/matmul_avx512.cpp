@@ -1,8 +1,8 @@
 // AVX-512 family: row decoders (block -> fp32, values bit-identical to the scalar reference)
-// and the shared driver of simd_driver.h with 16-lane vectors (2 accumulators = 32 lanes per
-// (row, token) pair, micro-kernel 3 rows x 4 tokens).
+// and the drivers of simd_driver.h with 16-lane vectors (2 accumulators = 32 lanes per
+// (row, token) pair; panel micro-kernel 3 rows x 4 tokens; fused path up to 4 tokens).
 #include "quant/simd_intrin.h"
-
+//
 #include "quant/simd_driver.h"
 #include "quant/simd_decoders.h"
 
@@ -12,13 +12,13 @@ namespace {
 
 struct V512 {
   using vec = __m512;
-  static constexpr int W = 16, RB = 3, TB = 4;
+  static constexpr int W = 16, RB = 3, TB = 4, FUSED_MAX = 4;
   static vec zero() { return _mm512_setzero_ps(); }
-  static vec load(const float* p) { return _mm512_load_ps(p); }
   static vec loadu(const float* p) { return _mm512_loadu_ps(p); }
   static vec loadu_n(const float* p, int n) {
     return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1u), p);
   }
+  static void store(float* p, vec v) { _mm512_store_ps(p, v); }
   static vec fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
   static vec add(vec a, vec b) { return _mm512_add_ps(a, b); }
   static float hsum(vec v) {
@@ -37,26 +37,248 @@ inline __m512 opaque(__m512 v) {
   return v;
 }
 
-/// Emitter of simd_decoders.h: 16 floats per call, one zmm.
+/// Emitter of simd_decoders.h: 16 weights per call, one zmm, handed to the sink.
 struct E512 {
   static float half(uint16_t h) { return _cvtsh_ss(h); }
-  static void i8(float* o, __m128i q, float d) {
-    _mm512_store_ps(o, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_set1_ps(d)));
-  }
   static __m512 u8(__m128i q, float d) {
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), _mm512_set1_ps(d));
   }
-  static void u8_add(float* o, __m128i q, float d, float m) {
-    _mm512_store_ps(o, _mm512_add_ps(opaque(u8(q, d)), _mm512_set1_ps(m)));
+  template <class S>
+  static void i8(S& o, __m128i q, float d) {
+    o.put(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_set1_ps(d)));
   }
-  static void u8_sub(float* o, __m128i q, float d, float m) {
-    _mm512_store_ps(o, _mm512_sub_ps(opaque(u8(q, d)), _mm512_set1_ps(m)));
+  template <class S>
+  static void u8_add(S& o, __m128i q, float d, float m) {
+    o.put(_mm512_add_ps(opaque(u8(q, d)), _mm512_set1_ps(m)));
   }
-  static void u8_signs(float* o, __m128i q, float d, uint32_t s) {
+  template <class S>
+  static void u8_sub(S& o, __m128i q, float d, float m) {
+    o.put(_mm512_sub_ps(opaque(u8(q, d)), _mm512_set1_ps(m)));
+  }
+  template <class S>
+  static void u8_signs(S& o, __m128i q, float d, uint32_t s) {
     const __m512 v = u8(q, d);
-    _mm512_store_ps(o, _mm512_mask_xor_ps(v, static_cast<__mmask16>(s), v, _mm512_set1_ps(-0.0f)));
+    o.put(_mm512_mask_xor_ps(v, static_cast<__mmask16>(s), v, _mm512_set1_ps(-0.0f)));
   }
 };
+
+// ---- table decoders (AVX-512 only) ----
+// 4- and 5-bit formats have at most 32 distinct values per (sub-)block: build that table of
+// floats once per (sub-)block with exactly the reference's operations (so every entry is
+// bit-identical to what dequant_ref.cpp computes for that code), then expand 16 codes with one
+// vpermps (16 entries) or vpermt2ps (32 entries). This moves the per-weight work from the FMA
+// port (convert, multiply, subtract) to the shuffle port.
+
+inline __m512 iota16() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+inline __m512 i8_table(const int8_t* t) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(simd::table16(t))); }
+/// 16 codes (bytes) widened to dword indices; vpermps only looks at bits 3:0.
+inline __m512i idx16(__m128i bytes) { return _mm512_cvtepu8_epi32(bytes); }
+inline __m512i hi4(__m512i idx) { return _mm512_srli_epi32(idx, 4); }
+
+template <class S>
+void lut_q4_0(const uint8_t* b, S& out, int64_t n) {
+  S o = out;
+  const __m512 base = _mm512_sub_ps(iota16(), _mm512_set1_ps(8.f));  // q - 8, exact
+  for (int64_t i = 0; i < n; i += 32, b += 18) {
+    const __m512 t = _mm512_mul_ps(base, _mm512_set1_ps(_cvtsh_ss(load_u16(b))));
+    const __m512i q = idx16(simd::ld16(b + 2));
+    o.put(_mm512_permutexvar_ps(q, t));
+    o.put(_mm512_permutexvar_ps(hi4(q), t));
+  }
+  out = o;
+}
+
+template <class S>
+void lut_q4_1(const uint8_t* b, S& out, int64_t n) {
+  S o = out;
+  for (int64_t i = 0; i < n; i += 32, b += 20) {
+    const __m512 t = _mm512_add_ps(opaque(_mm512_mul_ps(iota16(), _mm512_set1_ps(_cvtsh_ss(load_u16(b))))),
+                                   _mm512_set1_ps(_cvtsh_ss(load_u16(b + 2))));
+    const __m512i q = idx16(simd::ld16(b + 4));
+    o.put(_mm512_permutexvar_ps(q, t));
+    o.put(_mm512_permutexvar_ps(hi4(q), t));
+  }
+  out = o;
+}
+
+template <class S>
+void lut_iq4_nl(const uint8_t* b, S& out, int64_t n) {
+  S o = out;
+  const __m512 kv = i8_table(tables::kvalues_iq4nl);
+  for (int64_t i = 0; i < n; i += 32, b += 18) {
+    const __m512 t = _mm512_mul_ps(kv, _mm512_set1_ps(_cvtsh_ss(load_u16(b))));
+    const __m512i q = idx16(simd::ld16(b + 2));
+    o.put(_mm512_permutexvar_ps(q, t));
+    o.put(_mm512_permutexvar_ps(hi4(q), t));
+  }
+  out = o;
+}
+
+template <class S>
+void lut_mxfp4(const uint8_t* b, S& out, int64_t n) {
+  S o = out;
+  const __m512 kv = i8_table(tables::kvalues_fp4);
+  for (int64_t i = 0; i < n; i += 32, b += 17) {
+    const float d = bits_f32(b[0] < 2 ? (0x00200000u << b[0]) : (static_cast<uint32_t>(b[0] - 1) << 23));
+    const __m512 t = _mm512_mul_ps(kv, _mm512_set1_ps(d));
+    const __m512i q = idx16(simd::ld16(b + 1));
+    o.put(_mm512_permutexvar_ps(q, t));
+    o.put(_mm512_permutexvar_ps(hi4(q), t));
+  }
+  out = o;
+}
+
+template <class S>
+void lut_iq4_xs(const uint8_t* b, S& out, int64_t n) {
+  S o = out;
+  const __m512 kv = i8_table(tables::kvalues_iq4nl);
+  for (int64_t i = 0; i < n; i += 256, b += 136) {
+    const float d = _cvtsh_ss(load_u16(b));
+    const uint16_t sh = load_u16(b + 2);
+#pragma GCC unroll 16
+    for (int g = 0; g < 8; ++g) {
+      const int ls = ((b[4 + g / 2] >> (4 * (g % 2))) & 0xf) | (((sh >> (2 * g)) & 3) << 4);
+      const __m512 t = _mm512_mul_ps(kv, _mm512_set1_ps(d * static_cast<float>(ls - 32)));
+      const __m512i q = idx16(simd::ld16(b + 8 + 16 * g));
+      o.put(_mm512_permutexvar_ps(q, t));
+      o.put(_mm512_permutexvar_ps(hi4(q), t));
+    }
+  }
+  out = o;
+}
+
+template <class S>
+void lut_q4_k(const uint8_t* b, S& out, int64_t n) {
+  S o = out;
+  for (int64_t i = 0; i < n; i += 256, b += 144) {
+    const float d = _cvtsh_ss(load_u16(b)), dmin = _cvtsh_ss(load_u16(b + 2));
+    const uint8_t* qs = b + 16;
+#pragma GCC unroll 16
+    for (int p = 0; p < 4; ++p) {  // sub-blocks 2p (low nibbles) and 2p+1 (high nibbles)
+      int sc, m;
+      simd::k4_scale_min_simd(b + 4, 2 * p, sc, m);
+      const __m512 t0 = _mm512_sub_ps(opaque(_mm512_mul_ps(iota16(), _mm512_set1_ps(d * static_cast<float>(sc)))),
+                                      _mm512_set1_ps(dmin * static_cast<float>(m)));
+      simd::k4_scale_min_simd(b + 4, 2 * p + 1, sc, m);
+      const __m512 t1 = _mm512_sub_ps(opaque(_mm512_mul_ps(iota16(), _mm512_set1_ps(d * static_cast<float>(sc)))),
+                                      _mm512_set1_ps(dmin * static_cast<float>(m)));
+      const __m512i q0 = idx16(simd::ld16(qs + 32 * p)), q1 = idx16(simd::ld16(qs + 32 * p + 16));
+      o.put(_mm512_permutexvar_ps(q0, t0));
+      o.put(_mm512_permutexvar_ps(q1, t0));
+      o.put(_mm512_permutexvar_ps(hi4(q0), t1));
+      o.put(_mm512_permutexvar_ps(hi4(q1), t1));
+    }
+  }
+  out = o;
+}
+
+/// 5-bit codes: low nibble from idx (bits 3:0), 5th bit from `h` (bit i for lane i) into bit 4.
+inline __m512i idx5(__m512i nib_idx, __mmask16 h) {
+  const __m512i lo = _mm512_and_si512(nib_idx, _mm512_set1_epi32(15));
+  return _mm512_mask_or_epi32(lo, h, lo, _mm512_set1_epi32(16));
+}
+
+template <class S>
+void lut_q5_0(const uint8_t* b, S& out, int64_t n) {
+  S o = out;
+  const __m512 lo_base = _mm512_sub_ps(iota16(), _mm512_set1_ps(16.f));  // codes 0..15 -> -16..-1
+  const __m512 hi_base = iota16();                                      // codes 16..31 -> 0..15
+  for (int64_t i = 0; i < n; i += 32, b += 22) {
+    const __m512 dv = _mm512_set1_ps(_cvtsh_ss(load_u16(b)));
+    const __m512 tl = _mm512_mul_ps(lo_base, dv), th = _mm512_mul_ps(hi_base, dv);
+    const uint32_t qh = load_u32(b + 2);
+    const __m512i q = idx16(simd::ld16(b + 6));
+    o.put(_mm512_permutex2var_ps(tl, idx5(q, static_cast<__mmask16>(qh)), th));
+    o.put(_mm512_permutex2var_ps(tl, idx5(hi4(q), static_cast<__mmask16>(qh >> 16)), th));
+  }
+  out = o;
+}
+
+template <class S>
+void lut_q5_1(const uint8_t* b, S& out, int64_t n) {
+  S o = out;
+  const __m512 hi_base = _mm512_add_ps(iota16(), _mm512_set1_ps(16.f));
+  for (int64_t i = 0; i < n; i += 32, b += 24) {
+    const __m512 dv = _mm512_set1_ps(_cvtsh_ss(load_u16(b))), mv = _mm512_set1_ps(_cvtsh_ss(load_u16(b + 2)));
+    const __m512 tl = _mm512_add_ps(opaque(_mm512_mul_ps(iota16(), dv)), mv);
+    const __m512 th = _mm512_add_ps(opaque(_mm512_mul_ps(hi_base, dv)), mv);
+    const uint32_t qh = load_u32(b + 4);
+    const __m512i q = idx16(simd::ld16(b + 8));
+    o.put(_mm512_permutex2var_ps(tl, idx5(q, static_cast<__mmask16>(qh)), th));
+    o.put(_mm512_permutex2var_ps(tl, idx5(hi4(q), static_cast<__mmask16>(qh >> 16)), th));
+  }
+  out = o;
+}
+
+template <class S>
+void lut_q5_k(const uint8_t* b, S& out, int64_t n) {
+  S o = out;
+  const __m512 hi_base = _mm512_add_ps(iota16(), _mm512_set1_ps(16.f));
+  for (int64_t i = 0; i < n; i += 256, b += 176) {
+    const float d = _cvtsh_ss(load_u16(b)), dmin = _cvtsh_ss(load_u16(b + 2));
+    const uint8_t* qh = b + 16;
+    const uint8_t* qs = b + 48;
+    // bit g of qh[j] is the 5th bit of element 32g + j: gather it per g as 32-bit lane masks
+    const __m256i qhv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+#pragma GCC unroll 16
+    for (int g = 0; g < 8; ++g) {
+      int sc, m;
+      simd::k4_scale_min_simd(b + 4, g, sc, m);
+      const __m512 dv = _mm512_set1_ps(d * static_cast<float>(sc)), mv = _mm512_set1_ps(dmin * static_cast<float>(m));
+      const __m512 tl = _mm512_sub_ps(opaque(_mm512_mul_ps(iota16(), dv)), mv);
+      const __m512 th = _mm512_sub_ps(opaque(_mm512_mul_ps(hi_base, dv)), mv);
+      // bit 7 of each byte <- bit g: movemask gives the 32 lane bits
+      const uint32_t hb = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_slli_epi16(qhv, 7 - g)));
+      __m512i q0 = idx16(simd::ld16(qs + 32 * (g / 2))), q1 = idx16(simd::ld16(qs + 32 * (g / 2) + 16));
+      if (g % 2) {
+        q0 = hi4(q0);
+        q1 = hi4(q1);
+      }
+      o.put(_mm512_permutex2var_ps(tl, idx5(q0, static_cast<__mmask16>(hb)), th));
+      o.put(_mm512_permutex2var_ps(tl, idx5(q1, static_cast<__mmask16>(hb >> 16)), th));
+    }
+  }
+  out = o;
+}
+
+// F16/BF16 as sink decoders (n % 16 == 0), so that decode-sized calls can use the fused path.
+template <class S>
+void sink_f16(const uint8_t* b, S& out, int64_t n) {
+  S o = out;
+  for (int64_t i = 0; i < n; i += 16)
+    o.put(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2 * i))));
+  out = o;
+}
+
+template <class S>
+void sink_bf16(const uint8_t* b, S& out, int64_t n) {
+  S o = out;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2 * i)));
+    o.put(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+  }
+  out = o;
+}
+
+/// The AVX-512 decoder of block type t for sink S: table decoders where they apply, the shared
+/// decoders otherwise.
+template <class S>
+simd::SinkDecodeFn<E512, S> decoder512(GgmlType t) {
+  switch (t) {
+    case GgmlType::Q4_0: return lut_q4_0<S>;
+    case GgmlType::Q4_1: return lut_q4_1<S>;
+    case GgmlType::Q5_0: return lut_q5_0<S>;
+    case GgmlType::Q5_1: return lut_q5_1<S>;
+    case GgmlType::Q4_K: return lut_q4_k<S>;
+    case GgmlType::Q5_K: return lut_q5_k<S>;
+    case GgmlType::IQ4_NL: return lut_iq4_nl<S>;
+    case GgmlType::IQ4_XS: return lut_iq4_xs<S>;
+    case GgmlType::MXFP4: return lut_mxfp4<S>;
+    case GgmlType::F16: return sink_f16<S>;
+    case GgmlType::BF16: return sink_bf16<S>;
+    default: return simd::block_decoder<E512, S>(t);
+  }
+}
 
 void dec_f32(const uint8_t* s, float* o, int64_t n) { std::memcpy(o, s, static_cast<size_t>(n) * 4); }
 
@@ -76,30 +298,71 @@ void dec_bf16(const uint8_t* s, float* o, int64_t n) {
   for (; i < n; ++i) o[i] = bf16_to_float(load_u16(s + 2 * i));
 }
 
-simd::DecodeFn decoder(GgmlType t) {
+simd::DecodeFn plain_decoder(GgmlType t) {
   switch (t) {
     case GgmlType::F32: return dec_f32;
     case GgmlType::F16: return dec_f16;
     case GgmlType::BF16: return dec_bf16;
-    default: return simd::block_decoder<E512>(t);
+    default: return nullptr;
   }
+}
+
+using StoreSink = simd::Store<V512>;
+
+template <int NT>
+bool fused(const MatmulArgs& a) {
+  const auto dec = decoder512<simd::Fused<V512, NT>>(a.type);
+  if (!dec) return false;
+  simd::run_fused<V512, NT>(dec, a);
+  return true;
 }
 
 }  // namespace
 
 bool decode_row_avx512(GgmlType t, const void* src, float* dst, int64_t n) {
-  const simd::DecodeFn f = decoder(t);
-  if (!f) return false;
-  float* tmp = simd::scratch(static_cast<size_t>(n));  // decoders store aligned
-  f(static_cast<const uint8_t*>(src), tmp, n);
+  const auto* s = static_cast<const uint8_t*>(src);
+  float* tmp = simd::scratch(static_cast<size_t>(n) + 16);  // decoders store aligned
+  if (const simd::DecodeFn f = plain_decoder(t)) {
+    f(s, tmp, n);
+  } else if (const auto dec = decoder512<StoreSink>(t)) {  // block types only here
+    StoreSink sink{tmp};
+    dec(s, sink, n);
+  } else {
+    return false;
+  }
   std::memcpy(dst, tmp, static_cast<size_t>(n) * sizeof(float));
   return true;
 }
 
 bool matmul_avx512(const MatmulArgs& a) {
-  const simd::DecodeFn f = decoder(a.type);
-  if (!f) return false;
-  simd::run<V512>(f, a);
+  if (a.type == GgmlType::F32 && a.row_bytes % sizeof(float) == 0) {
+    simd::run_direct<V512>(a);
+    return true;
+  }
+  const bool plain = plain_decoder(a.type) != nullptr;
+  if (plain && a.cols % (2 * V512::W) != 0) {  // ragged rows: only the panel path has tails
+    simd::run<V512>(plain_decoder(a.type), a);
+    return true;
+  }
+  switch (a.n_tok) {
+    case 1: return fused<1>(a);
+    case 2: return fused<2>(a);
+    case 3: return fused<3>(a);
+    case 4: return fused<4>(a);
+    default: break;
+  }
+  if (plain) {
+    simd::run<V512>(plain_decoder(a.type), a);
+    return true;
+  }
+  const auto dec = decoder512<StoreSink>(a.type);
+  if (!dec) return false;
+  simd::run<V512>(
+      [dec](const uint8_t* src, float* dst, int64_t cols) {
+        StoreSink sink{dst};
+        dec(src, sink, cols);
+      },
+      a);
   return true;
 }
 

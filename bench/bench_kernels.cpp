@@ -1,0 +1,303 @@
+// Kernel benchmarks for src/quant, reported next to a memory-bandwidth probe run in the same
+// process, so the matrix-vector numbers read as a fraction of what the memory can deliver.
+//
+//   MemRead/threads:N      sequential read of a 1 GiB buffer (AVX2 loads), GB/s
+//   Memcpy/threads:N       memcpy of 512 MiB (bytes read + written), GB/s
+//   MatVec/<type>/N        y = W x for one token, W ~1 GiB (far larger than the 300 MiB LLC):
+//                          GB/s of weight bytes streamed, N threads splitting rows
+//   MatMul/<type>/T/N      T tokens (prefill) on a 1024 x 4096 matrix (cache resident):
+//                          GFLOP/s = 2 * rows * cols * T / time
+//
+// Each benchmark uses the active kernel family (auto; --cpu-kernels=scalar|avx2|avx512 forces one).
+#include <benchmark/benchmark.h>
+
+#include "quant/simd_intrin.h"  // <immintrin.h> minus GCC 12's false -Wuninitialized
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "quant/quant.h"
+
+using strata::GgmlType;
+namespace q = strata::quant;
+
+namespace {
+
+constexpr size_t kBigBytes = size_t{1} << 30;  // >> LLC (300 MiB on the dev machine)
+constexpr int64_t kCols = 4096;
+
+struct AlignedFree {
+  void operator()(uint8_t* p) const { std::free(p); }
+};
+using Buffer = std::unique_ptr<uint8_t, AlignedFree>;
+
+Buffer alloc(size_t n) {
+  auto* p = static_cast<uint8_t*>(std::aligned_alloc(4096, (n + 4095) / 4096 * 4096));
+  if (!p) throw std::bad_alloc();
+  return Buffer(p);
+}
+
+/// Fills `n` bytes with pseudo-random data (xorshift, fast enough for GiBs).
+void fill_random(uint8_t* p, size_t n, uint64_t seed) {
+  uint64_t s = seed | 1;
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    s ^= s << 13;
+    s ^= s >> 7;
+    s ^= s << 17;
+    std::memcpy(p + i, &s, 8);
+  }
+  for (; i < n; ++i) p[i] = static_cast<uint8_t>(i);
+}
+
+/// Byte offsets of the fp16 scales in a block (so random blocks decode to finite, normal values).
+std::vector<int> fp16_fields(GgmlType t) {
+  switch (t) {
+    case GgmlType::Q4_1:
+    case GgmlType::Q5_1:
+    case GgmlType::Q4_K:
+    case GgmlType::Q5_K: return {0, 2};
+    case GgmlType::Q2_K: return {80, 82};
+    case GgmlType::Q3_K: return {108};
+    case GgmlType::Q6_K: return {208};
+    case GgmlType::MXFP4: return {};
+    default: return {0};
+  }
+}
+
+/// Makes `bytes` (rows of type t) decode to finite values of order 1.
+void sanitize(GgmlType t, uint8_t* w, size_t bytes) {
+  const int be = q::block_elems(t);
+  const size_t bb = q::row_size(t, be);
+  const size_t nb = bytes / bb;
+  const uint16_t h = q::fp32_to_fp16(0.01f);
+  if (t == GgmlType::F32) {
+    const float v = 0.01f;
+    for (size_t i = 0; i + 4 <= bytes; i += 4) std::memcpy(w + i, &v, 4);
+  } else if (t == GgmlType::F16 || t == GgmlType::BF16) {
+    const uint16_t v = t == GgmlType::F16 ? h : q::fp32_to_bf16(0.01f);
+    for (size_t i = 0; i + 2 <= bytes; i += 2) std::memcpy(w + i, &v, 2);
+  } else if (t == GgmlType::MXFP4) {
+    for (size_t b = 0; b < nb; ++b) w[b * bb] = 120;
+  } else {
+    const std::vector<int> fields = fp16_fields(t);
+    for (size_t b = 0; b < nb; ++b)
+      for (int off : fields) std::memcpy(w + b * bb + static_cast<size_t>(off), &h, 2);
+  }
+}
+
+/// Runs fn(row_begin, row_end) on `threads` threads splitting [0, rows) evenly.
+template <class Fn>
+void split_rows(int threads, int64_t rows, Fn fn) {
+  if (threads == 1) {
+    fn(int64_t{0}, rows);
+    return;
+  }
+  std::vector<std::thread> ts;
+  for (int i = 0; i < threads; ++i) {
+    const int64_t r0 = rows * i / threads, r1 = rows * (i + 1) / threads;
+    ts.emplace_back([=] { fn(r0, r1); });
+  }
+  for (auto& t : ts) t.join();
+}
+
+// ---- memory probe ----
+
+__attribute__((target("avx2"))) uint64_t read_sum(const uint8_t* p, size_t n) {
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+  for (size_t i = 0; i + 128 <= n; i += 128) {
+    a0 = _mm256_add_epi64(a0, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i)));
+    a1 = _mm256_add_epi64(a1, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 32)));
+    a2 = _mm256_add_epi64(a2, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 64)));
+    a3 = _mm256_add_epi64(a3, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 96)));
+  }
+  const __m256i s = _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3));
+  alignas(32) uint64_t v[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(v), s);
+  return v[0] + v[1] + v[2] + v[3];
+}
+
+__attribute__((target("avx512f"))) uint64_t read_sum512(const uint8_t* p, size_t n) {
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+  for (size_t i = 0; i + 256 <= n; i += 256) {
+    a0 = _mm512_add_epi64(a0, _mm512_load_si512(p + i));
+    a1 = _mm512_add_epi64(a1, _mm512_load_si512(p + i + 64));
+    a2 = _mm512_add_epi64(a2, _mm512_load_si512(p + i + 128));
+    a3 = _mm512_add_epi64(a3, _mm512_load_si512(p + i + 192));
+  }
+  return static_cast<uint64_t>(_mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3))));
+}
+
+uint64_t read_probe(const uint8_t* p, size_t n) {
+  return __builtin_cpu_supports("avx512f") ? read_sum512(p, n) : read_sum(p, n);
+}
+
+uint8_t* big_buffer() {
+  static Buffer b = [] {
+    Buffer x = alloc(kBigBytes);
+    fill_random(x.get(), kBigBytes, 42);
+    return x;
+  }();
+  return b.get();
+}
+
+void BM_MemRead(benchmark::State& st) {
+  const int threads = static_cast<int>(st.range(0));
+  const uint8_t* p = big_buffer();
+  for (auto _ : st) {
+    std::vector<uint64_t> sums(static_cast<size_t>(threads));
+    split_rows(threads, static_cast<int64_t>(kBigBytes / 4096), [&](int64_t a, int64_t b) {
+      sums[static_cast<size_t>(a * threads / static_cast<int64_t>(kBigBytes / 4096))] =
+          read_probe(p + a * 4096, static_cast<size_t>(b - a) * 4096);
+    });
+    benchmark::DoNotOptimize(sums.data());
+  }
+  st.counters["GB/s"] = benchmark::Counter(static_cast<double>(kBigBytes) * static_cast<double>(st.iterations()) / 1e9,
+                                           benchmark::Counter::kIsRate);
+}
+
+void BM_Memcpy(benchmark::State& st) {
+  const int threads = static_cast<int>(st.range(0));
+  const size_t half = kBigBytes / 2;
+  uint8_t* p = big_buffer();
+  for (auto _ : st) {
+    split_rows(threads, static_cast<int64_t>(half / 4096), [&](int64_t a, int64_t b) {
+      std::memcpy(p + half + a * 4096, p + a * 4096, static_cast<size_t>(b - a) * 4096);
+    });
+    benchmark::ClobberMemory();
+  }
+  st.counters["GB/s"] = benchmark::Counter(2.0 * static_cast<double>(half) * static_cast<double>(st.iterations()) / 1e9,
+                                           benchmark::Counter::kIsRate);
+}
+
+// ---- kernels ----
+
+const GgmlType kTypes[] = {GgmlType::F32,  GgmlType::F16,  GgmlType::BF16,  GgmlType::Q8_0,   GgmlType::Q4_0,
+                           GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1,  GgmlType::Q2_K,   GgmlType::Q3_K,
+                           GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K,  GgmlType::IQ2_XS, GgmlType::IQ3_S,
+                           GgmlType::IQ4_XS, GgmlType::IQ4_NL, GgmlType::MXFP4};
+
+std::vector<float> activations(int64_t n) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  std::vector<float> x(static_cast<size_t>(n));
+  for (auto& v : x) v = u(rng);
+  return x;
+}
+
+void BM_MatVec(benchmark::State& st, GgmlType t) {
+  const int threads = static_cast<int>(st.range(0));
+  const size_t rb = q::row_size(t, kCols);
+  const int64_t rows = static_cast<int64_t>(kBigBytes / rb);
+  uint8_t* w = big_buffer();  // the same 1 GiB, re-sanitized for this type
+  sanitize(t, w, static_cast<size_t>(rows) * rb);
+  const auto x = activations(kCols);
+  std::vector<float> y(static_cast<size_t>(rows));
+  for (auto _ : st) {
+    split_rows(threads, rows, [&](int64_t r0, int64_t r1) {
+      q::matmul(t, w, rb, r0, r1, kCols, x.data(), kCols, 1, y.data(), rows);
+    });
+    benchmark::DoNotOptimize(y.data());
+  }
+  const double bytes = static_cast<double>(rows) * static_cast<double>(rb);
+  st.counters["GB/s"] = benchmark::Counter(bytes * static_cast<double>(st.iterations()) / 1e9, benchmark::Counter::kIsRate);
+  st.counters["Gweights/s"] =
+      benchmark::Counter(static_cast<double>(rows * kCols) * static_cast<double>(st.iterations()) / 1e9,
+                         benchmark::Counter::kIsRate);
+}
+
+// The same matrix-vector product on ~1 MiB of weights (L2 resident): the decode+FMA compute
+// ceiling, to compare with the DRAM-bound MatVec.
+void BM_MatVecHot(benchmark::State& st, GgmlType t) {
+  const size_t rb = q::row_size(t, kCols);
+  const int64_t rows = std::max<int64_t>(1, static_cast<int64_t>((size_t{1} << 20) / rb));
+  Buffer w = alloc(rb * static_cast<size_t>(rows));
+  fill_random(w.get(), rb * static_cast<size_t>(rows), 5);
+  sanitize(t, w.get(), rb * static_cast<size_t>(rows));
+  const auto x = activations(kCols);
+  std::vector<float> y(static_cast<size_t>(rows));
+  for (auto _ : st) {
+    q::matmul(t, w.get(), rb, 0, rows, kCols, x.data(), kCols, 1, y.data(), rows);
+    benchmark::DoNotOptimize(y.data());
+  }
+  st.counters["GB/s"] = benchmark::Counter(static_cast<double>(rows) * static_cast<double>(rb) *
+                                               static_cast<double>(st.iterations()) / 1e9,
+                                           benchmark::Counter::kIsRate);
+  st.counters["Gweights/s"] =
+      benchmark::Counter(static_cast<double>(rows * kCols) * static_cast<double>(st.iterations()) / 1e9,
+                         benchmark::Counter::kIsRate);
+}
+
+void BM_MatMul(benchmark::State& st, GgmlType t) {
+  const int64_t n_tok = st.range(0);
+  const int threads = static_cast<int>(st.range(1));
+  const int64_t rows = 1024;
+  const size_t rb = q::row_size(t, kCols);
+  Buffer w = alloc(rb * static_cast<size_t>(rows));
+  fill_random(w.get(), rb * static_cast<size_t>(rows), 3);
+  sanitize(t, w.get(), rb * static_cast<size_t>(rows));
+  const auto x = activations(n_tok * kCols);
+  std::vector<float> y(static_cast<size_t>(rows * n_tok));
+  for (auto _ : st) {
+    split_rows(threads, rows, [&](int64_t r0, int64_t r1) {
+      q::matmul(t, w.get(), rb, r0, r1, kCols, x.data(), kCols, n_tok, y.data(), rows);
+    });
+    benchmark::DoNotOptimize(y.data());
+  }
+  st.counters["GFLOP/s"] = benchmark::Counter(2.0 * static_cast<double>(rows * kCols * n_tok) *
+                                                  static_cast<double>(st.iterations()) / 1e9,
+                                              benchmark::Counter::kIsRate);
+}
+
+void register_all() {
+  benchmark::RegisterBenchmark("MemRead", BM_MemRead)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("Memcpy", BM_Memcpy)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
+  for (GgmlType t : kTypes) {
+    const std::string name = std::string("MatVec/") + strata::ggml_type_name(t);
+    benchmark::RegisterBenchmark(name.c_str(), BM_MatVec, t)
+        ->Arg(1)
+        ->Arg(2)
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+  }
+  for (GgmlType t : kTypes) {
+    const std::string name = std::string("MatVecHot/") + strata::ggml_type_name(t);
+    benchmark::RegisterBenchmark(name.c_str(), BM_MatVecHot, t)->UseRealTime()->Unit(benchmark::kMicrosecond);
+  }
+  for (GgmlType t : kTypes) {
+    const std::string name = std::string("MatMul/") + strata::ggml_type_name(t);
+    auto* b = benchmark::RegisterBenchmark(name.c_str(), BM_MatMul, t);
+    for (int64_t n : {64, 256, 512})
+      for (int64_t th : {1, 2}) b->Args({n, th});
+    b->UseRealTime()->Unit(benchmark::kMillisecond);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // --cpu-kernels=scalar|avx2|avx512|auto (ours; removed before Google Benchmark parses the rest)
+  std::vector<char*> args;
+  for (int i = 0; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a.rfind("--cpu-kernels=", 0) == 0) {
+      q::set_cpu_kernels(q::parse_cpu_kernels(a.substr(14)));
+      continue;
+    }
+    args.push_back(argv[i]);
+  }
+  int n = static_cast<int>(args.size());
+  benchmark::AddCustomContext("cpu_kernels", q::cpu_kernels_name(q::active_cpu_kernels()));
+  register_all();
+  benchmark::Initialize(&n, args.data());
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
