@@ -257,26 +257,26 @@ void BM_MatMul(benchmark::State& st, GgmlType t) {
 }
 
 void register_all() {
-  benchmark::RegisterBenchmark("MemRead", BM_MemRead)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("Memcpy", BM_Memcpy)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("MemRead", BM_MemRead)->Arg(1)->Arg(2)->UseRealTime()->MeasureProcessCPUTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("Memcpy", BM_Memcpy)->Arg(1)->Arg(2)->UseRealTime()->MeasureProcessCPUTime()->Unit(benchmark::kMillisecond);
   for (GgmlType t : kTypes) {
     const std::string name = std::string("MatVec/") + strata::ggml_type_name(t);
     benchmark::RegisterBenchmark(name.c_str(), BM_MatVec, t)
         ->Arg(1)
         ->Arg(2)
-        ->UseRealTime()
+        ->UseRealTime()->MeasureProcessCPUTime()
         ->Unit(benchmark::kMillisecond);
   }
   for (GgmlType t : kTypes) {
     const std::string name = std::string("MatVecHot/") + strata::ggml_type_name(t);
-    benchmark::RegisterBenchmark(name.c_str(), BM_MatVecHot, t)->UseRealTime()->Unit(benchmark::kMicrosecond);
+    benchmark::RegisterBenchmark(name.c_str(), BM_MatVecHot, t)->UseRealTime()->MeasureProcessCPUTime()->Unit(benchmark::kMicrosecond);
   }
   for (GgmlType t : kTypes) {
     const std::string name = std::string("MatMul/") + strata::ggml_type_name(t);
     auto* b = benchmark::RegisterBenchmark(name.c_str(), BM_MatMul, t);
     for (int64_t n : {64, 256, 512})
       for (int64_t th : {1, 2}) b->Args({n, th});
-    b->UseRealTime()->Unit(benchmark::kMillisecond);
+    b->UseRealTime()->MeasureProcessCPUTime()->Unit(benchmark::kMillisecond);
   }
 }
 

@@ -634,7 +634,7 @@ TEST(QuantMatmul, InvariantToTokenCountRowSplitAndStrides) {
       const int be = q::block_elems(t);
       for (int64_t cols : {int64_t{256}, int64_t{1024}, be == 1 ? int64_t{77} : int64_t{512}}) {
         q::set_cpu_kernels(fam);
-        const int64_t rows = 41, n_tok = 29;
+        const int64_t rows = 41, n_tok = 137;  // > 2 blocks of 64 tokens in the panel path
         const auto w = random_rows(t, rows, cols, rng);
         const size_t rb = q::row_size(t, cols);
         const auto x = random_x(n_tok * cols, rng);
@@ -657,9 +657,9 @@ TEST(QuantMatmul, InvariantToTokenCountRowSplitAndStrides) {
         for (int64_t tk = 0; tk < n_tok; ++tk) std::copy(x.begin() + tk * cols, x.begin() + (tk + 1) * cols, xs.begin() + tk * ldx);
         std::vector<float> ys(static_cast<size_t>(n_tok * ldy), NAN);
         const int64_t row_cuts[] = {0, 1, 4, 5, 22, 41};
-        const int64_t tok_cuts[] = {0, 7, 8, 21, 29};
+        const int64_t tok_cuts[] = {0, 7, 8, 21, 29, 100, 104, 137};
         for (int ri = 0; ri + 1 < 6; ++ri)
-          for (int ti = 0; ti + 1 < 5; ++ti)
+          for (int ti = 0; ti + 1 < 8; ++ti)
             q::matmul(t, w.data(), rb, row_cuts[ri], row_cuts[ri + 1], cols, xs.data() + tok_cuts[ti] * ldx, ldx,
                       tok_cuts[ti + 1] - tok_cuts[ti], ys.data() + tok_cuts[ti] * ldy, ldy);
         for (int64_t tk = 0; tk < n_tok; ++tk)

@@ -21,6 +21,7 @@ struct V256 {
     return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), idx));
   }
   static void store(float* p, vec v) { _mm256_store_ps(p, v); }
+  static void storeu(float* p, vec v) { _mm256_storeu_ps(p, v); }
   static vec fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
   static vec add(vec a, vec b) { return _mm256_add_ps(a, b); }
   static float hsum(vec v) {

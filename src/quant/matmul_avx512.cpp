@@ -19,6 +19,7 @@ struct V512 {
     return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1u), p);
   }
   static void store(float* p, vec v) { _mm512_store_ps(p, v); }
+  static void storeu(float* p, vec v) { _mm512_storeu_ps(p, v); }
   static vec fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
   static vec add(vec a, vec b) { return _mm512_add_ps(a, b); }
   static float hsum(vec v) {

@@ -8,14 +8,16 @@
 // decoded in registers and FMA'd straight into the (row, token) accumulators (struct Fused),
 // so the weight stream from memory never pauses. Larger calls take the panel path:
 //
-//   for each panel of P rows:              P = ~256 KiB of fp32 (L2)
-//     decode the P weight rows to fp32    (each weight block decoded once per call)
-//     for each tile of TB tokens:
-//       for each group of RB rows:         micro-kernel: RB x TB (row, token) pairs
-//         for k in steps of 2*V::W columns, in order:
-//           acc[r][t][0] += w[r][k   .. k+W)  * x[t][k   .. k+W)     (one FMA per lane)
-//           acc[r][t][1] += w[r][k+W .. k+2W) * x[t][k+W .. k+2W)
-//         y[t][r] = hsum(acc[r][t][0] + acc[r][t][1])   (fixed reduction tree)
+//   for each block of TT = 64 tokens:        its activations stay in L2
+//     for each panel of P = 4*RB rows:
+//       decode the P weight rows to fp32     (once per token block)
+//       for each chunk of KC = 512 columns:  panel chunk + token tile chunk in L1
+//         for each tile of TB tokens:
+//           for each group of RB rows:       micro-kernel: RB x TB (row, token) pairs
+//             for k in the chunk, in steps of 2*V::W columns, in order:
+//               acc[r][t][0] += w[r][k   .. k+W)  * x[t][k   .. k+W)     (one FMA per lane)
+//               acc[r][t][1] += w[r][k+W .. k+2W) * x[t][k+W .. k+2W)
+//     y[t][r] = hsum(acc[r][t][0] + acc[r][t][1])   (fixed reduction tree, after the last chunk)
 //
 // Invariance: the value of y[t][r] depends only on row r of W, row t of x and `cols`: lane l
 // of accumulator j of every pair sees exactly the products k = j*W + l (mod 2W), in increasing
@@ -30,6 +32,8 @@
 #include "quant/quant_impl.h"
 
 namespace strata::quant::detail::simd {
+
+namespace {  // internal linkage: each SIMD translation unit gets its own copy (see quant_impl.h)
 
 /// Decodes one row of `cols` weights (bytes at `src`) to `cols` floats at `dst` (64-byte aligned).
 using DecodeFn = void (*)(const uint8_t* src, float* dst, int64_t cols);
@@ -85,8 +89,6 @@ void run_fused(Dec dec, const MatmulArgs& a) {
   }
 }
 
-namespace {  // internal linkage: each SIMD translation unit gets its own copy (see quant_impl.h)
-
 /// A growable, 64-byte aligned, per-thread scratch buffer of floats.
 float* scratch(size_t n) {
   struct Free {
@@ -103,19 +105,25 @@ float* scratch(size_t n) {
   return buf.get();
 }
 
-/// RB rows x TB tokens micro-kernel over fp32 rows `w` (ldw floats apart) and activations x
-/// (ldx apart). Writes y[t*ldy + r].
+/// RB rows x TB tokens micro-kernel over columns [0, len) of fp32 rows `w` (ldw floats apart)
+/// and activations x (ldx apart). The 2*RB*TB accumulators live in `acc` between calls (layout
+/// acc[(r * acc_rs + t) * 2W + j*W + lane]); `first` starts them at zero instead of loading them,
+/// `last` reduces them into y[t*ldy + r] instead of storing them. Storing and reloading a vector
+/// is exact, so splitting the columns into chunks does not change any lane's sum.
 template <class V, int RB, int TB>
-void micro(const float* w, int64_t ldw, const float* x, int64_t ldx, int64_t cols, float* y, int64_t ldy) {
+void micro(const float* w, int64_t ldw, const float* x, int64_t ldx, int64_t len, float* acc, int64_t acc_rs,
+           bool first, bool last, float* y, int64_t ldy) {
   using vec = typename V::vec;
   constexpr int W = V::W;
-  vec acc[RB][TB][2];
+  vec a[RB][TB][2];
 #pragma GCC unroll 16
   for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 16
-    for (int t = 0; t < TB; ++t) acc[r][t][0] = acc[r][t][1] = V::zero();
+    for (int t = 0; t < TB; ++t)
+#pragma GCC unroll 2
+      for (int j = 0; j < 2; ++j) a[r][t][j] = first ? V::zero() : V::loadu(acc + (r * acc_rs + t) * 2 * W + j * W);
   int64_t k = 0;
-  for (; k + 2 * W <= cols; k += 2 * W) {
+  for (; k + 2 * W <= len; k += 2 * W) {
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
       vec wv[RB];
@@ -125,12 +133,12 @@ void micro(const float* w, int64_t ldw, const float* x, int64_t ldx, int64_t col
       for (int t = 0; t < TB; ++t) {
         const vec xv = V::loadu(x + t * ldx + k + h * W);
 #pragma GCC unroll 16
-        for (int r = 0; r < RB; ++r) acc[r][t][h] = V::fma(wv[r], xv, acc[r][t][h]);
+        for (int r = 0; r < RB; ++r) a[r][t][h] = V::fma(wv[r], xv, a[r][t][h]);
       }
     }
   }
-  if (k < cols) {  // ragged tail (plain types only): masked loads, lanes past cols read as 0
-    const int rem = static_cast<int>(cols - k);
+  if (k < len) {  // ragged tail (plain types only): masked loads, lanes past len read as 0
+    const int rem = static_cast<int>(len - k);
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
       const int n = std::clamp(rem - h * W, 0, W);
@@ -141,19 +149,27 @@ void micro(const float* w, int64_t ldw, const float* x, int64_t ldx, int64_t col
       for (int t = 0; t < TB; ++t) {
         const vec xv = V::loadu_n(x + t * ldx + k + h * W, n);
 #pragma GCC unroll 16
-        for (int r = 0; r < RB; ++r) acc[r][t][h] = V::fma(wv[r], xv, acc[r][t][h]);
+        for (int r = 0; r < RB; ++r) a[r][t][h] = V::fma(wv[r], xv, a[r][t][h]);
       }
     }
   }
 #pragma GCC unroll 16
   for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 16
-    for (int t = 0; t < TB; ++t) y[t * ldy + r] = V::hsum(V::add(acc[r][t][0], acc[r][t][1]));
+    for (int t = 0; t < TB; ++t) {
+      if (last) {
+        y[t * ldy + r] = V::hsum(V::add(a[r][t][0], a[r][t][1]));
+      } else {
+        V::storeu(acc + (r * acc_rs + t) * 2 * W, a[r][t][0]);
+        V::storeu(acc + (r * acc_rs + t) * 2 * W + W, a[r][t][1]);
+      }
+    }
 }
 
 template <class V, int RB, int TB>
 struct MicroTable {
-  using Fn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
+  using Fn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t, bool, bool, float*,
+                      int64_t);
   Fn fn[RB][TB];
   constexpr MicroTable() : fn{} { fill<0, 0>(); }
   template <int R, int T>
@@ -169,50 +185,66 @@ struct MicroTable {
   }
 };
 
-/// Runs the micro-kernels over rows that are already fp32 in memory (F32 weights: no copy).
+/// Blocking of the panel path (floats): KC columns per chunk, so that one chunk of the panel's
+/// rows (PANEL x KC) and of a token tile (TB x KC) stay in L1 while the micro-kernels sweep them;
+/// TT tokens per block: their activations (TT x cols) stay in L2 while all panels pass.
+inline constexpr int64_t kKC = 512;
+inline constexpr int64_t kTT = 64;
+
+/// Computes y for `np` consecutive fp32 rows `w` (ldw apart; rows r0.. of the output) and the
+/// tokens [tb, te) of `a` (te - tb <= kTT), blocked over columns (see kKC).
 template <class V>
-void run_direct(const MatmulArgs& a) {
-  constexpr int RB = V::RB, TB = V::TB;
+void panel(const float* w, int64_t ldw, int64_t np, int64_t r0, int64_t tb, int64_t te, const MatmulArgs& a,
+           float* acc) {
+  constexpr int RB = V::RB, TB = V::TB, W = V::W;
   static constexpr MicroTable<V, RB, TB> table{};
-  const auto* w = reinterpret_cast<const float*>(a.W);
-  const int64_t ldw = static_cast<int64_t>(a.row_bytes / sizeof(float));
-  // Row groups outside, token tiles inside: for prefill, a ~256 KiB panel of rows stays in L2.
-  const int64_t panel = std::max<int64_t>(RB, (256 * 1024 / 4) / std::max<int64_t>(a.cols, 1) / RB * RB);
-  for (int64_t p = a.row_begin; p < a.row_end; p += panel) {
-    const int64_t pe = std::min(a.row_end, p + panel);
-    for (int64_t t = 0; t < a.n_tok; t += TB) {
-      const int64_t nt = std::min<int64_t>(TB, a.n_tok - t);
-      for (int64_t r = p; r < pe; r += RB) {
-        const int64_t nr = std::min<int64_t>(RB, pe - r);
-        table.fn[nr - 1][nt - 1](w + r * ldw, ldw, a.x + t * a.ldx, a.ldx, a.cols, a.y + t * a.ldy + r, a.ldy);
+  for (int64_t kc = 0; kc < a.cols; kc += kKC) {
+    const int64_t len = std::min(kKC, a.cols - kc);
+    const bool first = kc == 0, last = kc + len == a.cols;
+    for (int64_t t = tb; t < te; t += TB) {
+      const int64_t nt = std::min<int64_t>(TB, te - t);
+      for (int64_t i = 0; i < np; i += RB) {
+        const int64_t nr = std::min<int64_t>(RB, np - i);
+        table.fn[nr - 1][nt - 1](w + i * ldw + kc, ldw, a.x + t * a.ldx + kc, a.ldx, len,
+                                 acc + (i * kTT + (t - tb)) * 2 * W, kTT, first, last, a.y + t * a.ldy + r0 + i,
+                                 a.ldy);
       }
     }
   }
 }
 
-/// Panel path: decodes panels of rows with `dec(src, dst, cols)` (see the diagram at the top).
+/// Rows per panel: a multiple of RB, about 4 micro-kernel groups.
+template <class V>
+constexpr int64_t panel_rows() {
+  return 4 * V::RB;
+}
+
+/// Panel path over rows that are already fp32 in memory (F32 weights: no copy).
+template <class V>
+void run_direct(const MatmulArgs& a) {
+  const int64_t P = panel_rows<V>();
+  float* acc = scratch(static_cast<size_t>(P * kTT * 2 * V::W));
+  const auto* w = reinterpret_cast<const float*>(a.W);
+  const int64_t ldw = static_cast<int64_t>(a.row_bytes / sizeof(float));
+  for (int64_t tb = 0; tb < a.n_tok; tb += kTT)
+    for (int64_t p = a.row_begin; p < a.row_end; p += P)
+      panel<V>(w + p * ldw, ldw, std::min(P, a.row_end - p), p, tb, std::min(a.n_tok, tb + kTT), a, acc);
+}
+
+/// Panel path: for each block of kTT tokens (its activations stay in L2), decodes panels of P
+/// rows with `dec(src, dst, cols)` and runs the micro-kernels over them. Blocks are decoded
+/// once per token block: ~n_tok/64 times per call, a few percent of the FMA work.
 template <class V, class Dec>
 void run(Dec dec, const MatmulArgs& a) {
-  constexpr int RB = V::RB, TB = V::TB, STEP = 2 * V::W;
-  static constexpr MicroTable<V, RB, TB> table{};
-  const int64_t cols = a.cols;
-  const int64_t ldw = (cols + STEP - 1) / STEP * STEP;
-  const int64_t rows = a.row_end - a.row_begin;
-  // Decode-sized calls keep the panel in L1; prefill-sized calls decode a panel of ~256 KiB
-  // (L2) that every token tile then reuses.
-  int64_t panel = RB;
-  if (a.n_tok > TB) panel = std::clamp<int64_t>((256 * 1024 / 4) / ldw / RB * RB, RB, 64 * RB);
-  panel = std::min(panel, rows);
-  float* buf = scratch(static_cast<size_t>(panel * ldw));
-  for (int64_t p = a.row_begin; p < a.row_end; p += panel) {
-    const int64_t np = std::min(panel, a.row_end - p);
-    for (int64_t i = 0; i < np; ++i) dec(a.W + static_cast<size_t>(p + i) * a.row_bytes, buf + i * ldw, cols);
-    for (int64_t t = 0; t < a.n_tok; t += TB) {
-      const int64_t nt = std::min<int64_t>(TB, a.n_tok - t);
-      for (int64_t i = 0; i < np; i += RB) {
-        const int64_t nr = std::min<int64_t>(RB, np - i);
-        table.fn[nr - 1][nt - 1](buf + i * ldw, ldw, a.x + t * a.ldx, a.ldx, cols, a.y + t * a.ldy + p + i, a.ldy);
-      }
+  const int64_t P = panel_rows<V>();
+  const int64_t ldw = (a.cols + 2 * V::W - 1) / (2 * V::W) * (2 * V::W) + 16;  // +16: avoid 4K aliasing
+  float* acc = scratch(static_cast<size_t>(P * kTT * 2 * V::W + P * ldw));
+  float* buf = acc + P * kTT * 2 * V::W;
+  for (int64_t tb = 0; tb < a.n_tok; tb += kTT) {
+    for (int64_t p = a.row_begin; p < a.row_end; p += P) {
+      const int64_t np = std::min(P, a.row_end - p);
+      for (int64_t i = 0; i < np; ++i) dec(a.W + static_cast<size_t>(p + i) * a.row_bytes, buf + i * ldw, a.cols);
+      panel<V>(buf, ldw, np, p, tb, std::min(a.n_tok, tb + kTT), a, acc);
     }
   }
 }
