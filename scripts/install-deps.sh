@@ -11,7 +11,11 @@ PKGS=(
   libfmt-dev          # formatting
   libgtest-dev libgmock-dev libbenchmark-dev  # tests and benchmarks
   python3 python3-jinja2  # test oracle for chat templates
+  libcpp-httplib-dev  # HTTP server of `strata serve`
 )
+# The server tests use Node.js and npm (tests/server); a Node.js from elsewhere is kept.
+command -v node >/dev/null 2>&1 || PKGS+=(nodejs)
+command -v npm >/dev/null 2>&1 || PKGS+=(npm)
 missing=()
 for p in "${PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if ((${#missing[@]})); then
