@@ -5,6 +5,11 @@
 // Layout convention (ggml's): a weight matrix W of shape [rows, cols] is stored as
 // `rows` consecutive rows of `cols` elements each (cols contiguous), each row
 // `row_bytes = cols / block_elems * block_bytes` bytes of blocks.
+//
+// Formats (block layouts of ggml/src/ggml-common.h, values as gguf-py/gguf/quants.py computes
+// them): F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ2_XS,
+// IQ3_S, IQ4_XS, IQ4_NL, MXFP4. Design, tolerances and measurements: docs/kernels.md.
+// All functions are thread-safe; matmul keeps a per-thread scratch buffer that only grows.
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -29,8 +34,8 @@ CpuKernels parse_cpu_kernels(const std::string& s);
 bool is_supported(GgmlType t);
 
 /// Scalar reference: dequantizes `n` elements (a multiple of the block size) from `src`
-/// into `dst` (n floats). Bit-exact with gguf-py's dequantize. Throws std::runtime_error for
-/// unsupported types.
+/// (n / block_elems(t) blocks, row_size(t, n) bytes) into `dst` (n floats). Bit-exact with
+/// gguf-py's dequantize. Throws std::runtime_error for unsupported types or a ragged `n`.
 void dequantize_row(GgmlType t, const void* src, float* dst, int64_t n);
 
 /// Y = X * W^T for one row range:
@@ -42,6 +47,12 @@ void dequantize_row(GgmlType t, const void* src, float* dst, int64_t n);
 /// Invariance contract: y[t][r] is bit-identical whatever n_tok, the row range it was
 /// computed in, and the other rows of x (so results do not depend on prompt chunking or
 /// thread split). Only the kernel family (set_cpu_kernels) may change the rounding.
+///
+/// Units: all fp32; x and y must not overlap. Weights are expanded to fp32 exactly as
+/// dequantize_row does (activations are never quantized); the fast families differ from the
+/// scalar reference (double accumulation) only by fp32 accumulation, at most
+/// (cols/16 + 8) * 2^-24 * sum_k |w_k x_k|. Throws std::runtime_error for an unsupported type,
+/// a ragged `cols`, a bad row range or row_bytes < row_size(t, cols).
 void matmul(GgmlType t, const void* W, size_t row_bytes, int64_t row_begin, int64_t row_end, int64_t cols,
             const float* x, int64_t ldx, int64_t n_tok, float* y, int64_t ldy);
 
