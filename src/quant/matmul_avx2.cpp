@@ -107,7 +107,14 @@ simd::DecodeFn plain_decoder(GgmlType t) {
 
 using StoreSink = simd::Store<V256>;
 
-// F16/BF16 as sink decoders (n % 8 == 0), so that decode-sized calls can use the fused path.
+// F32/F16/BF16 as sink decoders (n % 8 == 0), so that decode-sized calls can use the fused path.
+template <class S>
+void sink_f32(const uint8_t* b, S& out, int64_t n) {
+  S o = out;
+  for (int64_t i = 0; i < n; i += 8) o.put(_mm256_loadu_ps(reinterpret_cast<const float*>(b) + i));
+  out = o;
+}
+
 template <class S>
 void sink_f16(const uint8_t* b, S& out, int64_t n) {
   S o = out;
@@ -129,6 +136,7 @@ void sink_bf16(const uint8_t* b, S& out, int64_t n) {
 template <class S>
 simd::SinkDecodeFn<E256, S> decoder256(GgmlType t) {
   switch (t) {
+    case GgmlType::F32: return sink_f32<S>;
     case GgmlType::F16: return sink_f16<S>;
     case GgmlType::BF16: return sink_bf16<S>;
     default: return simd::block_decoder<E256, S>(t);
@@ -161,10 +169,6 @@ bool decode_row_avx2(GgmlType t, const void* src, float* dst, int64_t n) {
 }
 
 bool matmul_avx2(const MatmulArgs& a) {
-  if (a.type == GgmlType::F32 && a.row_bytes % sizeof(float) == 0) {
-    simd::run_direct<V256>(a);
-    return true;
-  }
   const bool plain = plain_decoder(a.type) != nullptr;
   if (plain && a.cols % (2 * V256::W) != 0) {  // ragged rows: only the panel path has tails
     simd::run<V256>(plain_decoder(a.type), a);
@@ -176,6 +180,10 @@ bool matmul_avx2(const MatmulArgs& a) {
     case 3: return fused<3>(a);
     case 4: return fused<4>(a);
     default: break;
+  }
+  if (a.type == GgmlType::F32 && a.row_bytes % sizeof(float) == 0) {  // prefill on F32: no copy
+    simd::run_direct<V256>(a);
+    return true;
   }
   if (plain) {
     simd::run<V256>(plain_decoder(a.type), a);

@@ -242,7 +242,14 @@ void lut_q5_k(const uint8_t* b, S& out, int64_t n) {
   out = o;
 }
 
-// F16/BF16 as sink decoders (n % 16 == 0), so that decode-sized calls can use the fused path.
+// F32/F16/BF16 as sink decoders (n % 16 == 0), so that decode-sized calls can use the fused path.
+template <class S>
+void sink_f32(const uint8_t* b, S& out, int64_t n) {
+  S o = out;
+  for (int64_t i = 0; i < n; i += 16) o.put(_mm512_loadu_ps(reinterpret_cast<const float*>(b) + i));
+  out = o;
+}
+
 template <class S>
 void sink_f16(const uint8_t* b, S& out, int64_t n) {
   S o = out;
@@ -275,6 +282,7 @@ simd::SinkDecodeFn<E512, S> decoder512(GgmlType t) {
     case GgmlType::IQ4_NL: return lut_iq4_nl<S>;
     case GgmlType::IQ4_XS: return lut_iq4_xs<S>;
     case GgmlType::MXFP4: return lut_mxfp4<S>;
+    case GgmlType::F32: return sink_f32<S>;
     case GgmlType::F16: return sink_f16<S>;
     case GgmlType::BF16: return sink_bf16<S>;
     default: return simd::block_decoder<E512, S>(t);
@@ -336,10 +344,6 @@ bool decode_row_avx512(GgmlType t, const void* src, float* dst, int64_t n) {
 }
 
 bool matmul_avx512(const MatmulArgs& a) {
-  if (a.type == GgmlType::F32 && a.row_bytes % sizeof(float) == 0) {
-    simd::run_direct<V512>(a);
-    return true;
-  }
   const bool plain = plain_decoder(a.type) != nullptr;
   if (plain && a.cols % (2 * V512::W) != 0) {  // ragged rows: only the panel path has tails
     simd::run<V512>(plain_decoder(a.type), a);
@@ -351,6 +355,10 @@ bool matmul_avx512(const MatmulArgs& a) {
     case 3: return fused<3>(a);
     case 4: return fused<4>(a);
     default: break;
+  }
+  if (a.type == GgmlType::F32 && a.row_bytes % sizeof(float) == 0) {  // prefill on F32: no copy
+    simd::run_direct<V512>(a);
+    return true;
   }
   if (plain) {
     simd::run<V512>(plain_decoder(a.type), a);
