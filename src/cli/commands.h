@@ -8,4 +8,6 @@ void register_run(CLI::App& root);
 void register_logits(CLI::App& root);
 void register_tokenize(CLI::App& root);
 void register_info(CLI::App& root);
+void register_serve(CLI::App& root);
+void register_chat(CLI::App& root);
 }  // namespace strata::cli

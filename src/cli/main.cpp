@@ -13,6 +13,8 @@ int main(int argc, char** argv) {
   strata::cli::register_logits(app);
   strata::cli::register_tokenize(app);
   strata::cli::register_info(app);
+  strata::cli::register_serve(app);
+  strata::cli::register_chat(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

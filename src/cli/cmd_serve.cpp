@@ -1,0 +1,100 @@
+// strata serve: an OpenAI-compatible HTTP server (src/server) over one engine. Runs until
+// SIGINT or SIGTERM.
+#include <fmt/format.h>
+#include <pthread.h>
+
+#include <csignal>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "chat/chat_template.h"
+#include "cli/commands.h"
+#include "cli/common.h"
+#include "server/server.h"
+
+namespace strata::cli {
+
+namespace {
+struct ServeFlags {
+  EngineFlags engine;
+  server::ServerOptions server;
+  std::string chat_template_file;
+  int64_t max_body_kb = 1024;
+};
+}  // namespace
+
+/// The model's chat template (or the one in `file`), failing with a clear message at startup.
+chat::ChatTemplate load_chat_template(engine::Engine& eng, const std::string& file) {
+  try {
+    if (file.empty()) {
+      chat::ChatTemplate t = chat::ChatTemplate::from_gguf(eng.gguf(), eng.tokenizer());
+      if (t.is_fallback())
+        fmt::print(stderr, "strata: warning: the model has no tokenizer.chat_template; using ChatML\n");
+      return t;
+    }
+    std::ifstream in(file, std::ios::binary);
+    if (!in) throw std::runtime_error(fmt::format("cannot read chat template file '{}'", file));
+    std::stringstream ss;
+    ss << in.rdbuf();
+    auto text_of = [&](int32_t id) { return id >= 0 ? eng.tokenizer().token_bytes(id) : std::string(); };
+    return chat::ChatTemplate(ss.str(), text_of(eng.tokenizer().bos_id()), text_of(eng.tokenizer().eos_id()));
+  } catch (const chat::TemplateError& e) {
+    throw std::runtime_error(fmt::format("unsupported chat template ({}): {}",
+                                         file.empty() ? "tokenizer.chat_template of the model" : file, e.what()));
+  }
+}
+
+void register_serve(CLI::App& root) {
+  auto f = std::make_shared<ServeFlags>();
+  CLI::App* app = root.add_subcommand("serve", "OpenAI-compatible HTTP server: chat and text completions, SSE streaming");
+  f->engine.add(*app);
+  auto& s = f->server;
+  app->add_option("--host", s.host, "address to listen on")->capture_default_str();
+  app->add_option("--port", s.port, "port to listen on (0 = any free port, printed at start)")->capture_default_str();
+  app->add_option("--api-key", s.api_key, "require 'Authorization: Bearer KEY' (all endpoints but /health)");
+  app->add_option("--parallel", s.parallel, "requests generating at once (slots of --ctx-size tokens each)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app->add_option("--queue-size", s.queue_size, "requests waiting for a slot before new ones get 503")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app->add_option("--max-body-kb", f->max_body_kb, "largest request body in KiB (larger: 413)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app->add_option("--http-threads", s.http_threads, "connection threads (0 = parallel + queue-size + 16)")
+      ->capture_default_str();
+  app->add_option("--alias", s.model_name, "model id reported by /v1/models (default: the file name)");
+  app->add_option("--chat-template-file", f->chat_template_file, "Jinja chat template to use instead of the model's")
+      ->check(CLI::ExistingFile);
+  app->callback([f] {
+    // Signals go to one waiting thread (blocked everywhere else), which stops the server.
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGINT);
+    sigaddset(&sigs, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+
+    engine::Engine eng(f->engine.model, f->engine.resolve());
+    chat::ChatTemplate tmpl = load_chat_template(eng, f->chat_template_file);
+    server::ServerOptions opts = f->server;
+    opts.max_body_bytes = size_t(f->max_body_kb) * 1024;
+    server::Server srv(eng, std::move(tmpl), opts);
+    const int port = srv.bind();
+    fmt::print(stderr,
+               "strata serve: listening on http://{}:{} ({}, {} slots of {} tokens, queue {}, arena {} in {} slots)\n",
+               opts.host, port, f->engine.model, opts.parallel, eng.n_ctx(), opts.queue_size,
+               human_bytes(double(eng.arena_bytes())), eng.stream().n_slots());
+    std::thread waiter([&] {
+      int sig = 0;
+      sigwait(&sigs, &sig);
+      srv.stop();
+    });
+    srv.listen();
+    pthread_kill(waiter.native_handle(), SIGTERM);  // wake the waiter if listen ended by itself
+    waiter.join();
+    fmt::print(stderr, "strata serve: stopped\n");
+  });
+}
+
+}  // namespace strata::cli

@@ -1,0 +1,51 @@
+#pragma once
+// `strata serve`: an OpenAI-compatible HTTP server over one Engine.
+//
+// HTTP is Debian's cpp-httplib (libcpp-httplib-dev): a thread per connection from a fixed
+// pool, Server-Sent Events through chunked content providers. Handlers validate and turn
+// each request into a server::Request for the Scheduler (scheduler.h), then wait on it.
+//
+// Endpoints: POST /v1/chat/completions, POST /v1/completions (streaming and not),
+// GET /v1/models, GET /health, GET /metrics (Prometheus), POST /tokenize, POST /detokenize.
+// Errors are OpenAI-style: {"error": {"message", "type", "code", "param"}} with the HTTP status.
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "chat/chat_template.h"
+#include "engine/engine.h"
+
+namespace strata::server {
+
+struct ServerOptions {
+  std::string host = "127.0.0.1";
+  int port = 8080;             ///< 0 = any free port (see Server::bind)
+  std::string api_key;         ///< when set, every endpoint but /health needs "Authorization: Bearer KEY"
+  int parallel = 4;            ///< slots: requests generating at once
+  int queue_size = 64;         ///< requests waiting for a slot; beyond it: 503 with Retry-After
+  size_t max_body_bytes = 1 << 20;  ///< larger request bodies: 413
+  int http_threads = 0;        ///< connection threads; 0 = parallel + queue_size + 16
+  std::string model_name;      ///< the id /v1/models reports (default: the file name without .gguf)
+};
+
+class Server {
+ public:
+  /// The engine must outlive the server. Starts the scheduler (allocates the slots).
+  Server(engine::Engine& eng, chat::ChatTemplate tmpl, ServerOptions opts);
+  ~Server();
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  /// Binds host:port (port 0: a free port) and returns the port. Throws std::runtime_error.
+  int bind();
+  /// Serves until stop(); call bind() first.
+  void listen();
+  /// Stops listening and the scheduler; safe from another thread.
+  void stop();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace strata::server
