@@ -7,6 +7,8 @@ cd "$(dirname "$0")/.."
 jobs=$(nproc)
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j"$jobs"
+# Node modules of the server tests (tests/server: the openai client), from the committed lock file.
+(cd tests/server && npm ci --no-audit --no-fund --loglevel=error)
 ctest --test-dir build --output-on-failure -j"$jobs"
 # The file parser faces untrusted input: run its tests (corrupt files, random mutations) under ASan.
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSTRATA_ASAN=ON -DSTRATA_BENCH=OFF >/dev/null

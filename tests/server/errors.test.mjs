@@ -1,0 +1,159 @@
+// Bad input gets the right HTTP status and an OpenAI-style error object, and the server
+// keeps serving: malformed JSON, wrong field types, out-of-range values, a prompt longer than
+// the context, invalid UTF-8, an oversized body, a wrong API key, a full queue (503).
+import { after, before, test } from 'node:test';
+import assert from 'node:assert/strict';
+import { post, requireSetup, startServer } from './harness.mjs';
+
+requireSetup();
+
+const KEY = 'sk-test-key';
+const AUTH = { Authorization: `Bearer ${KEY}` };
+let srv;
+before(async () => {
+  srv = await startServer(['--api-key', KEY, '--ctx-size', '256', '--max-body-kb', '64', '--parallel', '1', '--queue-size', '1']);
+});
+after(async () => {
+  assert.equal(await srv.stop(), 0);
+});
+
+function assertError(r, status, code) {
+  assert.equal(r.status, status, r.text);
+  assert.ok(r.body && r.body.error, `an error object: ${r.text}`);
+  assert.equal(typeof r.body.error.message, 'string');
+  assert.ok(r.body.error.message.length > 0);
+  assert.equal(typeof r.body.error.type, 'string');
+  assert.ok('code' in r.body.error);
+  if (code !== undefined) assert.equal(r.body.error.code, code);
+}
+
+const chat = (body, headers = AUTH) => post(`${srv.url}/v1/chat/completions`, body, headers);
+const completion = (body, headers = AUTH) => post(`${srv.url}/v1/completions`, body, headers);
+const okChat = { messages: [{ role: 'user', content: 'Hi' }], max_tokens: 4, temperature: 0 };
+
+test('API key: missing or wrong gives 401, right one works, /health needs none', async () => {
+  assertError(await chat(okChat, {}), 401, 'invalid_api_key');
+  assertError(await chat(okChat, { Authorization: 'Bearer wrong' }), 401, 'invalid_api_key');
+  assertError(await post(`${srv.url}/tokenize`, { content: 'x' }, {}), 401, 'invalid_api_key');
+  const m = await fetch(`${srv.url}/v1/models`);
+  assert.equal(m.status, 401);
+  assert.equal((await chat(okChat)).status, 200);
+  assert.equal((await fetch(`${srv.url}/health`)).status, 200);
+});
+
+test('malformed JSON and non-object bodies: 400 invalid_json', async () => {
+  assertError(await chat('{"messages": [', AUTH), 400, 'invalid_json');
+  assertError(await chat('not json at all', AUTH), 400, 'invalid_json');
+  assertError(await chat('[1, 2, 3]', AUTH), 400, 'invalid_json');
+  assertError(await completion('', AUTH), 400, 'invalid_json');
+});
+
+test('fields of the wrong type: 400 invalid_type naming the field', async () => {
+  const cases = [
+    [{ ...okChat, temperature: 'hot' }, 'temperature'],
+    [{ ...okChat, max_tokens: '10' }, 'max_tokens'],
+    [{ ...okChat, max_tokens: 1.5 }, 'max_tokens'],
+    [{ ...okChat, stream: 'yes' }, 'stream'],
+    [{ ...okChat, stop: 5 }, 'stop'],
+    [{ ...okChat, stop: ['ok', 3] }, 'stop'],
+    [{ ...okChat, seed: 'abc' }, 'seed'],
+    [{ ...okChat, top_k: 2.5 }, 'top_k'],
+    [{ ...okChat, messages: 'hello' }, 'messages'],
+    [{ ...okChat, messages: [{ role: 3, content: 'x' }] }, 'messages[0].role'],
+    [{ ...okChat, messages: [{ role: 'user', content: 42 }] }, 'messages[0].content'],
+    [{ ...okChat, logprobs: 'true' }, 'logprobs'],
+  ];
+  for (const [body, param] of cases) {
+    const r = await chat(body);
+    assertError(r, 400, 'invalid_type');
+    assert.equal(r.body.error.param, param, JSON.stringify(body));
+  }
+  const r = await completion({ prompt: { text: 'x' }, max_tokens: 2 });
+  assertError(r, 400, 'invalid_type');
+  assertError(await completion({ prompt: [1, 'a'], max_tokens: 2 }), 400, 'invalid_type');
+});
+
+test('values out of range: 400 invalid_value', async () => {
+  for (const body of [
+    { ...okChat, max_tokens: 0 },
+    { ...okChat, max_tokens: -5 },
+    { ...okChat, max_tokens: 1e9 },
+    { ...okChat, temperature: 5 },
+    { ...okChat, top_p: 1.5 },
+    { ...okChat, top_logprobs: 50, logprobs: true },
+  ]) {
+    const r = await chat(body);
+    assertError(r, 400, 'invalid_value');
+  }
+  assertError(await completion({ prompt: [1, 999999], max_tokens: 2 }), 400, 'invalid_value');
+  assertError(await chat({ ...okChat, messages: [] }), 400, 'invalid_type');
+  assertError(await chat({ max_tokens: 2 }), 400, 'missing_required_parameter');
+  assertError(await chat({ ...okChat, n: 3 }), 400, 'unsupported');
+  assertError(await completion({ prompt: '', max_tokens: 2 }), 400, 'invalid_value');
+});
+
+test('a prompt longer than the context: 400 context_length_exceeded', async () => {
+  const long = 'def f(x):\n    return x\n'.repeat(100); // well over 256 tokens
+  const r = await completion({ prompt: long, max_tokens: 4 });
+  assertError(r, 400, 'context_length_exceeded');
+  assert.match(r.body.error.message, /256/);
+  assertError(await chat({ ...okChat, messages: [{ role: 'user', content: long }] }), 400, 'context_length_exceeded');
+});
+
+test('invalid UTF-8 in the body: 400 invalid_utf8', async () => {
+  const bad = Buffer.concat([Buffer.from('{"prompt": "abc'), Buffer.from([0xff, 0xfe]), Buffer.from('", "max_tokens": 2}')]);
+  assertError(await completion(bad), 400, 'invalid_utf8');
+  const overlong = Buffer.concat([Buffer.from('{"messages": [{"role": "user", "content": "'), Buffer.from([0xc0, 0xaf]), Buffer.from('"}]}')]);
+  assertError(await chat(overlong), 400, 'invalid_utf8');
+});
+
+test('a body over --max-body-kb: 413 request_too_large', async () => {
+  const big = JSON.stringify({ prompt: 'x'.repeat(100 * 1024), max_tokens: 2 });
+  assertError(await completion(big), 413, 'request_too_large');
+});
+
+test('unknown endpoint: 404; template rejections are 400', async () => {
+  assertError(await post(`${srv.url}/v1/nothing`, {}, AUTH), 404, 'not_found');
+  const r = await chat({ ...okChat, messages: [{ role: 'user', content: [{ type: 'image_url', image_url: { url: 'x' } }] }] });
+  assertError(r, 400, 'unsupported');
+});
+
+test('queue full: 503 with Retry-After; aborted streams free their slot', async () => {
+  const long = { prompt: 'def main():', max_tokens: 200, temperature: 0, ignore_eos: true, stream: true };
+  const ctrlA = new AbortController(), ctrlB = new AbortController();
+  const open = (ctrl) =>
+    fetch(`${srv.url}/v1/completions`, {
+      method: 'POST', body: JSON.stringify(long), headers: { 'Content-Type': 'application/json', ...AUTH }, signal: ctrl.signal,
+    });
+  const a = await open(ctrlA); // takes the only slot
+  assert.equal(a.status, 200);
+  const readerA = a.body.getReader(); // read A's first event but keep the connection open
+  const first = await readerA.read();
+  assert.match(new TextDecoder().decode(first.value), /^data: /, 'A is generating');
+  const b = await open(ctrlB); // waits in the queue of one
+  assert.equal(b.status, 200);
+  const c = await completion({ prompt: 'x', max_tokens: 2 });
+  assertError(c, 503, 'server_busy');
+  assert.equal(c.headers.get('retry-after'), '1');
+  ctrlA.abort();
+  ctrlB.abort();
+  // The server notices the closed connections and frees the slot; then a request goes through.
+  const deadline = Date.now() + 10000;
+  let ok = null;
+  while (Date.now() < deadline) {
+    const r = await completion({ prompt: 'x', max_tokens: 2, temperature: 0 });
+    if (r.status === 200) { ok = r; break; }
+    await new Promise((res) => setTimeout(res, 100));
+  }
+  assert.ok(ok, 'a slot was freed after the clients went away');
+  const metrics = await (await fetch(`${srv.url}/metrics`, { headers: AUTH })).text();
+  assert.ok(Number(metrics.match(/^strata_requests_cancelled_total (\d+)$/m)[1]) >= 1);
+  assert.ok(Number(metrics.match(/^strata_requests_rejected_total (\d+)$/m)[1]) >= 1);
+});
+
+test('after all that, the server still serves', async () => {
+  const r = await chat(okChat);
+  assert.equal(r.status, 200);
+  assert.equal(r.body.choices[0].message.role, 'assistant');
+  assert.equal((await fetch(`${srv.url}/health`)).status, 200);
+});
