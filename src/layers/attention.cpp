@@ -1,5 +1,6 @@
 #include "layers/attention.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -11,8 +12,21 @@ void attention_block(cpu::ThreadPool& pool, const AttentionWeights& w, const Att
   const int64_t kv_dim = int64_t(s.n_head_kv) * s.head_dim;
   std::vector<float> q(T * q_dim), k(T * kv_dim), v(T * kv_dim), att(T * q_dim);
 
-  // Projections.
-  cpu::matmul(pool, w.wq, h, n_embd, T, q.data(), q_dim);
+  // Projections. Gated: attn_q gives [n_head][q, gate] per token; split it into q and gate.
+  std::vector<float> gate;
+  if (s.q_gate) {
+    std::vector<float> qg(T * 2 * q_dim);
+    cpu::matmul(pool, w.wq, h, n_embd, T, qg.data(), 2 * q_dim);
+    gate.resize(T * q_dim);
+    for (int64_t t = 0; t < T; ++t)
+      for (int hh = 0; hh < s.n_head; ++hh) {
+        const float* src = qg.data() + t * 2 * q_dim + int64_t(hh) * 2 * s.head_dim;
+        std::copy_n(src, s.head_dim, q.data() + t * q_dim + int64_t(hh) * s.head_dim);
+        std::copy_n(src + s.head_dim, s.head_dim, gate.data() + t * q_dim + int64_t(hh) * s.head_dim);
+      }
+  } else {
+    cpu::matmul(pool, w.wq, h, n_embd, T, q.data(), q_dim);
+  }
   cpu::matmul(pool, w.wk, h, n_embd, T, k.data(), kv_dim);
   cpu::matmul(pool, w.wv, h, n_embd, T, v.data(), kv_dim);
 
@@ -46,6 +60,10 @@ void attention_block(cpu::ThreadPool& pool, const AttentionWeights& w, const Att
                          scratch.data());
     }
   });
+
+  // Gated output: att *= sigmoid(gate), element by element.
+  if (s.q_gate)
+    for (int64_t i = 0; i < T * q_dim; ++i) att[i] *= 1.0f / (1.0f + std::exp(-gate[i]));
 
   // Output projection.
   cpu::matmul(pool, w.wo, att.data(), q_dim, T, out, n_embd);

@@ -1,6 +1,13 @@
 #pragma once
 // Grouped-query self-attention with per-head q/k RMSNorm and rotary embedding, shared by
 // the architectures that use it (qwen3moe; qwen3next's gated full-attention layers).
+//
+// Gated variant (qwen3next, AttentionShape::q_gate): attn_q produces, per head, the query
+// and an output gate side by side, [q(head_dim), gate(head_dim)], and the attention output
+// is multiplied by sigmoid(gate) before attn_output (transformers Qwen3NextAttention:
+// `q_proj(h).view(..., -1, head_dim * 2).chunk(2, -1)`, `out * sigmoid(gate)`; llama.cpp
+// qwen3next build_layer_attn views the same layout). Partial rotary embedding comes from
+// the Rope itself (Rope::n_rot < head_dim rotates only the first n_rot dims).
 #include <cstdint>
 
 #include "backend/cpu/ops.h"
@@ -22,6 +29,9 @@ struct AttentionShape {
   int head_dim = 0;
   float rms_eps = 1e-6f;
   const cpu::Rope* rope = nullptr;
+  /// attn_q rows are [n_head][q(head_dim), gate(head_dim)] and the output is gated by
+  /// sigmoid(gate) per element (qwen3next). False: attn_q is [n_head][head_dim] (qwen3moe).
+  bool q_gate = false;
 };
 
 /// Runs attention for T consecutive tokens at positions [pos0, pos0 + T).

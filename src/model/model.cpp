@@ -8,6 +8,7 @@ namespace strata::model {
 
 // Defined in one file per architecture.
 std::unique_ptr<Model> load_qwen3moe(const gguf::File& gguf, const LoadOptions& opts);
+std::unique_ptr<Model> load_qwen3next(const gguf::File& gguf, const LoadOptions& opts);
 
 namespace {
 struct ArchEntry {
@@ -17,6 +18,7 @@ struct ArchEntry {
 // The table of architectures: one line per architecture file.
 const ArchEntry kArchitectures[] = {
     {"qwen3moe", &load_qwen3moe},
+    {"qwen3next", &load_qwen3next},
 };
 }  // namespace
 
