@@ -6,6 +6,7 @@
 
 #include "support/paths.h"
 #include "support/reference.h"
+#include "engine/static_rank.h"
 
 using namespace strata;
 
@@ -96,4 +97,93 @@ TEST(Invariance, DecodeEqualsPrefill) {
   eng.prefill(b, std::span(ids).first(1), model::LogitsMode::Last, lb);
   for (size_t i = 1; i < ids.size(); ++i) eng.decode(b, ids[i], lb);
   EXPECT_TRUE(bit_equal(la, lb));
+}
+
+TEST(Invariance, ReadAheadAndIoSettingsNeverChangeResults) {
+  // Prediction on or off, --predict-min, a static rank, 1 or 8 IO threads, packed or not:
+  // each only changes what is read when, never the logits.
+  const auto ids = test_prompt();
+  engine::EngineOptions base;
+  base.n_threads = 2;
+  base.prompt_chunk = 16;
+  base.arena_mb = 5;  // about 70 of the 512 experts: constant eviction and read-ahead
+  base.predict = false;
+  base.use_pack = false;
+  const auto ref = all_logits(base, ids);
+
+  // A static rank made from the prompt's own routing.
+  const std::string rank_path = testing::TempDir() + "strata-invariance.strata-rank";
+  {
+    engine::EngineOptions o = base;
+    o.arena_mb = 64;
+    engine::Engine eng(test::shipped_model(), o);
+    model::SequenceState st = eng.new_sequence();
+    std::vector<float> logits;
+    model::RoutingTrace trace;
+    eng.prefill(st, ids, model::LogitsMode::None, logits, &trace);
+    engine::ExpertPopularity pop;
+    pop.counts.assign(trace.ids.size(), std::vector<uint64_t>(64, 0));
+    for (size_t l = 0; l < trace.ids.size(); ++l)
+      for (const auto& tok : trace.ids[l])
+        for (int32_t e : tok) pop.counts[l][e]++;
+    pop.tokens = ids.size();
+    engine::write_popularity(rank_path, test::shipped_model(), pop);
+  }
+
+  struct Case {
+    const char* name;
+    bool predict;
+    int predict_min;
+    int io_threads;
+    bool rank;
+  };
+  for (const Case& c : {Case{"predict on", true, 1, 8, false}, Case{"predict-min 3", true, 3, 8, false},
+                        Case{"predict on, 1 io thread", true, 1, 1, false}, Case{"static rank only", false, 1, 8, true},
+                        Case{"predict + static rank", true, 1, 4, true}}) {
+    engine::EngineOptions o = base;
+    o.predict = c.predict;
+    o.predict_min = c.predict_min;
+    o.io_threads = c.io_threads;
+    o.static_rank = c.rank ? rank_path : "none";
+    engine::Engine eng(test::shipped_model(), o);
+    model::SequenceState st = eng.new_sequence();
+    std::vector<float> logits;
+    eng.prefill(st, ids, model::LogitsMode::All, logits);
+    EXPECT_TRUE(bit_equal(logits, ref)) << c.name;
+    if (c.predict) {
+      // Read-ahead happened and the recall is a property of the model: same in every run.
+      EXPECT_GT(eng.prefill_stats().stream.streamed_ahead, 0u) << c.name;
+    }
+  }
+}
+
+TEST(Invariance, PredictionRecallDoesNotDependOnArenaOrTiming) {
+  const auto ids = test_prompt();
+  std::vector<double> recalls;
+  for (int arena_mb : {5, 64}) {
+    for (int io : {1, 8}) {
+      engine::EngineOptions o;
+      o.n_threads = 2;
+      o.prompt_chunk = 32;
+      o.arena_mb = arena_mb;
+      o.io_threads = io;
+      o.use_pack = false;
+      engine::Engine eng(test::shipped_model(), o);
+      model::SequenceState st = eng.new_sequence();
+      std::vector<float> logits;
+      eng.prefill(st, ids, model::LogitsMode::Last, logits);
+      const auto& p = eng.prefill_stats().prediction;
+      ASSERT_EQ(p.picks.size(), 8u);
+      uint64_t picks = 0, hit = 0;
+      for (size_t l = 0; l < p.picks.size(); ++l) {
+        picks += p.picks[l];
+        hit += p.predicted[l];
+      }
+      EXPECT_EQ(picks, ids.size() * 8 * 8);  // every layer has a prediction (layer 0: from embeddings)
+      recalls.push_back(double(hit) / double(picks));
+    }
+  }
+  for (double r : recalls) EXPECT_EQ(r, recalls[0]);
+  std::printf("prediction recall over all layers: %.3f\n", recalls[0]);
+  EXPECT_GT(recalls[0], 0.3);  // far better than chance (8 of 64 = 0.125)
 }

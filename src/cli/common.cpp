@@ -20,13 +20,25 @@ void EngineFlags::add(CLI::App& app) {
       ->capture_default_str();
   app.add_option("--io-threads", opts.io_threads, "threads reading experts from disk")->capture_default_str();
   app.add_flag("--no-direct-io", no_direct_io, "read experts through the page cache instead of O_DIRECT");
+  app.add_flag("--no-pack", no_pack, "read experts from the GGUF even when a valid MODEL.strata-pack exists");
   app.add_option("--cpu-kernels", cpu_kernels, "matrix kernels: auto, scalar, avx2, avx512")->capture_default_str();
+  app.add_option("--predict", predict, "read ahead the next layer's experts predicted from this layer (on|off)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--predict-min", opts.predict_min, "read ahead only experts predicted by at least N tokens")
+      ->capture_default_str();
+  app.add_option("--static-rank", opts.static_rank,
+                 "expert popularity file from `strata profile` (default: MODEL.strata-rank if present; 'none' = off)");
+  app.add_flag("--fake-stream", opts.fake_stream,
+               "no reads: treat every expert as resident (garbage output; measures the compute floor)");
 }
 
 engine::EngineOptions EngineFlags::resolve() const {
   engine::EngineOptions o = opts;
   o.kernels = quant::parse_cpu_kernels(cpu_kernels);
   o.direct_io = !no_direct_io;
+  o.use_pack = !no_pack;
+  o.predict = predict == "on";
   return o;
 }
 
@@ -82,8 +94,25 @@ std::string human_bytes(double b) {
   return u == 0 ? fmt::format("{:.0f} B", b) : fmt::format("{:.1f} {}", b, units[u]);
 }
 
+nlohmann::json recall_json(const model::PredictionStats& p) {
+  nlohmann::json out = nlohmann::json::array();
+  for (size_t l = 0; l < p.picks.size(); ++l)
+    out.push_back(p.picks[l] ? nlohmann::json(double(p.predicted[l]) / double(p.picks[l])) : nlohmann::json(nullptr));
+  return out;
+}
+
+double overall_recall(const model::PredictionStats& p) {
+  uint64_t picks = 0, hit = 0;
+  for (size_t l = 0; l < p.picks.size(); ++l) {
+    picks += p.picks[l];
+    hit += p.predicted[l];
+  }
+  return picks ? double(hit) / double(picks) : 0.0;
+}
+
 nlohmann::json phase_json(const engine::PhaseStats& p) {
-  return {{"tokens", p.tokens},
+  return {{"prediction_recall", overall_recall(p.prediction)},
+          {"prediction_recall_per_layer", recall_json(p.prediction)},{"tokens", p.tokens},
           {"seconds", p.seconds},
           {"tokens_per_s", p.tokens_per_s()},
           {"needed", p.stream.needed},
@@ -115,9 +144,9 @@ void print_stats(engine::Engine& e) {
     const double hit_rate = s.needed ? 100.0 * double(s.hits) / double(s.needed) : 0.0;
     fmt::print(stderr,
                "{:<8} {:5d} tokens in {:7.3f} s = {:8.2f} tok/s | experts needed {} hit {} ({:.1f} %) missed {} | "
-               "read {} | exposed wait {:.3f} s\n",
-               name, p.tokens, p.seconds, p.tokens_per_s(), s.needed, s.hits, hit_rate, s.misses,
-               human_bytes(double(s.bytes_read)), s.exposed_wait_s);
+               "ahead {} wasted {} | read {} | exposed wait {:.3f} s | recall {:.1f} %\n",
+               name, p.tokens, p.seconds, p.tokens_per_s(), s.needed, s.hits, hit_rate, s.misses, s.streamed_ahead,
+               s.wasted, human_bytes(double(s.bytes_read)), s.exposed_wait_s, 100.0 * overall_recall(p.prediction));
   };
   fmt::print(stderr, "\n");
   line("prefill", e.prefill_stats());

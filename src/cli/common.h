@@ -10,12 +10,15 @@
 namespace strata::cli {
 
 /// Model and engine flags: -m, -t/--threads, --arena-mb, --prompt-chunk, -c/--ctx-size,
-/// --io-threads, --no-direct-io, --cpu-kernels.
+/// --io-threads, --no-direct-io, --no-pack, --cpu-kernels, --predict, --predict-min,
+/// --static-rank, --fake-stream.
 struct EngineFlags {
   std::string model;
   engine::EngineOptions opts;
   std::string cpu_kernels = "auto";
   bool no_direct_io = false;
+  bool no_pack = false;
+  std::string predict = "on";
   void add(CLI::App& app);
   /// The options with string flags resolved. Throws std::invalid_argument on bad values.
   engine::EngineOptions resolve() const;
@@ -35,6 +38,10 @@ struct PromptFlags {
 /// Parses "1,2,3" (spaces allowed). Throws std::invalid_argument.
 std::vector<int32_t> parse_id_list(const std::string& s);
 
+/// Per-layer prediction recall (predicted / picks; null where no prediction was made).
+nlohmann::json recall_json(const model::PredictionStats& p);
+/// Overall recall over all layers (0 when nothing was predicted).
+double overall_recall(const model::PredictionStats& p);
 /// Stream counters and timings of one phase as JSON.
 nlohmann::json phase_json(const engine::PhaseStats& p);
 /// Arena facts as JSON: bytes, slots, slot_bytes, direct_io, expert_bytes.

@@ -2,37 +2,26 @@
 
 #include <algorithm>
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <thread>
 
 #include <fmt/format.h>
 
+#include "engine/static_rank.h"
 #include "io/file.h"
 #include "model/weights.h"
+#include "stream/pack.h"
 
 namespace strata::engine {
 
 namespace {
 
-uint64_t align_down(uint64_t v) { return v / io::kDirectAlign * io::kDirectAlign; }
-uint64_t align_up(uint64_t v) { return (v + io::kDirectAlign - 1) / io::kDirectAlign * io::kDirectAlign; }
-
-// Bytes of the arena slot that holds the largest expert record: each part is read as the
-// 4 KiB-aligned range that covers it (same layout rule as the stream).
+// Bytes of the arena slot that holds the largest expert record (the stream's own rule: each
+// part read as the 4 KiB-aligned range covering it, touching ranges merged).
 uint64_t slot_bytes_for(const std::vector<stream::LayerExperts>& layers) {
-  uint64_t best = 0;
-  for (const auto& L : layers) {
-    for (int e = 0; e < L.n_expert; ++e) {
-      uint64_t rec = 0;
-      for (const auto& p : L.part) {
-        const uint64_t off = p.base_offset + uint64_t(e) * p.expert_bytes;
-        rec += align_up(off + p.expert_bytes) - align_down(off);
-      }
-      best = std::max(best, rec);
-    }
-  }
-  return best;
+  return stream::ExpertStream::slot_bytes_for(layers);
 }
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
@@ -103,7 +92,16 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
   pool_ = std::make_unique<cpu::ThreadPool>(opts_.n_threads);
 
   // Arena: at least one layer's worst case for a prompt chunk.
-  const auto& layers = model_->expert_layout();
+  // Experts come from the pack sidecar when a valid one exists (one read per expert), else the GGUF.
+  expert_file_ = path;
+  std::vector<stream::LayerExperts> layers = model_->expert_layout();
+  if (opts_.use_pack) {
+    if (auto pack = stream::open_pack(path, layers)) {
+      fmt::print(stderr, "strata: using packed experts from {}\n", pack->path);
+      expert_file_ = pack->path;
+      layers = std::move(pack->layers);
+    }
+  }
   const uint64_t slot = slot_bytes_for(layers);
   uint64_t max_experts = 0;
   for (const auto& L : layers) {
@@ -126,7 +124,20 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
   so.io_threads = opts_.io_threads;
   so.direct = opts_.direct_io;
   so.min_slots = std::max<uint64_t>(1, min_slots);
-  stream_ = std::make_unique<stream::ExpertStream>(path, layers, so);
+  so.fake = opts_.fake_stream;
+  if (opts_.predict_min < 1) throw EngineError(fmt::format("--predict-min must be at least 1, got {}", opts_.predict_min));
+
+  // Static rank sidecar: explicit path, or MODEL.strata-rank when present.
+  if (opts_.static_rank != "none") {
+    const std::string rp = opts_.static_rank.empty() ? default_rank_path(path) : opts_.static_rank;
+    if (!opts_.static_rank.empty() && !std::filesystem::exists(rp))
+      throw EngineError(fmt::format("static rank file {} does not exist", rp));
+    if (auto pop = read_popularity(rp, path, hp.n_layer, hp.n_expert)) {
+      static_rank_ = pop->rank();
+      static_rank_path_ = rp;
+    }
+  }
+  stream_ = std::make_unique<stream::ExpertStream>(expert_file_, layers, so);
 }
 
 Engine::~Engine() = default;
@@ -158,7 +169,11 @@ void Engine::run(model::SequenceState& st, std::span<const int32_t> ids, model::
   check_ids(st, ids);
   const auto t0 = std::chrono::steady_clock::now();
   const stream::StreamStats s0 = stream_->stats();
-  model::ForwardContext ctx{*pool_, *stream_, trace, &times_};
+  model::ForwardContext ctx{*pool_, *stream_, trace, &times_, {}, nullptr};
+  ctx.ahead.predict = opts_.predict;
+  ctx.ahead.predict_min = opts_.predict_min;
+  ctx.ahead.static_rank = static_rank_.empty() ? nullptr : &static_rank_;
+  ctx.prediction = &phase.prediction;
   const int64_t n = int64_t(ids.size()), V = model_->hparams().n_vocab;
   if (mode == model::LogitsMode::All) logits.assign(size_t(n) * V, 0.0f);
   std::vector<float> chunk_logits;
@@ -184,9 +199,9 @@ void Engine::prefill(model::SequenceState& st, std::span<const int32_t> ids, mod
   run(st, ids, mode, logits, trace, prefill_);
 }
 
-void Engine::decode(model::SequenceState& st, int32_t id, std::vector<float>& logits) {
+void Engine::decode(model::SequenceState& st, int32_t id, std::vector<float>& logits, model::RoutingTrace* trace) {
   const int32_t one[1] = {id};
-  run(st, one, model::LogitsMode::Last, logits, nullptr, decode_);
+  run(st, one, model::LogitsMode::Last, logits, trace, decode_);
 }
 
 }  // namespace strata::engine

@@ -33,8 +33,14 @@ struct EngineOptions {
   int64_t n_ctx = 0;          ///< context in tokens; 0 = min(context_length of the model, 4096)
   int io_threads = 8;         ///< expert-reading threads
   bool direct_io = true;      ///< O_DIRECT expert reads (buffered fallback with a warning)
+  bool use_pack = true;       ///< read experts from MODEL.strata-pack when it is valid (--no-pack: never)
   quant::CpuKernels kernels = quant::CpuKernels::Auto;
   model::LoadOptions load;    ///< numerics switches for parity tests (defaults are exact)
+  bool predict = true;        ///< --predict: read ahead the next layer's predicted experts
+  int predict_min = 1;        ///< --predict-min: only experts predicted by >= N tokens
+  /// Static-rank sidecar; "" = MODEL.strata-rank when present, "none" = do not use one.
+  std::string static_rank;
+  bool fake_stream = false;   ///< --fake-stream: no reads, every expert treated as resident (compute floor)
 };
 
 /// Tokens, wall time and stream counters of one phase (prefill or decode).
@@ -42,6 +48,7 @@ struct PhaseStats {
   int64_t tokens = 0;
   double seconds = 0;
   stream::StreamStats stream;
+  model::PredictionStats prediction;
   double tokens_per_s() const { return seconds > 0 ? double(tokens) / seconds : 0.0; }
 };
 
@@ -58,6 +65,8 @@ class Engine {
   const model::Model& model() const { return *model_; }
   const tokenizer::Tokenizer& tokenizer() const { return *tok_; }
   stream::ExpertStream& stream() { return *stream_; }
+  /// The file experts are read from: the GGUF, or its pack sidecar when one is in use.
+  const std::string& expert_file() const { return expert_file_; }
   const EngineOptions& options() const { return opts_; }
   int64_t n_ctx() const { return opts_.n_ctx; }
 
@@ -77,11 +86,14 @@ class Engine {
   void prefill(model::SequenceState& st, std::span<const int32_t> ids, model::LogitsMode mode,
                std::vector<float>& logits, model::RoutingTrace* trace = nullptr);
   /// Runs one token; logits [n_vocab]. Counts as decode. Same errors as prefill.
-  void decode(model::SequenceState& st, int32_t id, std::vector<float>& logits);
+  void decode(model::SequenceState& st, int32_t id, std::vector<float>& logits, model::RoutingTrace* trace = nullptr);
 
   const PhaseStats& prefill_stats() const { return prefill_; }
   const PhaseStats& decode_stats() const { return decode_; }
   const model::ForwardTimes& times() const { return times_; }
+  /// The static rank in use (empty when none), and the file it came from.
+  const std::vector<std::vector<int32_t>>& static_rank() const { return static_rank_; }
+  const std::string& static_rank_path() const { return static_rank_path_; }
   void reset_stats();
 
  private:
@@ -98,6 +110,9 @@ class Engine {
   uint64_t expert_bytes_ = 0;
   uint64_t min_arena_bytes_ = 0;
   PhaseStats prefill_, decode_;
+  std::vector<std::vector<int32_t>> static_rank_;
+  std::string expert_file_;
+  std::string static_rank_path_;
   model::ForwardTimes times_;
 };
 

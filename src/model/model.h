@@ -47,12 +47,31 @@ struct ForwardTimes {
   double expert_s = 0;   ///< expert matmuls (part of compute)
 };
 
+/// Read-ahead settings of a run (DESIGN.md: next-layer prediction, static rank).
+struct ReadAheadOptions {
+  bool predict = true;   ///< --predict: next layer's router on this layer's MoE input
+  int predict_min = 1;   ///< --predict-min: queue experts predicted by at least this many tokens
+  /// Per layer, expert ids by descending popularity (`strata profile`); null or empty rows =
+  /// unknown. Used for layer 0 and wherever no prediction is made.
+  const std::vector<std::vector<int32_t>>* static_rank = nullptr;
+};
+
+/// Prediction recall per layer: of the (token, expert) picks of layer l, how many the
+/// prediction made one layer earlier (for layer 0: from the token embeddings) also picked.
+/// A property of the model and the input; independent of arena size and IO timing.
+struct PredictionStats {
+  std::vector<uint64_t> picks;      ///< [n_layer] picks that had a prediction
+  std::vector<uint64_t> predicted;  ///< [n_layer] of those, predicted
+};
+
 /// What the engine lends a model for one forward call.
 struct ForwardContext {
   cpu::ThreadPool& pool;
   stream::ExpertStream& stream;
   RoutingTrace* trace = nullptr;  ///< when set, the MoE layers append their routing
   ForwardTimes* times = nullptr;
+  ReadAheadOptions ahead;
+  PredictionStats* prediction = nullptr;  ///< when set, recall is accumulated here
 };
 
 /// Which positions of a forward call produce logits.
@@ -83,6 +102,36 @@ class Model {
  protected:
   /// Appends one MoE layer's routing of a forward call to `trace` (no-op when null).
   void record_routing(RoutingTrace* trace, int layer, const layers::Routing& r, int top_k) const;
+
+  /// The read-ahead to issue for `layer` (n_layer or more: none) from T tokens: predicted with
+  /// `router` when prediction is on, else (and always for layer 0) the static rank fills in up
+  /// to min(top-k x T, experts). `predicted` receives per-token predictions for recall.
+  layers::ReadAhead plan_read_ahead(const ForwardContext& ctx, int layer, const cpu::MatrixRef* router, int64_t T,
+                                    std::vector<int32_t>* predicted) const;
+  /// Adds layer `layer`'s recall (its routing vs. the earlier prediction) to ctx.prediction.
+  void score_prediction(ForwardContext& ctx, int layer, const layers::Routing& r,
+                        const std::vector<int32_t>& predicted) const;
+
+  /// Read-ahead for layer 0, issued before any compute: `router0` on the token embeddings
+  /// x: [T][n_embd] normed with `norm0` (layer 0's pre-MoE norm weights). `scratch` holds
+  /// T x n_embd floats. `pred` receives the per-token prediction for layer 0.
+  void read_ahead_first(ForwardContext& ctx, const cpu::MatrixRef& router0, const float* norm0, const float* x,
+                        int64_t T, float* scratch, std::vector<int32_t>& pred) const;
+
+  /// The routed-MoE step every MoE architecture shares: read-ahead for layer+1 (predicted
+  /// with `next_router`, null for the last layer), the MoE of `layer` with experts from the
+  /// stream, recall scoring and the routing trace. h: [T][n_embd] normed input; out:
+  /// [T][n_embd] (overwritten). `pred` carries the prediction for `layer` in and for layer+1 out.
+  void moe_step(ForwardContext& ctx, int layer, const layers::MoeWeights& w, const cpu::MatrixRef* next_router,
+                const float* h, int64_t T, float* out, std::vector<int32_t>& pred) const;
+
+  /// Token embeddings: x[t] = dequant(tok_embd row ids[t]); x: [T][n_embd].
+  void embed(const cpu::MatrixRef& tok_embd, std::span<const int32_t> ids, float* x) const;
+
+  /// Final RMSNorm and the output head for the rows `mode` asks for: logits [rows][n_vocab].
+  /// x: [T][n_embd] residual stream; scratch: T x n_embd floats.
+  void output_head(ForwardContext& ctx, const float* x, int64_t T, LogitsMode mode, const float* norm,
+                   const cpu::MatrixRef& head, float* scratch, std::vector<float>& logits) const;
 
   ModelHParams hp_;
   std::vector<stream::LayerExperts> experts_;

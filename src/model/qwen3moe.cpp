@@ -122,12 +122,7 @@ void Qwen3Moe::forward(ForwardContext& ctx, SequenceState& st, std::span<const i
   const int64_t T = int64_t(ids.size()), E = hp_.n_embd, pos0 = st.n_past;
   cpu::ThreadPool& pool = ctx.pool;
   std::vector<float> x(T * E), h(T * E), o(T * E);
-
-  // Token embeddings.
-  const auto emb = tok_embd_.matrix();
-  for (int64_t t = 0; t < T; ++t)
-    quant::dequantize_row(emb.type, static_cast<const uint8_t*>(emb.data) + size_t(ids[t]) * emb.row_bytes,
-                          x.data() + t * E, E);
+  embed(tok_embd_.matrix(), ids, x.data());
 
   const layers::AttentionShape shape{hp_.n_head, hp_.n_head_kv, hp_.head_dim_k, hp_.rms_eps, &rope_};
   auto norm_rows = [&](const float* w) {
@@ -139,6 +134,10 @@ void Qwen3Moe::forward(ForwardContext& ctx, SequenceState& st, std::span<const i
     for (int64_t i = 0; i < T * E; ++i) x[i] += o[i];
   };
 
+  // Layer 0's experts are predicted from the embeddings and read while attention runs.
+  std::vector<int32_t> pred;
+  read_ahead_first(ctx, layers_[0].moe.router, layers_[0].ffn_norm.values(), x.data(), T, h.data(), pred);
+
   for (int l = 0; l < hp_.n_layer; ++l) {
     const Qwen3MoeLayer& L = layers_[l];
     // Attention block: x += attn(rmsnorm(x)).
@@ -148,25 +147,16 @@ void Qwen3Moe::forward(ForwardContext& ctx, SequenceState& st, std::span<const i
     layers::attention_block(pool, aw, shape, h.data(), E, T, pos0, st.k[l].data(), st.v[l].data(), o.data());
     add_residual();
 
-    // MoE block: x += moe(rmsnorm(x)), experts through the stream.
+    // MoE block: x += moe(rmsnorm(x)), experts through the stream, layer l+1 read ahead.
     norm_rows(L.ffn_norm.values());
-    layers::Routing routing;
-    layers::moe_block(pool, ctx.stream, l, L.moe, h.data(), E, T, o.data(), &routing,
-                      ctx.times ? &ctx.times->expert_s : nullptr);
+    moe_step(ctx, l, L.moe, l + 1 < hp_.n_layer ? &layers_[l + 1].moe.router : nullptr, h.data(), T, o.data(), pred);
     add_residual();
-
-    record_routing(ctx.trace, l, routing, L.moe.top_k);
   }
   st.n_past += T;
 
   // Final norm and the output head (tied to token_embd when output.weight is absent).
-  if (mode == LogitsMode::None) return;
-  const int64_t first = mode == LogitsMode::Last ? T - 1 : 0, rows = T - first;
-  for (int64_t t = first; t < T; ++t)
-    cpu::rms_norm(x.data() + t * E, output_norm_.values(), h.data() + (t - first) * E, E, hp_.rms_eps);
-  const cpu::MatrixRef head = hp_.tied_output ? tok_embd_.matrix() : output_.matrix();
-  logits.resize(size_t(rows) * hp_.n_vocab);
-  cpu::matmul(pool, head, h.data(), E, rows, logits.data(), hp_.n_vocab);
+  output_head(ctx, x.data(), T, mode, output_norm_.values(), hp_.tied_output ? tok_embd_.matrix() : output_.matrix(),
+              h.data(), logits);
 }
 
 }  // namespace

@@ -239,11 +239,7 @@ void Qwen3Next::forward(ForwardContext& ctx, SequenceState& st, std::span<const 
   cpu::ThreadPool& pool = ctx.pool;
   std::vector<float> x(T * E), h(T * E), o(T * E);
 
-  // Token embeddings.
-  const auto emb = tok_embd_.matrix();
-  for (int64_t t = 0; t < T; ++t)
-    quant::dequantize_row(emb.type, static_cast<const uint8_t*>(emb.data) + size_t(ids[t]) * emb.row_bytes,
-                          x.data() + t * E, E);
+  embed(tok_embd_.matrix(), ids, x.data());
 
   layers::AttentionShape shape{hp_.n_head, hp_.n_head_kv, hp_.head_dim_k, hp_.rms_eps, &rope_};
   shape.q_gate = true;
@@ -255,6 +251,10 @@ void Qwen3Next::forward(ForwardContext& ctx, SequenceState& st, std::span<const 
   auto add_residual = [&] {
     for (int64_t i = 0; i < T * E; ++i) x[i] += o[i];
   };
+
+  // Layer 0's experts are predicted from the embeddings and read while the mixer runs.
+  std::vector<int32_t> pred;
+  read_ahead_first(ctx, layers_[0].moe.router, layers_[0].post_attn_norm.values(), x.data(), T, h.data(), pred);
 
   for (int l = 0; l < hp_.n_layer; ++l) {
     const Qwen3NextLayer& L = layers_[l];
@@ -276,25 +276,16 @@ void Qwen3Next::forward(ForwardContext& ctx, SequenceState& st, std::span<const 
 
     // MoE block: x += moe(h) + sigmoid(h . gate_inp_shexp) * shared_expert(h), h = rmsnorm(x).
     norm_rows(L.post_attn_norm.values());
-    layers::Routing routing;
-    layers::moe_block(pool, ctx.stream, l, L.moe, h.data(), E, T, o.data(), &routing,
-                      ctx.times ? &ctx.times->expert_s : nullptr);
+    moe_step(ctx, l, L.moe, l + 1 < hp_.n_layer ? &layers_[l + 1].moe.router : nullptr, h.data(), T, o.data(), pred);
     const layers::FfnWeights shexp{L.sh_gate.matrix(), L.sh_up.matrix(), L.sh_down.matrix()};
     layers::add_gated_swiglu_ffn(pool, shexp, L.sh_gate_inp.matrix(), h.data(), E, T, o.data());
     add_residual();
-
-    record_routing(ctx.trace, l, routing, L.moe.top_k);
   }
   st.n_past += T;
 
   // Final norm and the output head (tied to token_embd when output.weight is absent).
-  if (mode == LogitsMode::None) return;
-  const int64_t first = mode == LogitsMode::Last ? T - 1 : 0, rows = T - first;
-  for (int64_t t = first; t < T; ++t)
-    cpu::rms_norm(x.data() + t * E, output_norm_.values(), h.data() + (t - first) * E, E, hp_.rms_eps);
-  const cpu::MatrixRef head = hp_.tied_output ? tok_embd_.matrix() : output_.matrix();
-  logits.resize(size_t(rows) * hp_.n_vocab);
-  cpu::matmul(pool, head, h.data(), E, rows, logits.data(), hp_.n_vocab);
+  output_head(ctx, x.data(), T, mode, output_norm_.values(), hp_.tied_output ? tok_embd_.matrix() : output_.matrix(),
+              h.data(), logits);
 }
 
 }  // namespace

@@ -21,7 +21,10 @@
 //   slot = [gate aligned range][up aligned range][down aligned range][unused tail]
 //           ^ 4 KiB aligned     ^ 4 KiB aligned   ^ 4 KiB aligned
 //   aligned range of a slice [off, off+len) = [floor4k(off), ceil4k(off+len)); the view
-//   points at slot + part_start + (off - floor4k(off)).
+//   points at slot + part_start + (off - floor4k(off)). A part whose aligned range starts
+//   inside (or right at the end of) the previous part's range joins that read: a packed
+//   record (gate, up, down back to back) is one read of ceil4k(record) bytes:
+//   slot = [gate|up|down aligned as one range][unused tail]
 //
 // Slot states: empty -> queued (urgent or read-ahead) -> reading -> resident | failed.
 // A slot is evictable when it is unpinned and not reading. Evictable slots sit in two
@@ -91,13 +94,20 @@ struct Job {
   uint64_t gen;
 };
 
-// Where one part of one expert lies in the file and in its slot.
-struct PartRange {
-  uint64_t file_off;   // aligned start in the file
-  uint64_t len;        // aligned length
-  uint64_t slot_off;   // start within the slot (multiple of 4 KiB)
-  uint64_t skew;       // slice start - aligned start
-  uint64_t slice_end;  // absolute end of the slice in the file
+// Where one expert's bytes lie in the file and in its slot: 1 to 3 aligned reads (parts
+// whose aligned ranges touch or overlap share a read) and where each part's slice starts.
+struct ExpertRanges {
+  struct Read {
+    uint64_t file_off;  // aligned start in the file
+    uint64_t len;       // aligned length
+    uint64_t slot_off;  // start within the slot (multiple of 4 KiB)
+  };
+  Read read[3];
+  int n_reads = 0;
+  uint64_t view_off[3];    // first byte of each part's slice within the slot
+  uint64_t slice_off[3];   // absolute start of each slice in the file
+  uint64_t slice_end[3];   // absolute end of each slice in the file
+  uint64_t slot_end = 0;   // bytes of the slot in use
 };
 
 }  // namespace
@@ -122,22 +132,37 @@ struct ExpertStream::Impl {
   int reading = 0;
   bool stop = false;
   bool paused = false;
+  bool fake = false;
   StreamStats st;
   std::vector<std::thread> threads;
 
   // ---- geometry ----
-  void ranges(int layer, int32_t e, PartRange out[3]) const {
-    const LayerExperts& L = layers[static_cast<size_t>(layer)];
+  static void ranges(const LayerExperts& L, int32_t e, ExpertRanges& r) {
+    r.n_reads = 0;
     uint64_t pos = 0;
     for (int p = 0; p < 3; ++p) {
-      const uint64_t off = L.part[p].base_offset + static_cast<uint64_t>(e) * L.part[p].expert_bytes;
+      const uint64_t off = L.part[p].offset(e);
       const uint64_t end = off + L.part[p].expert_bytes;
-      const uint64_t a = floor_a(off);
-      const uint64_t len = L.part[p].expert_bytes == 0 ? 0 : ceil_a(end) - a;
-      out[p] = PartRange{a, len, pos, off - a, end};
-      pos += len;
+      r.slice_off[p] = off;
+      r.slice_end[p] = end;
+      if (L.part[p].expert_bytes == 0) {
+        r.view_off[p] = pos;
+        continue;
+      }
+      const uint64_t a = floor_a(off), b = ceil_a(end);
+      ExpertRanges::Read* cur = r.n_reads > 0 ? &r.read[r.n_reads - 1] : nullptr;
+      if (cur && a >= cur->file_off && a <= cur->file_off + cur->len) {
+        cur->len = std::max(cur->len, b - cur->file_off);  // touches the previous read: extend it
+      } else {
+        r.read[r.n_reads++] = ExpertRanges::Read{a, b - a, pos};
+        cur = &r.read[r.n_reads - 1];
+      }
+      r.view_off[p] = cur->slot_off + (off - cur->file_off);
+      pos = cur->slot_off + cur->len;
     }
+    r.slot_end = pos;
   }
+  void ranges(int layer, int32_t e, ExpertRanges& r) const { ranges(layers[static_cast<size_t>(layer)], e, r); }
 
   int64_t key_of(int layer, int32_t e) const {
     if (layer < 0 || static_cast<size_t>(layer) >= layers.size())
@@ -195,6 +220,15 @@ struct ExpertStream::Impl {
 
   void queue(int s, bool urgent) {
     Slot& sl = slots[static_cast<size_t>(s)];
+    if (fake) {  // no IO: resident at once, with whatever bytes the slot holds
+      sl.state = State::Resident;
+      sl.urgent = sl.ahead = sl.pending = false;
+      sl.err = nullptr;
+      sl.tick = ++clock;
+      ++sl.gen;
+      reindex(s);
+      return;
+    }
     sl.state = State::Queued;
     sl.urgent = urgent;
     sl.ahead = !urgent;
@@ -260,21 +294,22 @@ struct ExpertStream::Impl {
       uint64_t bytes = 0;
       double busy = 0;
       try {
-        PartRange r[3];
+        ExpertRanges r;
         ranges(layer, e, r);
-        for (int p = 0; p < 3; ++p) {
-          if (r[p].len == 0) continue;
-          if (r[p].slice_end > file->size())
+        const LayerExperts& L = layers[static_cast<size_t>(layer)];
+        for (int p = 0; p < 3; ++p)
+          if (L.part[p].expert_bytes > 0 && r.slice_end[p] > file->size())
             throw io::IoError(fmt::format("{}: layer {} expert {} part {}: slice [{}, {}) runs past the end of the file "
                                           "({} bytes)",
-                                          file->path(), layer, e, p, r[p].file_off + r[p].skew, r[p].slice_end,
-                                          file->size()));
-          uint64_t n = r[p].len;
+                                          file->path(), layer, e, p, r.slice_off[p], r.slice_end[p], file->size()));
+        for (int i = 0; i < r.n_reads; ++i) {
+          const ExpertRanges::Read& rd = r.read[i];
+          uint64_t n = rd.len;
           // Buffered reads may not run past EOF; direct reads may (up to the aligned EOF).
-          if (!file->direct()) n = std::min<uint64_t>(n, file->size() - r[p].file_off);
+          if (!file->direct()) n = std::min<uint64_t>(n, file->size() - rd.file_off);
           const auto t0 = Clock::now();
           try {
-            file->read_at(r[p].file_off, static_cast<size_t>(n), dst + r[p].slot_off);
+            file->read_at(rd.file_off, static_cast<size_t>(n), dst + rd.slot_off);
           } catch (...) {
             busy += seconds_since(t0);
             throw;
@@ -314,16 +349,8 @@ ExpertStream::ExpertStream(const std::string& path, std::vector<LayerExperts> la
     m.layer_base.push_back(total);
     total += L.n_expert;
   }
-  // Slot size: the largest expert record (3 aligned ranges back to back) over all layers.
-  uint64_t slot = kAlign;
-  for (size_t l = 0; l < m.layers.size(); ++l) {
-    for (int32_t e = 0; e < m.layers[l].n_expert; ++e) {
-      PartRange r[3];
-      m.ranges(static_cast<int>(l), e, r);
-      slot = std::max(slot, r[2].slot_off + r[2].len);
-    }
-  }
-  m.slot_bytes = static_cast<size_t>(slot);
+  m.slot_bytes = slot_bytes_for(m.layers);
+  m.fake = opts.fake;
 
   m.file = io::File::open(path, opts.direct);
 
@@ -373,6 +400,19 @@ ExpertStream::~ExpertStream() {
   }
   impl_->work_cv.notify_all();
   for (auto& t : impl_->threads) t.join();
+}
+
+size_t ExpertStream::slot_bytes_for(const std::vector<LayerExperts>& layers) {
+  // The largest expert record (its aligned reads back to back) over all layers.
+  uint64_t slot = kAlign;
+  for (const LayerExperts& L : layers) {
+    for (int32_t e = 0; e < L.n_expert; ++e) {
+      ExpertRanges r;
+      Impl::ranges(L, e, r);
+      slot = std::max(slot, r.slot_end);
+    }
+  }
+  return static_cast<size_t>(slot);
 }
 
 size_t ExpertStream::slot_bytes() const { return impl_->slot_bytes; }
@@ -463,11 +503,11 @@ ExpertView ExpertStream::wait(int layer, int32_t expert) {
     m.st.exposed_wait_s += seconds_since(t0);
   }
   if (sl.state == State::Failed) std::rethrow_exception(sl.err);
-  PartRange r[3];
+  ExpertRanges r;
   m.ranges(layer, expert, r);
   const uint8_t* base = m.arena.data() + static_cast<size_t>(s) * m.slot_bytes;
   ExpertView v;
-  for (int p = 0; p < 3; ++p) v.part[p] = base + r[p].slot_off + r[p].skew;
+  for (int p = 0; p < 3; ++p) v.part[p] = base + r.view_off[p];
   return v;
 }
 
@@ -497,6 +537,7 @@ void ExpertStream::release(int layer) {
 
 void ExpertStream::prefetch(int layer, std::span<const int32_t> experts) {
   Impl& m = *impl_;
+  if (m.fake) return;
   bool queued = false;
   {
     std::lock_guard lk(m.mu);

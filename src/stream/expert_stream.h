@@ -10,7 +10,9 @@
 //   release(l)      unpins layer l's slots (they become evictable, LRU)
 //
 // An expert = the gate, up and down slices of one layer's expert. Each slice is read
-// as the 4 KiB-aligned range covering it; ExpertView points at the slice's first byte.
+// as the 4 KiB-aligned range covering it; slices whose ranges touch or overlap (a packed
+// record: gate, up, down back to back) are read together, so a packed expert is one read.
+// ExpertView points at the slice's first byte.
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -24,10 +26,14 @@
 namespace strata::stream {
 
 /// Where one part (gate, up or down) of every expert of one layer lives in the file:
-/// expert e's bytes are [base_offset + e * expert_bytes, ... + expert_bytes).
+/// expert e's bytes are [offset(e), offset(e) + expert_bytes), offset(e) = base_offset + e * stride.
+/// In a GGUF the slices of a part are back to back in one tensor (stride 0 = expert_bytes); in a
+/// pack (stream/pack.h) the three parts of an expert are one record and stride is the record size.
 struct PartLayout {
   uint64_t base_offset = 0;   ///< absolute file offset of expert 0's slice (bytes)
   uint64_t expert_bytes = 0;  ///< bytes of one expert's slice (rows * row_bytes)
+  uint64_t stride = 0;        ///< bytes from one expert's slice to the next; 0 means expert_bytes
+  uint64_t offset(int64_t e) const { return base_offset + uint64_t(e) * (stride ? stride : expert_bytes); }
 };
 
 /// The experts of one layer: n_expert experts, 3 parts each (0 = gate, 1 = up, 2 = down).
@@ -60,6 +66,9 @@ struct StreamOptions {
   int io_threads = 8;          ///< IO threads issuing reads
   bool direct = true;          ///< O_DIRECT (falls back to buffered with a warning)
   size_t min_slots = 1;        ///< fewer slots than this: throw ArenaTooSmall
+  /// Fake stream (`--fake-stream`): no reads at all; a requested expert becomes resident at
+  /// once in a slot holding stale bytes. Results are garbage; the time is the compute floor.
+  bool fake = false;
 };
 
 /// Thrown when the arena cannot hold the experts one layer needs at once.
@@ -79,6 +88,9 @@ class ExpertStream {
   ~ExpertStream();
 
   size_t slot_bytes() const;  ///< bytes per slot (largest aligned expert record)
+  /// The slot size an ExpertStream over `layers` uses: the largest expert's aligned reads, back
+  /// to back (bytes; at least 4 KiB).
+  static size_t slot_bytes_for(const std::vector<LayerExperts>& layers);
   size_t n_slots() const;
   bool direct() const;        ///< whether reads bypass the page cache
 

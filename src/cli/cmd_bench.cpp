@@ -1,0 +1,198 @@
+// strata bench: prefill and decode speed with the stream counters, set against the two
+// floors measured in the same run: the drive (ssdbw over the model file: the IO floor) and
+// the compute (the same tokens with --fake-stream: the compute floor).
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <fstream>
+#include <random>
+#include <set>
+#include <sstream>
+
+#include "cli/commands.h"
+#include "cli/common.h"
+#include "io/ssdbw.h"
+
+namespace strata::cli {
+
+namespace {
+
+struct BenchFlags {
+  EngineFlags engine;
+  std::string prompt_file, prompt_ids, decode_from;
+  int prompt_tokens = 1024;
+  int gen = 64;
+  bool cold = false, json = false, no_ssd = false;
+  double ssd_seconds = 3.0;
+};
+
+// Bytes the phase had to read at least: per prompt chunk (or token), each layer's distinct
+// experts once, times the record size. When the arena holds every expert, each (layer,
+// expert) only once over the whole phase.
+uint64_t unique_bytes(const model::RoutingTrace& tr, int64_t chunk, bool arena_holds_all, uint64_t record) {
+  uint64_t n = 0;
+  for (const auto& layer : tr.ids) {
+    std::set<int32_t> seen;
+    for (size_t t = 0; t < layer.size(); ++t) {
+      if (!arena_holds_all && t % size_t(chunk) == 0) {
+        n += seen.size();
+        seen.clear();
+      }
+      seen.insert(layer[t].begin(), layer[t].end());
+    }
+    n += seen.size();
+  }
+  return n * record;
+}
+
+struct PhaseRun {
+  engine::PhaseStats stats;
+  model::RoutingTrace trace;
+  std::vector<int32_t> fed;  // decode: the ids fed
+};
+
+// Prefill `prompt`, then decode: free-running greedy for `gen` tokens, or teacher-forced over
+// `forced` when given. The trace of both phases is recorded.
+// Without `cold`, one untimed prefill of the prompt warms the arena first.
+void run_phases(engine::Engine& eng, const std::vector<int32_t>& prompt, int gen, const std::vector<int32_t>& forced,
+                bool cold, PhaseRun& pre, PhaseRun& dec) {
+  std::vector<float> logits;
+  if (!cold) {
+    model::SequenceState warm = eng.new_sequence();
+    eng.prefill(warm, prompt, model::LogitsMode::None, logits);
+  }
+  eng.stream().wait_idle();
+  eng.reset_stats();
+  model::SequenceState st = eng.new_sequence();
+  eng.prefill(st, prompt, model::LogitsMode::Last, logits, &pre.trace);
+  const int n = forced.empty() ? gen : int(std::min<size_t>(forced.size(), size_t(gen)));
+  for (int i = 0; i < n && st.n_past < st.n_ctx; ++i) {
+    const int32_t id = forced.empty() ? int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin())
+                                      : forced[size_t(i)];
+    dec.fed.push_back(id);
+    eng.decode(st, id, logits, &dec.trace);
+  }
+  pre.stats = eng.prefill_stats();
+  dec.stats = eng.decode_stats();
+}
+
+std::vector<int32_t> read_tokens(const tokenizer::Tokenizer& tok, const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::invalid_argument(fmt::format("cannot read {}", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return tok.encode(ss.str());
+}
+
+}  // namespace
+
+void register_bench(CLI::App& root) {
+  auto f = std::make_shared<BenchFlags>();
+  CLI::App* app = root.add_subcommand(
+      "bench", "prefill and decode tokens/s with stream counters, against the IO floor (drive) and compute floor");
+  f->engine.add(*app);
+  app->add_option("--prompt-tokens", f->prompt_tokens, "prompt length (random ids unless -f/--prompt-ids)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app->add_option("-f,--file", f->prompt_file, "prompt text file (its first --prompt-tokens tokens)")
+      ->check(CLI::ExistingFile);
+  app->add_option("--prompt-ids", f->prompt_ids, "prompt as comma-separated token ids");
+  app->add_option("--gen", f->gen, "decode tokens")->capture_default_str()->check(CLI::NonNegativeNumber);
+  app->add_option("--decode-from", f->decode_from, "teacher-forced decode: feed this text's tokens one at a time")
+      ->check(CLI::ExistingFile);
+  app->add_flag("--cold", f->cold, "start with an empty arena");
+  app->add_option("--ssd-seconds", f->ssd_seconds, "seconds of the drive measurement")->capture_default_str();
+  app->add_flag("--no-ssdbw", f->no_ssd, "skip the drive measurement (no IO floor)");
+  app->add_flag("--json", f->json, "print JSON");
+  app->callback([f] {
+    const engine::EngineOptions opts = f->engine.resolve();
+    std::vector<int32_t> prompt, forced;
+    PhaseRun pre, dec, fpre, fdec;
+    double ssd_gbps = 0;
+    uint64_t record = 0, io_pre = 0, io_dec = 0, arena_bytes = 0, n_slots = 0;
+    std::string expert_file;
+    {
+      engine::Engine eng(f->engine.model, opts);
+      const auto& tok = eng.tokenizer();
+      if (!f->prompt_ids.empty()) {
+        prompt = parse_id_list(f->prompt_ids);
+      } else if (!f->prompt_file.empty()) {
+        prompt = read_tokens(tok, f->prompt_file);
+        if (int(prompt.size()) > f->prompt_tokens) prompt.resize(size_t(f->prompt_tokens));
+      } else {
+        std::mt19937 rng(1234);
+        std::uniform_int_distribution<int32_t> d(0, eng.hparams().n_vocab - 1);
+        for (int i = 0; i < f->prompt_tokens; ++i) prompt.push_back(d(rng));
+      }
+      if (!f->decode_from.empty()) forced = read_tokens(tok, f->decode_from);
+      record = eng.stream().slot_bytes();
+      arena_bytes = eng.arena_bytes();
+      n_slots = eng.stream().n_slots();
+      expert_file = eng.expert_file();
+      if (!f->no_ssd) {
+        if (!f->json) fmt::print(stderr, "measuring the drive: random {} reads of {} for {:.0f} s ...\n", opts.io_threads,
+                                 human_bytes(double(record)), f->ssd_seconds);
+        ssd_gbps = io::measure_read_gbps(expert_file, record, opts.io_threads, f->ssd_seconds);
+      }
+      if (!f->json) fmt::print(stderr, "running {} prompt tokens, {} decode tokens ...\n", prompt.size(), f->gen);
+      run_phases(eng, prompt, f->gen, forced, f->cold, pre, dec);
+      uint64_t total_experts = 0;
+      for (const auto& L : eng.model().expert_layout()) total_experts += uint64_t(L.n_expert);
+      const bool holds_all = n_slots >= total_experts;
+      io_pre = unique_bytes(pre.trace, eng.options().prompt_chunk, holds_all, record);
+      io_dec = unique_bytes(dec.trace, 1, holds_all, record);
+    }
+    {
+      // The compute floor: the same tokens, no reads.
+      engine::EngineOptions fo = opts;
+      fo.fake_stream = true;
+      engine::Engine eng(f->engine.model, fo);
+      if (!f->json) fmt::print(stderr, "running the same tokens with --fake-stream (compute floor) ...\n");
+      run_phases(eng, prompt, int(dec.fed.size()), dec.fed, true, fpre, fdec);
+    }
+    auto phase = [&](const PhaseRun& r, const PhaseRun& fake, uint64_t io_bytes) {
+      nlohmann::json j = phase_json(r.stats);
+      const double io_floor = ssd_gbps > 0 ? double(io_bytes) / (ssd_gbps * 1e9) : 0.0;
+      const double compute_floor = fake.stats.seconds;
+      j["io_floor_s"] = io_floor;
+      j["io_floor_bytes"] = io_bytes;
+      j["compute_floor_s"] = compute_floor;
+      j["ratio_to_floor"] = r.stats.seconds / std::max({io_floor, compute_floor, 1e-12});
+      j["read_gbps"] = r.stats.seconds > 0 ? double(r.stats.stream.bytes_read) / r.stats.seconds / 1e9 : 0.0;
+      return j;
+    };
+    nlohmann::json out = {{"model", f->engine.model},
+                          {"expert_file", expert_file},
+                          {"ssd_gbps", ssd_gbps},
+                          {"arena_bytes", arena_bytes},
+                          {"arena_slots", n_slots},
+                          {"record_bytes", record},
+                          {"prompt_chunk", opts.prompt_chunk},
+                          {"predict", opts.predict},
+                          {"decode_mode", forced.empty() ? "free-running greedy" : "teacher-forced"},
+                          {"prefill", phase(pre, fpre, io_pre)},
+                          {"decode", phase(dec, fdec, io_dec)}};
+    if (f->json) {
+      fmt::print("{}\n", out.dump(2));
+      return;
+    }
+    fmt::print("drive: {:.2f} GB/s (random {} reads, {} threads)   arena: {} in {} slots   predict: {}\n", ssd_gbps,
+               human_bytes(double(record)), opts.io_threads, human_bytes(double(arena_bytes)), n_slots,
+               opts.predict ? "on" : "off");
+    for (const char* name : {"prefill", "decode"}) {
+      const auto& j = out[name];
+      fmt::print("{:<8} {:5d} tok {:8.3f} s {:8.2f} tok/s | needed {} hit {} ahead {} missed {} wasted {} | read {} "
+                 "({:.2f} GB/s) wait {:.3f} s | IO floor {:.3f} s, compute floor {:.3f} s, ratio {:.2f} | recall "
+                 "{:.1f} %\n",
+                 name, j["tokens"].get<int64_t>(), j["seconds"].get<double>(), j["tokens_per_s"].get<double>(),
+                 j["needed"].get<uint64_t>(), j["hit"].get<uint64_t>(), j["streamed_ahead"].get<uint64_t>(),
+                 j["missed"].get<uint64_t>(), j["wasted"].get<uint64_t>(),
+                 human_bytes(double(j["bytes_read"].get<uint64_t>())), j["read_gbps"].get<double>(),
+                 j["exposed_wait_s"].get<double>(), j["io_floor_s"].get<double>(), j["compute_floor_s"].get<double>(),
+                 j["ratio_to_floor"].get<double>(), 100.0 * j["prediction_recall"].get<double>());
+    }
+    fmt::print("decode mode: {}\n", out["decode_mode"].get<std::string>());
+  });
+}
+
+}  // namespace strata::cli
