@@ -15,6 +15,9 @@ int main(int argc, char** argv) {
   strata::cli::register_info(app);
   strata::cli::register_serve(app);
   strata::cli::register_chat(app);
+  strata::cli::register_synth(app);
+  strata::cli::register_ssdbw(app);
+  strata::cli::register_pack(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -3,11 +3,16 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <bit>
+#include <memory>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
+
+#include "io/file.h"
+#include "io/write_file.h"
 
 namespace strata::gguf {
 namespace {
@@ -175,13 +180,24 @@ uint64_t Writer::tensor_bytes(GgmlType type, const std::vector<uint64_t>& ne) {
   return bytes;
 }
 
-void Writer::add_tensor(const std::string& name, GgmlType type, std::vector<uint64_t> ne, std::vector<uint8_t> data) {
+void Writer::check_new_tensor(const std::string& name) const {
   for (const Tensor& t : tensors_)
     if (t.name == name) throw std::invalid_argument("gguf writer: duplicate tensor name '" + name + "'");
+}
+
+void Writer::add_tensor(const std::string& name, GgmlType type, std::vector<uint64_t> ne, std::vector<uint8_t> data) {
+  check_new_tensor(name);
   uint64_t want = tensor_bytes(type, ne);
   if (data.size() != want)
     throw std::invalid_argument(fmt::format("gguf writer: tensor '{}' needs {} bytes, got {}", name, want, data.size()));
-  tensors_.push_back(Tensor{name, type, std::move(ne), std::move(data)});
+  tensors_.push_back(Tensor{name, type, std::move(ne), std::move(data), nullptr, want});
+}
+
+void Writer::add_tensor_streamed(const std::string& name, GgmlType type, std::vector<uint64_t> ne, TensorFill fill) {
+  check_new_tensor(name);
+  if (!fill) throw std::invalid_argument("gguf writer: tensor '" + name + "' has no fill function");
+  const uint64_t n = tensor_bytes(type, ne);
+  tensors_.push_back(Tensor{name, type, std::move(ne), {}, std::move(fill), n});
 }
 
 void Writer::add_tensor(const std::string& name, GgmlType type, std::vector<uint64_t> ne, const void* data,
@@ -190,7 +206,7 @@ void Writer::add_tensor(const std::string& name, GgmlType type, std::vector<uint
   add_tensor(name, type, std::move(ne), std::vector<uint8_t>(b, b + n_bytes));
 }
 
-void Writer::write(const std::string& path) const {
+std::vector<uint8_t> Writer::header_bytes() const {
   bool add_alignment = alignment_ != 32;
   for (const auto& kv : kv_)
     if (kv.first == "general.alignment") add_alignment = false;
@@ -217,37 +233,57 @@ void Writer::write(const std::string& path) const {
     for (uint64_t d : t.ne) h.u64(d);
     h.u32(static_cast<uint32_t>(t.type));
     h.u64(rel);
-    rel = align_up(rel + t.data.size(), alignment_);
+    rel = align_up(rel + t.n_bytes, alignment_);
   }
   h.pad_to(alignment_);
+  return std::move(h.data);
+}
 
-  const std::string tmp = path + ".tmp";
-  std::FILE* fp = std::fopen(tmp.c_str(), "wb");
-  if (!fp) throw GgufError(fmt::format("{}: cannot create: {}", tmp, std::strerror(errno)));
-  bool ok = std::fwrite(h.data.data(), 1, h.data.size(), fp) == h.data.size();
-  static const uint8_t zeros[256] = {};
-  for (size_t i = 0; ok && i < tensors_.size(); ++i) {
-    const Tensor& t = tensors_[i];
-    ok = std::fwrite(t.data.data(), 1, t.data.size(), fp) == t.data.size();
-    uint64_t pad = align_up(t.data.size(), alignment_) - t.data.size();
-    while (ok && pad > 0) {
-      size_t n = static_cast<size_t>(std::min<uint64_t>(pad, sizeof zeros));
-      ok = std::fwrite(zeros, 1, n, fp) == n;
-      pad -= n;
+uint64_t Writer::file_bytes() const {
+  uint64_t n = header_bytes().size();
+  for (const Tensor& t : tensors_) n += align_up(t.n_bytes, alignment_);
+  return n;
+}
+
+void Writer::write(const std::string& path) const { write(path, WriteOptions{}); }
+
+void Writer::write(const std::string& path, const WriteOptions& opts) const {
+  const std::vector<uint8_t> header = header_bytes();
+  uint64_t total = header.size();
+  for (const Tensor& t : tensors_) total += align_up(t.n_bytes, alignment_);
+  std::unique_ptr<io::WriteFile> out;
+  try {
+    io::WriteFileOptions wo;
+    wo.direct = opts.drop_cache;  // uncached writes from IO threads (buffered + drop-behind if refused)
+    wo.drop_behind = opts.drop_cache;
+    out = io::WriteFile::create(path, wo);
+  } catch (const io::IoError& e) {
+    throw GgufError(fmt::format("{}: cannot create: {}", path + ".tmp", e.what()));
+  }
+  try {
+    out->write(header.data(), header.size());
+    if (opts.progress) opts.progress(out->size(), total);
+    std::vector<uint8_t> piece;
+    const size_t chunk = std::max<size_t>(opts.chunk_bytes, 4096);
+    for (const Tensor& t : tensors_) {
+      if (!t.fill) {
+        out->write(t.data.data(), t.data.size());
+      } else {
+        for (uint64_t off = 0; off < t.n_bytes;) {
+          const size_t n = static_cast<size_t>(std::min<uint64_t>(chunk, t.n_bytes - off));
+          piece.resize(n);
+          t.fill(off, piece.data(), n);
+          out->write(piece.data(), n);
+          off += n;
+          if (opts.progress) opts.progress(out->size(), total);
+        }
+      }
+      out->write_zeros(align_up(t.n_bytes, alignment_) - t.n_bytes);
+      if (opts.progress) opts.progress(out->size(), total);
     }
-  }
-  int err = ok ? 0 : errno;
-  if (std::fclose(fp) != 0 && ok) {
-    ok = false;
-    err = errno;
-  }
-  if (ok && std::rename(tmp.c_str(), path.c_str()) != 0) {
-    ok = false;
-    err = errno;
-  }
-  if (!ok) {
-    std::remove(tmp.c_str());
-    throw GgufError(fmt::format("{}: write failed: {}", path, std::strerror(err)));
+    out->commit();
+  } catch (const io::IoError& e) {
+    throw GgufError(fmt::format("{}: write failed: {}", path, e.what()));
   }
 }
 

@@ -1,8 +1,11 @@
 #pragma once
 // A small GGUF v3 writer: metadata, tensor table and aligned tensor data, written to
 // `path + ".tmp"` and renamed into place. Used by tests (valid and corrupted files) and by
-// `strata synth` / `strata pack`. Holds all tensor data in memory until write().
+// `strata synth`. Tensors added with add_tensor() are held in memory until write(); tensors
+// added with add_tensor_streamed() are produced piece by piece during write() by a callback,
+// so a file far larger than memory is written with constant memory.
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -28,6 +31,22 @@ Value make_array(ValueType elem_type, std::vector<Value> items);
 Value make_string_array(const std::vector<std::string>& xs);
 Value make_i32_array(const std::vector<int32_t>& xs);
 Value make_f32_array(const std::vector<float>& xs);
+
+/// Produces a streamed tensor's bytes during Writer::write: fills dst with bytes
+/// [offset, offset + n) of the tensor's data. Called in increasing offset order, from the thread
+/// that calls write(), with n <= WriteOptions::chunk_bytes. May throw (write() then fails).
+using TensorFill = std::function<void(uint64_t offset, uint8_t* dst, size_t n)>;
+
+/// Options of Writer::write.
+struct WriteOptions {
+  size_t chunk_bytes = size_t(8) << 20;  ///< largest piece asked of a TensorFill at once (bytes)
+  /// Keep the file out of the page cache: O_DIRECT writes from IO threads (io::WriteFile; where
+  /// refused, buffered writes that flush and drop written ranges as they go), and
+  /// posix_fadvise(DONTNEED) on the whole file at the end.
+  bool drop_cache = false;
+  /// Called after the header and after each piece of tensor data: (file bytes written, file size).
+  std::function<void(uint64_t done, uint64_t total)> progress;
+};
 
 class Writer {
  public:
@@ -59,6 +78,10 @@ class Writer {
   void add_tensor(const std::string& name, GgmlType type, std::vector<uint64_t> ne, std::vector<uint8_t> data);
   void add_tensor(const std::string& name, GgmlType type, std::vector<uint64_t> ne, const void* data, size_t n_bytes);
 
+  /// Adds a tensor whose bytes `fill` produces during write() (see TensorFill). Same checks
+  /// as add_tensor; throws std::invalid_argument for an empty `fill`.
+  void add_tensor_streamed(const std::string& name, GgmlType type, std::vector<uint64_t> ne, TensorFill fill);
+
   /// Byte size a tensor of `type` and shape `ne` occupies; throws std::invalid_argument if the
   /// shape is invalid for the type (0 or >4 dims, zero dim, ne[0] not a block multiple, overflow).
   static uint64_t tensor_bytes(GgmlType type, const std::vector<uint64_t>& ne);
@@ -66,14 +89,23 @@ class Writer {
   /// Writes the file (GGUF v3) to `path + ".tmp"`, then renames it to `path`.
   /// Throws GgufError ("<path>: ...") on an I/O error; the .tmp file is removed then.
   void write(const std::string& path) const;
+  /// The same, streaming: tensor data goes out in pieces of at most opts.chunk_bytes; only one
+  /// piece is in memory at a time (plus in-memory tensors). Errors as above.
+  void write(const std::string& path, const WriteOptions& opts) const;
+  /// Size in bytes of the file write() produces (header, padding and tensor data).
+  uint64_t file_bytes() const;
 
  private:
   struct Tensor {
     std::string name;
     GgmlType type;
     std::vector<uint64_t> ne;
-    std::vector<uint8_t> data;
+    std::vector<uint8_t> data;  // in-memory tensors
+    TensorFill fill;            // streamed tensors (data empty)
+    uint64_t n_bytes = 0;
   };
+  std::vector<uint8_t> header_bytes() const;
+  void check_new_tensor(const std::string& name) const;
   uint64_t alignment_;
   std::vector<std::pair<std::string, Value>> kv_;
   std::vector<Tensor> tensors_;

@@ -1,0 +1,678 @@
+// strata synth: a GGUF with the exact tensor names, shapes and types of a real MoE model and
+// random weights, so that models larger than RAM can be run and measured here.
+//
+// Weights are valid blocks of their type: random quant bits with fp16 scales calibrated (per
+// type, by dequantizing sample blocks) so that values have mean ~0 and std ~0.02, jittered
+// +-25 % per block; norms ~1 +- 0.1 (F32); routers F32 with std 0.02. Every block is a pure
+// function of (seed, tensor name, block index), so the file is the same however it is cut into
+// pieces. Tensors are generated piece by piece while the file is written (gguf::Writer's
+// streamed tensors): memory stays constant and a 31 GB file writes at disk speed.
+//
+// The tokenizer (tokenizer.ggml.*) is copied from a real GGUF (default: the shipped
+// models/qwen3moe-code-Q8_0.gguf, 8192 tokens) and padded with unused "[PADn]" tokens up to
+// the vocabulary size, as llama.cpp's converter does for Qwen's padded vocabulary.
+#include <fmt/format.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cctype>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <thread>
+
+#include "cli/commands.h"
+#include "cli/common.h"
+#include "cli/progress.h"
+#include "gguf/gguf_writer.h"
+#include "io/write_file.h"
+#include "quant/quant.h"
+
+namespace strata::cli {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+// ---- architectures ----------------------------------------------------------------------
+
+struct SynthShape {
+  std::string like, arch, name;
+  int n_layer = 0, n_embd = 0, n_head = 0, n_head_kv = 0, head_dim = 0;
+  int n_expert = 0, n_expert_used = 0, n_ff = 0, n_ff_exp = 0, n_ff_shexp = 0;
+  int64_t n_vocab = 0, n_ctx = 0;
+  double rope_base = 1e6;
+  float rms_eps = 1e-6f;
+  bool tied = false;
+  // qwen3next only
+  int n_rot = 0, ssm_conv = 0, ssm_state = 0, ssm_groups = 0, ssm_dt_rank = 0, ssm_inner = 0, full_attn_interval = 0;
+};
+
+// Shapes from the models' Hugging Face config.json (and, for the code model, the shipped GGUF).
+std::vector<SynthShape> known_shapes() {
+  std::vector<SynthShape> v;
+  {
+    SynthShape s;  // Qwen/Qwen3-30B-A3B
+    s.like = "qwen3moe-30b-a3b", s.arch = "qwen3moe", s.name = "Qwen3 30B A3B";
+    s.n_layer = 48, s.n_embd = 2048, s.n_head = 32, s.n_head_kv = 4, s.head_dim = 128;
+    s.n_expert = 128, s.n_expert_used = 8, s.n_ff = 6144, s.n_ff_exp = 768;
+    s.n_vocab = 151936, s.n_ctx = 40960, s.rope_base = 1e6;
+    v.push_back(s);
+  }
+  {
+    SynthShape s;  // Qwen/Qwen3-235B-A22B
+    s.like = "qwen3moe-235b-a22b", s.arch = "qwen3moe", s.name = "Qwen3 235B A22B";
+    s.n_layer = 94, s.n_embd = 4096, s.n_head = 64, s.n_head_kv = 4, s.head_dim = 128;
+    s.n_expert = 128, s.n_expert_used = 8, s.n_ff = 12288, s.n_ff_exp = 1536;
+    s.n_vocab = 151936, s.n_ctx = 40960, s.rope_base = 1e6;
+    v.push_back(s);
+  }
+  {
+    SynthShape s;  // Qwen/Qwen3-Next-80B-A3B-Instruct
+    s.like = "qwen3-next-80b-a3b", s.arch = "qwen3next", s.name = "Qwen3 Next 80B A3B";
+    s.n_layer = 48, s.n_embd = 2048, s.n_head = 16, s.n_head_kv = 2, s.head_dim = 256;
+    s.n_expert = 512, s.n_expert_used = 10, s.n_ff = 5120, s.n_ff_exp = 512, s.n_ff_shexp = 512;
+    s.n_vocab = 151936, s.n_ctx = 262144, s.rope_base = 1e7;
+    s.n_rot = 64;  // partial_rotary_factor 0.25 of head_dim 256
+    s.ssm_conv = 4, s.ssm_state = 128, s.ssm_groups = 16, s.ssm_dt_rank = 32, s.ssm_inner = 32 * 128;
+    s.full_attn_interval = 4;
+    v.push_back(s);
+  }
+  {
+    SynthShape s;  // the shipped trained model (models/qwen3moe-code-Q8_0.gguf)
+    s.like = "qwen3moe-code", s.arch = "qwen3moe", s.name = "Qwen3Moe Code";
+    s.n_layer = 8, s.n_embd = 256, s.n_head = 4, s.n_head_kv = 2, s.head_dim = 64;
+    s.n_expert = 64, s.n_expert_used = 8, s.n_ff = 512, s.n_ff_exp = 64;
+    s.n_vocab = 8192, s.n_ctx = 4096, s.rope_base = 1e6, s.tied = true;
+    v.push_back(s);
+  }
+  return v;
+}
+
+std::string known_names() {
+  std::string s;
+  for (const auto& k : known_shapes()) s += (s.empty() ? "" : ", ") + k.like;
+  return s;
+}
+
+// ---- types --------------------------------------------------------------------------------
+
+// Where a block keeps its scale(s): fp16 d at d_off, an fp16 min (or additive m) at m_off
+// (-1: none); MXFP4 keeps an E8M0 exponent byte at 0 instead.
+struct ScaleLayout {
+  GgmlType type;
+  int d_off;
+  int m_off;
+  bool e8m0;
+};
+constexpr std::array<ScaleLayout, 15> kScaleLayouts = {{
+    {GgmlType::Q4_0, 0, -1, false},   {GgmlType::Q4_1, 0, 2, false},   {GgmlType::Q5_0, 0, -1, false},
+    {GgmlType::Q5_1, 0, 2, false},    {GgmlType::Q8_0, 0, -1, false},  {GgmlType::Q2_K, 80, 82, false},
+    {GgmlType::Q3_K, 108, -1, false}, {GgmlType::Q4_K, 0, 2, false},   {GgmlType::Q5_K, 0, 2, false},
+    {GgmlType::Q6_K, 208, -1, false}, {GgmlType::IQ2_XS, 0, -1, false}, {GgmlType::IQ3_S, 0, -1, false},
+    {GgmlType::IQ4_XS, 0, -1, false}, {GgmlType::IQ4_NL, 0, -1, false}, {GgmlType::MXFP4, 0, -1, true},
+}};
+
+bool is_float_type(GgmlType t) { return t == GgmlType::F32 || t == GgmlType::F16 || t == GgmlType::BF16; }
+
+const ScaleLayout* scale_layout(GgmlType t) {
+  for (const auto& s : kScaleLayouts)
+    if (s.type == t) return &s;
+  return nullptr;
+}
+
+bool synth_supports(GgmlType t) { return is_float_type(t) || (scale_layout(t) && quant::is_supported(t)); }
+
+std::string synth_type_list() {
+  std::string s = "F32, F16, BF16";
+  for (const auto& l : kScaleLayouts)
+    if (quant::is_supported(l.type)) s += ", " + ggml_type_name(l.type);
+  return s;
+}
+
+GgmlType parse_type(const std::string& name) {
+  std::string up = name;
+  for (auto& c : up) c = char(std::toupper(static_cast<unsigned char>(c)));
+  for (uint32_t id = 0; id < 64; ++id) {
+    const auto info = ggml_type_info(id);
+    if (info && up == info->name && synth_supports(info->type)) return info->type;
+  }
+  throw std::invalid_argument(fmt::format("unknown or unsupported type '{}' (synth writes: {})", name, synth_type_list()));
+}
+
+uint32_t llama_file_type(GgmlType t) {  // llama_ftype of a file whose bulk (the experts) is `t`
+  switch (t) {
+    case GgmlType::F32: return 0;
+    case GgmlType::F16: return 1;
+    case GgmlType::Q4_0: return 2;
+    case GgmlType::Q4_1: return 3;
+    case GgmlType::Q8_0: return 7;
+    case GgmlType::Q5_0: return 8;
+    case GgmlType::Q5_1: return 9;
+    case GgmlType::Q2_K: return 10;
+    case GgmlType::Q3_K: return 12;
+    case GgmlType::Q4_K: return 14;
+    case GgmlType::Q5_K: return 16;
+    case GgmlType::Q6_K: return 18;
+    case GgmlType::IQ2_XS: return 20;
+    case GgmlType::IQ4_NL: return 25;
+    case GgmlType::IQ3_S: return 26;
+    case GgmlType::IQ4_XS: return 30;
+    case GgmlType::BF16: return 32;
+    case GgmlType::MXFP4: return 38;
+    default: return 0;
+  }
+}
+
+// The type a tensor with rows of `cols` elements gets when `want` does not divide them,
+// following llama.cpp's quantizer (llama_tensor_get_type's fallbacks).
+GgmlType row_compatible(GgmlType want, uint64_t cols) {
+  auto fits = [&](GgmlType t) { return cols % uint64_t(ggml_type_info(uint32_t(t))->block_elems) == 0; };
+  if (fits(want)) return want;
+  GgmlType t = want;
+  switch (want) {
+    case GgmlType::IQ2_XS: case GgmlType::IQ3_S: case GgmlType::Q2_K: case GgmlType::Q3_K: case GgmlType::IQ4_XS:
+      t = GgmlType::IQ4_NL; break;
+    case GgmlType::Q4_K: t = GgmlType::Q5_0; break;
+    case GgmlType::Q5_K: t = GgmlType::Q5_1; break;
+    case GgmlType::Q6_K: t = GgmlType::Q8_0; break;
+    default: break;
+  }
+  return fits(t) ? t : GgmlType::F16;
+}
+
+// ---- random blocks ------------------------------------------------------------------------
+
+uint64_t splitmix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+uint64_t hash_name(const std::string& s) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : s) h = (h ^ c) * 0x100000001b3ull;
+  return h;
+}
+
+struct Rng {  // wyrand: fast, good enough for weights
+  uint64_t s;
+  uint64_t next() {
+    s += 0xa0761d6478bd642full;
+    const __uint128_t t = static_cast<__uint128_t>(s) * (s ^ 0xe7037ed1a0b428dbull);
+    return uint64_t(t >> 64) ^ uint64_t(t);
+  }
+  float uniform() { return float(next() >> 40) * (1.0f / 16777216.0f); }  // [0, 1)
+  // ~N(0, 1): Irwin-Hall sum of four 16-bit uniforms.
+  float gauss() {
+    const uint64_t r = next();
+    const float sum = float((r & 0xffff) + ((r >> 16) & 0xffff) + ((r >> 32) & 0xffff) + (r >> 48));
+    return (sum - 131070.0f) * (1.0f / 37837.2f);
+  }
+};
+
+// What a float tensor holds.
+enum class Kind { Weight, Norm, Router, Conv, SsmA, DtBias };
+
+constexpr float kStd = 0.02f;
+constexpr int64_t kFloatUnit = 256;  // elements per generation unit of float tensors
+
+float sample(Kind k, Rng& r) {
+  switch (k) {
+    case Kind::Weight: case Kind::Router: return kStd * r.gauss();
+    case Kind::Conv: return 2 * kStd * r.gauss();
+    case Kind::Norm: return 1.0f + 0.1f * r.gauss();
+    case Kind::SsmA: return -std::exp(r.uniform() * std::log(16.0f));  // -exp(A_log), A in [1, 16)
+    case Kind::DtBias: return 1.0f + 0.05f * r.gauss();
+  }
+  return 0.0f;
+}
+
+// Block scales of one quantized type: d (and m) such that values have mean ~0 and std kStd.
+struct BlockScales {
+  float d = 1, m = 0;
+  int e = 127;  // MXFP4
+};
+
+// Generates one unit (a block, or kFloatUnit elements of a float type) of a tensor.
+class UnitGen {
+ public:
+  UnitGen(GgmlType t, Kind kind, uint64_t seed, BlockScales sc) : t_(t), kind_(kind), seed_(seed), sc_(sc) {
+    const auto info = ggml_type_info(uint32_t(t));
+    if (is_float_type(t)) {
+      elem_bytes_ = info->block_bytes;
+      unit_bytes_ = size_t(kFloatUnit) * elem_bytes_;
+    } else {
+      layout_ = scale_layout(t);
+      unit_bytes_ = info->block_bytes;
+      // fp16 scales for 256 jitter levels in [0.75, 1.25]: no float conversion per block.
+      for (int k = 0; k < 256; ++k) {
+        const float j = 0.75f + 0.5f * float(k) / 255.0f;
+        d16_[size_t(k)] = quant::fp32_to_fp16(sc_.d * j);
+        m16_[size_t(k)] = quant::fp32_to_fp16(sc_.m * j);
+      }
+    }
+  }
+  size_t unit_bytes() const { return unit_bytes_; }
+
+  void unit(uint64_t u, uint8_t* dst) const {
+    Rng r{splitmix(seed_ ^ (u * 0xd1342543de82ef95ull))};
+    if (layout_ == nullptr) {
+      for (int64_t i = 0; i < kFloatUnit; ++i) {
+        const float x = sample(kind_, r);
+        if (t_ == GgmlType::F32) {
+          std::memcpy(dst + 4 * i, &x, 4);
+        } else {
+          const uint16_t h = t_ == GgmlType::F16 ? quant::fp32_to_fp16(x) : quant::fp32_to_bf16(x);
+          std::memcpy(dst + 2 * i, &h, 2);
+        }
+      }
+      return;
+    }
+    size_t i = 0;
+    for (; i + 8 <= unit_bytes_; i += 8) {
+      const uint64_t x = r.next();
+      std::memcpy(dst + i, &x, 8);
+    }
+    const uint64_t tail = r.next();  // low bytes: the block's last bytes; top byte: the jitter
+    std::memcpy(dst + i, &tail, unit_bytes_ - i);
+    const size_t jitter = size_t(tail >> 56);
+    if (layout_->e8m0) {
+      dst[0] = uint8_t(sc_.e + int(jitter % 3) - 1);
+      return;
+    }
+    std::memcpy(dst + layout_->d_off, &d16_[jitter], 2);
+    if (layout_->m_off >= 0) std::memcpy(dst + layout_->m_off, &m16_[jitter], 2);
+  }
+
+  // Bytes [off, off + n) of a tensor of `total` bytes: whole units straight into dst, the
+  // partial ones at either end through a scratch unit.
+  void fill(uint64_t off, uint8_t* dst, size_t n) const {
+    std::vector<uint8_t> scratch(unit_bytes_);
+    uint64_t pos = off;
+    const uint64_t end = off + n;
+    while (pos < end) {
+      const uint64_t u = pos / unit_bytes_, u0 = u * unit_bytes_;
+      if (pos == u0 && end - pos >= unit_bytes_) {
+        unit(u, dst + (pos - off));
+        pos += unit_bytes_;
+      } else {
+        unit(u, scratch.data());
+        const uint64_t k = std::min<uint64_t>(end, u0 + unit_bytes_) - pos;
+        std::memcpy(dst + (pos - off), scratch.data() + (pos - u0), size_t(k));
+        pos += k;
+      }
+    }
+  }
+
+ private:
+  GgmlType t_;
+  Kind kind_;
+  uint64_t seed_;
+  BlockScales sc_;
+  const ScaleLayout* layout_ = nullptr;
+  size_t unit_bytes_ = 0, elem_bytes_ = 0;
+  std::array<uint16_t, 256> d16_{}, m16_{};
+};
+
+// Mean and std of the values of `blocks` generated blocks of type t with scales sc.
+std::pair<double, double> block_stats(GgmlType t, const BlockScales& sc, int blocks) {
+  const UnitGen g(t, Kind::Weight, 12345, sc);
+  const int64_t be = ggml_type_info(uint32_t(t))->block_elems;
+  std::vector<uint8_t> raw(g.unit_bytes());
+  std::vector<float> vals(static_cast<size_t>(be));
+  double s = 0, s2 = 0;
+  for (int b = 0; b < blocks; ++b) {
+    g.unit(uint64_t(b), raw.data());
+    quant::dequantize_row(t, raw.data(), vals.data(), be);
+    for (float x : vals) {
+      s += x;
+      s2 += double(x) * x;
+    }
+  }
+  const double n = double(blocks) * double(be), mean = s / n;
+  return {mean, std::sqrt(std::max(0.0, s2 / n - mean * mean))};
+}
+
+BlockScales calibrate(GgmlType t) {
+  BlockScales sc;
+  const ScaleLayout* l = scale_layout(t);
+  if (!l) return sc;
+  constexpr int kBlocks = 256;
+  if (l->e8m0) {
+    sc.e = 128;  // d = 2^(e - 128) = 1 (ggml's halved E8M0); the +-1 jitter averages out
+    const double sd = block_stats(t, sc, kBlocks).second;
+    sc.e = 128 + int(std::lround(std::log2(kStd / sd)));
+    return sc;
+  }
+  sc.d = 1, sc.m = 0;
+  const double mean_d = block_stats(t, sc, kBlocks).first;
+  if (l->m_off >= 0) {
+    BlockScales only_m{0, 1, 127};
+    const double mean_m = block_stats(t, only_m, kBlocks).first;
+    sc.m = float(-mean_d / mean_m);  // cancels the mean
+  }
+  const double sd = block_stats(t, sc, kBlocks).second;
+  sc.d = float(kStd / sd);
+  sc.m = float(sc.m * kStd / sd);
+  return sc;
+}
+
+// ---- the tensor plan ----------------------------------------------------------------------
+
+struct PlannedTensor {
+  std::string name;
+  GgmlType type;
+  std::vector<uint64_t> ne;
+  Kind kind;
+};
+
+struct Plan {
+  std::vector<PlannedTensor> tensors;
+  uint64_t expert_bytes = 0;  // all routed experts
+  uint64_t record_bytes = 0;  // one expert's gate + up + down (largest layer)
+};
+
+Plan make_plan(const SynthShape& s, GgmlType expert_type, GgmlType dense_type) {
+  Plan plan;
+  const uint64_t E = uint64_t(s.n_embd), V = uint64_t(s.n_vocab), X = uint64_t(s.n_expert),
+                 F = uint64_t(s.n_ff_exp), hd = uint64_t(s.head_dim);
+  auto add = [&](std::string name, std::vector<uint64_t> ne, Kind kind, GgmlType want) {
+    const GgmlType t = (kind == Kind::Weight) ? row_compatible(want, ne[0]) : GgmlType::F32;
+    plan.tensors.push_back(PlannedTensor{std::move(name), t, std::move(ne), kind});
+  };
+  auto w = [&](std::string name, std::vector<uint64_t> ne) { add(std::move(name), std::move(ne), Kind::Weight, dense_type); };
+  auto f32 = [&](std::string name, std::vector<uint64_t> ne, Kind kind) { add(std::move(name), std::move(ne), kind, GgmlType::F32); };
+  auto experts = [&](const std::string& p) {
+    uint64_t rec = 0;
+    for (const auto& [part, ne] : std::vector<std::pair<std::string, std::vector<uint64_t>>>{
+             {"ffn_down_exps", {F, E, X}}, {"ffn_gate_exps", {E, F, X}}, {"ffn_up_exps", {E, F, X}}}) {
+      add(p + part + ".weight", ne, Kind::Weight, expert_type);
+      const auto& t = plan.tensors.back();
+      const uint64_t bytes = gguf::Writer::tensor_bytes(t.type, t.ne);
+      plan.expert_bytes += bytes;
+      rec += bytes / X;
+    }
+    plan.record_bytes = std::max(plan.record_bytes, rec);
+  };
+
+  if (s.arch == "qwen3moe") {
+    // Order as llama.cpp writes it: globals, then each block's tensors sorted by name.
+    f32("output_norm.weight", {E}, Kind::Norm);
+    w("token_embd.weight", {E, V});
+    if (!s.tied) w("output.weight", {E, V});
+    const uint64_t q = uint64_t(s.n_head) * hd, kv = uint64_t(s.n_head_kv) * hd;
+    for (int l = 0; l < s.n_layer; ++l) {
+      const std::string p = fmt::format("blk.{}.", l);
+      w(p + "attn_k.weight", {E, kv});
+      f32(p + "attn_k_norm.weight", {hd}, Kind::Norm);
+      f32(p + "attn_norm.weight", {E}, Kind::Norm);
+      w(p + "attn_output.weight", {q, E});
+      w(p + "attn_q.weight", {E, q});
+      f32(p + "attn_q_norm.weight", {hd}, Kind::Norm);
+      w(p + "attn_v.weight", {E, kv});
+      const size_t first_expert = plan.tensors.size();
+      experts(p);
+      // ffn_gate_inp and ffn_norm sort between the expert tensors: keep llama.cpp's order.
+      auto down = plan.tensors[first_expert], gate = plan.tensors[first_expert + 1], up = plan.tensors[first_expert + 2];
+      plan.tensors.resize(first_expert);
+      plan.tensors.push_back(down);
+      plan.tensors.push_back(gate);
+      f32(p + "ffn_gate_inp.weight", {E, X}, Kind::Router);
+      f32(p + "ffn_norm.weight", {E}, Kind::Norm);
+      plan.tensors.push_back(up);
+    }
+  } else if (s.arch == "qwen3next") {
+    // Order as in llama.cpp's conversion of Qwen3-Next (see models/qwen3next-tiny-bf16.gguf).
+    w("output.weight", {E, V});
+    w("token_embd.weight", {E, V});
+    const uint64_t key_dim = uint64_t(s.ssm_groups) * uint64_t(s.ssm_state), value_dim = uint64_t(s.ssm_inner);
+    const uint64_t head_v = value_dim / uint64_t(s.ssm_dt_rank), conv_ch = 2 * key_dim + value_dim;
+    const uint64_t Fs = uint64_t(s.n_ff_shexp);
+    for (int l = 0; l < s.n_layer; ++l) {
+      const std::string p = fmt::format("blk.{}.", l);
+      const bool full = (l + 1) % s.full_attn_interval == 0;
+      f32(p + "attn_norm.weight", {E}, Kind::Norm);
+      if (!full) {
+        f32(p + "ssm_a", {uint64_t(s.ssm_dt_rank)}, Kind::SsmA);
+        f32(p + "ssm_conv1d.weight", {uint64_t(s.ssm_conv), conv_ch}, Kind::Conv);
+        f32(p + "ssm_dt.bias", {uint64_t(s.ssm_dt_rank)}, Kind::DtBias);
+        w(p + "ssm_ba.weight", {E, 2 * uint64_t(s.ssm_dt_rank)});
+        w(p + "attn_qkv.weight", {E, conv_ch});
+        w(p + "attn_gate.weight", {E, value_dim});
+        f32(p + "ssm_norm.weight", {head_v}, Kind::Norm);
+        w(p + "ssm_out.weight", {value_dim, E});
+      }
+      experts(p);
+      f32(p + "ffn_gate_inp.weight", {E, X}, Kind::Router);
+      w(p + "ffn_down_shexp.weight", {Fs, E});
+      w(p + "ffn_gate_shexp.weight", {E, Fs});
+      w(p + "ffn_up_shexp.weight", {E, Fs});
+      f32(p + "ffn_gate_inp_shexp.weight", {E, 1}, Kind::Router);
+      f32(p + "post_attention_norm.weight", {E}, Kind::Norm);
+      if (full) {
+        const uint64_t q = uint64_t(s.n_head) * hd, kv = uint64_t(s.n_head_kv) * hd;
+        f32(p + "attn_k_norm.weight", {hd}, Kind::Norm);
+        w(p + "attn_k.weight", {E, kv});
+        w(p + "attn_output.weight", {q, E});
+        f32(p + "attn_q_norm.weight", {hd}, Kind::Norm);
+        w(p + "attn_q.weight", {E, 2 * q});  // query and output gate interleaved per head
+        w(p + "attn_v.weight", {E, kv});
+      }
+    }
+    f32("output_norm.weight", {E}, Kind::Norm);
+  } else {
+    throw std::logic_error("synth: no tensor plan for architecture " + s.arch);
+  }
+  return plan;
+}
+
+void add_arch_keys(gguf::Writer& w, const SynthShape& s) {
+  const std::string a = s.arch + ".";
+  w.add_u32(a + "block_count", uint32_t(s.n_layer));
+  w.add_u32(a + "context_length", uint32_t(s.n_ctx));
+  w.add_u32(a + "embedding_length", uint32_t(s.n_embd));
+  w.add_u32(a + "feed_forward_length", uint32_t(s.n_ff));
+  w.add_u32(a + "attention.head_count", uint32_t(s.n_head));
+  w.add_u32(a + "attention.head_count_kv", uint32_t(s.n_head_kv));
+  w.add_f32(a + "rope.freq_base", float(s.rope_base));
+  w.add_f32(a + "attention.layer_norm_rms_epsilon", s.rms_eps);
+  w.add_u32(a + "expert_count", uint32_t(s.n_expert));
+  w.add_u32(a + "expert_used_count", uint32_t(s.n_expert_used));
+  w.add_u32(a + "attention.key_length", uint32_t(s.head_dim));
+  w.add_u32(a + "attention.value_length", uint32_t(s.head_dim));
+  w.add_u32(a + "expert_feed_forward_length", uint32_t(s.n_ff_exp));
+  if (s.arch == "qwen3next") {
+    w.add_u32(a + "expert_shared_feed_forward_length", uint32_t(s.n_ff_shexp));
+    w.add_u32(a + "ssm.conv_kernel", uint32_t(s.ssm_conv));
+    w.add_u32(a + "ssm.state_size", uint32_t(s.ssm_state));
+    w.add_u32(a + "ssm.group_count", uint32_t(s.ssm_groups));
+    w.add_u32(a + "ssm.time_step_rank", uint32_t(s.ssm_dt_rank));
+    w.add_u32(a + "ssm.inner_size", uint32_t(s.ssm_inner));
+    w.add_u32(a + "full_attention_interval", uint32_t(s.full_attn_interval));
+    w.add_u32(a + "rope.dimension_count", uint32_t(s.n_rot));
+  }
+}
+
+// tokenizer.* keys of `src`, the token list padded with unused "[PADn]" tokens to n_vocab.
+void add_tokenizer(gguf::Writer& w, const gguf::File& src, int64_t n_vocab) {
+  const int64_t n_tok = int64_t(src.get_string_array("tokenizer.ggml.tokens").size());
+  if (n_vocab < n_tok)
+    throw std::invalid_argument(fmt::format("--vocab {} is smaller than the tokenizer's {} tokens (from {})", n_vocab,
+                                            n_tok, src.path()));
+  for (const auto& [key, v] : src.metadata()) {
+    if (key.rfind("tokenizer.", 0) != 0) continue;
+    if (key == "tokenizer.ggml.tokens" && n_vocab > n_tok) {
+      std::vector<std::string> toks = src.get_string_array(key);
+      for (int64_t i = n_tok; i < n_vocab; ++i) toks.push_back(fmt::format("[PAD{}]", i));
+      w.add_string_array(key, toks);
+    } else if (key == "tokenizer.ggml.token_type" && n_vocab > n_tok) {
+      gguf::Value padded = v;
+      auto& arr = std::get<gguf::Array>(padded.v);
+      for (int64_t i = n_tok; i < n_vocab; ++i) arr.items.push_back(gguf::make_i32(5));  // UNUSED
+      w.add_kv(key, std::move(padded));
+    } else {
+      w.add_kv(key, v);
+    }
+  }
+}
+
+// The tokenizer source when --tokenizer-from is not given: the shipped model, looked up
+// relative to the working directory and to the strata binary (build dir inside the repo).
+std::string default_tokenizer_source() {
+  const std::string rel = "models/qwen3moe-code-Q8_0.gguf";
+  std::vector<fs::path> cands = {fs::path(rel)};
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec)
+    for (fs::path d = exe.parent_path(); !d.empty() && d != d.root_path(); d = d.parent_path()) cands.push_back(d / rel);
+  for (const auto& c : cands)
+    if (fs::is_regular_file(c, ec)) return c.string();
+  throw std::invalid_argument("cannot find " + rel + " for the tokenizer: give --tokenizer-from GGUF");
+}
+
+struct SynthFlags {
+  std::string like, type = "Q8_0", expert_type, dense_type, out, tokenizer_from;
+  int layers = 0, experts = 0, expert_used = 0;
+  int64_t vocab = 0;
+  uint64_t seed = 1;
+  bool force = false, quiet = false, json = false;
+};
+
+void run_synth(const SynthFlags& f) {
+  std::optional<SynthShape> shape;
+  for (const auto& k : known_shapes())
+    if (k.like == f.like) shape = k;
+  if (!shape) throw std::invalid_argument(fmt::format("unknown --like '{}' (known: {})", f.like, known_names()));
+  SynthShape s = *shape;
+  if (f.layers > 0) s.n_layer = f.layers;
+  if (f.experts > 0) s.n_expert = f.experts;
+  if (f.expert_used > 0) s.n_expert_used = f.expert_used;
+  if (f.vocab > 0) s.n_vocab = f.vocab;
+  if (s.n_expert_used > s.n_expert)
+    throw std::invalid_argument(fmt::format("top-k {} exceeds the {} experts (use --expert-used)", s.n_expert_used,
+                                            s.n_expert));
+  const GgmlType type = parse_type(f.type);
+  const GgmlType expert_type = f.expert_type.empty() ? type : parse_type(f.expert_type);
+  const GgmlType dense_type = !f.dense_type.empty() ? parse_type(f.dense_type)
+                              : (type == GgmlType::BF16 || type == GgmlType::F16 || type == GgmlType::F32)
+                                  ? type
+                                  : GgmlType::Q8_0;
+
+  const gguf::File tok_src = gguf::File::open(f.tokenizer_from.empty() ? default_tokenizer_source() : f.tokenizer_from);
+
+  if (fs::exists(f.out) && !f.force)
+    throw std::invalid_argument(fmt::format("{} exists (use --force to overwrite)", f.out));
+
+  const Plan plan = make_plan(s, expert_type, dense_type);
+  gguf::Writer w;
+  w.add_string("general.architecture", s.arch);
+  w.add_string("general.type", "model");
+  const bool overridden = f.layers > 0 || f.experts > 0 || f.expert_used > 0;
+  w.add_string("general.name", fmt::format("{}{} (strata synth, random weights)", s.name, overridden ? " shaped" : ""));
+  add_arch_keys(w, s);
+  w.add_u32("general.file_type", llama_file_type(expert_type));
+  w.add_u32("general.quantization_version", 2);
+  w.add_string("strata.synth.like", s.like);
+  w.add_u64("strata.synth.seed", f.seed);
+  add_tokenizer(w, tok_src, s.n_vocab);
+
+  std::map<GgmlType, BlockScales> scales;
+  std::map<std::string, int> type_count;
+  for (const PlannedTensor& t : plan.tensors) {
+    if (!is_float_type(t.type) && !scales.count(t.type)) scales[t.type] = calibrate(t.type);
+    type_count[ggml_type_name(t.type)]++;
+    const UnitGen gen(t.type, t.kind, splitmix(f.seed) ^ hash_name(t.name),
+                      is_float_type(t.type) ? BlockScales{} : scales.at(t.type));
+    // Two threads fill each piece (the second half on a helper thread).
+    w.add_tensor_streamed(t.name, t.type, t.ne, [gen](uint64_t off, uint8_t* dst, size_t n) {
+      const size_t ub = gen.unit_bytes();
+      const size_t half = n >= 4 * ub ? (n / 2) / ub * ub : 0;
+      if (half == 0) {
+        gen.fill(off, dst, n);
+        return;
+      }
+      std::thread helper([&] { gen.fill(off + half, dst + half, n - half); });
+      gen.fill(off, dst, half);
+      helper.join();
+    });
+  }
+
+  const uint64_t total = w.file_bytes();
+  const fs::path dir = fs::absolute(fs::path(f.out)).parent_path();
+  struct statvfs vfs {};
+  if (::statvfs(dir.c_str(), &vfs) == 0) {
+    const uint64_t avail = uint64_t(vfs.f_bavail) * uint64_t(vfs.f_frsize);
+    if (avail < total + (uint64_t(256) << 20))
+      throw std::invalid_argument(fmt::format("{} needs {} but {} has {} free", f.out, human_bytes(double(total)),
+                                              dir.string(), human_bytes(double(avail))));
+  }
+  std::string types;
+  for (const auto& [k, v] : type_count) types += fmt::format(" {} x{}", k, v);
+  if (!f.quiet)
+    fmt::print(stderr,
+               "strata synth: {} like {} ({} layers, {} experts top-{}, vocab {}), experts {}, dense {}: {} tensors "
+               "({}), {} ({} of experts, {} per expert record)\n",
+               f.out, s.like, s.n_layer, s.n_expert, s.n_expert_used, s.n_vocab, ggml_type_name(expert_type),
+               ggml_type_name(dense_type), plan.tensors.size(), types.substr(1), human_bytes(double(total)),
+               human_bytes(double(plan.expert_bytes)), human_bytes(double(plan.record_bytes)));
+
+  ProgressBar bar("synth", f.quiet);
+  gguf::WriteOptions wo;
+  wo.chunk_bytes = size_t(16) << 20;
+  wo.drop_cache = true;
+  wo.progress = [&](uint64_t done, uint64_t all) { bar.update(done, all); };
+  w.write(f.out, wo);
+  const double secs = bar.finish();
+  if (f.json)
+    fmt::print("{}\n", nlohmann::json{{"file", f.out},
+                                      {"like", s.like},
+                                      {"bytes", total},
+                                      {"expert_bytes", plan.expert_bytes},
+                                      {"expert_record_bytes", plan.record_bytes},
+                                      {"tensors", plan.tensors.size()},
+                                      {"seconds", secs},
+                                      {"gbps", secs > 0 ? double(total) / secs / 1e9 : 0.0}}
+                           .dump());
+}
+
+}  // namespace
+
+void register_synth(CLI::App& root) {
+  auto f = std::make_shared<SynthFlags>();
+  CLI::App* app = root.add_subcommand(
+      "synth",
+      "write a GGUF with the tensor names, shapes and types of a real MoE model and random weights (valid blocks), "
+      "so that models larger than RAM can be run and measured");
+  app->add_option("--like", f->like, "model to imitate: " + known_names())->required();
+  app->add_option("--type", f->type, "type of the routed experts (" + synth_type_list() +
+                                         "); dense weights get Q8_0 (BF16/F16/F32 when --type is one of those)")
+      ->capture_default_str();
+  app->add_option("--expert-type", f->expert_type, "override the experts' type (default: --type)");
+  app->add_option("--dense-type", f->dense_type, "override the dense weights' type (norms and routers stay F32)");
+  app->add_option("--layers", f->layers, "override the number of layers")->check(CLI::PositiveNumber);
+  app->add_option("--experts", f->experts, "override the number of experts per layer")->check(CLI::PositiveNumber);
+  app->add_option("--expert-used", f->expert_used, "override top-k (experts used per token)")
+      ->check(CLI::PositiveNumber);
+  app->add_option("--vocab", f->vocab,
+                  "rows of token_embd/output (default: the real model's, 151936 for the Qwen3 models). The "
+                  "tokenizer is a real one copied from --tokenizer-from (8192 tokens for the shipped model), padded "
+                  "with unused [PADn] tokens up to this size; --vocab 8192 matches it exactly")
+      ->check(CLI::PositiveNumber);
+  app->add_option("--tokenizer-from", f->tokenizer_from,
+                  "GGUF whose tokenizer.* keys are copied (default: models/qwen3moe-code-Q8_0.gguf)")
+      ->check(CLI::ExistingFile);
+  app->add_option("-o,--output", f->out, "output GGUF (written to FILE.tmp, renamed when complete)")->required();
+  app->add_option("-s,--seed", f->seed, "seed of the random weights")->capture_default_str();
+  app->add_flag("--force", f->force, "overwrite an existing output file");
+  app->add_flag("-q,--quiet", f->quiet, "no progress bar");
+  app->add_flag("--json", f->json, "print a JSON summary (file, bytes, seconds, gbps) to stdout");
+  app->callback([f] { run_synth(*f); });
+}
+
+}  // namespace strata::cli

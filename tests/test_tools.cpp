@@ -1,0 +1,624 @@
+// The measuring and packing tools: `strata synth` (real models' tensor sets with random
+// valid weights, runnable), the pack sidecar (bit-identical results, one read per expert,
+// stale / truncated packs refused), merged reads of contiguous parts in the stream, the
+// SSD bandwidth probe, and the streaming file writers underneath.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+#include <set>
+
+#include "engine/engine.h"
+#include "gguf/gguf.h"
+#include "gguf/gguf_writer.h"
+#include "io/file.h"
+#include "io/ssdbw.h"
+#include "io/write_file.h"
+#include "quant/quant.h"
+#include "stream/expert_stream.h"
+#include "stream/pack.h"
+#include "support/paths.h"
+
+namespace fs = std::filesystem;
+using namespace strata;
+using ::testing::HasSubstr;
+
+namespace {
+
+// A scratch folder on real disk (ctest runs in the build tree; /tmp may be tmpfs).
+class Scratch {
+ public:
+  Scratch() {
+    dir_ = fs::current_path() / ("strata-test-tools-" + std::to_string(::getpid()));
+    fs::create_directories(dir_);
+  }
+  ~Scratch() {
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+
+ private:
+  fs::path dir_;
+};
+
+Scratch& scratch() {
+  static Scratch s;
+  return s;
+}
+
+struct CmdResult {
+  int rc = -1;
+  std::string out;  // stdout and stderr
+};
+
+CmdResult run_strata(const std::string& args) {
+  CmdResult r;
+  const std::string cmd = test::strata_binary() + " " + args + " 2>&1";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (!p) return r;
+  std::array<char, 4096> buf{};
+  size_t n;
+  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
+  const int st = ::pclose(p);
+  r.rc = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  return r;
+}
+
+std::vector<uint8_t> read_bytes(const std::string& path, uint64_t off, size_t n) {
+  std::ifstream in(path, std::ios::binary);
+  in.seekg(std::streamoff(off));
+  std::vector<uint8_t> b(n);
+  in.read(reinterpret_cast<char*>(b.data()), std::streamsize(n));
+  return b;
+}
+
+std::vector<uint8_t> file_bytes(const std::string& path) {
+  return read_bytes(path, 0, size_t(fs::file_size(path)));
+}
+
+// Mean and std of a whole tensor's dequantized values.
+std::pair<double, double> tensor_stats(const std::string& path, const gguf::TensorInfo& t) {
+  const auto raw = read_bytes(path, t.offset, size_t(t.n_bytes));
+  std::vector<float> v(static_cast<size_t>(t.n_elements));
+  quant::dequantize_row(t.type, raw.data(), v.data(), int64_t(t.n_elements));
+  double s = 0, s2 = 0;
+  for (float x : v) {
+    s += x;
+    s2 += double(x) * x;
+  }
+  const double n = double(v.size()), mean = s / n;
+  return {mean, std::sqrt(s2 / n - mean * mean)};
+}
+
+engine::EngineOptions small_opts() {
+  engine::EngineOptions o;
+  o.n_threads = 2;
+  o.n_ctx = 128;
+  o.arena_mb = 8;
+  return o;
+}
+
+std::vector<int32_t> prompt_ids(int n, int vocab, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> ids(static_cast<size_t>(n));
+  for (auto& id : ids) id = int32_t(3 + rng() % uint32_t(vocab - 3));
+  return ids;
+}
+
+// Runs a prompt and a few decode steps; every logit must be finite.
+void run_some_tokens(const std::string& model) {
+  engine::EngineOptions o = small_opts();
+  o.arena_mb = 64;
+  engine::Engine eng(model, o);
+  auto st = eng.new_sequence();
+  std::vector<float> logits;
+  eng.prefill(st, prompt_ids(12, eng.hparams().n_vocab, 7), model::LogitsMode::Last, logits);
+  ASSERT_EQ(logits.size(), size_t(eng.hparams().n_vocab));
+  for (int step = 0; step < 3; ++step) {
+    for (float x : logits) ASSERT_TRUE(std::isfinite(x)) << model << " step " << step;
+    const int32_t next = int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    eng.decode(st, next, logits);
+  }
+  EXPECT_GT(eng.prefill_stats().stream.needed, 0u);
+}
+
+}  // namespace
+
+// ---- synth --------------------------------------------------------------------------------
+
+TEST(Synth, CodeLikeMatchesTheShippedTensorSetAndRuns) {
+  const std::string out = scratch().path("code-iq2.gguf");
+  const CmdResult r = run_strata("synth --like qwen3moe-code --type IQ2_XS -q -o " + out);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_FALSE(fs::exists(out + ".tmp"));
+  const gguf::File syn = gguf::File::open(out);
+  const gguf::File real = gguf::File::open(test::shipped_model());
+  // Same tensor names and shapes as the real (shipped) model; keys too.
+  ASSERT_EQ(syn.tensors().size(), real.tensors().size());
+  for (const auto& t : real.tensors()) {
+    const gguf::TensorInfo* s = syn.find_tensor(t.name);
+    ASSERT_NE(s, nullptr) << t.name;
+    EXPECT_EQ(s->ne, t.ne) << t.name;
+  }
+  for (const char* k : {"qwen3moe.block_count", "qwen3moe.embedding_length", "qwen3moe.attention.head_count",
+                        "qwen3moe.attention.head_count_kv", "qwen3moe.expert_count", "qwen3moe.expert_used_count",
+                        "qwen3moe.expert_feed_forward_length", "qwen3moe.attention.key_length", "qwen3moe.context_length"})
+    EXPECT_EQ(syn.get_int(k), real.get_int(k)) << k;
+  EXPECT_EQ(syn.get_string_array("tokenizer.ggml.tokens"), real.get_string_array("tokenizer.ggml.tokens"));
+  // Types: experts IQ2_XS, down rows of 64 fall back to IQ4_NL as llama.cpp does; dense Q8_0;
+  // norms and routers F32.
+  EXPECT_EQ(syn.find_tensor("blk.0.ffn_gate_exps.weight")->type, GgmlType::IQ2_XS);
+  EXPECT_EQ(syn.find_tensor("blk.0.ffn_up_exps.weight")->type, GgmlType::IQ2_XS);
+  EXPECT_EQ(syn.find_tensor("blk.0.ffn_down_exps.weight")->type, GgmlType::IQ4_NL);
+  EXPECT_EQ(syn.find_tensor("blk.3.attn_q.weight")->type, GgmlType::Q8_0);
+  EXPECT_EQ(syn.find_tensor("blk.3.ffn_gate_inp.weight")->type, GgmlType::F32);
+  EXPECT_EQ(syn.find_tensor("blk.3.attn_norm.weight")->type, GgmlType::F32);
+  // Values: weights ~N(0, 0.02), norms ~1.
+  for (const char* name : {"blk.1.ffn_gate_exps.weight", "blk.1.ffn_down_exps.weight", "blk.1.attn_q.weight",
+                           "token_embd.weight", "blk.1.ffn_gate_inp.weight"}) {
+    const auto [mean, sd] = tensor_stats(out, *syn.find_tensor(name));
+    EXPECT_NEAR(sd, 0.02, 0.006) << name;
+    EXPECT_NEAR(mean, 0.0, 0.003) << name;
+  }
+  const auto [norm_mean, norm_sd] = tensor_stats(out, *syn.find_tensor("blk.2.ffn_norm.weight"));
+  EXPECT_NEAR(norm_mean, 1.0, 0.03);
+  EXPECT_NEAR(norm_sd, 0.1, 0.03);
+  run_some_tokens(out);
+}
+
+TEST(Synth, SameSeedSameBytesAcrossTypes) {
+  for (const char* type : {"Q4_K", "Q2_K", "Q6_K", "Q5_0", "IQ3_S", "IQ4_XS", "MXFP4", "BF16"}) {
+    const std::string a = scratch().path(std::string("seed-a-") + type + ".gguf");
+    const std::string b = scratch().path(std::string("seed-b-") + type + ".gguf");
+    const std::string c = scratch().path(std::string("seed-c-") + type + ".gguf");
+    ASSERT_EQ(run_strata(std::string("synth --like qwen3moe-code --layers 2 -q --type ") + type + " -o " + a).rc, 0);
+    ASSERT_EQ(run_strata(std::string("synth --like qwen3moe-code --layers 2 -q --type ") + type + " -o " + b).rc, 0);
+    ASSERT_EQ(run_strata(std::string("synth --like qwen3moe-code --layers 2 -q --seed 2 --type ") + type + " -o " + c).rc,
+              0);
+    EXPECT_TRUE(file_bytes(a) == file_bytes(b)) << type;
+    EXPECT_FALSE(file_bytes(a) == file_bytes(c)) << type;
+    const gguf::File g = gguf::File::open(a);
+    const auto [mean, sd] = tensor_stats(a, *g.find_tensor("blk.1.ffn_up_exps.weight"));
+    EXPECT_NEAR(sd, 0.02, 0.006) << type;
+    EXPECT_NEAR(mean, 0.0, 0.003) << type;
+    run_some_tokens(a);
+    fs::remove(a), fs::remove(b), fs::remove(c);
+  }
+}
+
+TEST(Synth, Qwen3_30bShapedWithOverridesRuns) {
+  const std::string out = scratch().path("q30-l2-e8.gguf");
+  const CmdResult r = run_strata("synth --like qwen3moe-30b-a3b --type Q4_K --layers 2 --experts 8 --vocab 8192 -q -o " +
+                                 out);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  const gguf::File g = gguf::File::open(out);
+  EXPECT_EQ(g.get_string("general.architecture"), "qwen3moe");
+  EXPECT_EQ(g.get_int("qwen3moe.block_count"), 2);
+  EXPECT_EQ(g.get_int("qwen3moe.embedding_length"), 2048);
+  EXPECT_EQ(g.get_int("qwen3moe.feed_forward_length"), 6144);
+  EXPECT_EQ(g.get_int("qwen3moe.attention.head_count"), 32);
+  EXPECT_EQ(g.get_int("qwen3moe.attention.head_count_kv"), 4);
+  EXPECT_EQ(g.get_int("qwen3moe.attention.key_length"), 128);
+  EXPECT_EQ(g.get_int("qwen3moe.expert_count"), 8);
+  EXPECT_EQ(g.get_int("qwen3moe.expert_used_count"), 8);
+  EXPECT_EQ(g.get_int("qwen3moe.expert_feed_forward_length"), 768);
+  EXPECT_EQ(g.get_int("qwen3moe.context_length"), 40960);
+  EXPECT_DOUBLE_EQ(g.get_float("qwen3moe.rope.freq_base"), 1e6);
+  using NE = std::vector<uint64_t>;
+  const std::map<std::string, std::pair<NE, GgmlType>> want = {
+      {"token_embd.weight", {{2048, 8192}, GgmlType::Q8_0}},
+      {"output.weight", {{2048, 8192}, GgmlType::Q8_0}},
+      {"output_norm.weight", {{2048}, GgmlType::F32}},
+      {"blk.1.attn_q.weight", {{2048, 4096}, GgmlType::Q8_0}},
+      {"blk.1.attn_k.weight", {{2048, 512}, GgmlType::Q8_0}},
+      {"blk.1.attn_v.weight", {{2048, 512}, GgmlType::Q8_0}},
+      {"blk.1.attn_output.weight", {{4096, 2048}, GgmlType::Q8_0}},
+      {"blk.1.attn_q_norm.weight", {{128}, GgmlType::F32}},
+      {"blk.1.attn_k_norm.weight", {{128}, GgmlType::F32}},
+      {"blk.1.attn_norm.weight", {{2048}, GgmlType::F32}},
+      {"blk.1.ffn_norm.weight", {{2048}, GgmlType::F32}},
+      {"blk.1.ffn_gate_inp.weight", {{2048, 8}, GgmlType::F32}},
+      {"blk.1.ffn_gate_exps.weight", {{2048, 768, 8}, GgmlType::Q4_K}},
+      {"blk.1.ffn_up_exps.weight", {{2048, 768, 8}, GgmlType::Q4_K}},
+      {"blk.1.ffn_down_exps.weight", {{768, 2048, 8}, GgmlType::Q4_K}},
+  };
+  EXPECT_EQ(g.tensors().size(), 3u + 2u * 12u);
+  for (const auto& [name, st] : want) {
+    const gguf::TensorInfo* t = g.find_tensor(name);
+    ASSERT_NE(t, nullptr) << name;
+    EXPECT_EQ(t->ne, st.first) << name;
+    EXPECT_EQ(t->type, st.second) << name;
+  }
+  run_some_tokens(out);
+}
+
+TEST(Synth, Qwen3NextHasTheRealTensorSet) {
+  // 4 layers: 3 linear-attention layers and 1 full-attention layer, like the shipped tiny model.
+  STRATA_REQUIRE_FIXTURES(fx);
+  const std::string out = scratch().path("next-l4.gguf");
+  const CmdResult r =
+      run_strata("synth --like qwen3-next-80b-a3b --type Q4_0 --dense-type Q4_0 --layers 4 --experts 4 --expert-used 2 "
+                 "--vocab 8192 -q -o " + out);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  const gguf::File g = gguf::File::open(out);
+  const gguf::File tiny = gguf::File::open(fx + "/models/qwen3next-tiny-bf16.gguf");
+  std::set<std::string> names_g, names_t, keys_g, keys_t;
+  for (const auto& t : g.tensors()) names_g.insert(t.name);
+  for (const auto& t : tiny.tensors()) names_t.insert(t.name);
+  EXPECT_EQ(names_g, names_t);
+  for (const auto& [k, v] : g.metadata())
+    if (k.rfind("qwen3next.", 0) == 0) keys_g.insert(k);
+  for (const auto& [k, v] : tiny.metadata())
+    if (k.rfind("qwen3next.", 0) == 0) keys_t.insert(k);
+  EXPECT_EQ(keys_g, keys_t);
+  for (const auto& t : tiny.tensors()) EXPECT_EQ(g.find_tensor(t.name)->ne.size(), t.ne.size()) << t.name;
+  // Qwen3-Next-80B-A3B's shapes.
+  using NE = std::vector<uint64_t>;
+  EXPECT_EQ(g.find_tensor("blk.0.attn_qkv.weight")->ne, (NE{2048, 8192}));
+  EXPECT_EQ(g.find_tensor("blk.0.attn_gate.weight")->ne, (NE{2048, 4096}));
+  EXPECT_EQ(g.find_tensor("blk.0.ssm_ba.weight")->ne, (NE{2048, 64}));
+  EXPECT_EQ(g.find_tensor("blk.0.ssm_conv1d.weight")->ne, (NE{4, 8192}));
+  EXPECT_EQ(g.find_tensor("blk.0.ssm_out.weight")->ne, (NE{4096, 2048}));
+  EXPECT_EQ(g.find_tensor("blk.0.ssm_norm.weight")->ne, (NE{128}));
+  EXPECT_EQ(g.find_tensor("blk.0.ssm_a")->ne, (NE{32}));
+  EXPECT_EQ(g.find_tensor("blk.0.ffn_gate_exps.weight")->ne, (NE{2048, 512, 4}));
+  EXPECT_EQ(g.find_tensor("blk.0.ffn_down_shexp.weight")->ne, (NE{512, 2048}));
+  EXPECT_EQ(g.find_tensor("blk.0.ffn_gate_inp_shexp.weight")->ne, (NE{2048, 1}));
+  EXPECT_EQ(g.find_tensor("blk.3.attn_q.weight")->ne, (NE{2048, 8192}));
+  EXPECT_EQ(g.find_tensor("blk.3.attn_k.weight")->ne, (NE{2048, 512}));
+  EXPECT_EQ(g.find_tensor("blk.3.attn_output.weight")->ne, (NE{4096, 2048}));
+  EXPECT_EQ(g.find_tensor("blk.3.attn_q_norm.weight")->ne, (NE{256}));
+  EXPECT_EQ(g.get_int("qwen3next.rope.dimension_count"), 64);
+  EXPECT_EQ(g.get_int("qwen3next.ssm.inner_size"), 4096);
+  EXPECT_EQ(g.get_int("qwen3next.ssm.group_count"), 16);
+  EXPECT_EQ(g.get_int("qwen3next.ssm.time_step_rank"), 32);
+  EXPECT_EQ(g.get_int("qwen3next.full_attention_interval"), 4);
+  const gguf::TensorInfo* a = g.find_tensor("blk.0.ssm_a");
+  ASSERT_EQ(a->type, GgmlType::F32);
+  const auto raw = read_bytes(out, a->offset, size_t(a->n_bytes));
+  std::vector<float> ssm_a(static_cast<size_t>(a->n_elements));
+  std::memcpy(ssm_a.data(), raw.data(), raw.size());
+  for (float x : ssm_a) EXPECT_LT(x, 0.0f);  // -exp(A_log)
+}
+
+TEST(Synth, BadArgumentsSayWhatToChange) {
+  EXPECT_THAT(run_strata("synth --like qwen4 -o " + scratch().path("x.gguf")).out, HasSubstr("qwen3moe-30b-a3b"));
+  EXPECT_THAT(run_strata("synth --like qwen3moe-code --type Q7_K -o " + scratch().path("x.gguf")).out,
+              HasSubstr("IQ2_XS"));
+  EXPECT_THAT(run_strata("synth --like qwen3moe-code --experts 4 -o " + scratch().path("x.gguf")).out,
+              HasSubstr("--expert-used"));
+  EXPECT_THAT(run_strata("synth --like qwen3moe-code --vocab 100 -o " + scratch().path("x.gguf")).out,
+              HasSubstr("8192"));
+  EXPECT_FALSE(fs::exists(scratch().path("x.gguf")));
+  EXPECT_FALSE(fs::exists(scratch().path("x.gguf.tmp")));
+}
+
+// ---- pack ---------------------------------------------------------------------------------
+
+class PackTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    model_ = new std::string(scratch().path("code-copy.gguf"));
+    fs::copy_file(test::shipped_model(), *model_, fs::copy_options::overwrite_existing);
+  }
+  static void TearDownTestSuite() {
+    delete model_;
+    model_ = nullptr;
+  }
+  static std::vector<stream::LayerExperts> gguf_layers(const std::string& path) {
+    return stream::expert_layers_from_gguf(gguf::File::open(path));
+  }
+  static std::string* model_;
+};
+std::string* PackTest::model_ = nullptr;
+
+TEST_F(PackTest, LogitsBitIdenticalAndOneReadPerExpert) {
+  const stream::PackResult pr = stream::write_pack(*model_);
+  EXPECT_EQ(pr.path, *model_ + ".strata-pack");
+  EXPECT_EQ(pr.records, 8u * 64u);
+  EXPECT_GE(pr.verified, 16u);
+  EXPECT_EQ(fs::file_size(pr.path), pr.bytes);
+  EXPECT_FALSE(fs::exists(pr.path + ".tmp"));
+
+  const auto layers = gguf_layers(*model_);
+  const stream::PackCheck c = stream::check_pack(*model_, layers);
+  ASSERT_EQ(c.status, stream::PackStatus::Ok) << c.message;
+  const uint64_t record = c.layout.layers[0].part[0].stride;
+  EXPECT_EQ(record % 4096, 0u);
+  EXPECT_EQ(record, (layers[0].part[0].expert_bytes + layers[0].part[1].expert_bytes +
+                     layers[0].part[2].expert_bytes + 4095) / 4096 * 4096);
+
+  const std::vector<int32_t> ids = prompt_ids(50, 8192, 11);
+  std::vector<float> logits_pack, logits_gguf;
+  uint64_t slot_pack = 0, slot_gguf = 0;
+  for (bool use_pack : {true, false}) {
+    engine::EngineOptions o = small_opts();
+    o.use_pack = use_pack;
+    o.prompt_chunk = 16;  // several chunks: experts are evicted and re-read
+    testing::internal::CaptureStderr();
+    engine::Engine eng(*model_, o);
+    const std::string err = testing::internal::GetCapturedStderr();
+    if (use_pack)
+      EXPECT_THAT(err, HasSubstr("using packed experts from " + pr.path));
+    else
+      EXPECT_THAT(err, ::testing::Not(HasSubstr("packed")));
+    auto st = eng.new_sequence();
+    eng.prefill(st, ids, model::LogitsMode::All, use_pack ? logits_pack : logits_gguf);
+    const auto& s = eng.prefill_stats().stream;
+    ASSERT_GT(s.reads, 0u);
+    if (use_pack) {
+      slot_pack = eng.stream().slot_bytes();
+      EXPECT_EQ(s.bytes_read, s.reads * record) << "one read of one record per expert";
+    } else {
+      slot_gguf = eng.stream().slot_bytes();
+    }
+  }
+  ASSERT_EQ(logits_pack.size(), logits_gguf.size());
+  EXPECT_EQ(std::memcmp(logits_pack.data(), logits_gguf.data(), logits_pack.size() * sizeof(float)), 0);
+  EXPECT_EQ(slot_pack, record);
+  EXPECT_GT(slot_gguf, slot_pack);  // three separately aligned ranges
+
+  // The stream alone: n misses = n reads of exactly one record each.
+  stream::StreamOptions so;
+  so.arena_bytes = 64 * record;
+  so.io_threads = 3;
+  stream::ExpertStream s(c.layout.path, c.layout.layers, so);
+  std::vector<int32_t> all(64);
+  for (int e = 0; e < 64; ++e) all[size_t(e)] = e;
+  s.request(5, all);
+  for (int e = 0; e < 64; ++e) {
+    const stream::ExpertView v = s.wait(5, e);
+    for (int p = 0; p < 3; ++p) {
+      const auto want = read_bytes(*model_, layers[5].part[p].offset(e), size_t(layers[5].part[p].expert_bytes));
+      ASSERT_EQ(std::memcmp(v.part[p], want.data(), want.size()), 0) << "expert " << e << " part " << p;
+    }
+  }
+  s.release(5);
+  const auto st = s.stats();
+  EXPECT_EQ(st.misses, 64u);
+  EXPECT_EQ(st.reads, st.misses);
+  EXPECT_EQ(st.bytes_read, 64u * record);
+}
+
+TEST_F(PackTest, StalePackIsIgnoredWithAWarning) {
+  const std::string model = scratch().path("stale.gguf");
+  fs::copy_file(*model_, model, fs::copy_options::overwrite_existing);
+  stream::PackOptions po;
+  po.verify_samples = 4;
+  stream::write_pack(model, "", po);
+  const auto layers = gguf_layers(model);
+  ASSERT_EQ(stream::check_pack(model, layers).status, stream::PackStatus::Ok);
+  {  // modify the model: flip one bit of its data section (same size and header; a new mtime)
+    const gguf::File g = gguf::File::open(model);
+    std::fstream f(model, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(std::streamoff(g.data_offset()));
+    char b = 0;
+    f.read(&b, 1);
+    b = char(b ^ 1);
+    f.seekp(std::streamoff(g.data_offset()));
+    f.write(&b, 1);
+  }
+  const stream::PackCheck c = stream::check_pack(model, layers);
+  EXPECT_EQ(c.status, stream::PackStatus::Stale);
+  EXPECT_THAT(c.message, HasSubstr("stale"));
+  testing::internal::CaptureStderr();
+  EXPECT_FALSE(stream::open_pack(model, layers).has_value());
+  EXPECT_THAT(testing::internal::GetCapturedStderr(), HasSubstr("warning"));
+  testing::internal::CaptureStderr();
+  engine::Engine eng(model, small_opts());
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_THAT(err, HasSubstr("stale"));
+  EXPECT_THAT(err, ::testing::Not(HasSubstr("using packed")));
+}
+
+TEST_F(PackTest, TruncatedOrCorruptPackIsRejected) {
+  const std::string model = scratch().path("trunc.gguf");
+  fs::copy_file(*model_, model, fs::copy_options::overwrite_existing);
+  const std::string pack = scratch().path("trunc.pack");
+  stream::PackOptions po;
+  po.verify_samples = 4;
+  stream::write_pack(model, pack, po);
+  const auto layers = gguf_layers(model);
+  ASSERT_EQ(stream::check_pack(model, layers, pack).status, stream::PackStatus::Ok);
+  EXPECT_EQ(stream::check_pack(model, layers).status, stream::PackStatus::Missing);  // not at the default path
+
+  const uint64_t size = fs::file_size(pack);
+  fs::resize_file(pack, size - 4096);
+  stream::PackCheck c = stream::check_pack(model, layers, pack);
+  EXPECT_EQ(c.status, stream::PackStatus::Truncated);
+  EXPECT_THAT(c.message, HasSubstr("truncated"));
+  testing::internal::CaptureStderr();
+  EXPECT_FALSE(stream::open_pack(model, layers, pack).has_value());
+  EXPECT_THAT(testing::internal::GetCapturedStderr(), HasSubstr("truncated"));
+  fs::resize_file(pack, 100);
+  EXPECT_NE(stream::check_pack(model, layers, pack).status, stream::PackStatus::Ok);
+
+  stream::write_pack(model, pack, po);
+  {  // flip a byte of the layer table: the header checksum catches it
+    std::fstream f(pack, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(64 + 72 + 16);
+    f.put('\x7f');
+  }
+  c = stream::check_pack(model, layers, pack);
+  EXPECT_EQ(c.status, stream::PackStatus::BadHeader);
+  EXPECT_THAT(c.message, HasSubstr("checksum"));
+
+  // Geometry that does not match the model's is refused.
+  stream::write_pack(model, pack, po);
+  auto other = layers;
+  other[2].n_expert = 32;
+  EXPECT_EQ(stream::check_pack(model, other, pack).status, stream::PackStatus::Mismatch);
+}
+
+TEST_F(PackTest, CliWritesTheDefaultSidecarAndNeverAPartialFile) {
+  const std::string model = scratch().path("cli.gguf");
+  fs::copy_file(*model_, model, fs::copy_options::overwrite_existing);
+  const CmdResult r = run_strata("pack -m " + model + " --json -q");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("\"records\":512"));
+  EXPECT_TRUE(fs::exists(model + ".strata-pack"));
+  EXPECT_FALSE(fs::exists(model + ".strata-pack.tmp"));
+  // An unwritable destination: an error, and no file.
+  const CmdResult bad = run_strata("pack -m " + model + " -q -o " + scratch().path("no/such/dir/x.pack"));
+  EXPECT_NE(bad.rc, 0);
+  EXPECT_THAT(bad.out, HasSubstr("cannot create"));
+  // strata run reads it (and --no-pack does not).
+  EXPECT_THAT(run_strata("run -m " + model + " -p 'def f():' -n 2 -t 1 --temp 0").out, HasSubstr("using packed experts"));
+  EXPECT_THAT(run_strata("run -m " + model + " -p 'def f():' -n 2 -t 1 --temp 0 --no-pack").out,
+              ::testing::Not(HasSubstr("using packed experts")));
+}
+
+// ---- the stream merges contiguous parts ----------------------------------------------------
+
+TEST(StreamMerge, ContiguousPartsAreOneRead) {
+  // Records of 3 parts back to back at odd sizes, in a file with a 4 KiB header; parts of
+  // layer 1 overlap pages with their neighbours in the GGUF way (separate regions).
+  const std::string path = scratch().path("merge.bin");
+  std::mt19937 rng(3);
+  const uint64_t p0 = 5000, p1 = 7000, p2 = 3333, rec = (p0 + p1 + p2 + 4095) / 4096 * 4096;
+  const int n = 10;
+  std::vector<uint8_t> bytes(4096 + n * rec);
+  for (auto& b : bytes) b = uint8_t(rng());
+  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
+  std::vector<stream::LayerExperts> layers(1);
+  layers[0].n_expert = n;
+  layers[0].part[0] = stream::PartLayout{4096, p0, rec};
+  layers[0].part[1] = stream::PartLayout{4096 + p0, p1, rec};
+  layers[0].part[2] = stream::PartLayout{4096 + p0 + p1, p2, rec};
+  EXPECT_EQ(stream::ExpertStream::slot_bytes_for(layers), rec);
+  stream::StreamOptions so;
+  so.arena_bytes = n * rec;
+  so.io_threads = 2;
+  stream::ExpertStream s(path, layers, so);
+  std::vector<int32_t> ids = {0, 3, 9, 4};
+  s.request(0, ids);
+  for (int32_t e : ids) {
+    const auto v = s.wait(0, e);
+    for (int p = 0; p < 3; ++p) {
+      const auto& P = layers[0].part[p];
+      ASSERT_EQ(std::memcmp(v.part[p], bytes.data() + P.offset(e), P.expert_bytes), 0) << e << " " << p;
+    }
+  }
+  const auto st = s.stats();
+  EXPECT_EQ(st.reads, 4u);
+  EXPECT_EQ(st.bytes_read, 4u * rec);
+}
+
+// ---- ssdbw ----------------------------------------------------------------------------------
+
+TEST(Ssdbw, PositiveRateOnASmallFile) {
+  const std::string path = scratch().path("bw.bin");
+  {
+    std::vector<uint8_t> b(size_t(24) << 20, 0x5a);
+    std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(b.data()), std::streamsize(b.size()));
+  }
+  EXPECT_GT(io::measure_read_gbps(path, size_t(1) << 20, 2, 0.2), 0.0);
+  io::ReadBwOptions o;
+  o.record_bytes = 1000000;  // rounded up to 4 KiB
+  o.threads = 3;
+  o.reads = 30;
+  const io::ReadBwResult r = io::measure_read(path, o);
+  EXPECT_EQ(r.reads, 30u);
+  EXPECT_EQ(r.record_bytes, 1003520u);
+  EXPECT_EQ(r.bytes, 30u * 1003520u);
+  EXPECT_GT(r.gbps, 0.0);
+  o.record_bytes = size_t(64) << 20;  // larger than the file
+  EXPECT_THROW(io::measure_read(path, o), io::IoError);
+
+  const CmdResult cli = run_strata("ssdbw -f " + path + " --size 256K --threads 1,2 --reads 20 --json");
+  ASSERT_EQ(cli.rc, 0) << cli.out;
+  EXPECT_THAT(cli.out, HasSubstr("\"record_bytes\":262144"));
+  EXPECT_THAT(cli.out, HasSubstr("\"threads\":2"));
+}
+
+// ---- the writers underneath -----------------------------------------------------------------
+
+TEST(WriteFile, DirectAndBufferedGiveExactBytesAndNoTmpLeftBehind) {
+  std::mt19937 rng(5);
+  std::vector<uint8_t> data(3'000'001);
+  for (auto& b : data) b = uint8_t(rng());
+  for (bool direct : {true, false}) {
+    const std::string path = scratch().path(direct ? "wf-direct.bin" : "wf-buffered.bin");
+    {
+      io::WriteFileOptions o;
+      o.direct = direct;
+      o.chunk_bytes = 64 * 1024;
+      o.queue_depth = 3;
+      auto f = io::WriteFile::create(path, o);
+      EXPECT_TRUE(fs::exists(path + ".tmp"));
+      size_t pos = 0;
+      while (pos < data.size()) {  // odd piece sizes
+        const size_t k = std::min<size_t>(data.size() - pos, 1 + rng() % 100000);
+        f->write(data.data() + pos, k);
+        pos += k;
+      }
+      f->write_zeros(5);
+      EXPECT_FALSE(fs::exists(path));
+      f->commit();
+    }
+    EXPECT_FALSE(fs::exists(path + ".tmp"));
+    auto got = file_bytes(path);
+    ASSERT_EQ(got.size(), data.size() + 5);
+    EXPECT_TRUE(std::equal(data.begin(), data.end(), got.begin()));
+    {  // abandoned: no file at all
+      auto f = io::WriteFile::create(path + ".2");
+      f->write(data.data(), 100000);
+    }
+    EXPECT_FALSE(fs::exists(path + ".2"));
+    EXPECT_FALSE(fs::exists(path + ".2.tmp"));
+  }
+}
+
+TEST(GgufWriter, StreamedTensorsEqualInMemoryOnes) {
+  std::mt19937 rng(9);
+  std::vector<uint8_t> a(gguf::Writer::tensor_bytes(GgmlType::Q8_0, {64, 1000})), b(4 * 77);
+  for (auto& x : a) x = uint8_t(rng());
+  for (auto& x : b) x = uint8_t(rng());
+  gguf::Writer mem, str;
+  for (gguf::Writer* w : {&mem, &str}) w->add_string("general.architecture", "test");
+  mem.add_tensor("a", GgmlType::Q8_0, {64, 1000}, a);
+  mem.add_tensor("b", GgmlType::F32, {77}, b);
+  auto filler = [](const std::vector<uint8_t>& src) {
+    return [&src](uint64_t off, uint8_t* dst, size_t n) { std::memcpy(dst, src.data() + off, n); };
+  };
+  str.add_tensor_streamed("a", GgmlType::Q8_0, {64, 1000}, filler(a));
+  str.add_tensor_streamed("b", GgmlType::F32, {77}, filler(b));
+  EXPECT_THROW(str.add_tensor_streamed("c", GgmlType::F32, {1}, nullptr), std::invalid_argument);
+  const std::string p1 = scratch().path("mem.gguf"), p2 = scratch().path("str.gguf");
+  mem.write(p1);
+  gguf::WriteOptions o;
+  o.chunk_bytes = 5000;  // pieces that cut blocks
+  o.drop_cache = true;
+  uint64_t last = 0, total = 0;
+  o.progress = [&](uint64_t done, uint64_t all) {
+    EXPECT_GE(done, last);
+    last = done;
+    total = all;
+  };
+  str.write(p2, o);
+  EXPECT_EQ(file_bytes(p1), file_bytes(p2));
+  EXPECT_EQ(total, fs::file_size(p2));
+  EXPECT_EQ(last, total);
+  EXPECT_EQ(str.file_bytes(), fs::file_size(p2));
+  // A fill that throws: the error surfaces and no file is left.
+  gguf::Writer bad;
+  bad.add_tensor_streamed("x", GgmlType::F32, {1 << 20},
+                          [](uint64_t off, uint8_t*, size_t) {
+                            if (off > 0) throw std::runtime_error("generator failed");
+                          });
+  o.chunk_bytes = 1 << 16;
+  o.progress = nullptr;
+  EXPECT_THROW(bad.write(scratch().path("bad.gguf"), o), std::runtime_error);
+  EXPECT_FALSE(fs::exists(scratch().path("bad.gguf")));
+  EXPECT_FALSE(fs::exists(scratch().path("bad.gguf.tmp")));
+}
