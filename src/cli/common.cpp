@@ -29,6 +29,7 @@ void EngineFlags::add(CLI::App& app) {
       ->capture_default_str();
   app.add_option("--static-rank", opts.static_rank,
                  "expert popularity file from `strata profile` (default: MODEL.strata-rank if present; 'none' = off)");
+  app.add_flag("--trace", opts.trace, "print one line per prompt chunk splitting compute, exposed wait and host time");
   app.add_flag("--fake-stream", opts.fake_stream,
                "no reads: treat every expert as resident (garbage output; measures the compute floor)");
 }

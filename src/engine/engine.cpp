@@ -183,7 +183,18 @@ void Engine::run(model::SequenceState& st, std::span<const int32_t> ids, model::
     const model::LogitsMode m = mode == model::LogitsMode::All ? model::LogitsMode::All
                                 : (last_chunk && mode == model::LogitsMode::Last) ? model::LogitsMode::Last
                                                                                   : model::LogitsMode::None;
+    const auto tc = std::chrono::steady_clock::now();
+    const double wait0 = stream_->stats().exposed_wait_s, expert0 = times_.expert_s;
     model_->forward(ctx, st, ids.subspan(c0, c1 - c0), m, chunk_logits);
+    if (opts_.trace) {
+      // One line per prompt chunk: where its time went.
+      const double wall = seconds_since(tc), wait = stream_->stats().exposed_wait_s - wait0;
+      const double expert = times_.expert_s - expert0;
+      fmt::print(stderr,
+                 "strata: chunk [{}, {}) {} tokens: {:.3f} s = expert matmuls {:.3f} s + exposed wait {:.3f} s + "
+                 "other compute and host work {:.3f} s\n",
+                 st.n_past - (c1 - c0), st.n_past, c1 - c0, wall, expert, wait, wall - expert - wait);
+    }
     if (m == model::LogitsMode::All)
       std::copy(chunk_logits.begin(), chunk_logits.end(), logits.begin() + c0 * V);
     else if (m == model::LogitsMode::Last)

@@ -40,7 +40,8 @@ struct EngineOptions {
   int predict_min = 1;        ///< --predict-min: only experts predicted by >= N tokens
   /// Static-rank sidecar; "" = MODEL.strata-rank when present, "none" = do not use one.
   std::string static_rank;
-  bool fake_stream = false;   ///< --fake-stream: no reads, every expert treated as resident (compute floor)
+  bool fake_stream = false;
+  bool trace = false;         ///< --trace: one line per prompt chunk splitting its time (stderr)   ///< --fake-stream: no reads, every expert treated as resident (compute floor)
 };
 
 /// Tokens, wall time and stream counters of one phase (prefill or decode).
