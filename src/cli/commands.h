@@ -10,6 +10,8 @@ void register_tokenize(CLI::App& root);
 void register_info(CLI::App& root);
 void register_serve(CLI::App& root);
 void register_chat(CLI::App& root);
+void register_profile(CLI::App& root);
+void register_bench(CLI::App& root);
 void register_synth(CLI::App& root);
 void register_ssdbw(CLI::App& root);
 void register_pack(CLI::App& root);

@@ -15,6 +15,8 @@ int main(int argc, char** argv) {
   strata::cli::register_info(app);
   strata::cli::register_serve(app);
   strata::cli::register_chat(app);
+  strata::cli::register_profile(app);
+  strata::cli::register_bench(app);
   strata::cli::register_synth(app);
   strata::cli::register_ssdbw(app);
   strata::cli::register_pack(app);
