@@ -97,6 +97,7 @@ Scheduler::Scheduler(engine::Engine& eng, int n_slots, int queue_size)
     s->st = eng_.new_sequence();
     slots_.push_back(std::move(s));
   }
+  snapshot_stats();
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -145,10 +146,16 @@ SchedulerCounters Scheduler::counters() {
   c.failed = failed_;
   c.prompt_tokens = prompt_tokens_;
   c.generated_tokens = generated_tokens_;
-  std::lock_guard lk(engine_mutex_);
-  c.prefill = eng_.prefill_stats();
-  c.decode = eng_.decode_stats();
+  std::lock_guard lk(stats_mutex_);
+  c.prefill = prefill_stats_;
+  c.decode = decode_stats_;
   return c;
+}
+
+void Scheduler::snapshot_stats() {
+  std::lock_guard lk(stats_mutex_);
+  prefill_stats_ = eng_.prefill_stats();
+  decode_stats_ = eng_.decode_stats();
 }
 
 void Scheduler::start(Slot& s, std::shared_ptr<Request> r) {
@@ -171,13 +178,15 @@ void Scheduler::release(Slot& s, const std::string& reason, const std::string& e
   if (reason == "cancelled") ++cancelled_;
   else if (reason == "error") ++failed_;
   else ++completed_;
+  {
+    std::lock_guard lk(q_mutex_);  // before finish(): whoever waits on the request sees the slot free
+    --busy_;
+  }
   s.req->finish(reason, error);
   s.req.reset();
   s.sampler.reset();
   s.dec.reset();
   std::vector<int32_t>().swap(s.history);
-  std::lock_guard lk(q_mutex_);
-  --busy_;
 }
 
 bool Scheduler::emit(Slot& s, std::string piece, std::optional<TokenLogprob> tok, bool final) {
@@ -208,6 +217,7 @@ void Scheduler::step(Slot& s) {
       std::lock_guard lk(engine_mutex_);
       eng_.prefill(s.st, std::span<const int32_t>(p.prompt).subspan(s.prefilled, n),
                    last ? model::LogitsMode::Last : model::LogitsMode::None, s.logits);
+      snapshot_stats();
       s.prefilled += n;
       prompt_tokens_ += int64_t(n);
       return;
@@ -229,6 +239,7 @@ void Scheduler::step(Slot& s) {
     }
     std::lock_guard lk(engine_mutex_);
     eng_.decode(s.st, id, s.logits);
+    snapshot_stats();
   } catch (const std::exception& e) {
     release(s, "error", e.what());
   }

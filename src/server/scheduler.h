@@ -110,8 +110,14 @@ class Scheduler {
   // Emits text released so far (holding back possible stop-string prefixes); true if a stop matched.
   bool emit(Slot& s, std::string piece, std::optional<TokenLogprob> tok, bool final);
 
+  // Copies the engine's phase stats for counters() (call with engine_mutex_ held), so that
+  // /metrics never waits for a long prefill chunk.
+  void snapshot_stats();
+
   engine::Engine& eng_;
-  std::mutex engine_mutex_;  // the engine: the scheduler's steps and the metrics snapshot
+  std::mutex engine_mutex_;  // the engine: taken by the scheduler thread for each step
+  std::mutex stats_mutex_;
+  engine::PhaseStats prefill_stats_, decode_stats_;
   std::vector<std::unique_ptr<Slot>> slots_;
   std::mutex q_mutex_;
   std::condition_variable q_cv_;

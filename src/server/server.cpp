@@ -197,11 +197,11 @@ struct Server::Impl {
     p.gen.end_tokens = get_bool(b, "ignore_eos", false) ? std::vector<int32_t>{} : end_tokens;
   }
 
-  void check_prompt(const std::vector<int32_t>& prompt) {
+  void check_prompt(const std::vector<int32_t>& prompt, const char* param) {
     const int64_t n_ctx = eng.n_ctx();
-    if (prompt.empty()) throw bad("prompt", "the prompt is empty");
+    if (prompt.empty()) throw bad(param, "the prompt is empty");
     if (int64_t(prompt.size()) >= n_ctx)
-      throw bad("messages",
+      throw bad(param,
                 fmt::format("the prompt is {} tokens, but the context holds {} (--ctx-size) and at least one token "
                             "must be generated",
                             prompt.size(), n_ctx),
@@ -427,7 +427,7 @@ struct Server::Impl {
       throw bad("messages", fmt::format("the chat template rejected the messages: {}", e.what()), "invalid_messages");
     }
     p.gen.prompt = encode(prompt);
-    check_prompt(p.gen.prompt);
+    check_prompt(p.gen.prompt, "messages");
     generate(req, res, std::move(p), true);
   }
 
@@ -456,7 +456,7 @@ struct Server::Impl {
     } else {
       throw bad("prompt", "'prompt' must be a string or an array of token ids", "invalid_type");
     }
-    check_prompt(p.gen.prompt);
+    check_prompt(p.gen.prompt, "prompt");
     generate(req, res, std::move(p), false);
   }
 
