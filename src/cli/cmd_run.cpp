@@ -40,9 +40,10 @@ void register_run(CLI::App& root) {
     engine::Engine eng(f->engine.model, f->engine.resolve());
     const std::vector<int32_t> prompt = f->prompt.tokens(eng.tokenizer());
     if (!f->json)
-      fmt::print(stderr, "strata: {} ({}), {} prompt tokens, arena {} ({} slots), prompt chunk {}, {} threads\n",
+      fmt::print(stderr, "strata: {} ({}), {} prompt tokens, arena {} ({} slots), prompt chunk {}{}, {} threads\n",
                  f->engine.model, eng.hparams().arch, prompt.size(), human_bytes(double(eng.arena_bytes())),
-                 eng.stream().n_slots(), eng.options().prompt_chunk, eng.options().n_threads);
+                 eng.stream().n_slots(), eng.options().prompt_chunk, f->engine.opts.prompt_chunk == 0 ? " (automatic)" : "",
+                 eng.options().n_threads);
 
     engine::Sampler sampler(f->sp);
     model::SequenceState st = eng.new_sequence();

@@ -15,7 +15,9 @@ void EngineFlags::add(CLI::App& app) {
                  "expert arena size in MiB (0 = automatic: half of available RAM minus dense weights "
                  "and KV cache, capped at all experts)")
       ->capture_default_str();
-  app.add_option("--prompt-chunk", opts.prompt_chunk, "tokens per prefill chunk")->capture_default_str();
+  app.add_option("--prompt-chunk", opts.prompt_chunk,
+                 "tokens per prefill chunk (0 = automatic: what 1/16 of available RAM holds, 64..2048)")
+      ->capture_default_str();
   app.add_option("-c,--ctx-size", opts.n_ctx, "context size in tokens (0 = model's, at most 4096)")
       ->capture_default_str();
   app.add_option("--io-threads", opts.io_threads, "threads reading experts from disk")->capture_default_str();

@@ -40,6 +40,24 @@ uint64_t mem_available_bytes() {
   return 0;
 }
 
+uint64_t chunk_scratch_bytes_per_token(const model::ModelHParams& hp) {
+  const uint64_t E = hp.n_embd, q = uint64_t(hp.n_head) * hp.head_dim_k, kv = uint64_t(hp.n_head_kv) * hp.head_dim_k;
+  const uint64_t K = hp.n_expert_used, X = hp.n_expert, F = std::max(hp.n_ff_exp, hp.n_ff_shexp);
+  // x, h, o; q, k, v, attention output; router and prediction logits; expert outputs per
+  // (token, k); the gathered expert input and its gate/up rows; logits of the token.
+  const uint64_t floats = 3 * E + 2 * q + 2 * kv + 2 * X + K * E + E + 2 * F + uint64_t(hp.n_vocab);
+  return floats * sizeof(float);
+}
+
+int auto_prompt_chunk(const model::ModelHParams& hp, int64_t n_ctx) {
+  const uint64_t budget = mem_available_bytes() / 16;
+  uint64_t chunk = budget / std::max<uint64_t>(1, chunk_scratch_bytes_per_token(hp));
+  chunk = std::min<uint64_t>(chunk, 2048);
+  chunk = std::min<uint64_t>(chunk, uint64_t(std::max<int64_t>(n_ctx, 1)));
+  chunk = chunk / 64 * 64;
+  return int(std::max<uint64_t>(chunk, std::min<int64_t>(64, std::max<int64_t>(n_ctx, 1))));
+}
+
 uint64_t default_arena_bytes(uint64_t all_expert_slot_bytes, uint64_t resident_bytes, uint64_t min_bytes) {
   const uint64_t avail = mem_available_bytes();
   uint64_t budget = avail / 2 > resident_bytes ? avail / 2 - resident_bytes : 0;
@@ -75,7 +93,8 @@ stream::StreamStats& operator+=(stream::StreamStats& a, const stream::StreamStat
 }
 
 Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts) {
-  if (opts_.prompt_chunk < 1) throw EngineError(fmt::format("--prompt-chunk must be at least 1, got {}", opts_.prompt_chunk));
+  if (opts_.prompt_chunk < 0)
+    throw EngineError(fmt::format("--prompt-chunk must be at least 1 (or 0 = automatic), got {}", opts_.prompt_chunk));
   if (opts_.io_threads < 1) throw EngineError(fmt::format("--io-threads must be at least 1, got {}", opts_.io_threads));
   if (opts_.arena_mb < 0) throw EngineError(fmt::format("--arena-mb must be positive, got {}", opts_.arena_mb));
   quant::set_cpu_kernels(opts_.kernels);
@@ -88,6 +107,8 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
                                         tok_->n_vocab(), hp.n_vocab));
 
   if (opts_.n_ctx <= 0) opts_.n_ctx = std::min<int64_t>(hp.n_ctx_train > 0 ? hp.n_ctx_train : 4096, 4096);
+  const bool auto_chunk = opts_.prompt_chunk == 0;
+  if (auto_chunk) opts_.prompt_chunk = auto_prompt_chunk(hp, opts_.n_ctx);
   if (opts_.n_threads <= 0) opts_.n_threads = int(std::max(1u, std::thread::hardware_concurrency()));
   pool_ = std::make_unique<cpu::ThreadPool>(opts_.n_threads);
 
@@ -113,7 +134,9 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
   const uint64_t min_slots =
       std::min<uint64_t>(uint64_t(hp.n_expert_used) * uint64_t(opts_.prompt_chunk), max_experts);
   min_arena_bytes_ = std::max<uint64_t>(1, min_slots) * slot;
-  const uint64_t resident = model_->dense_bytes() + model_->state_bytes(opts_.n_ctx);
+  // An automatically sized arena gives way to the chunk's scratch; a pinned one does not.
+  const uint64_t resident = model_->dense_bytes() + model_->state_bytes(opts_.n_ctx) +
+                            chunk_scratch_bytes_per_token(hp) * uint64_t(opts_.prompt_chunk);
   uint64_t arena = opts_.arena_bytes > 0 ? opts_.arena_bytes
                    : opts_.arena_mb > 0   ? uint64_t(opts_.arena_mb) << 20
                                           : default_arena_bytes(all_slots, resident, min_arena_bytes_);

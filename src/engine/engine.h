@@ -29,7 +29,8 @@ struct EngineOptions {
   int n_threads = 0;          ///< compute threads; 0 = all hardware threads
   int64_t arena_mb = 0;       ///< arena size in MiB; 0 = automatic (see default_arena_bytes)
   uint64_t arena_bytes = 0;   ///< exact arena size in bytes; overrides arena_mb when nonzero
-  int prompt_chunk = 512;     ///< tokens per prefill chunk (--prompt-chunk)
+  int prompt_chunk = 0;       ///< tokens per prefill chunk (--prompt-chunk); 0 = from available memory
+                              ///< (see auto_prompt_chunk)
   int64_t n_ctx = 0;          ///< context in tokens; 0 = min(context_length of the model, 4096)
   int io_threads = 8;         ///< expert-reading threads
   bool direct_io = true;      ///< O_DIRECT expert reads (buffered fallback with a warning)
@@ -120,6 +121,15 @@ class Engine {
 /// The automatic arena size: half of MemAvailable (/proc/meminfo) minus the dense weights
 /// and KV cache, capped at all experts' slots and never below `min_bytes` (bytes).
 uint64_t default_arena_bytes(uint64_t all_expert_slot_bytes, uint64_t resident_bytes, uint64_t min_bytes);
+
+/// Bytes of scratch one prompt-chunk token needs in the forward pass (activations, q/k/v,
+/// router logits, the per-(token, k) expert outputs, logits), from the hyper-parameters.
+uint64_t chunk_scratch_bytes_per_token(const model::ModelHParams& hp);
+
+/// The automatic prompt chunk: as many tokens as 1/16 of MemAvailable holds in scratch,
+/// rounded down to a multiple of 64, between 64 and 2048 and at most n_ctx. Bigger chunks
+/// read each expert once for more tokens (DESIGN.md: 1024 -> 2048 cut expert reads 43 %).
+int auto_prompt_chunk(const model::ModelHParams& hp, int64_t n_ctx);
 
 /// MemAvailable from /proc/meminfo in bytes (0 if unknown).
 uint64_t mem_available_bytes();
