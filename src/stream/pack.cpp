@@ -172,14 +172,20 @@ PackedLayout layout_of(const std::string& path, const PackGeometry& g) {
   return out;
 }
 
-// Reads bytes [off, off + n) of `f` into dst through an aligned bounce range (O_DIRECT or not).
-void read_range(const io::File& f, uint64_t off, uint64_t n, io::AlignedBuffer& buf, uint8_t* dst) {
+// Reads the aligned range covering bytes [off, off + n) of `f` into buf (grown as needed;
+// O_DIRECT or not) and returns a pointer to byte `off` in it.
+const uint8_t* read_aligned(const io::File& f, uint64_t off, uint64_t n, io::AlignedBuffer& buf) {
   const uint64_t a = floor_a(off), len = ceil_a(off + n) - a;
   if (buf.size() < len) buf = io::AlignedBuffer(size_t(len));
   uint64_t want = len;
   if (!f.direct()) want = std::min<uint64_t>(len, f.size() - a);  // buffered reads stop at EOF
   f.read_at(a, size_t(want), buf.data());
-  std::memcpy(dst, buf.data() + (off - a), size_t(n));
+  return buf.data() + (off - a);
+}
+
+// Reads bytes [off, off + n) of `f` into dst.
+void read_range(const io::File& f, uint64_t off, uint64_t n, io::AlignedBuffer& buf, uint8_t* dst) {
+  std::memcpy(dst, read_aligned(f, off, n, buf), size_t(n));
 }
 
 PackCheck fail(PackStatus s, std::string msg) {
@@ -250,7 +256,7 @@ PackResult write_pack(const std::string& gguf_path, const std::string& out_path_
   res.path = out_path;
   res.records = n_records;
   io::AlignedBuffer in_buf;
-  std::vector<uint8_t> part_bytes, batch;
+  std::vector<uint8_t> batch;
   for (size_t l = 0; l < layers.size(); ++l) {
     const LayerExperts& L = layers[l];
     const auto& G = geo.layers[l];
@@ -263,13 +269,13 @@ PackResult write_pack(const std::string& gguf_path, const std::string& out_path_
       for (int p = 0; p < 3; ++p) {
         const PartLayout& P = L.part[p];
         if (P.expert_bytes == 0) continue;
-        // The slices of experts e0..e1-1 are back to back in the part's tensor: one read.
-        const uint64_t n = uint64_t(e1 - e0) * P.expert_bytes;
-        part_bytes.resize(size_t(n));
-        read_range(*src, P.offset(e0), n, in_buf, part_bytes.data());
+        // The slices of experts e0..e1-1 are back to back in the part's tensor: one aligned
+        // read, then each slice straight into its record.
+        const uint64_t off = P.offset(e0), n = uint64_t(e1 - e0) * P.expert_bytes;
+        const uint8_t* slices = read_aligned(*src, off, n, in_buf);
         for (int e = e0; e < e1; ++e)
           std::memcpy(batch.data() + size_t(e - e0) * G.record + G.part_off[p],
-                      part_bytes.data() + size_t(e - e0) * P.expert_bytes, size_t(P.expert_bytes));
+                      slices + size_t(e - e0) * P.expert_bytes, size_t(P.expert_bytes));
       }
       out->write(batch.data(), batch.size());
       if (opts.progress) opts.progress(out->size(), geo.total_bytes);
