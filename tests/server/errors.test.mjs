@@ -3,7 +3,11 @@
 // the context, invalid UTF-8, an oversized body, a wrong API key, a full queue (503).
 import { after, before, test } from 'node:test';
 import assert from 'node:assert/strict';
-import { post, requireSetup, startServer } from './harness.mjs';
+import { spawnSync } from 'node:child_process';
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { BINARY, MODEL, post, requireSetup, startServer } from './harness.mjs';
 
 requireSetup();
 
@@ -156,4 +160,17 @@ test('after all that, the server still serves', async () => {
   assert.equal(r.status, 200);
   assert.equal(r.body.choices[0].message.role, 'assistant');
   assert.equal((await fetch(`${srv.url}/health`)).status, 200);
+});
+
+test('an unsupported chat template stops the server at startup with a clear message', () => {
+  const dir = mkdtempSync(join(tmpdir(), 'strata-tmpl-'));
+  try {
+    const file = join(dir, 'bad.jinja');
+    writeFileSync(file, "{% for m in messages %}{{ m.content | frobnicate }}{% endfor %}");
+    const r = spawnSync(BINARY, ['serve', '-m', MODEL, '--port', '0', '--chat-template-file', file], { timeout: 30000 });
+    assert.equal(r.status, 1);
+    assert.match(r.stderr.toString(), /unsupported chat template .*line 1: unsupported filter 'frobnicate'/);
+  } finally {
+    rmSync(dir, { recursive: true, force: true });
+  }
 });
