@@ -148,26 +148,99 @@ void lut_iq4_xs(const uint8_t* b, S& out, int64_t n) {
   out = o;
 }
 
+/// Q4_K scales of one block, vectorized: the 8 six-bit scales and mins unpacked with ggml's
+/// 32-bit masks, then dl[g] = d * sc[g] (lanes 0-7) and ml[g] = dmin * m[g] (lanes 8-15), the
+/// reference's products, stored to `dm` (16 floats).
+inline void q4_k_scales(const uint8_t* b, float* dm) {
+  uint32_t u[3];
+  std::memcpy(u, b + 4, 12);
+  const uint32_t sc_lo = u[0] & 0x3f3f3f3fu, m_lo = u[1] & 0x3f3f3f3fu;
+  const uint32_t sc_hi = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+  const uint32_t m_hi = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+  const __m128i v = _mm_setr_epi32(static_cast<int>(sc_lo), static_cast<int>(sc_hi), static_cast<int>(m_lo),
+                                   static_cast<int>(m_hi));
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
+  const __m512 dd = _mm512_insertf32x8(_mm512_set1_ps(_cvtsh_ss(load_u16(b))),
+                                       _mm256_set1_ps(_cvtsh_ss(load_u16(b + 2))), 1);
+  _mm512_store_ps(dm, _mm512_mul_ps(dd, f));
+}
+
 template <class S>
 void lut_q4_k(const uint8_t* b, S& out, int64_t n) {
   S o = out;
+  alignas(64) float dm[16];
   for (int64_t i = 0; i < n; i += 256, b += 144) {
-    const float d = _cvtsh_ss(load_u16(b)), dmin = _cvtsh_ss(load_u16(b + 2));
+    q4_k_scales(b, dm);
+    __asm__ volatile("" : : "r"(dm) : "memory");  // broadcasts from memory, not vpermd (see lut_iq2_xs)
     const uint8_t* qs = b + 16;
 #pragma GCC unroll 16
     for (int p = 0; p < 4; ++p) {  // sub-blocks 2p (low nibbles) and 2p+1 (high nibbles)
-      int sc, m;
-      simd::k4_scale_min_simd(b + 4, 2 * p, sc, m);
-      const __m512 t0 = _mm512_sub_ps(opaque(_mm512_mul_ps(iota16(), _mm512_set1_ps(d * static_cast<float>(sc)))),
-                                      _mm512_set1_ps(dmin * static_cast<float>(m)));
-      simd::k4_scale_min_simd(b + 4, 2 * p + 1, sc, m);
-      const __m512 t1 = _mm512_sub_ps(opaque(_mm512_mul_ps(iota16(), _mm512_set1_ps(d * static_cast<float>(sc)))),
-                                      _mm512_set1_ps(dmin * static_cast<float>(m)));
+      const __m512 t0 = _mm512_sub_ps(opaque(_mm512_mul_ps(iota16(), _mm512_set1_ps(dm[2 * p]))),
+                                      _mm512_set1_ps(dm[8 + 2 * p]));
+      const __m512 t1 = _mm512_sub_ps(opaque(_mm512_mul_ps(iota16(), _mm512_set1_ps(dm[2 * p + 1]))),
+                                      _mm512_set1_ps(dm[8 + 2 * p + 1]));
       const __m512i q0 = idx16(simd::ld16(qs + 32 * p)), q1 = idx16(simd::ld16(qs + 32 * p + 16));
       o.put(_mm512_permutexvar_ps(q0, t0));
       o.put(_mm512_permutexvar_ps(q1, t0));
       o.put(_mm512_permutexvar_ps(hi4(q0), t1));
       o.put(_mm512_permutexvar_ps(hi4(q1), t1));
+    }
+  }
+  out = o;
+}
+
+/// IQ2_XS grid as floats: entry i = the 8 bytes of iq2xs_grid[i] converted (exact), 16 KiB.
+/// Built on first use (here, not at static-init time: this file runs only on AVX-512 CPUs).
+const float* iq2xs_grid_f32() {
+  static const float* const t = [] {
+    auto* p = static_cast<float*>(std::aligned_alloc(64, 512 * 8 * sizeof(float)));
+    if (!p) throw std::bad_alloc();
+    for (int i = 0; i < 512; ++i)
+      for (int l = 0; l < 8; ++l) p[8 * i + l] = static_cast<float>((tables::iq2xs_grid[i] >> (8 * l)) & 0xff);
+    return p;
+  }();
+  return t;
+}
+
+/// IQ2_XS with the per-block scalar work vectorized: the 32 grid offsets, the 32 sign bytes
+/// (ksigns_iq2xs[s] = s | parity(s) << 7, computed) and the 16 group scales
+/// db = (d * (0.5 + nib)) * 0.25 (the reference's operations) are made once per block with
+/// 512-bit integer ops and parked on the stack; each 16 weights are then two 8-float grid rows,
+/// one multiply by db and a masked sign flip (exactly the reference's db * grid, negated).
+template <class S>
+void lut_iq2_xs(const uint8_t* b, S& out, int64_t n) {
+  S o = out;
+  const char* grid = reinterpret_cast<const char*>(iq2xs_grid_f32());
+  alignas(64) uint16_t off[32];
+  alignas(64) uint16_t sgn[16];
+  alignas(64) float dbs[16];
+  const __m512i m511 = _mm512_set1_epi16(511), one = _mm512_set1_epi16(1);
+  for (int64_t i = 0; i < n; i += 256, b += 74) {
+    const __m512i q = _mm512_loadu_si512(b + 2);
+    _mm512_store_si512(off, _mm512_slli_epi16(_mm512_and_si512(q, m511), 5));  // byte offsets (32 B rows)
+    const __m512i s = _mm512_srli_epi16(q, 9);
+    __m512i par = _mm512_xor_si512(s, _mm512_srli_epi16(s, 4));
+    par = _mm512_xor_si512(par, _mm512_srli_epi16(par, 2));
+    par = _mm512_xor_si512(par, _mm512_srli_epi16(par, 1));
+    const __m512i sb = _mm512_or_si512(s, _mm512_slli_epi16(_mm512_and_si512(par, one), 7));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(sgn), _mm512_cvtepi16_epi8(sb));
+    const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 66));
+    const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(sc, _mm_set1_epi8(0x0f)),
+                                          _mm_and_si128(_mm_srli_epi16(sc, 4), _mm_set1_epi8(0x0f)));
+    const __m512 fn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nib));
+    const __m512 db = _mm512_mul_ps(opaque(_mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(load_u16(b))),
+                                                         _mm512_add_ps(_mm512_set1_ps(0.5f), fn))),
+                                    _mm512_set1_ps(0.25f));
+    _mm512_store_ps(dbs, db);
+    // Read the three tables back from memory (one load each, folded into the address or the
+    // broadcast) rather than let the compiler extract lanes with port-5 shuffles (vpextrw, vpermd).
+    __asm__ volatile("" : : "r"(off), "r"(sgn), "r"(dbs) : "memory");
+#pragma GCC unroll 16
+    for (int g = 0; g < 16; ++g) {
+      const __m256 lo = _mm256_load_ps(reinterpret_cast<const float*>(grid + off[2 * g]));
+      const __m256 hi = _mm256_load_ps(reinterpret_cast<const float*>(grid + off[2 * g + 1]));
+      const __m512 v = _mm512_mul_ps(_mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1), _mm512_set1_ps(dbs[g]));
+      o.put(_mm512_mask_xor_ps(v, static_cast<__mmask16>(sgn[g]), v, _mm512_set1_ps(-0.0f)));
     }
   }
   out = o;
@@ -281,6 +354,7 @@ simd::SinkDecodeFn<E512, S> decoder512(GgmlType t) {
     case GgmlType::Q5_K: return lut_q5_k<S>;
     case GgmlType::IQ4_NL: return lut_iq4_nl<S>;
     case GgmlType::IQ4_XS: return lut_iq4_xs<S>;
+    case GgmlType::IQ2_XS: return lut_iq2_xs<S>;
     case GgmlType::MXFP4: return lut_mxfp4<S>;
     case GgmlType::F32: return sink_f32<S>;
     case GgmlType::F16: return sink_f16<S>;
