@@ -98,6 +98,17 @@ void Model::moe_step(ForwardContext& ctx, int layer, const layers::MoeWeights& w
   pred.swap(pred_next);
 }
 
+void Model::rms_norm_rows(cpu::ThreadPool& pool, const float* x, const float* w, int64_t T, float* h) const {
+  const int64_t E = hp_.n_embd;
+  pool.parallel_for(T, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) cpu::rms_norm(x + t * E, w, h + t * E, E, hp_.rms_eps);
+  });
+}
+
+void Model::add_rows(float* x, const float* o, int64_t T) const {
+  for (int64_t i = 0, n = T * hp_.n_embd; i < n; ++i) x[i] += o[i];
+}
+
 void Model::embed(const cpu::MatrixRef& tok_embd, std::span<const int32_t> ids, float* x) const {
   const int64_t E = hp_.n_embd;
   for (size_t t = 0; t < ids.size(); ++t)

@@ -125,6 +125,11 @@ class Model {
   void moe_step(ForwardContext& ctx, int layer, const layers::MoeWeights& w, const cpu::MatrixRef* next_router,
                 const float* h, int64_t T, float* out, std::vector<int32_t>& pred) const;
 
+  /// h[t] = RMSNorm(x[t]) * w for T rows of n_embd (rows split over the pool).
+  void rms_norm_rows(cpu::ThreadPool& pool, const float* x, const float* w, int64_t T, float* h) const;
+  /// The residual add x[t] += o[t] for T rows of n_embd.
+  void add_rows(float* x, const float* o, int64_t T) const;
+
   /// Token embeddings: x[t] = dequant(tok_embd row ids[t]); x: [T][n_embd].
   void embed(const cpu::MatrixRef& tok_embd, std::span<const int32_t> ids, float* x) const;
 

@@ -243,14 +243,8 @@ void Qwen3Next::forward(ForwardContext& ctx, SequenceState& st, std::span<const 
 
   layers::AttentionShape shape{hp_.n_head, hp_.n_head_kv, hp_.head_dim_k, hp_.rms_eps, &rope_};
   shape.q_gate = true;
-  auto norm_rows = [&](const float* w) {
-    pool.parallel_for(T, 4, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) cpu::rms_norm(x.data() + t * E, w, h.data() + t * E, E, hp_.rms_eps);
-    });
-  };
-  auto add_residual = [&] {
-    for (int64_t i = 0; i < T * E; ++i) x[i] += o[i];
-  };
+  auto norm_rows = [&](const float* w) { rms_norm_rows(pool, x.data(), w, T, h.data()); };
+  auto add_residual = [&] { add_rows(x.data(), o.data(), T); };
 
   // Layer 0's experts are predicted from the embeddings and read while the mixer runs.
   std::vector<int32_t> pred;
