@@ -288,7 +288,9 @@ TEST(Tokenizer, FromGgufUnknownPreTokenizer) {
   fs::remove_all(dir);
 }
 
-TEST(Tokenizer, LargeTextIsFast) {
+// A 100 KB text round-trips; its encode time is printed, not asserted (speed belongs to
+// benchmarks; a timed assertion flakes on a loaded CI machine).
+TEST(Tokenizer, LargeTextRoundTrips) {
   const auto& t = model_tok();
   std::string text;
   while (text.size() < 100 * 1024)
@@ -298,5 +300,4 @@ TEST(Tokenizer, LargeTextIsFast) {
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("encoded %zu bytes into %zu tokens in %.3f s\n", text.size(), ids.size(), secs);
   EXPECT_EQ(t.decode(ids), text);
-  EXPECT_LT(secs, 1.0);
 }
