@@ -1,3 +1,5 @@
+#include <thread>
+#include <chrono>
 // The server's scheduler without HTTP: interleaved requests give the same tokens as requests
 // run alone, stop strings are held back and cut, cancellation frees the slot, a full queue
 // refuses; and the logprob / stop-suffix helpers.
@@ -90,7 +92,13 @@ TEST(Server, InterleavedEqualsAlone) {
     EXPECT_EQ(collect(*rs[k]), alone[k]) << prompts[k];
     EXPECT_EQ(rs[k]->prompt_tokens, int(eng.tokenizer().encode(prompts[k]).size()));
   }
-  const auto c = s.counters();
+  // The scheduler frees a slot just after the last token reaches the client: wait (bounded)
+  // for that bookkeeping instead of racing it.
+  auto c = s.counters();
+  for (int i = 0; i < 500 && (c.slots_busy != 0 || c.completed != int64_t(prompts.size())); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    c = s.counters();
+  }
   EXPECT_EQ(c.completed, int64_t(prompts.size()));
   EXPECT_EQ(c.slots_busy, 0);
 }
