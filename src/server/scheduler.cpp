@@ -69,7 +69,7 @@ TokenLogprob token_logprob(std::span<const float> logits, int32_t id, int n) {
 size_t partial_stop_suffix(std::string_view text, const std::vector<std::string>& stops) {
   size_t best = 0;
   for (const std::string& s : stops)
-    for (size_t k = std::min(text.size(), s.size() - 1); k > best; --k)
+    for (size_t k = s.empty() ? 0 : std::min(text.size(), s.size() - 1); k > best; --k)
       if (text.compare(text.size() - k, k, s, 0, k) == 0) {
         best = k;
         break;
