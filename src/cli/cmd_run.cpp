@@ -1,6 +1,7 @@
 // strata run: generate text, streaming experts through the arena, then print the counters.
 #include <fmt/format.h>
 
+#include <cmath>
 #include <cstdio>
 
 #include "cli/commands.h"
@@ -37,6 +38,13 @@ void register_run(CLI::App& root) {
   app->add_flag("--ignore-eos", f->ignore_eos, "keep generating after the end-of-text token");
   app->add_flag("--json", f->json, "print one JSON object (prompt_ids, ids, text, stats) instead of streaming text");
   app->callback([f] {
+    const auto& sp = f->sp;
+    if (!std::isfinite(sp.temp) || sp.temp < 0) throw std::invalid_argument(fmt::format("--temp must be >= 0, got {}", sp.temp));
+    if (!(sp.top_p > 0 && sp.top_p <= 1)) throw std::invalid_argument(fmt::format("--top-p must be in (0, 1], got {}", sp.top_p));
+    if (!(sp.min_p >= 0 && sp.min_p <= 1)) throw std::invalid_argument(fmt::format("--min-p must be in [0, 1], got {}", sp.min_p));
+    if (sp.top_k < 0) throw std::invalid_argument(fmt::format("--top-k must be >= 0 (0 = off), got {}", sp.top_k));
+    if (!(sp.repeat_penalty > 0) || !std::isfinite(sp.repeat_penalty))
+      throw std::invalid_argument(fmt::format("--repeat-penalty must be > 0 (1 = off), got {}", sp.repeat_penalty));
     engine::Engine eng(f->engine.model, f->engine.resolve());
     const std::vector<int32_t> prompt = f->prompt.tokens(eng.tokenizer());
     if (!f->json)

@@ -63,7 +63,7 @@ void register_ssdbw(CLI::App& root) {
     o.reads = f->reads;
     std::vector<int32_t> counts = parse_id_list(f->threads);
     for (int32_t c : counts)
-      if (c < 1) throw std::invalid_argument(fmt::format("--threads: {} is not a thread count", c));
+      if (c < 1 || c > 1024) throw std::invalid_argument(fmt::format("--threads: {} is not a thread count in 1..1024", c));
     nlohmann::json results = nlohmann::json::array();
     bool direct = true;
     uint64_t rec = 0;

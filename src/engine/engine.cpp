@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -95,6 +96,9 @@ stream::StreamStats& operator+=(stream::StreamStats& a, const stream::StreamStat
 Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts) {
   if (opts_.prompt_chunk < 0)
     throw EngineError(fmt::format("--prompt-chunk must be at least 1 (or 0 = automatic), got {}", opts_.prompt_chunk));
+  if (opts_.n_threads < 0 || opts_.n_threads > 1024)
+    throw EngineError(fmt::format("--threads must be between 0 (all cores) and 1024, got {}", opts_.n_threads));
+  if (opts_.io_threads > 1024) throw EngineError(fmt::format("--io-threads must be at most 1024, got {}", opts_.io_threads));
   if (opts_.io_threads < 1) throw EngineError(fmt::format("--io-threads must be at least 1, got {}", opts_.io_threads));
   if (opts_.arena_mb < 0) throw EngineError(fmt::format("--arena-mb must be positive, got {}", opts_.arena_mb));
   quant::set_cpu_kernels(opts_.kernels);
@@ -223,6 +227,10 @@ void Engine::run(model::SequenceState& st, std::span<const int32_t> ids, model::
     else if (m == model::LogitsMode::Last)
       logits = chunk_logits;
   }
+  // A NaN weight or a broken hyper-parameter shows up here: refuse it instead of sampling garbage.
+  for (float v : logits)
+    if (!std::isfinite(v))
+      throw EngineError("the model produced non-finite logits (NaN or Inf weights, or invalid hyper-parameters in the file)");
   phase.tokens += n;
   phase.seconds += seconds_since(t0);
   phase.stream += stream_->stats() - s0;

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
+
 #include "gguf/gguf.h"
 #include "model/weights.h"
 
@@ -32,6 +34,10 @@ ModelHParams read_common_hparams(const gguf::File& f) {
   hp.n_ctx_train = f.get_int(a + "context_length", 4096);
   hp.rope_freq_base = f.get_float(a + "rope.freq_base", 10000.0);
   hp.rms_eps = float(f.get_float(a + "attention.layer_norm_rms_epsilon", 1e-6));
+  if (!(hp.rope_freq_base > 0) || !std::isfinite(hp.rope_freq_base))
+    throw ModelError(fmt::format("{}: rope.freq_base = {} must be a positive number", f.path(), hp.rope_freq_base));
+  if (!(hp.rms_eps > 0) || !std::isfinite(hp.rms_eps))
+    throw ModelError(fmt::format("{}: layer_norm_rms_epsilon = {} must be a positive number", f.path(), hp.rms_eps));
   if (hp.n_head % hp.n_head_kv != 0)
     throw ModelError(fmt::format("{}: head_count {} is not a multiple of head_count_kv {}", f.path(), hp.n_head,
                                  hp.n_head_kv));
