@@ -1,5 +1,6 @@
 #include "server/server.h"
 
+#include <sys/socket.h>
 #include <fmt/format.h>
 #include <httplib.h>
 
@@ -653,6 +654,13 @@ Server::~Server() { stop(); }
 int Server::bind() {
   auto& o = impl_->opts;
   int port = o.port;
+  if (port < 0 || port > 65535) throw std::runtime_error(fmt::format("--port {} is not a TCP port (0..65535)", port));
+  // httplib's default socket options add SO_REUSEPORT, which lets a second server bind the
+  // same port and silently share its connections: keep only SO_REUSEADDR.
+  impl_->http.set_socket_options([](socket_t sock) {
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, reinterpret_cast<const void*>(&yes), sizeof(yes));
+  });
   if (port == 0) {
     port = impl_->http.bind_to_any_port(o.host);
     if (port < 0) throw std::runtime_error(fmt::format("cannot bind to {} (any port)", o.host));
