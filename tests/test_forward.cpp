@@ -20,6 +20,7 @@
 
 #include <cstdio>
 
+#include "quant/quant.h"
 #include "support/paths.h"
 #include "support/reference.h"
 
@@ -69,12 +70,37 @@ void expect_greedy(engine::Engine& eng, const nlohmann::json& ref) {
 }  // namespace
 
 TEST(Forward, ShippedQ8_0MatchesTransformers) {
-  engine::Engine eng(test::shipped_model(), default_options());
+  engine::EngineOptions o = default_options();
+  o.act_quant = quant::ActQuant::F32;  // exact mode: weights expanded, activations fp32
+  engine::Engine eng(test::shipped_model(), o);
   const auto ref = test::load_json(test::data_path("qwen3moe-code-Q8_0.hf.json"));
   test::ParityReport rep;
   test::compare_with_hf(eng, ref, rep);
-  print_report("Q8_0 vs transformers", rep);
+  print_report("Q8_0 f32 activations vs transformers", rep);
   expect_parity(rep);
+}
+
+// The default q8 activations (int8 codes per block of 32, as llama.cpp computes on CPU) cost
+// accuracy against the fp32 transformers reference. Measured at introduction: top-1 mismatches
+// 10 of 1129 checked positions (all where the top two logits were close), max |dlogit| over the
+// top 20 0.98, logsumexp 0.38, routing-set mismatches 264 of 8681 (3.0 %), max |dprob| 0.038.
+// The bounds below are those numbers with ~50 % margin: a regression test of the documented
+// cost (docs/kernels.md), not a parity claim; greedy continuations must still be identical.
+TEST(Forward, ShippedQ8_0WithQ8ActivationsNearTransformers) {
+  engine::EngineOptions o = default_options();
+  o.act_quant = quant::ActQuant::Q8;
+  engine::Engine eng(test::shipped_model(), o);
+  const auto ref = test::load_json(test::data_path("qwen3moe-code-Q8_0.hf.json"));
+  test::ParityReport r;
+  test::compare_with_hf(eng, ref, r);
+  print_report("Q8_0 q8 activations vs transformers", r);
+  EXPECT_GT(r.top1_checked, r.positions / 2);
+  EXPECT_LE(r.top1_mismatch, r.top1_checked * 15 / 1000);
+  EXPECT_LE(r.max_logit_err, 1.5);
+  EXPECT_LE(r.max_lse_err, 0.6);
+  EXPECT_LE(r.routes_mismatch, r.routes_checked * 45 / 1000);
+  EXPECT_LE(r.max_route_prob_err, 0.06);
+  expect_greedy(eng, ref);
 }
 
 TEST(Forward, ShippedQ8_0GreedyMatchesTransformers) {

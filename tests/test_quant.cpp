@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "quant/act_q8.h"
 #include "quant/quant.h"
 #include "quant/quant_impl.h"
 #include "quant/quant_tables.h"
@@ -96,9 +97,12 @@ std::vector<q::CpuKernels> families() {
   return v;
 }
 
-/// Restores the automatic kernel family when a test ends.
+/// Restores the automatic kernel family and activation mode when a test ends.
 struct FamilyGuard {
-  ~FamilyGuard() { q::set_cpu_kernels(q::CpuKernels::Auto); }
+  ~FamilyGuard() {
+    q::set_cpu_kernels(q::CpuKernels::Auto);
+    q::set_act_quant(q::ActQuant::Auto);
+  }
 };
 
 /// Byte offsets of the fp16 scale fields inside one block, so random blocks get sane scales.
@@ -573,6 +577,7 @@ struct Case {
 
 TEST(QuantMatmul, FastFamiliesMatchScalarReference) {
   FamilyGuard guard;
+  q::set_act_quant(q::ActQuant::F32);  // the q8 path has its own tests (QuantQ8)
   std::mt19937_64 rng(test_seed() ^ 0x1234);
   const auto fams = families();
   for (GgmlType t : supported_types()) {
@@ -629,7 +634,9 @@ TEST(QuantMatmul, FastFamiliesMatchScalarReference) {
 TEST(QuantMatmul, InvariantToTokenCountRowSplitAndStrides) {
   FamilyGuard guard;
   std::mt19937_64 rng(test_seed() ^ 0x5678);
+  for (q::ActQuant act : {q::ActQuant::F32, q::ActQuant::Q8})
   for (q::CpuKernels fam : families()) {
+    q::set_act_quant(act);
     for (GgmlType t : supported_types()) {
       const int be = q::block_elems(t);
       for (int64_t cols : {int64_t{256}, int64_t{1024}, be == 1 ? int64_t{77} : int64_t{512}}) {
@@ -640,7 +647,7 @@ TEST(QuantMatmul, InvariantToTokenCountRowSplitAndStrides) {
         const auto x = random_x(n_tok * cols, rng);
         std::vector<float> full(static_cast<size_t>(n_tok * rows));
         q::matmul(t, w.data(), rb, 0, rows, cols, x.data(), cols, n_tok, full.data(), rows);
-        const std::string what = std::string(q::cpu_kernels_name(fam)) + " " +
+        const std::string what = std::string(q::act_quant_name(act)) + " " + q::cpu_kernels_name(fam) + " " +
                                  strata::quant::detail::type_name(t) + " cols=" + std::to_string(cols);
         // one token at a time, from a copy placed elsewhere with a different stride
         for (int64_t tk = 0; tk < n_tok; ++tk) {
@@ -668,4 +675,170 @@ TEST(QuantMatmul, InvariantToTokenCountRowSplitAndStrides) {
       }
     }
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// q8 activations (act_q8.h): every family computes the same bits; the result is the exact dot
+// product of the dequantized weights with the dequantized int8 activations up to fp32 rounding;
+// the activation quantization error is bounded by sum_k |w_k| * d_b / 2.
+
+namespace {
+
+const GgmlType kQ8Types[] = {GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::IQ2_XS};
+
+/// Per element the offset magnitude a format subtracts inside a block (Q4_K: dmin * m, found by
+/// dequantizing the block with its codes zeroed); 0 for the others.
+std::vector<float> offsets(GgmlType t, const uint8_t* row, int64_t cols) {
+  std::vector<float> o(static_cast<size_t>(cols), 0.0f);
+  if (t != GgmlType::Q4_K) return o;
+  std::vector<uint8_t> z(row, row + q::row_size(t, cols));
+  for (int64_t b = 0; b < cols / 256; ++b) std::memset(z.data() + 144 * b + 16, 0, 128);
+  q::dequantize_row(t, z.data(), o.data(), cols);
+  for (float& v : o) v = std::fabs(v);
+  return o;
+}
+
+}  // namespace
+
+TEST(QuantQ8, AllFamiliesBitIdentical) {
+  FamilyGuard guard;
+  std::mt19937_64 rng(test_seed() ^ 0x9abc);
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                      __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2");
+  const bool vnni = avx512 && __builtin_cpu_supports("avx512vnni");
+  if (!avx512) GTEST_SKIP() << "no AVX-512 on this CPU: only the scalar q8 family exists";
+  int64_t checked = 0;
+  for (GgmlType t : kQ8Types) {
+    const int be = q::block_elems(t);
+    for (int64_t cols : {32, 64, 256, 512, 4096}) {
+      if (cols % be) continue;
+      for (int64_t rows : {1, 3, 17, 130}) {
+        const auto w = random_rows(t, rows, cols, rng);
+        const size_t rb = q::row_size(t, cols);
+        for (int64_t n_tok : {1, 2, 3, 5, 7, 64, 70}) {
+          if (rows * cols * n_tok > 130 * 4096 * 8) continue;
+          const auto x = random_x(n_tok * cols, rng);
+          strata::quant::detail::ActQ8 act;
+          strata::quant::detail::quantize_activations(x.data(), cols, n_tok, cols, act);
+          const strata::quant::detail::MatmulArgs base{t, w.data(), rb, 0, rows, cols, x.data(), cols, n_tok, nullptr, rows};
+          std::vector<float> ref(static_cast<size_t>(rows * n_tok), NAN), y(ref.size(), NAN);
+          auto a = base;
+          a.y = ref.data();
+          strata::quant::detail::matmul_q8_scalar(a, act);
+          for (bool use_vnni : {false, true}) {
+            if (use_vnni && !vnni) continue;
+            std::fill(y.begin(), y.end(), NAN);
+            a.y = y.data();
+            ASSERT_TRUE(strata::quant::detail::matmul_q8_avx512(a, act, use_vnni));
+            for (size_t i = 0; i < y.size(); ++i)
+              ASSERT_EQ(bits(y[i]), bits(ref[i])) << strata::quant::detail::type_name(t) << (use_vnni ? " vnni" : " no-vnni")
+                                                  << " rows=" << rows << " cols=" << cols << " n_tok=" << n_tok << " i=" << i;
+            checked += static_cast<int64_t>(y.size());
+          }
+        }
+      }
+    }
+  }
+  // and through the public entry point, per family
+  for (GgmlType t : kQ8Types) {
+    const int64_t rows = 9, cols = 512, n_tok = 6;
+    const auto w = random_rows(t, rows, cols, rng);
+    const auto x = random_x(n_tok * cols, rng);
+    std::vector<float> first;
+    for (q::CpuKernels fam : families()) {
+      q::set_cpu_kernels(fam);
+      q::set_act_quant(q::ActQuant::Q8);
+      ASSERT_TRUE(q::has_q8_activations(t));
+      std::vector<float> y(static_cast<size_t>(rows * n_tok));
+      q::matmul(t, w.data(), q::row_size(t, cols), 0, rows, cols, x.data(), cols, n_tok, y.data(), rows);
+      if (first.empty()) first = y;
+      for (size_t i = 0; i < y.size(); ++i) ASSERT_EQ(bits(y[i]), bits(first[i])) << q::cpu_kernels_name(fam);
+    }
+  }
+  std::printf("[quant] q8 path: %lld outputs bit-identical across scalar / avx512%s\n", static_cast<long long>(checked),
+              vnni ? " / avx512-vnni" : "");
+}
+
+TEST(QuantQ8, EqualsExactProductOfDequantizedOperands) {
+  FamilyGuard guard;
+  q::set_act_quant(q::ActQuant::Q8);
+  std::mt19937_64 rng(test_seed() ^ 0xdef0);
+  for (GgmlType t : kQ8Types) {
+    double worst_fmt = 0, worst_quant = 0;
+    for (int64_t cols : {256, 1024, 4096}) {
+      const int64_t rows = 33, n_tok = 3;
+      const auto w = random_rows(t, rows, cols, rng);
+      const size_t rb = q::row_size(t, cols);
+      auto x = random_x(n_tok * cols, rng);
+      // activations with outliers and a zero block, as hidden states have
+      for (int64_t k = 0; k < n_tok * cols; k += 97) x[static_cast<size_t>(k)] *= 20.0f;
+      std::fill(x.begin(), x.begin() + 32, 0.0f);
+      strata::quant::detail::ActQ8 act;
+      strata::quant::detail::quantize_activations(x.data(), cols, n_tok, cols, act);
+      std::vector<float> y(static_cast<size_t>(rows * n_tok));
+      q::matmul(t, w.data(), rb, 0, rows, cols, x.data(), cols, n_tok, y.data(), rows);
+      std::vector<float> wr(static_cast<size_t>(cols));
+      for (int64_t r = 0; r < rows; ++r) {
+        q::dequantize_row(t, w.data() + static_cast<size_t>(r) * rb, wr.data(), cols);
+        const auto off = offsets(t, w.data() + static_cast<size_t>(r) * rb, cols);
+        for (int64_t tk = 0; tk < n_tok; ++tk) {
+          double dq = 0, mag = 0, exact = 0, qbound = 0, absx = 0;
+          for (int64_t k = 0; k < cols; ++k) {
+            const double xd = static_cast<double>(act.dt(tk)[k / 32]) * act.qt(tk)[k];
+            const double xe = x[static_cast<size_t>(tk * cols + k)];
+            dq += static_cast<double>(wr[k]) * xd;
+            mag += (std::fabs(static_cast<double>(wr[k])) + off[k]) * std::fabs(xd);
+            exact += static_cast<double>(wr[k]) * xe;
+            qbound += std::fabs(static_cast<double>(wr[k])) * act.dt(tk)[k / 32] * 0.5 * (1 + 1e-6);
+            absx += std::fabs(static_cast<double>(wr[k]) * xe);
+          }
+          const double yv = y[static_cast<size_t>(tk * rows + r)];
+          // fp32 rounding of the block factors (<= 4 ulp) and of the lane sums (cols/64 FMAs
+          // per lane, then 5 adds), relative to the magnitudes that enter them
+          const double fmt_tol = (static_cast<double>(cols) / 64.0 + 16.0) * 0x1p-24 * mag;
+          ASSERT_LE(std::fabs(yv - dq), fmt_tol) << strata::quant::detail::type_name(t) << " cols=" << cols;
+          ASSERT_LE(std::fabs(dq - exact), qbound) << "activation rounding beyond d/2 per element";
+          worst_fmt = std::max(worst_fmt, std::fabs(yv - dq) / std::max(mag, 1e-30));
+          worst_quant = std::max(worst_quant, std::fabs(yv - exact) / std::max(absx, 1e-30));
+        }
+      }
+    }
+    std::printf("[quant] q8 %-6s |y - w.xq|/sum|w.xq| max %.2e; |y - w.x|/sum|w.x| (activation rounding) max %.2e\n",
+                strata::quant::detail::type_name(t), worst_fmt, worst_quant);
+  }
+}
+
+TEST(QuantQ8, NonFiniteActivationsReachTheOutput) {
+  FamilyGuard guard;
+  std::mt19937_64 rng(test_seed() ^ 0x4242);
+  for (q::CpuKernels fam : families()) {
+    q::set_cpu_kernels(fam);
+    q::set_act_quant(q::ActQuant::Q8);
+    for (GgmlType t : kQ8Types) {
+      const int64_t rows = 4, cols = 256;
+      const auto w = random_rows(t, rows, cols, rng);
+      for (float bad : {NAN, INFINITY}) {
+        auto x = random_x(cols, rng);
+        x[77] = bad;
+        std::vector<float> y(static_cast<size_t>(rows));
+        q::matmul(t, w.data(), q::row_size(t, cols), 0, rows, cols, x.data(), cols, 1, y.data(), rows);
+        for (float v : y) EXPECT_TRUE(std::isnan(v)) << strata::quant::detail::type_name(t) << " " << q::cpu_kernels_name(fam);
+      }
+    }
+  }
+}
+
+TEST(QuantQ8, ModeSelection) {
+  FamilyGuard guard;
+  EXPECT_EQ(q::parse_act_quant("f32"), q::ActQuant::F32);
+  EXPECT_EQ(q::parse_act_quant("q8"), q::ActQuant::Q8);
+  EXPECT_THROW(q::parse_act_quant("int4"), std::invalid_argument);
+  q::set_act_quant(q::ActQuant::Auto);
+  EXPECT_EQ(q::active_act_quant(), q::ActQuant::Q8);
+  EXPECT_TRUE(q::has_q8_activations(GgmlType::Q4_K));
+  EXPECT_FALSE(q::has_q8_activations(GgmlType::Q6_K));  // no int8 kernel: fp32 activations
+  q::set_act_quant(q::ActQuant::F32);
+  EXPECT_FALSE(q::has_q8_activations(GgmlType::Q4_K));
 }

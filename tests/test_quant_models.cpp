@@ -5,9 +5,11 @@
 // The agreement rate over all steps is printed too.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 
+#include "quant/quant.h"
 #include "support/paths.h"
 #include "support/reference.h"
 
@@ -17,10 +19,12 @@ namespace {
 
 struct Agreement {
   int steps = 0, agree = 0, checked = 0, checked_agree = 0;
+  double max_logprob_err = 0;  ///< over llama.cpp's top-5 log-probabilities at every step
 };
 
-Agreement teacher_forced(const std::string& model_path, const nlohmann::json& runs) {
+Agreement teacher_forced(const std::string& model_path, const nlohmann::json& runs, quant::ActQuant act) {
   engine::EngineOptions o;
+  o.act_quant = act;
   o.n_threads = 2;
   o.arena_mb = 64;
   o.use_pack = false;
@@ -39,6 +43,13 @@ Agreement teacher_forced(const std::string& model_path, const nlohmann::json& ru
       const float* row = logits.data() + (n_prompt - 1 + i) * V;
       const int32_t ours = int32_t(std::max_element(row, row + V) - row);
       const auto& top = run["top5"][i];
+      double mx = row[0], sum = 0;
+      for (int v = 0; v < V; ++v) mx = std::max(mx, double(row[v]));
+      for (int v = 0; v < V; ++v) sum += std::exp(double(row[v]) - mx);
+      for (const auto& e : top) {
+        const double ours_lp = double(row[e[0].get<int>()]) - mx - std::log(sum);
+        a.max_logprob_err = std::max(a.max_logprob_err, std::fabs(ours_lp - e[1].get<double>()));
+      }
       const double p1 = std::exp(top[0][1].get<double>()), p2 = std::exp(top[1][1].get<double>());
       ++a.steps;
       a.agree += ours == greedy[i];
@@ -69,10 +80,14 @@ TEST_P(QuantizedFixture, TopOneMatchesLlamaCppTeacherForced) {
   // (saying so) while the entry is a copy; once it is regenerated the strict check runs.
   if (name != "qwen3moe-code-Q8_0.gguf" && ref["models"][name] == ref["models"]["qwen3moe-code-Q8_0.gguf"])
     GTEST_SKIP() << name << ": its llamacpp-greedy.json entry is a copy of the Q8_0 entry (reference defect)";
-  const Agreement a = teacher_forced(fx + "/models/" + name, ref["models"][name]);
-  std::printf("[%s] agreement with llama.cpp: %d/%d steps (%.1f %%); where its top-2 gap > 0.02: %d/%d\n",
-              name.c_str(), a.agree, a.steps, 100.0 * a.agree / std::max(1, a.steps), a.checked_agree, a.checked);
-  EXPECT_GT(a.checked, a.steps / 2);
+  for (quant::ActQuant act : {quant::ActQuant::Q8, quant::ActQuant::F32}) {
+    const Agreement a = teacher_forced(fx + "/models/" + name, ref["models"][name], act);
+    std::printf("[%s, %s activations] agreement with llama.cpp: %d/%d steps (%.1f %%); where its top-2 gap > 0.02: "
+                "%d/%d; max |log-prob - llama.cpp's| over its top 5: %.3f\n",
+                name.c_str(), quant::act_quant_name(act), a.agree, a.steps, 100.0 * a.agree / std::max(1, a.steps),
+                a.checked_agree, a.checked, a.max_logprob_err);
+    EXPECT_GT(a.checked, a.steps / 2);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(AllFiles, QuantizedFixture,

@@ -24,6 +24,10 @@ void EngineFlags::add(CLI::App& app) {
   app.add_flag("--no-direct-io", no_direct_io, "read experts through the page cache instead of O_DIRECT");
   app.add_flag("--no-pack", no_pack, "read experts from the GGUF even when a valid MODEL.strata-pack exists");
   app.add_option("--cpu-kernels", cpu_kernels, "matrix kernels: auto, scalar, avx2, avx512")->capture_default_str();
+  app.add_option("--act-quant", act_quant,
+                 "activations of Q8_0/Q4_K/IQ2_XS matmuls: q8 (int8 dot products, as llama.cpp) or f32 (exact, slower)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"q8", "f32"}));
   app.add_option("--predict", predict, "read ahead the next layer's experts predicted from this layer (on|off)")
       ->capture_default_str()
       ->check(CLI::IsMember({"on", "off"}));
@@ -39,6 +43,7 @@ void EngineFlags::add(CLI::App& app) {
 engine::EngineOptions EngineFlags::resolve() const {
   engine::EngineOptions o = opts;
   o.kernels = quant::parse_cpu_kernels(cpu_kernels);
+  o.act_quant = quant::parse_act_quant(act_quant);
   o.direct_io = !no_direct_io;
   o.use_pack = !no_pack;
   o.predict = predict == "on";

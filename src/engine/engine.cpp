@@ -102,6 +102,7 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
   if (opts_.io_threads < 1) throw EngineError(fmt::format("--io-threads must be at least 1, got {}", opts_.io_threads));
   if (opts_.arena_mb < 0) throw EngineError(fmt::format("--arena-mb must be positive, got {}", opts_.arena_mb));
   quant::set_cpu_kernels(opts_.kernels);
+  quant::set_act_quant(opts_.act_quant);
   gguf_ = std::make_unique<gguf::File>(gguf::File::open(path));
   tok_ = std::make_unique<tokenizer::Tokenizer>(tokenizer::Tokenizer::from_gguf(*gguf_));
   model_ = model::load_model(*gguf_, opts_.load);

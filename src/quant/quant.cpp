@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "quant/act_q8.h"
 #include "quant/quant_impl.h"
 
 namespace strata::quant {
@@ -30,6 +31,13 @@ CpuKernels best_family() {
 std::atomic<CpuKernels>& active_family() {
   static std::atomic<CpuKernels> k{best_family()};
   return k;
+}
+
+bool cpu_has_vnni() { return cpu_has_avx512() && __builtin_cpu_supports("avx512vnni"); }
+
+std::atomic<ActQuant>& act_mode() {
+  static std::atomic<ActQuant> a{ActQuant::Q8};
+  return a;
 }
 
 }  // namespace
@@ -62,6 +70,28 @@ CpuKernels parse_cpu_kernels(const std::string& s) {
   if (s == "avx512") return CpuKernels::Avx512;
   throw std::invalid_argument("unknown cpu kernel family '" + s + "' (expected scalar|avx2|avx512|auto)");
 }
+
+void set_act_quant(ActQuant a) { act_mode().store(a == ActQuant::Auto ? ActQuant::Q8 : a, std::memory_order_relaxed); }
+
+ActQuant active_act_quant() { return act_mode().load(std::memory_order_relaxed); }
+
+const char* act_quant_name(ActQuant a) {
+  switch (a) {
+    case ActQuant::Auto: return "auto";
+    case ActQuant::F32: return "f32";
+    case ActQuant::Q8: return "q8";
+  }
+  return "?";
+}
+
+ActQuant parse_act_quant(const std::string& s) {
+  if (s == "auto") return ActQuant::Auto;
+  if (s == "f32") return ActQuant::F32;
+  if (s == "q8") return ActQuant::Q8;
+  throw std::invalid_argument("unknown activation mode '" + s + "' (expected f32|q8|auto)");
+}
+
+bool has_q8_activations(GgmlType t) { return active_act_quant() == ActQuant::Q8 && detail::has_q8_kernel(t); }
 
 namespace detail {
 const char* type_name(GgmlType t) {
@@ -135,6 +165,13 @@ void matmul(GgmlType t, const void* W, size_t row_bytes, int64_t row_begin, int6
   if (row_bytes < row_size(t, cols)) throw std::runtime_error("quant::matmul: row_bytes smaller than one row");
   if (row_end == row_begin || n_tok == 0) return;
   const detail::MatmulArgs a{t, static_cast<const uint8_t*>(W), row_bytes, row_begin, row_end, cols, x, ldx, n_tok, y, ldy};
+  if (has_q8_activations(t)) {
+    thread_local detail::ActQ8 act;
+    detail::quantize_activations(x, ldx, n_tok, cols, act);
+    if (active_cpu_kernels() == CpuKernels::Avx512 && detail::matmul_q8_avx512(a, act, cpu_has_vnni())) return;
+    detail::matmul_q8_scalar(a, act);
+    return;
+  }
   switch (active_cpu_kernels()) {
     case CpuKernels::Avx512:
       if (detail::matmul_avx512(a)) return;

@@ -30,6 +30,22 @@ const char* cpu_kernels_name(CpuKernels k);
 /// Parses "scalar|avx2|avx512|auto"; throws std::invalid_argument otherwise.
 CpuKernels parse_cpu_kernels(const std::string& s);
 
+/// How matmul treats activations for the weight types that have an int8 kernel (Q8_0, Q4_K,
+/// IQ2_XS; has_q8_activations()): F32 multiplies the exact fp32 activations with weights
+/// expanded to fp32; Q8 quantizes each token's activations to int8 in blocks of 32 (ggml's
+/// Q8_0 scheme, as llama.cpp does on CPU) and multiplies in integers. Other weight types always
+/// use F32. Auto resolves to Q8. Accuracy cost and speed: docs/kernels.md.
+enum class ActQuant { Auto, F32, Q8 };
+/// Selects the activation mode for all later calls (process-wide).
+void set_act_quant(ActQuant a);
+/// The mode in use after resolving Auto.
+ActQuant active_act_quant();
+const char* act_quant_name(ActQuant a);
+/// Parses "f32|q8|auto"; throws std::invalid_argument otherwise.
+ActQuant parse_act_quant(const std::string& s);
+/// True if matmul on weights of type `t` quantizes the activations in the current mode.
+bool has_q8_activations(GgmlType t);
+
 /// True if this build can dequantize and multiply type `t`.
 bool is_supported(GgmlType t);
 
@@ -48,10 +64,11 @@ void dequantize_row(GgmlType t, const void* src, float* dst, int64_t n);
 /// computed in, and the other rows of x (so results do not depend on prompt chunking or
 /// thread split). Only the kernel family (set_cpu_kernels) may change the rounding.
 ///
-/// Units: all fp32; x and y must not overlap. Weights are expanded to fp32 exactly as
-/// dequantize_row does (activations are never quantized); the fast families differ from the
-/// scalar reference (double accumulation) only by fp32 accumulation, at most
-/// (cols/16 + 8) * 2^-24 * sum_k |w_k x_k|. Throws std::runtime_error for an unsupported type,
+/// Units: all fp32; x and y must not overlap. In F32 mode (and for types without an int8
+/// kernel) weights are expanded to fp32 exactly as dequantize_row does; the fast families
+/// differ from the scalar reference (double accumulation) only by fp32 accumulation, at most
+/// (cols/16 + 8) * 2^-24 * sum_k |w_k x_k|. In Q8 mode (has_q8_activations(t)) every family
+/// computes the same bits (the arithmetic is defined in matmul_q8_ref.cpp). Throws std::runtime_error for an unsupported type,
 /// a ragged `cols`, a bad row range or row_bytes < row_size(t, cols).
 void matmul(GgmlType t, const void* W, size_t row_bytes, int64_t row_begin, int64_t row_end, int64_t cols,
             const float* x, int64_t ldx, int64_t n_tok, float* y, int64_t ldy);

@@ -1,0 +1,159 @@
+// The q8-activation path, scalar: activation quantization and the definition of every dot
+// product's arithmetic. Integer sums are exact; the fp32 part is spelled out lane by lane with
+// the structure the AVX-512 kernels use (matmul_q8_avx512.cpp), so both give identical bits.
+//
+// Notation per (row, token): qx = int8 codes of the token, dx[b] = scale of its 32-block b,
+// s16[g] = sum of its codes 16g..16g+15. "lane L" of a 64-weight chunk covers elements
+// 4L..4L+3 of the chunk (one int32 lane of vpdpbusd). fma = one rounding (std::fma).
+// hsum8(v) = (v0+v4 + v2+v6) + (v1+v5 + v3+v7) in that tree; hsum16(v) = hsum8(v[l] + v[l+8]).
+#include <cmath>
+#include <stdexcept>
+
+#include "quant/act_q8.h"
+#include "quant/quant_tables.h"
+
+namespace strata::quant::detail {
+
+void quantize_activations(const float* x, int64_t ldx, int64_t n_tok, int64_t cols, ActQ8& a) {
+  if (cols % 32 != 0) throw std::runtime_error("quant: q8 activations need a multiple of 32 columns");
+  a.cols = cols;
+  a.n_tok = n_tok;
+  a.q.resize(static_cast<size_t>(n_tok * cols));
+  a.d.resize(static_cast<size_t>(n_tok * cols / 32));
+  a.s16.resize(static_cast<size_t>(n_tok * cols / 16));
+  for (int64_t t = 0; t < n_tok; ++t) {
+    const float* xt = x + t * ldx;
+    int8_t* q = a.q.data() + t * cols;
+    float* d = a.d.data() + t * (cols / 32);
+    int16_t* s = a.s16.data() + t * (cols / 16);
+    for (int64_t b = 0; b < cols / 32; ++b) d[b] = quantize_block_q8(xt + 32 * b, q + 32 * b);
+    for (int64_t g = 0; g < cols / 16; ++g) {
+      int sum = 0;
+      for (int k = 0; k < 16; ++k) sum += q[16 * g + k];
+      s[g] = static_cast<int16_t>(sum);
+    }
+  }
+}
+
+namespace {
+
+float hsum8(const float* v) {
+  const float a0 = v[0] + v[4], a1 = v[1] + v[5], a2 = v[2] + v[6], a3 = v[3] + v[7];
+  return (a0 + a2) + (a1 + a3);
+}
+float hsum16(const float* v) {
+  float h[8];
+  for (int l = 0; l < 8; ++l) h[l] = v[l] + v[l + 8];
+  return hsum8(h);
+}
+
+// Q8_0: per 32-block b, 8 lanes of 4 products; accumulator b % 2; factor fp16(d_w) * dx[b].
+float dot_q8_0(const uint8_t* w, int64_t cols, const int8_t* qx, const float* dx) {
+  float acc[2][8] = {};
+  for (int64_t b = 0; b < cols / 32; ++b, w += 34) {
+    const float f = half_to_float(load_u16(w)) * dx[b];
+    const int8_t* q = reinterpret_cast<const int8_t*>(w + 2);
+    for (int l = 0; l < 8; ++l) {
+      int p = 0;
+      for (int k = 4 * l; k < 4 * l + 4; ++k) p += q[k] * qx[32 * b + k];
+      acc[b & 1][l] = std::fma(static_cast<float>(p), f, acc[b & 1][l]);
+    }
+  }
+  float s[8];
+  for (int l = 0; l < 8; ++l) s[l] = acc[0][l] + acc[1][l];
+  return hsum8(s);
+}
+
+// Q4_K: sub-block j of super-block i has factor (d*sc_j)*dx[8i+j] and offset (dmin*m_j)*dx[8i+j]
+// times the 32-sum of the codes; chunk c (64 weights) = sub-blocks 2c (lanes 0-7) and 2c+1
+// (lanes 8-15), accumulator c % 2. y = hsum16(acc0 + acc1) - hsum8(offsets).
+float dot_q4_k(const uint8_t* w, int64_t cols, const int8_t* qx, const float* dx, const int16_t* s16) {
+  float acc[2][16] = {}, accm[8] = {};
+  for (int64_t i = 0; i < cols / 256; ++i, w += 144) {
+    const float d = half_to_float(load_u16(w)), dmin = half_to_float(load_u16(w + 2));
+    float fs[8];
+    for (int j = 0; j < 8; ++j) {
+      int sc, m;
+      if (j < 4) {
+        sc = w[4 + j] & 63;
+        m = w[4 + j + 4] & 63;
+      } else {
+        sc = (w[4 + j + 4] & 0xf) | ((w[4 + j - 4] >> 6) << 4);
+        m = (w[4 + j + 4] >> 4) | ((w[4 + j] >> 6) << 4);
+      }
+      const float x = dx[8 * i + j];
+      fs[j] = (d * static_cast<float>(sc)) * x;
+      const float fm = (dmin * static_cast<float>(m)) * x;
+      const int s32 = s16[16 * i + 2 * j] + s16[16 * i + 2 * j + 1];
+      accm[j] = std::fma(fm, static_cast<float>(s32), accm[j]);
+    }
+    const uint8_t* qs = w + 16;
+    for (int c = 0; c < 4; ++c) {
+      for (int L = 0; L < 16; ++L) {
+        int p = 0;
+        for (int k = 0; k < 4; ++k) {
+          const int e = 4 * L + k;  // element within the chunk
+          const int q = e < 32 ? (qs[32 * c + e] & 0xf) : (qs[32 * c + e - 32] >> 4);
+          p += q * qx[256 * i + 64 * c + e];
+        }
+        acc[c & 1][L] = std::fma(static_cast<float>(p), fs[2 * c + L / 8], acc[c & 1][L]);
+      }
+    }
+  }
+  float s[16];
+  for (int l = 0; l < 16; ++l) s[l] = acc[0][l] + acc[1][l];
+  return hsum16(s) - hsum8(accm);
+}
+
+// IQ2_XS: 16-weight group g of super-block i has factor ((d*dx[8i+g/2]) * (2*ls_g+1)) * 0.125
+// (= d*(0.5+ls)*0.25 * dx); the grid magnitudes multiply the activation codes with the weight's
+// sign moved onto the code. Chunk c: groups 4c..4c+3, 4 lanes each, accumulator c % 2.
+// y = hsum16(acc0 + acc1).
+float dot_iq2_xs(const uint8_t* w, int64_t cols, const int8_t* qx, const float* dx) {
+  float acc[2][16] = {};
+  for (int64_t i = 0; i < cols / 256; ++i, w += 74) {
+    const float d = half_to_float(load_u16(w));
+    float F[16];
+    for (int g = 0; g < 16; ++g) {
+      const int ls = (w[66 + g / 2] >> (4 * (g % 2))) & 0xf;
+      F[g] = ((d * dx[8 * i + g / 2]) * static_cast<float>(2 * ls + 1)) * 0.125f;
+    }
+    for (int c = 0; c < 4; ++c) {
+      for (int L = 0; L < 16; ++L) {
+        const uint16_t code = load_u16(w + 2 + 2 * (8 * c + L / 2));
+        const uint64_t g = tables::iq2xs_grid[code & 511];
+        const uint8_t sg = tables::ksigns_iq2xs[code >> 9];
+        int p = 0;
+        for (int k = 0; k < 4; ++k) {
+          const int j = 4 * (L % 2) + k;  // element within the code's 8
+          const int x = qx[256 * i + 64 * c + 4 * L + k];
+          p += static_cast<int>((g >> (8 * j)) & 0xff) * (((sg >> j) & 1) ? -x : x);
+        }
+        acc[c & 1][L] = std::fma(static_cast<float>(p), F[4 * c + L / 4], acc[c & 1][L]);
+      }
+    }
+  }
+  float s[16];
+  for (int l = 0; l < 16; ++l) s[l] = acc[0][l] + acc[1][l];
+  return hsum16(s);
+}
+
+}  // namespace
+
+void matmul_q8_scalar(const MatmulArgs& m, const ActQ8& a) {
+  for (int64_t r = m.row_begin; r < m.row_end; ++r) {
+    const uint8_t* w = m.W + static_cast<size_t>(r) * m.row_bytes;
+    for (int64_t t = 0; t < m.n_tok; ++t) {
+      float y;
+      switch (m.type) {
+        case GgmlType::Q8_0: y = dot_q8_0(w, m.cols, a.qt(t), a.dt(t)); break;
+        case GgmlType::Q4_K: y = dot_q4_k(w, m.cols, a.qt(t), a.dt(t), a.st(t)); break;
+        case GgmlType::IQ2_XS: y = dot_iq2_xs(w, m.cols, a.qt(t), a.dt(t)); break;
+        default: throw std::runtime_error("quant: no q8 kernel for " + std::string(type_name(m.type)));
+      }
+      m.y[t * m.ldy + r] = y;
+    }
+  }
+}
+
+}  // namespace strata::quant::detail
