@@ -720,8 +720,9 @@ TEST(QuantQ8, AllFamiliesBitIdentical) {
         for (int64_t n_tok : {1, 2, 3, 5, 7, 64, 70}) {
           if (rows * cols * n_tok > 130 * 4096 * 8) continue;
           const auto x = random_x(n_tok * cols, rng);
-          strata::quant::detail::ActQ8 act;
-          strata::quant::detail::quantize_activations(x.data(), cols, n_tok, cols, act);
+          q::ActQ8 act;
+          act.resize(n_tok, cols);
+          q::quantize_activations(x.data(), cols, 0, n_tok, act);
           const strata::quant::detail::MatmulArgs base{t, w.data(), rb, 0, rows, cols, x.data(), cols, n_tok, nullptr, rows};
           std::vector<float> ref(static_cast<size_t>(rows * n_tok), NAN), y(ref.size(), NAN);
           auto a = base;
@@ -761,6 +762,40 @@ TEST(QuantQ8, AllFamiliesBitIdentical) {
               vnni ? " / avx512-vnni" : "");
 }
 
+TEST(QuantQ8, QuantizerIdenticalInEveryFamily) {
+  FamilyGuard guard;
+  std::mt19937_64 rng(test_seed() ^ 0x7777);
+  const int64_t cols = 4096, n_tok = 5;
+  auto x = random_x(n_tok * cols, rng);
+  for (int64_t k = 0; k < n_tok * cols; k += 13) x[static_cast<size_t>(k)] *= 1000.0f;
+  std::fill(x.begin() + 64, x.begin() + 96, 0.0f);              // all-zero block
+  for (int k = 0; k < 32; ++k) x[static_cast<size_t>(128 + k)] = 0.5f * (k - 16);  // ties at 127/8 steps
+  x[300] = NAN;
+  x[400] = -INFINITY;
+  std::vector<q::ActQ8> out;
+  for (q::CpuKernels fam : families()) {
+    q::set_cpu_kernels(fam);
+    q::ActQ8 a;
+    a.resize(n_tok, cols);
+    q::quantize_activations(x.data(), cols, 0, n_tok, a);
+    out.push_back(a);
+  }
+  for (size_t f = 1; f < out.size(); ++f) {
+    ASSERT_EQ(out[f].q, out[0].q);
+    ASSERT_EQ(out[f].s16, out[0].s16);
+    for (size_t i = 0; i < out[0].d.size(); ++i) ASSERT_EQ(bits(out[f].d[i]), bits(out[0].d[i])) << "block " << i;
+  }
+  EXPECT_TRUE(std::isnan(out[0].d[300 / 32]));
+  EXPECT_TRUE(std::isnan(out[0].d[400 / 32]));
+  EXPECT_EQ(out[0].d[2], 0.0f);
+  // nearest value: |x - d*q| <= d/2 everywhere finite
+  for (int64_t k = 0; k < n_tok * cols; ++k) {
+    const float d = out[0].d[static_cast<size_t>(k / 32)];
+    if (std::isnan(d)) continue;
+    ASSERT_LE(std::fabs(double(x[static_cast<size_t>(k)]) - double(d) * out[0].q[static_cast<size_t>(k)]), 0.5 * d * (1 + 1e-6) + 1e-30);
+  }
+}
+
 TEST(QuantQ8, EqualsExactProductOfDequantizedOperands) {
   FamilyGuard guard;
   q::set_act_quant(q::ActQuant::Q8);
@@ -775,8 +810,9 @@ TEST(QuantQ8, EqualsExactProductOfDequantizedOperands) {
       // activations with outliers and a zero block, as hidden states have
       for (int64_t k = 0; k < n_tok * cols; k += 97) x[static_cast<size_t>(k)] *= 20.0f;
       std::fill(x.begin(), x.begin() + 32, 0.0f);
-      strata::quant::detail::ActQ8 act;
-      strata::quant::detail::quantize_activations(x.data(), cols, n_tok, cols, act);
+      q::ActQ8 act;
+      act.resize(n_tok, cols);
+      q::quantize_activations(x.data(), cols, 0, n_tok, act);
       std::vector<float> y(static_cast<size_t>(rows * n_tok));
       q::matmul(t, w.data(), rb, 0, rows, cols, x.data(), cols, n_tok, y.data(), rows);
       std::vector<float> wr(static_cast<size_t>(cols));

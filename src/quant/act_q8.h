@@ -16,22 +16,12 @@
 #include <cstdint>
 #include <vector>
 
+#include "quant/quant.h"
 #include "quant/quant_impl.h"
 
 namespace strata::quant::detail {
 
-/// Quantized activations of n_tok tokens of `cols` columns (cols % 32 == 0).
-/// q: n_tok x cols int8 (token-major, cols contiguous); d: n_tok x cols/32 block scales;
-/// s16: n_tok x cols/16 sums of 16 consecutive codes.
-struct ActQ8 {
-  int64_t cols = 0, n_tok = 0;
-  std::vector<int8_t> q;
-  std::vector<float> d;
-  std::vector<int16_t> s16;
-  const int8_t* qt(int64_t t) const { return q.data() + t * cols; }
-  const float* dt(int64_t t) const { return d.data() + t * (cols / 32); }
-  const int16_t* st(int64_t t) const { return s16.data() + t * (cols / 16); }
-};
+using quant::ActQ8;
 
 /// Quantizes one block of 32 activations: d = amax / 127, q = nearest-even(x * (127 / amax));
 /// all zero when amax == 0. A non-finite amax gives d = NaN and q = 0, so that the NaN reaches
@@ -50,13 +40,17 @@ static inline float quantize_block_q8(const float* x, int8_t* q) {
   }
   const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
   // round to nearest, ties to even: adding 1.5 * 2^23 leaves no fraction bits (|x * id| <= 127.5)
-  for (int k = 0; k < 32; ++k) q[k] = static_cast<int8_t>(static_cast<int>((x[k] * id + 0x1.8p23f) - 0x1.8p23f));
+  // (the empty asm keeps the product rounded on its own: no contraction into an FMA)
+  for (int k = 0; k < 32; ++k) {
+    float v = x[k] * id;
+    __asm__("" : "+x"(v));
+    q[k] = static_cast<int8_t>(static_cast<int>((v + 0x1.8p23f) - 0x1.8p23f));
+  }
   return amax / 127.0f;
 }
 
-/// Fills `a` from n_tok rows of x (`ldx` floats apart). Deterministic per token: a token's
-/// codes depend only on its own row.
-void quantize_activations(const float* x, int64_t ldx, int64_t n_tok, int64_t cols, ActQ8& a);
+/// AVX-512 twin of quantize_block_q8 (identical codes and scale); also returns the two 16-sums.
+float quantize_block_q8_avx512(const float* x, int8_t* q, int16_t* s16);
 
 /// Weight types with an int8 dot product (the others keep fp32 activations in q8 mode).
 static constexpr bool has_q8_kernel(GgmlType t) {

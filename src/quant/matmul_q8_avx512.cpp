@@ -8,6 +8,7 @@
 #include "quant/simd_intrin.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "quant/act_q8.h"
@@ -58,33 +59,99 @@ struct Tokens {
   int64_t cols;
 };
 
-template <int TB, bool VNNI>
-void row_q8_0(const uint8_t* w, const Tokens& tk, float* y, int64_t ldy) {
-  __m256 acc0[TB], acc1[TB];
-  for (int t = 0; t < TB; ++t) acc0[t] = acc1[t] = _mm256_setzero_ps();
-  // one 32-block against every token, into accumulator set `acc` (block parity)
-  auto block = [&](int64_t b, __m256* acc) {
-    const uint8_t* wb = w + 34 * b;
-    if (b % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(wb) + kPrefetch, _MM_HINT_T0);
-    const __m256i qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 2));
-    const __m256i aw = _mm256_abs_epi8(qw);
-    const float dw = _cvtsh_ss(load_u16(wb));
+/// Q8_0 pair of blocks as unsigned bytes (code + 128, i.e. code ^ 0x80); the second half is
+/// zero when the pair has one block.
+inline __m512i q8_0_pair(const uint8_t* b, bool two) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i lo = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), flip);
+  const __m256i hi = two ? _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 36)), flip)
+                         : _mm256_setzero_si256();
+  return _mm512_inserti64x4(_mm512_zextsi256_si512(lo), hi, 1);
+}
+
+/// Sum of (w + 128) * x over each int32 lane. Without VNNI, vpmaddubsw on (w + 128) could
+/// saturate, so the same integers are formed as sum(w * x) + 128 * sum(x).
+template <bool VNNI>
+inline __m512i dot_q8_0(__m512i wu, __m512i qx) {
+  if constexpr (VNNI) {
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, qx);
+  } else {
+    const __m512i w = _mm512_xor_si512(wu, _mm512_set1_epi8(static_cast<char>(0x80)));
+    const __m512i sx = _mm512_mask_sub_epi8(qx, _mm512_movepi8_mask(w), _mm512_setzero_si512(), qx);
+    const __m512i ones = _mm512_set1_epi16(1);
+    const __m512i wx = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), sx), ones);
+    const __m512i sum = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_set1_epi8(1), qx), ones);
+    return _mm512_add_epi32(wx, _mm512_slli_epi32(sum, 7));
+  }
+}
+
+/// One group of (up to) 8 Q8_0 blocks of a row against TB tokens; FULL: all 8 blocks valid.
+template <int TB, bool VNNI, bool FULL>
+inline void q8_0_group(const uint8_t* wg, int nv, const Tokens& tk, int64_t g, __m512* acc0, __m512* acc1,
+                       __m256* corr) {
+  const __m512i idx[4] = {
+      _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+      _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
+      _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5),
+      _mm512_setr_epi32(6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7)};
+  __m128i dh;
+  if constexpr (FULL) {
+    dh = _mm_setr_epi16(static_cast<short>(load_u16(wg)), static_cast<short>(load_u16(wg + 34)),
+                        static_cast<short>(load_u16(wg + 68)), static_cast<short>(load_u16(wg + 102)),
+                        static_cast<short>(load_u16(wg + 136)), static_cast<short>(load_u16(wg + 170)),
+                        static_cast<short>(load_u16(wg + 204)), static_cast<short>(load_u16(wg + 238)));
+  } else {
+    alignas(16) uint16_t h[8] = {};
+    for (int j = 0; j < nv; ++j) h[j] = load_u16(wg + 34 * j);
+    dh = _mm_load_si128(reinterpret_cast<const __m128i*>(h));
+  }
+  const __m256 dw = _mm256_cvtph_ps(dh);
+  const __mmask8 m8 = FULL ? __mmask8{0xff} : static_cast<__mmask8>((1u << nv) - 1u);
+  const __mmask16 m16 = FULL ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (2 * nv)) - 1u);
+  __m512 f[TB];
+#pragma GCC unroll 4
+  for (int t = 0; t < TB; ++t) {
+    const __m256 fb = _mm256_mul_ps(dw, _mm256_maskz_loadu_ps(m8, tk.d + t * (tk.cols / 32) + g));
+    const __m256i s16 = _mm256_maskz_loadu_epi16(m16, tk.s + t * (tk.cols / 16) + 2 * g);
+    corr[t] = _mm256_fmadd_ps(fb, _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, _mm256_set1_epi16(1))), corr[t]);
+    f[t] = _mm512_zextps256_ps512(fb);
+  }
+#pragma GCC unroll 4
+  for (int p = 0; p < 4; ++p) {
+    if (!FULL && 2 * p >= nv) break;
+    const bool two = FULL || 2 * p + 1 < nv;
+    const __m512i wu = q8_0_pair(wg + 68 * p, two);
+    const __mmask64 mx = two ? ~__mmask64{0} : __mmask64{0xffffffffu};
+    // pair index g/2 + p, g/2 a multiple of 4: the accumulator is p's parity
+    __m512* acc = (p & 1) ? acc1 : acc0;
 #pragma GCC unroll 4
     for (int t = 0; t < TB; ++t) {
-      const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tk.q + t * tk.cols + 32 * b));
-      const __m256i p = dot_u8s8<VNNI>(aw, _mm256_sign_epi8(qx, qw));
-      const float f = dw * tk.d[t * (tk.cols / 32) + b];
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(f), acc[t]);
+      const int8_t* xp = tk.q + t * tk.cols + 32 * (g + 2 * p);
+      const __m512i qx = FULL ? _mm512_loadu_si512(xp) : _mm512_maskz_loadu_epi8(mx, xp);
+      const __m512 pf = _mm512_cvtepi32_ps(dot_q8_0<VNNI>(wu, qx));
+      acc[t] = _mm512_fmadd_ps(pf, _mm512_permutexvar_ps(idx[p], f[t]), acc[t]);
     }
-  };
-  const int64_t nb = tk.cols / 32;
-  int64_t b = 0;
-  for (; b + 1 < nb; b += 2) {
-    block(b, acc0);
-    block(b + 1, acc1);
   }
-  if (b < nb) block(b, acc0);
-  for (int t = 0; t < TB; ++t) y[t * ldy] = hsum8(_mm256_add_ps(acc0[t], acc1[t]));
+}
+
+template <int TB, bool VNNI>
+void row_q8_0(const uint8_t* w, const Tokens& tk, float* y, int64_t ldy) {
+  __m512 acc0[TB], acc1[TB];
+  __m256 corr[TB];
+  for (int t = 0; t < TB; ++t) {
+    acc0[t] = acc1[t] = _mm512_setzero_ps();
+    corr[t] = _mm256_setzero_ps();
+  }
+  const int64_t nb = tk.cols / 32;
+  int64_t g = 0;
+  for (; g + 8 <= nb; g += 8) {
+    const uint8_t* wg = w + 34 * g;
+    for (int o = 0; o < 34 * 8; o += 64) _mm_prefetch(reinterpret_cast<const char*>(wg) + kPrefetch + o, _MM_HINT_T0);
+    q8_0_group<TB, VNNI, true>(wg, 8, tk, g, acc0, acc1, corr);
+  }
+  if (g < nb) q8_0_group<TB, VNNI, false>(w + 34 * g, static_cast<int>(nb - g), tk, g, acc0, acc1, corr);
+  for (int t = 0; t < TB; ++t)
+    y[t * ldy] = hsum16(_mm512_add_ps(acc0[t], acc1[t])) - 128.0f * hsum8(corr[t]);
 }
 
 /// The 8 six-bit scales and mins of a Q4_K block (ggml get_scale_min_k4), unpacked with 32-bit
@@ -240,6 +307,29 @@ void run(const MatmulArgs& m, const ActQ8& a) {
 }
 
 }  // namespace
+
+float quantize_block_q8_avx512(const float* x, int8_t* q, int16_t* s16) {
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  const __m512 abs_a = _mm512_abs_ps(a), abs_b = _mm512_abs_ps(b);
+  // finite: |x| <= FLT_MAX (false for NaN and infinities), as quantize_block_q8 tests it
+  const __m512 big = _mm512_set1_ps(3.4028234e38f);
+  const __mmask16 ok = _mm512_cmp_ps_mask(abs_a, big, _CMP_LE_OQ) & _mm512_cmp_ps_mask(abs_b, big, _CMP_LE_OQ);
+  if (ok != 0xffff) {
+    std::memset(q, 0, 32);
+    s16[0] = s16[1] = 0;
+    return std::nanf("");
+  }
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(abs_a, abs_b));  // max is exact, any order
+  const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+  // round to nearest even (MXCSR default), as the scalar's 1.5 * 2^23 trick
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
+  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(id)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qb));
+  s16[0] = static_cast<int16_t>(_mm512_reduce_add_epi32(qa));
+  s16[1] = static_cast<int16_t>(_mm512_reduce_add_epi32(qb));
+  return amax / 127.0f;
+}
 
 bool matmul_q8_avx512(const MatmulArgs& m, const ActQ8& a, bool vnni) {
   if (!has_q8_kernel(m.type)) return false;

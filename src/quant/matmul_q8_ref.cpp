@@ -14,27 +14,6 @@
 
 namespace strata::quant::detail {
 
-void quantize_activations(const float* x, int64_t ldx, int64_t n_tok, int64_t cols, ActQ8& a) {
-  if (cols % 32 != 0) throw std::runtime_error("quant: q8 activations need a multiple of 32 columns");
-  a.cols = cols;
-  a.n_tok = n_tok;
-  a.q.resize(static_cast<size_t>(n_tok * cols));
-  a.d.resize(static_cast<size_t>(n_tok * cols / 32));
-  a.s16.resize(static_cast<size_t>(n_tok * cols / 16));
-  for (int64_t t = 0; t < n_tok; ++t) {
-    const float* xt = x + t * ldx;
-    int8_t* q = a.q.data() + t * cols;
-    float* d = a.d.data() + t * (cols / 32);
-    int16_t* s = a.s16.data() + t * (cols / 16);
-    for (int64_t b = 0; b < cols / 32; ++b) d[b] = quantize_block_q8(xt + 32 * b, q + 32 * b);
-    for (int64_t g = 0; g < cols / 16; ++g) {
-      int sum = 0;
-      for (int k = 0; k < 16; ++k) sum += q[16 * g + k];
-      s[g] = static_cast<int16_t>(sum);
-    }
-  }
-}
-
 namespace {
 
 float hsum8(const float* v) {
@@ -47,21 +26,29 @@ float hsum16(const float* v) {
   return hsum8(h);
 }
 
-// Q8_0: per 32-block b, 8 lanes of 4 products; accumulator b % 2; factor fp16(d_w) * dx[b].
-float dot_q8_0(const uint8_t* w, int64_t cols, const int8_t* qx, const float* dx) {
-  float acc[2][8] = {};
-  for (int64_t b = 0; b < cols / 32; ++b, w += 34) {
-    const float f = half_to_float(load_u16(w)) * dx[b];
-    const int8_t* q = reinterpret_cast<const int8_t*>(w + 2);
+// Q8_0: factor f_b = fp16(d_w) * dx[b]. Blocks are taken in pairs (2p, 2p+1): lanes 0-7 hold
+// block 2p, lanes 8-15 block 2p+1, each lane the sum over its 4 elements of (code_w + 128) *
+// code_x, into accumulator p % 2. The excess 128 * sum(code_x) is accumulated per block
+// position b % 8 as fma(f_b, s32_b). y = hsum16(acc0 + acc1) - 128 * hsum8(excess).
+float dot_q8_0(const uint8_t* w, int64_t cols, const int8_t* qx, const float* dx, const int16_t* s16) {
+  float acc[2][16] = {}, corr[8] = {};
+  const int64_t nb = cols / 32;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = w + 34 * b;
+    const float f = half_to_float(load_u16(wb)) * dx[b];
+    corr[b % 8] = std::fma(f, static_cast<float>(s16[2 * b] + s16[2 * b + 1]), corr[b % 8]);
+    const int8_t* q = reinterpret_cast<const int8_t*>(wb + 2);
+    const int64_t p = b / 2;
     for (int l = 0; l < 8; ++l) {
-      int p = 0;
-      for (int k = 4 * l; k < 4 * l + 4; ++k) p += q[k] * qx[32 * b + k];
-      acc[b & 1][l] = std::fma(static_cast<float>(p), f, acc[b & 1][l]);
+      int s = 0;
+      for (int k = 4 * l; k < 4 * l + 4; ++k) s += (q[k] + 128) * qx[32 * b + k];
+      float& a = acc[p & 1][8 * (b & 1) + l];
+      a = std::fma(static_cast<float>(s), f, a);
     }
   }
-  float s[8];
-  for (int l = 0; l < 8; ++l) s[l] = acc[0][l] + acc[1][l];
-  return hsum8(s);
+  float s[16];
+  for (int l = 0; l < 16; ++l) s[l] = acc[0][l] + acc[1][l];
+  return hsum16(s) - 128.0f * hsum8(corr);
 }
 
 // Q4_K: sub-block j of super-block i has factor (d*sc_j)*dx[8i+j] and offset (dmin*m_j)*dx[8i+j]
@@ -146,7 +133,7 @@ void matmul_q8_scalar(const MatmulArgs& m, const ActQ8& a) {
     for (int64_t t = 0; t < m.n_tok; ++t) {
       float y;
       switch (m.type) {
-        case GgmlType::Q8_0: y = dot_q8_0(w, m.cols, a.qt(t), a.dt(t)); break;
+        case GgmlType::Q8_0: y = dot_q8_0(w, m.cols, a.qt(t), a.dt(t), a.st(t)); break;
         case GgmlType::Q4_K: y = dot_q4_k(w, m.cols, a.qt(t), a.dt(t), a.st(t)); break;
         case GgmlType::IQ2_XS: y = dot_iq2_xs(w, m.cols, a.qt(t), a.dt(t)); break;
         default: throw std::runtime_error("quant: no q8 kernel for " + std::string(type_name(m.type)));

@@ -153,6 +153,55 @@ uint16_t fp32_to_bf16(float f) {
   return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 
+void ActQ8::resize(int64_t n_tok_, int64_t cols_) {
+  if (cols_ <= 0 || cols_ % 32 != 0 || n_tok_ < 0)
+    throw std::runtime_error("quant: q8 activations need a positive multiple of 32 columns, got " + std::to_string(cols_));
+  cols = cols_;
+  n_tok = n_tok_;
+  const auto grow = [](auto& v, int64_t n) {
+    if (v.size() < static_cast<size_t>(n)) v.resize(static_cast<size_t>(n));
+  };
+  grow(q, n_tok * cols);
+  grow(d, n_tok * cols / 32);
+  grow(s16, n_tok * cols / 16);
+}
+
+void quantize_activations(const float* x, int64_t ldx, int64_t t0, int64_t t1, ActQ8& a) {
+  if (t0 < 0 || t1 > a.n_tok || t0 > t1) throw std::runtime_error("quant::quantize_activations: token range outside the buffer");
+  const bool avx512 = active_cpu_kernels() == CpuKernels::Avx512;
+  const int64_t nb = a.cols / 32;
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* xt = x + t * ldx;
+    int8_t* q = a.q.data() + t * a.cols;
+    float* d = a.d.data() + t * nb;
+    int16_t* s = a.s16.data() + t * 2 * nb;
+    for (int64_t b = 0; b < nb; ++b) {
+      if (avx512) {
+        d[b] = detail::quantize_block_q8_avx512(xt + 32 * b, q + 32 * b, s + 2 * b);
+        continue;
+      }
+      d[b] = detail::quantize_block_q8(xt + 32 * b, q + 32 * b);
+      for (int h = 0; h < 2; ++h) {
+        int sum = 0;
+        for (int k = 0; k < 16; ++k) sum += q[32 * b + 16 * h + k];
+        s[2 * b + h] = static_cast<int16_t>(sum);
+      }
+    }
+  }
+}
+
+void matmul_q8(GgmlType t, const void* W, size_t row_bytes, int64_t row_begin, int64_t row_end, int64_t cols,
+               const ActQ8& act, float* y, int64_t ldy) {
+  if (!has_q8_activations(t)) throw std::runtime_error("quant::matmul_q8: no q8 activations for " + std::string(detail::type_name(t)));
+  if (act.cols != cols) throw std::runtime_error("quant::matmul_q8: activations have " + std::to_string(act.cols) + " columns, W has " + std::to_string(cols));
+  if (row_begin < 0 || row_end < row_begin) throw std::runtime_error("quant::matmul_q8: bad row range");
+  if (row_bytes < row_size(t, cols)) throw std::runtime_error("quant::matmul_q8: row_bytes smaller than one row");
+  if (row_end == row_begin || act.n_tok == 0) return;
+  const detail::MatmulArgs a{t, static_cast<const uint8_t*>(W), row_bytes, row_begin, row_end, cols, nullptr, 0, act.n_tok, y, ldy};
+  if (active_cpu_kernels() == CpuKernels::Avx512 && detail::matmul_q8_avx512(a, act, cpu_has_vnni())) return;
+  detail::matmul_q8_scalar(a, act);
+}
+
 void matmul(GgmlType t, const void* W, size_t row_bytes, int64_t row_begin, int64_t row_end, int64_t cols,
             const float* x, int64_t ldx, int64_t n_tok, float* y, int64_t ldy) {
   const detail::Geometry g = detail::geometry(t);
@@ -166,8 +215,9 @@ void matmul(GgmlType t, const void* W, size_t row_bytes, int64_t row_begin, int6
   if (row_end == row_begin || n_tok == 0) return;
   const detail::MatmulArgs a{t, static_cast<const uint8_t*>(W), row_bytes, row_begin, row_end, cols, x, ldx, n_tok, y, ldy};
   if (has_q8_activations(t)) {
-    thread_local detail::ActQ8 act;
-    detail::quantize_activations(x, ldx, n_tok, cols, act);
+    thread_local ActQ8 act;
+    act.resize(n_tok, cols);
+    quantize_activations(x, ldx, 0, n_tok, act);
     if (active_cpu_kernels() == CpuKernels::Avx512 && detail::matmul_q8_avx512(a, act, cpu_has_vnni())) return;
     detail::matmul_q8_scalar(a, act);
     return;

@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "gguf/ggml_types.h"
 
@@ -45,6 +46,35 @@ const char* act_quant_name(ActQuant a);
 ActQuant parse_act_quant(const std::string& s);
 /// True if matmul on weights of type `t` quantizes the activations in the current mode.
 bool has_q8_activations(GgmlType t);
+
+/// int8 activations of n_tok tokens of `cols` columns (q8 mode; cols % 32 == 0), so that several
+/// matmuls (and every thread of one) share one quantization. Layout, token-major:
+/// q: n_tok x cols int8 codes (cols contiguous); d: n_tok x cols/32 fp32 block scales
+/// (d = amax/127 of the block's 32 floats; ggml's Q8_0 scheme); s16: n_tok x cols/16 sums of
+/// 16 consecutive codes.
+struct ActQ8 {
+  int64_t cols = 0, n_tok = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int16_t> s16;
+  /// Sizes the buffers for n_tok x cols (only grows); throws std::runtime_error if cols % 32.
+  void resize(int64_t n_tok, int64_t cols);
+  const int8_t* qt(int64_t t) const { return q.data() + t * cols; }
+  const float* dt(int64_t t) const { return d.data() + t * (cols / 32); }
+  const int16_t* st(int64_t t) const { return s16.data() + t * (cols / 16); }
+};
+
+/// Quantizes tokens [t0, t1) of x (rows `ldx` floats apart, a.cols columns) into `a`, which
+/// must have been resized to at least t1 tokens. A token's codes depend only on its own row;
+/// a block with a NaN or infinity gets d = NaN (so the NaN reaches the outputs). Every kernel
+/// family produces identical codes. Thread-safe for disjoint token ranges.
+void quantize_activations(const float* x, int64_t ldx, int64_t t0, int64_t t1, ActQ8& a);
+
+/// matmul with activations already quantized into `a` (all a.n_tok tokens; y as in matmul).
+/// Gives exactly the bits matmul(t, ..., x, ...) gives in q8 mode for the x that `a` holds.
+/// Throws std::runtime_error unless has_q8_activations(t) and a.cols == cols.
+void matmul_q8(GgmlType t, const void* W, size_t row_bytes, int64_t row_begin, int64_t row_end, int64_t cols,
+               const ActQ8& a, float* y, int64_t ldy);
 
 /// True if this build can dequantize and multiply type `t`.
 bool is_supported(GgmlType t);

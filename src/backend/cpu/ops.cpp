@@ -12,6 +12,22 @@ void matmul(ThreadPool& pool, const MatrixRef& W, const float* x, int64_t ldx, i
   // Rows are split in blocks; each output element is computed by one call with the same
   // accumulation order whatever the block (quant::matmul's invariance contract).
   const int64_t grain = std::max<int64_t>(8, W.rows / (pool.n_threads() * 8));
+  if (quant::has_q8_activations(W.type)) {
+    // q8 mode: quantize the activations once (tokens split over the pool when there are many),
+    // then every row block reads the same codes
+    thread_local quant::ActQ8 tl_act;
+    quant::ActQ8& act = tl_act;  // lambdas on pool threads must see this thread's buffer
+    act.resize(n_tok, W.cols);
+    if (n_tok * W.cols >= 32768) {
+      pool.parallel_for(n_tok, 1, [&](int64_t t0, int64_t t1) { quant::quantize_activations(x, ldx, t0, t1, act); });
+    } else {
+      quant::quantize_activations(x, ldx, 0, n_tok, act);
+    }
+    pool.parallel_for(W.rows, grain, [&](int64_t r0, int64_t r1) {
+      quant::matmul_q8(W.type, W.data, W.row_bytes, r0, r1, W.cols, act, y, ldy);
+    });
+    return;
+  }
   pool.parallel_for(W.rows, grain, [&](int64_t r0, int64_t r1) {
     quant::matmul(W.type, W.data, W.row_bytes, r0, r1, W.cols, x, ldx, n_tok, y, ldy);
   });
