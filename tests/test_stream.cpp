@@ -39,7 +39,9 @@ struct Synth {
   std::vector<uint8_t> bytes;
   std::vector<LayerExperts> layers;
 
-  Synth(const fs::path& parent, const std::string& name, int n_layers, int n_expert, uint32_t seed) {
+  /// part sizes: min_part + rng() % (spread + 1) bytes
+  Synth(const fs::path& parent, const std::string& name, int n_layers, int n_expert, uint32_t seed,
+        uint64_t min_part = 5000, uint32_t spread = 2000) {
     dir = parent / ("strata-test-stream-" + std::to_string(::getpid()) + "-" + name);
     fs::create_directories(dir);
     path = dir / "experts.bin";
@@ -51,7 +53,7 @@ struct Synth {
       for (int p = 0; p < 3; ++p) {
         if (l + p > 0) pos += 37 + 2 * (rng() % 50);  // odd gap between tensors
         L.part[p].base_offset = pos;
-        L.part[p].expert_bytes = 5000 + rng() % 2001;
+        L.part[p].expert_bytes = min_part + rng() % (spread + 1);
         pos += static_cast<uint64_t>(n_expert) * L.part[p].expert_bytes;
       }
       layers.push_back(L);
@@ -153,6 +155,35 @@ TEST_F(StreamTest, EveryViewMatchesTheFile) {
       EXPECT_EQ(st.bytes_read, bytes);
     }
     EXPECT_GT(st.read_busy_s, 0.0);
+  }
+}
+
+// Experts of ~1-2 MB are read in 256 KiB pieces by several threads at once; a read-ahead in
+// progress is promoted when its layer asks for it; clear() lets started reads finish.
+TEST(Stream, LargeExpertsReadInPieces) {
+  Synth big(disk_dir(), "big", 2, 6, 7, 300000, 400000);
+  for (bool direct : {true, false}) {
+    for (int threads : {1, 3, 8}) {
+      ExpertStream s(big.path.string(), big.layers, opts_slots(big, 8, threads, direct));
+      s.prefetch(1, v({0, 1, 2, 3, 4, 5}));
+      s.request(0, v({0, 1, 2, 3, 4, 5}));
+      for (int e = 0; e < 6; ++e) ASSERT_TRUE(big.view_ok(0, e, s.wait(0, e))) << direct << " " << threads;
+      s.release(0);
+      s.request(1, v({5, 4, 3}));
+      for (int e = 3; e < 6; ++e) ASSERT_TRUE(big.view_ok(1, e, s.wait(1, e))) << direct << " " << threads;
+      s.release(1);
+      s.prefetch(0, v({0, 1}));
+      s.clear();  // must not hang on reads cut in pieces
+      s.request(1, v({0}));
+      ASSERT_TRUE(big.view_ok(1, 0, s.wait(1, 0)));
+      s.release(1);
+      s.wait_idle();
+      const auto st = s.stats();
+      EXPECT_GE(st.reads, 10u);
+      if (direct) {
+        EXPECT_EQ(st.bytes_read % kA, 0u);
+      }
+    }
   }
 }
 

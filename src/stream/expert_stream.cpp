@@ -73,6 +73,13 @@ double seconds_since(Clock::time_point t0) { return std::chrono::duration<double
 
 enum class State : uint8_t { Empty, Queued, Reading, Resident, Failed };
 
+/// One aligned read of part of an expert: file range and where it lands in the slot.
+struct Piece {
+  uint64_t file_off, len, slot_off;
+};
+/// Largest piece (a multiple of the O_DIRECT alignment).
+constexpr uint64_t kPiece = uint64_t{1} << 18;
+
 struct Slot {
   int32_t layer = -1;
   int32_t expert = -1;
@@ -87,6 +94,12 @@ struct Slot {
   int in_set = 0;        // 0 none, 1 normal LRU set, 2 pending set
   uint64_t set_tick = 0; // tick under which it sits in its set
   std::exception_ptr err;
+  // A read is cut into pieces of at most kPiece bytes that IO threads take one at a time, so
+  // an urgent read waits for at most one piece of a read-ahead before it starts, and several
+  // threads read one urgent expert in parallel. Valid while state == Reading.
+  int next_piece = 0;    // next piece to hand out
+  int pieces_left = 0;   // pieces not finished yet
+  std::vector<Piece> pieces;
 };
 
 struct Job {
@@ -244,14 +257,25 @@ struct ExpertStream::Impl {
     const Slot& sl = slots[static_cast<size_t>(j.slot)];
     return sl.gen == j.gen && sl.state == State::Queued;
   }
+  /// The job still has pieces to hand out (not started, or started with pieces left).
+  bool job_open(const Job& j) const {
+    const Slot& sl = slots[static_cast<size_t>(j.slot)];
+    if (sl.gen != j.gen) return false;
+    return sl.state == State::Queued ||
+           (sl.state == State::Reading && sl.next_piece < static_cast<int>(sl.pieces.size()));
+  }
 
   // Drops unstarted read-aheads for which pred(slot) holds; compacts the queue.
   template <class Pred>
   void drop_ahead(Pred pred) {
     std::deque<Job> keep;
     for (const Job& j : ahead_q) {
-      if (!job_valid(j)) continue;
+      if (!job_open(j)) continue;
       Slot& sl = slots[static_cast<size_t>(j.slot)];
+      if (sl.state == State::Reading) {  // started: its remaining pieces are read too
+        keep.push_back(j);
+        continue;
+      }
       if (!sl.urgent && pred(sl))
         evict(j.slot);
       else if (!sl.urgent)
@@ -261,33 +285,79 @@ struct ExpertStream::Impl {
   }
 
   // ---- IO thread ----
-  bool pop(Job& out) {
+  // Cuts slot s's expert into pieces (called when its first piece is handed out).
+  void plan_pieces(Slot& sl) {
+    ExpertRanges r;
+    ranges(sl.layer, sl.expert, r);
+    sl.pieces.clear();
+    for (int i = 0; i < r.n_reads; ++i)
+      for (uint64_t o = 0; o < r.read[i].len; o += kPiece)
+        sl.pieces.push_back(Piece{r.read[i].file_off + o, std::min(kPiece, r.read[i].len - o), r.read[i].slot_off + o});
+    sl.next_piece = 0;
+    sl.pieces_left = static_cast<int>(sl.pieces.size());
+  }
+
+  // Hands out the next piece: urgent jobs first, each job's pieces in order; a job leaves its
+  // queue with its last piece. While paused, only reads already started continue (a started
+  // read always completes).
+  bool pop(int& slot, Piece& piece) {
     for (auto* q : {&urgent_q, &ahead_q}) {
-      while (!q->empty()) {
-        const Job j = q->front();
-        q->pop_front();
-        if (job_valid(j)) {
-          out = j;
-          return true;
+      for (auto it = q->begin(); it != q->end();) {
+        const Job j = *it;
+        if (!job_open(j)) {
+          it = q->erase(it);
+          continue;
         }
+        Slot& sl = slots[static_cast<size_t>(j.slot)];
+        if (paused && sl.state == State::Queued) {
+          ++it;
+          continue;
+        }
+        if (sl.state == State::Queued) {
+          sl.state = State::Reading;
+          ++reading;
+          plan_pieces(sl);
+          reindex(j.slot);
+          if (sl.pieces.empty()) {  // nothing to read (zero-byte expert)
+            it = q->erase(it);
+            finish(j.slot);
+            continue;
+          }
+        }
+        slot = j.slot;
+        piece = sl.pieces[static_cast<size_t>(sl.next_piece++)];
+        if (sl.next_piece == static_cast<int>(sl.pieces.size())) q->erase(it);
+        return true;
       }
     }
     return false;
   }
 
+  // The last piece of slot s finished: resident, or failed with the first error.
+  void finish(int s) {
+    Slot& sl = slots[static_cast<size_t>(s)];
+    --reading;
+    if (sl.err) {
+      sl.state = State::Failed;
+    } else {
+      sl.state = State::Resident;
+      ++st.reads;
+    }
+    reindex(s);
+    done_cv.notify_all();
+  }
+
   void io_main() {
     std::unique_lock lk(mu);
     for (;;) {
-      Job job{};
-      work_cv.wait(lk, [&] { return stop || (!paused && pop(job)); });
+      int s = -1;
+      Piece pc{};
+      work_cv.wait(lk, [&] { return stop || pop(s, pc); });
       if (stop) return;
-      Slot& sl = slots[static_cast<size_t>(job.slot)];
-      sl.state = State::Reading;
-      ++reading;
-      reindex(job.slot);
+      Slot& sl = slots[static_cast<size_t>(s)];
       const int layer = sl.layer;
       const int32_t e = sl.expert;
-      uint8_t* dst = arena.data() + static_cast<size_t>(job.slot) * slot_bytes;
+      uint8_t* dst = arena.data() + static_cast<size_t>(s) * slot_bytes;
       lk.unlock();
 
       std::exception_ptr err;
@@ -302,38 +372,27 @@ struct ExpertStream::Impl {
             throw io::IoError(fmt::format("{}: layer {} expert {} part {}: slice [{}, {}) runs past the end of the file "
                                           "({} bytes)",
                                           file->path(), layer, e, p, r.slice_off[p], r.slice_end[p], file->size()));
-        for (int i = 0; i < r.n_reads; ++i) {
-          const ExpertRanges::Read& rd = r.read[i];
-          uint64_t n = rd.len;
-          // Buffered reads may not run past EOF; direct reads may (up to the aligned EOF).
-          if (!file->direct()) n = std::min<uint64_t>(n, file->size() - rd.file_off);
-          const auto t0 = Clock::now();
-          try {
-            file->read_at(rd.file_off, static_cast<size_t>(n), dst + rd.slot_off);
-          } catch (...) {
-            busy += seconds_since(t0);
-            throw;
-          }
+        uint64_t n = pc.len;
+        // Buffered reads may not run past EOF; direct reads may (up to the aligned EOF).
+        if (!file->direct()) n = pc.file_off >= file->size() ? 0 : std::min<uint64_t>(n, file->size() - pc.file_off);
+        const auto t0 = Clock::now();
+        try {
+          if (n > 0) file->read_at(pc.file_off, static_cast<size_t>(n), dst + pc.slot_off);
+        } catch (...) {
           busy += seconds_since(t0);
-          bytes += n;
+          throw;
         }
+        busy += seconds_since(t0);
+        bytes += n;
       } catch (...) {
         err = std::current_exception();
       }
 
       lk.lock();
-      --reading;
       st.read_busy_s += busy;
       st.bytes_read += bytes;
-      if (err) {
-        sl.state = State::Failed;
-        sl.err = err;
-      } else {
-        sl.state = State::Resident;
-        ++st.reads;
-      }
-      reindex(job.slot);
-      done_cv.notify_all();
+      if (err && !sl.err) sl.err = err;
+      if (--sl.pieces_left == 0) finish(s);
     }
   }
 };
@@ -434,6 +493,10 @@ void ExpertStream::request(int layer, std::span<const int32_t> experts) {
           case State::Reading:
             ++m.st.hits;
             if (sl.ahead) ++m.st.streamed_ahead;
+            if (sl.state == State::Reading && sl.next_piece < static_cast<int>(sl.pieces.size())) {
+              m.urgent_q.push_front(Job{s, sl.gen});  // started read-ahead: its remaining pieces jump ahead
+              queued = true;
+            }
             break;
           case State::Queued:
             if (sl.urgent) {
@@ -590,8 +653,8 @@ void ExpertStream::wait_idle() {
   m.done_cv.wait(lk, [&] {
     if (m.reading > 0) return false;
     if (m.paused) return true;
-    return std::none_of(m.urgent_q.begin(), m.urgent_q.end(), [&](const Job& j) { return m.job_valid(j); }) &&
-           std::none_of(m.ahead_q.begin(), m.ahead_q.end(), [&](const Job& j) { return m.job_valid(j); });
+    return std::none_of(m.urgent_q.begin(), m.urgent_q.end(), [&](const Job& j) { return m.job_open(j); }) &&
+           std::none_of(m.ahead_q.begin(), m.ahead_q.end(), [&](const Job& j) { return m.job_open(j); });
   });
 }
 
@@ -617,8 +680,13 @@ void ExpertStream::reset_stats() {
 void ExpertStream::clear() {
   Impl& m = *impl_;
   std::unique_lock lk(m.mu);
-  m.urgent_q.clear();
-  m.ahead_q.clear();
+  // unstarted reads are forgotten; started ones finish (their remaining pieces stay queued)
+  for (auto* q : {&m.urgent_q, &m.ahead_q}) {
+    std::deque<Job> keep;
+    for (const Job& j : *q)
+      if (m.job_open(j) && m.slots[static_cast<size_t>(j.slot)].state == State::Reading) keep.push_back(j);
+    q->swap(keep);
+  }
   m.done_cv.wait(lk, [&] { return m.reading == 0; });
   for (size_t s = 0; s < m.slots.size(); ++s) {
     Slot& sl = m.slots[s];
