@@ -65,3 +65,18 @@ TEST(EngineErrors, ArenaBelowMinimum) {
   EXPECT_THAT(msg, HasSubstr("--arena-mb"));
   EXPECT_THAT(msg, HasSubstr("64"));
 }
+
+TEST(EngineErrors, NegativeSettingsAreRefused) {
+  {
+    engine::EngineOptions o = small();
+    o.n_ctx = -5;
+    EXPECT_THAT(error_of<engine::EngineError>([&] { engine::Engine eng(test::shipped_model(), o); }),
+                HasSubstr("--ctx-size must be positive"));
+  }
+  {
+    engine::EngineOptions o = small();
+    o.n_threads = -3;
+    EXPECT_THAT(error_of<engine::EngineError>([&] { engine::Engine eng(test::shipped_model(), o); }),
+                HasSubstr("--threads must be between 0"));
+  }
+}

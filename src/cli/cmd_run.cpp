@@ -70,6 +70,7 @@ void register_run(CLI::App& root) {
     }
     tokenizer::StreamDecoder out(eng.tokenizer());
     eng.prefill(st, prompt, model::LogitsMode::Last, logits);
+    bool out_of_context = false;
     for (int i = 0; i < f->n_predict; ++i) {
       const int32_t id = sampler.sample(logits, history);
       generated.push_back(id);
@@ -81,7 +82,11 @@ void register_run(CLI::App& root) {
         std::fwrite(piece.data(), 1, piece.size(), stdout);
         std::fflush(stdout);
       }
-      if (i + 1 == f->n_predict || st.n_past >= st.n_ctx) break;
+      if (i + 1 == f->n_predict) break;
+      if (st.n_past >= st.n_ctx) {
+        out_of_context = true;
+        break;
+      }
       eng.decode(st, id, logits);
     }
     const std::string rest = out.flush();
@@ -99,6 +104,9 @@ void register_run(CLI::App& root) {
       std::fwrite(rest.data(), 1, rest.size(), stdout);
       std::fputc('\n', stdout);
       std::fflush(stdout);
+      if (out_of_context)
+        fmt::print(stderr, "strata: stopped after {} tokens: the context of {} tokens is full (raise -c/--ctx-size)\n",
+                   generated.size(), st.n_ctx);
       print_stats(eng);
     }
   });

@@ -111,6 +111,7 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
     throw model::ModelError(fmt::format("{}: tokenizer has {} tokens but token_embd has {} rows", path,
                                         tok_->n_vocab(), hp.n_vocab));
 
+  if (opts_.n_ctx < 0) throw EngineError(fmt::format("--ctx-size must be positive (or 0 = the model's), got {}", opts_.n_ctx));
   if (opts_.n_ctx <= 0) opts_.n_ctx = std::min<int64_t>(hp.n_ctx_train > 0 ? hp.n_ctx_train : 4096, 4096);
   const bool auto_chunk = opts_.prompt_chunk == 0;
   if (auto_chunk) opts_.prompt_chunk = auto_prompt_chunk(hp, opts_.n_ctx);

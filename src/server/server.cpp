@@ -4,7 +4,9 @@
 #include <fmt/format.h>
 #include <httplib.h>
 
+#include <algorithm>
 #include <atomic>
+#include <iterator>
 #include <chrono>
 #include <ctime>
 #include <filesystem>
@@ -228,6 +230,12 @@ struct Server::Impl {
       if (!msg.is_object()) throw bad(where, where + " must be an object", "invalid_type");
       const J* role = field(msg, "role");
       if (!role || !role->is_string()) throw bad(where + ".role", where + ".role must be a string", "invalid_type");
+      static const char* const kRoles[] = {"system", "developer", "user", "assistant", "tool", "function"};
+      if (std::none_of(std::begin(kRoles), std::end(kRoles), [&](const char* r) { return *role == r; }))
+        throw bad(where + ".role",
+                  fmt::format("{}.role '{}' is not one of system, developer, user, assistant, tool, function", where,
+                              role->get<std::string>()),
+                  "invalid_value");
       J o = msg;
       const J* content = field(msg, "content");
       if (!content) {

@@ -64,6 +64,7 @@ test('fields of the wrong type: 400 invalid_type naming the field', async () => 
     [{ ...okChat, top_k: 2.5 }, 'top_k'],
     [{ ...okChat, messages: 'hello' }, 'messages'],
     [{ ...okChat, messages: [{ role: 3, content: 'x' }] }, 'messages[0].role'],
+    [{ ...okChat, messages: [{ role: 'wizard', content: 'x' }] }, 'messages[0].role'],
     [{ ...okChat, messages: [{ role: 'user', content: 42 }] }, 'messages[0].content'],
     [{ ...okChat, logprobs: 'true' }, 'logprobs'],
   ];

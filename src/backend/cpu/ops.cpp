@@ -86,6 +86,10 @@ static inline float dot_f32(const float* a, const float* b, int n) {
 
 void attention_one(const float* q, const float* k_cache, const float* v_cache, int64_t kv_stride, int64_t n_pos,
                    int n_head, int n_head_kv, int head_dim, float scale, float* out, float* scratch) {
+  if (quant::active_cpu_kernels() == quant::CpuKernels::Avx512) {
+    detail::attention_one_avx512(q, k_cache, v_cache, kv_stride, n_pos, n_head, n_head_kv, head_dim, scale, out, scratch);
+    return;
+  }
   const int group = n_head / n_head_kv;
   for (int h = 0; h < n_head; ++h) {
     const float* qh = q + int64_t(h) * head_dim;

@@ -56,7 +56,15 @@ struct Rope {
 /// 0..n_pos-1 (row stride `kv_stride` floats); out: [n_head][head_dim]. Query head h reads
 /// KV head h / (n_head / n_head_kv). scale is usually 1/sqrt(head_dim).
 /// scratch must hold n_pos floats.
+/// Uses the AVX-512 version when the kernel family (quant::set_cpu_kernels) is avx512: FMA
+/// instead of SSE multiply-add, so results differ in rounding between families, never within one.
 void attention_one(const float* q, const float* k_cache, const float* v_cache, int64_t kv_stride, int64_t n_pos,
                    int n_head, int n_head_kv, int head_dim, float scale, float* out, float* scratch);
+
+namespace detail {
+/// AVX-512 attention_one (attention_avx512.cpp); same contract.
+void attention_one_avx512(const float* q, const float* k_cache, const float* v_cache, int64_t kv_stride, int64_t n_pos,
+                          int n_head, int n_head_kv, int head_dim, float scale, float* out, float* scratch);
+}  // namespace detail
 
 }  // namespace strata::cpu
