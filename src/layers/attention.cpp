@@ -46,18 +46,19 @@ void attention_block(cpu::ThreadPool& pool, const AttentionWeights& w, const Att
     }
   });
 
-  // Scaled dot-product attention, one (token, head) pair per work item.
+  // Scaled dot-product attention, one (token, KV head) pair per work item: the query heads of
+  // a GQA group share the reads of their K/V rows.
   const float scale = 1.0f / std::sqrt(float(s.head_dim));
   const int group = s.n_head / s.n_head_kv;
-  pool.parallel_for(T * s.n_head, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scratch(pos0 + T);
+  pool.parallel_for(T * s.n_head_kv, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scratch(size_t(std::min(group, 8)) * size_t(pos0 + T));
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / s.n_head;
-      const int hh = int(i % s.n_head);
-      const int64_t kv_off = int64_t(hh / group) * s.head_dim;
-      cpu::attention_one(q.data() + t * q_dim + int64_t(hh) * s.head_dim, k_cache + kv_off, v_cache + kv_off, kv_dim,
-                         pos0 + t + 1, 1, 1, s.head_dim, scale, att.data() + t * q_dim + int64_t(hh) * s.head_dim,
-                         scratch.data());
+      const int64_t t = i / s.n_head_kv;
+      const int g = int(i % s.n_head_kv);
+      const int64_t kv_off = int64_t(g) * s.head_dim;
+      const int64_t q_off = t * q_dim + int64_t(g) * group * s.head_dim;
+      cpu::attention_one(q.data() + q_off, k_cache + kv_off, v_cache + kv_off, kv_dim, pos0 + t + 1, group, 1,
+                         s.head_dim, scale, att.data() + q_off, scratch.data());
     }
   });
 

@@ -24,12 +24,7 @@ struct V256 {
   static void storeu(float* p, vec v) { _mm256_storeu_ps(p, v); }
   static vec fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
   static vec add(vec a, vec b) { return _mm256_add_ps(a, b); }
-  static float hsum(vec v) {
-    __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    q = _mm_add_ss(q, _mm_movehdup_ps(q));
-    return _mm_cvtss_f32(q);
-  }
+  static float hsum(vec v) { return simd_hsum8(v); }
 };
 
 // Keeps the compiler from contracting a multiply into a following add (-ffp-contract=fast is

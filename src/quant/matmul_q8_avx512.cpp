@@ -40,15 +40,8 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
   }
 }
 
-inline float hsum8(__m256 v) {
-  __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-  q = _mm_add_ss(q, _mm_movehdup_ps(q));
-  return _mm_cvtss_f32(q);
-}
-inline float hsum16(__m512 v) {
-  return hsum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
-}
+inline float hsum8(__m256 v) { return simd_hsum8(v); }
+inline float hsum16(__m512 v) { return simd_hsum16(v); }
 
 /// One row against TB tokens. `act` points at the first token's codes; tokens are a.cols
 /// apart (d: cols/32, s16: cols/16 apart).

@@ -55,7 +55,7 @@ struct Rope {
 /// q: [n_head][head_dim]; k_cache/v_cache: [n_pos][n_head_kv * head_dim] rows for positions
 /// 0..n_pos-1 (row stride `kv_stride` floats); out: [n_head][head_dim]. Query head h reads
 /// KV head h / (n_head / n_head_kv). scale is usually 1/sqrt(head_dim).
-/// scratch must hold n_pos floats.
+/// scratch must hold min(8, n_head / n_head_kv) * n_pos floats.
 /// Uses the AVX-512 version when the kernel family (quant::set_cpu_kernels) is avx512: FMA
 /// instead of SSE multiply-add, so results differ in rounding between families, never within one.
 void attention_one(const float* q, const float* k_cache, const float* v_cache, int64_t kv_stride, int64_t n_pos,
