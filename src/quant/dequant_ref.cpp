@@ -17,6 +17,7 @@ using detail::bits_f32;
 using detail::half_to_float;
 using detail::load_u16;
 using detail::load_u32;
+using detail::k4_scale_min;
 
 // Q8_0: { fp16 d; int8 q[32]; }  value = q * d
 void deq_q8_0(const uint8_t* b, float* y, int64_t nb) {
@@ -118,17 +119,6 @@ void deq_q3_k(const uint8_t* b, float* y, int64_t nb) {
       const int hbit = (hm[j] >> (e / 32)) & 1;
       y[e] = dl[e / 16] * static_cast<float>(ql - (hbit ? 0 : 4));
     }
-  }
-}
-
-// The 8 six-bit (scale, min) pairs of Q4_K/Q5_K, packed in 12 bytes (ggml get_scale_min_k4).
-inline void k4_scale_min(const uint8_t* s, int g, int& sc, int& m) {
-  if (g < 4) {
-    sc = s[g] & 63;
-    m = s[g + 4] & 63;
-  } else {
-    sc = (s[g + 4] & 0xf) | ((s[g - 4] >> 6) << 4);
-    m = (s[g + 4] >> 4) | ((s[g] >> 6) << 4);
   }
 }
 

@@ -31,20 +31,15 @@ inline __m512i dot_u8s8(__m512i u, __m512i s) {
     return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
   }
 }
-template <bool VNNI>
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
-  if constexpr (VNNI) {
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-  } else {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-  }
+/// vpermps indices that spread lanes 2c and 2c+1 of an 8-float vector over the two halves of
+/// a zmm (lanes 0-7 and 8-15), for c = 0..3: one per-block factor per 8 int32 lanes.
+inline void pair_lanes(__m512i (&idx)[4]) {
+  for (int c = 0; c < 4; ++c)
+    idx[c] = _mm512_inserti64x4(_mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1);
 }
 
-inline float hsum8(__m256 v) { return simd_hsum8(v); }
-inline float hsum16(__m512 v) { return simd_hsum16(v); }
-
-/// One row against TB tokens. `act` points at the first token's codes; tokens are a.cols
-/// apart (d: cols/32, s16: cols/16 apart).
+/// The codes of TB consecutive tokens, starting at the first: tokens are `cols` codes apart
+/// (d: cols/32, s: cols/16 apart).
 struct Tokens {
   const int8_t* q;
   const float* d;
@@ -82,11 +77,8 @@ inline __m512i dot_q8_0(__m512i wu, __m512i qx) {
 template <int TB, bool VNNI, bool FULL>
 inline void q8_0_group(const uint8_t* wg, int nv, const Tokens& tk, int64_t g, __m512* acc0, __m512* acc1,
                        __m256* corr) {
-  const __m512i idx[4] = {
-      _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
-      _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
-      _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5),
-      _mm512_setr_epi32(6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7)};
+  __m512i idx[4];
+  pair_lanes(idx);
   __m128i dh;
   if constexpr (FULL) {
     dh = _mm_setr_epi16(static_cast<short>(load_u16(wg)), static_cast<short>(load_u16(wg + 34)),
@@ -144,7 +136,7 @@ void row_q8_0(const uint8_t* w, const Tokens& tk, float* y, int64_t ldy) {
   }
   if (g < nb) q8_0_group<TB, VNNI, false>(w + 34 * g, static_cast<int>(nb - g), tk, g, acc0, acc1, corr);
   for (int t = 0; t < TB; ++t)
-    y[t * ldy] = hsum16(_mm512_add_ps(acc0[t], acc1[t])) - 128.0f * hsum8(corr[t]);
+    y[t * ldy] = simd_hsum16(_mm512_add_ps(acc0[t], acc1[t])) - 128.0f * simd_hsum8(corr[t]);
 }
 
 /// The 8 six-bit scales and mins of a Q4_K block (ggml get_scale_min_k4), unpacked with 32-bit
@@ -176,11 +168,8 @@ void row_q4_k(const uint8_t* w, const Tokens& tk, float* y, int64_t ldy) {
     acc[t][0] = acc[t][1] = _mm512_setzero_ps();
     accm[t] = _mm256_setzero_ps();
   }
-  const __m512i idx[4] = {
-      _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
-      _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
-      _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5),
-      _mm512_setr_epi32(6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7)};
+  __m512i idx[4];
+  pair_lanes(idx);
   const __m256i lo4 = _mm256_set1_epi8(0x0f);
   const int64_t nsb = tk.cols / 256;
   for (int64_t i = 0; i < nsb; ++i, w += 144) {
@@ -213,7 +202,7 @@ void row_q4_k(const uint8_t* w, const Tokens& tk, float* y, int64_t ldy) {
       }
     }
   }
-  for (int t = 0; t < TB; ++t) y[t * ldy] = hsum16(_mm512_add_ps(acc[t][0], acc[t][1])) - hsum8(accm[t]);
+  for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum16(_mm512_add_ps(acc[t][0], acc[t][1])) - simd_hsum8(accm[t]);
 }
 
 template <int TB, bool VNNI>
@@ -265,7 +254,7 @@ void row_iq2_xs(const uint8_t* w, const Tokens& tk, float* y, int64_t ldy) {
       }
     }
   }
-  for (int t = 0; t < TB; ++t) y[t * ldy] = hsum16(_mm512_add_ps(acc[t][0], acc[t][1]));
+  for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum16(_mm512_add_ps(acc[t][0], acc[t][1]));
 }
 
 template <int TB, bool VNNI>

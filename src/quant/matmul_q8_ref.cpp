@@ -61,13 +61,7 @@ float dot_q4_k(const uint8_t* w, int64_t cols, const int8_t* qx, const float* dx
     float fs[8];
     for (int j = 0; j < 8; ++j) {
       int sc, m;
-      if (j < 4) {
-        sc = w[4 + j] & 63;
-        m = w[4 + j + 4] & 63;
-      } else {
-        sc = (w[4 + j + 4] & 0xf) | ((w[4 + j - 4] >> 6) << 4);
-        m = (w[4 + j + 4] >> 4) | ((w[4 + j] >> 6) << 4);
-      }
+      k4_scale_min(w + 4, j, sc, m);
       const float x = dx[8 * i + j];
       fs[j] = (d * static_cast<float>(sc)) * x;
       const float fm = (dmin * static_cast<float>(m)) * x;

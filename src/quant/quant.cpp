@@ -35,6 +35,13 @@ std::atomic<CpuKernels>& active_family() {
 
 bool cpu_has_vnni() { return cpu_has_avx512() && __builtin_cpu_supports("avx512vnni"); }
 
+// The q8 family in use: AVX-512 kernels when active (and the type has one), else the scalar
+// definition; both give the same bits.
+void run_q8(const detail::MatmulArgs& a, const ActQ8& act) {
+  if (active_cpu_kernels() == CpuKernels::Avx512 && detail::matmul_q8_avx512(a, act, cpu_has_vnni())) return;
+  detail::matmul_q8_scalar(a, act);
+}
+
 std::atomic<ActQuant>& act_mode() {
   static std::atomic<ActQuant> a{ActQuant::Q8};
   return a;
@@ -197,9 +204,7 @@ void matmul_q8(GgmlType t, const void* W, size_t row_bytes, int64_t row_begin, i
   if (row_begin < 0 || row_end < row_begin) throw std::runtime_error("quant::matmul_q8: bad row range");
   if (row_bytes < row_size(t, cols)) throw std::runtime_error("quant::matmul_q8: row_bytes smaller than one row");
   if (row_end == row_begin || act.n_tok == 0) return;
-  const detail::MatmulArgs a{t, static_cast<const uint8_t*>(W), row_bytes, row_begin, row_end, cols, nullptr, 0, act.n_tok, y, ldy};
-  if (active_cpu_kernels() == CpuKernels::Avx512 && detail::matmul_q8_avx512(a, act, cpu_has_vnni())) return;
-  detail::matmul_q8_scalar(a, act);
+  run_q8({t, static_cast<const uint8_t*>(W), row_bytes, row_begin, row_end, cols, nullptr, 0, act.n_tok, y, ldy}, act);
 }
 
 void matmul(GgmlType t, const void* W, size_t row_bytes, int64_t row_begin, int64_t row_end, int64_t cols,
@@ -218,8 +223,7 @@ void matmul(GgmlType t, const void* W, size_t row_bytes, int64_t row_begin, int6
     thread_local ActQ8 act;
     act.resize(n_tok, cols);
     quantize_activations(x, ldx, 0, n_tok, act);
-    if (active_cpu_kernels() == CpuKernels::Avx512 && detail::matmul_q8_avx512(a, act, cpu_has_vnni())) return;
-    detail::matmul_q8_scalar(a, act);
+    run_q8(a, act);
     return;
   }
   switch (active_cpu_kernels()) {

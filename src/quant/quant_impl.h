@@ -112,6 +112,18 @@ static inline uint32_t load_u32(const uint8_t* p) {
   return v;
 }
 
+/// Scale and min of sub-block g (0..7) of a Q4_K/Q5_K block: 8 six-bit pairs packed in the
+/// 12 bytes at `s` (ggml get_scale_min_k4).
+static inline void k4_scale_min(const uint8_t* s, int g, int& sc, int& m) {
+  if (g < 4) {
+    sc = s[g] & 63;
+    m = s[g + 4] & 63;
+  } else {
+    sc = (s[g + 4] & 0xf) | ((s[g - 4] >> 6) << 4);
+    m = (s[g + 4] >> 4) | ((s[g] >> 6) << 4);
+  }
+}
+
 /// The arguments of one matmul call, already validated (see quant.h for the contract).
 struct MatmulArgs {
   GgmlType type;

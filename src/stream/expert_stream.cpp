@@ -253,10 +253,6 @@ struct ExpertStream::Impl {
     reindex(s);
   }
 
-  bool job_valid(const Job& j) const {
-    const Slot& sl = slots[static_cast<size_t>(j.slot)];
-    return sl.gen == j.gen && sl.state == State::Queued;
-  }
   /// The job still has pieces to hand out (not started, or started with pieces left).
   bool job_open(const Job& j) const {
     const Slot& sl = slots[static_cast<size_t>(j.slot)];
