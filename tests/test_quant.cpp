@@ -707,12 +707,18 @@ TEST(QuantQ8, AllFamiliesBitIdentical) {
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                       __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                       __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2");
-  const bool vnni = avx512 && __builtin_cpu_supports("avx512vnni");
   if (!avx512) GTEST_SKIP() << "no AVX-512 on this CPU: only the scalar q8 family exists";
+  // every level up to the CPU's best (each is a superset of the one before)
+  using strata::quant::detail::Q8Isa;
+  const Q8Isa best = strata::quant::detail::best_q8_isa();
+  std::vector<Q8Isa> levels{Q8Isa::Avx512};
+  if (best != Q8Isa::Avx512) levels.push_back(Q8Isa::Avx512Vnni);
+  if (best == Q8Isa::Avx512Icl) levels.push_back(Q8Isa::Avx512Icl);
+  static const char* const kLevelName[] = {"avx512", "avx512-vnni", "avx512-icl"};
   int64_t checked = 0;
   for (GgmlType t : kQ8Types) {
     const int be = q::block_elems(t);
-    for (int64_t cols : {32, 64, 256, 512, 4096}) {
+    for (int64_t cols : {32, 64, 256, 512, 768, 4096}) {
       if (cols % be) continue;
       for (int64_t rows : {1, 3, 17, 130}) {
         const auto w = random_rows(t, rows, cols, rng);
@@ -728,13 +734,12 @@ TEST(QuantQ8, AllFamiliesBitIdentical) {
           auto a = base;
           a.y = ref.data();
           strata::quant::detail::matmul_q8_scalar(a, act);
-          for (bool use_vnni : {false, true}) {
-            if (use_vnni && !vnni) continue;
+          for (Q8Isa isa : levels) {
             std::fill(y.begin(), y.end(), NAN);
             a.y = y.data();
-            ASSERT_TRUE(strata::quant::detail::matmul_q8_avx512(a, act, use_vnni));
+            ASSERT_TRUE(strata::quant::detail::matmul_q8_avx512(a, act, isa));
             for (size_t i = 0; i < y.size(); ++i)
-              ASSERT_EQ(bits(y[i]), bits(ref[i])) << strata::quant::detail::type_name(t) << (use_vnni ? " vnni" : " no-vnni")
+              ASSERT_EQ(bits(y[i]), bits(ref[i])) << strata::quant::detail::type_name(t) << " " << kLevelName[static_cast<int>(isa)]
                                                   << " rows=" << rows << " cols=" << cols << " n_tok=" << n_tok << " i=" << i;
             checked += static_cast<int64_t>(y.size());
           }
@@ -758,8 +763,10 @@ TEST(QuantQ8, AllFamiliesBitIdentical) {
       for (size_t i = 0; i < y.size(); ++i) ASSERT_EQ(bits(y[i]), bits(first[i])) << q::cpu_kernels_name(fam);
     }
   }
-  std::printf("[quant] q8 path: %lld outputs bit-identical across scalar / avx512%s\n", static_cast<long long>(checked),
-              vnni ? " / avx512-vnni" : "");
+  std::string names;
+  for (Q8Isa isa : levels) names += std::string(" / ") + kLevelName[static_cast<int>(isa)];
+  std::printf("[quant] q8 path: %lld outputs bit-identical across scalar%s\n", static_cast<long long>(checked),
+              names.c_str());
 }
 
 TEST(QuantQ8, QuantizerIdenticalInEveryFamily) {

@@ -57,10 +57,44 @@ static constexpr bool has_q8_kernel(GgmlType t) {
   return t == GgmlType::Q8_0 || t == GgmlType::Q4_K || t == GgmlType::IQ2_XS;
 }
 
+/// The IQ2_XS lane order: the element (0..255, within its 256-block) that position
+/// p = 64k + 4L + j of the block holds, for chunk k (0..3), int32 lane L (0..15) and byte j
+/// (0..3): elements 4u..4u+3 (u = L%2) of grid entry 4s + k (s = L/2). So the 8 entries of a
+/// chunk are word k of each 64-bit word of the codes, in the order a gather returns them, and
+/// every lane stays in one 32-block (s: one activation scale), in chunks 0-1 in 16-weight group
+/// 2s and in chunks 2-3 in group 2s+1 (the two nibbles of scale byte s).
+static constexpr int iq2xs_lane_element(int k, int L, int j) { return 8 * (4 * (L / 2) + k) + 4 * (L % 2) + j; }
+
+/// Tokens [t0, t1) of `a` rewritten for the IQ2_XS kernels (a.cols % 256 == 0):
+/// xp[(t - t0) * cols + 256 i + p] = a.qt(t)[256 i + iq2xs_lane_element(p)] (int8 codes), and
+/// dxl[(t - t0) * cols/16 + 16 i + L] = a.dt(t)[8 i + L/2], the block scale of lane L.
+void iq2xs_lane_order(const ActQ8& a, int64_t t0, int64_t t1, int8_t* xp, float* dxl);
+
+/// Tokens for the IQ2_XS kernels: codes in the lane order `cols` apart, lane scales cols/16 apart.
+struct Iq2Tokens {
+  const int8_t* q;
+  const float* dxl;
+  int64_t cols;
+};
+
 /// Scalar q8 family (the definition of the arithmetic): y[t][r] for rows [row_begin, row_end).
 void matmul_q8_scalar(const MatmulArgs& m, const ActQ8& a);
-/// AVX-512 q8 family (VNNI when the CPU has it, else vpmaddubsw + vpmaddwd, same integers).
-/// Returns false for types without a kernel.
-bool matmul_q8_avx512(const MatmulArgs& m, const ActQ8& a, bool vnni);
+
+/// Instruction-set levels of the AVX-512 q8 family. All give the same bits.
+enum class Q8Isa {
+  Avx512,      ///< F/BW/VL/DQ: vpmaddubsw + vpmaddwd
+  Avx512Vnni,  ///< + VNNI: vpdpbusd, vpdpwssd
+  Avx512Icl,   ///< + VBMI and GFNI (Ice Lake and later): IQ2_XS signs with gf2p8affineqb and vpermb
+};
+/// The best level this CPU has (only meaningful where AVX-512 F/BW/VL/DQ exist).
+Q8Isa best_q8_isa();
+/// AVX-512 q8 family at level `isa` (which the CPU must have). Returns false for types without
+/// a kernel.
+bool matmul_q8_avx512(const MatmulArgs& m, const ActQ8& a, Q8Isa isa);
+/// The IQ2_XS rows of the Icl level (matmul_q8_iq2xs_avx512icl.cpp): rows [r0, r1) of W (rows
+/// `row_bytes` apart) against tokens 0..n_tok-1 of `tk`, writing y[t * ldy + r] with the bits of
+/// matmul_q8_scalar.
+void iq2xs_rows_icl(const uint8_t* W, size_t row_bytes, int64_t r0, int64_t r1, int64_t n_tok, const Iq2Tokens& tk,
+                    float* y, int64_t ldy);
 
 }  // namespace strata::quant::detail

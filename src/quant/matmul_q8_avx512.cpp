@@ -10,8 +10,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include "quant/act_q8.h"
+#include "quant/iq2xs_q8_kernel.h"
 #include "quant/quant_tables.h"
 
 // Software prefetch distance in bytes ahead of the weight being decoded: the hardware prefetcher
@@ -205,86 +208,53 @@ void row_q4_k(const uint8_t* w, const Tokens& tk, float* y, int64_t ldy) {
   for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum16(_mm512_add_ps(acc[t][0], acc[t][1])) - simd_hsum8(accm[t]);
 }
 
-template <int TB, bool VNNI>
-void row_iq2_xs(const uint8_t* w, const Tokens& tk, float* y, int64_t ldy) {
-  __m512 acc[TB][2];
-  for (int t = 0; t < TB; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
-  const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  const __m512i idx[4] = {
-      _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
-      _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7),
-      _mm512_setr_epi32(8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11),
-      _mm512_setr_epi32(12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15)};
-  const __m128i lo4 = _mm_set1_epi8(0x0f);
-  const long long* grid = reinterpret_cast<const long long*>(tables::iq2xs_grid);
-  const int64_t nsb = tk.cols / 256;
-  for (int64_t i = 0; i < nsb; ++i, w += 74) {
-    _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + 64, _MM_HINT_T0);
-    const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(w)));
-    const __m128i s = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 66));
-    const __m128i ls = _mm_unpacklo_epi8(_mm_and_si128(s, lo4), _mm_and_si128(_mm_srli_epi16(s, 4), lo4));
-    const __m512i ls32 = _mm512_cvtepu8_epi32(ls);
-    const __m512 odd = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(ls32, 1), _mm512_set1_epi32(1)));
-    __m512 F[TB];
-#pragma GCC unroll 4
-    for (int t = 0; t < TB; ++t) {
-      const __m512 dx = _mm512_permutexvar_ps(pairs, _mm512_zextps256_ps512(_mm256_loadu_ps(tk.d + t * (tk.cols / 32) + 8 * i)));
-      F[t] = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(d, dx), odd), _mm512_set1_ps(0.125f));
-    }
-    const uint8_t* qs = w + 2;
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) {
-      const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * c));
-      const __m512i wq = _mm512_i64gather_epi64(_mm512_cvtepu16_epi64(_mm_and_si128(codes, _mm_set1_epi16(511))), grid, 8);
-      // ksigns_iq2xs[k] = k | parity(k) << 7: bit j of byte l negates element 8l + j, which is
-      // bit 8l + j of the 64-bit mask
-      const __m128i k7 = _mm_srli_epi16(codes, 9);
-      __m128i par = _mm_xor_si128(k7, _mm_srli_epi16(k7, 4));
-      par = _mm_xor_si128(par, _mm_srli_epi16(par, 2));
-      par = _mm_xor_si128(par, _mm_srli_epi16(par, 1));
-      const __m128i sb = _mm_or_si128(k7, _mm_slli_epi16(_mm_and_si128(par, _mm_set1_epi16(1)), 7));
-      const __mmask64 neg = _cvtu64_mask64(static_cast<uint64_t>(_mm_cvtsi128_si64(_mm_packus_epi16(sb, sb))));
-#pragma GCC unroll 4
-      for (int t = 0; t < TB; ++t) {
-        const __m512i qx = _mm512_loadu_si512(tk.q + t * tk.cols + 256 * i + 64 * c);
-        const __m512i p = dot_u8s8<VNNI>(wq, _mm512_mask_sub_epi8(qx, neg, _mm512_setzero_si512(), qx));
-        const __m512 f = _mm512_permutexvar_ps(idx[c], F[t]);
-        acc[t][c & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), f, acc[t][c & 1]);
+/// Rows [row_begin, row_end) of m against tokens [t0, t1): per row, tiles of up to 4 tokens
+/// (every tile size runs the same per-token instructions), fn(tile<TB>, w, t, y).
+template <class Fn>
+void rows_by_tiles(const MatmulArgs& m, int64_t t0, int64_t t1, Fn&& fn) {
+  for (int64_t r = m.row_begin; r < m.row_end; ++r) {
+    const uint8_t* w = m.W + static_cast<size_t>(r) * m.row_bytes;
+    for (int64_t t = t0; t < t1; t += 4) {
+      float* y = m.y + t * m.ldy + r;
+      switch (std::min<int64_t>(4, t1 - t)) {
+        case 4: fn(std::integral_constant<int, 4>{}, w, t, y); break;
+        case 3: fn(std::integral_constant<int, 3>{}, w, t, y); break;
+        case 2: fn(std::integral_constant<int, 2>{}, w, t, y); break;
+        default: fn(std::integral_constant<int, 1>{}, w, t, y); break;
       }
     }
-  }
-  for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum16(_mm512_add_ps(acc[t][0], acc[t][1]));
-}
-
-template <int TB, bool VNNI>
-void run_row(GgmlType type, const uint8_t* w, const Tokens& tk, float* y, int64_t ldy) {
-  switch (type) {
-    case GgmlType::Q8_0: row_q8_0<TB, VNNI>(w, tk, y, ldy); break;
-    case GgmlType::Q4_K: row_q4_k<TB, VNNI>(w, tk, y, ldy); break;
-    case GgmlType::IQ2_XS: row_iq2_xs<TB, VNNI>(w, tk, y, ldy); break;
-    default: break;
   }
 }
 
 template <bool VNNI>
-void run(const MatmulArgs& m, const ActQ8& a) {
-  constexpr int64_t kTokBlock = 64;
+void run(const MatmulArgs& m, const ActQ8& a, Q8Isa isa) {
+  constexpr int64_t kTokBlock = 64;  // their codes stay in L2 while every row passes
   for (int64_t t0 = 0; t0 < m.n_tok; t0 += kTokBlock) {
     const int64_t t1 = std::min(m.n_tok, t0 + kTokBlock);
-    for (int64_t r = m.row_begin; r < m.row_end; ++r) {
-      const uint8_t* w = m.W + static_cast<size_t>(r) * m.row_bytes;
-      for (int64_t t = t0; t < t1; t += 4) {
-        const Tokens tk{a.qt(t), a.dt(t), a.st(t), a.cols};
-        float* y = m.y + t * m.ldy + r;
-        switch (std::min<int64_t>(4, t1 - t)) {
-          case 4: run_row<4, VNNI>(m.type, w, tk, y, m.ldy); break;
-          case 3: run_row<3, VNNI>(m.type, w, tk, y, m.ldy); break;
-          case 2: run_row<2, VNNI>(m.type, w, tk, y, m.ldy); break;
-          default: run_row<1, VNNI>(m.type, w, tk, y, m.ldy); break;
-        }
+    if (m.type == GgmlType::IQ2_XS) {
+      // this block's codes in the lane order, once per call and thread
+      thread_local std::vector<int8_t> xp;
+      thread_local std::vector<float> dxl;
+      xp.resize(static_cast<size_t>((t1 - t0) * a.cols));
+      dxl.resize(static_cast<size_t>((t1 - t0) * (a.cols / 16)));
+      iq2xs_lane_order(a, t0, t1, xp.data(), dxl.data());
+      const Iq2Tokens tk{xp.data(), dxl.data(), a.cols};
+      float* y = m.y + t0 * m.ldy;
+      if (isa == Q8Isa::Avx512Icl) {
+        iq2xs_rows_icl(m.W, m.row_bytes, m.row_begin, m.row_end, t1 - t0, tk, y, m.ldy);
+      } else {
+        iq2q8::rows<VNNI, false>(m.W, m.row_bytes, m.row_begin, m.row_end, t1 - t0, tk, y, m.ldy);
       }
+      continue;
     }
+    rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
+      const Tokens tk{a.qt(t), a.dt(t), a.st(t), a.cols};
+      if (m.type == GgmlType::Q8_0) {
+        row_q8_0<decltype(tb)::value, VNNI>(w, tk, y, m.ldy);
+      } else {
+        row_q4_k<decltype(tb)::value, VNNI>(w, tk, y, m.ldy);
+      }
+    });
   }
 }
 
@@ -313,12 +283,19 @@ float quantize_block_q8_avx512(const float* x, int8_t* q, int16_t* s16) {
   return amax / 127.0f;
 }
 
-bool matmul_q8_avx512(const MatmulArgs& m, const ActQ8& a, bool vnni) {
+Q8Isa best_q8_isa() {
+  if (!__builtin_cpu_supports("avx512vnni")) return Q8Isa::Avx512;
+  if (__builtin_cpu_supports("gfni") && __builtin_cpu_supports("avx512vbmi"))
+    return Q8Isa::Avx512Icl;
+  return Q8Isa::Avx512Vnni;
+}
+
+bool matmul_q8_avx512(const MatmulArgs& m, const ActQ8& a, Q8Isa isa) {
   if (!has_q8_kernel(m.type)) return false;
-  if (vnni) {
-    run<true>(m, a);
+  if (isa == Q8Isa::Avx512) {
+    run<false>(m, a, isa);
   } else {
-    run<false>(m, a);
+    run<true>(m, a, isa);
   }
   return true;
 }

@@ -6,7 +6,9 @@
 // s16[g] = sum of its codes 16g..16g+15. "lane L" of a 64-weight chunk covers elements
 // 4L..4L+3 of the chunk (one int32 lane of vpdpbusd). fma = one rounding (std::fma).
 // hsum8(v) = (v0+v4 + v2+v6) + (v1+v5 + v3+v7) in that tree; hsum16(v) = hsum8(v[l] + v[l+8]).
+#include <array>
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 
 #include "quant/act_q8.h"
@@ -86,40 +88,58 @@ float dot_q4_k(const uint8_t* w, int64_t cols, const int8_t* qx, const float* dx
   return hsum16(s) - hsum8(accm);
 }
 
-// IQ2_XS: 16-weight group g of super-block i has factor ((d*dx[8i+g/2]) * (2*ls_g+1)) * 0.125
-// (= d*(0.5+ls)*0.25 * dx); the grid magnitudes multiply the activation codes with the weight's
-// sign moved onto the code. Chunk c: groups 4c..4c+3, 4 lanes each, accumulator c % 2.
-// y = hsum16(acc0 + acc1).
+// IQ2_XS, in the lane order of iq2xs_lane_element (act_q8.h): lane L of a super-block stays
+// in 32-block s = L/2; its 16 elements in chunks 0-1 (group 2s) and 2-3 (group 2s+1) give
+// integer sums sA, sB (grid magnitude times activation code, the weight's sign moved onto the
+// code), weighted in integers by the groups' odd scales 2*ls+1 (the nibbles of scale byte s):
+// S = (2*lsA+1)*sA + (2*lsB+1)*sB. acc = fma(float(S), (d/8) * dx[8i + s], acc), which is
+// ggml's factor d*(0.5+ls)*0.25 = d/8 * (2*ls+1). y = hsum16(acc).
 float dot_iq2_xs(const uint8_t* w, int64_t cols, const int8_t* qx, const float* dx) {
-  float acc[2][16] = {};
+  float acc[16] = {};
   for (int64_t i = 0; i < cols / 256; ++i, w += 74) {
-    const float d = half_to_float(load_u16(w));
-    float F[16];
-    for (int g = 0; g < 16; ++g) {
-      const int ls = (w[66 + g / 2] >> (4 * (g % 2))) & 0xf;
-      F[g] = ((d * dx[8 * i + g / 2]) * static_cast<float>(2 * ls + 1)) * 0.125f;
-    }
-    for (int c = 0; c < 4; ++c) {
-      for (int L = 0; L < 16; ++L) {
-        const uint16_t code = load_u16(w + 2 + 2 * (8 * c + L / 2));
-        const uint64_t g = tables::iq2xs_grid[code & 511];
-        const uint8_t sg = tables::ksigns_iq2xs[code >> 9];
-        int p = 0;
-        for (int k = 0; k < 4; ++k) {
-          const int j = 4 * (L % 2) + k;  // element within the code's 8
-          const int x = qx[256 * i + 64 * c + 4 * L + k];
-          p += static_cast<int>((g >> (8 * j)) & 0xff) * (((sg >> j) & 1) ? -x : x);
+    const float dq = half_to_float(load_u16(w)) * 0.125f;
+    for (int L = 0; L < 16; ++L) {
+      int sum[2] = {0, 0};
+      for (int k = 0; k < 4; ++k) {
+        for (int j = 0; j < 4; ++j) {
+          const int el = iq2xs_lane_element(k, L, j);
+          const uint16_t code = load_u16(w + 2 + 2 * (el / 8));
+          const uint64_t g = tables::iq2xs_grid[code & 511];
+          const uint8_t sg = tables::ksigns_iq2xs[code >> 9];
+          const int x = qx[256 * i + el];
+          sum[k / 2] += static_cast<int>((g >> (8 * (el % 8))) & 0xff) * (((sg >> (el % 8)) & 1) ? -x : x);
         }
-        acc[c & 1][L] = std::fma(static_cast<float>(p), F[4 * c + L / 4], acc[c & 1][L]);
       }
+      const int s = L / 2, sc = w[66 + s];
+      const int S = (2 * (sc & 0xf) + 1) * sum[0] + (2 * (sc >> 4) + 1) * sum[1];
+      acc[L] = std::fma(static_cast<float>(S), dq * dx[8 * i + s], acc[L]);
     }
   }
-  float s[16];
-  for (int l = 0; l < 16; ++l) s[l] = acc[0][l] + acc[1][l];
-  return hsum16(s);
+  return hsum16(acc);
 }
 
 }  // namespace
+
+void iq2xs_lane_order(const ActQ8& a, int64_t t0, int64_t t1, int8_t* xp, float* dxl) {
+  // source dword of each destination dword of a 256-block (a lane's 4 elements are consecutive)
+  static const auto src = [] {
+    std::array<uint8_t, 64> s{};
+    for (int k = 0; k < 4; ++k)
+      for (int L = 0; L < 16; ++L) s[static_cast<size_t>(16 * k + L)] = static_cast<uint8_t>(iq2xs_lane_element(k, L, 0) / 4);
+    return s;
+  }();
+  const int64_t nsb = a.cols / 256;
+  for (int64_t t = t0; t < t1; ++t) {
+    const int8_t* q = a.qt(t);
+    const float* d = a.dt(t);
+    int8_t* o = xp + (t - t0) * a.cols;
+    float* f = dxl + (t - t0) * (a.cols / 16);
+    for (int64_t i = 0; i < nsb; ++i) {
+      for (int p = 0; p < 64; ++p) std::memcpy(o + 256 * i + 4 * p, q + 256 * i + 4 * src[static_cast<size_t>(p)], 4);
+      for (int L = 0; L < 16; ++L) f[16 * i + L] = d[8 * i + L / 2];
+    }
+  }
+}
 
 void matmul_q8_scalar(const MatmulArgs& m, const ActQ8& a) {
   for (int64_t r = m.row_begin; r < m.row_end; ++r) {

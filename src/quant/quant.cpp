@@ -33,12 +33,11 @@ std::atomic<CpuKernels>& active_family() {
   return k;
 }
 
-bool cpu_has_vnni() { return cpu_has_avx512() && __builtin_cpu_supports("avx512vnni"); }
-
 // The q8 family in use: AVX-512 kernels when active (and the type has one), else the scalar
 // definition; both give the same bits.
 void run_q8(const detail::MatmulArgs& a, const ActQ8& act) {
-  if (active_cpu_kernels() == CpuKernels::Avx512 && detail::matmul_q8_avx512(a, act, cpu_has_vnni())) return;
+  static const detail::Q8Isa isa = cpu_has_avx512() ? detail::best_q8_isa() : detail::Q8Isa::Avx512;
+  if (active_cpu_kernels() == CpuKernels::Avx512 && detail::matmul_q8_avx512(a, act, isa)) return;
   detail::matmul_q8_scalar(a, act);
 }
 
