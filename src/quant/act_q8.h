@@ -57,24 +57,39 @@ static constexpr bool has_q8_kernel(GgmlType t) {
   return t == GgmlType::Q8_0 || t == GgmlType::Q4_K || t == GgmlType::IQ2_XS;
 }
 
-/// The IQ2_XS lane order: the element (0..255, within its 256-block) that position
-/// p = 64k + 4L + j of the block holds, for chunk k (0..3), int32 lane L (0..15) and byte j
-/// (0..3): elements 4u..4u+3 (u = L%2) of grid entry 4s + k (s = L/2). So the 8 entries of a
-/// chunk are word k of each 64-bit word of the codes, in the order a gather returns them, and
-/// every lane stays in one 32-block (s: one activation scale), in chunks 0-1 in 16-weight group
-/// 2s and in chunks 2-3 in group 2s+1 (the two nibbles of scale byte s).
+// Lane orders. The Q4_K and IQ2_XS kernels read a token's int8 codes rearranged within each
+// 256-block so that every int32 lane of vpdpbusd stays in one 32-block (one activation scale)
+// for the whole block: a lane's 16 products are summed in integers and scaled once. Position
+// p = 64k + 4L + j of a block (chunk k = 0..3 of 64 codes, lane L = 0..15, byte j = 0..3) holds
+// element q4k_lane_element / iq2xs_lane_element(k, L, j); lane L stays in 32-block L/2.
+
+/// Q4_K: the 8 weights of sub-block s = L/2 at offset 8k..8k+7 (elements 32s + 8k + 4(L%2) + j),
+/// i.e. chunk k is 64-bit word k of each 32-byte run of quants (one vpermt2q of the block).
+static constexpr int q4k_lane_element(int k, int L, int j) { return 32 * (L / 2) + 8 * k + 4 * (L % 2) + j; }
+
+/// IQ2_XS: elements 4u..4u+3 (u = L%2) of grid entry 4s + k (s = L/2). So the 8 entries of a
+/// chunk are word k of each 64-bit word of the codes, in the order a gather returns them; in
+/// chunks 0-1 the lane is in 16-weight group 2s, in chunks 2-3 in group 2s+1 (the two nibbles
+/// of scale byte s).
 static constexpr int iq2xs_lane_element(int k, int L, int j) { return 8 * (4 * (L / 2) + k) + 4 * (L % 2) + j; }
 
-/// Tokens [t0, t1) of `a` rewritten for the IQ2_XS kernels (a.cols % 256 == 0):
-/// xp[(t - t0) * cols + 256 i + p] = a.qt(t)[256 i + iq2xs_lane_element(p)] (int8 codes), and
-/// dxl[(t - t0) * cols/16 + 16 i + L] = a.dt(t)[8 i + L/2], the block scale of lane L.
-void iq2xs_lane_order(const ActQ8& a, int64_t t0, int64_t t1, int8_t* xp, float* dxl);
+/// Tokens [t0, t1) of `a` rewritten for the lane-order kernels of type t (Q4_K or IQ2_XS;
+/// a.cols % 256 == 0), token-major:
+///   xp[(t - t0) * cols + 256 i + p] = a.qt(t)[256 i + lane_element(p)]   (int8 codes)
+///   dxl[(t - t0) * cols/16 + 16 i + L] = dx[8 i + L/2]                   (lane L's block scale)
+///   xs[(t - t0) * cols/32 + b] = dx[b] * float(s16[2b] + s16[2b+1])     (Q4_K only; may be null
+///                                                                         for IQ2_XS)
+/// with dx = a.dt(t), s16 = a.st(t).
+void lane_order(GgmlType t, const ActQ8& a, int64_t t0, int64_t t1, int8_t* xp, float* dxl, float* xs);
 
-/// Tokens for the IQ2_XS kernels: codes in the lane order `cols` apart, lane scales cols/16 apart.
-struct Iq2Tokens {
+/// Tokens in a lane order: codes `cols` apart, lane scales cols/16 apart, xs cols/32 apart.
+struct LaneTokens {
   const int8_t* q;
   const float* dxl;
+  const float* xs;
   int64_t cols;
+  /// The same tokens from the t-th on.
+  LaneTokens from(int64_t t) const { return {q + t * cols, dxl + t * (cols / 16), xs ? xs + t * (cols / 32) : nullptr, cols}; }
 };
 
 /// Scalar q8 family (the definition of the arithmetic): y[t][r] for rows [row_begin, row_end).
@@ -94,7 +109,7 @@ bool matmul_q8_avx512(const MatmulArgs& m, const ActQ8& a, Q8Isa isa);
 /// The IQ2_XS rows of the Icl level (matmul_q8_iq2xs_avx512icl.cpp): rows [r0, r1) of W (rows
 /// `row_bytes` apart) against tokens 0..n_tok-1 of `tk`, writing y[t * ldy + r] with the bits of
 /// matmul_q8_scalar.
-void iq2xs_rows_icl(const uint8_t* W, size_t row_bytes, int64_t r0, int64_t r1, int64_t n_tok, const Iq2Tokens& tk,
+void iq2xs_rows_icl(const uint8_t* W, size_t row_bytes, int64_t r0, int64_t r1, int64_t n_tok, const LaneTokens& tk,
                     float* y, int64_t ldy);
 
 }  // namespace strata::quant::detail

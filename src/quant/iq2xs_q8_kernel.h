@@ -95,7 +95,7 @@ inline __m512i dot_odd(__m512i acc, __m512i u, __m512i s, __m512i odd) {
 
 /// One row of IQ2_XS (tk.cols / 256 super-blocks at w) against TB tokens of tk; y[t * ldy].
 template <int TB, bool VNNI, bool ICL>
-void row(const uint8_t* w, const Iq2Tokens& tk, float* y, int64_t ldy) {
+void row(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
   __m512 acc[TB];
   for (int t = 0; t < TB; ++t) acc[t] = _mm512_setzero_ps();
   const __m512i sindex = scale_byte_index(), transpose = sign_transpose(), m511 = _mm512_set1_epi64(511);
@@ -133,12 +133,12 @@ void row(const uint8_t* w, const Iq2Tokens& tk, float* y, int64_t ldy) {
 /// Rows [r0, r1) (row_bytes apart from W) against tokens 0..n_tok-1 of tk, in tiles of up to 4
 /// tokens that share one decode of a row (each tile size runs the same per-token arithmetic).
 template <bool VNNI, bool ICL>
-void rows(const uint8_t* W, size_t row_bytes, int64_t r0, int64_t r1, int64_t n_tok, const Iq2Tokens& tk, float* y,
+void rows(const uint8_t* W, size_t row_bytes, int64_t r0, int64_t r1, int64_t n_tok, const LaneTokens& tk, float* y,
           int64_t ldy) {
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* w = W + static_cast<size_t>(r) * row_bytes;
     for (int64_t t = 0; t < n_tok; t += 4) {
-      const Iq2Tokens sub{tk.q + t * tk.cols, tk.dxl + t * (tk.cols / 16), tk.cols};
+      const LaneTokens sub = tk.from(t);
       float* yt = y + t * ldy + r;
       switch (n_tok - t < 4 ? n_tok - t : 4) {
         case 4: row<4, VNNI, ICL>(w, sub, yt, ldy); break;

@@ -34,6 +34,13 @@ inline __m512i dot_u8s8(__m512i u, __m512i s) {
     return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
   }
 }
+/// acc + dot_u8s8(u, s) (vpdpbusd accumulates in place).
+template <bool VNNI>
+inline __m512i dot_acc(__m512i acc, __m512i u, __m512i s) {
+  if constexpr (VNNI) return _mm512_dpbusd_epi32(acc, u, s);
+  return _mm512_add_epi32(acc, dot_u8s8<false>(u, s));
+}
+
 /// vpermps indices that spread lanes 2c and 2c+1 of an 8-float vector over the two halves of
 /// a zmm (lanes 0-7 and 8-15), for c = 0..3: one per-block factor per 8 int32 lanes.
 inline void pair_lanes(__m512i (&idx)[4]) {
@@ -163,49 +170,47 @@ inline __m256 u8x8_ps(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
+/// Q4_K in its lane order (q4k_lane_element): chunk k = 64-bit word k of each 32-byte run of
+/// quants (one vpermt2q), low nibbles in even words (sub-blocks 0, 2, 4, 6), high in odd; each
+/// lane sums its 16 products in integers and is scaled once per super-block.
 template <int TB, bool VNNI>
-void row_q4_k(const uint8_t* w, const Tokens& tk, float* y, int64_t ldy) {
-  __m512 acc[TB][2];
+void row_q4_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
+  __m512 acc[TB];
   __m256 accm[TB];
   for (int t = 0; t < TB; ++t) {
-    acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+    acc[t] = _mm512_setzero_ps();
     accm[t] = _mm256_setzero_ps();
   }
-  __m512i idx[4];
-  pair_lanes(idx);
-  const __m256i lo4 = _mm256_set1_epi8(0x0f);
+  const __m512i nib = _mm512_set1_epi8(0x0f), shift = _mm512_setr_epi64(0, 4, 0, 4, 0, 4, 0, 4);
+  // word p of chunk k: word 4(p/2) + k of the 128 quant bytes (words 8-15 from the second source)
+  const __m512i words = _mm512_setr_epi64(0, 0, 4, 4, 8, 8, 12, 12);
+  const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);  // sub-block L/2
   const int64_t nsb = tk.cols / 256;
   for (int64_t i = 0; i < nsb; ++i, w += 144) {
     for (int o = 0; o < 144; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + o, _MM_HINT_T0);
-    const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(w))), dmin = _mm256_set1_ps(_cvtsh_ss(load_u16(w + 2)));
     alignas(8) uint8_t sc[8], m[8];
     k4_scales(w + 4, sc, m);
-    const __m256 dsc = _mm256_mul_ps(d, u8x8_ps(sc)), dm = _mm256_mul_ps(dmin, u8x8_ps(m));
-    __m512 fs[TB];
+    const __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(load_u16(w))),
+                                     _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)), pairs))));
+    const __m256 dm = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(load_u16(w + 2))), u8x8_ps(m));
+    const __m512i qa = _mm512_loadu_si512(w + 16), qb = _mm512_loadu_si512(w + 80);
+    __m512i sum[TB];
+    for (int t = 0; t < TB; ++t) sum[t] = _mm512_setzero_si512();
 #pragma GCC unroll 4
-    for (int t = 0; t < TB; ++t) {
-      const __m256 dx = _mm256_loadu_ps(tk.d + t * (tk.cols / 32) + 8 * i);
-      fs[t] = _mm512_zextps256_ps512(_mm256_mul_ps(dsc, dx));
-      const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tk.s + t * (tk.cols / 16) + 16 * i));
-      const __m256 s32 = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
-      accm[t] = _mm256_fmadd_ps(_mm256_mul_ps(dm, dx), s32, accm[t]);
+    for (int k = 0; k < 4; ++k) {
+      const __m512i v = _mm512_permutex2var_epi64(qa, _mm512_add_epi64(words, _mm512_set1_epi64(k)), qb);
+      const __m512i wq = _mm512_and_si512(_mm512_srlv_epi64(v, shift), nib);
+#pragma GCC unroll 4
+      for (int t = 0; t < TB; ++t) sum[t] = dot_acc<VNNI>(sum[t], wq, _mm512_loadu_si512(tk.q + t * tk.cols + 256 * i + 64 * k));
     }
-    const uint8_t* qs = w + 16;
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) {
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
-      const __m256i lo = _mm256_and_si256(q, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), lo4);
-      const __m512i wq = _mm512_inserti64x4(_mm512_zextsi256_si512(lo), hi, 1);
-  #pragma GCC unroll 4
     for (int t = 0; t < TB; ++t) {
-        const __m512i qx = _mm512_loadu_si512(tk.q + t * tk.cols + 256 * i + 64 * c);
-        const __m512i p = dot_u8s8<VNNI>(wq, qx);
-        const __m512 f = _mm512_permutexvar_ps(idx[c], fs[t]);
-        acc[t][c & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), f, acc[t][c & 1]);
-      }
+      const __m512 f = _mm512_mul_ps(dsc, _mm512_loadu_ps(tk.dxl + t * (tk.cols / 16) + 16 * i));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[t]), f, acc[t]);
+      accm[t] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(tk.xs + t * (tk.cols / 32) + 8 * i), accm[t]);
     }
   }
-  for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum16(_mm512_add_ps(acc[t][0], acc[t][1])) - simd_hsum8(accm[t]);
+  for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum16(acc[t]) - simd_hsum8(accm[t]);
 }
 
 /// Rows [row_begin, row_end) of m against tokens [t0, t1): per row, tiles of up to 4 tokens
@@ -231,29 +236,28 @@ void run(const MatmulArgs& m, const ActQ8& a, Q8Isa isa) {
   constexpr int64_t kTokBlock = 64;  // their codes stay in L2 while every row passes
   for (int64_t t0 = 0; t0 < m.n_tok; t0 += kTokBlock) {
     const int64_t t1 = std::min(m.n_tok, t0 + kTokBlock);
-    if (m.type == GgmlType::IQ2_XS) {
+    if (m.type == GgmlType::IQ2_XS || m.type == GgmlType::Q4_K) {
       // this block's codes in the lane order, once per call and thread
       thread_local std::vector<int8_t> xp;
-      thread_local std::vector<float> dxl;
+      thread_local std::vector<float> dxl, xs;
       xp.resize(static_cast<size_t>((t1 - t0) * a.cols));
       dxl.resize(static_cast<size_t>((t1 - t0) * (a.cols / 16)));
-      iq2xs_lane_order(a, t0, t1, xp.data(), dxl.data());
-      const Iq2Tokens tk{xp.data(), dxl.data(), a.cols};
-      float* y = m.y + t0 * m.ldy;
-      if (isa == Q8Isa::Avx512Icl) {
-        iq2xs_rows_icl(m.W, m.row_bytes, m.row_begin, m.row_end, t1 - t0, tk, y, m.ldy);
+      xs.resize(static_cast<size_t>((t1 - t0) * (a.cols / 32)));
+      lane_order(m.type, a, t0, t1, xp.data(), dxl.data(), xs.data());
+      const LaneTokens tk{xp.data(), dxl.data(), xs.data(), a.cols};
+      if (m.type == GgmlType::Q4_K) {
+        rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
+          row_q4_k<decltype(tb)::value, VNNI>(w, tk.from(t - t0), y, m.ldy);
+        });
+      } else if (isa == Q8Isa::Avx512Icl) {
+        iq2xs_rows_icl(m.W, m.row_bytes, m.row_begin, m.row_end, t1 - t0, tk, m.y + t0 * m.ldy, m.ldy);
       } else {
-        iq2q8::rows<VNNI, false>(m.W, m.row_bytes, m.row_begin, m.row_end, t1 - t0, tk, y, m.ldy);
+        iq2q8::rows<VNNI, false>(m.W, m.row_bytes, m.row_begin, m.row_end, t1 - t0, tk, m.y + t0 * m.ldy, m.ldy);
       }
       continue;
     }
     rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
-      const Tokens tk{a.qt(t), a.dt(t), a.st(t), a.cols};
-      if (m.type == GgmlType::Q8_0) {
-        row_q8_0<decltype(tb)::value, VNNI>(w, tk, y, m.ldy);
-      } else {
-        row_q4_k<decltype(tb)::value, VNNI>(w, tk, y, m.ldy);
-      }
+      row_q8_0<decltype(tb)::value, VNNI>(w, Tokens{a.qt(t), a.dt(t), a.st(t), a.cols}, y, m.ldy);
     });
   }
 }

@@ -6,7 +6,7 @@
 
 namespace strata::quant::detail {
 
-void iq2xs_rows_icl(const uint8_t* W, size_t row_bytes, int64_t r0, int64_t r1, int64_t n_tok, const Iq2Tokens& tk,
+void iq2xs_rows_icl(const uint8_t* W, size_t row_bytes, int64_t r0, int64_t r1, int64_t n_tok, const LaneTokens& tk,
                     float* y, int64_t ldy) {
   iq2q8::rows<true, true>(W, row_bytes, r0, r1, n_tok, tk, y, ldy);
 }

@@ -53,39 +53,37 @@ float dot_q8_0(const uint8_t* w, int64_t cols, const int8_t* qx, const float* dx
   return hsum16(s) - 128.0f * hsum8(corr);
 }
 
-// Q4_K: sub-block j of super-block i has factor (d*sc_j)*dx[8i+j] and offset (dmin*m_j)*dx[8i+j]
-// times the 32-sum of the codes; chunk c (64 weights) = sub-blocks 2c (lanes 0-7) and 2c+1
-// (lanes 8-15), accumulator c % 2. y = hsum16(acc0 + acc1) - hsum8(offsets).
+// Q4_K, in the lane order of q4k_lane_element (act_q8.h): lane L of a super-block holds 16
+// weights of sub-block s = L/2 (scale sc_s, min m_s, activation block 8i+s); their products with
+// the activation codes are summed in integers, sum_L, and scaled once:
+// acc = fma(float(sum_L), (d * sc_s) * dx[8i+s], acc). The mins: for each sub-block s,
+// accm[s] = fma(dmin * m_s, xs[8i+s], accm[s]) with xs = dx * float(code sum of the 32-block).
+// y = hsum16(acc) - hsum8(accm).
 float dot_q4_k(const uint8_t* w, int64_t cols, const int8_t* qx, const float* dx, const int16_t* s16) {
-  float acc[2][16] = {}, accm[8] = {};
+  float acc[16] = {}, accm[8] = {};
   for (int64_t i = 0; i < cols / 256; ++i, w += 144) {
     const float d = half_to_float(load_u16(w)), dmin = half_to_float(load_u16(w + 2));
-    float fs[8];
-    for (int j = 0; j < 8; ++j) {
-      int sc, m;
-      k4_scale_min(w + 4, j, sc, m);
-      const float x = dx[8 * i + j];
-      fs[j] = (d * static_cast<float>(sc)) * x;
-      const float fm = (dmin * static_cast<float>(m)) * x;
-      const int s32 = s16[16 * i + 2 * j] + s16[16 * i + 2 * j + 1];
-      accm[j] = std::fma(fm, static_cast<float>(s32), accm[j]);
+    int sc[8], m[8];
+    for (int s = 0; s < 8; ++s) {
+      k4_scale_min(w + 4, s, sc[s], m[s]);
+      const float xs = dx[8 * i + s] * static_cast<float>(s16[16 * i + 2 * s] + s16[16 * i + 2 * s + 1]);
+      accm[s] = std::fma(dmin * static_cast<float>(m[s]), xs, accm[s]);
     }
     const uint8_t* qs = w + 16;
-    for (int c = 0; c < 4; ++c) {
-      for (int L = 0; L < 16; ++L) {
-        int p = 0;
-        for (int k = 0; k < 4; ++k) {
-          const int e = 4 * L + k;  // element within the chunk
-          const int q = e < 32 ? (qs[32 * c + e] & 0xf) : (qs[32 * c + e - 32] >> 4);
-          p += q * qx[256 * i + 64 * c + e];
+    for (int L = 0; L < 16; ++L) {
+      int sum = 0;
+      for (int k = 0; k < 4; ++k) {
+        for (int j = 0; j < 4; ++j) {
+          const int el = q4k_lane_element(k, L, j), s = el / 32;
+          const int q = (qs[32 * (s / 2) + el % 32] >> (4 * (s % 2))) & 0xf;
+          sum += q * qx[256 * i + el];
         }
-        acc[c & 1][L] = std::fma(static_cast<float>(p), fs[2 * c + L / 8], acc[c & 1][L]);
       }
+      const int s = L / 2;
+      acc[L] = std::fma(static_cast<float>(sum), (d * static_cast<float>(sc[s])) * dx[8 * i + s], acc[L]);
     }
   }
-  float s[16];
-  for (int l = 0; l < 16; ++l) s[l] = acc[0][l] + acc[1][l];
-  return hsum16(s) - hsum8(accm);
+  return hsum16(acc) - hsum8(accm);
 }
 
 // IQ2_XS, in the lane order of iq2xs_lane_element (act_q8.h): lane L of a super-block stays
@@ -120,14 +118,18 @@ float dot_iq2_xs(const uint8_t* w, int64_t cols, const int8_t* qx, const float* 
 
 }  // namespace
 
-void iq2xs_lane_order(const ActQ8& a, int64_t t0, int64_t t1, int8_t* xp, float* dxl) {
+void lane_order(GgmlType type, const ActQ8& a, int64_t t0, int64_t t1, int8_t* xp, float* dxl, float* xs) {
   // source dword of each destination dword of a 256-block (a lane's 4 elements are consecutive)
-  static const auto src = [] {
-    std::array<uint8_t, 64> s{};
+  using Map = std::array<uint8_t, 64>;
+  const auto make = [](int (*element)(int, int, int)) {
+    Map s{};
     for (int k = 0; k < 4; ++k)
-      for (int L = 0; L < 16; ++L) s[static_cast<size_t>(16 * k + L)] = static_cast<uint8_t>(iq2xs_lane_element(k, L, 0) / 4);
+      for (int L = 0; L < 16; ++L) s[static_cast<size_t>(16 * k + L)] = static_cast<uint8_t>(element(k, L, 0) / 4);
     return s;
-  }();
+  };
+  static const Map q4k = make([](int k, int L, int j) { return q4k_lane_element(k, L, j); });
+  static const Map iq2 = make([](int k, int L, int j) { return iq2xs_lane_element(k, L, j); });
+  const Map& src = type == GgmlType::Q4_K ? q4k : iq2;
   const int64_t nsb = a.cols / 256;
   for (int64_t t = t0; t < t1; ++t) {
     const int8_t* q = a.qt(t);
@@ -137,6 +139,11 @@ void iq2xs_lane_order(const ActQ8& a, int64_t t0, int64_t t1, int8_t* xp, float*
     for (int64_t i = 0; i < nsb; ++i) {
       for (int p = 0; p < 64; ++p) std::memcpy(o + 256 * i + 4 * p, q + 256 * i + 4 * src[static_cast<size_t>(p)], 4);
       for (int L = 0; L < 16; ++L) f[16 * i + L] = d[8 * i + L / 2];
+    }
+    if (type == GgmlType::Q4_K) {
+      const int16_t* s = a.st(t);
+      float* x = xs + (t - t0) * (a.cols / 32);
+      for (int64_t b = 0; b < a.cols / 32; ++b) x[b] = d[b] * static_cast<float>(s[2 * b] + s[2 * b + 1]);
     }
   }
 }
