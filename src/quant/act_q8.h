@@ -54,7 +54,7 @@ float quantize_block_q8_avx512(const float* x, int8_t* q, int16_t* s16);
 
 /// Weight types with an int8 dot product (the others keep fp32 activations in q8 mode).
 static constexpr bool has_q8_kernel(GgmlType t) {
-  return t == GgmlType::Q8_0 || t == GgmlType::Q4_K || t == GgmlType::IQ2_XS;
+  return t == GgmlType::Q8_0 || t == GgmlType::Q4_K || t == GgmlType::Q6_K || t == GgmlType::IQ2_XS;
 }
 
 // Lane orders. The Q4_K and IQ2_XS kernels read a token's int8 codes rearranged within each
@@ -67,29 +67,37 @@ static constexpr bool has_q8_kernel(GgmlType t) {
 /// i.e. chunk k is 64-bit word k of each 32-byte run of quants (one vpermt2q of the block).
 static constexpr int q4k_lane_element(int k, int L, int j) { return 32 * (L / 2) + 8 * k + 4 * (L % 2) + j; }
 
+/// Q6_K: the 4 weights 4k..4k+3 of 16-weight group L (elements 16L + 4k + j), so lane L is group
+/// L for the whole block (one int8 scale, sc[L] in ggml's order).
+static constexpr int q6k_lane_element(int k, int L, int j) { return 16 * L + 4 * k + j; }
+
 /// IQ2_XS: elements 4u..4u+3 (u = L%2) of grid entry 4s + k (s = L/2). So the 8 entries of a
 /// chunk are word k of each 64-bit word of the codes, in the order a gather returns them; in
 /// chunks 0-1 the lane is in 16-weight group 2s, in chunks 2-3 in group 2s+1 (the two nibbles
 /// of scale byte s).
 static constexpr int iq2xs_lane_element(int k, int L, int j) { return 8 * (4 * (L / 2) + k) + 4 * (L % 2) + j; }
 
-/// Tokens [t0, t1) of `a` rewritten for the lane-order kernels of type t (Q4_K or IQ2_XS;
+/// Tokens [t0, t1) of `a` rewritten for the lane-order kernels of type t (Q4_K, Q6_K, IQ2_XS;
 /// a.cols % 256 == 0), token-major:
 ///   xp[(t - t0) * cols + 256 i + p] = a.qt(t)[256 i + lane_element(p)]   (int8 codes)
 ///   dxl[(t - t0) * cols/16 + 16 i + L] = dx[8 i + L/2]                   (lane L's block scale)
 ///   xs[(t - t0) * cols/32 + b] = dx[b] * float(s16[2b] + s16[2b+1])     (Q4_K only; may be null
-///                                                                         for IQ2_XS)
+///                                                                         for the others)
 /// with dx = a.dt(t), s16 = a.st(t).
 void lane_order(GgmlType t, const ActQ8& a, int64_t t0, int64_t t1, int8_t* xp, float* dxl, float* xs);
 
-/// Tokens in a lane order: codes `cols` apart, lane scales cols/16 apart, xs cols/32 apart.
+/// Tokens in a lane order: codes `cols` apart, lane scales cols/16 apart, xs cols/32 apart, and
+/// the 16-sums of the codes in natural order (ActQ8::s16, cols/16 apart).
 struct LaneTokens {
   const int8_t* q;
   const float* dxl;
   const float* xs;
+  const int16_t* s16;
   int64_t cols;
   /// The same tokens from the t-th on.
-  LaneTokens from(int64_t t) const { return {q + t * cols, dxl + t * (cols / 16), xs ? xs + t * (cols / 32) : nullptr, cols}; }
+  LaneTokens from(int64_t t) const {
+    return {q + t * cols, dxl + t * (cols / 16), xs + t * (cols / 32), s16 + t * (cols / 16), cols};
+  }
 };
 
 /// Scalar q8 family (the definition of the arithmetic): y[t][r] for rows [row_begin, row_end).

@@ -213,6 +213,58 @@ void row_q4_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
   for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum16(acc[t]) - simd_hsum8(accm[t]);
 }
 
+/// Q6_K in its lane order (q6k_lane_element: lane L = 16-weight group L): per 64 weights one
+/// vpermt2d of the low-bit bytes and one vpermd of the high-bit bytes bring every lane its 4
+/// bytes; a per-lane shift picks the nibble, a per-lane rotate moves the two high bits to bits
+/// 4-5, vpternlog joins them. The -32 offset and the int8 scale are applied to the lane's
+/// integer sum once per super-block.
+template <int TB, bool VNNI>
+void row_q6_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
+  __m512 acc[TB];
+  for (int t = 0; t < TB; ++t) acc[t] = _mm512_setzero_ps();
+  alignas(64) static const auto idx = [] {
+    struct {
+      uint32_t ql[4][16], qh[4][16], nib[16], rot[16];
+    } c{};
+    for (int L = 0; L < 16; ++L) {
+      const int n = L / 8, r = (L % 8) / 2, h = L % 2;
+      for (int k = 0; k < 4; ++k) {
+        c.ql[k][L] = static_cast<uint32_t>(16 * n + 8 * (r % 2) + 4 * h + k);
+        c.qh[k][L] = static_cast<uint32_t>(8 * n + 4 * h + k);
+      }
+      c.nib[L] = static_cast<uint32_t>(4 * (r / 2));
+      c.rot[L] = static_cast<uint32_t>((4 - 2 * r) & 31);  // bits 2r, 2r+1 of each byte to bits 4, 5
+    }
+    return c;
+  }();
+  const __m512i nib = _mm512_loadu_si512(idx.nib), rot = _mm512_loadu_si512(idx.rot);
+  const __m512i lo4 = _mm512_set1_epi8(0x0f), hi2 = _mm512_set1_epi8(0x30);
+  const int64_t nsb = tk.cols / 256;
+  for (int64_t i = 0; i < nsb; ++i, w += 210) {
+    for (int o = 0; o < 210; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + o, _MM_HINT_T0);
+    const __m512i qla = _mm512_loadu_si512(w), qlb = _mm512_loadu_si512(w + 64), qh = _mm512_loadu_si512(w + 128);
+    const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192)));
+    const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(w + 208)));
+    __m512i sum[TB];
+    for (int t = 0; t < TB; ++t) sum[t] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      const __m512i l = _mm512_srlv_epi32(_mm512_permutex2var_epi32(qla, _mm512_loadu_si512(idx.ql[k]), qlb), nib);
+      const __m512i hbits = _mm512_and_si512(_mm512_rolv_epi32(_mm512_permutexvar_epi32(_mm512_loadu_si512(idx.qh[k]), qh), rot), hi2);
+      const __m512i q6 = _mm512_ternarylogic_epi32(l, lo4, hbits, 0xea);  // (l & 0x0f) | hbits
+#pragma GCC unroll 4
+      for (int t = 0; t < TB; ++t) sum[t] = dot_acc<VNNI>(sum[t], q6, _mm512_loadu_si512(tk.q + t * tk.cols + 256 * i + 64 * k));
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < TB; ++t) {
+      const __m512i s16 = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tk.s16 + t * (tk.cols / 16) + 16 * i)));
+      const __m512i S = _mm512_mullo_epi32(sc, _mm512_sub_epi32(sum[t], _mm512_slli_epi32(s16, 5)));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), _mm512_mul_ps(d, _mm512_loadu_ps(tk.dxl + t * (tk.cols / 16) + 16 * i)), acc[t]);
+    }
+  }
+  for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum16(acc[t]);
+}
+
 /// Rows [row_begin, row_end) of m against tokens [t0, t1): per row, tiles of up to 4 tokens
 /// (every tile size runs the same per-token instructions), fn(tile<TB>, w, t, y).
 template <class Fn>
@@ -236,18 +288,22 @@ void run(const MatmulArgs& m, const ActQ8& a, Q8Isa isa) {
   constexpr int64_t kTokBlock = 64;  // their codes stay in L2 while every row passes
   for (int64_t t0 = 0; t0 < m.n_tok; t0 += kTokBlock) {
     const int64_t t1 = std::min(m.n_tok, t0 + kTokBlock);
-    if (m.type == GgmlType::IQ2_XS || m.type == GgmlType::Q4_K) {
-      // this block's codes in the lane order, once per call and thread
+    if (m.type != GgmlType::Q8_0) {
+      // Q4_K, Q6_K, IQ2_XS: this block's codes in the lane order, once per call and thread
       thread_local std::vector<int8_t> xp;
       thread_local std::vector<float> dxl, xs;
       xp.resize(static_cast<size_t>((t1 - t0) * a.cols));
       dxl.resize(static_cast<size_t>((t1 - t0) * (a.cols / 16)));
       xs.resize(static_cast<size_t>((t1 - t0) * (a.cols / 32)));
       lane_order(m.type, a, t0, t1, xp.data(), dxl.data(), xs.data());
-      const LaneTokens tk{xp.data(), dxl.data(), xs.data(), a.cols};
+      const LaneTokens tk{xp.data(), dxl.data(), xs.data(), a.st(t0), a.cols};
       if (m.type == GgmlType::Q4_K) {
         rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
           row_q4_k<decltype(tb)::value, VNNI>(w, tk.from(t - t0), y, m.ldy);
+        });
+      } else if (m.type == GgmlType::Q6_K) {
+        rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
+          row_q6_k<decltype(tb)::value, VNNI>(w, tk.from(t - t0), y, m.ldy);
         });
       } else if (isa == Q8Isa::Avx512Icl) {
         iq2xs_rows_icl(m.W, m.row_bytes, m.row_begin, m.row_end, t1 - t0, tk, m.y + t0 * m.ldy, m.ldy);

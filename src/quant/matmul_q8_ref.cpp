@@ -86,6 +86,35 @@ float dot_q4_k(const uint8_t* w, int64_t cols, const int8_t* qx, const float* dx
   return hsum16(acc) - hsum8(accm);
 }
 
+// Q6_K, in the lane order of q6k_lane_element (act_q8.h): lane L is 16-weight group L of the
+// super-block (int8 scale sc[L], activation block 8i + L/2). The 6-bit codes q (0..63, value
+// q - 32) multiply the activation codes in integers: t = sum(q * x) - 32 * s16[16i + L] (the 16-sum
+// of the group's codes), S = sc[L] * t (exact int32), acc = fma(float(S), d * dx[8i + L/2], acc).
+// y = hsum16(acc).
+float dot_q6_k(const uint8_t* w, int64_t cols, const int8_t* qx, const float* dx, const int16_t* s16) {
+  float acc[16] = {};
+  for (int64_t i = 0; i < cols / 256; ++i, w += 210) {
+    const uint8_t* ql = w;
+    const uint8_t* qh = w + 128;
+    const auto* sc = reinterpret_cast<const int8_t*>(w + 192);
+    const float d = half_to_float(load_u16(w + 208));
+    for (int L = 0; L < 16; ++L) {
+      int sum = 0;
+      for (int k = 0; k < 4; ++k) {
+        for (int j = 0; j < 4; ++j) {
+          const int e = q6k_lane_element(k, L, j), h = e / 128, s = (e / 32) % 4, c = e % 32;
+          const int lo = (ql[64 * h + 32 * (s % 2) + c] >> (4 * (s / 2))) & 0xf;
+          const int hi = (qh[32 * h + c] >> (2 * s)) & 3;
+          sum += (lo | (hi << 4)) * qx[256 * i + e];
+        }
+      }
+      const int S = sc[L] * (sum - 32 * s16[16 * i + L]);
+      acc[L] = std::fma(static_cast<float>(S), d * dx[8 * i + L / 2], acc[L]);
+    }
+  }
+  return hsum16(acc);
+}
+
 // IQ2_XS, in the lane order of iq2xs_lane_element (act_q8.h): lane L of a super-block stays
 // in 32-block s = L/2; its 16 elements in chunks 0-1 (group 2s) and 2-3 (group 2s+1) give
 // integer sums sA, sB (grid magnitude times activation code, the weight's sign moved onto the
@@ -128,8 +157,9 @@ void lane_order(GgmlType type, const ActQ8& a, int64_t t0, int64_t t1, int8_t* x
     return s;
   };
   static const Map q4k = make([](int k, int L, int j) { return q4k_lane_element(k, L, j); });
+  static const Map q6k = make([](int k, int L, int j) { return q6k_lane_element(k, L, j); });
   static const Map iq2 = make([](int k, int L, int j) { return iq2xs_lane_element(k, L, j); });
-  const Map& src = type == GgmlType::Q4_K ? q4k : iq2;
+  const Map& src = type == GgmlType::Q4_K ? q4k : type == GgmlType::Q6_K ? q6k : iq2;
   const int64_t nsb = a.cols / 256;
   for (int64_t t = t0; t < t1; ++t) {
     const int8_t* q = a.qt(t);
@@ -156,6 +186,7 @@ void matmul_q8_scalar(const MatmulArgs& m, const ActQ8& a) {
       switch (m.type) {
         case GgmlType::Q8_0: y = dot_q8_0(w, m.cols, a.qt(t), a.dt(t), a.st(t)); break;
         case GgmlType::Q4_K: y = dot_q4_k(w, m.cols, a.qt(t), a.dt(t), a.st(t)); break;
+        case GgmlType::Q6_K: y = dot_q6_k(w, m.cols, a.qt(t), a.dt(t), a.st(t)); break;
         case GgmlType::IQ2_XS: y = dot_iq2_xs(w, m.cols, a.qt(t), a.dt(t)); break;
         default: throw std::runtime_error("quant: no q8 kernel for " + std::string(type_name(m.type)));
       }

@@ -32,7 +32,7 @@ const char* cpu_kernels_name(CpuKernels k);
 CpuKernels parse_cpu_kernels(const std::string& s);
 
 /// How matmul treats activations for the weight types that have an int8 kernel (Q8_0, Q4_K,
-/// IQ2_XS; has_q8_activations()): F32 multiplies the exact fp32 activations with weights
+/// Q6_K, IQ2_XS; has_q8_activations()): F32 multiplies the exact fp32 activations with weights
 /// expanded to fp32; Q8 quantizes each token's activations to int8 in blocks of 32 (ggml's
 /// Q8_0 scheme, as llama.cpp does on CPU) and multiplies in integers. Other weight types always
 /// use F32. Auto resolves to Q8. Accuracy cost and speed: docs/kernels.md.
