@@ -283,7 +283,7 @@ void register_all() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // --cpu-kernels=scalar|avx2|avx512|auto and --act-quant=q8|f32 (ours; removed before Google Benchmark parses the rest)
+  // --cpu-kernels=scalar|avx2|avx512|auto and --act-quant=auto|q8|f32 (ours; removed before Google Benchmark parses the rest)
   std::vector<char*> args;
   for (int i = 0; i < argc; ++i) {
     const std::string a = argv[i];
@@ -291,7 +291,7 @@ int main(int argc, char** argv) {
       q::set_cpu_kernels(q::parse_cpu_kernels(a.substr(14)));
       continue;
     }
-    if (a.rfind("--act-quant=", 0) == 0) {  // q8 (default) | f32
+    if (a.rfind("--act-quant=", 0) == 0) {  // auto (default: q8 with AVX-512) | q8 | f32
       q::set_act_quant(q::parse_act_quant(a.substr(12)));
       continue;
     }

@@ -879,7 +879,16 @@ TEST(QuantQ8, ModeSelection) {
   EXPECT_EQ(q::parse_act_quant("q8"), q::ActQuant::Q8);
   EXPECT_THROW(q::parse_act_quant("int4"), std::invalid_argument);
   q::set_act_quant(q::ActQuant::Auto);
+  // auto: q8 with the AVX-512 kernels, f32 with every other family
+  q::set_cpu_kernels(q::CpuKernels::Scalar);
+  EXPECT_EQ(q::active_act_quant(), q::ActQuant::F32);
+  EXPECT_FALSE(q::has_q8_activations(GgmlType::Q4_K));
+  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") || !__builtin_cpu_supports("avx512vl") ||
+      !__builtin_cpu_supports("avx512dq"))
+    GTEST_SKIP() << "no AVX-512 on this CPU: auto is f32 in every family here";
+  q::set_cpu_kernels(q::CpuKernels::Avx512);
   EXPECT_EQ(q::active_act_quant(), q::ActQuant::Q8);
+  q::set_act_quant(q::ActQuant::Q8);
   EXPECT_TRUE(q::has_q8_activations(GgmlType::Q4_K));
   EXPECT_TRUE(q::has_q8_activations(GgmlType::Q6_K));
   EXPECT_FALSE(q::has_q8_activations(GgmlType::Q5_K));  // no int8 kernel: fp32 activations

@@ -16,7 +16,7 @@ struct EngineFlags {
   std::string model;
   engine::EngineOptions opts;
   std::string cpu_kernels = "auto";
-  std::string act_quant = "q8";
+  std::string act_quant = "auto";
   bool no_direct_io = false;
   bool no_pack = false;
   std::string predict = "on";

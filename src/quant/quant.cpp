@@ -42,7 +42,7 @@ void run_q8(const detail::MatmulArgs& a, const ActQ8& act) {
 }
 
 std::atomic<ActQuant>& act_mode() {
-  static std::atomic<ActQuant> a{ActQuant::Q8};
+  static std::atomic<ActQuant> a{ActQuant::Auto};
   return a;
 }
 
@@ -77,9 +77,14 @@ CpuKernels parse_cpu_kernels(const std::string& s) {
   throw std::invalid_argument("unknown cpu kernel family '" + s + "' (expected scalar|avx2|avx512|auto)");
 }
 
-void set_act_quant(ActQuant a) { act_mode().store(a == ActQuant::Auto ? ActQuant::Q8 : a, std::memory_order_relaxed); }
+void set_act_quant(ActQuant a) { act_mode().store(a, std::memory_order_relaxed); }
 
-ActQuant active_act_quant() { return act_mode().load(std::memory_order_relaxed); }
+ActQuant active_act_quant() {
+  const ActQuant a = act_mode().load(std::memory_order_relaxed);
+  if (a != ActQuant::Auto) return a;
+  // the int8 kernels exist for AVX-512 only: elsewhere q8 would run the scalar definition
+  return active_cpu_kernels() == CpuKernels::Avx512 ? ActQuant::Q8 : ActQuant::F32;
+}
 
 const char* act_quant_name(ActQuant a) {
   switch (a) {

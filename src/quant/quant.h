@@ -35,11 +35,13 @@ CpuKernels parse_cpu_kernels(const std::string& s);
 /// Q6_K, IQ2_XS; has_q8_activations()): F32 multiplies the exact fp32 activations with weights
 /// expanded to fp32; Q8 quantizes each token's activations to int8 in blocks of 32 (ggml's
 /// Q8_0 scheme, as llama.cpp does on CPU) and multiplies in integers. Other weight types always
-/// use F32. Auto resolves to Q8. Accuracy cost and speed: docs/kernels.md.
+/// use F32. Auto (the default) resolves to Q8 while the AVX-512 family is active and to F32
+/// otherwise (Q8 elsewhere runs the scalar definition of the int8 arithmetic: exact to the
+/// bit but slow). Accuracy cost and speed: docs/kernels.md.
 enum class ActQuant { Auto, F32, Q8 };
 /// Selects the activation mode for all later calls (process-wide).
 void set_act_quant(ActQuant a);
-/// The mode in use after resolving Auto.
+/// The mode in use after resolving Auto against the active kernel family.
 ActQuant active_act_quant();
 const char* act_quant_name(ActQuant a);
 /// Parses "f32|q8|auto"; throws std::invalid_argument otherwise.
