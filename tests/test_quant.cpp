@@ -726,20 +726,24 @@ TEST(QuantQ8, AllFamiliesBitIdentical) {
         for (int64_t n_tok : {1, 2, 3, 5, 7, 64, 70}) {
           if (rows * cols * n_tok > 130 * 4096 * 8) continue;
           const auto x = random_x(n_tok * cols, rng);
-          q::ActQ8 act;
+          q::ActQ8 act, act_lanes;  // without and with the type's lane order kept
           act.resize(n_tok, cols);
           q::quantize_activations(x.data(), cols, 0, n_tok, act);
+          act_lanes.resize(n_tok, cols, t);
+          q::quantize_activations(x.data(), cols, 0, n_tok, act_lanes);
           const strata::quant::detail::MatmulArgs base{t, w.data(), rb, 0, rows, cols, x.data(), cols, n_tok, nullptr, rows};
           std::vector<float> ref(static_cast<size_t>(rows * n_tok), NAN), y(ref.size(), NAN);
           auto a = base;
           a.y = ref.data();
           strata::quant::detail::matmul_q8_scalar(a, act);
-          for (Q8Isa isa : levels) {
+          for (Q8Isa isa : levels)
+          for (const q::ActQ8* ap : {&act, &act_lanes}) {
             std::fill(y.begin(), y.end(), NAN);
             a.y = y.data();
-            ASSERT_TRUE(strata::quant::detail::matmul_q8_avx512(a, act, isa));
+            ASSERT_TRUE(strata::quant::detail::matmul_q8_avx512(a, *ap, isa));
             for (size_t i = 0; i < y.size(); ++i)
               ASSERT_EQ(bits(y[i]), bits(ref[i])) << strata::quant::detail::type_name(t) << " " << kLevelName[static_cast<int>(isa)]
+                                                  << (ap == &act ? "" : " lanes kept")
                                                   << " rows=" << rows << " cols=" << cols << " n_tok=" << n_tok << " i=" << i;
             checked += static_cast<int64_t>(y.size());
           }

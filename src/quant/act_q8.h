@@ -77,6 +77,11 @@ static constexpr int q6k_lane_element(int k, int L, int j) { return 16 * L + 4 *
 /// of scale byte s).
 static constexpr int iq2xs_lane_element(int k, int L, int j) { return 8 * (4 * (L / 2) + k) + 4 * (L % 2) + j; }
 
+/// Types whose AVX-512 q8 kernel reads the codes in a lane order.
+static constexpr bool has_lane_order(GgmlType t) {
+  return t == GgmlType::Q4_K || t == GgmlType::Q6_K || t == GgmlType::IQ2_XS;
+}
+
 /// Tokens [t0, t1) of `a` rewritten for the lane-order kernels of type t (Q4_K, Q6_K, IQ2_XS;
 /// a.cols % 256 == 0), token-major:
 ///   xp[(t - t0) * cols + 256 i + p] = a.qt(t)[256 i + lane_element(p)]   (int8 codes)

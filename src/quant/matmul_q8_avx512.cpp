@@ -289,14 +289,20 @@ void run(const MatmulArgs& m, const ActQ8& a, Q8Isa isa) {
   for (int64_t t0 = 0; t0 < m.n_tok; t0 += kTokBlock) {
     const int64_t t1 = std::min(m.n_tok, t0 + kTokBlock);
     if (m.type != GgmlType::Q8_0) {
-      // Q4_K, Q6_K, IQ2_XS: this block's codes in the lane order, once per call and thread
-      thread_local std::vector<int8_t> xp;
-      thread_local std::vector<float> dxl, xs;
-      xp.resize(static_cast<size_t>((t1 - t0) * a.cols));
-      dxl.resize(static_cast<size_t>((t1 - t0) * (a.cols / 16)));
-      xs.resize(static_cast<size_t>((t1 - t0) * (a.cols / 32)));
-      lane_order(m.type, a, t0, t1, xp.data(), dxl.data(), xs.data());
-      const LaneTokens tk{xp.data(), dxl.data(), xs.data(), a.st(t0), a.cols};
+      // Q4_K, Q6_K, IQ2_XS: the codes in the type's lane order, kept in `a` when it was
+      // quantized for this type, else rearranged here (this block, once per call)
+      LaneTokens tk;
+      if (a.lanes == m.type) {
+        tk = LaneTokens{a.ql.data(), a.dxl.data(), a.xs.data(), a.s16.data(), a.cols}.from(t0);
+      } else {
+        thread_local std::vector<int8_t> xp;
+        thread_local std::vector<float> dxl, xs;
+        xp.resize(static_cast<size_t>((t1 - t0) * a.cols));
+        dxl.resize(static_cast<size_t>((t1 - t0) * (a.cols / 16)));
+        xs.resize(static_cast<size_t>((t1 - t0) * (a.cols / 32)));
+        lane_order(m.type, a, t0, t1, xp.data(), dxl.data(), xs.data());
+        tk = LaneTokens{xp.data(), dxl.data(), xs.data(), a.st(t0), a.cols};
+      }
       if (m.type == GgmlType::Q4_K) {
         rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
           row_q4_k<decltype(tb)::value, VNNI>(w, tk.from(t - t0), y, m.ldy);

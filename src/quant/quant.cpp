@@ -164,7 +164,7 @@ uint16_t fp32_to_bf16(float f) {
   return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 
-void ActQ8::resize(int64_t n_tok_, int64_t cols_) {
+void ActQ8::resize(int64_t n_tok_, int64_t cols_, GgmlType for_type) {
   if (cols_ <= 0 || cols_ % 32 != 0 || n_tok_ < 0)
     throw std::runtime_error("quant: q8 activations need a positive multiple of 32 columns, got " + std::to_string(cols_));
   cols = cols_;
@@ -175,6 +175,12 @@ void ActQ8::resize(int64_t n_tok_, int64_t cols_) {
   grow(q, n_tok * cols);
   grow(d, n_tok * cols / 32);
   grow(s16, n_tok * cols / 16);
+  lanes = detail::has_lane_order(for_type) && cols % 256 == 0 ? for_type : GgmlType::F32;
+  if (lanes != GgmlType::F32) {
+    grow(ql, n_tok * cols);
+    grow(dxl, n_tok * cols / 16);
+    grow(xs, n_tok * cols / 32);
+  }
 }
 
 void quantize_activations(const float* x, int64_t ldx, int64_t t0, int64_t t1, ActQ8& a) {
@@ -199,6 +205,9 @@ void quantize_activations(const float* x, int64_t ldx, int64_t t0, int64_t t1, A
       }
     }
   }
+  if (a.lanes != GgmlType::F32)
+    detail::lane_order(a.lanes, a, t0, t1, a.ql.data() + t0 * a.cols, a.dxl.data() + t0 * (a.cols / 16),
+                       a.xs.data() + t0 * (a.cols / 32));
 }
 
 void matmul_q8(GgmlType t, const void* W, size_t row_bytes, int64_t row_begin, int64_t row_end, int64_t cols,
@@ -225,7 +234,7 @@ void matmul(GgmlType t, const void* W, size_t row_bytes, int64_t row_begin, int6
   const detail::MatmulArgs a{t, static_cast<const uint8_t*>(W), row_bytes, row_begin, row_end, cols, x, ldx, n_tok, y, ldy};
   if (has_q8_activations(t)) {
     thread_local ActQ8 act;
-    act.resize(n_tok, cols);
+    act.resize(n_tok, cols, t);
     quantize_activations(x, ldx, 0, n_tok, act);
     run_q8(a, act);
     return;

@@ -53,23 +53,32 @@ bool has_q8_activations(GgmlType t);
 /// matmuls (and every thread of one) share one quantization. Layout, token-major:
 /// q: n_tok x cols int8 codes (cols contiguous); d: n_tok x cols/32 fp32 block scales
 /// (d = amax/127 of the block's 32 floats; ggml's Q8_0 scheme); s16: n_tok x cols/16 sums of
-/// 16 consecutive codes.
+/// 16 consecutive codes. For the weight type named in resize() (Q4_K, Q6_K or IQ2_XS, cols %
+/// 256 == 0) the codes are also kept in that type's lane order (ql, n_tok x cols; dxl, n_tok x
+/// cols/16 per-lane block scales; xs, n_tok x cols/32, Q4_K only: d times the block's code sum),
+/// which the AVX-512 kernels read directly (src/quant/act_q8.h; otherwise every matmul call
+/// rearranges the codes itself).
 struct ActQ8 {
   int64_t cols = 0, n_tok = 0;
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int16_t> s16;
-  /// Sizes the buffers for n_tok x cols (only grows); throws std::runtime_error if cols % 32.
-  void resize(int64_t n_tok, int64_t cols);
+  GgmlType lanes = GgmlType::F32;  ///< the type ql/dxl/xs are arranged for; F32: none
+  std::vector<int8_t> ql;
+  std::vector<float> dxl, xs;
+  /// Sizes the buffers for n_tok x cols (only grows) and chooses the lane order to keep
+  /// (`for_type`; any type without one keeps none). Throws std::runtime_error if cols % 32.
+  void resize(int64_t n_tok, int64_t cols, GgmlType for_type = GgmlType::F32);
   const int8_t* qt(int64_t t) const { return q.data() + t * cols; }
   const float* dt(int64_t t) const { return d.data() + t * (cols / 32); }
   const int16_t* st(int64_t t) const { return s16.data() + t * (cols / 16); }
 };
 
 /// Quantizes tokens [t0, t1) of x (rows `ldx` floats apart, a.cols columns) into `a`, which
-/// must have been resized to at least t1 tokens. A token's codes depend only on its own row;
-/// a block with a NaN or infinity gets d = NaN (so the NaN reaches the outputs). Every kernel
-/// family produces identical codes. Thread-safe for disjoint token ranges.
+/// must have been resized to at least t1 tokens (and the lane order chosen there). A token's
+/// codes depend only on its own row; a block with a NaN or infinity gets d = NaN (so the NaN
+/// reaches the outputs). Every kernel family produces identical codes. Thread-safe for disjoint
+/// token ranges.
 void quantize_activations(const float* x, int64_t ldx, int64_t t0, int64_t t1, ActQ8& a);
 
 /// matmul with activations already quantized into `a` (all a.n_tok tokens; y as in matmul).

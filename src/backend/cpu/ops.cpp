@@ -17,7 +17,7 @@ void matmul(ThreadPool& pool, const MatrixRef& W, const float* x, int64_t ldx, i
     // then every row block reads the same codes
     thread_local quant::ActQ8 tl_act;
     quant::ActQ8& act = tl_act;  // lambdas on pool threads must see this thread's buffer
-    act.resize(n_tok, W.cols);
+    act.resize(n_tok, W.cols, W.type);  // with W.type's lane order, made once for all row blocks
     if (n_tok * W.cols >= 32768) {
       pool.parallel_for(n_tok, 1, [&](int64_t t0, int64_t t1) { quant::quantize_activations(x, ldx, t0, t1, act); });
     } else {
