@@ -54,7 +54,8 @@ float quantize_block_q8_avx512(const float* x, int8_t* q, int16_t* s16);
 
 /// Weight types with an int8 dot product (the others keep fp32 activations in q8 mode).
 static constexpr bool has_q8_kernel(GgmlType t) {
-  return t == GgmlType::Q8_0 || t == GgmlType::Q4_K || t == GgmlType::Q6_K || t == GgmlType::IQ2_XS;
+  return t == GgmlType::Q8_0 || t == GgmlType::Q4_K || t == GgmlType::Q5_K || t == GgmlType::Q6_K ||
+         t == GgmlType::IQ2_XS;
 }
 
 // Lane orders. The Q4_K and IQ2_XS kernels read a token's int8 codes rearranged within each
@@ -63,7 +64,7 @@ static constexpr bool has_q8_kernel(GgmlType t) {
 // p = 64k + 4L + j of a block (chunk k = 0..3 of 64 codes, lane L = 0..15, byte j = 0..3) holds
 // element q4k_lane_element / iq2xs_lane_element(k, L, j); lane L stays in 32-block L/2.
 
-/// Q4_K: the 8 weights of sub-block s = L/2 at offset 8k..8k+7 (elements 32s + 8k + 4(L%2) + j),
+/// Q4_K (and Q5_K): the 8 weights of sub-block s = L/2 at offset 8k..8k+7 (elements 32s + 8k + 4(L%2) + j),
 /// i.e. chunk k is 64-bit word k of each 32-byte run of quants (one vpermt2q of the block).
 static constexpr int q4k_lane_element(int k, int L, int j) { return 32 * (L / 2) + 8 * k + 4 * (L % 2) + j; }
 
@@ -79,14 +80,14 @@ static constexpr int iq2xs_lane_element(int k, int L, int j) { return 8 * (4 * (
 
 /// Types whose AVX-512 q8 kernel reads the codes in a lane order.
 static constexpr bool has_lane_order(GgmlType t) {
-  return t == GgmlType::Q4_K || t == GgmlType::Q6_K || t == GgmlType::IQ2_XS;
+  return t == GgmlType::Q4_K || t == GgmlType::Q5_K || t == GgmlType::Q6_K || t == GgmlType::IQ2_XS;
 }
 
-/// Tokens [t0, t1) of `a` rewritten for the lane-order kernels of type t (Q4_K, Q6_K, IQ2_XS;
+/// Tokens [t0, t1) of `a` rewritten for the lane-order kernels of type t (Q4_K, Q5_K, Q6_K, IQ2_XS;
 /// a.cols % 256 == 0), token-major:
 ///   xp[(t - t0) * cols + 256 i + p] = a.qt(t)[256 i + lane_element(p)]   (int8 codes)
 ///   dxl[(t - t0) * cols/16 + 16 i + L] = dx[8 i + L/2]                   (lane L's block scale)
-///   xs[(t - t0) * cols/32 + b] = dx[b] * float(s16[2b] + s16[2b+1])     (Q4_K only; may be null
+///   xs[(t - t0) * cols/32 + b] = dx[b] * float(s16[2b] + s16[2b+1])     (Q4_K, Q5_K; may be null
 ///                                                                         for the others)
 /// with dx = a.dt(t), s16 = a.st(t).
 void lane_order(GgmlType t, const ActQ8& a, int64_t t0, int64_t t1, int8_t* xp, float* dxl, float* xs);

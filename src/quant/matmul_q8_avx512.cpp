@@ -170,11 +170,14 @@ inline __m256 u8x8_ps(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-/// Q4_K in its lane order (q4k_lane_element): chunk k = 64-bit word k of each 32-byte run of
-/// quants (one vpermt2q), low nibbles in even words (sub-blocks 0, 2, 4, 6), high in odd; each
-/// lane sums its 16 products in integers and is scaled once per super-block.
-template <int TB, bool VNNI>
+/// Q4_K (and Q5_K: FIFTH) in its lane order (q4k_lane_element): chunk k = 64-bit word k of
+/// each 32-byte run of quants (one vpermt2q), low nibbles in even words (sub-blocks 0, 2, 4, 6),
+/// high in odd; Q5_K's 5th bits of chunk k are qh's 64-bit word k, bit s of every byte for the
+/// lanes of sub-block s (a per-word rotate brings it to bit 4). Each lane sums its 16 products
+/// in integers and is scaled once per super-block.
+template <int TB, bool VNNI, bool FIFTH>
 void row_q4_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
+  constexpr int kBytes = FIFTH ? 176 : 144, kQs = FIFTH ? 48 : 16;
   __m512 acc[TB];
   __m256 accm[TB];
   for (int t = 0; t < TB; ++t) {
@@ -182,24 +185,33 @@ void row_q4_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
     accm[t] = _mm256_setzero_ps();
   }
   const __m512i nib = _mm512_set1_epi8(0x0f), shift = _mm512_setr_epi64(0, 4, 0, 4, 0, 4, 0, 4);
+  const __m512i bit4 = _mm512_set1_epi8(0x10), rot = _mm512_setr_epi64(4, 3, 2, 1, 0, 63, 62, 61);  // bit s -> 4
   // word p of chunk k: word 4(p/2) + k of the 128 quant bytes (words 8-15 from the second source)
   const __m512i words = _mm512_setr_epi64(0, 0, 4, 4, 8, 8, 12, 12);
   const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);  // sub-block L/2
   const int64_t nsb = tk.cols / 256;
-  for (int64_t i = 0; i < nsb; ++i, w += 144) {
-    for (int o = 0; o < 144; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + o, _MM_HINT_T0);
+  for (int64_t i = 0; i < nsb; ++i, w += kBytes) {
+    for (int o = 0; o < kBytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + o, _MM_HINT_T0);
     alignas(8) uint8_t sc[8], m[8];
     k4_scales(w + 4, sc, m);
     const __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(load_u16(w))),
                                      _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)), pairs))));
     const __m256 dm = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(load_u16(w + 2))), u8x8_ps(m));
-    const __m512i qa = _mm512_loadu_si512(w + 16), qb = _mm512_loadu_si512(w + 80);
+    const __m512i qa = _mm512_loadu_si512(w + kQs), qb = _mm512_loadu_si512(w + kQs + 64);
     __m512i sum[TB];
     for (int t = 0; t < TB; ++t) sum[t] = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int k = 0; k < 4; ++k) {
       const __m512i v = _mm512_permutex2var_epi64(qa, _mm512_add_epi64(words, _mm512_set1_epi64(k)), qb);
-      const __m512i wq = _mm512_and_si512(_mm512_srlv_epi64(v, shift), nib);
+      __m512i wq;
+      if constexpr (FIFTH) {
+        uint64_t h;
+        std::memcpy(&h, w + 16 + 8 * k, 8);
+        const __m512i hb = _mm512_and_si512(_mm512_rolv_epi64(_mm512_set1_epi64(static_cast<long long>(h)), rot), bit4);
+        wq = _mm512_ternarylogic_epi32(_mm512_srlv_epi64(v, shift), nib, hb, 0xea);  // (v & 0x0f) | hb
+      } else {
+        wq = _mm512_and_si512(_mm512_srlv_epi64(v, shift), nib);
+      }
 #pragma GCC unroll 4
       for (int t = 0; t < TB; ++t) sum[t] = dot_acc<VNNI>(sum[t], wq, _mm512_loadu_si512(tk.q + t * tk.cols + 256 * i + 64 * k));
     }
@@ -289,7 +301,7 @@ void run(const MatmulArgs& m, const ActQ8& a, Q8Isa isa) {
   for (int64_t t0 = 0; t0 < m.n_tok; t0 += kTokBlock) {
     const int64_t t1 = std::min(m.n_tok, t0 + kTokBlock);
     if (m.type != GgmlType::Q8_0) {
-      // Q4_K, Q6_K, IQ2_XS: the codes in the type's lane order, kept in `a` when it was
+      // Q4_K, Q5_K, Q6_K, IQ2_XS: the codes in the type's lane order, kept in `a` when it was
       // quantized for this type, else rearranged here (this block, once per call)
       LaneTokens tk;
       if (a.lanes == m.type) {
@@ -305,7 +317,11 @@ void run(const MatmulArgs& m, const ActQ8& a, Q8Isa isa) {
       }
       if (m.type == GgmlType::Q4_K) {
         rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
-          row_q4_k<decltype(tb)::value, VNNI>(w, tk.from(t - t0), y, m.ldy);
+          row_q4_k<decltype(tb)::value, VNNI, false>(w, tk.from(t - t0), y, m.ldy);
+        });
+      } else if (m.type == GgmlType::Q5_K) {
+        rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
+          row_q4_k<decltype(tb)::value, VNNI, true>(w, tk.from(t - t0), y, m.ldy);
         });
       } else if (m.type == GgmlType::Q6_K) {
         rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {

@@ -53,15 +53,17 @@ float dot_q8_0(const uint8_t* w, int64_t cols, const int8_t* qx, const float* dx
   return hsum16(s) - 128.0f * hsum8(corr);
 }
 
-// Q4_K, in the lane order of q4k_lane_element (act_q8.h): lane L of a super-block holds 16
-// weights of sub-block s = L/2 (scale sc_s, min m_s, activation block 8i+s); their products with
-// the activation codes are summed in integers, sum_L, and scaled once:
-// acc = fma(float(sum_L), (d * sc_s) * dx[8i+s], acc). The mins: for each sub-block s,
-// accm[s] = fma(dmin * m_s, xs[8i+s], accm[s]) with xs = dx * float(code sum of the 32-block).
-// y = hsum16(acc) - hsum8(accm).
+// Q4_K and Q5_K (FIFTH: the 5th bit, bit s of qh[element % 32]), in the lane order of
+// q4k_lane_element (act_q8.h): lane L of a super-block holds 16 weights of sub-block s = L/2
+// (scale sc_s, min m_s, activation block 8i+s); their products with the activation codes are
+// summed in integers, sum_L, and scaled once: acc = fma(float(sum_L), (d * sc_s) * dx[8i+s], acc).
+// The mins: for each sub-block s, accm[s] = fma(dmin * m_s, xs[8i+s], accm[s]) with
+// xs = dx * float(code sum of the 32-block). y = hsum16(acc) - hsum8(accm).
+template <bool FIFTH>
 float dot_q4_k(const uint8_t* w, int64_t cols, const int8_t* qx, const float* dx, const int16_t* s16) {
+  constexpr int kBytes = FIFTH ? 176 : 144, kQs = FIFTH ? 48 : 16;
   float acc[16] = {}, accm[8] = {};
-  for (int64_t i = 0; i < cols / 256; ++i, w += 144) {
+  for (int64_t i = 0; i < cols / 256; ++i, w += kBytes) {
     const float d = half_to_float(load_u16(w)), dmin = half_to_float(load_u16(w + 2));
     int sc[8], m[8];
     for (int s = 0; s < 8; ++s) {
@@ -69,13 +71,14 @@ float dot_q4_k(const uint8_t* w, int64_t cols, const int8_t* qx, const float* dx
       const float xs = dx[8 * i + s] * static_cast<float>(s16[16 * i + 2 * s] + s16[16 * i + 2 * s + 1]);
       accm[s] = std::fma(dmin * static_cast<float>(m[s]), xs, accm[s]);
     }
-    const uint8_t* qs = w + 16;
+    const uint8_t* qs = w + kQs;
     for (int L = 0; L < 16; ++L) {
       int sum = 0;
       for (int k = 0; k < 4; ++k) {
         for (int j = 0; j < 4; ++j) {
           const int el = q4k_lane_element(k, L, j), s = el / 32;
-          const int q = (qs[32 * (s / 2) + el % 32] >> (4 * (s % 2))) & 0xf;
+          int q = (qs[32 * (s / 2) + el % 32] >> (4 * (s % 2))) & 0xf;
+          if constexpr (FIFTH) q |= ((w[16 + el % 32] >> s) & 1) << 4;
           sum += q * qx[256 * i + el];
         }
       }
@@ -159,7 +162,8 @@ void lane_order(GgmlType type, const ActQ8& a, int64_t t0, int64_t t1, int8_t* x
   static const Map q4k = make([](int k, int L, int j) { return q4k_lane_element(k, L, j); });
   static const Map q6k = make([](int k, int L, int j) { return q6k_lane_element(k, L, j); });
   static const Map iq2 = make([](int k, int L, int j) { return iq2xs_lane_element(k, L, j); });
-  const Map& src = type == GgmlType::Q4_K ? q4k : type == GgmlType::Q6_K ? q6k : iq2;
+  const bool k4 = type == GgmlType::Q4_K || type == GgmlType::Q5_K;  // same order, with xs
+  const Map& src = k4 ? q4k : type == GgmlType::Q6_K ? q6k : iq2;
   const int64_t nsb = a.cols / 256;
   for (int64_t t = t0; t < t1; ++t) {
     const int8_t* q = a.qt(t);
@@ -170,7 +174,7 @@ void lane_order(GgmlType type, const ActQ8& a, int64_t t0, int64_t t1, int8_t* x
       for (int p = 0; p < 64; ++p) std::memcpy(o + 256 * i + 4 * p, q + 256 * i + 4 * src[static_cast<size_t>(p)], 4);
       for (int L = 0; L < 16; ++L) f[16 * i + L] = d[8 * i + L / 2];
     }
-    if (type == GgmlType::Q4_K) {
+    if (k4) {
       const int16_t* s = a.st(t);
       float* x = xs + (t - t0) * (a.cols / 32);
       for (int64_t b = 0; b < a.cols / 32; ++b) x[b] = d[b] * static_cast<float>(s[2 * b] + s[2 * b + 1]);
@@ -185,7 +189,8 @@ void matmul_q8_scalar(const MatmulArgs& m, const ActQ8& a) {
       float y;
       switch (m.type) {
         case GgmlType::Q8_0: y = dot_q8_0(w, m.cols, a.qt(t), a.dt(t), a.st(t)); break;
-        case GgmlType::Q4_K: y = dot_q4_k(w, m.cols, a.qt(t), a.dt(t), a.st(t)); break;
+        case GgmlType::Q4_K: y = dot_q4_k<false>(w, m.cols, a.qt(t), a.dt(t), a.st(t)); break;
+        case GgmlType::Q5_K: y = dot_q4_k<true>(w, m.cols, a.qt(t), a.dt(t), a.st(t)); break;
         case GgmlType::Q6_K: y = dot_q6_k(w, m.cols, a.qt(t), a.dt(t), a.st(t)); break;
         case GgmlType::IQ2_XS: y = dot_iq2_xs(w, m.cols, a.qt(t), a.dt(t)); break;
         default: throw std::runtime_error("quant: no q8 kernel for " + std::string(type_name(m.type)));
