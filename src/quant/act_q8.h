@@ -58,11 +58,12 @@ static constexpr bool has_q8_kernel(GgmlType t) {
          t == GgmlType::IQ2_XS;
 }
 
-// Lane orders. The Q4_K and IQ2_XS kernels read a token's int8 codes rearranged within each
-// 256-block so that every int32 lane of vpdpbusd stays in one 32-block (one activation scale)
-// for the whole block: a lane's 16 products are summed in integers and scaled once. Position
-// p = 64k + 4L + j of a block (chunk k = 0..3 of 64 codes, lane L = 0..15, byte j = 0..3) holds
-// element q4k_lane_element / iq2xs_lane_element(k, L, j); lane L stays in 32-block L/2.
+// Lane orders. The Q4_K, Q5_K, Q6_K and IQ2_XS kernels read a token's int8 codes rearranged
+// within each 256-block so that every int32 lane of vpdpbusd stays in one 32-block (one
+// activation scale) for the whole block: a lane's 16 products are summed in integers and
+// scaled once. Position p = 64k + 4L + j of a block (chunk k = 0..3 of 64 codes, lane
+// L = 0..15, byte j = 0..3) holds element q4k_ / q6k_ / iq2xs_lane_element(k, L, j); lane L
+// stays in 32-block L/2.
 
 /// Q4_K (and Q5_K): the 8 weights of sub-block s = L/2 at offset 8k..8k+7 (elements 32s + 8k + 4(L%2) + j),
 /// i.e. chunk k is 64-bit word k of each 32-byte run of quants (one vpermt2q of the block).
@@ -87,7 +88,7 @@ static constexpr bool has_lane_order(GgmlType t) {
 /// a.cols % 256 == 0), token-major:
 ///   xp[(t - t0) * cols + 256 i + p] = a.qt(t)[256 i + lane_element(p)]   (int8 codes)
 ///   dxl[(t - t0) * cols/16 + 16 i + L] = dx[8 i + L/2]                   (lane L's block scale)
-///   xs[(t - t0) * cols/32 + b] = dx[b] * float(s16[2b] + s16[2b+1])     (Q4_K, Q5_K; may be null
+///   xs[(t - t0) * cols/32 + b] = dx[b] * float(s16[2b] + s16[2b+1])     (Q4_K, Q5_K; untouched
 ///                                                                         for the others)
 /// with dx = a.dt(t), s16 = a.st(t).
 void lane_order(GgmlType t, const ActQ8& a, int64_t t0, int64_t t1, int8_t* xp, float* dxl, float* xs);
