@@ -225,6 +225,16 @@ void row_q4_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
   for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum16(acc[t]) - simd_hsum8(accm[t]);
 }
 
+/// Lanes that are 16-weight groups (Q6_K, IQ4_XS), super-block i: the group's integer sum of
+/// (code + 2^OFF) * x minus 2^OFF times the group's code sum, times its integer scale, converted
+/// once and scaled by d * dx: acc + float(sc * (sum - (s16 << OFF))) * (d * dxl).
+template <int OFF>
+inline __m512 group_lanes_fma(__m512 acc, __m512i sum, __m512i sc, __m512 d, const LaneTokens& tk, int64_t i) {
+  const __m512i s16 = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tk.s16 + 16 * i)));
+  const __m512i S = _mm512_mullo_epi32(sc, _mm512_sub_epi32(sum, _mm512_slli_epi32(s16, OFF)));
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), _mm512_mul_ps(d, _mm512_loadu_ps(tk.dxl + 16 * i)), acc);
+}
+
 /// Q6_K in its lane order (q6k_lane_element: lane L = 16-weight group L): per 64 weights one
 /// vpermt2d of the low-bit bytes and one vpermd of the high-bit bytes bring every lane its 4
 /// bytes; a per-lane shift picks the nibble, a per-lane rotate moves the two high bits to bits
@@ -268,11 +278,59 @@ void row_q6_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
       for (int t = 0; t < TB; ++t) sum[t] = dot_acc<VNNI>(sum[t], q6, _mm512_loadu_si512(tk.q + t * tk.cols + 256 * i + 64 * k));
     }
 #pragma GCC unroll 4
-    for (int t = 0; t < TB; ++t) {
-      const __m512i s16 = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tk.s16 + t * (tk.cols / 16) + 16 * i)));
-      const __m512i S = _mm512_mullo_epi32(sc, _mm512_sub_epi32(sum[t], _mm512_slli_epi32(s16, 5)));
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), _mm512_mul_ps(d, _mm512_loadu_ps(tk.dxl + t * (tk.cols / 16) + 16 * i)), acc[t]);
+    for (int t = 0; t < TB; ++t) acc[t] = group_lanes_fma<5>(acc[t], sum[t], sc, d, tk.from(t), i);
+  }
+  for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum16(acc[t]);
+}
+
+/// IQ4_XS in Q6_K's lane order (lane L = 16-weight group L = low (L even) or high nibbles of
+/// qs[16(L/2) ..]): per 64 weights one vpermt2d, a per-lane nibble shift and vpshufb from
+/// kvalues_iq4nl + 128 (unsigned for vpdpbusd; the 128 * code sum is removed per lane, and
+/// without VNNI the products are formed as for Q8_0, which has the same +128 offset).
+template <int TB, bool VNNI>
+void row_iq4_xs(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
+  __m512 acc[TB];
+  for (int t = 0; t < TB; ++t) acc[t] = _mm512_setzero_ps();
+  alignas(64) static const auto idx = [] {
+    struct {
+      uint32_t qs[4][16], nib[16];
+      uint8_t kv[16];
+    } c{};
+    for (int L = 0; L < 16; ++L) {
+      for (int k = 0; k < 4; ++k) c.qs[k][L] = static_cast<uint32_t>(4 * (L / 2) + k);
+      c.nib[L] = static_cast<uint32_t>(4 * (L % 2));
     }
+    for (int q = 0; q < 16; ++q) c.kv[q] = static_cast<uint8_t>(tables::kvalues_iq4nl[q] + 128);
+    return c;
+  }();
+  const __m512i nib = _mm512_loadu_si512(idx.nib), lo4 = _mm512_set1_epi8(0x0f);
+  const __m512i kv = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(idx.kv)));
+  const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);  // block L/2
+  const int64_t nsb = tk.cols / 256;
+  for (int64_t i = 0; i < nsb; ++i, w += 136) {
+    for (int o = 0; o < 136; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + o, _MM_HINT_T0);
+    alignas(16) int8_t ls[16] = {};
+    const uint16_t sh = load_u16(w + 2);
+    for (int g = 0; g < 8; ++g)
+      ls[g] = static_cast<int8_t>((((w[4 + g / 2] >> (4 * (g % 2))) & 0xf) | (((sh >> (2 * g)) & 3) << 4)) - 32);
+    const __m512i sc = _mm512_cvtepi8_epi32(_mm_shuffle_epi8(_mm_load_si128(reinterpret_cast<const __m128i*>(ls)), pairs));
+    const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(w)));
+    const __m512i qa = _mm512_loadu_si512(w + 8), qb = _mm512_loadu_si512(w + 72);
+    __m512i sum[TB];
+    for (int t = 0; t < TB; ++t) sum[t] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutex2var_epi32(qa, _mm512_loadu_si512(idx.qs[k]), qb), nib), lo4);
+      const __m512i wq = _mm512_shuffle_epi8(kv, q);
+#pragma GCC unroll 4
+      for (int t = 0; t < TB; ++t) {
+        const __m512i qx = _mm512_loadu_si512(tk.q + t * tk.cols + 256 * i + 64 * k);
+        // kv + 128 reaches 241: without VNNI, vpmaddubsw pairs could saturate (dot_q8_0)
+        sum[t] = VNNI ? _mm512_dpbusd_epi32(sum[t], wq, qx) : _mm512_add_epi32(sum[t], dot_q8_0<false>(wq, qx));
+      }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < TB; ++t) acc[t] = group_lanes_fma<7>(acc[t], sum[t], sc, d, tk.from(t), i);
   }
   for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum16(acc[t]);
 }
@@ -301,7 +359,7 @@ void run(const MatmulArgs& m, const ActQ8& a, Q8Isa isa) {
   for (int64_t t0 = 0; t0 < m.n_tok; t0 += kTokBlock) {
     const int64_t t1 = std::min(m.n_tok, t0 + kTokBlock);
     if (m.type != GgmlType::Q8_0) {
-      // Q4_K, Q5_K, Q6_K, IQ2_XS: the codes in the type's lane order, kept in `a` when it was
+      // Q4_K, Q5_K, Q6_K, IQ2_XS, IQ4_XS: the codes in the type's lane order, kept in `a` when it was
       // quantized for this type, else rearranged here (this block, once per call)
       LaneTokens tk;
       if (a.lanes == m.type) {
@@ -322,6 +380,10 @@ void run(const MatmulArgs& m, const ActQ8& a, Q8Isa isa) {
       } else if (m.type == GgmlType::Q5_K) {
         rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
           row_q4_k<decltype(tb)::value, VNNI, true>(w, tk.from(t - t0), y, m.ldy);
+        });
+      } else if (m.type == GgmlType::IQ4_XS) {
+        rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
+          row_iq4_xs<decltype(tb)::value, VNNI>(w, tk.from(t - t0), y, m.ldy);
         });
       } else if (m.type == GgmlType::Q6_K) {
         rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {

@@ -118,6 +118,33 @@ float dot_q6_k(const uint8_t* w, int64_t cols, const int8_t* qx, const float* dx
   return hsum16(acc);
 }
 
+// IQ4_XS, in Q6_K's lane order (lane L = 16-weight group L, half L%2 of 32-block L/2): the
+// codes index kvalues_iq4nl (signed); the kernel multiplies kv + 128 (unsigned) and removes
+// 128 * the group's code sum, so t = sum(kv * x) exactly; S = (ls - 32) * t with the block's
+// six-bit scale; acc = fma(float(S), d * dx[8i + L/2], acc). y = hsum16(acc).
+float dot_iq4_xs(const uint8_t* w, int64_t cols, const int8_t* qx, const float* dx) {
+  float acc[16] = {};
+  for (int64_t i = 0; i < cols / 256; ++i, w += 136) {
+    const float d = half_to_float(load_u16(w));
+    const uint16_t sh = load_u16(w + 2);
+    const uint8_t* qs = w + 8;
+    for (int L = 0; L < 16; ++L) {
+      const int g = L / 2;
+      int t = 0;
+      for (int k = 0; k < 4; ++k) {
+        for (int j = 0; j < 4; ++j) {
+          const int e = q6k_lane_element(k, L, j), o = e % 32;  // o < 16: low nibble of qs[16g + o]
+          const int q = (qs[16 * g + o % 16] >> (4 * (o / 16))) & 0xf;
+          t += tables::kvalues_iq4nl[q] * qx[256 * i + e];
+        }
+      }
+      const int ls = ((w[4 + g / 2] >> (4 * (g % 2))) & 0xf) | (((sh >> (2 * g)) & 3) << 4);
+      acc[L] = std::fma(static_cast<float>((ls - 32) * t), d * dx[8 * i + g], acc[L]);
+    }
+  }
+  return hsum16(acc);
+}
+
 // IQ2_XS, in the lane order of iq2xs_lane_element (act_q8.h): lane L of a super-block stays
 // in 32-block s = L/2; its 16 elements in chunks 0-1 (group 2s) and 2-3 (group 2s+1) give
 // integer sums sA, sB (grid magnitude times activation code, the weight's sign moved onto the
@@ -163,7 +190,7 @@ void lane_order(GgmlType type, const ActQ8& a, int64_t t0, int64_t t1, int8_t* x
   static const Map q6k = make([](int k, int L, int j) { return q6k_lane_element(k, L, j); });
   static const Map iq2 = make([](int k, int L, int j) { return iq2xs_lane_element(k, L, j); });
   const bool k4 = type == GgmlType::Q4_K || type == GgmlType::Q5_K;  // same order, with xs
-  const Map& src = k4 ? q4k : type == GgmlType::Q6_K ? q6k : iq2;
+  const Map& src = k4 ? q4k : type == GgmlType::IQ2_XS ? iq2 : q6k;  // Q6_K, IQ4_XS
   const int64_t nsb = a.cols / 256;
   for (int64_t t = t0; t < t1; ++t) {
     const int8_t* q = a.qt(t);
@@ -192,6 +219,7 @@ void matmul_q8_scalar(const MatmulArgs& m, const ActQ8& a) {
         case GgmlType::Q4_K: y = dot_q4_k<false>(w, m.cols, a.qt(t), a.dt(t), a.st(t)); break;
         case GgmlType::Q5_K: y = dot_q4_k<true>(w, m.cols, a.qt(t), a.dt(t), a.st(t)); break;
         case GgmlType::Q6_K: y = dot_q6_k(w, m.cols, a.qt(t), a.dt(t), a.st(t)); break;
+        case GgmlType::IQ4_XS: y = dot_iq4_xs(w, m.cols, a.qt(t), a.dt(t)); break;
         case GgmlType::IQ2_XS: y = dot_iq2_xs(w, m.cols, a.qt(t), a.dt(t)); break;
         default: throw std::runtime_error("quant: no q8 kernel for " + std::string(type_name(m.type)));
       }
