@@ -8,6 +8,7 @@
 #include "quant/simd_intrin.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -335,6 +336,64 @@ void row_iq4_xs(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
   for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum16(acc[t]);
 }
 
+/// IQ3_S in Q6_K's lane order: chunk k's 16 grid entries are 4L + k, byte k of each 32-bit word
+/// of qs (a shift) with its 9th index bit, bit 4L + k of qh (a per-lane rotate), gathered by one
+/// vpgatherdd into lane order; the explicit sign bits of chunk k are nibble k of each 16-bit word
+/// of the signs (four pext); the 4-bit block scale multiplies the lane's integer sum.
+template <int TB, bool VNNI>
+void row_iq3_s(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
+  __m512 acc[TB];
+  for (int t = 0; t < TB; ++t) acc[t] = _mm512_setzero_ps();
+  alignas(64) static const auto rot = [] {
+    std::array<std::array<uint32_t, 16>, 4> r{};
+    // bit 4(L%8) + k of lane L's 32-bit half of qh (low half for L < 8) rotated to bit 8
+    for (int k = 0; k < 4; ++k)
+      for (int L = 0; L < 16; ++L) r[k][L] = static_cast<uint32_t>((4 * (L % 8) + k - 8) & 31);
+    return r;
+  }();
+  const __m512i lo8 = _mm512_set1_epi32(0xff), bit8 = _mm512_set1_epi32(0x100);
+  const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);  // block L/2
+  const int* grid = reinterpret_cast<const int*>(tables::iq3s_grid);
+  const int64_t nsb = tk.cols / 256;
+  for (int64_t i = 0; i < nsb; ++i, w += 110) {
+    for (int o = 0; o < 110; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + o, _MM_HINT_T0);
+    const __m512i qs = _mm512_loadu_si512(w + 2);
+    uint32_t qh[2];
+    std::memcpy(qh, w + 66, 8);
+    const __m512i hv = _mm512_inserti64x4(_mm512_set1_epi32(static_cast<int>(qh[0])), _mm256_set1_epi32(static_cast<int>(qh[1])), 1);
+    uint64_t sg[4];
+    std::memcpy(sg, w + 74, 32);
+    alignas(16) uint8_t odd8[16] = {};
+    for (int b = 0; b < 8; ++b) odd8[b] = static_cast<uint8_t>(1 + 2 * ((w[106 + b / 2] >> (4 * (b % 2))) & 0xf));
+    const __m512i odd = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_load_si128(reinterpret_cast<const __m128i*>(odd8)), pairs));
+    const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(w)));
+    __m512i sum[TB];
+    for (int t = 0; t < TB; ++t) sum[t] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      const __m512i hb = _mm512_and_si512(_mm512_rorv_epi32(hv, _mm512_loadu_si512(rot[static_cast<size_t>(k)].data())), bit8);
+      const __m512i ix = _mm512_ternarylogic_epi32(_mm512_srli_epi32(qs, 8 * k), lo8, hb, 0xea);  // (qs >> 8k & 0xff) | hb
+      const __m512i g = _mm512_i32gather_epi32(ix, grid, 4);
+      // lane L = 16-bit word L of the signs: its nibble k to mask bits 4L..4L+3
+      const uint64_t nib = 0x000F000F000F000FULL << (4 * k);
+      const uint64_t m = _pext_u64(sg[0], nib) | (_pext_u64(sg[1], nib) << 16) | (_pext_u64(sg[2], nib) << 32) |
+                         (_pext_u64(sg[3], nib) << 48);
+      const __mmask64 neg = _cvtu64_mask64(m);
+#pragma GCC unroll 4
+      for (int t = 0; t < TB; ++t) {
+        const __m512i qx = _mm512_loadu_si512(tk.q + t * tk.cols + 256 * i + 64 * k);
+        sum[t] = dot_acc<VNNI>(sum[t], g, _mm512_mask_sub_epi8(qx, neg, _mm512_setzero_si512(), qx));
+      }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < TB; ++t) {
+      const __m512 f = _mm512_mul_ps(d, _mm512_loadu_ps(tk.dxl + t * (tk.cols / 16) + 16 * i));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(odd, sum[t])), f, acc[t]);
+    }
+  }
+  for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum16(acc[t]);
+}
+
 /// Rows [row_begin, row_end) of m against tokens [t0, t1): per row, tiles of up to 4 tokens
 /// (every tile size runs the same per-token instructions), fn(tile<TB>, w, t, y).
 template <class Fn>
@@ -359,7 +418,7 @@ void run(const MatmulArgs& m, const ActQ8& a, Q8Isa isa) {
   for (int64_t t0 = 0; t0 < m.n_tok; t0 += kTokBlock) {
     const int64_t t1 = std::min(m.n_tok, t0 + kTokBlock);
     if (m.type != GgmlType::Q8_0) {
-      // Q4_K, Q5_K, Q6_K, IQ2_XS, IQ4_XS: the codes in the type's lane order, kept in `a` when it was
+      // Q4_K, Q5_K, Q6_K, IQ2_XS, IQ3_S, IQ4_XS: the codes in the type's lane order, kept in `a` when it was
       // quantized for this type, else rearranged here (this block, once per call)
       LaneTokens tk;
       if (a.lanes == m.type) {
@@ -380,6 +439,10 @@ void run(const MatmulArgs& m, const ActQ8& a, Q8Isa isa) {
       } else if (m.type == GgmlType::Q5_K) {
         rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
           row_q4_k<decltype(tb)::value, VNNI, true>(w, tk.from(t - t0), y, m.ldy);
+        });
+      } else if (m.type == GgmlType::IQ3_S) {
+        rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
+          row_iq3_s<decltype(tb)::value, VNNI>(w, tk.from(t - t0), y, m.ldy);
         });
       } else if (m.type == GgmlType::IQ4_XS) {
         rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {

@@ -145,6 +145,36 @@ float dot_iq4_xs(const uint8_t* w, int64_t cols, const int8_t* qx, const float* 
   return hsum16(acc);
 }
 
+// IQ3_S, in Q6_K's lane order: lane L holds grid entries 4L..4L+3 (one per chunk), 32-block L/2.
+// t = sum over the lane's 16 weights of grid magnitude * activation code (the weight's sign moved
+// onto the code); S = (1 + 2*ls) * t with the block's 4-bit scale; acc = fma(float(S),
+// d * dx[8i + L/2], acc). y = hsum16(acc).
+float dot_iq3_s(const uint8_t* w, int64_t cols, const int8_t* qx, const float* dx) {
+  float acc[16] = {};
+  for (int64_t i = 0; i < cols / 256; ++i, w += 110) {
+    const float d = half_to_float(load_u16(w));
+    const uint8_t* qs = w + 2;
+    const uint8_t* qh = w + 66;
+    const uint8_t* sg = w + 74;
+    const uint8_t* sc = w + 106;
+    for (int L = 0; L < 16; ++L) {
+      const int b = L / 2;
+      int t = 0;
+      for (int k = 0; k < 4; ++k) {
+        for (int j = 0; j < 4; ++j) {
+          const int e = q6k_lane_element(k, L, j), n = e / 4;  // grid entry n covers elements 4n..4n+3
+          const uint32_t g = tables::iq3s_grid[qs[n] | (((qh[n / 8] >> (n % 8)) & 1) << 8)];
+          const int x = qx[256 * i + e];
+          t += static_cast<int>((g >> (8 * (e % 4))) & 0xff) * (((sg[e / 8] >> (e % 8)) & 1) ? -x : x);
+        }
+      }
+      const int odd = 1 + 2 * ((sc[b / 2] >> (4 * (b % 2))) & 0xf);
+      acc[L] = std::fma(static_cast<float>(odd * t), d * dx[8 * i + b], acc[L]);
+    }
+  }
+  return hsum16(acc);
+}
+
 // IQ2_XS, in the lane order of iq2xs_lane_element (act_q8.h): lane L of a super-block stays
 // in 32-block s = L/2; its 16 elements in chunks 0-1 (group 2s) and 2-3 (group 2s+1) give
 // integer sums sA, sB (grid magnitude times activation code, the weight's sign moved onto the
@@ -190,7 +220,7 @@ void lane_order(GgmlType type, const ActQ8& a, int64_t t0, int64_t t1, int8_t* x
   static const Map q6k = make([](int k, int L, int j) { return q6k_lane_element(k, L, j); });
   static const Map iq2 = make([](int k, int L, int j) { return iq2xs_lane_element(k, L, j); });
   const bool k4 = type == GgmlType::Q4_K || type == GgmlType::Q5_K;  // same order, with xs
-  const Map& src = k4 ? q4k : type == GgmlType::IQ2_XS ? iq2 : q6k;  // Q6_K, IQ4_XS
+  const Map& src = k4 ? q4k : type == GgmlType::IQ2_XS ? iq2 : q6k;  // Q6_K, IQ3_S, IQ4_XS
   const int64_t nsb = a.cols / 256;
   for (int64_t t = t0; t < t1; ++t) {
     const int8_t* q = a.qt(t);
@@ -220,6 +250,7 @@ void matmul_q8_scalar(const MatmulArgs& m, const ActQ8& a) {
         case GgmlType::Q5_K: y = dot_q4_k<true>(w, m.cols, a.qt(t), a.dt(t), a.st(t)); break;
         case GgmlType::Q6_K: y = dot_q6_k(w, m.cols, a.qt(t), a.dt(t), a.st(t)); break;
         case GgmlType::IQ4_XS: y = dot_iq4_xs(w, m.cols, a.qt(t), a.dt(t)); break;
+        case GgmlType::IQ3_S: y = dot_iq3_s(w, m.cols, a.qt(t), a.dt(t)); break;
         case GgmlType::IQ2_XS: y = dot_iq2_xs(w, m.cols, a.qt(t), a.dt(t)); break;
         default: throw std::runtime_error("quant: no q8 kernel for " + std::string(type_name(m.type)));
       }
