@@ -227,13 +227,22 @@ void row_q4_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
 }
 
 /// Lanes that are 16-weight groups (Q6_K, IQ4_XS), super-block i: the group's integer sum of
-/// (code + 2^OFF) * x minus 2^OFF times the group's code sum, times its integer scale, converted
-/// once and scaled by d * dx: acc + float(sc * (sum - (s16 << OFF))) * (d * dxl).
+/// (code + 2^OFF) * x minus 2^OFF times the group's code sum, times its integer scale `sc` (as
+/// float), scaled by d * dx: acc + float(sc * (sum - (s16 << OFF))) * (d * dxl). The product is
+/// formed in fp32 from two exact operands (|sum| < 2^24), i.e. one rounding of the exact integer
+/// product: the same bits as converting the int32 product (matmul_q8_ref.cpp), one uop cheaper.
 template <int OFF>
-inline __m512 group_lanes_fma(__m512 acc, __m512i sum, __m512i sc, __m512 d, const LaneTokens& tk, int64_t i) {
+inline __m512 group_lanes_fma(__m512 acc, __m512i sum, __m512 sc, __m512 d, const LaneTokens& tk, int64_t i) {
   const __m512i s16 = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tk.s16 + 16 * i)));
-  const __m512i S = _mm512_mullo_epi32(sc, _mm512_sub_epi32(sum, _mm512_slli_epi32(s16, OFF)));
-  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), _mm512_mul_ps(d, _mm512_loadu_ps(tk.dxl + 16 * i)), acc);
+  const __m512 S = _mm512_mul_ps(sc, _mm512_cvtepi32_ps(_mm512_sub_epi32(sum, _mm512_slli_epi32(s16, OFF))));
+  return _mm512_fmadd_ps(S, _mm512_mul_ps(d, _mm512_loadu_ps(tk.dxl + 16 * i)), acc);
+}
+
+/// Per-lane 4-bit fields of a super-block's scales, lane L taking field L/2: (bits >> 4(L/2)) &
+/// 0xf as int32 lanes (bits: 8 nibbles, field g at bits 4g..4g+3).
+inline __m512i lane_nibbles(uint32_t bits) {
+  const __m512i shift = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
+  return _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(bits)), shift), _mm512_set1_epi32(0xf));
 }
 
 /// Q6_K in its lane order (q6k_lane_element: lane L = 16-weight group L): per 64 weights one
@@ -266,7 +275,7 @@ void row_q6_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
   for (int64_t i = 0; i < nsb; ++i, w += 210) {
     for (int o = 0; o < 210; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + o, _MM_HINT_T0);
     const __m512i qla = _mm512_loadu_si512(w), qlb = _mm512_loadu_si512(w + 64), qh = _mm512_loadu_si512(w + 128);
-    const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192)));
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192))));
     const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(w + 208)));
     __m512i sum[TB];
     for (int t = 0; t < TB; ++t) sum[t] = _mm512_setzero_si512();
@@ -306,15 +315,15 @@ void row_iq4_xs(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
   }();
   const __m512i nib = _mm512_loadu_si512(idx.nib), lo4 = _mm512_set1_epi8(0x0f);
   const __m512i kv = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(idx.kv)));
-  const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);  // block L/2
   const int64_t nsb = tk.cols / 256;
   for (int64_t i = 0; i < nsb; ++i, w += 136) {
     for (int o = 0; o < 136; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + o, _MM_HINT_T0);
-    alignas(16) int8_t ls[16] = {};
-    const uint16_t sh = load_u16(w + 2);
-    for (int g = 0; g < 8; ++g)
-      ls[g] = static_cast<int8_t>((((w[4 + g / 2] >> (4 * (g % 2))) & 0xf) | (((sh >> (2 * g)) & 3) << 4)) - 32);
-    const __m512i sc = _mm512_cvtepi8_epi32(_mm_shuffle_epi8(_mm_load_si128(reinterpret_cast<const __m128i*>(ls)), pairs));
+    // six-bit scale of block L/2 minus 32: nibble of scales_l | 2 bits of scales_h << 4
+    const __m512i sh2 = _mm512_srlv_epi32(_mm512_set1_epi32(load_u16(w + 2)),
+                                          _mm512_setr_epi32(0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14));
+    const __m512i ls = _mm512_ternarylogic_epi32(lane_nibbles(load_u32(w + 4)), _mm512_set1_epi32(0x0f),
+                                                 _mm512_and_si512(_mm512_slli_epi32(sh2, 4), _mm512_set1_epi32(0x30)), 0xea);
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_sub_epi32(ls, _mm512_set1_epi32(32)));
     const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(w)));
     const __m512i qa = _mm512_loadu_si512(w + 8), qb = _mm512_loadu_si512(w + 72);
     __m512i sum[TB];
@@ -352,7 +361,6 @@ void row_iq3_s(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
     return r;
   }();
   const __m512i lo8 = _mm512_set1_epi32(0xff), bit8 = _mm512_set1_epi32(0x100);
-  const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);  // block L/2
   const int* grid = reinterpret_cast<const int*>(tables::iq3s_grid);
   const int64_t nsb = tk.cols / 256;
   for (int64_t i = 0; i < nsb; ++i, w += 110) {
@@ -363,9 +371,8 @@ void row_iq3_s(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
     const __m512i hv = _mm512_inserti64x4(_mm512_set1_epi32(static_cast<int>(qh[0])), _mm256_set1_epi32(static_cast<int>(qh[1])), 1);
     uint64_t sg[4];
     std::memcpy(sg, w + 74, 32);
-    alignas(16) uint8_t odd8[16] = {};
-    for (int b = 0; b < 8; ++b) odd8[b] = static_cast<uint8_t>(1 + 2 * ((w[106 + b / 2] >> (4 * (b % 2))) & 0xf));
-    const __m512i odd = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_load_si128(reinterpret_cast<const __m128i*>(odd8)), pairs));
+    const __m512i nib = lane_nibbles(load_u32(w + 106));
+    const __m512 odd = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_add_epi32(nib, nib), _mm512_set1_epi32(1)));
     const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(w)));
     __m512i sum[TB];
     for (int t = 0; t < TB; ++t) sum[t] = _mm512_setzero_si512();
@@ -388,7 +395,8 @@ void row_iq3_s(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
 #pragma GCC unroll 4
     for (int t = 0; t < TB; ++t) {
       const __m512 f = _mm512_mul_ps(d, _mm512_loadu_ps(tk.dxl + t * (tk.cols / 16) + 16 * i));
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(odd, sum[t])), f, acc[t]);
+      // odd * sum in fp32 from exact operands: the bits of converting the integer product
+      acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(odd, _mm512_cvtepi32_ps(sum[t])), f, acc[t]);
     }
   }
   for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum16(acc[t]);
