@@ -684,8 +684,8 @@ TEST(QuantMatmul, InvariantToTokenCountRowSplitAndStrides) {
 
 namespace {
 
-const GgmlType kQ8Types[] = {GgmlType::Q8_0,   GgmlType::Q4_K,  GgmlType::Q5_K,  GgmlType::Q6_K,
-                             GgmlType::IQ2_XS, GgmlType::IQ3_S, GgmlType::IQ4_XS};
+const GgmlType kQ8Types[] = {GgmlType::Q8_0, GgmlType::Q2_K,   GgmlType::Q4_K,  GgmlType::Q5_K,
+                             GgmlType::Q6_K, GgmlType::IQ2_XS, GgmlType::IQ3_S, GgmlType::IQ4_XS};
 
 /// Per element the offset magnitude a format subtracts inside a block (Q4_K: dmin * m, found by
 /// dequantizing the block with its codes zeroed); 0 for the others.

@@ -293,6 +293,51 @@ void row_q6_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
   for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum16(acc[t]);
 }
 
+/// Q2_K in Q6_K's lane order (lane L = 16-weight group L): per 64 weights one vpermd brings
+/// every lane its 4 bytes of qs, a per-lane shift picks its 2-bit plane; the group's 4-bit scale
+/// multiplies the lane's integer sum and its 4-bit min the group's code sum (both products exact
+/// in fp32).
+template <int TB, bool VNNI>
+void row_q2_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
+  __m512 acc[TB], accm[TB];
+  for (int t = 0; t < TB; ++t) acc[t] = accm[t] = _mm512_setzero_ps();
+  alignas(64) static const auto idx = [] {
+    struct {
+      uint32_t qs[4][16], shift[16];
+    } c{};
+    for (int L = 0; L < 16; ++L) {
+      for (int k = 0; k < 4; ++k) c.qs[k][L] = static_cast<uint32_t>(8 * (L / 8) + 4 * (L % 2) + k);
+      c.shift[L] = static_cast<uint32_t>(2 * ((L / 2) % 4));
+    }
+    return c;
+  }();
+  const __m512i shift = _mm512_loadu_si512(idx.shift), three = _mm512_set1_epi8(3), nib = _mm512_set1_epi32(0xf);
+  const int64_t nsb = tk.cols / 256;
+  for (int64_t i = 0; i < nsb; ++i, w += 84) {
+    for (int o = 0; o < 84; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + o, _MM_HINT_T0);
+    const __m512i s8 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_and_si512(s8, nib)), mn = _mm512_cvtepi32_ps(_mm512_srli_epi32(s8, 4));
+    const __m512i qs = _mm512_loadu_si512(w + 16);
+    const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(w + 80))), dmin = _mm512_set1_ps(_cvtsh_ss(load_u16(w + 82)));
+    __m512i sum[TB];
+    for (int t = 0; t < TB; ++t) sum[t] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(_mm512_loadu_si512(idx.qs[k]), qs), shift), three);
+#pragma GCC unroll 4
+      for (int t = 0; t < TB; ++t) sum[t] = dot_acc<VNNI>(sum[t], q, _mm512_loadu_si512(tk.q + t * tk.cols + 256 * i + 64 * k));
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < TB; ++t) {
+      const __m512 x = _mm512_loadu_ps(tk.dxl + t * (tk.cols / 16) + 16 * i);
+      const __m512i s16 = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tk.s16 + t * (tk.cols / 16) + 16 * i)));
+      acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(sc, _mm512_cvtepi32_ps(sum[t])), _mm512_mul_ps(d, x), acc[t]);
+      accm[t] = _mm512_fmadd_ps(_mm512_mul_ps(mn, _mm512_cvtepi32_ps(s16)), _mm512_mul_ps(dmin, x), accm[t]);
+    }
+  }
+  for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum16(acc[t]) - simd_hsum16(accm[t]);
+}
+
 /// IQ4_XS in Q6_K's lane order (lane L = 16-weight group L = low (L even) or high nibbles of
 /// qs[16(L/2) ..]): per 64 weights one vpermt2d, a per-lane nibble shift and vpshufb from
 /// kvalues_iq4nl + 128 (unsigned for vpdpbusd; the 128 * code sum is removed per lane, and
@@ -426,7 +471,7 @@ void run(const MatmulArgs& m, const ActQ8& a, Q8Isa isa) {
   for (int64_t t0 = 0; t0 < m.n_tok; t0 += kTokBlock) {
     const int64_t t1 = std::min(m.n_tok, t0 + kTokBlock);
     if (m.type != GgmlType::Q8_0) {
-      // Q4_K, Q5_K, Q6_K, IQ2_XS, IQ3_S, IQ4_XS: the codes in the type's lane order, kept in `a` when it was
+      // the super-block types: the codes in the type's lane order, kept in `a` when it was
       // quantized for this type, else rearranged here (this block, once per call)
       LaneTokens tk;
       if (a.lanes == m.type) {
@@ -447,6 +492,10 @@ void run(const MatmulArgs& m, const ActQ8& a, Q8Isa isa) {
       } else if (m.type == GgmlType::Q5_K) {
         rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
           row_q4_k<decltype(tb)::value, VNNI, true>(w, tk.from(t - t0), y, m.ldy);
+        });
+      } else if (m.type == GgmlType::Q2_K) {
+        rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
+          row_q2_k<decltype(tb)::value, VNNI>(w, tk.from(t - t0), y, m.ldy);
         });
       } else if (m.type == GgmlType::IQ3_S) {
         rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
