@@ -36,7 +36,7 @@ struct EngineOptions {
   bool direct_io = true;      ///< O_DIRECT expert reads (buffered fallback with a warning)
   bool use_pack = true;       ///< read experts from MODEL.strata-pack when it is valid (--no-pack: never)
   quant::CpuKernels kernels = quant::CpuKernels::Auto;
-  /// --act-quant: activations of Q8_0/Q2_K/Q4_K/Q5_K/Q6_K/IQ2_XS/IQ3_S/IQ4_XS matmuls quantized to int8 (Q8, as
+  /// --act-quant: activations of Q8_0/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ2_XS/IQ3_S/IQ4_XS matmuls quantized to int8 (Q8, as
   /// llama.cpp does) or kept fp32 (F32: exact, slower); Auto (default) is Q8 with the AVX-512
   /// kernels, else F32. Process-wide; docs/kernels.md.
   quant::ActQuant act_quant = quant::ActQuant::Auto;

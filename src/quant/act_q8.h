@@ -52,13 +52,8 @@ static inline float quantize_block_q8(const float* x, int8_t* q) {
 /// AVX-512 twin of quantize_block_q8 (identical codes and scale); also returns the two 16-sums.
 float quantize_block_q8_avx512(const float* x, int8_t* q, int16_t* s16);
 
-/// Weight types with an int8 dot product (the others keep fp32 activations in q8 mode).
-static constexpr bool has_q8_kernel(GgmlType t) {
-  return t == GgmlType::Q8_0 || t == GgmlType::Q2_K || t == GgmlType::Q4_K || t == GgmlType::Q5_K ||
-         t == GgmlType::Q6_K || t == GgmlType::IQ2_XS || t == GgmlType::IQ3_S || t == GgmlType::IQ4_XS;
-}
 
-// Lane orders. The Q2_K, Q4_K, Q5_K, Q6_K, IQ2_XS, IQ3_S and IQ4_XS kernels read a token's int8 codes rearranged
+// Lane orders. The kernels of the 256-weight super-block types read a token's int8 codes rearranged
 // within each 256-block so that every int32 lane of vpdpbusd stays in one 32-block (one
 // activation scale) for the whole block: a lane's 16 products are summed in integers and
 // scaled once. Position p = 64k + 4L + j of a block (chunk k = 0..3 of 64 codes, lane
@@ -69,7 +64,7 @@ static constexpr bool has_q8_kernel(GgmlType t) {
 /// i.e. chunk k is 64-bit word k of each 32-byte run of quants (one vpermt2q of the block).
 static constexpr int q4k_lane_element(int k, int L, int j) { return 32 * (L / 2) + 8 * k + 4 * (L % 2) + j; }
 
-/// Q6_K (and Q2_K, IQ3_S, IQ4_XS): the 4 weights 4k..4k+3 of 16-weight group L (elements 16L + 4k + j),
+/// Q6_K (and Q2_K, Q3_K, IQ3_S, IQ4_XS): the 4 weights 4k..4k+3 of 16-weight group L (elements 16L + 4k + j),
 /// so lane L is group L for the whole block (Q6_K: one int8 scale, sc[L] in ggml's order; IQ3_S:
 /// grid entry 4L + k in chunk k).
 static constexpr int q6k_lane_element(int k, int L, int j) { return 16 * L + 4 * k + j; }
@@ -82,8 +77,13 @@ static constexpr int iq2xs_lane_element(int k, int L, int j) { return 8 * (4 * (
 
 /// Types whose AVX-512 q8 kernel reads the codes in a lane order.
 static constexpr bool has_lane_order(GgmlType t) {
-  return t == GgmlType::Q2_K || t == GgmlType::Q4_K || t == GgmlType::Q5_K || t == GgmlType::Q6_K ||
-         t == GgmlType::IQ2_XS || t == GgmlType::IQ3_S || t == GgmlType::IQ4_XS;
+  return t == GgmlType::Q2_K || t == GgmlType::Q3_K || t == GgmlType::Q4_K || t == GgmlType::Q5_K ||
+         t == GgmlType::Q6_K || t == GgmlType::IQ2_XS || t == GgmlType::IQ3_S || t == GgmlType::IQ4_XS;
+}
+
+/// Weight types with an int8 dot product (the others keep fp32 activations in q8 mode).
+static constexpr bool has_q8_kernel(GgmlType t) {
+  return t == GgmlType::Q8_0 || has_lane_order(t);
 }
 
 /// Tokens [t0, t1) of `a` rewritten for the lane-order kernels of type t (has_lane_order(t);

@@ -338,6 +338,63 @@ void row_q2_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
   for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum16(acc[t]) - simd_hsum16(accm[t]);
 }
 
+/// Q3_K in Q6_K's lane order (lane L = 16-weight group L): per 64 weights one vpermd of qs and
+/// a per-lane shift give the low 2 bits, one vpermd of hmask and a per-lane rotate the third
+/// (bit L/2 of the byte to bit 2); the -4 offset and the six-bit scale act on the lane's sum.
+template <int TB, bool VNNI>
+void row_q3_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
+  __m512 acc[TB];
+  for (int t = 0; t < TB; ++t) acc[t] = _mm512_setzero_ps();
+  alignas(64) static const auto idx = [] {
+    struct {
+      uint32_t qs[4][16], hm[4][16], shift[16], rot[16], lo_shift[16], hi_shift[16];
+      uint8_t lo_byte[64], hi_byte[64];
+    } c{};
+    std::memset(c.lo_byte, 0x80, sizeof c.lo_byte);
+    std::memset(c.hi_byte, 0x80, sizeof c.hi_byte);
+    for (int L = 0; L < 16; ++L) {
+      for (int k = 0; k < 4; ++k) {
+        c.qs[k][L] = static_cast<uint32_t>(8 * (L / 8) + 4 * (L % 2) + k);
+        c.hm[k][L] = static_cast<uint32_t>(4 * (L % 2) + k);
+      }
+      c.shift[L] = static_cast<uint32_t>(2 * ((L / 2) % 4));
+      c.rot[L] = static_cast<uint32_t>((2 - L / 2) & 31);
+      // scale of group L: low 4 bits of byte L%8 >> 4(L/8), high 2 of byte 8 + L%4 >> 2(L/4)
+      c.lo_byte[4 * L] = static_cast<uint8_t>(L % 8);
+      c.hi_byte[4 * L] = static_cast<uint8_t>(8 + L % 4);
+      c.lo_shift[L] = static_cast<uint32_t>(4 * (L / 8));
+      c.hi_shift[L] = static_cast<uint32_t>(2 * (L / 4));
+    }
+    return c;
+  }();
+  const __m512i shift = _mm512_loadu_si512(idx.shift), rot = _mm512_loadu_si512(idx.rot);
+  const __m512i three = _mm512_set1_epi8(3), bit2 = _mm512_set1_epi8(4);
+  const int64_t nsb = tk.cols / 256;
+  for (int64_t i = 0; i < nsb; ++i, w += 110) {
+    for (int o = 0; o < 110; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + o, _MM_HINT_T0);
+    const __m512i s16b = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 96)));  // 12 scale bytes
+    const __m512i lo = _mm512_and_si512(_mm512_srlv_epi32(_mm512_shuffle_epi8(s16b, _mm512_loadu_si512(idx.lo_byte)), _mm512_loadu_si512(idx.lo_shift)), _mm512_set1_epi32(0xf));
+    const __m512i hi = _mm512_and_si512(_mm512_srlv_epi32(_mm512_shuffle_epi8(s16b, _mm512_loadu_si512(idx.hi_byte)), _mm512_loadu_si512(idx.hi_shift)), _mm512_set1_epi32(3));
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi32(32)));
+    const __m512i hm = _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+    const __m512i qs = _mm512_loadu_si512(w + 32);
+    const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(w + 108)));
+    __m512i sum[TB];
+    for (int t = 0; t < TB; ++t) sum[t] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(_mm512_loadu_si512(idx.qs[k]), qs), shift), three);
+      const __m512i h = _mm512_and_si512(_mm512_rolv_epi32(_mm512_permutexvar_epi32(_mm512_loadu_si512(idx.hm[k]), hm), rot), bit2);
+      const __m512i u = _mm512_or_si512(q, h);
+#pragma GCC unroll 4
+      for (int t = 0; t < TB; ++t) sum[t] = dot_acc<VNNI>(sum[t], u, _mm512_loadu_si512(tk.q + t * tk.cols + 256 * i + 64 * k));
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < TB; ++t) acc[t] = group_lanes_fma<2>(acc[t], sum[t], sc, d, tk.from(t), i);
+  }
+  for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum16(acc[t]);
+}
+
 /// IQ4_XS in Q6_K's lane order (lane L = 16-weight group L = low (L even) or high nibbles of
 /// qs[16(L/2) ..]): per 64 weights one vpermt2d, a per-lane nibble shift and vpshufb from
 /// kvalues_iq4nl + 128 (unsigned for vpdpbusd; the 128 * code sum is removed per lane, and
@@ -496,6 +553,10 @@ void run(const MatmulArgs& m, const ActQ8& a, Q8Isa isa) {
       } else if (m.type == GgmlType::Q2_K) {
         rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
           row_q2_k<decltype(tb)::value, VNNI>(w, tk.from(t - t0), y, m.ldy);
+        });
+      } else if (m.type == GgmlType::Q3_K) {
+        rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
+          row_q3_k<decltype(tb)::value, VNNI>(w, tk.from(t - t0), y, m.ldy);
         });
       } else if (m.type == GgmlType::IQ3_S) {
         rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {

@@ -143,6 +143,34 @@ float dot_q2_k(const uint8_t* w, int64_t cols, const int8_t* qx, const float* dx
   return hsum16(acc) - hsum16(accm);
 }
 
+// Q3_K, in Q6_K's lane order (lane L = 16-weight group L, six-bit scale sc_L - 32): the 3-bit
+// code u = low 2 bits | hmask bit << 2 (0..7, value u - 4) multiplies the activation code in
+// integers: t = sum(u * x) - 4 * s16[16i + L], S = (sc_L - 32) * t (exact);
+// acc = fma(float(S), d * dx[8i + L/2], acc). y = hsum16(acc).
+float dot_q3_k(const uint8_t* w, int64_t cols, const int8_t* qx, const float* dx, const int16_t* s16) {
+  float acc[16] = {};
+  for (int64_t i = 0; i < cols / 256; ++i, w += 110) {
+    const uint8_t* hm = w;
+    const uint8_t* qs = w + 32;
+    const uint8_t* sc = w + 96;
+    const float d = half_to_float(load_u16(w + 108));
+    for (int L = 0; L < 16; ++L) {
+      int t = 0;
+      for (int k = 0; k < 4; ++k) {
+        for (int j = 0; j < 4; ++j) {
+          const int e = q6k_lane_element(k, L, j);
+          const int u = ((qs[32 * (e / 128) + e % 32] >> (2 * ((e / 32) % 4))) & 3) | (((hm[e % 32] >> (e / 32)) & 1) << 2);
+          t += u * qx[256 * i + e];
+        }
+      }
+      t -= 4 * s16[16 * i + L];
+      const int ls = (((sc[L % 8] >> (4 * (L / 8))) & 0xf) | (((sc[8 + L % 4] >> (2 * (L / 4))) & 3) << 4)) - 32;
+      acc[L] = std::fma(static_cast<float>(ls * t), d * dx[8 * i + L / 2], acc[L]);
+    }
+  }
+  return hsum16(acc);
+}
+
 // IQ4_XS, in Q6_K's lane order (lane L = 16-weight group L, half L%2 of 32-block L/2): the
 // codes index kvalues_iq4nl (signed); the kernel multiplies kv + 128 (unsigned) and removes
 // 128 * the group's code sum, so t = sum(kv * x) exactly; S = (ls - 32) * t with the block's
@@ -245,7 +273,7 @@ void lane_order(GgmlType type, const ActQ8& a, int64_t t0, int64_t t1, int8_t* x
   static const Map q6k = make([](int k, int L, int j) { return q6k_lane_element(k, L, j); });
   static const Map iq2 = make([](int k, int L, int j) { return iq2xs_lane_element(k, L, j); });
   const bool k4 = type == GgmlType::Q4_K || type == GgmlType::Q5_K;  // same order, with xs
-  const Map& src = k4 ? q4k : type == GgmlType::IQ2_XS ? iq2 : q6k;  // Q2_K, Q6_K, IQ3_S, IQ4_XS
+  const Map& src = k4 ? q4k : type == GgmlType::IQ2_XS ? iq2 : q6k;  // Q2_K, Q3_K, Q6_K, IQ3_S, IQ4_XS
   const int64_t nsb = a.cols / 256;
   for (int64_t t = t0; t < t1; ++t) {
     const int8_t* q = a.qt(t);
@@ -275,6 +303,7 @@ void matmul_q8_scalar(const MatmulArgs& m, const ActQ8& a) {
         case GgmlType::Q5_K: y = dot_q4_k<true>(w, m.cols, a.qt(t), a.dt(t), a.st(t)); break;
         case GgmlType::Q6_K: y = dot_q6_k(w, m.cols, a.qt(t), a.dt(t), a.st(t)); break;
         case GgmlType::Q2_K: y = dot_q2_k(w, m.cols, a.qt(t), a.dt(t), a.st(t)); break;
+        case GgmlType::Q3_K: y = dot_q3_k(w, m.cols, a.qt(t), a.dt(t), a.st(t)); break;
         case GgmlType::IQ4_XS: y = dot_iq4_xs(w, m.cols, a.qt(t), a.dt(t)); break;
         case GgmlType::IQ3_S: y = dot_iq3_s(w, m.cols, a.qt(t), a.dt(t)); break;
         case GgmlType::IQ2_XS: y = dot_iq2_xs(w, m.cols, a.qt(t), a.dt(t)); break;

@@ -32,7 +32,7 @@ const char* cpu_kernels_name(CpuKernels k);
 CpuKernels parse_cpu_kernels(const std::string& s);
 
 /// How matmul treats activations for the weight types that have an int8 kernel (Q8_0, Q2_K,
-/// Q4_K, Q5_K, Q6_K, IQ2_XS, IQ3_S, IQ4_XS; has_q8_activations()): F32 multiplies the exact fp32 activations with weights
+/// Q3_K, Q4_K, Q5_K, Q6_K, IQ2_XS, IQ3_S, IQ4_XS; has_q8_activations()): F32 multiplies the exact fp32 activations with weights
 /// expanded to fp32; Q8 quantizes each token's activations to int8 in blocks of 32 (ggml's
 /// Q8_0 scheme, as llama.cpp does on CPU) and multiplies in integers. Other weight types always
 /// use F32. Auto (the default) resolves to Q8 while the AVX-512 family is active and to F32
@@ -53,7 +53,7 @@ bool has_q8_activations(GgmlType t);
 /// matmuls (and every thread of one) share one quantization. Layout, token-major:
 /// q: n_tok x cols int8 codes (cols contiguous); d: n_tok x cols/32 fp32 block scales
 /// (d = amax/127 of the block's 32 floats; ggml's Q8_0 scheme); s16: n_tok x cols/16 sums of
-/// 16 consecutive codes. For the weight type named in resize() (Q2_K, Q4_K, Q5_K, Q6_K, IQ2_XS, IQ3_S or IQ4_XS, cols %
+/// 16 consecutive codes. For the weight type named in resize() (the K- and I-quants with an int8 kernel, cols %
 /// 256 == 0) the codes are also kept in that type's lane order (ql, n_tok x cols; dxl, n_tok x
 /// cols/16 per-lane block scales; xs, n_tok x cols/32, Q4_K/Q5_K only: d times the block's code sum),
 /// which the AVX-512 kernels read directly (src/quant/act_q8.h; otherwise every matmul call
