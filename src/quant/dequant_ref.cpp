@@ -17,7 +17,9 @@ using detail::bits_f32;
 using detail::half_to_float;
 using detail::load_u16;
 using detail::load_u32;
+using detail::iq4xs_scale;
 using detail::k4_scale_min;
+using detail::q3k_scale;
 
 // Q8_0: { fp16 d; int8 q[32]; }  value = q * d
 void deq_q8_0(const uint8_t* b, float* y, int64_t nb) {
@@ -109,9 +111,7 @@ void deq_q3_k(const uint8_t* b, float* y, int64_t nb) {
     const float d = half_to_float(load_u16(b + 108));
     float dl[16];
     for (int g = 0; g < 16; ++g) {
-      const int lo = (sc[g % 8] >> (4 * (g / 8))) & 0xf;
-      const int hi = (sc[8 + g % 4] >> (2 * (g / 4))) & 3;
-      dl[g] = d * static_cast<float>((lo | (hi << 4)) - 32);
+      dl[g] = d * static_cast<float>(q3k_scale(sc, g));
     }
     for (int e = 0; e < 256; ++e) {
       const int h = e / 128, s = (e / 32) % 4, j = e % 32;
@@ -194,11 +194,9 @@ void deq_iq4_nl(const uint8_t* b, float* y, int64_t nb) {
 void deq_iq4_xs(const uint8_t* b, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, b += 136, y += 256) {
     const float d = half_to_float(load_u16(b));
-    const uint16_t sh = load_u16(b + 2);
     const uint8_t* qs = b + 8;
     for (int g = 0; g < 8; ++g) {
-      const int ls = ((b[4 + g / 2] >> (4 * (g % 2))) & 0xf) | (((sh >> (2 * g)) & 3) << 4);
-      const float dl = d * static_cast<float>(ls - 32);
+      const float dl = d * static_cast<float>(iq4xs_scale(b, g));
       for (int j = 0; j < 16; ++j) {
         y[32 * g + j] = dl * static_cast<float>(tables::kvalues_iq4nl[qs[16 * g + j] & 0xf]);
         y[32 * g + j + 16] = dl * static_cast<float>(tables::kvalues_iq4nl[qs[16 * g + j] >> 4]);

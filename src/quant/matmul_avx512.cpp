@@ -129,11 +129,9 @@ void lut_iq4_xs(const uint8_t* b, S& out, int64_t n) {
   const __m512 kv = i8_table(tables::kvalues_iq4nl);
   for (int64_t i = 0; i < n; i += 256, b += 136) {
     const float d = _cvtsh_ss(load_u16(b));
-    const uint16_t sh = load_u16(b + 2);
 #pragma GCC unroll 16
     for (int g = 0; g < 8; ++g) {
-      const int ls = ((b[4 + g / 2] >> (4 * (g % 2))) & 0xf) | (((sh >> (2 * g)) & 3) << 4);
-      const __m512 t = _mm512_mul_ps(kv, _mm512_set1_ps(d * static_cast<float>(ls - 32)));
+      const __m512 t = _mm512_mul_ps(kv, _mm512_set1_ps(d * static_cast<float>(iq4xs_scale(b, g))));
       const __m512i q = idx16(simd::ld16(b + 8 + 16 * g));
       o.put(_mm512_permutexvar_ps(q, t));
       o.put(_mm512_permutexvar_ps(hi4(q), t));
@@ -291,7 +289,7 @@ void lut_q5_k(const uint8_t* b, S& out, int64_t n) {
 #pragma GCC unroll 16
     for (int g = 0; g < 8; ++g) {
       int sc, m;
-      simd::k4_scale_min_simd(b + 4, g, sc, m);
+      k4_scale_min(b + 4, g, sc, m);
       const __m512 dv = _mm512_set1_ps(d * static_cast<float>(sc)), mv = _mm512_set1_ps(dmin * static_cast<float>(m));
       const __m512 tl = _mm512_sub_ps(opaque(_mm512_mul_ps(iota16(), dv)), mv);
       const __m512 th = _mm512_sub_ps(opaque(_mm512_mul_ps(hi_base, dv)), mv);

@@ -27,19 +27,12 @@ namespace strata::quant::detail {
 namespace {
 
 
-template <bool VNNI>
-inline __m512i dot_u8s8(__m512i u, __m512i s) {
-  if constexpr (VNNI) {
-    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
-  } else {
-    return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
-  }
-}
-/// acc + dot_u8s8(u, s) (vpdpbusd accumulates in place).
+/// acc + per int32 lane the sum of its 4 products u * s (u unsigned, s signed bytes):
+/// vpdpbusd, or vpmaddubsw + vpmaddwd (the same integers while no pair sum saturates).
 template <bool VNNI>
 inline __m512i dot_acc(__m512i acc, __m512i u, __m512i s) {
   if constexpr (VNNI) return _mm512_dpbusd_epi32(acc, u, s);
-  return _mm512_add_epi32(acc, dot_u8s8<false>(u, s));
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
 }
 
 /// vpermps indices that spread lanes 2c and 2c+1 of an 8-float vector over the two halves of

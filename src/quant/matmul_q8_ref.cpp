@@ -164,8 +164,7 @@ float dot_q3_k(const uint8_t* w, int64_t cols, const int8_t* qx, const float* dx
         }
       }
       t -= 4 * s16[16 * i + L];
-      const int ls = (((sc[L % 8] >> (4 * (L / 8))) & 0xf) | (((sc[8 + L % 4] >> (2 * (L / 4))) & 3) << 4)) - 32;
-      acc[L] = std::fma(static_cast<float>(ls * t), d * dx[8 * i + L / 2], acc[L]);
+      acc[L] = std::fma(static_cast<float>(q3k_scale(sc, L) * t), d * dx[8 * i + L / 2], acc[L]);
     }
   }
   return hsum16(acc);
@@ -179,7 +178,6 @@ float dot_iq4_xs(const uint8_t* w, int64_t cols, const int8_t* qx, const float* 
   float acc[16] = {};
   for (int64_t i = 0; i < cols / 256; ++i, w += 136) {
     const float d = half_to_float(load_u16(w));
-    const uint16_t sh = load_u16(w + 2);
     const uint8_t* qs = w + 8;
     for (int L = 0; L < 16; ++L) {
       const int g = L / 2;
@@ -191,8 +189,7 @@ float dot_iq4_xs(const uint8_t* w, int64_t cols, const int8_t* qx, const float* 
           t += tables::kvalues_iq4nl[q] * qx[256 * i + e];
         }
       }
-      const int ls = ((w[4 + g / 2] >> (4 * (g % 2))) & 0xf) | (((sh >> (2 * g)) & 3) << 4);
-      acc[L] = std::fma(static_cast<float>((ls - 32) * t), d * dx[8 * i + g], acc[L]);
+      acc[L] = std::fma(static_cast<float>(iq4xs_scale(w, g) * t), d * dx[8 * i + g], acc[L]);
     }
   }
   return hsum16(acc);

@@ -124,6 +124,20 @@ static inline void k4_scale_min(const uint8_t* s, int g, int& sc, int& m) {
   }
 }
 
+/// Six-bit scale, minus 32, of 16-weight group g (0..15) of a Q3_K block: low 4 bits from
+/// scales[g % 8] >> 4*(g / 8), high 2 bits from scales[8 + g % 4] >> 2*(g / 4) (`sc`: the 12
+/// scale bytes; ggml dequantize_row_q3_K).
+static inline int q3k_scale(const uint8_t* sc, int g) {
+  return (((sc[g % 8] >> (4 * (g / 8))) & 0xf) | (((sc[8 + g % 4] >> (2 * (g / 4))) & 3) << 4)) - 32;
+}
+
+/// Six-bit scale, minus 32, of 32-weight sub-block g (0..7) of an IQ4_XS block at `b`: nibble g
+/// of scales_l (bytes 4..7) | bits 2g..2g+1 of scales_h (bytes 2..3) << 4.
+static inline int iq4xs_scale(const uint8_t* b, int g) {
+  const int sh = b[2] | (b[3] << 8);
+  return (((b[4 + g / 2] >> (4 * (g % 2))) & 0xf) | (((sh >> (2 * g)) & 3) << 4)) - 32;
+}
+
 /// The arguments of one matmul call, already validated (see quant.h for the contract).
 struct MatmulArgs {
   GgmlType type;

@@ -134,8 +134,7 @@ void dec_q3_k(const uint8_t* b, S& out, int64_t n) {
     const __m128i hm0 = ld16(hm), hm1 = ld16(hm + 16);
 #pragma GCC unroll 16
     for (int g = 0; g < 16; ++g) {
-      const int lo = (sc[g % 8] >> (4 * (g / 8))) & 0xf, hi = (sc[8 + g % 4] >> (2 * (g / 4))) & 3;
-      const float dl = d * static_cast<float>((lo | (hi << 4)) - 32);
+      const float dl = d * static_cast<float>(q3k_scale(sc, g));
       const __m128i ql = shr_and(ld16(qs + 32 * (g / 8) + 16 * (g % 2)), 2 * ((g / 2) % 4), 3);
       const __m128i hb = shr_and(g % 2 ? hm1 : hm0, g / 2, 1);
       // q = ql - 4 + 4 * hbit
@@ -143,16 +142,6 @@ void dec_q3_k(const uint8_t* b, S& out, int64_t n) {
     }
   }
   out = o;
-}
-
-inline void k4_scale_min_simd(const uint8_t* s, int g, int& sc, int& m) {
-  if (g < 4) {
-    sc = s[g] & 63;
-    m = s[g + 4] & 63;
-  } else {
-    sc = (s[g + 4] & 0xf) | ((s[g - 4] >> 6) << 4);
-    m = (s[g + 4] >> 4) | ((s[g] >> 6) << 4);
-  }
 }
 
 template <class E, class S>
@@ -165,11 +154,11 @@ void dec_q4_k(const uint8_t* b, S& out, int64_t n) {
     for (int p = 0; p < 4; ++p) {  // pair of sub-blocks 2p (low nibbles), 2p+1 (high nibbles)
       const __m128i v0 = ld16(qs + 32 * p), v1 = ld16(qs + 32 * p + 16);
       int sc, m;
-      k4_scale_min_simd(b + 4, 2 * p, sc, m);
+      k4_scale_min(b + 4, 2 * p, sc, m);
       float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(m);
       E::u8_sub(o, lo_nib(v0), dl, ml);
       E::u8_sub(o, lo_nib(v1), dl, ml);
-      k4_scale_min_simd(b + 4, 2 * p + 1, sc, m);
+      k4_scale_min(b + 4, 2 * p + 1, sc, m);
       dl = d * static_cast<float>(sc);
       ml = dmin * static_cast<float>(m);
       E::u8_sub(o, hi_nib(v0), dl, ml);
@@ -190,7 +179,7 @@ void dec_q5_k(const uint8_t* b, S& out, int64_t n) {
 #pragma GCC unroll 16
     for (int g = 0; g < 8; ++g) {
       int sc, m;
-      k4_scale_min_simd(b + 4, g, sc, m);
+      k4_scale_min(b + 4, g, sc, m);
       const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(m);
       const __m128i v0 = ld16(qs + 32 * (g / 2)), v1 = ld16(qs + 32 * (g / 2) + 16);
       const __m128i l0 = g % 2 ? hi_nib(v0) : lo_nib(v0), l1 = g % 2 ? hi_nib(v1) : lo_nib(v1);
@@ -244,11 +233,9 @@ void dec_iq4_xs(const uint8_t* b, S& out, int64_t n) {
   const __m128i kv = table16(tables::kvalues_iq4nl);
   for (int64_t i = 0; i < n; i += 256, b += 136) {
     const float d = E::half(load_u16(b));
-    const uint16_t sh = load_u16(b + 2);
 #pragma GCC unroll 16
     for (int g = 0; g < 8; ++g) {
-      const int ls = ((b[4 + g / 2] >> (4 * (g % 2))) & 0xf) | (((sh >> (2 * g)) & 3) << 4);
-      const float dl = d * static_cast<float>(ls - 32);
+      const float dl = d * static_cast<float>(iq4xs_scale(b, g));
       const __m128i v = ld16(b + 8 + 16 * g);
       E::i8(o, _mm_shuffle_epi8(kv, lo_nib(v)), dl);
       E::i8(o, _mm_shuffle_epi8(kv, hi_nib(v)), dl);
