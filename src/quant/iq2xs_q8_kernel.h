@@ -27,8 +27,7 @@
 namespace strata::quant::detail::iq2q8 {
 namespace {  // internal linkage: compiled once per instruction set
 
-/// Software prefetch distance in bytes (as the other q8 kernels, matmul_q8_avx512.cpp).
-constexpr int kPrefetch = 8192;
+constexpr int kPrefetch = kQ8Prefetch;
 
 /// vpshufb: scale byte s = L/2 into the low byte of lane L's two words (word w: byte w/4),
 /// high bytes zero (0x80).

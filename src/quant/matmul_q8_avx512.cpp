@@ -18,13 +18,11 @@
 #include "quant/iq2xs_q8_kernel.h"
 #include "quant/quant_tables.h"
 
-// Software prefetch distance in bytes ahead of the weight being decoded: the hardware prefetcher
-// alone left matrix-vector at ~50 % of the read probe (measured 8 KiB: 1 thread 95 %, 2 threads
-// 80-90 %; 1 KiB: 65 %; none: 52 %; docs/kernels.md).
-constexpr int kPrefetch = 8192;
 namespace strata::quant::detail {
 
 namespace {
+
+constexpr int kPrefetch = kQ8Prefetch;
 
 
 /// acc + per int32 lane the sum of its 4 products u * s (u unsigned, s signed bytes):
