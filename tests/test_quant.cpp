@@ -684,7 +684,8 @@ TEST(QuantMatmul, InvariantToTokenCountRowSplitAndStrides) {
 
 namespace {
 
-const GgmlType kQ8Types[] = {GgmlType::Q8_0, GgmlType::Q2_K,   GgmlType::Q3_K,  GgmlType::Q4_K, GgmlType::Q5_K,
+const GgmlType kQ8Types[] = {GgmlType::Q8_0, GgmlType::Q4_0,   GgmlType::Q4_1,  GgmlType::Q5_0, GgmlType::Q5_1,
+                             GgmlType::IQ4_NL, GgmlType::MXFP4, GgmlType::Q2_K,   GgmlType::Q3_K,  GgmlType::Q4_K, GgmlType::Q5_K,
                              GgmlType::Q6_K, GgmlType::IQ2_XS, GgmlType::IQ3_S, GgmlType::IQ4_XS};
 
 /// Per element the offset magnitude a format subtracts inside a block (Q4_K: dmin * m, found by
@@ -897,7 +898,9 @@ TEST(QuantQ8, ModeSelection) {
   EXPECT_TRUE(q::has_q8_activations(GgmlType::Q4_K));
   EXPECT_TRUE(q::has_q8_activations(GgmlType::Q6_K));
   EXPECT_TRUE(q::has_q8_activations(GgmlType::Q5_K));
-  EXPECT_FALSE(q::has_q8_activations(GgmlType::IQ4_NL));  // no int8 kernel: fp32 activations
+  for (GgmlType t : kQ8Types) EXPECT_TRUE(q::has_q8_activations(t)) << strata::quant::detail::type_name(t);
+  for (GgmlType t : {GgmlType::F32, GgmlType::F16, GgmlType::BF16})  // no int8 kernel: fp32 activations
+    EXPECT_FALSE(q::has_q8_activations(t)) << strata::quant::detail::type_name(t);
   q::set_act_quant(q::ActQuant::F32);
   EXPECT_FALSE(q::has_q8_activations(GgmlType::Q4_K));
 }

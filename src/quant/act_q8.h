@@ -18,6 +18,7 @@
 
 #include "quant/quant.h"
 #include "quant/quant_impl.h"
+#include "quant/quant_tables.h"
 
 namespace strata::quant::detail {
 
@@ -86,9 +87,42 @@ static constexpr bool has_lane_order(GgmlType t) {
 /// (measured 8 KiB: 1 thread 95 %, 2 threads 80-90 %; 1 KiB: 65 %; none: 52 %; docs/kernels.md).
 constexpr int kQ8Prefetch = 8192;
 
+/// The 32-weight block types of the q8 path (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4), each
+/// written as  w_j = fd * u_j + fc  with u_j an unsigned integer code of the block's weight j
+/// (ggml-common.h block layouts; dequant_ref.cpp spells out each). The int8 kernels multiply the
+/// u_j with the activation codes in integers and apply fd per 32-block; fc multiplies the
+/// block's code sum (the s16 sums of ActQ8), so no per-weight offset is ever formed.
+struct B32Format {
+  int bytes;              ///< block size in bytes
+  int qs;                 ///< offset of the codes: 32 int8 (Q8_0) or 16 bytes of nibbles (element
+                          ///< j < 16 in the low nibble of byte j, j >= 16 in the high one of j-16)
+  int qh;                 ///< offset of the uint32 whose bit j is bit 4 of element j's code, or -1
+  int min;                ///< offset of the fp16 min m (fc = m), or -1 (fc = -offset * fd)
+  int offset;             ///< w_j = fd * (u_j - offset) without a min (Q8_0, IQ4_NL: 128, Q4_0: 8,
+                          ///< Q5_0: 16, MXFP4: 12; with a min 0). u_j is the raw code (Q4_0..Q5_1:
+                          ///< nibble | fifth bit << 4), values[code] + offset (IQ4_NL, MXFP4) or
+                          ///< code + 128 (Q8_0); u_j <= 255, and <= 31 unless offset is 128
+  const int8_t* values;   ///< 4-bit codes index this table (IQ4_NL, MXFP4), or null
+  bool e8m0;              ///< fd is the E8M0 byte at offset 0 halved (MXFP4), else fp16 at offset 0
+};
+
+/// The B32Format of t; bytes == 0 for the types that are not 32-weight block types of the q8 path.
+static constexpr B32Format b32_format(GgmlType t) {
+  switch (t) {
+    case GgmlType::Q8_0: return {34, 2, -1, -1, 128, nullptr, false};
+    case GgmlType::Q4_0: return {18, 2, -1, -1, 8, nullptr, false};
+    case GgmlType::Q4_1: return {20, 4, -1, 2, 0, nullptr, false};
+    case GgmlType::Q5_0: return {22, 6, 2, -1, 16, nullptr, false};
+    case GgmlType::Q5_1: return {24, 8, 4, 2, 0, nullptr, false};
+    case GgmlType::IQ4_NL: return {18, 2, -1, -1, 128, tables::kvalues_iq4nl, false};
+    case GgmlType::MXFP4: return {17, 1, -1, -1, 12, tables::kvalues_fp4, true};
+    default: return {0, 0, -1, -1, 0, nullptr, false};
+  }
+}
+
 /// Weight types with an int8 dot product (the others keep fp32 activations in q8 mode).
 static constexpr bool has_q8_kernel(GgmlType t) {
-  return t == GgmlType::Q8_0 || has_lane_order(t);
+  return b32_format(t).bytes != 0 || has_lane_order(t);
 }
 
 /// Tokens [t0, t1) of `a` rewritten for the lane-order kernels of type t (has_lane_order(t);

@@ -251,16 +251,11 @@ void deq_iq3_s(const uint8_t* b, float* y, int64_t nb) {
   }
 }
 
-// E8M0 scale halved (ggml's e8m0_to_fp32_half): 2^(e-128) exactly, subnormal for e < 2.
-inline float e8m0_half(uint8_t e) {
-  return bits_f32(e < 2 ? (0x00200000u << e) : (static_cast<uint32_t>(e - 1) << 23));
-}
-
 // MXFP4: { uint8 e; uint8 qs[16]; }  Q4_0 nibble layout; kvalues_fp4 are the E2M1 values doubled,
 // hence the halved scale; value = d * kv
 void deq_mxfp4(const uint8_t* b, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, b += 17, y += 32) {
-    const float d = e8m0_half(b[0]);
+    const float d = detail::e8m0_half(b[0]);
     for (int j = 0; j < 16; ++j) {
       y[j] = d * static_cast<float>(tables::kvalues_fp4[b[1 + j] & 0xf]);
       y[j + 16] = d * static_cast<float>(tables::kvalues_fp4[b[1 + j] >> 4]);

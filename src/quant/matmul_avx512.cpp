@@ -114,7 +114,7 @@ void lut_mxfp4(const uint8_t* b, S& out, int64_t n) {
   S o = out;
   const __m512 kv = i8_table(tables::kvalues_fp4);
   for (int64_t i = 0; i < n; i += 32, b += 17) {
-    const float d = bits_f32(b[0] < 2 ? (0x00200000u << b[0]) : (static_cast<uint32_t>(b[0] - 1) << 23));
+    const float d = e8m0_half(b[0]);
     const __m512 t = _mm512_mul_ps(kv, _mm512_set1_ps(d));
     const __m512i q = idx16(simd::ld16(b + 1));
     o.put(_mm512_permutexvar_ps(q, t));

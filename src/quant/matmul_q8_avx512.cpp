@@ -49,24 +49,42 @@ struct Tokens {
   int64_t cols;
 };
 
-/// Q8_0 pair of blocks as unsigned bytes (code + 128, i.e. code ^ 0x80); the second half is
-/// zero when the pair has one block.
-inline __m512i q8_0_pair(const uint8_t* b, bool two) {
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  const __m256i lo = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), flip);
-  const __m256i hi = two ? _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 36)), flip)
-                         : _mm256_setzero_si256();
-  return _mm512_inserti64x4(_mm512_zextsi256_si512(lo), hi, 1);
+/// The codes u_j (b32_format) of two consecutive blocks of a 32-weight block type as unsigned
+/// bytes: the block at b in bytes 0-31, the next one in bytes 32-63 (when !two, a copy of the
+/// first, whose activation codes the caller zeroes). `table`: values[q] + offset in every
+/// 128-bit lane (types with a value table).
+template <GgmlType T>
+inline __m512i b32_pair(const uint8_t* b, bool two, __m512i table) {
+  constexpr B32Format F = b32_format(T);
+  const uint8_t* b1 = two ? b + F.bytes : b;
+  if constexpr (F.qs + 32 == F.bytes) {  // Q8_0: int8 codes, + 128
+    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + F.qs))),
+                                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + F.qs)), 1);
+    return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
+  } else {
+    // [qs, qs, qs', qs'] -> low nibbles in 128-bit lanes 0 and 2 (elements 0-15), high in 1 and 3
+    const __m512i v2 = _mm512_mask_broadcast_i32x4(
+        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + F.qs))), 0xff00,
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + F.qs)));
+    __m512i v = _mm512_and_si512(_mm512_mask_srli_epi16(v2, 0xff00ff00u, v2, 4), _mm512_set1_epi8(0x0f));
+    if constexpr (F.qh >= 0) {
+      const uint64_t h = load_u32(b + F.qh) | (static_cast<uint64_t>(load_u32(b1 + F.qh)) << 32);
+      v = _mm512_mask_add_epi8(v, _cvtu64_mask64(h), v, _mm512_set1_epi8(16));
+    }
+    if constexpr (F.values != nullptr) v = _mm512_shuffle_epi8(table, v);
+    return v;
+  }
 }
 
-/// Sum of (w + 128) * x over each int32 lane. Without VNNI, vpmaddubsw on (w + 128) could
-/// saturate, so the same integers are formed as sum(w * x) + 128 * sum(x).
-template <bool VNNI>
-inline __m512i dot_q8_0(__m512i wu, __m512i qx) {
-  if constexpr (VNNI) {
-    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, qx);
+/// Sum of u * x over each int32 lane. Without VNNI, vpmaddubsw on u up to 255 (offset 128)
+/// could saturate, so those integers are formed as sum((u - 128) * x) + 128 * sum(x); smaller
+/// codes (<= 31) cannot saturate a pair sum.
+template <bool VNNI, bool BIG>
+inline __m512i dot_b32(__m512i u, __m512i qx) {
+  if constexpr (VNNI || !BIG) {
+    return dot_acc<VNNI>(_mm512_setzero_si512(), u, qx);
   } else {
-    const __m512i w = _mm512_xor_si512(wu, _mm512_set1_epi8(static_cast<char>(0x80)));
+    const __m512i w = _mm512_xor_si512(u, _mm512_set1_epi8(static_cast<char>(0x80)));
     const __m512i sx = _mm512_mask_sub_epi8(qx, _mm512_movepi8_mask(w), _mm512_setzero_si512(), qx);
     const __m512i ones = _mm512_set1_epi16(1);
     const __m512i wx = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), sx), ones);
@@ -75,39 +93,71 @@ inline __m512i dot_q8_0(__m512i wu, __m512i qx) {
   }
 }
 
-/// One group of (up to) 8 Q8_0 blocks of a row against TB tokens; FULL: all 8 blocks valid.
-template <int TB, bool VNNI, bool FULL>
-inline void q8_0_group(const uint8_t* wg, int nv, const Tokens& tk, int64_t g, __m512* acc0, __m512* acc1,
-                       __m256* corr) {
+/// The 8 fp16 values at p, p + stride, ... (the first nv; zero after them) as floats.
+template <bool FULL>
+inline __m256 halves8(const uint8_t* p, int stride, int nv) {
+  if constexpr (FULL) {
+    return _mm256_cvtph_ps(_mm_setr_epi16(
+        static_cast<short>(load_u16(p)), static_cast<short>(load_u16(p + stride)),
+        static_cast<short>(load_u16(p + 2 * stride)), static_cast<short>(load_u16(p + 3 * stride)),
+        static_cast<short>(load_u16(p + 4 * stride)), static_cast<short>(load_u16(p + 5 * stride)),
+        static_cast<short>(load_u16(p + 6 * stride)), static_cast<short>(load_u16(p + 7 * stride))));
+  }
+  alignas(16) uint16_t h[8] = {};
+  for (int j = 0; j < (FULL ? 8 : nv); ++j) h[j] = load_u16(p + stride * j);
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
+}
+
+/// fd and fc (b32_format) of the (up to) 8 blocks at wg; zero for blocks nv..7.
+template <GgmlType T, bool FULL>
+inline void b32_factors(const uint8_t* wg, int nv, __m256& fd, __m256& fc) {
+  constexpr B32Format F = b32_format(T);
+  if constexpr (F.e8m0) {
+    // e8m0_half of the 8 scale bytes: 2^(e-128), i.e. (e - 1) << 23, or 0x00200000 << e for e < 2
+    const __mmask8 m8 = FULL ? __mmask8{0xff} : static_cast<__mmask8>((1u << nv) - 1u);
+    const __m256i off = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(F.bytes));
+    const __m256i e = _mm256_and_si256(
+        _mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), m8, off, reinterpret_cast<const int*>(wg), 1),
+        _mm256_set1_epi32(0xff));
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    const __mmask8 small = _mm256_cmplt_epu32_mask(e, _mm256_set1_epi32(2));
+    fd = _mm256_castsi256_ps(_mm256_maskz_mov_epi32(m8, _mm256_mask_blend_epi32(small, normal, sub)));
+  } else {
+    fd = halves8<FULL>(wg, F.bytes, nv);
+  }
+  if constexpr (F.min >= 0) {
+    fc = halves8<FULL>(wg + F.min, F.bytes, nv);
+  } else {
+    fc = _mm256_mul_ps(fd, _mm256_set1_ps(-static_cast<float>(F.offset)));
+  }
+}
+
+/// One group of (up to) 8 blocks of a 32-weight block type against TB tokens; FULL: all 8 valid.
+template <GgmlType T, int TB, bool VNNI, bool FULL>
+inline void b32_group(const uint8_t* wg, int nv, const Tokens& tk, int64_t g, __m512i table, __m512* acc0,
+                      __m512* acc1, __m256* corr) {
+  constexpr B32Format F = b32_format(T);
   __m512i idx[4];
   pair_lanes(idx);
-  __m128i dh;
-  if constexpr (FULL) {
-    dh = _mm_setr_epi16(static_cast<short>(load_u16(wg)), static_cast<short>(load_u16(wg + 34)),
-                        static_cast<short>(load_u16(wg + 68)), static_cast<short>(load_u16(wg + 102)),
-                        static_cast<short>(load_u16(wg + 136)), static_cast<short>(load_u16(wg + 170)),
-                        static_cast<short>(load_u16(wg + 204)), static_cast<short>(load_u16(wg + 238)));
-  } else {
-    alignas(16) uint16_t h[8] = {};
-    for (int j = 0; j < nv; ++j) h[j] = load_u16(wg + 34 * j);
-    dh = _mm_load_si128(reinterpret_cast<const __m128i*>(h));
-  }
-  const __m256 dw = _mm256_cvtph_ps(dh);
+  __m256 fd, fc;
+  b32_factors<T, FULL>(wg, nv, fd, fc);
   const __mmask8 m8 = FULL ? __mmask8{0xff} : static_cast<__mmask8>((1u << nv) - 1u);
   const __mmask16 m16 = FULL ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (2 * nv)) - 1u);
   __m512 f[TB];
 #pragma GCC unroll 4
   for (int t = 0; t < TB; ++t) {
-    const __m256 fb = _mm256_mul_ps(dw, _mm256_maskz_loadu_ps(m8, tk.d + t * (tk.cols / 32) + g));
+    const __m256 dx = _mm256_maskz_loadu_ps(m8, tk.d + t * (tk.cols / 32) + g);
     const __m256i s16 = _mm256_maskz_loadu_epi16(m16, tk.s + t * (tk.cols / 16) + 2 * g);
-    corr[t] = _mm256_fmadd_ps(fb, _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, _mm256_set1_epi16(1))), corr[t]);
-    f[t] = _mm512_zextps256_ps512(fb);
+    corr[t] = _mm256_fmadd_ps(_mm256_mul_ps(fc, dx), _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, _mm256_set1_epi16(1))),
+                              corr[t]);
+    f[t] = _mm512_zextps256_ps512(_mm256_mul_ps(fd, dx));
   }
 #pragma GCC unroll 4
   for (int p = 0; p < 4; ++p) {
     if (!FULL && 2 * p >= nv) break;
     const bool two = FULL || 2 * p + 1 < nv;
-    const __m512i wu = q8_0_pair(wg + 68 * p, two);
+    const __m512i wu = b32_pair<T>(wg + 2 * F.bytes * p, two, table);
     const __mmask64 mx = two ? ~__mmask64{0} : __mmask64{0xffffffffu};
     // pair index g/2 + p, g/2 a multiple of 4: the accumulator is p's parity
     __m512* acc = (p & 1) ? acc1 : acc0;
@@ -115,30 +165,36 @@ inline void q8_0_group(const uint8_t* wg, int nv, const Tokens& tk, int64_t g, _
     for (int t = 0; t < TB; ++t) {
       const int8_t* xp = tk.q + t * tk.cols + 32 * (g + 2 * p);
       const __m512i qx = FULL ? _mm512_loadu_si512(xp) : _mm512_maskz_loadu_epi8(mx, xp);
-      const __m512 pf = _mm512_cvtepi32_ps(dot_q8_0<VNNI>(wu, qx));
+      const __m512 pf = _mm512_cvtepi32_ps(dot_b32<VNNI, F.offset == 128>(wu, qx));
       acc[t] = _mm512_fmadd_ps(pf, _mm512_permutexvar_ps(idx[p], f[t]), acc[t]);
     }
   }
 }
 
-template <int TB, bool VNNI>
-void row_q8_0(const uint8_t* w, const Tokens& tk, float* y, int64_t ldy) {
+/// One row of a 32-weight block type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4) against TB
+/// tokens, with the arithmetic of dot_b32 in matmul_q8_ref.cpp.
+template <GgmlType T, int TB, bool VNNI>
+void row_b32(const uint8_t* w, const Tokens& tk, float* y, int64_t ldy) {
+  constexpr B32Format F = b32_format(T);
   __m512 acc0[TB], acc1[TB];
   __m256 corr[TB];
   for (int t = 0; t < TB; ++t) {
     acc0[t] = acc1[t] = _mm512_setzero_ps();
     corr[t] = _mm256_setzero_ps();
   }
+  __m512i table = _mm512_setzero_si512();
+  if constexpr (F.values != nullptr)
+    table = _mm512_broadcast_i32x4(_mm_add_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(F.values)),
+                                                _mm_set1_epi8(static_cast<char>(F.offset))));
   const int64_t nb = tk.cols / 32;
   int64_t g = 0;
   for (; g + 8 <= nb; g += 8) {
-    const uint8_t* wg = w + 34 * g;
-    for (int o = 0; o < 34 * 8; o += 64) _mm_prefetch(reinterpret_cast<const char*>(wg) + kPrefetch + o, _MM_HINT_T0);
-    q8_0_group<TB, VNNI, true>(wg, 8, tk, g, acc0, acc1, corr);
+    const uint8_t* wg = w + F.bytes * g;
+    for (int o = 0; o < F.bytes * 8; o += 64) _mm_prefetch(reinterpret_cast<const char*>(wg) + kPrefetch + o, _MM_HINT_T0);
+    b32_group<T, TB, VNNI, true>(wg, 8, tk, g, table, acc0, acc1, corr);
   }
-  if (g < nb) q8_0_group<TB, VNNI, false>(w + 34 * g, static_cast<int>(nb - g), tk, g, acc0, acc1, corr);
-  for (int t = 0; t < TB; ++t)
-    y[t * ldy] = simd_hsum16(_mm512_add_ps(acc0[t], acc1[t])) - 128.0f * simd_hsum8(corr[t]);
+  if (g < nb) b32_group<T, TB, VNNI, false>(w + F.bytes * g, static_cast<int>(nb - g), tk, g, table, acc0, acc1, corr);
+  for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum16(_mm512_add_ps(acc0[t], acc1[t])) + simd_hsum8(corr[t]);
 }
 
 /// The 8 six-bit scales and mins of a Q4_K block (ggml get_scale_min_k4), unpacked with 32-bit
@@ -428,8 +484,8 @@ void row_iq4_xs(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
 #pragma GCC unroll 4
       for (int t = 0; t < TB; ++t) {
         const __m512i qx = _mm512_loadu_si512(tk.q + t * tk.cols + 256 * i + 64 * k);
-        // kv + 128 reaches 241: without VNNI, vpmaddubsw pairs could saturate (dot_q8_0)
-        sum[t] = VNNI ? _mm512_dpbusd_epi32(sum[t], wq, qx) : _mm512_add_epi32(sum[t], dot_q8_0<false>(wq, qx));
+        // kv + 128 reaches 241: without VNNI, vpmaddubsw pairs could saturate (dot_b32)
+        sum[t] = VNNI ? _mm512_dpbusd_epi32(sum[t], wq, qx) : _mm512_add_epi32(sum[t], dot_b32<false, true>(wq, qx));
       }
     }
 #pragma GCC unroll 4
@@ -518,7 +574,7 @@ void run(const MatmulArgs& m, const ActQ8& a, Q8Isa isa) {
   constexpr int64_t kTokBlock = 64;  // their codes stay in L2 while every row passes
   for (int64_t t0 = 0; t0 < m.n_tok; t0 += kTokBlock) {
     const int64_t t1 = std::min(m.n_tok, t0 + kTokBlock);
-    if (m.type != GgmlType::Q8_0) {
+    if (has_lane_order(m.type)) {
       // the super-block types: the codes in the type's lane order, kept in `a` when it was
       // quantized for this type, else rearranged here (this block, once per call)
       LaneTokens tk;
@@ -568,9 +624,22 @@ void run(const MatmulArgs& m, const ActQ8& a, Q8Isa isa) {
       }
       continue;
     }
-    rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
-      row_q8_0<decltype(tb)::value, VNNI>(w, Tokens{a.qt(t), a.dt(t), a.st(t), a.cols}, y, m.ldy);
-    });
+    auto b32 = [&](auto type) {
+      rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
+        row_b32<decltype(type)::value, decltype(tb)::value, VNNI>(w, Tokens{a.qt(t), a.dt(t), a.st(t), a.cols}, y, m.ldy);
+      });
+    };
+    using G = GgmlType;
+    switch (m.type) {
+      case G::Q8_0: b32(std::integral_constant<G, G::Q8_0>{}); break;
+      case G::Q4_0: b32(std::integral_constant<G, G::Q4_0>{}); break;
+      case G::Q4_1: b32(std::integral_constant<G, G::Q4_1>{}); break;
+      case G::Q5_0: b32(std::integral_constant<G, G::Q5_0>{}); break;
+      case G::Q5_1: b32(std::integral_constant<G, G::Q5_1>{}); break;
+      case G::IQ4_NL: b32(std::integral_constant<G, G::IQ4_NL>{}); break;
+      case G::MXFP4: b32(std::integral_constant<G, G::MXFP4>{}); break;
+      default: break;  // has_q8_kernel() lists exactly these and the lane-order types
+    }
   }
 }
 

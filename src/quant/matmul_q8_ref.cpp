@@ -28,29 +28,43 @@ float hsum16(const float* v) {
   return hsum8(h);
 }
 
-// Q8_0: factor f_b = fp16(d_w) * dx[b]. Blocks are taken in pairs (2p, 2p+1): lanes 0-7 hold
-// block 2p, lanes 8-15 block 2p+1, each lane the sum over its 4 elements of (code_w + 128) *
-// code_x, into accumulator p % 2. The excess 128 * sum(code_x) is accumulated per block
-// position b % 8 as fma(f_b, s32_b). y = hsum16(acc0 + acc1) - 128 * hsum8(excess).
-float dot_q8_0(const uint8_t* w, int64_t cols, const int8_t* qx, const float* dx, const int16_t* s16) {
+// The 32-weight block types (b32_format in act_q8.h: w_j = fd * u_j + fc, u_j unsigned):
+// f_b = fd * dx[b], g_b = fc * dx[b]. Blocks are taken in pairs (2p, 2p+1): lanes 0-7 hold block
+// 2p, lanes 8-15 block 2p+1, each lane the integer sum of u * code_x over its 4 elements, into
+// accumulator p % 2: acc = fma(float(sum), f_b, acc). The fc part is accumulated per block
+// position b % 8: corr = fma(g_b, float(s16[2b] + s16[2b+1]), corr).
+// y = hsum16(acc0 + acc1) + hsum8(corr).
+float dot_b32(const B32Format& F, const uint8_t* w, int64_t cols, const int8_t* qx, const float* dx,
+              const int16_t* s16) {
   float acc[2][16] = {}, corr[8] = {};
   const int64_t nb = cols / 32;
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* wb = w + 34 * b;
-    const float f = half_to_float(load_u16(wb)) * dx[b];
-    corr[b % 8] = std::fma(f, static_cast<float>(s16[2 * b] + s16[2 * b + 1]), corr[b % 8]);
-    const int8_t* q = reinterpret_cast<const int8_t*>(wb + 2);
+    const uint8_t* wb = w + static_cast<int64_t>(F.bytes) * b;
+    const float fd = F.e8m0 ? e8m0_half(wb[0]) : half_to_float(load_u16(wb));
+    const float fc = F.min >= 0 ? half_to_float(load_u16(wb + F.min)) : -static_cast<float>(F.offset) * fd;
+    int u[32];
+    for (int j = 0; j < 32; ++j) {
+      if (F.qs + 32 == F.bytes) {  // Q8_0: 32 int8 codes
+        u[j] = static_cast<int8_t>(wb[F.qs + j]) + 128;
+        continue;
+      }
+      int q = (wb[F.qs + j % 16] >> (4 * (j / 16))) & 0xf;
+      if (F.qh >= 0) q |= static_cast<int>((load_u32(wb + F.qh) >> j) & 1u) << 4;
+      u[j] = F.values ? F.values[q] + F.offset : q;
+    }
+    const float f = fd * dx[b];
+    corr[b % 8] = std::fma(fc * dx[b], static_cast<float>(s16[2 * b] + s16[2 * b + 1]), corr[b % 8]);
     const int64_t p = b / 2;
     for (int l = 0; l < 8; ++l) {
       int s = 0;
-      for (int k = 4 * l; k < 4 * l + 4; ++k) s += (q[k] + 128) * qx[32 * b + k];
+      for (int k = 4 * l; k < 4 * l + 4; ++k) s += u[k] * qx[32 * b + k];
       float& a = acc[p & 1][8 * (b & 1) + l];
       a = std::fma(static_cast<float>(s), f, a);
     }
   }
   float s[16];
   for (int l = 0; l < 16; ++l) s[l] = acc[0][l] + acc[1][l];
-  return hsum16(s) - 128.0f * hsum8(corr);
+  return hsum16(s) + hsum8(corr);
 }
 
 // Q4_K and Q5_K (FIFTH: the 5th bit, bit s of qh[element % 32]), in the lane order of
@@ -295,7 +309,13 @@ void matmul_q8_scalar(const MatmulArgs& m, const ActQ8& a) {
     for (int64_t t = 0; t < m.n_tok; ++t) {
       float y;
       switch (m.type) {
-        case GgmlType::Q8_0: y = dot_q8_0(w, m.cols, a.qt(t), a.dt(t), a.st(t)); break;
+        case GgmlType::Q8_0:
+        case GgmlType::Q4_0:
+        case GgmlType::Q4_1:
+        case GgmlType::Q5_0:
+        case GgmlType::Q5_1:
+        case GgmlType::IQ4_NL:
+        case GgmlType::MXFP4: y = dot_b32(b32_format(m.type), w, m.cols, a.qt(t), a.dt(t), a.st(t)); break;
         case GgmlType::Q4_K: y = dot_q4_k<false>(w, m.cols, a.qt(t), a.dt(t), a.st(t)); break;
         case GgmlType::Q5_K: y = dot_q4_k<true>(w, m.cols, a.qt(t), a.dt(t), a.st(t)); break;
         case GgmlType::Q6_K: y = dot_q6_k(w, m.cols, a.qt(t), a.dt(t), a.st(t)); break;

@@ -84,6 +84,13 @@ static inline float bits_f32(uint32_t u) {
   return f;
 }
 
+/// E8M0 scale halved (OCP Microscaling Formats spec v1.0: 2^(e-127); halved as ggml's
+/// e8m0_to_fp32_half, because its kvalues_fp4 are the E2M1 values doubled): 2^(e-128) exactly,
+/// subnormal for e < 2.
+static inline float e8m0_half(uint8_t e) {
+  return bits_f32(e < 2 ? (0x00200000u << e) : (static_cast<uint32_t>(e - 1) << 23));
+}
+
 /// IEEE binary16 -> binary32, exact (subnormals, infinities and NaN payloads included).
 static inline float half_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;

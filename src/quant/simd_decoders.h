@@ -292,7 +292,7 @@ void dec_mxfp4(const uint8_t* b, S& out, int64_t n) {
   S o = out;  // local copy: the sink's registers cannot alias x or the blocks
   const __m128i kv = table16(tables::kvalues_fp4);
   for (int64_t i = 0; i < n; i += 32, b += 17) {
-    const float d = bits_f32(b[0] < 2 ? (0x00200000u << b[0]) : (static_cast<uint32_t>(b[0] - 1) << 23));
+    const float d = e8m0_half(b[0]);
     const __m128i v = ld16(b + 1);
     E::i8(o, _mm_shuffle_epi8(kv, lo_nib(v)), d);
     E::i8(o, _mm_shuffle_epi8(kv, hi_nib(v)), d);
