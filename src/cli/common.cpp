@@ -25,7 +25,7 @@ void EngineFlags::add(CLI::App& app) {
   app.add_flag("--no-pack", no_pack, "read experts from the GGUF even when a valid MODEL.strata-pack exists");
   app.add_option("--cpu-kernels", cpu_kernels, "matrix kernels: auto, scalar, avx2, avx512")->capture_default_str();
   app.add_option("--act-quant", act_quant,
-                 "activations of Q8_0/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ2_XS/IQ3_S/IQ4_XS matmuls: q8 (int8 dot products, as llama.cpp), f32 (exact, "
+                 "activations of the quantized weights' matmuls: q8 (int8 dot products, as llama.cpp), f32 (exact, "
                  "slower), auto (q8 with the AVX-512 kernels, else f32)")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "q8", "f32"}));
