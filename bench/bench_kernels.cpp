@@ -7,6 +7,8 @@
 //                          GB/s of weight bytes streamed, N threads splitting rows
 //   MatMul/<type>/T/N      T tokens (prefill) on a 1024 x 4096 matrix (cache resident):
 //                          GFLOP/s = 2 * rows * cols * T / time
+//   Iq2xsGatherFloor       the grid gathers of one IQ2_XS super-block alone (1 thread, L2):
+//                          the floor under any gather-based IQ2_XS decoder
 //
 // Each benchmark uses the active kernel family (auto; --cpu-kernels=scalar|avx2|avx512 forces one).
 #include <benchmark/benchmark.h>
@@ -24,6 +26,7 @@
 #include <vector>
 
 #include "quant/quant.h"
+#include "quant/quant_tables.h"
 
 using strata::GgmlType;
 namespace q = strata::quant;
@@ -256,7 +259,46 @@ void BM_MatMul(benchmark::State& st, GgmlType t) {
                                               benchmark::Counter::kIsRate);
 }
 
+// The floor of any IQ2_XS decoder that looks its grid up with vpgatherqq, as the q8 kernel
+// does: per super-block (74 bytes, 32 9-bit grid indices) the kernel's index extraction and its
+// four 8-entry gathers from the 4 KiB grid (L1), summed so nothing is optimized away; codes
+// stream from 0.5 MiB (L2). ns/superblock and the GB/s of weight bytes that alone would allow.
+__attribute__((target("avx512f,avx512bw"))) __attribute__((noinline)) long long
+iq2xs_gathers(const uint8_t* w, int64_t nsb) {
+  const long long* grid = reinterpret_cast<const long long*>(strata::quant::tables::iq2xs_grid);
+  const __m512i m511 = _mm512_set1_epi64(511);
+  __m512i acc0 = _mm512_setzero_si512(), acc1 = acc0;
+  for (int64_t i = 0; i < nsb; ++i, w += 74) {
+    const __m512i codes = _mm512_loadu_si512(w + 2);
+    acc0 = _mm512_add_epi64(acc0, _mm512_i64gather_epi64(_mm512_and_si512(codes, m511), grid, 8));
+    acc1 = _mm512_add_epi64(acc1, _mm512_i64gather_epi64(_mm512_and_si512(_mm512_srli_epi64(codes, 16), m511), grid, 8));
+    acc0 = _mm512_add_epi64(acc0, _mm512_i64gather_epi64(_mm512_and_si512(_mm512_srli_epi64(codes, 32), m511), grid, 8));
+    acc1 = _mm512_add_epi64(acc1, _mm512_i64gather_epi64(_mm512_and_si512(_mm512_srli_epi64(codes, 48), m511), grid, 8));
+  }
+  return _mm512_reduce_add_epi64(_mm512_add_epi64(acc0, acc1));
+}
+
+void BM_Iq2xsGatherFloor(benchmark::State& st) {
+  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw")) {
+    st.SkipWithError("needs AVX-512");
+    return;
+  }
+  const int64_t nsb = (int64_t{1} << 19) / 74;
+  Buffer w = alloc(static_cast<size_t>(nsb) * 74 + 64);
+  fill_random(w.get(), static_cast<size_t>(nsb) * 74 + 64, 9);
+  for (auto _ : st) {
+    const uint8_t* p = w.get();
+    benchmark::DoNotOptimize(p);
+    const long long r = iq2xs_gathers(p, nsb);
+    benchmark::DoNotOptimize(r);
+  }
+  const double n = static_cast<double>(nsb) * static_cast<double>(st.iterations());
+  st.counters["ns/superblock"] = benchmark::Counter(n * 1e-9, benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+  st.counters["GB/s"] = benchmark::Counter(n * 74 / 1e9, benchmark::Counter::kIsRate);
+}
+
 void register_all() {
+  benchmark::RegisterBenchmark("Iq2xsGatherFloor", BM_Iq2xsGatherFloor)->UseRealTime()->Unit(benchmark::kMicrosecond);
   benchmark::RegisterBenchmark("MemRead", BM_MemRead)->Arg(1)->Arg(2)->UseRealTime()->MeasureProcessCPUTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("Memcpy", BM_Memcpy)->Arg(1)->Arg(2)->UseRealTime()->MeasureProcessCPUTime()->Unit(benchmark::kMillisecond);
   for (GgmlType t : kTypes) {
