@@ -705,17 +705,20 @@ std::vector<float> offsets(GgmlType t, const uint8_t* row, int64_t cols) {
 TEST(QuantQ8, AllFamiliesBitIdentical) {
   FamilyGuard guard;
   std::mt19937_64 rng(test_seed() ^ 0x9abc);
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                      __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2");
-  if (!avx512) GTEST_SKIP() << "no AVX-512 on this CPU: only the scalar q8 family exists";
-  // every level up to the CPU's best (each is a superset of the one before)
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  if (!avx2) GTEST_SKIP() << "no AVX2 on this CPU: only the scalar q8 family exists";
+  // the AVX2 family and every AVX-512 level up to the CPU's best (each a superset of the one before)
   using strata::quant::detail::Q8Isa;
-  const Q8Isa best = strata::quant::detail::best_q8_isa();
-  std::vector<Q8Isa> levels{Q8Isa::Avx512};
-  if (best != Q8Isa::Avx512) levels.push_back(Q8Isa::Avx512Vnni);
-  if (best == Q8Isa::Avx512Icl) levels.push_back(Q8Isa::Avx512Icl);
+  std::vector<Q8Isa> levels;
+  if (avx512) {
+    const Q8Isa best = strata::quant::detail::best_q8_isa();
+    levels.push_back(Q8Isa::Avx512);
+    if (best != Q8Isa::Avx512) levels.push_back(Q8Isa::Avx512Vnni);
+    if (best == Q8Isa::Avx512Icl) levels.push_back(Q8Isa::Avx512Icl);
+  }
   static const char* const kLevelName[] = {"avx512", "avx512-vnni", "avx512-icl"};
   int64_t checked = 0;
   for (GgmlType t : kQ8Types) {
@@ -738,13 +741,19 @@ TEST(QuantQ8, AllFamiliesBitIdentical) {
           auto a = base;
           a.y = ref.data();
           strata::quant::detail::matmul_q8_scalar(a, act);
-          for (Q8Isa isa : levels)
+          for (int isa = -1; isa < static_cast<int>(levels.size()); ++isa)  // -1: the AVX2 family
           for (const q::ActQ8* ap : {&act, &act_lanes}) {
             std::fill(y.begin(), y.end(), NAN);
             a.y = y.data();
-            ASSERT_TRUE(strata::quant::detail::matmul_q8_avx512(a, *ap, isa));
+            if (isa < 0) {
+              if (!strata::quant::detail::has_q8_kernel_avx2(t)) continue;
+              ASSERT_TRUE(strata::quant::detail::matmul_q8_avx2(a, *ap));
+            } else {
+              ASSERT_TRUE(strata::quant::detail::matmul_q8_avx512(a, *ap, levels[static_cast<size_t>(isa)]));
+            }
             for (size_t i = 0; i < y.size(); ++i)
-              ASSERT_EQ(bits(y[i]), bits(ref[i])) << strata::quant::detail::type_name(t) << " " << kLevelName[static_cast<int>(isa)]
+              ASSERT_EQ(bits(y[i]), bits(ref[i])) << strata::quant::detail::type_name(t) << " "
+                                                  << (isa < 0 ? "avx2" : kLevelName[static_cast<int>(levels[static_cast<size_t>(isa)])])
                                                   << (ap == &act ? "" : " lanes kept")
                                                   << " rows=" << rows << " cols=" << cols << " n_tok=" << n_tok << " i=" << i;
             checked += static_cast<int64_t>(y.size());
@@ -769,7 +778,7 @@ TEST(QuantQ8, AllFamiliesBitIdentical) {
       for (size_t i = 0; i < y.size(); ++i) ASSERT_EQ(bits(y[i]), bits(first[i])) << q::cpu_kernels_name(fam);
     }
   }
-  std::string names;
+  std::string names = " / avx2 (its types)";
   for (Q8Isa isa : levels) names += std::string(" / ") + kLevelName[static_cast<int>(isa)];
   std::printf("[quant] q8 path: %lld outputs bit-identical across scalar%s\n", static_cast<long long>(checked),
               names.c_str());
@@ -885,10 +894,22 @@ TEST(QuantQ8, ModeSelection) {
   EXPECT_EQ(q::parse_act_quant("q8"), q::ActQuant::Q8);
   EXPECT_THROW(q::parse_act_quant("int4"), std::invalid_argument);
   q::set_act_quant(q::ActQuant::Auto);
-  // auto: q8 with the AVX-512 kernels, f32 with every other family
+  // auto: per type, q8 where the family has an int8 kernel for it, else f32
   q::set_cpu_kernels(q::CpuKernels::Scalar);
   EXPECT_EQ(q::active_act_quant(), q::ActQuant::F32);
   EXPECT_FALSE(q::has_q8_activations(GgmlType::Q4_K));
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+      __builtin_cpu_supports("bmi2")) {
+    q::set_cpu_kernels(q::CpuKernels::Avx2);
+    EXPECT_EQ(q::active_act_quant(), q::ActQuant::Q8);
+    for (GgmlType t : kQ8Types)
+      EXPECT_EQ(q::has_q8_activations(t), strata::quant::detail::has_q8_kernel_avx2(t)) << strata::quant::detail::type_name(t);
+    EXPECT_TRUE(q::has_q8_activations(GgmlType::Q4_K));
+    EXPECT_FALSE(q::has_q8_activations(GgmlType::IQ2_XS));  // no AVX2 int8 kernel: fp32 activations
+    q::set_act_quant(q::ActQuant::Q8);                       // explicit q8: the scalar definition for it
+    EXPECT_TRUE(q::has_q8_activations(GgmlType::IQ2_XS));
+    q::set_act_quant(q::ActQuant::Auto);
+  }
   if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") || !__builtin_cpu_supports("avx512vl") ||
       !__builtin_cpu_supports("avx512dq"))
     GTEST_SKIP() << "no AVX-512 on this CPU: auto is f32 in every family here";

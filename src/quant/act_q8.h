@@ -14,6 +14,7 @@
 // every family gives bit-identical results and the fast kernels are tested bit for bit.
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "quant/quant.h"
@@ -52,6 +53,8 @@ static inline float quantize_block_q8(const float* x, int8_t* q) {
 
 /// AVX-512 twin of quantize_block_q8 (identical codes and scale); also returns the two 16-sums.
 float quantize_block_q8_avx512(const float* x, int8_t* q, int16_t* s16);
+/// AVX2 twin of quantize_block_q8 (identical codes and scale); also returns the two 16-sums.
+float quantize_block_q8_avx2(const float* x, int8_t* q, int16_t* s16);
 
 
 // Lane orders. The kernels of the 256-weight super-block types read a token's int8 codes rearranged
@@ -125,6 +128,13 @@ static constexpr bool has_q8_kernel(GgmlType t) {
   return b32_format(t).bytes != 0 || has_lane_order(t);
 }
 
+/// The subset with an AVX2 kernel (matmul_q8_avx2.cpp): the 32-weight block types, Q4_K, Q5_K,
+/// Q6_K, IQ4_XS. Under the AVX2 family `--act-quant auto` keeps fp32 activations for the others.
+static constexpr bool has_q8_kernel_avx2(GgmlType t) {
+  return b32_format(t).bytes != 0 || t == GgmlType::Q4_K || t == GgmlType::Q5_K || t == GgmlType::Q6_K ||
+         t == GgmlType::IQ4_XS;
+}
+
 /// Tokens [t0, t1) of `a` rewritten for the lane-order kernels of type t (has_lane_order(t);
 /// a.cols % 256 == 0), token-major:
 ///   xp[(t - t0) * cols + 256 i + p] = a.qt(t)[256 i + lane_element(p)]   (int8 codes)
@@ -148,8 +158,39 @@ struct LaneTokens {
   }
 };
 
+/// The codes of consecutive tokens in natural order, from the first: tokens are `cols` codes
+/// apart (d: cols/32, s: cols/16 apart).
+struct Tokens {
+  const int8_t* q;
+  const float* d;
+  const int16_t* s;
+  int64_t cols;
+};
+
+/// Rows [row_begin, row_end) of m against tokens [t0, t1): per row, tiles of up to 4 tokens
+/// (every tile size runs the same per-token instructions), fn(tile<TB>, w, t, y).
+template <class Fn>
+static void rows_by_tiles(const MatmulArgs& m, int64_t t0, int64_t t1, Fn&& fn) {
+  for (int64_t r = m.row_begin; r < m.row_end; ++r) {
+    const uint8_t* w = m.W + static_cast<size_t>(r) * m.row_bytes;
+    for (int64_t t = t0; t < t1; t += 4) {
+      float* y = m.y + t * m.ldy + r;
+      switch ((t1 - t < 4 ? t1 - t : 4)) {
+        case 4: fn(std::integral_constant<int, 4>{}, w, t, y); break;
+        case 3: fn(std::integral_constant<int, 3>{}, w, t, y); break;
+        case 2: fn(std::integral_constant<int, 2>{}, w, t, y); break;
+        default: fn(std::integral_constant<int, 1>{}, w, t, y); break;
+      }
+    }
+  }
+}
+
 /// Scalar q8 family (the definition of the arithmetic): y[t][r] for rows [row_begin, row_end).
 void matmul_q8_scalar(const MatmulArgs& m, const ActQ8& a);
+
+/// AVX2 q8 family (+ FMA, F16C, BMI2; the CPU must have them): y[t][r] with the bits of
+/// matmul_q8_scalar. Returns false for types without a kernel (has_q8_kernel_avx2).
+bool matmul_q8_avx2(const MatmulArgs& m, const ActQ8& a);
 
 /// Instruction-set levels of the AVX-512 q8 family. All give the same bits.
 enum class Q8Isa {

@@ -40,15 +40,6 @@ inline void pair_lanes(__m512i (&idx)[4]) {
     idx[c] = _mm512_inserti64x4(_mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1);
 }
 
-/// The codes of TB consecutive tokens, starting at the first: tokens are `cols` codes apart
-/// (d: cols/32, s: cols/16 apart).
-struct Tokens {
-  const int8_t* q;
-  const float* d;
-  const int16_t* s;
-  int64_t cols;
-};
-
 /// The codes u_j (b32_format) of two consecutive blocks of a 32-weight block type as unsigned
 /// bytes: the block at b in bytes 0-31, the next one in bytes 32-63 (when !two, a copy of the
 /// first, whose activation codes the caller zeroes). `table`: values[q] + offset in every
@@ -197,23 +188,6 @@ void row_b32(const uint8_t* w, const Tokens& tk, float* y, int64_t ldy) {
   for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum16(_mm512_add_ps(acc0[t], acc1[t])) + simd_hsum8(corr[t]);
 }
 
-/// The 8 six-bit scales and mins of a Q4_K block (ggml get_scale_min_k4), unpacked with 32-bit
-/// masks: bytes 0-3 of the results come from s[0..7] & 63, bytes 4-7 combine s[8..11] with the
-/// top two bits of s[0..7].
-inline void k4_scales(const uint8_t* s, uint8_t* sc, uint8_t* m) {
-  uint32_t a, b, c;
-  std::memcpy(&a, s, 4);
-  std::memcpy(&b, s + 4, 4);
-  std::memcpy(&c, s + 8, 4);
-  const uint32_t sc_lo = a & 0x3f3f3f3fu, m_lo = b & 0x3f3f3f3fu;
-  const uint32_t sc_hi = (c & 0x0f0f0f0fu) | (((a >> 6) & 0x03030303u) << 4);
-  const uint32_t m_hi = ((c >> 4) & 0x0f0f0f0fu) | (((b >> 6) & 0x03030303u) << 4);
-  std::memcpy(sc, &sc_lo, 4);
-  std::memcpy(sc + 4, &sc_hi, 4);
-  std::memcpy(m, &m_lo, 4);
-  std::memcpy(m + 4, &m_hi, 4);
-}
-
 inline __m256 u8x8_ps(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
@@ -240,11 +214,12 @@ void row_q4_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
   const int64_t nsb = tk.cols / 256;
   for (int64_t i = 0; i < nsb; ++i, w += kBytes) {
     for (int o = 0; o < kBytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + o, _MM_HINT_T0);
-    alignas(8) uint8_t sc[8], m[8];
-    k4_scales(w + 4, sc, m);
+    uint64_t sc, m;
+    k4_scales_packed(w + 4, sc, m);
     const __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(load_u16(w))),
-                                     _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)), pairs))));
-    const __m256 dm = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(load_u16(w + 2))), u8x8_ps(m));
+                                     _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_cvtsi64_si128(static_cast<long long>(sc)), pairs))));
+    const __m256 dm = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(load_u16(w + 2))),
+                                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(m)))));
     const __m512i qa = _mm512_loadu_si512(w + kQs), qb = _mm512_loadu_si512(w + kQs + 64);
     __m512i sum[TB];
     for (int t = 0; t < TB; ++t) sum[t] = _mm512_setzero_si512();
@@ -549,24 +524,6 @@ void row_iq3_s(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
     }
   }
   for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum16(acc[t]);
-}
-
-/// Rows [row_begin, row_end) of m against tokens [t0, t1): per row, tiles of up to 4 tokens
-/// (every tile size runs the same per-token instructions), fn(tile<TB>, w, t, y).
-template <class Fn>
-void rows_by_tiles(const MatmulArgs& m, int64_t t0, int64_t t1, Fn&& fn) {
-  for (int64_t r = m.row_begin; r < m.row_end; ++r) {
-    const uint8_t* w = m.W + static_cast<size_t>(r) * m.row_bytes;
-    for (int64_t t = t0; t < t1; t += 4) {
-      float* y = m.y + t * m.ldy + r;
-      switch (std::min<int64_t>(4, t1 - t)) {
-        case 4: fn(std::integral_constant<int, 4>{}, w, t, y); break;
-        case 3: fn(std::integral_constant<int, 3>{}, w, t, y); break;
-        case 2: fn(std::integral_constant<int, 2>{}, w, t, y); break;
-        default: fn(std::integral_constant<int, 1>{}, w, t, y); break;
-      }
-    }
-  }
 }
 
 template <bool VNNI>

@@ -38,6 +38,7 @@ std::atomic<CpuKernels>& active_family() {
 void run_q8(const detail::MatmulArgs& a, const ActQ8& act) {
   static const detail::Q8Isa isa = cpu_has_avx512() ? detail::best_q8_isa() : detail::Q8Isa::Avx512;
   if (active_cpu_kernels() == CpuKernels::Avx512 && detail::matmul_q8_avx512(a, act, isa)) return;
+  if (active_cpu_kernels() == CpuKernels::Avx2 && detail::matmul_q8_avx2(a, act)) return;
   detail::matmul_q8_scalar(a, act);
 }
 
@@ -82,8 +83,9 @@ void set_act_quant(ActQuant a) { act_mode().store(a, std::memory_order_relaxed);
 ActQuant active_act_quant() {
   const ActQuant a = act_mode().load(std::memory_order_relaxed);
   if (a != ActQuant::Auto) return a;
-  // the int8 kernels exist for AVX-512 only: elsewhere q8 would run the scalar definition
-  return active_cpu_kernels() == CpuKernels::Avx512 ? ActQuant::Q8 : ActQuant::F32;
+  // int8 kernels exist in the AVX-512 and AVX2 families (the scalar one would only run the
+  // definition, exact but slow); per type, has_q8_activations() decides
+  return active_cpu_kernels() == CpuKernels::Scalar ? ActQuant::F32 : ActQuant::Q8;
 }
 
 const char* act_quant_name(ActQuant a) {
@@ -102,7 +104,18 @@ ActQuant parse_act_quant(const std::string& s) {
   throw std::invalid_argument("unknown activation mode '" + s + "' (expected f32|q8|auto)");
 }
 
-bool has_q8_activations(GgmlType t) { return active_act_quant() == ActQuant::Q8 && detail::has_q8_kernel(t); }
+bool has_q8_activations(GgmlType t) {
+  switch (act_mode().load(std::memory_order_relaxed)) {
+    case ActQuant::F32: return false;
+    case ActQuant::Q8: return detail::has_q8_kernel(t);  // the scalar definition where no SIMD kernel exists
+    case ActQuant::Auto: break;
+  }
+  switch (active_cpu_kernels()) {
+    case CpuKernels::Avx512: return detail::has_q8_kernel(t);
+    case CpuKernels::Avx2: return detail::has_q8_kernel_avx2(t);
+    default: return false;
+  }
+}
 
 namespace detail {
 const char* type_name(GgmlType t) {
@@ -185,7 +198,7 @@ void ActQ8::resize(int64_t n_tok_, int64_t cols_, GgmlType for_type) {
 
 void quantize_activations(const float* x, int64_t ldx, int64_t t0, int64_t t1, ActQ8& a) {
   if (t0 < 0 || t1 > a.n_tok || t0 > t1) throw std::runtime_error("quant::quantize_activations: token range outside the buffer");
-  const bool avx512 = active_cpu_kernels() == CpuKernels::Avx512;
+  const CpuKernels fam = active_cpu_kernels();
   const int64_t nb = a.cols / 32;
   for (int64_t t = t0; t < t1; ++t) {
     const float* xt = x + t * ldx;
@@ -193,8 +206,12 @@ void quantize_activations(const float* x, int64_t ldx, int64_t t0, int64_t t1, A
     float* d = a.d.data() + t * nb;
     int16_t* s = a.s16.data() + t * 2 * nb;
     for (int64_t b = 0; b < nb; ++b) {
-      if (avx512) {
+      if (fam == CpuKernels::Avx512) {
         d[b] = detail::quantize_block_q8_avx512(xt + 32 * b, q + 32 * b, s + 2 * b);
+        continue;
+      }
+      if (fam == CpuKernels::Avx2) {
+        d[b] = detail::quantize_block_q8_avx2(xt + 32 * b, q + 32 * b, s + 2 * b);
         continue;
       }
       d[b] = detail::quantize_block_q8(xt + 32 * b, q + 32 * b);

@@ -131,6 +131,17 @@ static inline void k4_scale_min(const uint8_t* s, int g, int& sc, int& m) {
   }
 }
 
+/// All 8 scales and mins of a Q4_K/Q5_K block (k4_scale_min for g = 0..7), byte g of sc and m,
+/// unpacked with 32-bit masks: bytes 0-3 come from s[0..7] & 63, bytes 4-7 combine s[8..11]
+/// with the top two bits of s[0..7].
+static inline void k4_scales_packed(const uint8_t* s, uint64_t& sc, uint64_t& m) {
+  const uint32_t a = load_u32(s), b = load_u32(s + 4), c = load_u32(s + 8);
+  const uint32_t sc_hi = (c & 0x0f0f0f0fu) | (((a >> 6) & 0x03030303u) << 4);
+  const uint32_t m_hi = ((c >> 4) & 0x0f0f0f0fu) | (((b >> 6) & 0x03030303u) << 4);
+  sc = (a & 0x3f3f3f3fu) | (static_cast<uint64_t>(sc_hi) << 32);
+  m = (b & 0x3f3f3f3fu) | (static_cast<uint64_t>(m_hi) << 32);
+}
+
 /// Six-bit scale, minus 32, of 16-weight group g (0..15) of a Q3_K block: low 4 bits from
 /// scales[g % 8] >> 4*(g / 8), high 2 bits from scales[8 + g % 4] >> 2*(g / 4) (`sc`: the 12
 /// scale bytes; ggml dequantize_row_q3_K).

@@ -1,0 +1,459 @@
+// The q8-activation path, AVX2 (+ FMA, F16C, BMI2): the arithmetic of matmul_q8_ref.cpp, lane
+// by lane, with the 16 int32/fp32 lanes of the AVX-512 kernels (matmul_q8_avx512.cpp) held as
+// two ymm (lanes 0-7 and 8-15). Products are summed with vpmaddubsw + vpmaddwd (the integers of
+// vpdpbusd: no pair sum can saturate for the codes used here), so every result has the bits of
+// the scalar definition and of the AVX-512 kernels.
+//
+// Kernels: the 32-weight block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4), Q4_K, Q5_K,
+// Q6_K and IQ4_XS (has_q8_kernel_avx2); the other types keep fp32 activations under `auto`.
+// Loop order as in the AVX-512 family: blocks of 64 tokens, rows, tiles of up to 4 tokens.
+#include "quant/simd_intrin.h"
+
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "quant/act_q8.h"
+#include "quant/quant_tables.h"
+
+namespace strata::quant::detail {
+
+namespace {
+
+constexpr int kPrefetch = kQ8Prefetch;
+
+/// acc + per int32 lane the sum of its 4 products u * s (u unsigned, s signed bytes; the pair
+/// sums must not saturate int16).
+inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+
+/// Per int32 lane the sum of its 4 products w * x of two signed byte vectors (|w| <= 128, so no
+/// pair sum saturates): vpmaddubsw of |w| with x negated where w < 0.
+inline __m256i dot_signed(__m256i w, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));
+}
+
+inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+/// Mask of the first n (0..8) int32 lanes, for vmaskmov.
+inline __m256i first_lanes(int n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// ---- 32-weight block types (b32_format; dot_b32 in matmul_q8_ref.cpp) ----
+
+/// The codes u_j of the block at b as 32 unsigned bytes (element j in byte j); for the types
+/// with offset 128 (Q8_0, IQ4_NL) the signed values u_j - 128 instead. `table`: values[q] +
+/// offset (mod 256) in both 128-bit lanes (types with a value table).
+template <GgmlType T>
+inline __m256i b32_codes(const uint8_t* b, __m256i table) {
+  constexpr B32Format F = b32_format(T);
+  if constexpr (F.qs + 32 == F.bytes) {  // Q8_0: the int8 codes
+    return load256(b + F.qs);
+  } else {
+    // [qs, qs] -> low nibbles in the low 128 bits (elements 0-15), high nibbles in the high 128
+    const __m256i v2 = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + F.qs)));
+    __m256i v = _mm256_and_si256(_mm256_srlv_epi64(v2, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0f));
+    if constexpr (F.qh >= 0) {
+      // bit j of qh -> 16 in byte j: byte j of a broadcast takes byte j/8 of qh, tests bit j%8
+      const __m256i hb = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(load_u32(b + F.qh))),
+                                             _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL,
+                                                                0x0303030303030303LL));
+      const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+      v = _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, bit), bit), _mm256_set1_epi8(16)));
+    }
+    if constexpr (F.values != nullptr) v = _mm256_shuffle_epi8(table, v);
+    return v;
+  }
+}
+
+/// fd and fc (b32_format) of the first nv (1..8) blocks at wg; zero for blocks nv..7.
+/// The fp16 values at p, p + stride, ... of the first nv blocks (zero after them), as floats.
+template <bool FULL>
+inline __m256 halves8(const uint8_t* p, int stride, int nv) {
+  if constexpr (FULL)
+    return _mm256_cvtph_ps(_mm_setr_epi16(
+        static_cast<short>(load_u16(p)), static_cast<short>(load_u16(p + stride)),
+        static_cast<short>(load_u16(p + 2 * stride)), static_cast<short>(load_u16(p + 3 * stride)),
+        static_cast<short>(load_u16(p + 4 * stride)), static_cast<short>(load_u16(p + 5 * stride)),
+        static_cast<short>(load_u16(p + 6 * stride)), static_cast<short>(load_u16(p + 7 * stride))));
+  alignas(16) uint16_t h[8] = {};
+  for (int j = 0; j < nv; ++j) h[j] = load_u16(p + stride * j);
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
+}
+
+/// fd and fc (b32_format) of the first nv (1..8) blocks at wg; zero for blocks nv..7.
+template <GgmlType T, bool FULL>
+inline void b32_factors(const uint8_t* wg, int nv, __m256& fd, __m256& fc) {
+  constexpr B32Format F = b32_format(T);
+  if constexpr (F.e8m0) {
+    // e8m0_half of the scale bytes: 2^(e-128), i.e. (e - 1) << 23, or 0x00200000 << e for e < 2
+    const __m256i m8 = first_lanes(FULL ? 8 : nv);
+    const __m256i off = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(F.bytes));
+    const __m256i e = _mm256_and_si256(
+        _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), reinterpret_cast<const int*>(wg), off, m8, 1),
+        _mm256_set1_epi32(0xff));
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+    fd = _mm256_castsi256_ps(_mm256_and_si256(m8, _mm256_blendv_epi8(normal, sub, small)));
+  } else {
+    fd = halves8<FULL>(wg, F.bytes, nv);
+  }
+  if constexpr (F.min >= 0) {
+    fc = halves8<FULL>(wg + F.min, F.bytes, nv);
+  } else {
+    fc = _mm256_mul_ps(fd, _mm256_set1_ps(-static_cast<float>(F.offset)));
+  }
+}
+
+/// One group of blocks of a row against TB tokens (FULL: 8 blocks, else nv < 8): block 2p of
+/// the group goes to accumulator p % 2, lanes 0-7 (acc[.][.][0]), block 2p+1 to its lanes 8-15
+/// (acc[.][.][1]).
+template <GgmlType T, int TB, bool FULL>
+inline void b32_group(const uint8_t* wg, int nv, const Tokens& tk, const int32_t* x128, int64_t g, __m256i table,
+                      __m256 (*acc)[2][2], __m256* corr) {
+  constexpr B32Format F = b32_format(T);
+  __m256 fd, fc;
+  b32_factors<T, FULL>(wg, nv, fd, fc);
+  const __m256i m8 = first_lanes(FULL ? 8 : nv);
+  alignas(32) float f[TB][8];
+#pragma GCC unroll 4
+  for (int t = 0; t < TB; ++t) {
+    const float* dxp = tk.d + t * (tk.cols / 32) + g;
+    // the two 16-sums of block b are int32 lane b (pairs of int16)
+    const int* sp = reinterpret_cast<const int*>(tk.s + t * (tk.cols / 16) + 2 * g);
+    const __m256 dx = FULL ? _mm256_loadu_ps(dxp) : _mm256_maskload_ps(dxp, m8);
+    const __m256i s16 = FULL ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp)) : _mm256_maskload_epi32(sp, m8);
+    corr[t] = _mm256_fmadd_ps(_mm256_mul_ps(fc, dx), _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, _mm256_set1_epi16(1))),
+                              corr[t]);
+    _mm256_store_ps(f[t], _mm256_mul_ps(fd, dx));
+  }
+#pragma GCC unroll 8
+  for (int b = 0; b < (FULL ? 8 : nv); ++b) {
+    const __m256i u = b32_codes<T>(wg + F.bytes * b, table);
+#pragma GCC unroll 4
+    for (int t = 0; t < TB; ++t) {
+      const __m256i qx = load256(tk.q + t * tk.cols + 32 * (g + b));
+      // offset 128: sum(u x) = sum(w x) + 128 * (the lane's code sum, x128 of the token)
+      const __m256i s = F.offset == 128 ? _mm256_add_epi32(dot_signed(u, qx), load256(x128 + t * (tk.cols / 4) + 8 * (g + b)))
+                                        : dot_acc(_mm256_setzero_si256(), u, qx);
+      __m256& a = acc[t][(b / 2) & 1][b & 1];
+      a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(&f[t][b]), a);
+    }
+  }
+}
+
+/// x128 (offset-128 types): per token, 128 * the sum of each int32 lane's 4 codes, cols/4 apart.
+template <GgmlType T, int TB>
+void row_b32(const uint8_t* w, const Tokens& tk, const int32_t* x128, float* y, int64_t ldy) {
+  constexpr B32Format F = b32_format(T);
+  __m256 acc[TB][2][2], corr[TB];
+  for (int t = 0; t < TB; ++t) {
+    acc[t][0][0] = acc[t][0][1] = acc[t][1][0] = acc[t][1][1] = _mm256_setzero_ps();
+    corr[t] = _mm256_setzero_ps();
+  }
+  __m256i table = _mm256_setzero_si256();
+  if constexpr (F.values != nullptr)
+    table = _mm256_broadcastsi128_si256(_mm_add_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(F.values)),
+                                                     _mm_set1_epi8(static_cast<char>(F.offset == 128 ? 0 : F.offset))));
+  const int64_t nb = tk.cols / 32;
+  int64_t g = 0;
+  for (; g + 8 <= nb; g += 8) {
+    const uint8_t* wg = w + F.bytes * g;
+    for (int o = 0; o < F.bytes * 8; o += 64) _mm_prefetch(reinterpret_cast<const char*>(wg) + kPrefetch + o, _MM_HINT_T0);
+    b32_group<T, TB, true>(wg, 8, tk, x128, g, table, acc, corr);
+  }
+  if (g < nb) b32_group<T, TB, false>(w + F.bytes * g, static_cast<int>(nb - g), tk, x128, g, table, acc, corr);
+  for (int t = 0; t < TB; ++t) {
+    // s = acc0 + acc1 per lane; hsum16(s) = hsum8(s[0..7] + s[8..15])
+    const __m256 lo = _mm256_add_ps(acc[t][0][0], acc[t][1][0]), hi = _mm256_add_ps(acc[t][0][1], acc[t][1][1]);
+    y[t * ldy] = simd_hsum8(_mm256_add_ps(lo, hi)) + simd_hsum8(corr[t]);
+  }
+}
+
+// ---- super-block types in their lane orders (act_q8.h) ----
+
+/// 16 int8 / uint8 values as fp32 lanes 0-7 and 8-15.
+inline void i8x16_ps(__m128i v, bool is_signed, __m256 (&out)[2]) {
+  const __m128i hi = _mm_unpackhi_epi64(v, v);
+  out[0] = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
+  out[1] = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(hi) : _mm256_cvtepu8_epi32(hi));
+}
+
+/// Two 64-bit words as [a, a, b, b].
+inline __m256i words_aabb(const uint8_t* a, const uint8_t* b) {
+  long long x, z;
+  std::memcpy(&x, a, 8);
+  std::memcpy(&z, b, 8);
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi64x(x)), _mm_set1_epi64x(z), 1);
+}
+
+/// Q4_K (and Q5_K: FIFTH), lane order q4k_lane_element: lanes 0-7 are sub-blocks 0-3 (quant runs
+/// 0 and 1), lanes 8-15 sub-blocks 4-7 (runs 2 and 3); chunk k is word k of each run, low
+/// nibbles for even sub-blocks, high for odd; Q5_K's 5th bit of sub-block s is bit s of qh's
+/// word k, brought to bit 4 by a per-word shift. Definition: dot_q4_k in matmul_q8_ref.cpp.
+template <int TB, bool FIFTH>
+void row_q4_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
+  constexpr int kBytes = FIFTH ? 176 : 144, kQs = FIFTH ? 48 : 16;
+  __m256 acc[TB][2], accm[TB];
+  for (int t = 0; t < TB; ++t) acc[t][0] = acc[t][1] = accm[t] = _mm256_setzero_ps();
+  const __m256i nib = _mm256_set1_epi8(0x0f), shift = _mm256_setr_epi64x(0, 4, 0, 4), bit4 = _mm256_set1_epi8(0x10);
+  const __m256i up = _mm256_setr_epi64x(4, 3, 2, 1), down = _mm256_setr_epi64x(0, 1, 2, 3);  // bit s -> bit 4
+  const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);  // sub-block L/2
+  const int64_t nsb = tk.cols / 256;
+  for (int64_t i = 0; i < nsb; ++i, w += kBytes) {
+    for (int o = 0; o < kBytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + o, _MM_HINT_T0);
+    uint64_t sc, m;
+    k4_scales_packed(w + 4, sc, m);
+    __m256 scf[2];
+    i8x16_ps(_mm_shuffle_epi8(_mm_cvtsi64_si128(static_cast<long long>(sc)), pairs), false, scf);
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(w)));
+    const __m256 dsc[2] = {_mm256_mul_ps(d, scf[0]), _mm256_mul_ps(d, scf[1])};
+    const __m256 dm = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(load_u16(w + 2))),
+                                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(m)))));
+    const uint8_t* qs = w + kQs;
+    __m256i sum[TB][2];
+    for (int t = 0; t < TB; ++t) sum[t][0] = sum[t][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      __m256i hb = _mm256_setzero_si256();
+      if constexpr (FIFTH) {
+        long long h;
+        std::memcpy(&h, w + 16 + 8 * k, 8);
+        hb = _mm256_set1_epi64x(h);
+      }
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {
+        const __m256i v = words_aabb(qs + 64 * half + 8 * k, qs + 64 * half + 32 + 8 * k);
+        __m256i wq = _mm256_and_si256(_mm256_srlv_epi64(v, shift), nib);
+        if constexpr (FIFTH) {
+          // sub-blocks 4*half .. 4*half+3: bit s to bit 4 by a left shift (s < 4) or right (s > 4)
+          const __m256i b4 = half == 0 ? _mm256_sllv_epi64(hb, up) : _mm256_srlv_epi64(hb, down);
+          wq = _mm256_or_si256(wq, _mm256_and_si256(b4, bit4));
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < TB; ++t)
+          sum[t][half] = dot_acc(sum[t][half], wq, load256(tk.q + t * tk.cols + 256 * i + 64 * k + 32 * half));
+      }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < TB; ++t) {
+      const float* dxl = tk.dxl + t * (tk.cols / 16) + 16 * i;
+      for (int half = 0; half < 2; ++half)
+        acc[t][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t][half]), _mm256_mul_ps(dsc[half], _mm256_loadu_ps(dxl + 8 * half)),
+                                       acc[t][half]);
+      accm[t] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(tk.xs + t * (tk.cols / 32) + 8 * i), accm[t]);
+    }
+  }
+  for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum8(_mm256_add_ps(acc[t][0], acc[t][1])) - simd_hsum8(accm[t]);
+}
+
+/// Lanes that are 16-weight groups (Q6_K, IQ4_XS), lanes 8*half..8*half+7 of super-block i:
+/// acc + float(sc * (sum - (s16 << OFF))) * (d * dxl) (group_lanes_fma of the AVX-512 family).
+template <int OFF>
+inline __m256 group_lanes_fma(__m256 acc, __m256i sum, __m256 sc, __m256 d, const LaneTokens& tk, int64_t i, int half) {
+  const __m256i s16 = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tk.s16 + 16 * i + 8 * half)));
+  const __m256 S = _mm256_mul_ps(sc, _mm256_cvtepi32_ps(_mm256_sub_epi32(sum, _mm256_slli_epi32(s16, OFF))));
+  return _mm256_fmadd_ps(S, _mm256_mul_ps(d, _mm256_loadu_ps(tk.dxl + 16 * i + 8 * half)), acc);
+}
+
+/// Q6_K, lane order q6k_lane_element (lane L = 16-weight group L): lanes 8n..8n+7 read the low
+/// bits from ql bytes 64n..64n+63 and the high bits from qh bytes 32n..32n+31; in chunk k lane
+/// L takes dword 4(L%2) + k of the 32-byte run (L%8)/2 % 2 (low bits) / of its qh run (high
+/// bits); a per-lane shift picks the nibble, per-lane shifts move the two high bits to 4-5.
+/// Definition: dot_q6_k in matmul_q8_ref.cpp.
+template <int TB>
+void row_q6_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
+  __m256 acc[TB][2];
+  for (int t = 0; t < TB; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  const __m256i nib = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);                      // r = (L%8)/2 >= 2: high nibble
+  const __m256i up = _mm256_setr_epi32(4, 4, 2, 2, 0, 0, 32, 32), dn = _mm256_setr_epi32(32, 32, 32, 32, 32, 32, 2, 2);
+  const __m256i lo4 = _mm256_set1_epi8(0x0f), hi2 = _mm256_set1_epi8(0x30);
+  const int64_t nsb = tk.cols / 256;
+  for (int64_t i = 0; i < nsb; ++i, w += 210) {
+    for (int o = 0; o < 210; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + o, _MM_HINT_T0);
+    __m256 sc[2];
+    i8x16_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192)), true, sc);
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(w + 208)));
+    __m256i sum[TB][2];
+    for (int t = 0; t < TB; ++t) sum[t][0] = sum[t][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      const __m256i ix = _mm256_setr_epi32(k, 4 + k, k, 4 + k, k, 4 + k, k, 4 + k);
+#pragma GCC unroll 2
+      for (int n = 0; n < 2; ++n) {
+        const __m256i l = _mm256_blend_epi32(_mm256_permutevar8x32_epi32(load256(w + 64 * n), ix),
+                                             _mm256_permutevar8x32_epi32(load256(w + 64 * n + 32), ix), 0xcc);
+        const __m256i h = _mm256_permutevar8x32_epi32(load256(w + 128 + 32 * n), ix);
+        const __m256i hb = _mm256_and_si256(_mm256_or_si256(_mm256_sllv_epi32(h, up), _mm256_srlv_epi32(h, dn)), hi2);
+        const __m256i q6 = _mm256_or_si256(_mm256_and_si256(_mm256_srlv_epi32(l, nib), lo4), hb);
+#pragma GCC unroll 4
+        for (int t = 0; t < TB; ++t)
+          sum[t][n] = dot_acc(sum[t][n], q6, load256(tk.q + t * tk.cols + 256 * i + 64 * k + 32 * n));
+      }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < TB; ++t)
+      for (int n = 0; n < 2; ++n) acc[t][n] = group_lanes_fma<5>(acc[t][n], sum[t][n], sc[n], d, tk.from(t), i, n);
+  }
+  for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum8(_mm256_add_ps(acc[t][0], acc[t][1]));
+}
+
+/// IQ4_XS in Q6_K's lane order (lane L = low (L even) or high nibbles of qs[16(L/2) ..]): in
+/// chunk k, lane L takes dword 4(L/2) + k of qs (lanes 8-15: of qs + 64); vpshufb maps the
+/// nibble to kvalues_iq4nl, multiplied signed by signed (vpsignb).
+/// Definition: dot_iq4_xs in matmul_q8_ref.cpp.
+template <int TB>
+void row_iq4_xs(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
+  __m256 acc[TB][2];
+  for (int t = 0; t < TB; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  const __m256i nib = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4), lo4 = _mm256_set1_epi8(0x0f);
+  const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tables::kvalues_iq4nl)));
+  const int64_t nsb = tk.cols / 256;
+  for (int64_t i = 0; i < nsb; ++i, w += 136) {
+    for (int o = 0; o < 136; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + o, _MM_HINT_T0);
+    // six-bit scale of group g = L/2, minus 32 (iq4xs_scale): nibble g of scales_l | bits 2g..2g+1
+    // of scales_h << 4, with per-lane shifts
+    __m256 sc[2];
+    const __m256i lo = _mm256_set1_epi32(static_cast<int>(load_u32(w + 4))), hi = _mm256_set1_epi32(load_u16(w + 2));
+    for (int n = 0; n < 2; ++n) {
+      const __m256i g = _mm256_add_epi32(_mm256_set1_epi32(4 * n), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+      const __m256i l4 = _mm256_and_si256(_mm256_srlv_epi32(lo, _mm256_slli_epi32(g, 2)), _mm256_set1_epi32(0xf));
+      const __m256i h2 = _mm256_and_si256(_mm256_srlv_epi32(hi, _mm256_add_epi32(g, g)), _mm256_set1_epi32(3));
+      sc[n] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(l4, _mm256_slli_epi32(h2, 4)), _mm256_set1_epi32(32)));
+    }
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(w)));
+    __m256i sum[TB][2];
+    for (int t = 0; t < TB; ++t) sum[t][0] = sum[t][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      const __m256i ix = _mm256_setr_epi32(k, k, 4 + k, 4 + k, 0, 0, 4 + k, 4 + k);
+#pragma GCC unroll 2
+      for (int n = 0; n < 2; ++n) {
+        // lanes 0-3 from the first 32 bytes of the half (groups 0-1), lanes 4-7 from the second
+        const __m256i a = _mm256_permutevar8x32_epi32(load256(w + 8 + 64 * n), ix);
+        const __m256i b = _mm256_permutevar8x32_epi32(load256(w + 8 + 64 * n + 32), _mm256_setr_epi32(0, 0, 0, 0, k, k, 4 + k, 4 + k));
+        const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_blend_epi32(a, b, 0xf0), nib), lo4);
+        const __m256i u = _mm256_shuffle_epi8(kv, q);
+#pragma GCC unroll 4
+        for (int t = 0; t < TB; ++t)
+          sum[t][n] = _mm256_add_epi32(sum[t][n], dot_signed(u, load256(tk.q + t * tk.cols + 256 * i + 64 * k + 32 * n)));
+      }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < TB; ++t)
+      for (int n = 0; n < 2; ++n) {
+        // sum(kv x) is the definition's sum((kv + 128) x) - 128 * the group's code sum
+        const __m256 S = _mm256_mul_ps(sc[n], _mm256_cvtepi32_ps(sum[t][n]));
+        acc[t][n] = _mm256_fmadd_ps(S, _mm256_mul_ps(d, _mm256_loadu_ps(tk.dxl + t * (tk.cols / 16) + 16 * i + 8 * n)), acc[t][n]);
+      }
+  }
+  for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum8(_mm256_add_ps(acc[t][0], acc[t][1]));
+}
+
+}  // namespace
+
+float quantize_block_q8_avx2(const float* x, int8_t* q, int16_t* s16) {
+  __m256 v[4], amax = _mm256_setzero_ps();
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  // finite: |x| <= FLT_MAX (false for NaN and infinities), as quantize_block_q8 tests it
+  const __m256 big = _mm256_set1_ps(3.4028234e38f);
+  int ok = 0xff;
+  for (int c = 0; c < 4; ++c) {
+    v[c] = _mm256_loadu_ps(x + 8 * c);
+    const __m256 a = _mm256_and_ps(v[c], abs_mask);
+    ok &= _mm256_movemask_ps(_mm256_cmp_ps(a, big, _CMP_LE_OQ));
+    amax = _mm256_max_ps(amax, a);
+  }
+  if (ok != 0xff) {
+    std::memset(q, 0, 32);
+    s16[0] = s16[1] = 0;
+    return std::nanf("");
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));  // max is exact, any order
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float am = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  const float id = am > 0.0f ? 127.0f / am : 0.0f;
+  __m256i qi[4];
+  // round to nearest even (MXCSR default), as the scalar's 1.5 * 2^23 trick
+  for (int c = 0; c < 4; ++c) qi[c] = _mm256_cvtps_epi32(_mm256_mul_ps(v[c], _mm256_set1_ps(id)));
+  // packs interleave 128-bit lanes: [0-3 8-11 4-7 12-15] per 16-bit pack, fixed by one dword permute
+  const __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]), p16b = _mm256_packs_epi32(qi[2], qi[3]);
+  const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), p8);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i s = _mm256_add_epi32(qi[2 * h], qi[2 * h + 1]);
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    s16[h] = static_cast<int16_t>(_mm_cvtsi128_si32(s4));
+  }
+  return am / 127.0f;
+}
+
+bool matmul_q8_avx2(const MatmulArgs& m, const ActQ8& a) {
+  if (!has_q8_kernel_avx2(m.type)) return false;
+  constexpr int64_t kTokBlock = 64;  // their codes stay in L2 while every row passes
+  for (int64_t t0 = 0; t0 < m.n_tok; t0 += kTokBlock) {
+    const int64_t t1 = m.n_tok < t0 + kTokBlock ? m.n_tok : t0 + kTokBlock;
+    if (has_lane_order(m.type)) {
+      LaneTokens tk;
+      if (a.lanes == m.type) {
+        tk = LaneTokens{a.ql.data(), a.dxl.data(), a.xs.data(), a.s16.data(), a.cols}.from(t0);
+      } else {
+        thread_local std::vector<int8_t> xp;
+        thread_local std::vector<float> dxl, xs;
+        xp.resize(static_cast<size_t>((t1 - t0) * a.cols));
+        dxl.resize(static_cast<size_t>((t1 - t0) * (a.cols / 16)));
+        xs.resize(static_cast<size_t>((t1 - t0) * (a.cols / 32)));
+        lane_order(m.type, a, t0, t1, xp.data(), dxl.data(), xs.data());
+        tk = LaneTokens{xp.data(), dxl.data(), xs.data(), a.st(t0), a.cols};
+      }
+      rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
+        constexpr int TB = decltype(tb)::value;
+        const LaneTokens sub = tk.from(t - t0);
+        switch (m.type) {
+          case GgmlType::Q4_K: row_q4_k<TB, false>(w, sub, y, m.ldy); break;
+          case GgmlType::Q5_K: row_q4_k<TB, true>(w, sub, y, m.ldy); break;
+          case GgmlType::Q6_K: row_q6_k<TB>(w, sub, y, m.ldy); break;
+          case GgmlType::IQ4_XS: row_iq4_xs<TB>(w, sub, y, m.ldy); break;
+          default: break;  // has_q8_kernel_avx2() lists exactly these
+        }
+      });
+      continue;
+    }
+    thread_local std::vector<int32_t> x128;
+    if (b32_format(m.type).offset == 128) {
+      const int64_t nl = a.cols / 4;
+      x128.resize(static_cast<size_t>((t1 - t0) * nl));
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t l = 0; l < nl; ++l) {
+          const int8_t* q = a.qt(t) + 4 * l;
+          x128[static_cast<size_t>((t - t0) * nl + l)] = 128 * (q[0] + q[1] + q[2] + q[3]);
+        }
+    }
+    auto b32 = [&](auto type) {
+      rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
+        row_b32<decltype(type)::value, decltype(tb)::value>(w, Tokens{a.qt(t), a.dt(t), a.st(t), a.cols},
+                                                            x128.data() + (t - t0) * (a.cols / 4), y, m.ldy);
+      });
+    };
+    using G = GgmlType;
+    switch (m.type) {
+      case G::Q8_0: b32(std::integral_constant<G, G::Q8_0>{}); break;
+      case G::Q4_0: b32(std::integral_constant<G, G::Q4_0>{}); break;
+      case G::Q4_1: b32(std::integral_constant<G, G::Q4_1>{}); break;
+      case G::Q5_0: b32(std::integral_constant<G, G::Q5_0>{}); break;
+      case G::Q5_1: b32(std::integral_constant<G, G::Q5_1>{}); break;
+      case G::IQ4_NL: b32(std::integral_constant<G, G::IQ4_NL>{}); break;
+      case G::MXFP4: b32(std::integral_constant<G, G::MXFP4>{}); break;
+      default: break;
+    }
+  }
+  return true;
+}
+
+}  // namespace strata::quant::detail
