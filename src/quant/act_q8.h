@@ -167,20 +167,35 @@ struct Tokens {
   int64_t cols;
 };
 
-/// Rows [row_begin, row_end) of m against tokens [t0, t1): per row, tiles of up to 4 tokens
-/// (every tile size runs the same per-token instructions), fn(tile<TB>, w, t, y).
-template <class Fn>
+/// Rows [row_begin, row_end) of m against tokens [t0, t1): per row, tiles of up to MAXT (<= 4)
+/// tokens (every tile size runs the same per-token instructions), fn(tile<TB>, w, t, y).
+template <int MAXT = 4, class Fn>
 static void rows_by_tiles(const MatmulArgs& m, int64_t t0, int64_t t1, Fn&& fn) {
+  static_assert(MAXT >= 1 && MAXT <= 4);
   for (int64_t r = m.row_begin; r < m.row_end; ++r) {
     const uint8_t* w = m.W + static_cast<size_t>(r) * m.row_bytes;
-    for (int64_t t = t0; t < t1; t += 4) {
+    for (int64_t t = t0; t < t1; t += MAXT) {
       float* y = m.y + t * m.ldy + r;
-      switch ((t1 - t < 4 ? t1 - t : 4)) {
-        case 4: fn(std::integral_constant<int, 4>{}, w, t, y); break;
-        case 3: fn(std::integral_constant<int, 3>{}, w, t, y); break;
-        case 2: fn(std::integral_constant<int, 2>{}, w, t, y); break;
-        default: fn(std::integral_constant<int, 1>{}, w, t, y); break;
+      const int64_t n = t1 - t < MAXT ? t1 - t : MAXT;
+      if constexpr (MAXT >= 4) {
+        if (n == 4) {
+          fn(std::integral_constant<int, 4>{}, w, t, y);
+          continue;
+        }
       }
+      if constexpr (MAXT >= 3) {
+        if (n == 3) {
+          fn(std::integral_constant<int, 3>{}, w, t, y);
+          continue;
+        }
+      }
+      if constexpr (MAXT >= 2) {
+        if (n == 2) {
+          fn(std::integral_constant<int, 2>{}, w, t, y);
+          continue;
+        }
+      }
+      fn(std::integral_constant<int, 1>{}, w, t, y);
     }
   }
 }

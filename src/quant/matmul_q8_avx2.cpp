@@ -436,7 +436,8 @@ bool matmul_q8_avx2(const MatmulArgs& m, const ActQ8& a) {
         }
     }
     auto b32 = [&](auto type) {
-      rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
+      // tiles of 2 tokens: 4 accumulators per token, 16 ymm registers in all
+      rows_by_tiles<2>(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
         row_b32<decltype(type)::value, decltype(tb)::value>(w, Tokens{a.qt(t), a.dt(t), a.st(t), a.cols},
                                                             x128.data() + (t - t0) * (a.cols / 4), y, m.ldy);
       });

@@ -188,10 +188,6 @@ void row_b32(const uint8_t* w, const Tokens& tk, float* y, int64_t ldy) {
   for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum16(_mm512_add_ps(acc0[t], acc1[t])) + simd_hsum8(corr[t]);
 }
 
-inline __m256 u8x8_ps(const uint8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-
 /// Q4_K (and Q5_K: FIFTH) in its lane order (q4k_lane_element): chunk k = 64-bit word k of
 /// each 32-byte run of quants (one vpermt2q), low nibbles in even words (sub-blocks 0, 2, 4, 6),
 /// high in odd; Q5_K's 5th bits of chunk k are qh's 64-bit word k, bit s of every byte for the
