@@ -412,7 +412,8 @@ bool matmul_q8_avx2(const MatmulArgs& m, const ActQ8& a) {
         lane_order(m.type, a, t0, t1, xp.data(), dxl.data(), xs.data());
         tk = LaneTokens{xp.data(), dxl.data(), xs.data(), a.st(t0), a.cols};
       }
-      rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
+      // tiles of 2 tokens: sums and accumulators of 16 lanes are 2 ymm each per token
+      rows_by_tiles<2>(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
         constexpr int TB = decltype(tb)::value;
         const LaneTokens sub = tk.from(t - t0);
         switch (m.type) {
