@@ -354,6 +354,112 @@ void row_iq4_xs(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
   for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum8(_mm256_add_ps(acc[t][0], acc[t][1]));
 }
 
+/// Lanes 0-7 (n = 0) or 8-15 (n = 1) of Q6_K's lane order over a 64-byte run of 2-bit planes
+/// (Q2_K, Q3_K qs): in chunk k lane L takes dword 4(L%2) + k of bytes 32n..32n+31 and the plane
+/// 2((L/2)%4) of it.
+inline __m256i q2_planes(const uint8_t* qs, int n, __m256i ix) {
+  const __m256i shift = _mm256_setr_epi32(0, 0, 2, 2, 4, 4, 6, 6);
+  return _mm256_and_si256(_mm256_srlv_epi32(_mm256_permutevar8x32_epi32(load256(qs + 32 * n), ix), shift),
+                          _mm256_set1_epi8(3));
+}
+
+/// Q2_K in Q6_K's lane order (lane L = 16-weight group L): the group's 4-bit scale multiplies the
+/// lane's integer sum, its 4-bit min the group's code sum. Definition: dot_q2_k.
+template <int TB>
+void row_q2_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
+  __m256 acc[TB][2], accm[TB][2];
+  for (int t = 0; t < TB; ++t) acc[t][0] = acc[t][1] = accm[t][0] = accm[t][1] = _mm256_setzero_ps();
+  const __m256i nib = _mm256_set1_epi32(0xf);
+  const int64_t nsb = tk.cols / 256;
+  for (int64_t i = 0; i < nsb; ++i, w += 84) {
+    for (int o = 0; o < 84; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + o, _MM_HINT_T0);
+    __m256 sc[2], mn[2];
+    for (int n = 0; n < 2; ++n) {
+      const __m256i s8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8 * n)));
+      sc[n] = _mm256_cvtepi32_ps(_mm256_and_si256(s8, nib));
+      mn[n] = _mm256_cvtepi32_ps(_mm256_srli_epi32(s8, 4));
+    }
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(w + 80))), dmin = _mm256_set1_ps(_cvtsh_ss(load_u16(w + 82)));
+    __m256i sum[TB][2];
+    for (int t = 0; t < TB; ++t) sum[t][0] = sum[t][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      const __m256i ix = _mm256_setr_epi32(k, 4 + k, k, 4 + k, k, 4 + k, k, 4 + k);
+#pragma GCC unroll 2
+      for (int n = 0; n < 2; ++n) {
+        const __m256i q = q2_planes(w + 16, n, ix);
+#pragma GCC unroll 2
+        for (int t = 0; t < TB; ++t)
+          sum[t][n] = dot_acc(sum[t][n], q, load256(tk.q + t * tk.cols + 256 * i + 64 * k + 32 * n));
+      }
+    }
+#pragma GCC unroll 2
+    for (int t = 0; t < TB; ++t)
+      for (int n = 0; n < 2; ++n) {
+        const __m256 x = _mm256_loadu_ps(tk.dxl + t * (tk.cols / 16) + 16 * i + 8 * n);
+        const __m256i s16 = _mm256_cvtepi16_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(tk.s16 + t * (tk.cols / 16) + 16 * i + 8 * n)));
+        acc[t][n] = _mm256_fmadd_ps(_mm256_mul_ps(sc[n], _mm256_cvtepi32_ps(sum[t][n])), _mm256_mul_ps(d, x), acc[t][n]);
+        accm[t][n] = _mm256_fmadd_ps(_mm256_mul_ps(mn[n], _mm256_cvtepi32_ps(s16)), _mm256_mul_ps(dmin, x), accm[t][n]);
+      }
+  }
+  for (int t = 0; t < TB; ++t)
+    y[t * ldy] = simd_hsum8(_mm256_add_ps(acc[t][0], acc[t][1])) - simd_hsum8(_mm256_add_ps(accm[t][0], accm[t][1]));
+}
+
+/// Q3_K in Q6_K's lane order: low 2 bits as Q2_K's planes, the third from hmask (lane L takes
+/// dword 4(L%2) + k of it; bit L/2 of each byte is shifted to bit 2); the -4 offset and the six-bit
+/// scale act on the lane's sum (q3k_scale, vectorized). Definition: dot_q3_k.
+template <int TB>
+void row_q3_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
+  __m256 acc[TB][2];
+  for (int t = 0; t < TB; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  // bit L/2 of each byte to bit 2: left by 2 - L/2 (L/2 <= 2) or right by L/2 - 2
+  const __m256i up[2] = {_mm256_setr_epi32(2, 2, 1, 1, 0, 0, 32, 32), _mm256_set1_epi32(32)};
+  const __m256i dn[2] = {_mm256_setr_epi32(32, 32, 32, 32, 32, 32, 1, 1), _mm256_setr_epi32(2, 2, 3, 3, 4, 4, 5, 5)};
+  // six-bit scale of group L: low 4 bits of byte L%8 >> 4(L/8), high 2 of byte 8 + L%4 >> 2(L/4)
+  const __m256i lo_byte = _mm256_setr_epi32(0x80808000, 0x80808001, 0x80808002, 0x80808003, 0x80808004, 0x80808005,
+                                            0x80808006, 0x80808007);
+  const __m256i hi_byte = _mm256_setr_epi32(0x80808008, 0x80808009, 0x8080800a, 0x8080800b, 0x80808008, 0x80808009,
+                                            0x8080800a, 0x8080800b);
+  const __m256i hi_shift[2] = {_mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2), _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6)};
+  const __m256i bit2 = _mm256_set1_epi8(4);
+  const int64_t nsb = tk.cols / 256;
+  for (int64_t i = 0; i < nsb; ++i, w += 110) {
+    for (int o = 0; o < 110; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + o, _MM_HINT_T0);
+    const __m256i sb = _mm256_broadcastsi128_si256(
+        _mm_insert_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 96)), static_cast<int>(load_u32(w + 104)), 2));
+    const __m256i lo = _mm256_shuffle_epi8(sb, lo_byte), hi = _mm256_shuffle_epi8(sb, hi_byte);
+    __m256 sc[2];
+    for (int n = 0; n < 2; ++n) {
+      const __m256i l4 = _mm256_and_si256(_mm256_srli_epi32(lo, 4 * n), _mm256_set1_epi32(0xf));
+      const __m256i h2 = _mm256_and_si256(_mm256_srlv_epi32(hi, hi_shift[n]), _mm256_set1_epi32(3));
+      sc[n] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(l4, _mm256_slli_epi32(h2, 4)), _mm256_set1_epi32(32)));
+    }
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(w + 108)));
+    const __m256i hm = load256(w);
+    __m256i sum[TB][2];
+    for (int t = 0; t < TB; ++t) sum[t][0] = sum[t][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      const __m256i ix = _mm256_setr_epi32(k, 4 + k, k, 4 + k, k, 4 + k, k, 4 + k);
+      const __m256i h = _mm256_permutevar8x32_epi32(hm, ix);
+#pragma GCC unroll 2
+      for (int n = 0; n < 2; ++n) {
+        const __m256i hb = _mm256_and_si256(_mm256_or_si256(_mm256_sllv_epi32(h, up[n]), _mm256_srlv_epi32(h, dn[n])), bit2);
+        const __m256i u = _mm256_or_si256(q2_planes(w + 32, n, ix), hb);
+#pragma GCC unroll 2
+        for (int t = 0; t < TB; ++t)
+          sum[t][n] = dot_acc(sum[t][n], u, load256(tk.q + t * tk.cols + 256 * i + 64 * k + 32 * n));
+      }
+    }
+#pragma GCC unroll 2
+    for (int t = 0; t < TB; ++t)
+      for (int n = 0; n < 2; ++n) acc[t][n] = group_lanes_fma<2>(acc[t][n], sum[t][n], sc[n], d, tk.from(t), i, n);
+  }
+  for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum8(_mm256_add_ps(acc[t][0], acc[t][1]));
+}
+
 }  // namespace
 
 float quantize_block_q8_avx2(const float* x, int8_t* q, int16_t* s16) {
@@ -421,6 +527,8 @@ bool matmul_q8_avx2(const MatmulArgs& m, const ActQ8& a) {
           case GgmlType::Q5_K: row_q4_k<TB, true>(w, sub, y, m.ldy); break;
           case GgmlType::Q6_K: row_q6_k<TB>(w, sub, y, m.ldy); break;
           case GgmlType::IQ4_XS: row_iq4_xs<TB>(w, sub, y, m.ldy); break;
+          case GgmlType::Q2_K: row_q2_k<TB>(w, sub, y, m.ldy); break;
+          case GgmlType::Q3_K: row_q3_k<TB>(w, sub, y, m.ldy); break;
           default: break;  // has_q8_kernel_avx2() lists exactly these
         }
       });
