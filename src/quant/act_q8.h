@@ -132,7 +132,7 @@ static constexpr bool has_q8_kernel(GgmlType t) {
 /// Q6_K, IQ4_XS. Under the AVX2 family `--act-quant auto` keeps fp32 activations for the others.
 static constexpr bool has_q8_kernel_avx2(GgmlType t) {
   return b32_format(t).bytes != 0 || t == GgmlType::Q2_K || t == GgmlType::Q3_K || t == GgmlType::Q4_K ||
-         t == GgmlType::Q5_K || t == GgmlType::Q6_K || t == GgmlType::IQ4_XS;
+         t == GgmlType::Q5_K || t == GgmlType::Q6_K || t == GgmlType::IQ3_S || t == GgmlType::IQ4_XS;
 }
 
 /// Tokens [t0, t1) of `a` rewritten for the lane-order kernels of type t (has_lane_order(t);

@@ -460,6 +460,74 @@ void row_q3_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
   for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum8(_mm256_add_ps(acc[t][0], acc[t][1]));
 }
 
+/// Byte masks (0xff where the bit is set): byte 4L + j of the result is bit j of the low byte of
+/// 32-bit lane L of v (j = 0..3, so the low nibble).
+inline __m256i nibble_masks(__m256i v) {
+  const __m256i rep = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4, 8, 8,
+                                       8, 8, 12, 12, 12, 12);
+  const __m256i bits = _mm256_set1_epi32(0x08040201);
+  return _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(v, rep), bits), bits);
+}
+
+/// x with the bytes under mask m (0xff) negated.
+inline __m256i negate_where(__m256i x, __m256i m) { return _mm256_sign_epi8(x, _mm256_or_si256(m, _mm256_set1_epi8(1))); }
+
+/// IQ3_S in Q6_K's lane order: in chunk k lane L's grid entry is 4L + k, byte k of qs dword L
+/// with its 9th bit, bit 4(L%8) + k of qh word L/8, gathered by one vpgatherdd per 8 lanes; the
+/// signs of lane L are nibble k of 16-bit word L of the signs; the odd 4-bit block scale
+/// multiplies the lane's integer sum. Definition: dot_iq3_s.
+template <int TB>
+void row_iq3_s(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
+  __m256 acc[TB][2];
+  for (int t = 0; t < TB; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  const __m256i lo8 = _mm256_set1_epi32(0xff), one = _mm256_set1_epi32(1);
+  const __m256i hshift = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  const int* grid = reinterpret_cast<const int*>(tables::iq3s_grid);
+  const int64_t nsb = tk.cols / 256;
+  for (int64_t i = 0; i < nsb; ++i, w += 110) {
+    for (int o = 0; o < 110; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + o, _MM_HINT_T0);
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(w)));
+    // odd scale 1 + 2 * ls of 32-block L/2: nibble L/2 of the 4 scale bytes
+    const __m256i sv = _mm256_set1_epi32(static_cast<int>(load_u32(w + 106)));
+    __m256 odd[2];
+    for (int n = 0; n < 2; ++n) {
+      const __m256i sh = _mm256_add_epi32(_mm256_set1_epi32(16 * n), _mm256_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12));
+      const __m256i ls = _mm256_and_si256(_mm256_srlv_epi32(sv, sh), _mm256_set1_epi32(0xf));
+      odd[n] = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_add_epi32(ls, ls), one));
+    }
+    __m256i qs[2], qh[2], sg[2];
+    for (int n = 0; n < 2; ++n) {
+      qs[n] = load256(w + 2 + 32 * n);
+      qh[n] = _mm256_set1_epi32(static_cast<int>(load_u32(w + 66 + 4 * n)));
+      sg[n] = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 74 + 16 * n)));  // word L in lane L
+    }
+    __m256i sum[TB][2];
+    for (int t = 0; t < TB; ++t) sum[t][0] = sum[t][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+#pragma GCC unroll 2
+      for (int n = 0; n < 2; ++n) {
+        const __m256i hb = _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(qh[n], _mm256_add_epi32(hshift, _mm256_set1_epi32(k))), one), 8);
+        const __m256i ix = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(qs[n], 8 * k), lo8), hb);
+        const __m256i g = _mm256_i32gather_epi32(grid, ix, 4);
+        const __m256i neg = nibble_masks(_mm256_srli_epi32(sg[n], 4 * k));
+#pragma GCC unroll 2
+        for (int t = 0; t < TB; ++t) {
+          const __m256i qx = load256(tk.q + t * tk.cols + 256 * i + 64 * k + 32 * n);
+          sum[t][n] = dot_acc(sum[t][n], g, negate_where(qx, neg));
+        }
+      }
+    }
+#pragma GCC unroll 2
+    for (int t = 0; t < TB; ++t)
+      for (int n = 0; n < 2; ++n) {
+        const __m256 f = _mm256_mul_ps(d, _mm256_loadu_ps(tk.dxl + t * (tk.cols / 16) + 16 * i + 8 * n));
+        acc[t][n] = _mm256_fmadd_ps(_mm256_mul_ps(odd[n], _mm256_cvtepi32_ps(sum[t][n])), f, acc[t][n]);
+      }
+  }
+  for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum8(_mm256_add_ps(acc[t][0], acc[t][1]));
+}
+
 }  // namespace
 
 float quantize_block_q8_avx2(const float* x, int8_t* q, int16_t* s16) {
@@ -529,6 +597,7 @@ bool matmul_q8_avx2(const MatmulArgs& m, const ActQ8& a) {
           case GgmlType::IQ4_XS: row_iq4_xs<TB>(w, sub, y, m.ldy); break;
           case GgmlType::Q2_K: row_q2_k<TB>(w, sub, y, m.ldy); break;
           case GgmlType::Q3_K: row_q3_k<TB>(w, sub, y, m.ldy); break;
+          case GgmlType::IQ3_S: row_iq3_s<TB>(w, sub, y, m.ldy); break;
           default: break;  // has_q8_kernel_avx2() lists exactly these
         }
       });
