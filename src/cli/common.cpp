@@ -26,7 +26,7 @@ void EngineFlags::add(CLI::App& app) {
   app.add_option("--cpu-kernels", cpu_kernels, "matrix kernels: auto, scalar, avx2, avx512")->capture_default_str();
   app.add_option("--act-quant", act_quant,
                  "activations of the quantized weights' matmuls: q8 (int8 dot products, as llama.cpp), f32 (exact, "
-                 "slower), auto (per weight type: q8 where the CPU kernel family has an int8 kernel for it, else f32)")
+                 "slower), auto (q8 with the avx2 and avx512 kernels, f32 with scalar)")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "q8", "f32"}));
   app.add_option("--predict", predict, "read ahead the next layer's experts predicted from this layer (on|off)")

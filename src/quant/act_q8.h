@@ -128,13 +128,6 @@ static constexpr bool has_q8_kernel(GgmlType t) {
   return b32_format(t).bytes != 0 || has_lane_order(t);
 }
 
-/// The subset with an AVX2 kernel (matmul_q8_avx2.cpp): the 32-weight block types, Q4_K, Q5_K,
-/// Q6_K, IQ4_XS. Under the AVX2 family `--act-quant auto` keeps fp32 activations for the others.
-static constexpr bool has_q8_kernel_avx2(GgmlType t) {
-  return b32_format(t).bytes != 0 || t == GgmlType::Q2_K || t == GgmlType::Q3_K || t == GgmlType::Q4_K ||
-         t == GgmlType::Q5_K || t == GgmlType::Q6_K || t == GgmlType::IQ3_S || t == GgmlType::IQ4_XS;
-}
-
 /// Tokens [t0, t1) of `a` rewritten for the lane-order kernels of type t (has_lane_order(t);
 /// a.cols % 256 == 0), token-major:
 ///   xp[(t - t0) * cols + 256 i + p] = a.qt(t)[256 i + lane_element(p)]   (int8 codes)
@@ -204,7 +197,7 @@ static void rows_by_tiles(const MatmulArgs& m, int64_t t0, int64_t t1, Fn&& fn) 
 void matmul_q8_scalar(const MatmulArgs& m, const ActQ8& a);
 
 /// AVX2 q8 family (+ FMA, F16C, BMI2; the CPU must have them): y[t][r] with the bits of
-/// matmul_q8_scalar. Returns false for types without a kernel (has_q8_kernel_avx2).
+/// matmul_q8_scalar. Returns false for types without a kernel (!has_q8_kernel).
 bool matmul_q8_avx2(const MatmulArgs& m, const ActQ8& a);
 
 /// Instruction-set levels of the AVX-512 q8 family. All give the same bits.

@@ -4,8 +4,8 @@
 // vpdpbusd: no pair sum can saturate for the codes used here), so every result has the bits of
 // the scalar definition and of the AVX-512 kernels.
 //
-// Kernels: the 32-weight block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4), Q4_K, Q5_K,
-// Q6_K and IQ4_XS (has_q8_kernel_avx2); the other types keep fp32 activations under `auto`.
+// Kernels: every type of has_q8_kernel (the 32-weight block types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+// IQ4_NL, MXFP4; Q2_K..Q6_K, IQ2_XS, IQ3_S, IQ4_XS in their lane orders).
 // Loop order as in the AVX-512 family: blocks of 64 tokens, rows, tiles of up to 4 tokens.
 #include "quant/simd_intrin.h"
 
@@ -528,6 +528,71 @@ void row_iq3_s(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
   for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum8(_mm256_add_ps(acc[t][0], acc[t][1]));
 }
 
+/// IQ2_XS in its gather-native lane order (iq2xs_lane_element): lanes 0-7 (n = 0) are 32-blocks
+/// 0-3, lanes 8-15 blocks 4-7; in chunk k the lane pair (2s, 2s+1) of a half is grid entry
+/// 4(4n + s) + k, word k of 64-bit word s of the half's codes, so one 4-entry vpgatherqq gives
+/// the chunk's magnitudes in lane order; each code's sign byte (7 bits + parity, computed with
+/// shifts) is spread over its entry's 8 bytes and negates the activation codes; the odd scales
+/// 2*ls+1 weight the pair sums in integers (vpmaddwd). Definition: dot_iq2_xs.
+template <int TB>
+void row_iq2_xs(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
+  __m256 acc[TB][2];
+  for (int t = 0; t < TB; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  const __m256i m511 = _mm256_set1_epi64x(511), one = _mm256_set1_epi16(1);
+  const __m256i rep = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8, 0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8,
+                                       8, 8, 8, 8);
+  const __m256i bits = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+  const long long* grid = reinterpret_cast<const long long*>(tables::iq2xs_grid);
+  const int64_t nsb = tk.cols / 256;
+  for (int64_t i = 0; i < nsb; ++i, w += 74) {
+    _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + 64, _MM_HINT_T0);
+    const __m256 dq = _mm256_set1_ps(_cvtsh_ss(load_u16(w)) * 0.125f);
+    __m256i codes[2], sb[2], odd[2][2];
+    for (int n = 0; n < 2; ++n) {
+      codes[n] = load256(w + 2 + 32 * n);
+      // sign byte of every code in the low byte of its word: bits 9-15 and their parity as bit 7
+      const __m256i k7 = _mm256_srli_epi16(codes[n], 9);
+      __m256i par = _mm256_xor_si256(k7, _mm256_srli_epi16(k7, 4));
+      par = _mm256_xor_si256(par, _mm256_srli_epi16(par, 2));
+      par = _mm256_xor_si256(par, _mm256_srli_epi16(par, 1));
+      sb[n] = _mm256_or_si256(k7, _mm256_slli_epi16(_mm256_and_si256(par, one), 7));
+      // odd scales of scale byte 4n + L/2: low nibble for chunks 0-1, high for 2-3, in both words
+      const __m256i sv = _mm256_set1_epi32(static_cast<int>(load_u32(w + 66 + 4 * n)));
+      for (int c = 0; c < 2; ++c) {
+        const __m256i sh = _mm256_add_epi32(_mm256_set1_epi32(4 * c), _mm256_setr_epi32(0, 0, 8, 8, 16, 16, 24, 24));
+        const __m256i ls = _mm256_and_si256(_mm256_srlv_epi32(sv, sh), _mm256_set1_epi32(0xf));
+        const __m256i o = _mm256_add_epi32(_mm256_add_epi32(ls, ls), _mm256_set1_epi32(1));
+        odd[n][c] = _mm256_or_si256(o, _mm256_slli_epi32(o, 16));
+      }
+    }
+    __m256i sum[TB][2];
+    for (int t = 0; t < TB; ++t) sum[t][0] = sum[t][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+#pragma GCC unroll 2
+      for (int n = 0; n < 2; ++n) {
+        const __m256i wq = _mm256_i64gather_epi64(grid, _mm256_and_si256(_mm256_srli_epi64(codes[n], 16 * k), m511), 8);
+        const __m256i neg = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_srli_epi64(sb[n], 16 * k), rep), bits), bits);
+#pragma GCC unroll 2
+        for (int t = 0; t < TB; ++t) {
+          const __m256i qx = load256(tk.q + t * tk.cols + 256 * i + 64 * k + 32 * n);
+          // pair sums cannot saturate: 2 * 43 * 127 < 2^15
+          const __m256i pairs = _mm256_maddubs_epi16(wq, negate_where(qx, neg));
+          sum[t][n] = _mm256_add_epi32(sum[t][n], _mm256_madd_epi16(pairs, odd[n][k / 2]));
+        }
+      }
+    }
+#pragma GCC unroll 2
+    for (int t = 0; t < TB; ++t)
+      for (int n = 0; n < 2; ++n) {
+        const __m256 dx = _mm256_loadu_ps(tk.dxl + t * (tk.cols / 16) + 16 * i + 8 * n);
+        acc[t][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t][n]), _mm256_mul_ps(dq, dx), acc[t][n]);
+      }
+  }
+  for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum8(_mm256_add_ps(acc[t][0], acc[t][1]));
+}
+
 }  // namespace
 
 float quantize_block_q8_avx2(const float* x, int8_t* q, int16_t* s16) {
@@ -569,7 +634,7 @@ float quantize_block_q8_avx2(const float* x, int8_t* q, int16_t* s16) {
 }
 
 bool matmul_q8_avx2(const MatmulArgs& m, const ActQ8& a) {
-  if (!has_q8_kernel_avx2(m.type)) return false;
+  if (!has_q8_kernel(m.type)) return false;
   constexpr int64_t kTokBlock = 64;  // their codes stay in L2 while every row passes
   for (int64_t t0 = 0; t0 < m.n_tok; t0 += kTokBlock) {
     const int64_t t1 = m.n_tok < t0 + kTokBlock ? m.n_tok : t0 + kTokBlock;
@@ -598,7 +663,8 @@ bool matmul_q8_avx2(const MatmulArgs& m, const ActQ8& a) {
           case GgmlType::Q2_K: row_q2_k<TB>(w, sub, y, m.ldy); break;
           case GgmlType::Q3_K: row_q3_k<TB>(w, sub, y, m.ldy); break;
           case GgmlType::IQ3_S: row_iq3_s<TB>(w, sub, y, m.ldy); break;
-          default: break;  // has_q8_kernel_avx2() lists exactly these
+          case GgmlType::IQ2_XS: row_iq2_xs<TB>(w, sub, y, m.ldy); break;
+          default: break;  // has_lane_order() lists exactly these
         }
       });
       continue;

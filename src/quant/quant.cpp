@@ -84,7 +84,7 @@ ActQuant active_act_quant() {
   const ActQuant a = act_mode().load(std::memory_order_relaxed);
   if (a != ActQuant::Auto) return a;
   // int8 kernels exist in the AVX-512 and AVX2 families (the scalar one would only run the
-  // definition, exact but slow); per type, has_q8_activations() decides
+  // definition, exact but slow)
   return active_cpu_kernels() == CpuKernels::Scalar ? ActQuant::F32 : ActQuant::Q8;
 }
 
@@ -104,18 +104,7 @@ ActQuant parse_act_quant(const std::string& s) {
   throw std::invalid_argument("unknown activation mode '" + s + "' (expected f32|q8|auto)");
 }
 
-bool has_q8_activations(GgmlType t) {
-  switch (act_mode().load(std::memory_order_relaxed)) {
-    case ActQuant::F32: return false;
-    case ActQuant::Q8: return detail::has_q8_kernel(t);  // the scalar definition where no SIMD kernel exists
-    case ActQuant::Auto: break;
-  }
-  switch (active_cpu_kernels()) {
-    case CpuKernels::Avx512: return detail::has_q8_kernel(t);
-    case CpuKernels::Avx2: return detail::has_q8_kernel_avx2(t);
-    default: return false;
-  }
-}
+bool has_q8_activations(GgmlType t) { return active_act_quant() == ActQuant::Q8 && detail::has_q8_kernel(t); }
 
 namespace detail {
 const char* type_name(GgmlType t) {

@@ -36,14 +36,13 @@ CpuKernels parse_cpu_kernels(const std::string& s);
 /// expanded to fp32; Q8 quantizes each token's activations to int8 in blocks of 32 (ggml's
 /// Q8_0 scheme, as llama.cpp does on CPU) and multiplies in integers, with the same bits in
 /// every kernel family (where a family has no SIMD kernel for a type, the scalar definition
-/// runs: exact but slow). F16/BF16/F32 weights always use F32. Auto (the default) picks per
-/// type: Q8 where the active family has an int8 kernel for it (AVX-512: all; AVX2: Q4_0..Q8_0,
-/// Q4_K, Q5_K, Q6_K, IQ4_XS, IQ4_NL, MXFP4), else F32. Accuracy cost and speed: docs/kernels.md.
+/// runs: exact but slow). F16/BF16/F32 weights always use F32. Auto (the default) is Q8 with
+/// the AVX2 and AVX-512 families (both have a kernel for every quantized type) and F32 with the
+/// scalar one. Accuracy cost and speed: docs/kernels.md.
 enum class ActQuant { Auto, F32, Q8 };
 /// Selects the activation mode for all later calls (process-wide).
 void set_act_quant(ActQuant a);
-/// The mode in use after resolving Auto against the active kernel family (Auto: Q8 for the
-/// AVX2 and AVX-512 families, which then still keep F32 for the types they lack a kernel for).
+/// The mode in use after resolving Auto against the active kernel family.
 ActQuant active_act_quant();
 const char* act_quant_name(ActQuant a);
 /// Parses "f32|q8|auto"; throws std::invalid_argument otherwise.
