@@ -123,6 +123,23 @@ static constexpr B32Format b32_format(GgmlType t) {
   }
 }
 
+/// Calls fn(std::integral_constant<GgmlType, t>{}) when t is a 32-weight block type (so that a
+/// kernel template can be instantiated per type); does nothing otherwise.
+template <class Fn>
+static void with_b32_type(GgmlType t, Fn&& fn) {
+  using G = GgmlType;
+  switch (t) {
+    case G::Q8_0: fn(std::integral_constant<G, G::Q8_0>{}); break;
+    case G::Q4_0: fn(std::integral_constant<G, G::Q4_0>{}); break;
+    case G::Q4_1: fn(std::integral_constant<G, G::Q4_1>{}); break;
+    case G::Q5_0: fn(std::integral_constant<G, G::Q5_0>{}); break;
+    case G::Q5_1: fn(std::integral_constant<G, G::Q5_1>{}); break;
+    case G::IQ4_NL: fn(std::integral_constant<G, G::IQ4_NL>{}); break;
+    case G::MXFP4: fn(std::integral_constant<G, G::MXFP4>{}); break;
+    default: break;
+  }
+}
+
 /// Weight types with an int8 dot product (the others keep fp32 activations in q8 mode).
 static constexpr bool has_q8_kernel(GgmlType t) {
   return b32_format(t).bytes != 0 || has_lane_order(t);
@@ -192,6 +209,11 @@ static void rows_by_tiles(const MatmulArgs& m, int64_t t0, int64_t t1, Fn&& fn) 
     }
   }
 }
+
+/// Tokens [t0, t1) of `a` in the lane order of type t (has_lane_order(t)): the copy kept in `a`
+/// when it was quantized for t, else one rearranged now into this thread's buffers (valid until
+/// the thread's next call).
+LaneTokens lane_tokens(GgmlType t, const ActQ8& a, int64_t t0, int64_t t1);
 
 /// Scalar q8 family (the definition of the arithmetic): y[t][r] for rows [row_begin, row_end).
 void matmul_q8_scalar(const MatmulArgs& m, const ActQ8& a);

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "quant/act_q8.h"
+#include "quant/b32_factors.h"
 #include "quant/quant_tables.h"
 
 namespace strata::quant::detail {
@@ -22,6 +23,8 @@ namespace strata::quant::detail {
 namespace {
 
 constexpr int kPrefetch = kQ8Prefetch;
+using b32::b32_factors;
+using b32::first_lanes;
 
 /// acc + per int32 lane the sum of its 4 products u * s (u unsigned, s signed bytes; the pair
 /// sums must not saturate int16).
@@ -36,11 +39,6 @@ inline __m256i dot_signed(__m256i w, __m256i x) {
 }
 
 inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
-
-/// Mask of the first n (0..8) int32 lanes, for vmaskmov.
-inline __m256i first_lanes(int n) {
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
 
 // ---- 32-weight block types (b32_format; dot_b32 in matmul_q8_ref.cpp) ----
 
@@ -70,45 +68,6 @@ inline __m256i b32_codes(const uint8_t* b, __m256i table) {
 }
 
 /// fd and fc (b32_format) of the first nv (1..8) blocks at wg; zero for blocks nv..7.
-/// The fp16 values at p, p + stride, ... of the first nv blocks (zero after them), as floats.
-template <bool FULL>
-inline __m256 halves8(const uint8_t* p, int stride, int nv) {
-  if constexpr (FULL)
-    return _mm256_cvtph_ps(_mm_setr_epi16(
-        static_cast<short>(load_u16(p)), static_cast<short>(load_u16(p + stride)),
-        static_cast<short>(load_u16(p + 2 * stride)), static_cast<short>(load_u16(p + 3 * stride)),
-        static_cast<short>(load_u16(p + 4 * stride)), static_cast<short>(load_u16(p + 5 * stride)),
-        static_cast<short>(load_u16(p + 6 * stride)), static_cast<short>(load_u16(p + 7 * stride))));
-  alignas(16) uint16_t h[8] = {};
-  for (int j = 0; j < nv; ++j) h[j] = load_u16(p + stride * j);
-  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
-}
-
-/// fd and fc (b32_format) of the first nv (1..8) blocks at wg; zero for blocks nv..7.
-template <GgmlType T, bool FULL>
-inline void b32_factors(const uint8_t* wg, int nv, __m256& fd, __m256& fc) {
-  constexpr B32Format F = b32_format(T);
-  if constexpr (F.e8m0) {
-    // e8m0_half of the scale bytes: 2^(e-128), i.e. (e - 1) << 23, or 0x00200000 << e for e < 2
-    const __m256i m8 = first_lanes(FULL ? 8 : nv);
-    const __m256i off = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(F.bytes));
-    const __m256i e = _mm256_and_si256(
-        _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), reinterpret_cast<const int*>(wg), off, m8, 1),
-        _mm256_set1_epi32(0xff));
-    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
-    const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
-    const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
-    fd = _mm256_castsi256_ps(_mm256_and_si256(m8, _mm256_blendv_epi8(normal, sub, small)));
-  } else {
-    fd = halves8<FULL>(wg, F.bytes, nv);
-  }
-  if constexpr (F.min >= 0) {
-    fc = halves8<FULL>(wg + F.min, F.bytes, nv);
-  } else {
-    fc = _mm256_mul_ps(fd, _mm256_set1_ps(-static_cast<float>(F.offset)));
-  }
-}
-
 /// One group of blocks of a row against TB tokens (FULL: 8 blocks, else nv < 8): block 2p of
 /// the group goes to accumulator p % 2, lanes 0-7 (acc[.][.][0]), block 2p+1 to its lanes 8-15
 /// (acc[.][.][1]).
@@ -639,18 +598,7 @@ bool matmul_q8_avx2(const MatmulArgs& m, const ActQ8& a) {
   for (int64_t t0 = 0; t0 < m.n_tok; t0 += kTokBlock) {
     const int64_t t1 = m.n_tok < t0 + kTokBlock ? m.n_tok : t0 + kTokBlock;
     if (has_lane_order(m.type)) {
-      LaneTokens tk;
-      if (a.lanes == m.type) {
-        tk = LaneTokens{a.ql.data(), a.dxl.data(), a.xs.data(), a.s16.data(), a.cols}.from(t0);
-      } else {
-        thread_local std::vector<int8_t> xp;
-        thread_local std::vector<float> dxl, xs;
-        xp.resize(static_cast<size_t>((t1 - t0) * a.cols));
-        dxl.resize(static_cast<size_t>((t1 - t0) * (a.cols / 16)));
-        xs.resize(static_cast<size_t>((t1 - t0) * (a.cols / 32)));
-        lane_order(m.type, a, t0, t1, xp.data(), dxl.data(), xs.data());
-        tk = LaneTokens{xp.data(), dxl.data(), xs.data(), a.st(t0), a.cols};
-      }
+      const LaneTokens tk = lane_tokens(m.type, a, t0, t1);
       // tiles of 2 tokens: sums and accumulators of 16 lanes are 2 ymm each per token
       rows_by_tiles<2>(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
         constexpr int TB = decltype(tb)::value;
@@ -686,17 +634,7 @@ bool matmul_q8_avx2(const MatmulArgs& m, const ActQ8& a) {
                                                             x128.data() + (t - t0) * (a.cols / 4), y, m.ldy);
       });
     };
-    using G = GgmlType;
-    switch (m.type) {
-      case G::Q8_0: b32(std::integral_constant<G, G::Q8_0>{}); break;
-      case G::Q4_0: b32(std::integral_constant<G, G::Q4_0>{}); break;
-      case G::Q4_1: b32(std::integral_constant<G, G::Q4_1>{}); break;
-      case G::Q5_0: b32(std::integral_constant<G, G::Q5_0>{}); break;
-      case G::Q5_1: b32(std::integral_constant<G, G::Q5_1>{}); break;
-      case G::IQ4_NL: b32(std::integral_constant<G, G::IQ4_NL>{}); break;
-      case G::MXFP4: b32(std::integral_constant<G, G::MXFP4>{}); break;
-      default: break;
-    }
+    with_b32_type(m.type, b32);
   }
   return true;
 }

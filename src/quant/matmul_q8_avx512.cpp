@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "quant/act_q8.h"
+#include "quant/b32_factors.h"
 #include "quant/iq2xs_q8_kernel.h"
 #include "quant/quant_tables.h"
 
@@ -23,6 +24,7 @@ namespace strata::quant::detail {
 namespace {
 
 constexpr int kPrefetch = kQ8Prefetch;
+using b32::b32_factors;
 
 
 /// acc + per int32 lane the sum of its 4 products u * s (u unsigned, s signed bytes):
@@ -81,46 +83,6 @@ inline __m512i dot_b32(__m512i u, __m512i qx) {
     const __m512i wx = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), sx), ones);
     const __m512i sum = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_set1_epi8(1), qx), ones);
     return _mm512_add_epi32(wx, _mm512_slli_epi32(sum, 7));
-  }
-}
-
-/// The 8 fp16 values at p, p + stride, ... (the first nv; zero after them) as floats.
-template <bool FULL>
-inline __m256 halves8(const uint8_t* p, int stride, int nv) {
-  if constexpr (FULL) {
-    return _mm256_cvtph_ps(_mm_setr_epi16(
-        static_cast<short>(load_u16(p)), static_cast<short>(load_u16(p + stride)),
-        static_cast<short>(load_u16(p + 2 * stride)), static_cast<short>(load_u16(p + 3 * stride)),
-        static_cast<short>(load_u16(p + 4 * stride)), static_cast<short>(load_u16(p + 5 * stride)),
-        static_cast<short>(load_u16(p + 6 * stride)), static_cast<short>(load_u16(p + 7 * stride))));
-  }
-  alignas(16) uint16_t h[8] = {};
-  for (int j = 0; j < (FULL ? 8 : nv); ++j) h[j] = load_u16(p + stride * j);
-  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
-}
-
-/// fd and fc (b32_format) of the (up to) 8 blocks at wg; zero for blocks nv..7.
-template <GgmlType T, bool FULL>
-inline void b32_factors(const uint8_t* wg, int nv, __m256& fd, __m256& fc) {
-  constexpr B32Format F = b32_format(T);
-  if constexpr (F.e8m0) {
-    // e8m0_half of the 8 scale bytes: 2^(e-128), i.e. (e - 1) << 23, or 0x00200000 << e for e < 2
-    const __mmask8 m8 = FULL ? __mmask8{0xff} : static_cast<__mmask8>((1u << nv) - 1u);
-    const __m256i off = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(F.bytes));
-    const __m256i e = _mm256_and_si256(
-        _mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), m8, off, reinterpret_cast<const int*>(wg), 1),
-        _mm256_set1_epi32(0xff));
-    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
-    const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
-    const __mmask8 small = _mm256_cmplt_epu32_mask(e, _mm256_set1_epi32(2));
-    fd = _mm256_castsi256_ps(_mm256_maskz_mov_epi32(m8, _mm256_mask_blend_epi32(small, normal, sub)));
-  } else {
-    fd = halves8<FULL>(wg, F.bytes, nv);
-  }
-  if constexpr (F.min >= 0) {
-    fc = halves8<FULL>(wg + F.min, F.bytes, nv);
-  } else {
-    fc = _mm256_mul_ps(fd, _mm256_set1_ps(-static_cast<float>(F.offset)));
   }
 }
 
@@ -530,18 +492,7 @@ void run(const MatmulArgs& m, const ActQ8& a, Q8Isa isa) {
     if (has_lane_order(m.type)) {
       // the super-block types: the codes in the type's lane order, kept in `a` when it was
       // quantized for this type, else rearranged here (this block, once per call)
-      LaneTokens tk;
-      if (a.lanes == m.type) {
-        tk = LaneTokens{a.ql.data(), a.dxl.data(), a.xs.data(), a.s16.data(), a.cols}.from(t0);
-      } else {
-        thread_local std::vector<int8_t> xp;
-        thread_local std::vector<float> dxl, xs;
-        xp.resize(static_cast<size_t>((t1 - t0) * a.cols));
-        dxl.resize(static_cast<size_t>((t1 - t0) * (a.cols / 16)));
-        xs.resize(static_cast<size_t>((t1 - t0) * (a.cols / 32)));
-        lane_order(m.type, a, t0, t1, xp.data(), dxl.data(), xs.data());
-        tk = LaneTokens{xp.data(), dxl.data(), xs.data(), a.st(t0), a.cols};
-      }
+      const LaneTokens tk = lane_tokens(m.type, a, t0, t1);
       if (m.type == GgmlType::Q4_K) {
         rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
           row_q4_k<decltype(tb)::value, VNNI, false>(w, tk.from(t - t0), y, m.ldy);
@@ -582,17 +533,7 @@ void run(const MatmulArgs& m, const ActQ8& a, Q8Isa isa) {
         row_b32<decltype(type)::value, decltype(tb)::value, VNNI>(w, Tokens{a.qt(t), a.dt(t), a.st(t), a.cols}, y, m.ldy);
       });
     };
-    using G = GgmlType;
-    switch (m.type) {
-      case G::Q8_0: b32(std::integral_constant<G, G::Q8_0>{}); break;
-      case G::Q4_0: b32(std::integral_constant<G, G::Q4_0>{}); break;
-      case G::Q4_1: b32(std::integral_constant<G, G::Q4_1>{}); break;
-      case G::Q5_0: b32(std::integral_constant<G, G::Q5_0>{}); break;
-      case G::Q5_1: b32(std::integral_constant<G, G::Q5_1>{}); break;
-      case G::IQ4_NL: b32(std::integral_constant<G, G::IQ4_NL>{}); break;
-      case G::MXFP4: b32(std::integral_constant<G, G::MXFP4>{}); break;
-      default: break;  // has_q8_kernel() lists exactly these and the lane-order types
-    }
+    with_b32_type(m.type, b32);
   }
 }
 

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
+#include <vector>
 
 #include "quant/act_q8.h"
 #include "quant/quant_tables.h"
@@ -301,6 +302,17 @@ void lane_order(GgmlType type, const ActQ8& a, int64_t t0, int64_t t1, int8_t* x
       for (int64_t b = 0; b < a.cols / 32; ++b) x[b] = d[b] * static_cast<float>(s[2 * b] + s[2 * b + 1]);
     }
   }
+}
+
+LaneTokens lane_tokens(GgmlType t, const ActQ8& a, int64_t t0, int64_t t1) {
+  if (a.lanes == t) return LaneTokens{a.ql.data(), a.dxl.data(), a.xs.data(), a.s16.data(), a.cols}.from(t0);
+  thread_local std::vector<int8_t> xp;
+  thread_local std::vector<float> dxl, xs;
+  xp.resize(static_cast<size_t>((t1 - t0) * a.cols));
+  dxl.resize(static_cast<size_t>((t1 - t0) * (a.cols / 16)));
+  xs.resize(static_cast<size_t>((t1 - t0) * (a.cols / 32)));
+  lane_order(t, a, t0, t1, xp.data(), dxl.data(), xs.data());
+  return LaneTokens{xp.data(), dxl.data(), xs.data(), a.st(t0), a.cols};
 }
 
 void matmul_q8_scalar(const MatmulArgs& m, const ActQ8& a) {
