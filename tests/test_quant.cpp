@@ -17,6 +17,8 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <vector>
 
 #include "quant/act_q8.h"
@@ -675,6 +677,43 @@ TEST(QuantMatmul, InvariantToTokenCountRowSplitAndStrides) {
       }
     }
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bounds: no kernel reads a byte past its rows. The weights end exactly where an inaccessible
+// page begins, so any over-read faults (the test process dies with SIGSEGV).
+
+TEST(QuantMatmul, NoKernelReadsPastTheLastRow) {
+  FamilyGuard guard;
+  std::mt19937_64 rng(test_seed() ^ 0x6a6a);
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  int64_t runs = 0;
+  for (GgmlType t : supported_types()) {
+    for (int64_t cols : {256, 512}) {
+      const int64_t rows = 3;
+      const auto w = random_rows(t, rows, cols, rng);
+      const size_t bytes = w.size(), span = (bytes + page - 1) / page * page;
+      void* m = mmap(nullptr, span + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      ASSERT_NE(m, MAP_FAILED);
+      auto* base = static_cast<uint8_t*>(m);
+      ASSERT_EQ(mprotect(base + span, page, PROT_NONE), 0);
+      uint8_t* wp = base + span - bytes;  // the last row ends at the guard page
+      std::memcpy(wp, w.data(), bytes);
+      const auto x = random_x(5 * cols, rng);
+      std::vector<float> y(static_cast<size_t>(rows * 5));
+      for (q::ActQuant act : {q::ActQuant::F32, q::ActQuant::Q8})
+        for (q::CpuKernels fam : families()) {
+          q::set_cpu_kernels(fam);
+          q::set_act_quant(act);
+          for (int64_t n_tok : {1, 2, 5}) {
+            q::matmul(t, wp, q::row_size(t, cols), 0, rows, cols, x.data(), cols, n_tok, y.data(), rows);
+            ++runs;
+          }
+        }
+      munmap(m, span + page);
+    }
+  }
+  std::printf("[quant] %lld matmul calls with the weights ending at an inaccessible page\n", static_cast<long long>(runs));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -352,7 +352,9 @@ void row_q3_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
   const int64_t nsb = tk.cols / 256;
   for (int64_t i = 0; i < nsb; ++i, w += 110) {
     for (int o = 0; o < 110; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + o, _MM_HINT_T0);
-    const __m512i s16b = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 96)));  // 12 scale bytes
+    // the 12 scale bytes (read as 8 + 4: a 16-byte load would pass the block's end)
+    const __m512i s16b = _mm512_broadcast_i32x4(
+        _mm_insert_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 96)), static_cast<int>(load_u32(w + 104)), 2));
     const __m512i lo = _mm512_and_si512(_mm512_srlv_epi32(_mm512_shuffle_epi8(s16b, _mm512_loadu_si512(idx.lo_byte)), _mm512_loadu_si512(idx.lo_shift)), _mm512_set1_epi32(0xf));
     const __m512i hi = _mm512_and_si512(_mm512_srlv_epi32(_mm512_shuffle_epi8(s16b, _mm512_loadu_si512(idx.hi_byte)), _mm512_loadu_si512(idx.hi_shift)), _mm512_set1_epi32(3));
     const __m512 sc = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi32(32)));
