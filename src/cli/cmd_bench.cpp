@@ -142,11 +142,11 @@ void register_bench(CLI::App& root) {
   f->engine.add(*app);
   app->add_option("--prompt-tokens", f->prompt_tokens, "prompt length (random ids unless -f/--prompt-ids)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(at_least(1));
   app->add_option("-f,--file", f->prompt_file, "prompt text file (its first --prompt-tokens tokens)")
       ->check(CLI::ExistingFile);
   app->add_option("--prompt-ids", f->prompt_ids, "prompt as comma-separated token ids");
-  app->add_option("--gen", f->gen, "decode tokens")->capture_default_str()->check(CLI::NonNegativeNumber);
+  app->add_option("--gen", f->gen, "decode tokens")->capture_default_str()->check(at_least(0));
   app->add_option("--decode-from", f->decode_from, "teacher-forced decode: feed this text's tokens one at a time")
       ->check(CLI::ExistingFile);
   app->add_flag("--cold", f->cold, "start with an empty arena");
@@ -159,9 +159,13 @@ void register_bench(CLI::App& root) {
     PhaseRun pre, dec, fpre, fdec;
     double ssd_gbps = 0;
     uint64_t record = 0, io_pre = 0, io_dec = 0, arena_bytes = 0, n_slots = 0;
-    std::string expert_file;
+    std::string expert_file, kernels, actq;
+    int n_threads = 0;
     {
       engine::Engine eng(f->engine.model, opts);
+      kernels = eng.cpu_kernels();
+      actq = eng.act_quant();
+      n_threads = eng.options().n_threads;
       const auto& tok = eng.tokenizer();
       if (!f->prompt_ids.empty()) {
         prompt = parse_id_list(f->prompt_ids);
@@ -216,6 +220,9 @@ void register_bench(CLI::App& root) {
                           {"record_bytes", record},
                           {"prompt_chunk", opts.prompt_chunk},
                           {"predict", opts.predict},
+                          {"threads", n_threads},
+                          {"cpu_kernels", kernels},
+                          {"act_quant", actq},
                           {"decode_mode", forced.empty() ? "free-running greedy" : "teacher-forced"},
                           {"prefill", phase(pre, fpre, io_pre)},
                           {"decode", phase(dec, fdec, io_dec)}};
@@ -223,19 +230,23 @@ void register_bench(CLI::App& root) {
       fmt::print("{}\n", out.dump(2));
       return;
     }
-    fmt::print("drive: {:.2f} GB/s (random {} reads, {} threads)   arena: {} in {} slots   predict: {}\n", ssd_gbps,
-               human_bytes(double(record)), opts.io_threads, human_bytes(double(arena_bytes)), n_slots,
-               opts.predict ? "on" : "off");
+    const std::string drive = ssd_gbps > 0 ? fmt::format("{:.2f} GB/s (random {} reads, {} threads)", ssd_gbps,
+                                                         human_bytes(double(record)), opts.io_threads)
+                                           : std::string("not measured (no IO floor)");
+    fmt::print("drive: {}   arena: {} in {} slots   predict: {}   compute: {} threads, {} kernels, {} activations\n",
+               drive, human_bytes(double(arena_bytes)), n_slots, opts.predict ? "on" : "off", n_threads, kernels, actq);
     for (const char* name : {"prefill", "decode"}) {
       const auto& j = out[name];
+      // without a drive measurement there is no IO floor to print
+      const std::string io_floor = ssd_gbps > 0 ? fmt::format("{:.3f} s", j["io_floor_s"].get<double>()) : "-";
       fmt::print("{:<8} {:5d} tok {:8.3f} s {:8.2f} tok/s | needed {} hit {} ahead {} missed {} wasted {} | read {} "
-                 "({:.2f} GB/s) wait {:.3f} s | IO floor {:.3f} s, compute floor {:.3f} s, ratio {:.2f} | recall "
+                 "({:.2f} GB/s) wait {:.3f} s | IO floor {}, compute floor {:.3f} s, ratio {:.2f} | recall "
                  "{:.1f} %\n",
                  name, j["tokens"].get<int64_t>(), j["seconds"].get<double>(), j["tokens_per_s"].get<double>(),
                  j["needed"].get<uint64_t>(), j["hit"].get<uint64_t>(), j["streamed_ahead"].get<uint64_t>(),
                  j["missed"].get<uint64_t>(), j["wasted"].get<uint64_t>(),
                  human_bytes(double(j["bytes_read"].get<uint64_t>())), j["read_gbps"].get<double>(),
-                 j["exposed_wait_s"].get<double>(), j["io_floor_s"].get<double>(), j["compute_floor_s"].get<double>(),
+                 j["exposed_wait_s"].get<double>(), io_floor, j["compute_floor_s"].get<double>(),
                  j["ratio_to_floor"].get<double>(), 100.0 * j["prediction_recall"].get<double>());
     }
     fmt::print("decode mode: {}\n", out["decode_mode"].get<std::string>());

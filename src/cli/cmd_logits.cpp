@@ -25,7 +25,7 @@ void register_logits(CLI::App& root) {
   CLI::App* app = root.add_subcommand("logits", "teacher-forced logits of a prompt: top-K ids and logits per position");
   f->engine.add(*app);
   f->prompt.add(*app);
-  app->add_option("--top", f->top, "ids per position, by descending logit")->capture_default_str()->check(CLI::PositiveNumber);
+  app->add_option("--top", f->top, "ids per position, by descending logit")->capture_default_str()->check(at_least(1));
   app->add_flag("--json", f->json, "print JSON (the only output format; accepted for clarity)");
   app->add_flag("--routing", f->routing, "also print the selected experts and probabilities per layer and token");
   app->callback([f] {

@@ -26,7 +26,7 @@ void register_run(CLI::App& root) {
   CLI::App* app = root.add_subcommand("run", "generate text from a prompt");
   f->engine.add(*app);
   f->prompt.add(*app);
-  app->add_option("-n,--n-predict", f->n_predict, "tokens to generate")->capture_default_str()->check(CLI::NonNegativeNumber);
+  app->add_option("-n,--n-predict", f->n_predict, "tokens to generate")->capture_default_str()->check(at_least(0));
   app->add_option("--temp", f->sp.temp, "temperature (0 = greedy)")->capture_default_str();
   app->add_option("--top-k", f->sp.top_k, "top-k sampling (0 = off)")->capture_default_str();
   app->add_option("--top-p", f->sp.top_p, "top-p sampling (1 = off)")->capture_default_str();
@@ -48,10 +48,12 @@ void register_run(CLI::App& root) {
     engine::Engine eng(f->engine.model, f->engine.resolve());
     const std::vector<int32_t> prompt = f->prompt.tokens(eng.tokenizer());
     if (!f->json)
-      fmt::print(stderr, "strata: {} ({}), {} prompt tokens, arena {} ({} slots), prompt chunk {}{}, {} threads\n",
+      fmt::print(stderr,
+                 "strata: {} ({}), {} prompt tokens, arena {} ({} slots), prompt chunk {}{}, {} threads, {} kernels, "
+                 "{} activations\n",
                  f->engine.model, eng.hparams().arch, prompt.size(), human_bytes(double(eng.arena_bytes())),
                  eng.stream().n_slots(), eng.options().prompt_chunk, f->engine.opts.prompt_chunk == 0 ? " (automatic)" : "",
-                 eng.options().n_threads);
+                 eng.options().n_threads, eng.cpu_kernels(), eng.act_quant());
 
     engine::Sampler sampler(f->sp);
     model::SequenceState st = eng.new_sequence();

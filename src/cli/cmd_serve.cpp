@@ -55,13 +55,13 @@ void register_serve(CLI::App& root) {
   app->add_option("--api-key", s.api_key, "require 'Authorization: Bearer KEY' (all endpoints but /health)");
   app->add_option("--parallel", s.parallel, "requests generating at once (slots of --ctx-size tokens each)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(at_least(1));
   app->add_option("--queue-size", s.queue_size, "requests waiting for a slot before new ones get 503")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(at_least(0));
   app->add_option("--max-body-kb", f->max_body_kb, "largest request body in KiB (larger: 413)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(at_least(1));
   app->add_option("--http-threads", s.http_threads, "connection threads (0 = parallel + queue-size + 16)")
       ->capture_default_str();
   app->add_option("--alias", s.model_name, "model id reported by /v1/models (default: the file name)");

@@ -655,15 +655,15 @@ void register_synth(CLI::App& root) {
       ->capture_default_str();
   app->add_option("--expert-type", f->expert_type, "override the experts' type (default: --type)");
   app->add_option("--dense-type", f->dense_type, "override the dense weights' type (norms and routers stay F32)");
-  app->add_option("--layers", f->layers, "override the number of layers")->check(CLI::PositiveNumber);
-  app->add_option("--experts", f->experts, "override the number of experts per layer")->check(CLI::PositiveNumber);
+  app->add_option("--layers", f->layers, "override the number of layers")->check(at_least(1));
+  app->add_option("--experts", f->experts, "override the number of experts per layer")->check(at_least(1));
   app->add_option("--expert-used", f->expert_used, "override top-k (experts used per token)")
-      ->check(CLI::PositiveNumber);
+      ->check(at_least(1));
   app->add_option("--vocab", f->vocab,
                   "rows of token_embd/output (default: the real model's, 151936 for the Qwen3 models). The "
                   "tokenizer is a real one copied from --tokenizer-from (8192 tokens for the shipped model), padded "
                   "with unused [PADn] tokens up to this size; --vocab 8192 matches it exactly")
-      ->check(CLI::PositiveNumber);
+      ->check(at_least(1));
   app->add_option("--tokenizer-from", f->tokenizer_from,
                   "GGUF whose tokenizer.* keys are copied (default: models/qwen3moe-code-Q8_0.gguf)")
       ->check(CLI::ExistingFile);

@@ -18,12 +18,15 @@ void EngineFlags::add(CLI::App& app) {
   app.add_option("--prompt-chunk", opts.prompt_chunk,
                  "tokens per prefill chunk (0 = automatic: what 1/16 of available RAM holds, 64..2048)")
       ->capture_default_str();
-  app.add_option("-c,--ctx-size", opts.n_ctx, "context size in tokens (0 = model's, at most 4096)")
+  app.add_option("-c,--ctx-size", opts.n_ctx, "context size in tokens (0 = the model's training context, capped at 4096; at most the model's)")
       ->capture_default_str();
   app.add_option("--io-threads", opts.io_threads, "threads reading experts from disk")->capture_default_str();
   app.add_flag("--no-direct-io", no_direct_io, "read experts through the page cache instead of O_DIRECT");
   app.add_flag("--no-pack", no_pack, "read experts from the GGUF even when a valid MODEL.strata-pack exists");
-  app.add_option("--cpu-kernels", cpu_kernels, "matrix kernels: auto, scalar, avx2, avx512")->capture_default_str();
+  app.add_option("--cpu-kernels", cpu_kernels,
+                 "matrix kernels: auto (the best this CPU has, from CPUID), scalar, avx2, avx512")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "scalar", "avx2", "avx512"}));
   app.add_option("--act-quant", act_quant,
                  "activations of the quantized weights' matmuls: q8 (int8 dot products, as llama.cpp), f32 (exact, "
                  "slower), auto (q8 with the avx2 and avx512 kernels, f32 with scalar)")

@@ -36,6 +36,25 @@ struct PromptFlags {
   std::vector<int32_t> tokens(const tokenizer::Tokenizer& tok) const;
 };
 
+/// CLI11 check for an integer option: at least `lo`. Its message reads "--top: must be at least
+/// 1, got 0" (CLI11's PositiveNumber would print its range up to 1.8e308).
+inline CLI::Validator at_least(long long lo) {
+  return CLI::Validator(
+      [lo](std::string& s) -> std::string {
+        long long v = 0;
+        size_t used = 0;
+        try {
+          v = std::stoll(s, &used);
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        if (used == 0 || used != s.size()) return "must be an integer, got '" + s + "'";
+        if (v < lo) return "must be at least " + std::to_string(lo) + ", got " + s;
+        return std::string();
+      },
+      "INT>=" + std::to_string(lo));
+}
+
 /// Parses "1,2,3" (spaces allowed). Throws std::invalid_argument.
 std::vector<int32_t> parse_id_list(const std::string& s);
 

@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "engine/static_rank.h"
+#include "quant/quant.h"
 #include "io/file.h"
 #include "model/weights.h"
 #include "stream/pack.h"
@@ -113,6 +114,10 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
 
   if (opts_.n_ctx < 0) throw EngineError(fmt::format("--ctx-size must be positive (or 0 = the model's), got {}", opts_.n_ctx));
   if (opts_.n_ctx <= 0) opts_.n_ctx = std::min<int64_t>(hp.n_ctx_train > 0 ? hp.n_ctx_train : 4096, 4096);
+  if (hp.n_ctx_train > 0 && opts_.n_ctx > hp.n_ctx_train)
+    throw EngineError(fmt::format("--ctx-size {} exceeds the model's training context of {} tokens (no RoPE scaling "
+                                  "is implemented); use at most {}",
+                                  opts_.n_ctx, hp.n_ctx_train, hp.n_ctx_train));
   const bool auto_chunk = opts_.prompt_chunk == 0;
   if (auto_chunk) opts_.prompt_chunk = auto_prompt_chunk(hp, opts_.n_ctx);
   if (opts_.n_threads <= 0) opts_.n_threads = int(std::max(1u, std::thread::hardware_concurrency()));
@@ -172,6 +177,9 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
 Engine::~Engine() = default;
 
 uint64_t Engine::arena_bytes() const { return uint64_t(stream_->n_slots()) * stream_->slot_bytes(); }
+
+std::string Engine::cpu_kernels() const { return quant::cpu_kernels_name(quant::active_cpu_kernels()); }
+std::string Engine::act_quant() const { return quant::act_quant_name(quant::active_act_quant()); }
 
 model::SequenceState Engine::new_sequence() const { return model_->new_state(opts_.n_ctx); }
 

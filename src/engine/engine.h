@@ -75,6 +75,10 @@ class Engine {
   const std::string& expert_file() const { return expert_file_; }
   const EngineOptions& options() const { return opts_; }
   int64_t n_ctx() const { return opts_.n_ctx; }
+  /// The CPU kernel family and activation mode in use after resolving `auto`, e.g. "avx512" and
+  /// "q8" (quant::cpu_kernels_name, quant::act_quant_name).
+  std::string cpu_kernels() const;
+  std::string act_quant() const;
 
   /// Bytes of all routed experts in the file, and the arena actually allocated.
   uint64_t expert_bytes() const { return expert_bytes_; }
