@@ -358,3 +358,9 @@ TEST(Qwen3NextErrors, FusedGateUpExpertsAreRefusedClearly) {
   EXPECT_THAT(msg, HasSubstr("'blk.0.ffn_gate_up_exps.weight'"));
   EXPECT_THAT(msg, HasSubstr("not supported yet"));
 }
+
+TEST(Qwen3NextErrors, LayerTensorBeyondBlockCountIsRefused) {
+  // a fifth layer's tensor in a file whose metadata says 4 layers: it would be silently unused
+  const std::string msg = load_error(add_copy("blk.4.attn_norm.weight", "blk.3.attn_norm.weight", {128}), "extra-layer");
+  EXPECT_THAT(msg, HasSubstr("tensor 'blk.4.attn_norm.weight' belongs to layer 4, but qwen3next.block_count says 4 layers"));
+}

@@ -61,6 +61,7 @@ void register_run(CLI::App& root) {
     std::vector<int32_t> history = prompt, generated;
     tokenizer::StreamDecoder dec(eng.tokenizer());
     std::string text;
+    eng.check_ids(st, prompt);  // a prompt that cannot run is refused before it is echoed
     if (!f->json) {
       for (int32_t id : prompt) {
         std::string piece = dec.push(id);

@@ -55,7 +55,7 @@ engine::EngineOptions EngineFlags::resolve() const {
 }
 
 void PromptFlags::add(CLI::App& app) {
-  app.add_option("-p,--prompt", text, "prompt text");
+  text_opt = app.add_option("-p,--prompt", text, "prompt text");
   app.add_option("-f,--file", file, "read the prompt from a file")->check(CLI::ExistingFile);
   app.add_option("--prompt-ids", ids, "prompt as comma-separated token ids");
 }
@@ -83,8 +83,10 @@ std::vector<int32_t> parse_id_list(const std::string& s) {
 }
 
 std::vector<int32_t> PromptFlags::tokens(const tokenizer::Tokenizer& tok) const {
-  const int given = int(!text.empty()) + int(!file.empty()) + int(!ids.empty());
+  const bool has_text = !text.empty() || (text_opt != nullptr && text_opt->count() > 0);
+  const int given = int(has_text) + int(!file.empty()) + int(!ids.empty());
   if (given != 1) throw std::invalid_argument("give exactly one of -p TEXT, -f FILE or --prompt-ids IDS");
+  if (has_text && text.empty()) throw std::invalid_argument("empty prompt: -p was given an empty text");
   if (!ids.empty()) return parse_id_list(ids);
   if (!file.empty()) {
     std::ifstream in(file, std::ios::binary);

@@ -30,6 +30,7 @@ struct PromptFlags {
   std::string text;
   std::string file;
   std::string ids;
+  const CLI::Option* text_opt = nullptr;  ///< -p, to tell `-p ""` from no -p
   void add(CLI::App& app);
   /// Token ids of the prompt; text and files go through the model's tokenizer.
   /// Throws std::invalid_argument if none or several are given or ids do not parse.

@@ -105,9 +105,11 @@ class Engine {
   const std::vector<std::vector<int32_t>>& static_rank() const { return static_rank_; }
   const std::string& static_rank_path() const { return static_rank_path_; }
   void reset_stats();
+  /// Throws EngineError unless `ids` can be fed to `st`: not empty, every id in the vocabulary,
+  /// and room in its context (prefill and decode call it; front ends may call it first).
+  void check_ids(const model::SequenceState& st, std::span<const int32_t> ids) const;
 
  private:
-  void check_ids(const model::SequenceState& st, std::span<const int32_t> ids) const;
   void run(model::SequenceState& st, std::span<const int32_t> ids, model::LogitsMode mode, std::vector<float>& logits,
            model::RoutingTrace* trace, PhaseStats& phase);
 

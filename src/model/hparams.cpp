@@ -25,12 +25,20 @@ ModelHParams read_common_hparams(const gguf::File& f) {
   hp.n_head_kv = positive(a + "attention.head_count_kv", f.get_int(a + "attention.head_count_kv", hp.n_head));
   hp.head_dim_k = positive(a + "attention.key_length", f.get_int(a + "attention.key_length", hp.n_embd / hp.n_head));
   hp.head_dim_v = positive(a + "attention.value_length", f.get_int(a + "attention.value_length", hp.head_dim_k));
-  hp.n_rot = int(f.get_int(a + "rope.dimension_count", hp.head_dim_k));
-  hp.n_ff = int(f.get_int(a + "feed_forward_length", 0));
-  hp.n_ff_exp = int(f.get_int(a + "expert_feed_forward_length", 0));
-  hp.n_ff_shexp = int(f.get_int(a + "expert_shared_feed_forward_length", 0));
-  hp.n_expert = int(f.get_int(a + "expert_count", 0));
-  hp.n_expert_used = int(f.get_int(a + "expert_used_count", 0));
+  // optional counts: 0 when absent; checked against the tensors by each architecture, but first
+  // kept in int range so that an error prints the value the file holds
+  auto count = [&](const std::string& key, int64_t def) {
+    const int64_t v = f.get_int(key, def);
+    if (v < 0 || v > (int64_t(1) << 30))
+      throw ModelError(fmt::format("{}: key '{}' = {} is out of range", f.path(), key, v));
+    return int(v);
+  };
+  hp.n_rot = count(a + "rope.dimension_count", hp.head_dim_k);
+  hp.n_ff = count(a + "feed_forward_length", 0);
+  hp.n_ff_exp = count(a + "expert_feed_forward_length", 0);
+  hp.n_ff_shexp = count(a + "expert_shared_feed_forward_length", 0);
+  hp.n_expert = count(a + "expert_count", 0);
+  hp.n_expert_used = count(a + "expert_used_count", 0);
   hp.n_ctx_train = f.get_int(a + "context_length", 4096);
   hp.rope_freq_base = f.get_float(a + "rope.freq_base", 10000.0);
   hp.rms_eps = float(f.get_float(a + "attention.layer_norm_rms_epsilon", 1e-6));

@@ -435,8 +435,9 @@ Tokenizer Tokenizer::from_gguf(const gguf::File& f) {
   std::vector<std::string> merges;
   if (f.has("tokenizer.ggml.merges")) merges = f.get_string_array("tokenizer.ggml.merges");
   auto id_or_none = [&](const char* key) -> int32_t {
-    int64_t v = f.get_int(key, -1);
-    if (v < -1 || v > INT32_MAX) return INT32_MAX;  // rejected by from_vocab as out of range
+    const int64_t v = f.get_int(key, -1);
+    if (v < -1 || v > INT32_MAX)
+      throw TokenizerError(f.path() + ": key '" + key + "' = " + std::to_string(v) + " is not a token id");
     return static_cast<int32_t>(v);
   };
   try {
