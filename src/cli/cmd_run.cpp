@@ -32,7 +32,7 @@ void register_run(CLI::App& root) {
   app->add_option("--top-p", f->sp.top_p, "top-p sampling (1 = off)")->capture_default_str();
   app->add_option("--min-p", f->sp.min_p, "min-p sampling (0 = off)")->capture_default_str();
   app->add_option("--repeat-penalty", f->sp.repeat_penalty, "repetition penalty (1 = off)")->capture_default_str();
-  app->add_option("--repeat-last-n", f->sp.repeat_last_n, "tokens the repetition penalty looks back")
+  app->add_option("--repeat-last-n", f->sp.repeat_last_n, "tokens the repetition penalty looks back (0 = off, -1 = the whole context)")
       ->capture_default_str();
   app->add_option("-s,--seed", f->sp.seed, "sampling seed (default: random)");
   app->add_flag("--ignore-eos", f->ignore_eos, "keep generating after the end-of-text token");

@@ -107,19 +107,22 @@ struct B32Format {
                           ///< code + 128 (Q8_0); u_j <= 255, and <= 31 unless offset is 128
   const int8_t* values;   ///< 4-bit codes index this table (IQ4_NL, MXFP4), or null
   bool e8m0;              ///< fd is the E8M0 byte at offset 0 halved (MXFP4), else fp16 at offset 0
+  /// values != nullptr, as a constant expression (a comparison of an extern array's address
+  /// with null is not one in every build mode: sanitizers make it a run-time check)
+  bool table;
 };
 
 /// The B32Format of t; bytes == 0 for the types that are not 32-weight block types of the q8 path.
 static constexpr B32Format b32_format(GgmlType t) {
   switch (t) {
-    case GgmlType::Q8_0: return {34, 2, -1, -1, 128, nullptr, false};
-    case GgmlType::Q4_0: return {18, 2, -1, -1, 8, nullptr, false};
-    case GgmlType::Q4_1: return {20, 4, -1, 2, 0, nullptr, false};
-    case GgmlType::Q5_0: return {22, 6, 2, -1, 16, nullptr, false};
-    case GgmlType::Q5_1: return {24, 8, 4, 2, 0, nullptr, false};
-    case GgmlType::IQ4_NL: return {18, 2, -1, -1, 128, tables::kvalues_iq4nl, false};
-    case GgmlType::MXFP4: return {17, 1, -1, -1, 12, tables::kvalues_fp4, true};
-    default: return {0, 0, -1, -1, 0, nullptr, false};
+    case GgmlType::Q8_0: return {34, 2, -1, -1, 128, nullptr, false, false};
+    case GgmlType::Q4_0: return {18, 2, -1, -1, 8, nullptr, false, false};
+    case GgmlType::Q4_1: return {20, 4, -1, 2, 0, nullptr, false, false};
+    case GgmlType::Q5_0: return {22, 6, 2, -1, 16, nullptr, false, false};
+    case GgmlType::Q5_1: return {24, 8, 4, 2, 0, nullptr, false, false};
+    case GgmlType::IQ4_NL: return {18, 2, -1, -1, 128, tables::kvalues_iq4nl, false, true};
+    case GgmlType::MXFP4: return {17, 1, -1, -1, 12, tables::kvalues_fp4, true, true};
+    default: return {0, 0, -1, -1, 0, nullptr, false, false};
   }
 }
 

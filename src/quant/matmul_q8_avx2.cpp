@@ -62,7 +62,7 @@ inline __m256i b32_codes(const uint8_t* b, __m256i table) {
       const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
       v = _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, bit), bit), _mm256_set1_epi8(16)));
     }
-    if constexpr (F.values != nullptr) v = _mm256_shuffle_epi8(table, v);
+    if constexpr (F.table) v = _mm256_shuffle_epi8(table, v);
     return v;
   }
 }
@@ -115,7 +115,7 @@ void row_b32(const uint8_t* w, const Tokens& tk, const int32_t* x128, float* y, 
     corr[t] = _mm256_setzero_ps();
   }
   __m256i table = _mm256_setzero_si256();
-  if constexpr (F.values != nullptr)
+  if constexpr (F.table)
     table = _mm256_broadcastsi128_si256(_mm_add_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(F.values)),
                                                      _mm_set1_epi8(static_cast<char>(F.offset == 128 ? 0 : F.offset))));
   const int64_t nb = tk.cols / 32;

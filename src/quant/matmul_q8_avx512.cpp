@@ -64,7 +64,7 @@ inline __m512i b32_pair(const uint8_t* b, bool two, __m512i table) {
       const uint64_t h = load_u32(b + F.qh) | (static_cast<uint64_t>(load_u32(b1 + F.qh)) << 32);
       v = _mm512_mask_add_epi8(v, _cvtu64_mask64(h), v, _mm512_set1_epi8(16));
     }
-    if constexpr (F.values != nullptr) v = _mm512_shuffle_epi8(table, v);
+    if constexpr (F.table) v = _mm512_shuffle_epi8(table, v);
     return v;
   }
 }
@@ -136,7 +136,7 @@ void row_b32(const uint8_t* w, const Tokens& tk, float* y, int64_t ldy) {
     corr[t] = _mm256_setzero_ps();
   }
   __m512i table = _mm512_setzero_si512();
-  if constexpr (F.values != nullptr)
+  if constexpr (F.table)
     table = _mm512_broadcast_i32x4(_mm_add_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(F.values)),
                                                 _mm_set1_epi8(static_cast<char>(F.offset))));
   const int64_t nb = tk.cols / 32;

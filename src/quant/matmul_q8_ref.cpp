@@ -51,7 +51,7 @@ float dot_b32(const B32Format& F, const uint8_t* w, int64_t cols, const int8_t* 
       }
       int q = (wb[F.qs + j % 16] >> (4 * (j / 16))) & 0xf;
       if (F.qh >= 0) q |= static_cast<int>((load_u32(wb + F.qh) >> j) & 1u) << 4;
-      u[j] = F.values ? F.values[q] + F.offset : q;
+      u[j] = F.table ? F.values[q] + F.offset : q;
     }
     const float f = fd * dx[b];
     corr[b % 8] = std::fma(fc * dx[b], static_cast<float>(s16[2 * b] + s16[2 * b + 1]), corr[b % 8]);
