@@ -65,9 +65,8 @@ void register_info(CLI::App& root) {
       per_type[ggml_type_name(t.type)]++;
       if (t.name.find("_exps.") != std::string::npos) {
         experts += t.n_bytes;
-        int layer = -1;
-        if (std::sscanf(t.name.c_str(), "blk.%d.", &layer) == 1 && layer >= 0 && layer < hp.n_layer)
-          per_layer[layer] += t.n_bytes;
+        const int layer = t.layer();
+        if (layer >= 0 && layer < hp.n_layer) per_layer[layer] += t.n_bytes;
       } else {
         dense += t.n_bytes;
       }

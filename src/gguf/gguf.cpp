@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <bit>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 
@@ -251,6 +252,11 @@ std::string TensorInfo::shape_str() const {
   std::string s = "[";
   for (size_t i = 0; i < ne.size(); ++i) s += (i ? ", " : "") + std::to_string(ne[i]);
   return s + "]";
+}
+
+int TensorInfo::layer() const {
+  int l = -1;
+  return std::sscanf(name.c_str(), "blk.%d.", &l) == 1 && l >= 0 ? l : -1;
 }
 
 // ---------------------------------------------------------------- File

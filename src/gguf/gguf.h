@@ -76,6 +76,9 @@ struct TensorInfo {
 
   /// Human-readable shape, e.g. "[256, 64, 64]".
   std::string shape_str() const;
+  /// The layer of a repeating-layer tensor, named "blk.N.<name>" by llama.cpp's convention
+  /// (N >= 0); -1 for the others (token_embd, output, ...).
+  int layer() const;
 };
 
 /// A parsed GGUF file header: metadata and tensor table. Immutable after open; thread-safe to read.

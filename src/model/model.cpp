@@ -139,19 +139,10 @@ std::unique_ptr<Model> load_model(const gguf::File& gguf, const LoadOptions& opt
     std::unique_ptr<Model> m = a.load(gguf, opts);
     // a layer tensor past block_count would be silently unused: the file and its metadata disagree
     const int n_layer = m->hparams().n_layer;
-    for (const auto& t : gguf.tensors()) {
-      if (t.name.rfind("blk.", 0) != 0) continue;
-      const size_t dot = t.name.find('.', 4);
-      int layer = -1;
-      try {
-        layer = std::stoi(t.name.substr(4, dot == std::string::npos ? std::string::npos : dot - 4));
-      } catch (const std::exception&) {
-        continue;
-      }
-      if (layer >= n_layer)
+    for (const auto& t : gguf.tensors())
+      if (t.layer() >= n_layer)
         throw ModelError(fmt::format("{}: tensor '{}' belongs to layer {}, but {}.block_count says {} layers",
-                                     gguf.path(), t.name, layer, arch, n_layer));
-    }
+                                     gguf.path(), t.name, t.layer(), arch, n_layer));
     return m;
   }
   throw ModelError(fmt::format("{}: unsupported architecture '{}' (supported: {})", gguf.path(), arch,

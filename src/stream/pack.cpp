@@ -204,10 +204,8 @@ std::vector<LayerExperts> expert_layers_from_gguf(const gguf::File& f) {
   if (const gguf::Value* arch = f.find("general.architecture"); arch && arch->type == gguf::ValueType::STRING)
     n_layer = f.get_int(arch->as_string() + ".block_count", -1);
   if (n_layer < 0) {
-    for (const auto& t : f.tensors()) {
-      int l = -1;
-      if (std::sscanf(t.name.c_str(), "blk.%d.", &l) == 1 && l >= 0) n_layer = std::max<int64_t>(n_layer, l + 1);
-    }
+    for (const auto& t : f.tensors())
+      if (t.layer() >= 0) n_layer = std::max<int64_t>(n_layer, t.layer() + 1);
   }
   std::vector<LayerExperts> layers(size_t(std::max<int64_t>(0, n_layer)));
   static const char* kParts[3] = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"};
