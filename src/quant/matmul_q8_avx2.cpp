@@ -622,9 +622,10 @@ bool matmul_q8_avx2(const MatmulArgs& m, const ActQ8& a) {
       const int64_t nl = a.cols / 4;
       x128.resize(static_cast<size_t>((t1 - t0) * nl));
       for (int64_t t = t0; t < t1; ++t)
-        for (int64_t l = 0; l < nl; ++l) {
-          const int8_t* q = a.qt(t) + 4 * l;
-          x128[static_cast<size_t>((t - t0) * nl + l)] = 128 * (q[0] + q[1] + q[2] + q[3]);
+        for (int64_t l = 0; l < nl; l += 8) {  // 8 lanes (one block of 32 codes) at a time
+          const __m256i q = load256(a.qt(t) + 4 * l);
+          const __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q), _mm256_set1_epi16(1));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(x128.data() + (t - t0) * nl + l), _mm256_slli_epi32(sum, 7));
         }
     }
     auto b32 = [&](auto type) {
