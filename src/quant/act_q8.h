@@ -79,13 +79,13 @@ static constexpr int q6k_lane_element(int k, int L, int j) { return 16 * L + 4 *
 /// of scale byte s).
 static constexpr int iq2xs_lane_element(int k, int L, int j) { return 8 * (4 * (L / 2) + k) + 4 * (L % 2) + j; }
 
-/// Types whose AVX-512 q8 kernel reads the codes in a lane order.
+/// Types whose q8 kernels (AVX-512 and AVX2) read the codes in a lane order.
 static constexpr bool has_lane_order(GgmlType t) {
   return t == GgmlType::Q2_K || t == GgmlType::Q3_K || t == GgmlType::Q4_K || t == GgmlType::Q5_K ||
          t == GgmlType::Q6_K || t == GgmlType::IQ2_XS || t == GgmlType::IQ3_S || t == GgmlType::IQ4_XS;
 }
 
-/// Software prefetch distance of the AVX-512 q8 kernels, in bytes ahead of the weights being
+/// Software prefetch distance of the AVX-512 and AVX2 q8 kernels, in bytes ahead of the weights being
 /// decoded: the hardware prefetcher alone left matrix-vector at ~50 % of the read probe
 /// (measured 8 KiB: 1 thread 95 %, 2 threads 80-90 %; 1 KiB: 65 %; none: 52 %; docs/kernels.md).
 constexpr int kQ8Prefetch = 8192;
