@@ -33,7 +33,8 @@
 #include <random>
 
 #include "gguf/gguf_writer.h"
-#include "layers/gated_delta_net.h"
+#include "backend/cpu/cpu_backend.h"
+#include "backend/cpu/gated_delta_net.h"
 #include "model/weights.h"
 #include "support/paths.h"
 #include "support/reference.h"
@@ -241,7 +242,7 @@ TEST(Qwen3Next, StateCopyResumesExactly) {
 }
 
 TEST(Qwen3Next, DeltaRuleStepMatchesFormula) {
-  // layers::delta_rule_step against the formula in double:
+  // cpu::delta_rule_step against the formula in double:
   //   S' = exp(g) S + k (beta (v - exp(g) S^T k))^T,  o = S'^T q.
   std::mt19937 rng(5);
   std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -257,7 +258,7 @@ TEST(Qwen3Next, DeltaRuleStepMatchesFormula) {
     for (int j = 0; j < dv; ++j) Sd[i * dv + j] = decay * Sd[i * dv + j] + k[i] * beta * (v[j] - mem[j]);
   for (int i = 0; i < dk; ++i)
     for (int j = 0; j < dv; ++j) od[j] += Sd[i * dv + j] * q[i];
-  layers::delta_rule_step(S.data(), q.data(), k.data(), v.data(), decay, beta, dk, dv, o.data(), scratch.data());
+  cpu::delta_rule_step(S.data(), q.data(), k.data(), v.data(), decay, beta, dk, dv, o.data(), scratch.data());
   for (int i = 0; i < dk * dv; ++i) EXPECT_NEAR(S[i], Sd[i], 1e-5) << "S " << i;
   for (int j = 0; j < dv; ++j) EXPECT_NEAR(o[j], od[j], 1e-4) << "o " << j;
 }
@@ -323,7 +324,8 @@ std::string load_error(const TensorEdit& ed, const std::string& tag) {
   w.write(path.string());
   std::string msg = "<no exception>";
   try {
-    model::load_model(gguf::File::open(path.string()));
+    cpu::CpuBackend be(cpu::CpuOptions{1});
+    model::load_model(gguf::File::open(path.string()), be);
   } catch (const model::ModelError& e) {
     msg = e.what();
   }

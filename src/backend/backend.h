@@ -128,6 +128,11 @@ struct RopeSpec {
   Mode mode = Mode::Neox;
   int n_rot = 0;                 ///< rotated dimensions per head (<= head_dim, even); 0 = NoPE
   std::vector<double> inv_freq;  ///< [n_rot / 2], radians per token
+
+  /// The plain table inv_freq[i] = base^(-2i/n_rot). round_to_bf16 rounds each to bfloat16,
+  /// which is what transformers computes for a checkpoint loaded in bf16 (its inv_freq buffer
+  /// is cast with the model): only for parity tests against such references.
+  static RopeSpec standard(int n_rot, double base, Mode mode = Mode::Neox, bool round_to_bf16 = false);
 };
 
 /// Grouped-query self-attention of one layer (Vaswani et al. 2017; GQA: Ainslie et al. 2023).
@@ -278,6 +283,8 @@ class Backend {
   /// Copies `bytes` host bytes into dst (at dst.data) / dst.data bytes to the host.
   virtual void upload(const Tensor& dst, const void* src, size_t bytes) = 0;
   virtual void download(void* dst, const Tensor& src, size_t bytes) = 0;
+  /// Copies `bytes` from src.data to dst.data, both in this backend's memory (state snapshots).
+  virtual void copy(const Tensor& dst, const Tensor& src, size_t bytes) = 0;
   /// An event that completes when all work queued so far has finished.
   virtual EventPtr record() = 0;
   /// Blocks until all queued work has finished.

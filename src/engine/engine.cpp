@@ -5,12 +5,15 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <sstream>
 #include <thread>
 
 #include <fmt/format.h>
 
+#include "backend/cpu/cpu_backend.h"
 #include "engine/static_rank.h"
+#include "model/dump.h"
 #include "quant/quant.h"
 #include "io/file.h"
 #include "model/weights.h"
@@ -106,7 +109,9 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
   quant::set_act_quant(opts_.act_quant);
   gguf_ = std::make_unique<gguf::File>(gguf::File::open(path));
   tok_ = std::make_unique<tokenizer::Tokenizer>(tokenizer::Tokenizer::from_gguf(*gguf_));
-  model_ = model::load_model(*gguf_, opts_.load);
+  if (opts_.n_threads <= 0) opts_.n_threads = int(std::max(1u, std::thread::hardware_concurrency()));
+  backend_ = std::make_unique<cpu::CpuBackend>(cpu::CpuOptions{opts_.n_threads});
+  model_ = model::load_model(*gguf_, *backend_, opts_.load);
   const auto& hp = model_->hparams();
   if (tok_->n_vocab() < hp.n_vocab)
     throw model::ModelError(fmt::format("{}: tokenizer has {} tokens but token_embd has {} rows", path,
@@ -120,8 +125,6 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
                                   opts_.n_ctx, hp.n_ctx_train, hp.n_ctx_train));
   const bool auto_chunk = opts_.prompt_chunk == 0;
   if (auto_chunk) opts_.prompt_chunk = auto_prompt_chunk(hp, opts_.n_ctx);
-  if (opts_.n_threads <= 0) opts_.n_threads = int(std::max(1u, std::thread::hardware_concurrency()));
-  pool_ = std::make_unique<cpu::ThreadPool>(opts_.n_threads);
 
   // Arena: at least one layer's worst case for a prompt chunk.
   // Experts come from the pack sidecar when a valid one exists (one read per expert), else the GGUF.
@@ -172,6 +175,16 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
     }
   }
   stream_ = std::make_unique<stream::ExpertStream>(expert_file_, layers, so);
+  if (!opts_.dump_dir.empty()) {
+    try {
+      dump_ = std::make_unique<model::Dumper>(opts_.dump_dir, opts_.dump_filter);
+    } catch (const std::regex_error& e) {
+      throw EngineError(fmt::format("--dump-filter '{}' is not a valid regular expression: {}", opts_.dump_filter,
+                                    e.what()));
+    } catch (const std::runtime_error& e) {
+      throw EngineError(e.what());
+    }
+  }
 }
 
 Engine::~Engine() = default;
@@ -206,7 +219,7 @@ void Engine::run(model::SequenceState& st, std::span<const int32_t> ids, model::
   check_ids(st, ids);
   const auto t0 = std::chrono::steady_clock::now();
   const stream::StreamStats s0 = stream_->stats();
-  model::ForwardContext ctx{*pool_, *stream_, trace, &times_, {}, nullptr};
+  model::ForwardContext ctx{*backend_, *stream_, trace, &times_, {}, nullptr, dump_.get()};
   ctx.ahead.predict = opts_.predict;
   ctx.ahead.predict_min = opts_.predict_min;
   ctx.ahead.static_rank = static_rank_.empty() ? nullptr : &static_rank_;

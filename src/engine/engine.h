@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/cpu/thread_pool.h"
+#include "backend/backend.h"
 #include "gguf/gguf.h"
 #include "model/model.h"
 #include "quant/quant.h"
@@ -46,7 +46,10 @@ struct EngineOptions {
   /// Static-rank sidecar; "" = MODEL.strata-rank when present, "none" = do not use one.
   std::string static_rank;
   bool fake_stream = false;
-  bool trace = false;         ///< --trace: one line per prompt chunk splitting its time (stderr)   ///< --fake-stream: no reads, every expert treated as resident (compute floor)
+  bool trace = false;         ///< --trace: one line per prompt chunk splitting its time (stderr)
+  /// --dump DIR: write the named intermediates of every forward call there (model/dump.h); "" = off.
+  std::string dump_dir;
+  std::string dump_filter;    ///< --dump-filter REGEX: only names matching it (whole name); "" = all
 };
 
 /// Tokens, wall time and stream counters of one phase (prefill or decode).
@@ -69,6 +72,8 @@ class Engine {
   const gguf::File& gguf() const { return *gguf_; }
   const model::ModelHParams& hparams() const { return model_->hparams(); }
   const model::Model& model() const { return *model_; }
+  /// The backend the forward pass runs on.
+  backend::Backend& backend() { return *backend_; }
   const tokenizer::Tokenizer& tokenizer() const { return *tok_; }
   stream::ExpertStream& stream() { return *stream_; }
   /// The file experts are read from: the GGUF, or its pack sidecar when one is in use.
@@ -116,8 +121,9 @@ class Engine {
   EngineOptions opts_;
   std::unique_ptr<gguf::File> gguf_;
   std::unique_ptr<tokenizer::Tokenizer> tok_;
+  std::unique_ptr<backend::Backend> backend_;  // before model_: the model's weights live in it
   std::unique_ptr<model::Model> model_;
-  std::unique_ptr<cpu::ThreadPool> pool_;
+  std::unique_ptr<model::Dumper> dump_;
   std::unique_ptr<stream::ExpertStream> stream_;
   uint64_t expert_bytes_ = 0;
   uint64_t min_arena_bytes_ = 0;

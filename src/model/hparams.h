@@ -25,6 +25,13 @@ struct ModelHParams {
   int64_t n_ctx_train = 0;      ///< <arch>.context_length (tokens)
   double rope_freq_base = 10000.0;  ///< <arch>.rope.freq_base
   float rms_eps = 1e-6f;        ///< <arch>.attention.layer_norm_rms_epsilon
+  // Linear-attention (gated delta net) layers: qwen3next's `ssm.*` keys (llama.cpp's names in parentheses).
+  int ssm_conv_kernel = 0;      ///< <arch>.ssm.conv_kernel (ssm_d_conv): taps of the causal conv
+  int ssm_state_size = 0;       ///< <arch>.ssm.state_size (ssm_d_state): key head dim
+  int ssm_group_count = 0;      ///< <arch>.ssm.group_count (ssm_n_group): key heads
+  int ssm_time_step_rank = 0;   ///< <arch>.ssm.time_step_rank (ssm_dt_rank): value heads
+  int ssm_inner_size = 0;       ///< <arch>.ssm.inner_size (ssm_d_inner): value heads x value head dim
+  int full_attention_interval = 0;  ///< <arch>.full_attention_interval: every n-th layer is full attention
   int n_vocab = 0;              ///< rows of token_embd
   bool tied_output = false;     ///< no output.weight: logits use token_embd
 };
@@ -33,9 +40,10 @@ struct ModelHParams {
 
 namespace strata::gguf { class File; }
 namespace strata::model {
-/// Reads the keys every transformer architecture shares (`<arch>.block_count`, embedding
-/// length, heads, rope, norm epsilon, expert counts, context length; gguf.md "LLM" keys)
-/// and the vocabulary size from token_embd. Throws gguf::GgufError for missing keys and
-/// ModelError for inconsistent values (e.g. heads not dividing, top-k > experts).
+/// Reads the keys every transformer architecture shares (model/arch.h common_keys(): block count,
+/// embedding length, heads, rope, norm epsilon, expert counts, context length; gguf.md "LLM"
+/// keys) and the vocabulary size from token_embd, for any architecture (`info` on files this
+/// build cannot run). Throws gguf::GgufError for malformed keys and ModelError for missing or
+/// inconsistent values (e.g. heads not dividing, top-k > experts).
 ModelHParams read_common_hparams(const gguf::File& f);
 }  // namespace strata::model

@@ -9,24 +9,48 @@
 #include <string>
 #include <vector>
 
-#include "backend/cpu/thread_pool.h"
+#include "backend/backend.h"
 #include "gguf/gguf.h"
-#include "layers/moe.h"
 #include "model/hparams.h"
 #include "stream/expert_stream.h"
 
 namespace strata::model {
 
+/// One per-layer state tensor of a sequence in its backend's memory (fp32). Copying a
+/// StateBuf copies the bytes (a snapshot of the sequence), through the backend.
+class StateBuf {
+ public:
+  StateBuf() = default;
+  /// `floats` zeroed floats from `be` (BufferRole::State).
+  StateBuf(backend::Backend& be, int64_t floats);
+  StateBuf(const StateBuf& o);
+  StateBuf& operator=(const StateBuf& o);
+  StateBuf(StateBuf&&) noexcept = default;
+  StateBuf& operator=(StateBuf&&) noexcept = default;
+  /// Floats held (0 for a layer without this kind of state).
+  size_t size() const { return buf_ ? buf_->bytes() / sizeof(float) : 0; }
+  bool empty() const { return size() == 0; }
+  /// Sets every float to 0 (a fresh recurrent state).
+  void zero();
+  /// The floats as rows of `cols` (size() / cols rows).
+  backend::Tensor tensor(int64_t cols) const;
+
+ private:
+  backend::Backend* be_ = nullptr;
+  std::unique_ptr<backend::Buffer> buf_;
+};
+
 /// Per-sequence state: the KV cache of attention layers (and, for hybrid models, the
-/// recurrent state of linear-attention layers). Positions are token indices.
+/// recurrent state of linear-attention layers), in the backend's memory. Positions are token
+/// indices. Copyable (a snapshot).
 struct SequenceState {
   int64_t n_past = 0;  ///< tokens already in the state
   int64_t n_ctx = 0;   ///< capacity in tokens
   /// Per layer: K and V rows [n_ctx][n_head_kv * head_dim] (head_dim contiguous); empty for
   /// layers without attention.
-  std::vector<std::vector<float>> k, v;
+  std::vector<StateBuf> k, v;
   /// Per layer: recurrent state (conv and SSM) of linear-attention layers; empty otherwise.
-  std::vector<std::vector<float>> conv, ssm;
+  std::vector<StateBuf> conv, ssm;
 };
 
 /// Routing record of one forward call, for parity checks against a reference:
@@ -64,22 +88,37 @@ struct PredictionStats {
   std::vector<uint64_t> predicted;  ///< [n_layer] of those, predicted
 };
 
+class Dumper;
+class BoundWeights;
+struct MoeLayer;
+
 /// What the engine lends a model for one forward call.
 struct ForwardContext {
-  cpu::ThreadPool& pool;
+  backend::Backend& be;
   stream::ExpertStream& stream;
   RoutingTrace* trace = nullptr;  ///< when set, the MoE layers append their routing
   ForwardTimes* times = nullptr;
   ReadAheadOptions ahead;
   PredictionStats* prediction = nullptr;  ///< when set, recall is accumulated here
+  Dumper* dump = nullptr;                 ///< when set, named intermediates are written (--dump)
 };
 
 /// Which positions of a forward call produce logits.
 enum class LogitsMode { None, Last, All };
 
+/// One sequence's part of a forward call: `ids` run at positions [state->n_past, +ids.size())
+/// and `logits` receives [rows][n_vocab] for the rows `mode` asks for (1 for Last, ids.size()
+/// for All; untouched for None).
+struct SeqInput {
+  SequenceState* state = nullptr;
+  std::span<const int32_t> ids;
+  LogitsMode mode = LogitsMode::Last;
+  std::vector<float>* logits = nullptr;
+};
+
 class Model {
  public:
-  virtual ~Model() = default;
+  virtual ~Model();
   const ModelHParams& hparams() const { return hp_; }
   /// Where each layer's experts live in the file (for the stream). Layers without routed
   /// experts have n_expert = 0.
@@ -92,55 +131,29 @@ class Model {
   /// Bytes new_state(n_ctx) allocates.
   virtual uint64_t state_bytes(int64_t n_ctx) const = 0;
 
-  /// Runs `ids` at positions [st.n_past, st.n_past + ids.size()) through every layer and
-  /// advances st.n_past. logits: [n_rows][n_vocab] for the rows `mode` asks for (1 for
-  /// Last, ids.size() for All). Preconditions: ids in [0, n_vocab), room in st.
-  /// Per-token results do not depend on how a prompt is split into calls.
-  virtual void forward(ForwardContext& ctx, SequenceState& st, std::span<const int32_t> ids, LogitsMode mode,
-                       std::vector<float>& logits) = 0;
+  /// Runs a batch of sequences through every layer (one forward: the tokens of all sequences
+  /// share each matmul and each layer's expert reads; attention and recurrent state stay per
+  /// sequence) and advances each state's n_past. Preconditions: ids in [0, n_vocab), room in
+  /// each state, no state twice. Per-token results do not depend on how tokens are split into
+  /// calls or batched with other sequences.
+  virtual void forward(ForwardContext& ctx, std::span<SeqInput> batch) = 0;
+  /// The one-sequence form: runs `ids` after st's past tokens; logits as SeqInput says.
+  void forward(ForwardContext& ctx, SequenceState& st, std::span<const int32_t> ids, LogitsMode mode,
+               std::vector<float>& logits);
 
  protected:
-  /// Appends one MoE layer's routing of a forward call to `trace` (no-op when null).
-  void record_routing(RoutingTrace* trace, int layer, const layers::Routing& r, int top_k) const;
-
-  /// The read-ahead to issue for `layer` (n_layer or more: none) from T tokens: predicted with
-  /// `router` when prediction is on, else (and always for layer 0) the static rank fills in up
-  /// to min(top-k x T, experts). `predicted` receives per-token predictions for recall.
-  layers::ReadAhead plan_read_ahead(const ForwardContext& ctx, int layer, const cpu::MatrixRef* router, int64_t T,
-                                    std::vector<int32_t>* predicted) const;
-  /// Adds layer `layer`'s recall (its routing vs. the earlier prediction) to ctx.prediction.
-  void score_prediction(ForwardContext& ctx, int layer, const layers::Routing& r,
-                        const std::vector<int32_t>& predicted) const;
-
-  /// Read-ahead for layer 0, issued before any compute: `router0` on the token embeddings
-  /// x: [T][n_embd] normed with `norm0` (layer 0's pre-MoE norm weights). `scratch` holds
-  /// T x n_embd floats. `pred` receives the per-token prediction for layer 0.
-  void read_ahead_first(ForwardContext& ctx, const cpu::MatrixRef& router0, const float* norm0, const float* x,
-                        int64_t T, float* scratch, std::vector<int32_t>& pred) const;
-
-  /// The routed-MoE step every MoE architecture shares: read-ahead for layer+1 (predicted
-  /// with `next_router`, null for the last layer), the MoE of `layer` with experts from the
-  /// stream, recall scoring and the routing trace. h: [T][n_embd] normed input; out:
-  /// [T][n_embd] (overwritten). `pred` carries the prediction for `layer` in and for layer+1 out.
-  void moe_step(ForwardContext& ctx, int layer, const layers::MoeWeights& w, const cpu::MatrixRef* next_router,
-                const float* h, int64_t T, float* out, std::vector<int32_t>& pred) const;
-
-  /// h[t] = RMSNorm(x[t]) * w for T rows of n_embd (rows split over the pool).
-  void rms_norm_rows(cpu::ThreadPool& pool, const float* x, const float* w, int64_t T, float* h) const;
-  /// The residual add x[t] += o[t] for T rows of n_embd.
-  void add_rows(float* x, const float* o, int64_t T) const;
-
-  /// Token embeddings: x[t] = dequant(tok_embd row ids[t]); x: [T][n_embd].
-  void embed(const cpu::MatrixRef& tok_embd, std::span<const int32_t> ids, float* x) const;
-
-  /// Final RMSNorm and the output head for the rows `mode` asks for: logits [rows][n_vocab].
-  /// x: [T][n_embd] residual stream; scratch: T x n_embd floats.
-  void output_head(ForwardContext& ctx, const float* x, int64_t T, LogitsMode mode, const float* norm,
-                   const cpu::MatrixRef& head, float* scratch, std::vector<float>& logits) const;
+  /// Binds layer `layer`'s router (blk.N.ffn_gate_inp) and routed experts (ffn_{gate,up,down}_exps,
+  /// left on disk) and records where the experts live for the stream (experts_[layer]).
+  MoeLayer bind_moe(const BoundWeights& w, int layer, const backend::RouterSpec& spec);
 
   ModelHParams hp_;
   std::vector<stream::LayerExperts> experts_;
   uint64_t dense_bytes_ = 0;
+  backend::Backend* be_ = nullptr;  ///< where the weights and the sequences' state live
+
+ private:
+  friend std::unique_ptr<Model> load_model(const gguf::File&, backend::Backend&, const struct LoadOptions&);
+  std::unique_ptr<const BoundWeights> weights_;  ///< the resident tensors the backend views point into
 };
 
 /// Load-time settings that change numerics (default: exact fp32 semantics).
@@ -150,11 +163,12 @@ struct LoadOptions {
   bool rope_freqs_bf16 = false;
 };
 
-/// Loads the architecture named by general.architecture. Throws ModelError for an
-/// unsupported architecture (naming the supported ones) or missing/mis-shaped tensors.
-std::unique_ptr<Model> load_model(const gguf::File& gguf, const LoadOptions& opts = {});
+/// Loads the architecture that handles `gguf` (model/arch.h) onto backend `be`, which must
+/// outlive the model. Throws ModelError for an unsupported architecture (naming the supported
+/// ones), missing or mis-shaped tensors, unsupported types or key values.
+std::unique_ptr<Model> load_model(const gguf::File& gguf, backend::Backend& be, const LoadOptions& opts = {});
 
-/// Architectures this build supports, e.g. {"qwen3moe"}.
+/// Architectures this build supports, e.g. {"qwen3moe", "qwen3next"}.
 std::vector<std::string> supported_architectures();
 
 }  // namespace strata::model

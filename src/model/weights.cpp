@@ -6,14 +6,9 @@
 
 namespace strata::model {
 
-cpu::MatrixRef DenseTensor::matrix() const {
-  cpu::MatrixRef m;
-  m.type = info->type;
-  m.data = data.data();
-  m.cols = int64_t(info->ne[0]);
-  m.rows = int64_t(info->n_elements / info->ne[0]);
-  m.row_bytes = info->row_bytes;
-  return m;
+backend::Tensor DenseTensor::tensor() const {
+  return backend::Tensor::matrix(info->type, data.data(), int64_t(info->ne[0]), int64_t(info->n_elements / info->ne[0]),
+                                 info->row_bytes);
 }
 
 WeightLoader::WeightLoader(const gguf::File& gguf) : gguf_(gguf), file_(io::File::open(gguf.path(), false)) {}

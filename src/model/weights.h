@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/cpu/ops.h"
+#include "backend/backend.h"
 #include "gguf/gguf.h"
 #include "io/file.h"
 
@@ -26,8 +26,8 @@ struct DenseTensor {
   io::AlignedBuffer data;       ///< the raw bytes as stored in the file (info->n_bytes)
   std::vector<float> f32;       ///< dequantized copy, filled only for small vectors (norms, biases)
 
-  /// View as a matrix of ne[1]*ne[2]*... rows of ne[0] columns.
-  cpu::MatrixRef matrix() const;
+  /// Host view in the file type: ne[1]*ne[2]*... rows of ne[0] columns, row_bytes apart.
+  backend::Tensor tensor() const;
   /// fp32 values (requires f32 to have been filled by WeightLoader::vector()).
   const float* values() const { return f32.data(); }
 };

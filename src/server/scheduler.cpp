@@ -161,8 +161,8 @@ void Scheduler::snapshot_stats() {
 void Scheduler::start(Slot& s, std::shared_ptr<Request> r) {
   s.req = std::move(r);
   s.st.n_past = 0;  // reuse the slot's buffers: KV rows past n_past are never read
-  for (auto& v : s.st.conv) std::fill(v.begin(), v.end(), 0.0f);
-  for (auto& v : s.st.ssm) std::fill(v.begin(), v.end(), 0.0f);
+  for (auto& v : s.st.conv) v.zero();
+  for (auto& v : s.st.ssm) v.zero();
   s.sampler.emplace(s.req->params.sampler);
   s.dec.emplace(eng_.tokenizer());
   s.history = s.req->params.prompt;

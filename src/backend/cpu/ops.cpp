@@ -40,35 +40,18 @@ void rms_norm(const float* x, const float* w, float* y, int64_t n, float eps) {
   for (int64_t i = 0; i < n; ++i) y[i] = x[i] * scale * w[i];
 }
 
-void softmax(float* x, int64_t n) {
-  float mx = x[0];
-  for (int64_t i = 1; i < n; ++i) mx = std::max(mx, x[i]);
-  double sum = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    x[i] = std::exp(x[i] - mx);
-    sum += x[i];
-  }
-  const float inv = float(1.0 / sum);
-  for (int64_t i = 0; i < n; ++i) x[i] *= inv;
-}
-
-Rope::Rope(int n_rot_, double freq_base, bool round_freqs_to_bf16) : n_rot(n_rot_), inv_freq(n_rot_ / 2) {
-  for (int i = 0; i < n_rot / 2; ++i) {
-    inv_freq[i] = std::pow(freq_base, -2.0 * i / n_rot);
-    if (round_freqs_to_bf16) inv_freq[i] = quant::bf16_to_fp32(quant::fp32_to_bf16(float(inv_freq[i])));
-  }
-}
-
-void Rope::apply(float* x, int n_heads, int head_dim, int64_t pos) const {
-  const int half = n_rot / 2;
+void rope_apply(const backend::RopeSpec& rope, float* x, int n_heads, int head_dim, int64_t pos) {
+  const int half = rope.n_rot / 2;
+  const bool neox = rope.mode == backend::RopeSpec::Mode::Neox;
   for (int i = 0; i < half; ++i) {
-    const double theta = double(pos) * inv_freq[i];
+    const double theta = double(pos) * rope.inv_freq[i];
     const float c = float(std::cos(theta)), s = float(std::sin(theta));
+    const int i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
     for (int h = 0; h < n_heads; ++h) {
       float* xh = x + int64_t(h) * head_dim;
-      const float a = xh[i], b = xh[i + half];
-      xh[i] = a * c - b * s;
-      xh[i + half] = b * c + a * s;
+      const float a = xh[i0], b = xh[i1];
+      xh[i0] = a * c - b * s;
+      xh[i1] = b * c + a * s;
     }
   }
 }

@@ -7,6 +7,7 @@
 #include <span>
 #include <vector>
 
+#include "backend/backend.h"
 #include "backend/cpu/thread_pool.h"
 #include "gguf/ggml_types.h"
 
@@ -30,26 +31,14 @@ void matmul(ThreadPool& pool, const MatrixRef& W, const float* x, int64_t ldx, i
 /// x and y may alias. The mean is accumulated in double.
 void rms_norm(const float* x, const float* w, float* y, int64_t n, float eps);
 
-/// In-place softmax over n logits (max-subtracted, sum in double).
-void softmax(float* x, int64_t n);
-
 /// SiLU(x) = x * sigmoid(x).
 inline float silu(float x) { return x / (1.0f + __builtin_expf(-x)); }
 
-/// Rotary position embedding, NEOX layout (pairs (i, i + n_rot/2) of each head), as in
-/// GPT-NeoX and transformers' rotate_half. Su et al. 2021, "RoFormer".
-/// inv_freq[i] = freq_base^(-2i/n_rot) for i < n_rot/2.
-struct Rope {
-  int n_rot = 0;                 ///< rotated dimensions per head (<= head_dim, even)
-  std::vector<double> inv_freq;  ///< [n_rot/2]
-  Rope() = default;
-  /// round_freqs_to_bf16 rounds inv_freq to bfloat16, which is what transformers computes
-  /// when a checkpoint is loaded in bf16 (its non-persistent inv_freq buffer is cast with the
-  /// model): only for parity with such references.
-  Rope(int n_rot, double freq_base, bool round_freqs_to_bf16 = false);
-  /// Rotates x: [n_heads][head_dim] (head_dim contiguous) in place for position `pos` (tokens).
-  void apply(float* x, int n_heads, int head_dim, int64_t pos) const;
-};
+/// Rotary position embedding (Su et al. 2021, "RoFormer") of x: [n_heads][head_dim] (head_dim
+/// contiguous) in place for position `pos` (tokens), the first rope.n_rot dims of each head:
+/// Neox mode rotates pairs (i, i + n_rot/2) (GPT-NeoX, transformers' rotate_half), Norm mode
+/// adjacent pairs (2i, 2i+1). Angle pos * inv_freq[i] in double, cos/sin rounded to float.
+void rope_apply(const backend::RopeSpec& rope, float* x, int n_heads, int head_dim, int64_t pos);
 
 /// Causal GQA attention for one query token against a KV cache.
 /// q: [n_head][head_dim]; k_cache/v_cache: [n_pos][n_head_kv * head_dim] rows for positions

@@ -1,10 +1,10 @@
-#include "layers/gated_delta_net.h"
+#include "backend/cpu/gated_delta_net.h"
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
-namespace strata::layers {
+namespace strata::cpu {
 
 namespace {
 
@@ -53,7 +53,7 @@ void delta_rule_step(float* S, const float* q, const float* k, const float* v, f
   }
 }
 
-void gated_delta_net_block(cpu::ThreadPool& pool, const GatedDeltaNetWeights& w, const GatedDeltaNetShape& s,
+void gated_delta_net_block(ThreadPool& pool, const GatedDeltaNetWeights& w, const GatedDeltaNetShape& s,
                            const float* h, int64_t n_embd, int64_t T, float* conv_state, float* ssm_state, float* out) {
   const int64_t C = s.conv_dim(), key_dim = s.key_dim(), value_dim = s.value_dim();
   const int K = s.conv_kernel, dk = s.head_k_dim, dv = s.head_v_dim, nv = s.n_v_head;
@@ -61,9 +61,9 @@ void gated_delta_net_block(cpu::ThreadPool& pool, const GatedDeltaNetWeights& w,
   std::vector<float> x(T * C), xc(T * C), z(T * value_dim), ba(T * 2 * nv);
 
   // Input projections.
-  cpu::matmul(pool, w.wqkv, h, n_embd, T, x.data(), C);
-  cpu::matmul(pool, w.wz, h, n_embd, T, z.data(), value_dim);
-  cpu::matmul(pool, w.wba, h, n_embd, T, ba.data(), 2 * nv);
+  matmul(pool, w.wqkv, h, n_embd, T, x.data(), C);
+  matmul(pool, w.wz, h, n_embd, T, z.data(), value_dim);
+  matmul(pool, w.wba, h, n_embd, T, ba.data(), 2 * nv);
 
   // Causal depthwise convolution over time with the rolling state, then SiLU. Channels are
   // independent: split them over the pool, each walking the tokens in order.
@@ -76,7 +76,7 @@ void gated_delta_net_block(cpu::ThreadPool& pool, const GatedDeltaNetWeights& w,
         float acc = 0.0f;
         for (int j = 0; j < K - 1; ++j) acc += wc[j] * conv_state[int64_t(j) * C + c];
         acc += wc[K - 1] * xt[c];
-        xc[t * C + c] = cpu::silu(acc);
+        xc[t * C + c] = silu(acc);
         // Shift the window: the state keeps the last K-1 raw inputs, oldest first.
         for (int j = 0; j + 1 < K - 1; ++j) conv_state[int64_t(j) * C + c] = conv_state[int64_t(j + 1) * C + c];
         if (K > 1) conv_state[int64_t(K - 2) * C + c] = xt[c];
@@ -129,13 +129,13 @@ void gated_delta_net_block(cpu::ThreadPool& pool, const GatedDeltaNetWeights& w,
       for (int j = 0; j < nv; ++j) {
         float* oh = o.data() + t * value_dim + int64_t(j) * dv;
         const float* zh = z.data() + t * value_dim + int64_t(j) * dv;
-        cpu::rms_norm(oh, w.norm, oh, dv, s.rms_eps);
-        for (int d = 0; d < dv; ++d) oh[d] *= cpu::silu(zh[d]);
+        rms_norm(oh, w.norm, oh, dv, s.rms_eps);
+        for (int d = 0; d < dv; ++d) oh[d] *= silu(zh[d]);
       }
   });
 
   // Output projection.
-  cpu::matmul(pool, w.wout, o.data(), value_dim, T, out, n_embd);
+  matmul(pool, w.wout, o.data(), value_dim, T, out, n_embd);
 }
 
-}  // namespace strata::layers
+}  // namespace strata::cpu

@@ -19,33 +19,19 @@
 // torch_recurrent_gated_delta_rule, Qwen3NextRMSNormGated); llama.cpp src/models/qwen3next.cpp.
 #include <cstdint>
 
+#include "backend/backend.h"
 #include "backend/cpu/ops.h"
 
-namespace strata::layers {
+namespace strata::cpu {
 
-struct GatedDeltaNetShape {
-  int n_k_head = 0;     ///< ssm.group_count: key (and query) heads
-  int n_v_head = 0;     ///< ssm.time_step_rank: value heads (a multiple of n_k_head)
-  int head_k_dim = 0;   ///< ssm.state_size: dk
-  int head_v_dim = 0;   ///< ssm.inner_size / n_v_head: dv
-  int conv_kernel = 0;  ///< ssm.conv_kernel: K (taps of the causal depthwise convolution)
-  float rms_eps = 1e-6f;  ///< epsilon of the gated RMSNorm
-
-  int64_t key_dim() const { return int64_t(n_k_head) * head_k_dim; }
-  int64_t value_dim() const { return int64_t(n_v_head) * head_v_dim; }
-  /// Channels of the convolution: q, k and v side by side.
-  int64_t conv_dim() const { return 2 * key_dim() + value_dim(); }
-  /// Floats of the rolling convolution state: [K-1][conv_dim], oldest input first.
-  int64_t conv_state_size() const { return int64_t(conv_kernel - 1) * conv_dim(); }
-  /// Floats of the delta-rule state: [n_v_head][dk][dv].
-  int64_t ssm_state_size() const { return int64_t(n_v_head) * head_k_dim * head_v_dim; }
-};
+/// Heads, head sizes and convolution taps: backend::GdnSpec (backend/backend.h).
+using GatedDeltaNetShape = backend::GdnSpec;
 
 struct GatedDeltaNetWeights {
-  cpu::MatrixRef wqkv;           ///< attn_qkv: [conv_dim, n_embd] rows x cols
-  cpu::MatrixRef wz;             ///< attn_gate: [n_v_head * dv, n_embd]
-  cpu::MatrixRef wba;            ///< ssm_ba: [2 * n_v_head, n_embd], per key head [b (r), a (r)]
-  cpu::MatrixRef wout;           ///< ssm_out: [n_embd, n_v_head * dv]
+  MatrixRef wqkv;           ///< attn_qkv: [conv_dim, n_embd] rows x cols
+  MatrixRef wz;             ///< attn_gate: [n_v_head * dv, n_embd]
+  MatrixRef wba;            ///< ssm_ba: [2 * n_v_head, n_embd], per key head [b (r), a (r)]
+  MatrixRef wout;           ///< ssm_out: [n_embd, n_v_head * dv]
   const float* conv = nullptr;   ///< ssm_conv1d: [conv_dim][K] (taps of a channel contiguous)
   const float* dt_bias = nullptr;  ///< ssm_dt.bias: [n_v_head]
   const float* a = nullptr;      ///< ssm_a: [n_v_head], -exp(A_log) (negative)
@@ -56,7 +42,7 @@ struct GatedDeltaNetWeights {
 /// (overwritten). conv_state: [K-1][conv_dim], ssm_state: [n_v_head][dk][dv]: read as the
 /// state after the previous tokens (zeros for a fresh sequence) and advanced past these T.
 /// Per-token results depend only on the token and the state (not on T or thread count).
-void gated_delta_net_block(cpu::ThreadPool& pool, const GatedDeltaNetWeights& w, const GatedDeltaNetShape& s,
+void gated_delta_net_block(ThreadPool& pool, const GatedDeltaNetWeights& w, const GatedDeltaNetShape& s,
                            const float* h, int64_t n_embd, int64_t T, float* conv_state, float* ssm_state, float* out);
 
 /// The delta-rule step of one value head for one token, in place on S: [dk][dv].
@@ -65,4 +51,4 @@ void gated_delta_net_block(cpu::ThreadPool& pool, const GatedDeltaNetWeights& w,
 void delta_rule_step(float* S, const float* q, const float* k, const float* v, float decay, float beta, int dk, int dv,
                      float* o, float* scratch);
 
-}  // namespace strata::layers
+}  // namespace strata::cpu

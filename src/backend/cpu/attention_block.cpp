@@ -1,12 +1,12 @@
-#include "layers/attention.h"
+#include "backend/cpu/attention_block.h"
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
-namespace strata::layers {
+namespace strata::cpu {
 
-void attention_block(cpu::ThreadPool& pool, const AttentionWeights& w, const AttentionShape& s, const float* h,
+void attention_block(ThreadPool& pool, const AttentionWeights& w, const AttentionShape& s, const float* h,
                      int64_t n_embd, int64_t T, int64_t pos0, float* k_cache, float* v_cache, float* out) {
   const int64_t q_dim = int64_t(s.n_head) * s.head_dim;
   const int64_t kv_dim = int64_t(s.n_head_kv) * s.head_dim;
@@ -16,7 +16,7 @@ void attention_block(cpu::ThreadPool& pool, const AttentionWeights& w, const Att
   std::vector<float> gate;
   if (s.q_gate) {
     std::vector<float> qg(T * 2 * q_dim);
-    cpu::matmul(pool, w.wq, h, n_embd, T, qg.data(), 2 * q_dim);
+    matmul(pool, w.wq, h, n_embd, T, qg.data(), 2 * q_dim);
     gate.resize(T * q_dim);
     for (int64_t t = 0; t < T; ++t)
       for (int hh = 0; hh < s.n_head; ++hh) {
@@ -25,10 +25,10 @@ void attention_block(cpu::ThreadPool& pool, const AttentionWeights& w, const Att
         std::copy_n(src + s.head_dim, s.head_dim, gate.data() + t * q_dim + int64_t(hh) * s.head_dim);
       }
   } else {
-    cpu::matmul(pool, w.wq, h, n_embd, T, q.data(), q_dim);
+    matmul(pool, w.wq, h, n_embd, T, q.data(), q_dim);
   }
-  cpu::matmul(pool, w.wk, h, n_embd, T, k.data(), kv_dim);
-  cpu::matmul(pool, w.wv, h, n_embd, T, v.data(), kv_dim);
+  matmul(pool, w.wk, h, n_embd, T, k.data(), kv_dim);
+  matmul(pool, w.wv, h, n_embd, T, v.data(), kv_dim);
 
   // Per-head q/k RMSNorm, rotary embedding, then K and V into the cache.
   pool.parallel_for(T, 1, [&](int64_t t0, int64_t t1) {
@@ -36,11 +36,11 @@ void attention_block(cpu::ThreadPool& pool, const AttentionWeights& w, const Att
       float* qt = q.data() + t * q_dim;
       float* kt = k.data() + t * kv_dim;
       for (int hh = 0; w.q_norm && hh < s.n_head; ++hh)
-        cpu::rms_norm(qt + hh * s.head_dim, w.q_norm, qt + hh * s.head_dim, s.head_dim, s.rms_eps);
+        rms_norm(qt + hh * s.head_dim, w.q_norm, qt + hh * s.head_dim, s.head_dim, s.rms_eps);
       for (int hh = 0; w.k_norm && hh < s.n_head_kv; ++hh)
-        cpu::rms_norm(kt + hh * s.head_dim, w.k_norm, kt + hh * s.head_dim, s.head_dim, s.rms_eps);
-      s.rope->apply(qt, s.n_head, s.head_dim, pos0 + t);
-      s.rope->apply(kt, s.n_head_kv, s.head_dim, pos0 + t);
+        rms_norm(kt + hh * s.head_dim, w.k_norm, kt + hh * s.head_dim, s.head_dim, s.rms_eps);
+      rope_apply(*s.rope, qt, s.n_head, s.head_dim, pos0 + t);
+      rope_apply(*s.rope, kt, s.n_head_kv, s.head_dim, pos0 + t);
       std::copy(kt, kt + kv_dim, k_cache + (pos0 + t) * kv_dim);
       std::copy(v.data() + t * kv_dim, v.data() + (t + 1) * kv_dim, v_cache + (pos0 + t) * kv_dim);
     }
@@ -48,7 +48,7 @@ void attention_block(cpu::ThreadPool& pool, const AttentionWeights& w, const Att
 
   // Scaled dot-product attention, one (token, KV head) pair per work item: the query heads of
   // a GQA group share the reads of their K/V rows.
-  const float scale = 1.0f / std::sqrt(float(s.head_dim));
+  const float scale = s.scale != 0 ? s.scale : 1.0f / std::sqrt(float(s.head_dim));
   const int group = s.n_head / s.n_head_kv;
   pool.parallel_for(T * s.n_head_kv, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scratch(size_t(std::min(group, 8)) * size_t(pos0 + T));
@@ -57,8 +57,10 @@ void attention_block(cpu::ThreadPool& pool, const AttentionWeights& w, const Att
       const int g = int(i % s.n_head_kv);
       const int64_t kv_off = int64_t(g) * s.head_dim;
       const int64_t q_off = t * q_dim + int64_t(g) * group * s.head_dim;
-      cpu::attention_one(q.data() + q_off, k_cache + kv_off, v_cache + kv_off, kv_dim, pos0 + t + 1, group, 1,
-                         s.head_dim, scale, att.data() + q_off, scratch.data());
+      // positions [first, pos0 + t]: all of them, or the last `window`
+      const int64_t first = s.window > 0 ? std::max<int64_t>(0, pos0 + t + 1 - s.window) : 0;
+      attention_one(q.data() + q_off, k_cache + first * kv_dim + kv_off, v_cache + first * kv_dim + kv_off, kv_dim,
+                    pos0 + t + 1 - first, group, 1, s.head_dim, scale, att.data() + q_off, scratch.data());
     }
   });
 
@@ -67,7 +69,7 @@ void attention_block(cpu::ThreadPool& pool, const AttentionWeights& w, const Att
     for (int64_t i = 0; i < T * q_dim; ++i) att[i] *= 1.0f / (1.0f + std::exp(-gate[i]));
 
   // Output projection.
-  cpu::matmul(pool, w.wo, att.data(), q_dim, T, out, n_embd);
+  matmul(pool, w.wo, att.data(), q_dim, T, out, n_embd);
 }
 
-}  // namespace strata::layers
+}  // namespace strata::cpu

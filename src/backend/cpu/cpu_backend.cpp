@@ -1,0 +1,165 @@
+#include "backend/cpu/cpu_backend.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+
+#include "backend/cpu/attention_block.h"
+#include "backend/cpu/ffn.h"
+#include "backend/cpu/gated_delta_net.h"
+#include "io/file.h"
+#include "quant/quant.h"
+
+namespace strata::cpu {
+
+using backend::Tensor;
+
+MatrixRef as_matrix(const Tensor& t) { return MatrixRef{t.type, t.data, t.rows(), t.cols(), t.row_bytes()}; }
+
+namespace {
+
+// Host memory for every role: one 4 KiB-aligned allocation (state zeroed).
+class HostBuffer final : public backend::Buffer {
+ public:
+  HostBuffer(backend::BufferRole role, size_t bytes) : role_(role), mem_(std::max<size_t>(bytes, 1)), bytes_(bytes) {
+    if (role == backend::BufferRole::State) std::memset(mem_.data(), 0, mem_.size());
+  }
+  backend::BufferRole role() const override { return role_; }
+  backend::Place place() const override { return backend::Place::Host; }
+  void* data() override { return mem_.data(); }
+  size_t bytes() const override { return bytes_; }
+
+ private:
+  backend::BufferRole role_;
+  io::AlignedBuffer mem_;
+  size_t bytes_;
+};
+
+// Work on the CPU is done when the call returns.
+class DoneEvent final : public backend::Event {
+ public:
+  void wait() override {}
+  bool done() override { return true; }
+};
+
+// Floats between rows of an fp32 activation tensor.
+int64_t ld(const Tensor& t) { return int64_t(t.row_bytes() / sizeof(float)); }
+
+const float* values_or_null(const Tensor& t) { return t.empty() ? nullptr : static_cast<const float*>(t.data); }
+
+}  // namespace
+
+CpuBackend::CpuBackend(const CpuOptions& opts) : pool_(std::max(1, opts.n_threads)) {}
+CpuBackend::~CpuBackend() = default;
+
+backend::BackendInfo CpuBackend::info() const {
+  return {"cpu", fmt::format("{} threads, {} kernels, {} activations", pool_.n_threads(),
+                             quant::cpu_kernels_name(quant::active_cpu_kernels()),
+                             quant::act_quant_name(quant::active_act_quant()))};
+}
+
+std::unique_ptr<backend::Buffer> CpuBackend::alloc(backend::BufferRole role, size_t bytes) {
+  return std::make_unique<HostBuffer>(role, bytes);
+}
+
+void CpuBackend::upload(const Tensor& dst, const void* src, size_t bytes) { std::memcpy(dst.data, src, bytes); }
+void CpuBackend::download(void* dst, const Tensor& src, size_t bytes) { std::memcpy(dst, src.data, bytes); }
+void CpuBackend::copy(const Tensor& dst, const Tensor& src, size_t bytes) { std::memmove(dst.data, src.data, bytes); }
+backend::EventPtr CpuBackend::record() { return std::make_shared<DoneEvent>(); }
+
+std::unique_ptr<backend::ArenaMemory> CpuBackend::make_arena(size_t, size_t, int) {
+  // The stream keeps its own host arena until it takes its memory from the backend.
+  return nullptr;
+}
+
+void CpuBackend::embed(const Tensor& table, std::span<const int32_t> ids, const Tensor& x) {
+  const int64_t E = table.cols();
+  for (size_t t = 0; t < ids.size(); ++t)
+    quant::dequantize_row(table.type, static_cast<const uint8_t*>(table.data) + size_t(ids[t]) * table.row_bytes(),
+                          x.row(int64_t(t)), E);
+}
+
+void CpuBackend::rms_norm(const Tensor& x, const Tensor& w, float eps, const Tensor& y) {
+  const int64_t E = x.cols();
+  const float* wv = w.f();
+  pool_.parallel_for(x.rows(), 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) cpu::rms_norm(x.row(t), wv, y.row(t), E, eps);
+  });
+}
+
+void CpuBackend::add(const Tensor& x, const Tensor& y) {
+  const int64_t E = x.cols();
+  for (int64_t t = 0; t < x.rows(); ++t) {
+    float* a = x.row(t);
+    const float* b = y.row(t);
+    for (int64_t i = 0; i < E; ++i) a[i] += b[i];
+  }
+}
+
+void CpuBackend::matmul(const Tensor& W, const Tensor& x, const Tensor& y) {
+  cpu::matmul(pool_, as_matrix(W), x.f(), ld(x), x.rows(), y.f(), ld(y));
+}
+
+void CpuBackend::attention(const backend::AttentionSpec& spec, const backend::AttentionWeights& w,
+                           const backend::KvCache& kv, int64_t pos0, const Tensor& h, const Tensor& out) {
+  const AttentionWeights aw{as_matrix(w.wq), as_matrix(w.wk), as_matrix(w.wv), as_matrix(w.wo),
+                            values_or_null(w.q_norm), values_or_null(w.k_norm)};
+  attention_block(pool_, aw, spec, h.f(), h.cols(), h.rows(), pos0, kv.k.f(), kv.v.f(), out.f());
+}
+
+void CpuBackend::gated_delta_net(const backend::GdnSpec& spec, const backend::GdnWeights& w,
+                                 const backend::RecurrentState& state, const Tensor& h, const Tensor& out) {
+  const GatedDeltaNetWeights gw{as_matrix(w.wqkv), as_matrix(w.wz), as_matrix(w.wba), as_matrix(w.wout),
+                                w.conv.f(),        w.dt_bias.f(),   w.a.f(),          w.norm.f()};
+  gated_delta_net_block(pool_, gw, spec, h.f(), h.cols(), h.rows(), state.conv.f(), state.ssm.f(), out.f());
+}
+
+void CpuBackend::ffn(const backend::FfnCall& call, const backend::FfnWeights& w, const Tensor& h, const Tensor& out) {
+  const FfnWeights fw{as_matrix(w.gate), as_matrix(w.up), as_matrix(w.down)};
+  if (!call.scalar_gate.empty()) {
+    if (!call.accumulate) throw std::invalid_argument("ffn: a scalar gate is only supported with accumulate");
+    add_gated_swiglu_ffn(pool_, fw, as_matrix(call.scalar_gate), h.f(), h.cols(), h.rows(), out.f());
+    return;
+  }
+  if (call.accumulate) throw std::invalid_argument("ffn: accumulate needs a scalar gate");
+  swiglu_ffn(pool_, fw, h.f(), h.cols(), h.rows(), out.f());
+}
+
+void CpuBackend::router_logits(const Tensor& w, const Tensor& h, std::vector<float>& logits) {
+  const int64_t n_expert = w.rows();
+  logits.resize(size_t(h.rows() * n_expert));
+  cpu::matmul(pool_, as_matrix(w), h.f(), ld(h), h.rows(), logits.data(), n_expert);
+}
+
+void CpuBackend::expert_ffn(const backend::FfnSpec&, const backend::ExpertJob& job, int top_k, const Tensor& h,
+                            const Tensor& expert_out) {
+  // SwiGLU on all the expert's tokens at once: down(silu(gate x) * up x) into the (token, k) rows.
+  const int64_t n_embd = h.cols(), n_ff = job.w.gate.rows(), n = int64_t(job.pairs.size());
+  x_.resize(size_t(n * n_embd));
+  g_.resize(size_t(n * n_ff));
+  u_.resize(size_t(n * n_ff));
+  for (int64_t j = 0; j < n; ++j) std::copy_n(h.row(job.pairs[j] / top_k), n_embd, x_.data() + j * n_embd);
+  cpu::matmul(pool_, as_matrix(job.w.gate), x_.data(), n_embd, n, g_.data(), n_ff);
+  cpu::matmul(pool_, as_matrix(job.w.up), x_.data(), n_embd, n, u_.data(), n_ff);
+  for (int64_t i = 0; i < n * n_ff; ++i) g_[i] = silu(g_[i]) * u_[i];
+  cpu::matmul(pool_, as_matrix(job.w.down), g_.data(), n_ff, n, x_.data(), n_embd);
+  for (int64_t j = 0; j < n; ++j) std::copy_n(x_.data() + j * n_embd, n_embd, expert_out.row(job.pairs[j]));
+}
+
+void CpuBackend::moe_combine(const backend::Routing& r, const Tensor& expert_out, const Tensor& out) {
+  const int K = r.top_k;
+  const int64_t n_embd = out.cols();
+  for (int64_t t = 0; t < r.n_tokens(); ++t) {
+    float* o = out.row(t);
+    std::fill(o, o + n_embd, 0.0f);
+    for (int k = 0; k < K; ++k) {
+      const float wk = r.weights[t * K + k];
+      const float* eo = expert_out.row(t * K + k);
+      for (int64_t i = 0; i < n_embd; ++i) o[i] += wk * eo[i];
+    }
+  }
+}
+
+}  // namespace strata::cpu

@@ -1,0 +1,61 @@
+#pragma once
+// The CPU backend: backend::Backend over host memory, the thread pool and the SIMD kernels of
+// src/backend/cpu (matmul over threads, attention, gated delta net, SwiGLU FFN). Every call
+// runs synchronously on the calling thread and the pool; events are always complete.
+#include <memory>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/cpu/ops.h"
+#include "backend/cpu/thread_pool.h"
+
+namespace strata::cpu {
+
+/// Settings of one CPU backend instance.
+struct CpuOptions {
+  int n_threads = 1;  ///< compute threads (>= 1)
+};
+
+/// A weight tensor as a row matrix for the CPU kernels (rows = ne[1]*ne[2]*ne[3], cols = ne[0]).
+MatrixRef as_matrix(const backend::Tensor& t);
+
+class CpuBackend final : public backend::Backend {
+ public:
+  explicit CpuBackend(const CpuOptions& opts);
+  ~CpuBackend() override;
+
+  ThreadPool& pool() { return pool_; }
+
+  backend::BackendInfo info() const override;
+  std::unique_ptr<backend::Buffer> alloc(backend::BufferRole role, size_t bytes) override;
+  backend::Tensor weights(const backend::Tensor& host) override { return host; }
+  void upload(const backend::Tensor& dst, const void* src, size_t bytes) override;
+  void download(void* dst, const backend::Tensor& src, size_t bytes) override;
+  void copy(const backend::Tensor& dst, const backend::Tensor& src, size_t bytes) override;
+  backend::EventPtr record() override;
+  void synchronize() override {}
+  std::unique_ptr<backend::ArenaMemory> make_arena(size_t n_slots, size_t slot_bytes, int io_threads) override;
+
+  void embed(const backend::Tensor& table, std::span<const int32_t> ids, const backend::Tensor& x) override;
+  void rms_norm(const backend::Tensor& x, const backend::Tensor& w, float eps, const backend::Tensor& y) override;
+  void add(const backend::Tensor& x, const backend::Tensor& y) override;
+  void matmul(const backend::Tensor& W, const backend::Tensor& x, const backend::Tensor& y) override;
+  void attention(const backend::AttentionSpec& spec, const backend::AttentionWeights& w, const backend::KvCache& kv,
+                 int64_t pos0, const backend::Tensor& h, const backend::Tensor& out) override;
+  void gated_delta_net(const backend::GdnSpec& spec, const backend::GdnWeights& w,
+                       const backend::RecurrentState& state, const backend::Tensor& h,
+                       const backend::Tensor& out) override;
+  void ffn(const backend::FfnCall& call, const backend::FfnWeights& w, const backend::Tensor& h,
+           const backend::Tensor& out) override;
+  void router_logits(const backend::Tensor& w, const backend::Tensor& h, std::vector<float>& logits) override;
+  void expert_ffn(const backend::FfnSpec& spec, const backend::ExpertJob& job, int top_k, const backend::Tensor& h,
+                  const backend::Tensor& expert_out) override;
+  void moe_combine(const backend::Routing& routing, const backend::Tensor& expert_out,
+                   const backend::Tensor& out) override;
+
+ private:
+  ThreadPool pool_;
+  std::vector<float> x_, g_, u_;  // expert_ffn scratch, reused across experts
+};
+
+}  // namespace strata::cpu

@@ -1,0 +1,143 @@
+// Qwen3-MoE (general.architecture = "qwen3moe"): every layer is GQA attention with q/k
+// RMSNorm and NEOX RoPE, then a routed SwiGLU MoE (softmax, top-k, renormalized).
+// Reference: transformers' modeling_qwen3_moe.py; tensor names as llama.cpp's converter
+// writes them (blk.N.attn_q.weight, blk.N.ffn_gate_exps.weight, ...).
+#include <fmt/format.h>
+
+#include "model/arch.h"
+#include "model/step.h"
+
+namespace strata::model {
+namespace {
+
+// The tensor table, in the order llama.cpp writes it: globals, then each block's tensors
+// sorted by name.
+std::vector<TensorSpec> tensors(const ModelHParams& hp) {
+  const int64_t E = hp.n_embd, V = hp.n_vocab, X = hp.n_expert, F = hp.n_ff_exp, hd = hp.head_dim_k;
+  const int64_t q = int64_t(hp.n_head) * hd, kv = int64_t(hp.n_head_kv) * hd;
+  using R = TensorRole;
+  using I = TensorInit;
+  std::vector<TensorSpec> t = {
+      {"output_norm.weight", {E}, R::Vector, I::Norm},
+      {"token_embd.weight", {E, V}, R::Matrix, I::Weight},
+  };
+  if (!hp.tied_output) t.push_back({"output.weight", {E, V}, R::Matrix, I::Weight});
+  for (int l = 0; l < hp.n_layer; ++l) {
+    auto b = [&](const char* n) { return blk(l, n); };
+    t.insert(t.end(), {
+                          {b("attn_k.weight"), {E, kv}, R::Matrix, I::Weight},
+                          {b("attn_k_norm.weight"), {hd}, R::Vector, I::Norm},
+                          {b("attn_norm.weight"), {E}, R::Vector, I::Norm},
+                          {b("attn_output.weight"), {q, E}, R::Matrix, I::Weight},
+                          {b("attn_q.weight"), {E, q}, R::Matrix, I::Weight},
+                          {b("attn_q_norm.weight"), {hd}, R::Vector, I::Norm},
+                          {b("attn_v.weight"), {E, kv}, R::Matrix, I::Weight},
+                          {b("ffn_down_exps.weight"), {F, E, X}, R::Expert, I::Weight},
+                          {b("ffn_gate_exps.weight"), {E, F, X}, R::Expert, I::Weight},
+                          {b("ffn_gate_inp.weight"), {E, X}, R::Matrix, I::Router},
+                          {b("ffn_norm.weight"), {E}, R::Vector, I::Norm},
+                          {b("ffn_up_exps.weight"), {E, F, X}, R::Expert, I::Weight},
+                      });
+  }
+  return t;
+}
+
+void validate(const gguf::File& f, const ModelHParams& hp) {
+  if (hp.head_dim_v != hp.head_dim_k)
+    throw ModelError(fmt::format("{}: qwen3moe needs key_length == value_length, got {} and {}", f.path(),
+                                 hp.head_dim_k, hp.head_dim_v));
+  if (hp.n_expert <= 0 || hp.n_expert_used <= 0 || hp.n_ff_exp <= 0)
+    throw ModelError(fmt::format("{}: qwen3moe needs expert_count, expert_used_count and "
+                                 "expert_feed_forward_length > 0",
+                                 f.path()));
+}
+
+struct Layer {
+  backend::Tensor attn_norm, ffn_norm;
+  backend::AttentionWeights attn;
+  MoeLayer moe;
+};
+
+class Qwen3Moe final : public Model {
+ public:
+  Qwen3Moe(const BoundWeights& w, backend::Backend& be, const ModelHParams& hp, const LoadOptions& opts) {
+    hp_ = hp;
+    be_ = &be;
+    rope_ = backend::RopeSpec::standard(hp_.n_rot, hp_.rope_freq_base, backend::RopeSpec::Mode::Neox,
+                                        opts.rope_freqs_bf16);
+    attn_.n_head = hp_.n_head;
+    attn_.n_head_kv = hp_.n_head_kv;
+    attn_.head_dim = hp_.head_dim_k;
+    attn_.rms_eps = hp_.rms_eps;
+    attn_.rope = &rope_;
+    const backend::RouterSpec router{backend::RouterSpec::Gating::Softmax, hp_.n_expert, hp_.n_expert_used,
+                                     hp_.norm_topk};
+    tok_embd_ = w.get("token_embd.weight");
+    output_norm_ = w.get("output_norm.weight");
+    output_ = hp_.tied_output ? tok_embd_ : w.get("output.weight");
+    layers_.resize(size_t(hp_.n_layer));
+    experts_.resize(size_t(hp_.n_layer));
+    for (int l = 0; l < hp_.n_layer; ++l) {
+      auto b = [&](const char* n) { return w.get(blk(l, n)); };
+      Layer& L = layers_[size_t(l)];
+      L.attn_norm = b("attn_norm.weight");
+      L.attn = {b("attn_q.weight"), b("attn_k.weight"), b("attn_v.weight"), b("attn_output.weight"),
+                b("attn_q_norm.weight"), b("attn_k_norm.weight")};
+      L.ffn_norm = b("ffn_norm.weight");
+      L.moe = bind_moe(w, l, router);
+    }
+    dense_bytes_ = w.dense_bytes();
+  }
+
+  SequenceState new_state(int64_t n_ctx) const override {
+    SequenceState st;
+    st.n_ctx = n_ctx;
+    const int64_t kv_dim = int64_t(hp_.n_head_kv) * hp_.head_dim_k;
+    for (int l = 0; l < hp_.n_layer; ++l) {
+      st.k.emplace_back(*be_, n_ctx * kv_dim);
+      st.v.emplace_back(*be_, n_ctx * kv_dim);
+    }
+    return st;
+  }
+
+  uint64_t state_bytes(int64_t n_ctx) const override {
+    return uint64_t(2) * hp_.n_layer * n_ctx * hp_.n_head_kv * hp_.head_dim_k * sizeof(float);
+  }
+
+  void forward(ForwardContext& ctx, std::span<SeqInput> batch) override {
+    Step s(ctx, *this, batch);
+    s.embed(tok_embd_);
+    s.read_ahead_first(layers_[0].moe, layers_[0].ffn_norm);  // layer 0's experts load during attention
+    for (int l = 0; l < hp_.n_layer; ++l) {
+      const Layer& L = layers_[size_t(l)];
+      s.norm(L.attn_norm, "attn_norm", l);
+      s.attention(l, attn_, L.attn);
+      s.residual("ffn_inp", l);
+      s.norm(L.ffn_norm, "ffn_norm", l);
+      s.moe(l, L.moe, l + 1 < hp_.n_layer ? &layers_[size_t(l + 1)].moe : nullptr);
+      s.residual("l_out", l);
+    }
+    s.output(output_norm_, output_);
+  }
+
+ private:
+  backend::Tensor tok_embd_, output_norm_, output_;
+  std::vector<Layer> layers_;
+  backend::RopeSpec rope_;
+  backend::AttentionSpec attn_;
+};
+
+}  // namespace
+}  // namespace strata::model
+
+STRATA_ARCHITECTURE(qwen3moe) {
+  using namespace strata::model;
+  Architecture a;
+  a.name = "qwen3moe";
+  a.matches = [](const strata::gguf::File& f) { return f.get_string("general.architecture") == "qwen3moe"; };
+  a.tensors = tensors;
+  a.validate = validate;
+  a.load = [](const strata::gguf::File&, const ModelHParams& hp, const BoundWeights& w, strata::backend::Backend& be,
+               const LoadOptions& o) { return std::unique_ptr<Model>(new Qwen3Moe(w, be, hp, o)); };
+  return a;
+}

@@ -1,0 +1,302 @@
+#include "model/step.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <stdexcept>
+
+#include "model/dump.h"
+
+namespace strata::model {
+
+using backend::Tensor;
+
+namespace {
+double seconds_between(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+}  // namespace
+
+/// Read-ahead for a later layer, issued from this layer: that layer's router applied to this
+/// layer's MoE input predicts its experts, queued most-predicting-tokens first with no cap;
+/// then the layer's static rank (most popular first) fills in. Never changes results, only
+/// what is read when.
+struct Step::ReadAhead {
+  int layer = -1;                          ///< layer to read ahead for; -1 = none
+  const MoeLayer* router_of = nullptr;     ///< that layer (its router predicts); null = no prediction
+  int n_expert = 0;
+  int top_k = 0;
+  int min_tokens = 1;                      ///< queue only experts predicted by >= this many tokens
+  std::span<const int32_t> static_rank;    ///< that layer's experts, most popular first (may be empty)
+  int64_t static_count = 0;                ///< how many of static_rank to queue after the predicted ones
+  std::vector<int32_t>* predicted = nullptr;  ///< out: predicted ids per token [T][top_k], for recall
+};
+
+Step::Step(ForwardContext& ctx, const Model& model, std::span<SeqInput> batch)
+    : ctx_(ctx), be_(ctx.be), model_(model), batch_(batch) {
+  for (const SeqInput& s : batch) T_ += int64_t(s.ids.size());
+  if (T_ == 0) throw std::invalid_argument("Step: a forward call needs at least one token");
+  E_ = model.hparams().n_embd;
+  const size_t rows_bytes = size_t(T_ * E_) * sizeof(float);
+  act_ = be_.alloc(backend::BufferRole::Activations, 3 * rows_bytes);
+  x_ = act_->f32(E_, T_, 0);
+  h_ = act_->f32(E_, T_, rows_bytes);
+  o_ = act_->f32(E_, T_, 2 * rows_bytes);
+  if (ctx_.dump) ctx_.dump->begin_call();
+}
+
+Step::~Step() = default;
+
+void Step::name(const Tensor& t, std::string_view base, int layer) {
+  if (!ctx_.dump) return;
+  const std::string full = layer >= 0 ? fmt::format("{}-{}", base, layer) : std::string(base);
+  if (!ctx_.dump->wants(full)) return;
+  std::vector<float> host(size_t(t.numel()));
+  be_.download(host.data(), t, host.size() * sizeof(float));
+  ctx_.dump->write(full, host, t.cols(), t.rows());
+}
+
+void Step::embed(const Tensor& table) {
+  std::vector<int32_t> ids;
+  ids.reserve(size_t(T_));
+  for (const SeqInput& s : batch_) ids.insert(ids.end(), s.ids.begin(), s.ids.end());
+  be_.embed(table, ids, x_);
+  name(x_, "inp_embd");
+}
+
+void Step::norm(const Tensor& w, const char* nm, int layer) {
+  be_.rms_norm(x_, w, model_.hparams().rms_eps, h_);
+  name(h_, nm, layer);
+}
+
+void Step::residual(const char* nm, int layer) {
+  be_.add(x_, o_);
+  name(x_, nm, layer);
+}
+
+void Step::attention(int layer, const backend::AttentionSpec& spec, const backend::AttentionWeights& w) {
+  const int64_t kv_dim = int64_t(spec.n_head_kv) * spec.head_dim;
+  int64_t t0 = 0;
+  for (SeqInput& s : batch_) {
+    const int64_t n = int64_t(s.ids.size());
+    const backend::KvCache kv{s.state->k[size_t(layer)].tensor(kv_dim), s.state->v[size_t(layer)].tensor(kv_dim)};
+    be_.attention(spec, w, kv, s.state->n_past, h_.rows_view(t0, n), o_.rows_view(t0, n));
+    t0 += n;
+  }
+  name(o_, "attn_out", layer);
+}
+
+void Step::gated_delta_net(int layer, const backend::GdnSpec& spec, const backend::GdnWeights& w) {
+  int64_t t0 = 0;
+  for (SeqInput& s : batch_) {
+    const int64_t n = int64_t(s.ids.size());
+    const backend::RecurrentState st{s.state->conv[size_t(layer)].tensor(spec.conv_dim()),
+                                     s.state->ssm[size_t(layer)].tensor(spec.head_v_dim)};
+    be_.gated_delta_net(spec, w, st, h_.rows_view(t0, n), o_.rows_view(t0, n));
+    t0 += n;
+  }
+  name(o_, "linear_attn_out", layer);
+}
+
+void Step::ffn(const backend::FfnCall& call, const backend::FfnWeights& w, const char* nm, int layer) {
+  be_.ffn(call, w, h_, o_);
+  name(o_, nm, layer);
+}
+
+Step::ReadAhead Step::plan_read_ahead(int layer, const MoeLayer* router_of, std::vector<int32_t>* predicted) const {
+  ReadAhead ra;
+  const auto& hp = model_.hparams();
+  const auto& experts = model_.expert_layout();
+  if (layer < 0 || layer >= hp.n_layer || experts[size_t(layer)].n_expert == 0) return ra;
+  ra.layer = layer;
+  ra.n_expert = experts[size_t(layer)].n_expert;
+  ra.top_k = hp.n_expert_used;
+  ra.min_tokens = ctx_.ahead.predict_min;
+  if (ctx_.ahead.predict && router_of) {
+    ra.router_of = router_of;
+    ra.predicted = predicted;
+  }
+  const auto* rank = ctx_.ahead.static_rank;
+  if (rank && size_t(layer) < rank->size() && (!ra.router_of || layer == 0)) {
+    ra.static_rank = (*rank)[size_t(layer)];
+    ra.static_count = std::min<int64_t>(int64_t(ra.top_k) * T_, ra.n_expert);
+  }
+  return ra;
+}
+
+void Step::read_ahead(const ReadAhead& ra, const Tensor& h) {
+  if (ra.layer < 0) return;
+  std::vector<int32_t> order;
+  std::vector<char> queued(size_t(ra.n_expert), 0);
+  if (ra.router_of) {
+    // The later layer's router on this layer's input, for every token.
+    std::vector<float> logits;
+    be_.router_logits(ra.router_of->router, h, logits);
+    backend::RouterSpec spec = ra.router_of->spec;
+    spec.top_k = ra.top_k;
+    backend::Routing pr;
+    backend::select_experts(spec, logits.data(), T_, pr);
+    if (ra.predicted) *ra.predicted = pr.ids;
+    // Count predicting tokens per expert; most-predicted first (ties: lower id).
+    std::vector<int64_t> count(size_t(ra.n_expert), 0);
+    for (int32_t e : pr.ids) ++count[size_t(e)];
+    for (int e = 0; e < ra.n_expert; ++e)
+      if (count[size_t(e)] >= ra.min_tokens) order.push_back(e);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int32_t a, int32_t b) { return count[size_t(a)] > count[size_t(b)]; });
+    for (int32_t e : order) queued[size_t(e)] = 1;
+  }
+  for (int64_t i = 0, n = 0; i < int64_t(ra.static_rank.size()) && n < ra.static_count; ++i) {
+    const int32_t e = ra.static_rank[size_t(i)];
+    if (e < 0 || e >= ra.n_expert || queued[size_t(e)]) continue;
+    order.push_back(e);
+    queued[size_t(e)] = 1;
+    ++n;
+  }
+  if (!order.empty()) ctx_.stream.prefetch(ra.layer, order);
+}
+
+void Step::read_ahead_first(const MoeLayer& first, const Tensor& norm0) {
+  be_.rms_norm(x_, norm0, model_.hparams().rms_eps, h_);
+  pred_.clear();
+  read_ahead(plan_read_ahead(0, &first, &pred_), h_);
+}
+
+void Step::score_prediction(int layer, const backend::Routing& r, const std::vector<int32_t>& predicted) {
+  if (!ctx_.prediction || predicted.size() != r.ids.size() || predicted.empty()) return;
+  auto& p = *ctx_.prediction;
+  const int n_layer = model_.hparams().n_layer;
+  p.picks.resize(size_t(n_layer), 0);
+  p.predicted.resize(size_t(n_layer), 0);
+  const size_t K = size_t(r.top_k), T = r.ids.size() / K;
+  for (size_t t = 0; t < T; ++t)
+    for (size_t k = 0; k < K; ++k) {
+      const int32_t e = r.ids[t * K + k];
+      ++p.picks[size_t(layer)];
+      for (size_t j = 0; j < K; ++j)
+        if (predicted[t * K + j] == e) {
+          ++p.predicted[size_t(layer)];
+          break;
+        }
+    }
+}
+
+void Step::record_routing(int layer, const backend::Routing& r) {
+  RoutingTrace* trace = ctx_.trace;
+  if (!trace) return;
+  const size_t n_layer = size_t(model_.hparams().n_layer);
+  trace->ids.resize(n_layer);
+  trace->probs.resize(n_layer);
+  trace->next_prob.resize(n_layer);
+  const size_t T = r.next_prob.size(), K = size_t(r.top_k);
+  for (size_t t = 0; t < T; ++t) {
+    trace->ids[size_t(layer)].emplace_back(r.ids.begin() + t * K, r.ids.begin() + (t + 1) * K);
+    trace->probs[size_t(layer)].emplace_back(r.probs.begin() + t * K, r.probs.begin() + (t + 1) * K);
+    trace->next_prob[size_t(layer)].push_back(r.next_prob[t]);
+  }
+}
+
+void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
+  stream::ExpertStream& stream = ctx_.stream;
+  const int K = w.spec.top_k;
+  std::vector<int32_t> pred_next;
+  const ReadAhead ra = plan_read_ahead(layer + 1, next, &pred_next);
+
+  // Router and top-k selection; the ids come to the host.
+  std::vector<float> logits;
+  be_.router_logits(w.router, h_, logits);
+  backend::Routing r;
+  backend::select_experts(w.spec, logits.data(), T_, r);
+
+  // Group the chunk's (token, k) pairs by expert: each resident expert is applied to all its
+  // tokens at once.
+  std::vector<std::vector<int64_t>> pairs(size_t(w.spec.n_expert));  // entries t * K + k
+  for (int64_t i = 0; i < T_ * K; ++i) pairs[size_t(r.ids[size_t(i)])].push_back(i);
+  std::vector<int32_t> needed;
+  for (int e = 0; e < w.spec.n_expert; ++e)
+    if (!pairs[size_t(e)].empty()) needed.push_back(e);
+
+  // The cut: ask for every expert this layer needs; misses become urgent reads.
+  stream.request(layer, needed);
+  // While this layer computes, the IO threads read ahead for the next one.
+  read_ahead(ra, h_);
+
+  // Expert outputs per (token, k), summed afterwards in k order for batch invariance.
+  const size_t out_bytes = size_t(T_ * K * E_) * sizeof(float);
+  if (!expert_out_ || expert_out_->bytes() < out_bytes)
+    expert_out_ = be_.alloc(backend::BufferRole::Activations, out_bytes);
+  const Tensor expert_out = expert_out_->f32(E_, T_ * K);
+  const auto t_start = std::chrono::steady_clock::now();
+  double waited = 0;
+  auto part = [](const ExpertPartShape& s, const uint8_t* data) {
+    return Tensor::matrix(s.type, data, s.cols, s.rows, s.row_bytes);
+  };
+  auto run_expert = [&](int32_t e) {
+    const auto t_wait = std::chrono::steady_clock::now();
+    const stream::ExpertView view = stream.wait(layer, e);
+    waited += seconds_between(t_wait, std::chrono::steady_clock::now());
+    backend::ExpertJob job;
+    job.expert = e;
+    job.w = backend::FfnWeights{part(w.gate, view.part[0]), part(w.up, view.part[1]), part(w.down, view.part[2])};
+    job.pairs = pairs[size_t(e)];
+    be_.expert_ffn(w.ffn, job, K, h_, expert_out);
+  };
+
+  // Resident experts first, then each miss as it arrives. The order of experts does not change
+  // results: outputs land in per-(token, k) rows.
+  std::vector<int32_t> todo = needed, later, ready;
+  while (!todo.empty()) {
+    // One pass: take what is resident now; if nothing is, block on the first remaining.
+    later.clear();
+    ready.clear();
+    for (int32_t e : todo) (stream.resident(layer, e) ? ready : later).push_back(e);
+    if (ready.empty()) {
+      ready.push_back(later.front());
+      later.erase(later.begin());
+    }
+    todo.swap(later);
+    for (int32_t e : ready) run_expert(e);
+  }
+  stream.release(layer);
+  if (ctx_.times) ctx_.times->expert_s += seconds_between(t_start, std::chrono::steady_clock::now()) - waited;
+
+  // Weighted sum per token in top-k order.
+  be_.moe_combine(r, expert_out, o_);
+  name(o_, "ffn_moe_out", layer);
+  score_prediction(layer, r, pred_);
+  record_routing(layer, r);
+  pred_.swap(pred_next);
+}
+
+void Step::output(const Tensor& norm, const Tensor& head) {
+  for (SeqInput& s : batch_) s.state->n_past += int64_t(s.ids.size());
+  // The rows that produce logits, normed into h back to back.
+  const float eps = model_.hparams().rms_eps;
+  int64_t t0 = 0, rows = 0;
+  for (const SeqInput& s : batch_) {
+    const int64_t n = int64_t(s.ids.size());
+    const int64_t first = s.mode == LogitsMode::All ? 0 : s.mode == LogitsMode::Last ? n - 1 : n;
+    if (first < n) be_.rms_norm(x_.rows_view(t0 + first, n - first), norm, eps, h_.rows_view(rows, n - first));
+    rows += n - first;
+    t0 += n;
+  }
+  if (rows == 0) return;
+  name(h_.rows_view(0, rows), "result_norm");
+  const int64_t V = model_.hparams().n_vocab;
+  auto buf = be_.alloc(backend::BufferRole::Activations, size_t(rows * V) * sizeof(float));
+  const Tensor logits = buf->f32(V, rows);
+  be_.matmul(head, h_.rows_view(0, rows), logits);
+  name(logits, "result_output");
+  int64_t r = 0;
+  for (SeqInput& s : batch_) {
+    const int64_t n = int64_t(s.ids.size());
+    const int64_t k = s.mode == LogitsMode::All ? n : s.mode == LogitsMode::Last ? 1 : 0;
+    if (k == 0) continue;
+    s.logits->resize(size_t(k * V));
+    be_.download(s.logits->data(), logits.rows_view(r, k), size_t(k * V) * sizeof(float));
+    r += k;
+  }
+}
+
+}  // namespace strata::model

@@ -1,0 +1,101 @@
+#pragma once
+// Step: the stages every architecture's forward pass is written in, over any backend.
+//
+// An architecture's forward reads top to bottom with one line per stage (embed, norm,
+// attention, residual, moe, output); Step owns the activations of the call (x: the residual
+// stream, h: the normed input of a block, o: a block's output, each fp32 ne {n_embd, T} with
+// the tokens of every sequence of the batch back to back), splits the per-sequence blocks
+// (attention, gated delta net) by sequence, names every intermediate for --dump, and holds
+// the one shared MoE step with the cut and the read-ahead (DESIGN.md: "the cut",
+// "next-layer prediction", "static rank"):
+//
+//   route(l) on the backend -> ids on the host -> group (token, k) pairs by expert
+//   -> stream.request(l, needed)            the cut: misses become urgent reads
+//   -> read-ahead for l+1 (its router on this layer's input, then the static rank)
+//   -> expert_ffn for each resident expert, then each miss as it lands
+//   -> stream.release(l, event after the last expert kernel) -> moe_combine in top-k order
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "backend/backend.h"
+#include "model/model.h"
+
+namespace strata::model {
+
+/// Shape and type of one part (gate, up or down) of every expert of a layer: each expert's
+/// slice is ne {cols, rows} (cols contiguous), `row_bytes` per row.
+struct ExpertPartShape {
+  GgmlType type = GgmlType::F32;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  size_t row_bytes = 0;
+};
+
+/// A routed-MoE layer: its router (resident) and the shapes of its streamed experts.
+struct MoeLayer {
+  backend::Tensor router;  ///< ffn_gate_inp: ne {n_embd, n_expert}
+  backend::RouterSpec spec;
+  backend::FfnSpec ffn;
+  ExpertPartShape gate;    ///< ffn_gate_exps slice: ne {n_embd, n_ff_exp}
+  ExpertPartShape up;      ///< ffn_up_exps slice
+  ExpertPartShape down;    ///< ffn_down_exps slice: ne {n_ff_exp, n_embd}
+};
+
+class Step {
+ public:
+  /// Allocates the call's activations for the batch's tokens. Throws std::invalid_argument
+  /// for an empty batch.
+  Step(ForwardContext& ctx, const Model& model, std::span<SeqInput> batch);
+  ~Step();
+
+  int64_t n_tokens() const { return T_; }
+  backend::Backend& be() { return be_; }
+
+  /// x = token embeddings of the batch's ids (`table`: ne {n_embd, n_vocab}). Names "inp_embd".
+  void embed(const backend::Tensor& table);
+  /// h = RMSNorm(x) * w; names "<name>-<layer>".
+  void norm(const backend::Tensor& w, const char* name, int layer);
+  /// x += o; names x "<name>-<layer>".
+  void residual(const char* name, int layer);
+  /// o = attention(h) per sequence, with `layer`'s KV cache of each. Names "attn_out-<layer>".
+  void attention(int layer, const backend::AttentionSpec& spec, const backend::AttentionWeights& w);
+  /// o = gated delta net(h) per sequence, advancing `layer`'s recurrent state of each.
+  /// Names "linear_attn_out-<layer>".
+  void gated_delta_net(int layer, const backend::GdnSpec& spec, const backend::GdnWeights& w);
+  /// o += (or =) ffn(h) as `call` says. Names "<name>-<layer>" (o after the call).
+  void ffn(const backend::FfnCall& call, const backend::FfnWeights& w, const char* name, int layer);
+  /// Layer 0's read-ahead before any compute: `first`'s router on the embeddings normed with
+  /// `norm0` (layer 0's pre-MoE norm), then the static rank.
+  void read_ahead_first(const MoeLayer& first, const backend::Tensor& norm0);
+  /// o = routed MoE of `layer` on h with experts from the stream (the cut), layer+1's experts
+  /// read ahead with `next`'s router (null: the last MoE layer). Names "ffn_moe_out-<layer>".
+  void moe(int layer, const MoeLayer& w, const MoeLayer* next);
+  /// The final norm and output head for the rows each sequence's mode asks for, into its
+  /// logits. Names "result_norm" and "result_output".
+  void output(const backend::Tensor& norm, const backend::Tensor& head);
+
+  /// Offers tensor `t` under `name` (and `layer` >= 0 as "-<layer>") to the dumper, if any.
+  void name(const backend::Tensor& t, std::string_view name, int layer = -1);
+
+ private:
+  struct ReadAhead;
+  ReadAhead plan_read_ahead(int layer, const MoeLayer* router_of, std::vector<int32_t>* predicted) const;
+  void read_ahead(const ReadAhead& ra, const backend::Tensor& h);
+  void score_prediction(int layer, const backend::Routing& r, const std::vector<int32_t>& predicted);
+  void record_routing(int layer, const backend::Routing& r);
+
+  ForwardContext& ctx_;
+  backend::Backend& be_;
+  const Model& model_;
+  std::span<SeqInput> batch_;
+  int64_t T_ = 0, E_ = 0;
+  std::unique_ptr<backend::Buffer> act_;  // x, h, o
+  backend::Tensor x_, h_, o_;
+  std::unique_ptr<backend::Buffer> expert_out_;  // [T * top_k] rows, grown on demand
+  std::vector<int32_t> pred_;  // the prediction for the next MoE layer, per token [T][top_k]
+};
+
+}  // namespace strata::model
