@@ -86,28 +86,26 @@ struct Call : Expr {
   Value eval(Ctx& c) const override;
 };
 
-/// obj.name(args): a string or dict method (builtins.h).
-struct MethodCall : Expr {
+/// A built-in named `name` applied to `obj` with `args`: the base of methods, tests, filters.
+struct NamedOp : Expr {
   ExprP obj;
   std::string name;
   CallArgs args;
+};
+
+/// obj.name(args): a string or dict method (builtins.h).
+struct MethodCall : NamedOp {
   Value eval(Ctx& c) const override;
 };
 
 /// obj is [not] name(args)
-struct Test : Expr {
-  ExprP obj;
-  std::string name;
-  CallArgs args;
+struct Test : NamedOp {
   bool negated = false;
   Value eval(Ctx& c) const override;
 };
 
 /// obj | name(args)
-struct Filter : Expr {
-  ExprP obj;
-  std::string name;
-  CallArgs args;
+struct Filter : NamedOp {
   Value eval(Ctx& c) const override;
 };
 
