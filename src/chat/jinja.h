@@ -17,9 +17,13 @@
 //    ** * / // % + - ~, comparisons (chained), in / not in, and / or / not, `x if c else y`,
 //    filters (x | f(args)) and tests (x is [not] t(args)).
 //  - filters, tests, string/dict methods and globals: see kFilters, kTests, kMethods and
-//    kGlobals in jinja.cpp.
+//    kGlobals in jinja/builtins.h.
 // Anything else (an unknown tag, filter, test, method or function) is a TemplateError when
 // the template is parsed, so an unsupported template fails at load time, not per request.
+//
+// The implementation lives in chat/jinja/: value.h (the Python-like value model), lexer.h,
+// ast.h and parser.h (the syntax tree), render.h (the tree-walking renderer) and builtins.h
+// (filters, tests, methods, globals). Callers need only this header.
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
@@ -42,6 +46,7 @@ class RenderError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+/// The jinja2 Environment options that change how a template's whitespace is lexed.
 struct TemplateOptions {
   bool trim_blocks = true;             ///< drop the first newline after a block tag
   bool lstrip_blocks = true;           ///< strip spaces/tabs before a block tag at line start
@@ -56,7 +61,7 @@ class Template {
   /// Renders with the top-level variables of `context` (a JSON object). Throws RenderError.
   std::string render(const nlohmann::ordered_json& context) const;
 
-  struct Impl;
+  struct Impl;  ///< the parsed tree (jinja.cpp)
 
  private:
   std::shared_ptr<const Impl> impl_;

@@ -2,8 +2,10 @@
 // `strata serve`: an OpenAI-compatible HTTP server over one Engine.
 //
 // HTTP is Debian's cpp-httplib (libcpp-httplib-dev): a thread per connection from a fixed
-// pool, Server-Sent Events through chunked content providers. Handlers validate and turn
-// each request into a server::Request for the Scheduler (scheduler.h), then wait on it.
+// pool, Server-Sent Events through chunked content providers. This is the transport: routes,
+// authentication, streaming and the wiring to the Scheduler (scheduler.h). The OpenAI schema
+// (request validation into generation parameters, the answer and error objects) is
+// server/openai.h, which handlers call before submitting a server::Request and waiting on it.
 //
 // Endpoints: POST /v1/chat/completions, POST /v1/completions (streaming and not),
 // GET /v1/models, GET /health, GET /metrics (Prometheus), POST /tokenize, POST /detokenize.

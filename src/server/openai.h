@@ -1,0 +1,173 @@
+#pragma once
+// The OpenAI schema of `strata serve`, without HTTP: a request body (JSON) to the generation
+// parameters of the scheduler, validated with OpenAI-style errors, and the JSON objects of
+// the answers (completions, streamed chunks, usage, errors). Pure functions: the model is
+// reached only through the callbacks of ModelContext, so every function can be tested
+// without a socket, a scheduler or (with stand-in callbacks) a model. server.cpp is the
+// HTTP transport over them.
+//
+// Two endpoints share the schema: chat completions (messages rendered by the chat template)
+// and completions (a prompt string or token ids). Field names and defaults follow the
+// OpenAI API; strata adds top_k, min_p, repeat_penalty, ignore_eos and chat_template_kwargs.
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "server/scheduler.h"
+
+namespace strata::server::openai {
+
+using Json = nlohmann::ordered_json;
+
+/// An error answered to the client as {"error": {"message", "type", "param", "code"}} with
+/// HTTP status `status`. Thrown (by value) by the parsing functions below.
+struct ApiError {
+  ApiError(int status_, std::string message_, std::string type_ = "invalid_request_error", std::string code_ = {},
+           std::string param_ = {})
+      : status(status_), message(std::move(message_)), type(std::move(type_)), code(std::move(code_)),
+        param(std::move(param_)) {}
+  int status;           ///< the HTTP status (400, 401, 404, 413, 500, 503, ...)
+  std::string message;  ///< for a human
+  std::string type;     ///< "invalid_request_error", "authentication_error" or "server_error"
+  std::string code;     ///< machine-readable ("invalid_value", "invalid_type", ...); empty: null
+  std::string param;    ///< the request field at fault ("messages[0].role"); empty: null
+  int retry_after = 0;  ///< seconds for a Retry-After header; 0: none
+};
+
+/// A 400 invalid_request_error about request field `param` (empty: the body as a whole).
+ApiError bad_request(std::string param, std::string message, std::string code = "invalid_value");
+
+/// {"error": {...}} of `e`.
+Json error_json(const ApiError& e);
+
+/// Compact JSON text of `j`; invalid UTF-8 in strings becomes U+FFFD instead of throwing.
+std::string dump(const Json& j);
+
+/// The JSON object of a request body. Throws ApiError (400) when `body` is not valid UTF-8
+/// (code invalid_utf8, naming the byte offset), not JSON or not an object (invalid_json).
+Json parse_body(std::string_view body);
+
+// ---- typed request fields: absent or null means "not given" (the default)
+
+/// The field `name` of object `b`; null when absent or JSON null.
+const Json* field(const Json& b, const char* name);
+/// Number field in [lo, hi]. Throws ApiError (400; invalid_type, or invalid_value out of range).
+double get_number(const Json& b, const char* name, double dflt, double lo, double hi);
+/// Integer field in [lo, hi]; a float with no fraction counts as an integer. Throws ApiError (400).
+int64_t get_int(const Json& b, const char* name, int64_t dflt, int64_t lo, int64_t hi);
+/// Boolean field. Throws ApiError (400, invalid_type).
+bool get_bool(const Json& b, const char* name, bool dflt);
+
+// ---- requests
+
+/// What the schema needs of the model. The callbacks may throw as the real ones do.
+struct ModelContext {
+  int64_t n_ctx = 0;                 ///< context in tokens: max_tokens' default and limit, the prompt's limit
+  int32_t n_vocab = 0;               ///< token ids of a token-id prompt must lie in [0, n_vocab)
+  std::vector<int32_t> end_tokens;   ///< tokens that end generation unless ignore_eos
+  /// Text to token ids, BOS as the model wants it. May throw tokenizer::TokenizerError
+  /// (invalid UTF-8), which becomes a 400.
+  std::function<std::vector<int32_t>(const std::string& text)> encode;
+  /// The chat template: validated messages and extra top-level variables to the prompt
+  /// text, with the generation prompt added. May throw chat::RenderError, which becomes a 400.
+  std::function<std::string(const Json& messages, const Json& extra)> render_chat;
+};
+
+/// A validated generation request.
+struct ParsedRequest {
+  GenParams gen;               ///< prompt, sampler, max_tokens, stop, logprobs, end tokens
+  bool stream = false;         ///< answer with Server-Sent Events
+  bool include_usage = false;  ///< stream_options.include_usage: a last chunk with the usage
+};
+
+/// The messages of a chat request, validated (roles system, developer, user, assistant,
+/// tool, function) and normalised: content null or absent becomes "", an array of text parts
+/// becomes their concatenated text. Throws ApiError (400) naming the message at fault.
+Json chat_messages(const Json& body);
+
+/// The prompt token ids of `body`: at least one token and fewer than `m.n_ctx`.
+/// `param` names the field in errors. Throws ApiError (400, context_length_exceeded when too long).
+void check_prompt(const std::vector<int32_t>& prompt, int64_t n_ctx, const char* param);
+
+/// POST /v1/chat/completions: body to generation parameters, the prompt rendered with
+/// m.render_chat and encoded with m.encode. Throws ApiError (400) for every invalid or
+/// unsupported field, with the messages of the OpenAI API where it has them.
+ParsedRequest parse_chat_request(const Json& body, const ModelContext& m);
+
+/// POST /v1/completions: body to generation parameters; `prompt` is a string, an array of
+/// one string, or an array of token ids. Throws ApiError (400).
+ParsedRequest parse_completion_request(const Json& body, const ModelContext& m);
+
+// ---- answers
+
+/// The two generation endpoints, for the object names and ids of their answers.
+enum class Endpoint { Chat, Completion };
+
+/// A token's raw bytes (tokenizer::Tokenizer::token_bytes), for logprobs.
+using TokenBytes = std::function<std::string(int32_t id)>;
+
+/// What every answer of one request carries.
+struct ResponseMeta {
+  Endpoint endpoint = Endpoint::Chat;
+  std::string id;       ///< "chatcmpl-..." or "cmpl-..." (new_response_id)
+  int64_t created = 0;  ///< Unix seconds
+  std::string model;    ///< the model id /v1/models reports
+};
+
+/// A fresh random id: "chatcmpl-" or "cmpl-" and 16 hex digits. Thread-safe.
+std::string new_response_id(Endpoint e);
+
+/// True for the finish reason "error" of Request::finish_reason (generation failed; the
+/// answer is then generation_failed(Request::error)). The others ("stop", "length",
+/// "cancelled") are reported as the choice's finish_reason.
+bool is_error_finish(const std::string& finish_reason);
+
+/// The 500 (server_error, generation_failed) answered when generation failed with `error`.
+ApiError generation_failed(const std::string& error);
+/// The 503 (server_busy, Retry-After 1) answered when all `parallel` slots are generating
+/// and `queue_size` requests wait.
+ApiError server_busy(int parallel, int queue_size);
+/// The 401 (authentication_error, invalid_api_key) for a missing or a wrong API key.
+ApiError auth_error(bool key_missing);
+/// The 500 (server_error, internal_error) for an unexpected exception's `what`.
+ApiError internal_error(const std::string& what);
+/// The error answered for an HTTP `status` that no handler answered (404 for `method` and
+/// `path`, 405, 413; a status >= 500 as a server_error).
+ApiError http_status_error(int status, const std::string& method, const std::string& path);
+
+/// {"prompt_tokens", "completion_tokens", "total_tokens"}.
+Json usage_json(int prompt_tokens, int completion_tokens);
+
+/// A chat logprobs "content" entry of one token: token text, logprob, bytes, top_logprobs.
+Json chat_logprob_entry(const TokenLogprob& t, const TokenBytes& bytes);
+
+/// Completions-style logprobs {"tokens", "token_logprobs", "top_logprobs", "text_offset"} of
+/// the token events in `events`, text offsets in bytes counted from `offset`.
+Json completion_logprobs(const std::vector<Event>& events, size_t offset, const TokenBytes& bytes);
+
+/// The whole answer of a request that does not stream ("chat.completion" or
+/// "text_completion"): the text of `events`, `finish_reason`, the usage, and logprobs when
+/// `logprobs` (GenParams::top_logprobs >= 0).
+Json completion_json(const ResponseMeta& meta, const std::vector<Event>& events, const std::string& finish_reason,
+                     int prompt_tokens, int completion_tokens, bool logprobs, const TokenBytes& bytes);
+
+/// A streamed chunk ("chat.completion.chunk" or "text_completion") holding `choice`.
+Json chunk_json(const ResponseMeta& meta, Json choice);
+/// The first chunk of a chat stream: the assistant role with empty content.
+Json role_chunk_json(const ResponseMeta& meta);
+/// The chunk of one event: its text (as delta.content for chat) and its token's logprobs;
+/// `offset` is the byte offset of the event's text in the whole completion.
+Json event_chunk_json(const ResponseMeta& meta, const Event& e, size_t offset, bool logprobs, const TokenBytes& bytes);
+/// The last chunk with a choice: empty text and `finish_reason`.
+Json finish_chunk_json(const ResponseMeta& meta, const std::string& finish_reason);
+/// The usage chunk after the finish chunk (stream_options.include_usage): no choices.
+Json usage_chunk_json(const ResponseMeta& meta, int prompt_tokens, int completion_tokens);
+
+/// The byte values of `s` as a JSON array of integers (the "bytes" of logprobs).
+Json bytes_json(const std::string& s);
+
+}  // namespace strata::server::openai
