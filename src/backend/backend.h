@@ -84,6 +84,8 @@ class Buffer {
 };
 
 /// A point in a backend's queue of work. done() when all work queued before record() finished.
+/// wait() and done() may be called from any thread, also concurrently (the expert stream's IO
+/// threads wait for a slot's last-use event while the compute thread polls it).
 class Event {
  public:
   virtual ~Event() = default;
@@ -106,11 +108,15 @@ class ArenaMemory {
   /// Bytes per slot (a multiple of 4 KiB).
   virtual size_t slot_bytes() const = 0;
   /// Host memory (4 KiB-aligned, slot_bytes() long) into which IO thread `io_thread` reads the
-  /// bytes destined for `slot`. Valid until land() returns.
+  /// bytes destined for `slot`, each at its offset within the slot. Valid until land() returns.
   virtual uint8_t* read_target(size_t slot, int io_thread) = 0;
-  /// Makes the first `bytes` read into read_target(slot, io_thread) visible at slot_data(slot)
-  /// to kernels queued after it returns. Called by that IO thread. Throws on a device error.
-  virtual void land(size_t slot, int io_thread, size_t bytes) = 0;
+  /// Makes bytes [offset, offset + bytes) read into read_target(slot, io_thread) visible at
+  /// slot_data(slot) + offset to kernels queued after it returns (offset 0: the first `bytes`).
+  /// Called by that IO thread, once per piece: the stream cuts a slot's read into pieces that
+  /// several IO threads read and land in parallel (offsets are multiples of 4 KiB, the ranges of
+  /// one slot's pieces do not overlap). Thread-safe for distinct io_thread. Throws on a device
+  /// error.
+  virtual void land(size_t slot, int io_thread, size_t bytes, size_t offset = 0) = 0;
   /// Where kernels find slot `slot` (a host or device address, as place() says).
   virtual const uint8_t* slot_data(size_t slot) const = 0;
   virtual Place place() const = 0;

@@ -7,7 +7,14 @@
 //   request(l, ids)  --misses-->  urgent queue  --> read_at(O_DIRECT) into slot
 //   prefetch(l+1, ids) ------->  read-ahead queue (served only when urgent is empty)
 //   wait(l, e)  <-- blocks until e is resident (time counted as exposed wait)
-//   release(l)      unpins layer l's slots (they become evictable, LRU)
+//   release(l, ev)  unpins layer l's slots (they become evictable, LRU, once ev is done)
+//
+// Three layers: stream::SlotTable (slot_table.h) is the state machine (which expert each slot
+// holds, pins, LRU, the queues, the counters); ExpertStream runs it under one mutex with the
+// IO threads and condition variables; the slots' memory and the way a read lands in a slot
+// come from a backend::ArenaMemory (CPU: backend::cpu::HostArena, the read goes straight into
+// the slot; a GPU backend: pinned staging and a copy). The stream never dereferences slot
+// memory itself.
 //
 // An expert = the gate, up and down slices of one layer's expert. Each slice is read
 // as the 4 KiB-aligned range covering it; slices whose ranges touch or overlap (a packed
@@ -15,13 +22,16 @@
 // ExpertView points at the slice's first byte.
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "backend/backend.h"
 #include "gguf/ggml_types.h"
+#include "stream/stats.h"
 
 namespace strata::stream {
 
@@ -42,23 +52,10 @@ struct LayerExperts {
   PartLayout part[3];
 };
 
-/// Pointers to one resident expert's slices inside its arena slot. Valid until release().
+/// Pointers to one resident expert's slices inside its arena slot (host or device addresses,
+/// as the arena's place() says). Valid until release().
 struct ExpertView {
   const uint8_t* part[3] = {nullptr, nullptr, nullptr};  ///< gate, up, down
-};
-
-/// Counters of one run. Counts are (layer, expert) lookups.
-struct StreamStats {
-  uint64_t needed = 0;          ///< experts requested by the compute
-  uint64_t hits = 0;            ///< of those, already resident (or already being read ahead)
-  uint64_t misses = 0;          ///< of those, not resident and not in flight: urgent reads
-  uint64_t streamed_ahead = 0;  ///< hits whose slot was filled by a read-ahead
-  uint64_t wasted = 0;          ///< read-ahead reads evicted without ever being used
-  uint64_t reads = 0;           ///< expert reads completed
-  uint64_t bytes_read = 0;      ///< bytes read from disk (aligned ranges, as issued)
-  double exposed_wait_s = 0;    ///< seconds the compute thread blocked in wait()
-  double read_busy_s = 0;       ///< seconds IO threads spent inside read calls (summed over threads)
-  uint64_t dropped = 0;         ///< read-aheads dropped before they started (release, cancel, eviction)
 };
 
 struct StreamOptions {
@@ -78,13 +75,31 @@ class ArenaTooSmall : public std::runtime_error {
   size_t min_bytes;  ///< the smallest arena that would work (bytes)
 };
 
+/// Makes the arena memory of an ExpertStream: `n_slots` slots of `slot_bytes` bytes (a multiple
+/// of 4 KiB) for `io_threads` IO threads (numbered 0..io_threads-1). May throw; the stream's
+/// constructor passes the exception on.
+using ArenaFactory =
+    std::function<std::unique_ptr<backend::ArenaMemory>(size_t n_slots, size_t slot_bytes, int io_threads)>;
+
 /// The arena and its IO threads. request/wait/release/prefetch are called from one compute
-/// thread; the IO threads are internal. Eviction: least recently used unpinned slot.
+/// thread; the IO threads are internal. Eviction: least recently used unpinned slot whose
+/// last-use event (release) is done. All public methods are thread-safe (one mutex), but the
+/// pin bookkeeping assumes a single compute thread.
 class ExpertStream {
  public:
-  /// Opens `path` for expert reads and allocates the arena. Throws io::IoError,
-  /// ArenaTooSmall (naming the minimum in MiB) when arena_bytes holds fewer than min_slots slots.
+  /// Opens `path` for expert reads and allocates the arena in host memory (backend::cpu::
+  /// HostArena). Throws io::IoError, ArenaTooSmall (naming the minimum in MiB) when arena_bytes
+  /// holds fewer than min_slots slots, std::invalid_argument for a negative expert count.
   ExpertStream(const std::string& path, std::vector<LayerExperts> layers, const StreamOptions& opts);
+  /// As above, with the arena memory from `make_arena` (called once, with the slot count the
+  /// options give). Throws std::invalid_argument if it returns null or fewer or smaller slots
+  /// than asked for, and whatever it throws.
+  ExpertStream(const std::string& path, std::vector<LayerExperts> layers, const StreamOptions& opts,
+               ArenaFactory make_arena);
+  /// As above, with the arena memory from `backend.make_arena(n_slots, slot_bytes, io_threads)`.
+  /// The backend must outlive the constructor call only.
+  ExpertStream(const std::string& path, std::vector<LayerExperts> layers, const StreamOptions& opts,
+               backend::Backend& backend);
   ~ExpertStream();
 
   size_t slot_bytes() const;  ///< bytes per slot (largest aligned expert record)
@@ -102,8 +117,13 @@ class ExpertStream {
   /// Blocks until `expert` of `layer` (previously requested) is resident; returns its view.
   /// Rethrows an IO error from the read.
   ExpertView wait(int layer, int32_t expert);
-  /// Unpins every slot pinned by request(layer, ...). Unstarted read-aheads for `layer` are dropped.
-  void release(int layer);
+  /// Unpins every slot pinned by request(layer, ...). Unstarted read-aheads for `layer` are
+  /// dropped. `last_use`: the event after which those slots' memory may be overwritten (the
+  /// kernels that read them were queued before it); until it is done the slots are not reused
+  /// while another slot is free, and when none is, the IO thread that reads into such a slot
+  /// waits for the event first (it completes without any help from the stream: no deadlock).
+  /// Null: reusable at once (CPU). Throws std::out_of_range for a bad layer.
+  void release(int layer, backend::EventPtr last_use = nullptr);
   /// Read-ahead hint: queue non-resident `experts` of `layer` in the given order (most wanted
   /// first), never evicting pinned slots. May be ignored when the arena is full of pinned slots.
   void prefetch(int layer, std::span<const int32_t> experts);
