@@ -252,15 +252,15 @@ TEST(StreamArena, FactoryErrorsAreReported) {
                             [](size_t, size_t, int) { return std::unique_ptr<backend::ArenaMemory>(); }),
                std::invalid_argument);
   EXPECT_THROW(ExpertStream(f.path.string(), f.layers, opts,
-                            [](size_t n, size_t bytes, int) { return std::make_unique<backend::cpu::HostArena>(n - 1, bytes); }),
+                            [](size_t n, size_t bytes, int) { return std::make_unique<cpu::HostArena>(n - 1, bytes); }),
                std::invalid_argument);
   EXPECT_THROW(ExpertStream(f.path.string(), f.layers, opts,
                             [](size_t, size_t, int) -> std::unique_ptr<backend::ArenaMemory> {
                               throw std::runtime_error("no memory");
                             }),
                std::runtime_error);
-  EXPECT_THROW(backend::cpu::HostArena(2, 1000), std::invalid_argument);
-  backend::cpu::HostArena h(3, 8192);
+  EXPECT_THROW(cpu::HostArena(2, 1000), std::invalid_argument);
+  cpu::HostArena h(3, 8192);
   EXPECT_EQ(h.read_target(2, 0), h.slot_data(2));
   EXPECT_EQ(h.slot_data(1) - h.slot_data(0), 8192);
   EXPECT_EQ(reinterpret_cast<uintptr_t>(h.slot_data(0)) % 4096, 0u);

@@ -42,6 +42,11 @@ void EngineFlags::add(CLI::App& app) {
   app.add_flag("--trace", opts.trace, "print one line per prompt chunk splitting compute, exposed wait and host time");
   app.add_flag("--fake-stream", opts.fake_stream,
                "no reads: treat every expert as resident (garbage output; measures the compute floor)");
+  app.add_option("--dump", opts.dump_dir,
+                 "write the named intermediates of every forward call (attn_norm-3, ffn_moe_out-7, result_output, "
+                 "...) to DIR as raw fp32 files with an index.tsv, to compare two runs tensor by tensor");
+  app.add_option("--dump-filter", opts.dump_filter,
+                 "with --dump: only tensors whose whole name matches this ECMAScript regex, e.g. 'ffn_moe_out-.*'");
 }
 
 engine::EngineOptions EngineFlags::resolve() const {

@@ -11,7 +11,7 @@ namespace strata::cli {
 
 /// Model and engine flags: -m, -t/--threads, --arena-mb, --prompt-chunk, -c/--ctx-size,
 /// --io-threads, --no-direct-io, --no-pack, --cpu-kernels, --predict, --predict-min,
-/// --static-rank, --fake-stream.
+/// --static-rank, --fake-stream, --dump, --dump-filter.
 struct EngineFlags {
   std::string model;
   engine::EngineOptions opts;

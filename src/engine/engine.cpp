@@ -174,7 +174,7 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
       static_rank_path_ = rp;
     }
   }
-  stream_ = std::make_unique<stream::ExpertStream>(expert_file_, layers, so);
+  stream_ = std::make_unique<stream::ExpertStream>(expert_file_, layers, so, *backend_);
   if (!opts_.dump_dir.empty()) {
     try {
       dump_ = std::make_unique<model::Dumper>(opts_.dump_dir, opts_.dump_filter);

@@ -258,7 +258,8 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
     todo.swap(later);
     for (int32_t e : ready) run_expert(e);
   }
-  stream.release(layer);
+  // The slots may be reused once the expert kernels queued so far have read them.
+  stream.release(layer, be_.record());
   if (ctx_.times) ctx_.times->expert_s += seconds_between(t_start, std::chrono::steady_clock::now()) - waited;
 
   // Weighted sum per token in top-k order.

@@ -221,7 +221,7 @@ struct ExpertStream::Impl {
 
 ExpertStream::ExpertStream(const std::string& path, std::vector<LayerExperts> layers, const StreamOptions& opts)
     : ExpertStream(path, std::move(layers), opts, [](size_t n_slots, size_t slot_bytes, int io_threads) {
-        return std::make_unique<backend::cpu::HostArena>(n_slots, slot_bytes, io_threads);
+        return std::make_unique<cpu::HostArena>(n_slots, slot_bytes, io_threads);
       }) {}
 
 ExpertStream::ExpertStream(const std::string& path, std::vector<LayerExperts> layers, const StreamOptions& opts,

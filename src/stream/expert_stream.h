@@ -12,7 +12,7 @@
 // Three layers: stream::SlotTable (slot_table.h) is the state machine (which expert each slot
 // holds, pins, LRU, the queues, the counters); ExpertStream runs it under one mutex with the
 // IO threads and condition variables; the slots' memory and the way a read lands in a slot
-// come from a backend::ArenaMemory (CPU: backend::cpu::HostArena, the read goes straight into
+// come from a backend::ArenaMemory (CPU: cpu::HostArena, the read goes straight into
 // the slot; a GPU backend: pinned staging and a copy). The stream never dereferences slot
 // memory itself.
 //
@@ -87,7 +87,7 @@ using ArenaFactory =
 /// pin bookkeeping assumes a single compute thread.
 class ExpertStream {
  public:
-  /// Opens `path` for expert reads and allocates the arena in host memory (backend::cpu::
+  /// Opens `path` for expert reads and allocates the arena in host memory (cpu::
   /// HostArena). Throws io::IoError, ArenaTooSmall (naming the minimum in MiB) when arena_bytes
   /// holds fewer than min_slots slots, std::invalid_argument for a negative expert count.
   ExpertStream(const std::string& path, std::vector<LayerExperts> layers, const StreamOptions& opts);

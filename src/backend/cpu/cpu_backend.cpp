@@ -9,6 +9,7 @@
 #include "backend/cpu/attention_block.h"
 #include "backend/cpu/ffn.h"
 #include "backend/cpu/gated_delta_net.h"
+#include "backend/cpu/host_arena.h"
 #include "io/file.h"
 #include "quant/quant.h"
 
@@ -69,9 +70,8 @@ void CpuBackend::download(void* dst, const Tensor& src, size_t bytes) { std::mem
 void CpuBackend::copy(const Tensor& dst, const Tensor& src, size_t bytes) { std::memmove(dst.data, src.data, bytes); }
 backend::EventPtr CpuBackend::record() { return std::make_shared<DoneEvent>(); }
 
-std::unique_ptr<backend::ArenaMemory> CpuBackend::make_arena(size_t, size_t, int) {
-  // The stream keeps its own host arena until it takes its memory from the backend.
-  return nullptr;
+std::unique_ptr<backend::ArenaMemory> CpuBackend::make_arena(size_t n_slots, size_t slot_bytes, int io_threads) {
+  return std::make_unique<HostArena>(n_slots, slot_bytes, io_threads);
 }
 
 void CpuBackend::embed(const Tensor& table, std::span<const int32_t> ids, const Tensor& x) {

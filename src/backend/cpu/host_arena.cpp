@@ -7,7 +7,7 @@
 
 #include <fmt/format.h>
 
-namespace strata::backend::cpu {
+namespace strata::cpu {
 
 namespace {
 constexpr size_t kAlign = 4096;
@@ -31,4 +31,4 @@ HostArena::HostArena(size_t n_slots, size_t slot_bytes, int io_threads) : n_slot
 
 HostArena::~HostArena() { std::free(data_); }
 
-}  // namespace strata::backend::cpu
+}  // namespace strata::cpu

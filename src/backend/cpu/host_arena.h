@@ -7,12 +7,12 @@
 
 #include "backend/backend.h"
 
-namespace strata::backend::cpu {
+namespace strata::cpu {
 
 /// The arena in host memory: slot s is bytes [s * slot_bytes, (s + 1) * slot_bytes) of one
 /// aligned allocation, zeroed (and so paged in) at construction so first-use page faults are
 /// not charged to IO. Thread-safe: its methods only compute addresses.
-class HostArena final : public ArenaMemory {
+class HostArena final : public backend::ArenaMemory {
  public:
   /// `n_slots` slots of `slot_bytes` bytes (a multiple of 4 KiB, > 0). `io_threads` is not
   /// needed (every thread reads into the slot). Throws std::invalid_argument for a slot size
@@ -30,7 +30,7 @@ class HostArena final : public ArenaMemory {
   /// Nothing to do: the bytes were read into the slot.
   void land(size_t slot, int io_thread, size_t bytes, size_t offset = 0) override {}
   const uint8_t* slot_data(size_t slot) const override { return data_ + slot * slot_bytes_; }
-  Place place() const override { return Place::Host; }
+  backend::Place place() const override { return backend::Place::Host; }
 
  private:
   size_t n_slots_ = 0;
@@ -38,4 +38,4 @@ class HostArena final : public ArenaMemory {
   uint8_t* data_ = nullptr;
 };
 
-}  // namespace strata::backend::cpu
+}  // namespace strata::cpu
