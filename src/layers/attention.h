@@ -38,7 +38,7 @@ struct AttentionShape {
 /// h: [T][n_embd] normed input; out: [T][n_embd] (overwritten).
 /// k_cache, v_cache: [n_ctx][n_head_kv * head_dim]; rows pos0..pos0+T-1 are written.
 /// Causal: token t attends to positions 0..pos0+t.
-void attention_block(cpu::ThreadPool& pool, const AttentionWeights& w, const AttentionShape& s, const float* h,
+void attention_block(cpu::ThreadPool& pool, const cpu::kernels::KernelConfig& kc, const AttentionWeights& w, const AttentionShape& s, const float* h,
                      int64_t n_embd, int64_t T, int64_t pos0, float* k_cache, float* v_cache, float* out);
 
 }  // namespace strata::layers

@@ -5,20 +5,20 @@
 
 namespace strata::layers {
 
-void swiglu_ffn(cpu::ThreadPool& pool, const FfnWeights& w, const float* h, int64_t n_embd, int64_t T, float* out) {
+void swiglu_ffn(cpu::ThreadPool& pool, const cpu::kernels::KernelConfig& kc, const FfnWeights& w, const float* h, int64_t n_embd, int64_t T, float* out) {
   const int64_t n_ff = w.gate.rows;
   std::vector<float> g(T * n_ff), u(T * n_ff);
-  cpu::matmul(pool, w.gate, h, n_embd, T, g.data(), n_ff);
-  cpu::matmul(pool, w.up, h, n_embd, T, u.data(), n_ff);
+  cpu::matmul(pool, kc, w.gate, h, n_embd, T, g.data(), n_ff);
+  cpu::matmul(pool, kc, w.up, h, n_embd, T, u.data(), n_ff);
   for (int64_t i = 0; i < T * n_ff; ++i) g[i] = cpu::silu(g[i]) * u[i];
-  cpu::matmul(pool, w.down, g.data(), n_ff, T, out, n_embd);
+  cpu::matmul(pool, kc, w.down, g.data(), n_ff, T, out, n_embd);
 }
 
-void add_gated_swiglu_ffn(cpu::ThreadPool& pool, const FfnWeights& w, const cpu::MatrixRef& gate_inp, const float* h,
+void add_gated_swiglu_ffn(cpu::ThreadPool& pool, const cpu::kernels::KernelConfig& kc, const FfnWeights& w, const cpu::MatrixRef& gate_inp, const float* h,
                           int64_t n_embd, int64_t T, float* out) {
   std::vector<float> y(T * n_embd), gate(T);
-  swiglu_ffn(pool, w, h, n_embd, T, y.data());
-  cpu::matmul(pool, gate_inp, h, n_embd, T, gate.data(), 1);
+  swiglu_ffn(pool, kc, w, h, n_embd, T, y.data());
+  cpu::matmul(pool, kc, gate_inp, h, n_embd, T, gate.data(), 1);
   for (int64_t t = 0; t < T; ++t) {
     const float s = 1.0f / (1.0f + std::exp(-gate[t]));
     for (int64_t i = 0; i < n_embd; ++i) out[t * n_embd + i] += s * y[t * n_embd + i];

@@ -30,7 +30,7 @@ void route_topk(float* logits, int64_t T, int n_expert, int top_k, bool norm_top
   }
 }
 
-void read_ahead(cpu::ThreadPool& pool, stream::ExpertStream& stream, const ReadAhead& ra, const float* h,
+void read_ahead(cpu::ThreadPool& pool, const cpu::kernels::KernelConfig& kc, stream::ExpertStream& stream, const ReadAhead& ra, const float* h,
                 int64_t n_embd, int64_t T) {
   if (ra.layer < 0) return;
   std::vector<int32_t> order;
@@ -38,7 +38,7 @@ void read_ahead(cpu::ThreadPool& pool, stream::ExpertStream& stream, const ReadA
   if (ra.router) {
     // Router of the later layer on this layer's input, for every token.
     std::vector<float> logits(T * ra.n_expert);
-    cpu::matmul(pool, *ra.router, h, n_embd, T, logits.data(), ra.n_expert);
+    cpu::matmul(pool, kc, *ra.router, h, n_embd, T, logits.data(), ra.n_expert);
     Routing pr;
     route_topk(logits.data(), T, ra.n_expert, ra.top_k, true, pr);
     if (ra.predicted) *ra.predicted = pr.ids;
@@ -64,7 +64,7 @@ static cpu::MatrixRef part_matrix(const ExpertPartShape& s, const uint8_t* data)
   return cpu::MatrixRef{s.type, data, s.rows, s.cols, s.row_bytes};
 }
 
-void moe_block(cpu::ThreadPool& pool, stream::ExpertStream& stream, int layer, const MoeWeights& w, const float* h,
+void moe_block(cpu::ThreadPool& pool, const cpu::kernels::KernelConfig& kc, stream::ExpertStream& stream, int layer, const MoeWeights& w, const float* h,
                int64_t n_embd, int64_t T, float* out, Routing* routing, double* expert_seconds,
                const ReadAhead* ahead) {
   const int K = w.top_k;
@@ -72,7 +72,7 @@ void moe_block(cpu::ThreadPool& pool, stream::ExpertStream& stream, int layer, c
 
   // Router and top-k selection.
   std::vector<float> logits(T * w.n_expert);
-  cpu::matmul(pool, w.router, h, n_embd, T, logits.data(), w.n_expert);
+  cpu::matmul(pool, kc, w.router, h, n_embd, T, logits.data(), w.n_expert);
   Routing local;
   Routing& r = routing ? *routing : local;
   route_topk(logits.data(), T, w.n_expert, K, w.norm_topk, r);
@@ -88,7 +88,7 @@ void moe_block(cpu::ThreadPool& pool, stream::ExpertStream& stream, int layer, c
   // The cut: ask for every expert this layer needs; misses become urgent reads.
   stream.request(layer, needed);
   // While this layer computes, the IO threads read ahead for the next one.
-  if (ahead) read_ahead(pool, stream, *ahead, h, n_embd, T);
+  if (ahead) read_ahead(pool, kc, stream, *ahead, h, n_embd, T);
 
   // Expert outputs per (token, k), summed afterwards in k order for batch invariance.
   std::vector<float> expert_out(T * K * n_embd);
@@ -106,10 +106,10 @@ void moe_block(cpu::ThreadPool& pool, stream::ExpertStream& stream, int layer, c
     g.resize(n * n_ff);
     u.resize(n * n_ff);
     for (int64_t j = 0; j < n; ++j) std::copy_n(h + (pe[j] / K) * n_embd, n_embd, x.data() + j * n_embd);
-    cpu::matmul(pool, part_matrix(w.gate, view.part[0]), x.data(), n_embd, n, g.data(), n_ff);
-    cpu::matmul(pool, part_matrix(w.up, view.part[1]), x.data(), n_embd, n, u.data(), n_ff);
+    cpu::matmul(pool, kc, part_matrix(w.gate, view.part[0]), x.data(), n_embd, n, g.data(), n_ff);
+    cpu::matmul(pool, kc, part_matrix(w.up, view.part[1]), x.data(), n_embd, n, u.data(), n_ff);
     for (int64_t i = 0; i < n * n_ff; ++i) g[i] = cpu::silu(g[i]) * u[i];
-    cpu::matmul(pool, part_matrix(w.down, view.part[2]), g.data(), n_ff, n, x.data(), n_embd);
+    cpu::matmul(pool, kc, part_matrix(w.down, view.part[2]), g.data(), n_ff, n, x.data(), n_embd);
     for (int64_t j = 0; j < n; ++j) std::copy_n(x.data() + j * n_embd, n_embd, expert_out.data() + pe[j] * n_embd);
   };
 

@@ -57,7 +57,7 @@ struct ReadAhead {
 };
 
 /// Predicts and queues read-aheads as `ra` says, from MoE input h: [T][n_embd].
-void read_ahead(cpu::ThreadPool& pool, stream::ExpertStream& stream, const ReadAhead& ra, const float* h,
+void read_ahead(cpu::ThreadPool& pool, const cpu::kernels::KernelConfig& kc, stream::ExpertStream& stream, const ReadAhead& ra, const float* h,
                 int64_t n_embd, int64_t T);
 
 /// Selects experts for T tokens from router logits [T][n_expert] (softmaxed in place).
@@ -71,7 +71,7 @@ void route_topk(float* logits, int64_t T, int n_expert, int top_k, bool norm_top
 /// `ahead` (optional) is issued right after this layer's own requests, so the IO threads read
 /// the next layer's experts while this layer computes. Experts already resident are computed
 /// first, while the misses arrive.
-void moe_block(cpu::ThreadPool& pool, stream::ExpertStream& stream, int layer, const MoeWeights& w, const float* h,
+void moe_block(cpu::ThreadPool& pool, const cpu::kernels::KernelConfig& kc, stream::ExpertStream& stream, int layer, const MoeWeights& w, const float* h,
                int64_t n_embd, int64_t T, float* out, Routing* routing = nullptr, double* expert_seconds = nullptr,
                const ReadAhead* ahead = nullptr);
 

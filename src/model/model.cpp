@@ -83,7 +83,7 @@ void Model::read_ahead_first(ForwardContext& ctx, const cpu::MatrixRef& router0,
   for (int64_t t = 0; t < T; ++t) cpu::rms_norm(x + t * E, norm0, scratch + t * E, E, hp_.rms_eps);
   pred.clear();
   const layers::ReadAhead ra = plan_read_ahead(ctx, 0, &router0, T, &pred);
-  layers::read_ahead(ctx.pool, ctx.stream, ra, scratch, E, T);
+  layers::read_ahead(ctx.pool, ctx.kernels, ctx.stream, ra, scratch, E, T);
 }
 
 void Model::moe_step(ForwardContext& ctx, int layer, const layers::MoeWeights& w, const cpu::MatrixRef* next_router,
@@ -91,7 +91,7 @@ void Model::moe_step(ForwardContext& ctx, int layer, const layers::MoeWeights& w
   std::vector<int32_t> pred_next;
   const layers::ReadAhead ra = plan_read_ahead(ctx, layer + 1, next_router, T, &pred_next);
   layers::Routing routing;
-  layers::moe_block(ctx.pool, ctx.stream, layer, w, h, hp_.n_embd, T, out, &routing,
+  layers::moe_block(ctx.pool, ctx.kernels, ctx.stream, layer, w, h, hp_.n_embd, T, out, &routing,
                     ctx.times ? &ctx.times->expert_s : nullptr, &ra);
   score_prediction(ctx, layer, routing, pred);
   record_routing(ctx.trace, layer, routing, w.top_k);
@@ -123,7 +123,7 @@ void Model::output_head(ForwardContext& ctx, const float* x, int64_t T, LogitsMo
   const int64_t first = mode == LogitsMode::Last ? T - 1 : 0, rows = T - first;
   for (int64_t t = first; t < T; ++t) cpu::rms_norm(x + t * E, norm, scratch + (t - first) * E, E, hp_.rms_eps);
   logits.resize(size_t(rows) * hp_.n_vocab);
-  cpu::matmul(ctx.pool, head, scratch, E, rows, logits.data(), hp_.n_vocab);
+  cpu::matmul(ctx.pool, ctx.kernels, head, scratch, E, rows, logits.data(), hp_.n_vocab);
 }
 
 std::vector<std::string> supported_architectures() {

@@ -72,6 +72,7 @@ struct ForwardContext {
   ForwardTimes* times = nullptr;
   ReadAheadOptions ahead;
   PredictionStats* prediction = nullptr;  ///< when set, recall is accumulated here
+  cpu::kernels::KernelConfig kernels;     ///< the CPU kernels every matmul and attention runs (engine's)
 };
 
 /// Which positions of a forward call produce logits.

@@ -138,7 +138,7 @@ void Qwen3Moe::forward(ForwardContext& ctx, SequenceState& st, std::span<const i
     norm_rows(L.attn_norm.values());
     const layers::AttentionWeights aw{L.wq.matrix(), L.wk.matrix(), L.wv.matrix(), L.wo.matrix(),
                                       L.q_norm.values(), L.k_norm.values()};
-    layers::attention_block(pool, aw, shape, h.data(), E, T, pos0, st.k[l].data(), st.v[l].data(), o.data());
+    layers::attention_block(pool, ctx.kernels, aw, shape, h.data(), E, T, pos0, st.k[l].data(), st.v[l].data(), o.data());
     add_residual();
 
     // MoE block: x += moe(rmsnorm(x)), experts through the stream, layer l+1 read ahead.

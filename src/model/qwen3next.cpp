@@ -259,12 +259,12 @@ void Qwen3Next::forward(ForwardContext& ctx, SequenceState& st, std::span<const 
       const layers::GatedDeltaNetWeights gw{A.wqkv.matrix(),    A.wz.matrix(),      A.wba.matrix(),
                                             A.wout.matrix(),    A.conv.values(),    A.dt_bias.values(),
                                             A.a.values(),       A.norm.values()};
-      layers::gated_delta_net_block(pool, gw, gdn_, h.data(), E, T, st.conv[l].data(), st.ssm[l].data(), o.data());
+      layers::gated_delta_net_block(pool, ctx.kernels, gw, gdn_, h.data(), E, T, st.conv[l].data(), st.ssm[l].data(), o.data());
     } else {
       const FullAttnWeights& A = L.att;
       const layers::AttentionWeights aw{A.wq.matrix(),     A.wk.matrix(),     A.wv.matrix(), A.wo.matrix(),
                                         A.q_norm.values(), A.k_norm.values()};
-      layers::attention_block(pool, aw, shape, h.data(), E, T, pos0, st.k[l].data(), st.v[l].data(), o.data());
+      layers::attention_block(pool, ctx.kernels, aw, shape, h.data(), E, T, pos0, st.k[l].data(), st.v[l].data(), o.data());
     }
     add_residual();
 
@@ -272,7 +272,7 @@ void Qwen3Next::forward(ForwardContext& ctx, SequenceState& st, std::span<const 
     norm_rows(L.post_attn_norm.values());
     moe_step(ctx, l, L.moe, l + 1 < hp_.n_layer ? &layers_[l + 1].moe.router : nullptr, h.data(), T, o.data(), pred);
     const layers::FfnWeights shexp{L.sh_gate.matrix(), L.sh_up.matrix(), L.sh_down.matrix()};
-    layers::add_gated_swiglu_ffn(pool, shexp, L.sh_gate_inp.matrix(), h.data(), E, T, o.data());
+    layers::add_gated_swiglu_ffn(pool, ctx.kernels, shexp, L.sh_gate_inp.matrix(), h.data(), E, T, o.data());
     add_residual();
   }
   st.n_past += T;

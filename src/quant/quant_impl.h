@@ -1,6 +1,6 @@
 #pragma once
-// Internal to src/quant: block geometry, inline scalar conversions and the entry points of
-// the kernel families. Not part of the public API (include quant/quant.h instead).
+// Internal to src/quant and the CPU kernels (src/backend/cpu/kernels): block geometry and inline
+// scalar conversions and scale unpacking. Not part of the public API (include quant/quant.h).
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -155,28 +155,5 @@ static inline int iq4xs_scale(const uint8_t* b, int g) {
   const int sh = b[2] | (b[3] << 8);
   return (((b[4 + g / 2] >> (4 * (g % 2))) & 0xf) | (((sh >> (2 * g)) & 3) << 4)) - 32;
 }
-
-/// The arguments of one matmul call, already validated (see quant.h for the contract).
-struct MatmulArgs {
-  GgmlType type;
-  const uint8_t* W;
-  size_t row_bytes;
-  int64_t row_begin, row_end, cols;
-  const float* x;
-  int64_t ldx, n_tok;
-  float* y;
-  int64_t ldy;
-};
-
-/// Scalar reference family: every supported type.
-void matmul_scalar(const MatmulArgs& a);
-/// AVX2+FMA+F16C family. Returns false (and does nothing) for types it has no fast path for.
-bool matmul_avx2(const MatmulArgs& a);
-/// AVX-512 (F/BW/VL/DQ) family. Returns false for types it has no fast path for.
-bool matmul_avx512(const MatmulArgs& a);
-/// Row decoders of the fast families, exposed for tests: decode `n` elements (a multiple of the
-/// block size) of type `t` to floats. False if the family has no decoder for `t`.
-bool decode_row_avx2(GgmlType t, const void* src, float* dst, int64_t n);
-bool decode_row_avx512(GgmlType t, const void* src, float* dst, int64_t n);
 
 }  // namespace strata::quant::detail

@@ -17,13 +17,12 @@
 #include <type_traits>
 #include <vector>
 
-#include "quant/quant.h"
-#include "quant/quant_impl.h"
+#include "backend/cpu/kernels/kernels.h"
+#include "backend/cpu/kernels/kernels_impl.h"
 #include "quant/quant_tables.h"
 
-namespace strata::quant::detail {
+namespace strata::cpu::kernels::detail {
 
-using quant::ActQ8;
 
 /// Quantizes one block of 32 activations: d = amax / 127, q = nearest-even(x * (127 / amax));
 /// all zero when amax == 0. A non-finite amax gives d = NaN and q = 0, so that the NaN reaches
@@ -242,4 +241,4 @@ bool matmul_q8_avx512(const MatmulArgs& m, const ActQ8& a, Q8Isa isa);
 void iq2xs_rows_icl(const uint8_t* W, size_t row_bytes, int64_t r0, int64_t r1, int64_t n_tok, const LaneTokens& tk,
                     float* y, int64_t ldy);
 
-}  // namespace strata::quant::detail
+}  // namespace strata::cpu::kernels::detail

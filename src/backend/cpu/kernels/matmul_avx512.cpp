@@ -1,12 +1,12 @@
 // AVX-512 family: row decoders (block -> fp32, values bit-identical to the scalar reference)
 // and the drivers of simd_driver.h with 16-lane vectors (2 accumulators = 32 lanes per
 // (row, token) pair; panel micro-kernel 3 rows x 4 tokens; fused path up to 4 tokens).
-#include "quant/simd_intrin.h"
+#include "backend/cpu/kernels/simd_intrin.h"
 //
-#include "quant/simd_driver.h"
-#include "quant/simd_decoders.h"
+#include "backend/cpu/kernels/simd_driver.h"
+#include "backend/cpu/kernels/simd_decoders.h"
 
-namespace strata::quant::detail {
+namespace strata::cpu::kernels::detail {
 
 namespace {
 
@@ -441,4 +441,4 @@ bool matmul_avx512(const MatmulArgs& a) {
   return true;
 }
 
-}  // namespace strata::quant::detail
+}  // namespace strata::cpu::kernels::detail

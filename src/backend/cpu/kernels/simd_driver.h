@@ -29,9 +29,9 @@
 #include <cstring>
 #include <memory>
 
-#include "quant/quant_impl.h"
+#include "backend/cpu/kernels/kernels_impl.h"
 
-namespace strata::quant::detail::simd {
+namespace strata::cpu::kernels::detail::simd {
 
 namespace {  // internal linkage: each SIMD translation unit gets its own copy (see quant_impl.h)
 
@@ -250,4 +250,4 @@ void run(Dec dec, const MatmulArgs& a) {
 }
 
 }  // namespace
-}  // namespace strata::quant::detail::simd
+}  // namespace strata::cpu::kernels::detail::simd

@@ -7,18 +7,18 @@
 // Kernels: every type of has_q8_kernel (the 32-weight block types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
 // IQ4_NL, MXFP4; Q2_K..Q6_K, IQ2_XS, IQ3_S, IQ4_XS in their lane orders).
 // Loop order as in the AVX-512 family: blocks of 64 tokens, rows, tiles of up to 4 tokens.
-#include "quant/simd_intrin.h"
+#include "backend/cpu/kernels/simd_intrin.h"
 
 #include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
-#include "quant/act_q8.h"
-#include "quant/b32_factors.h"
+#include "backend/cpu/kernels/act_q8.h"
+#include "backend/cpu/kernels/b32_factors.h"
 #include "quant/quant_tables.h"
 
-namespace strata::quant::detail {
+namespace strata::cpu::kernels::detail {
 
 namespace {
 
@@ -640,4 +640,4 @@ bool matmul_q8_avx2(const MatmulArgs& m, const ActQ8& a) {
   return true;
 }
 
-}  // namespace strata::quant::detail
+}  // namespace strata::cpu::kernels::detail

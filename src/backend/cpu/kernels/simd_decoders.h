@@ -19,11 +19,11 @@
 #include <cstdint>
 #include <cstring>
 
-#include "quant/quant_impl.h"
+#include "backend/cpu/kernels/kernels_impl.h"
 #include "quant/quant_tables.h"
-#include "quant/simd_intrin.h"
+#include "backend/cpu/kernels/simd_intrin.h"
 
-namespace strata::quant::detail::simd {
+namespace strata::cpu::kernels::detail::simd {
 namespace {  // internal linkage: compiled once per instruction set
 
 inline __m128i ld16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
@@ -327,4 +327,4 @@ SinkDecodeFn<E, S> block_decoder(GgmlType t) {
 }
 
 }  // namespace
-}  // namespace strata::quant::detail::simd
+}  // namespace strata::cpu::kernels::detail::simd

@@ -2,12 +2,12 @@
 // reference) and the drivers of simd_driver.h with 8-lane vectors (2 accumulators = 16 lanes
 // per (row, token) pair; panel micro-kernel 2 rows x 3 tokens: 12 accumulators + 2 weights +
 // 1 activation register out of 16; fused path up to 4 tokens).
-#include "quant/simd_intrin.h"
+#include "backend/cpu/kernels/simd_intrin.h"
 //
-#include "quant/simd_driver.h"
-#include "quant/simd_decoders.h"
+#include "backend/cpu/kernels/simd_driver.h"
+#include "backend/cpu/kernels/simd_decoders.h"
 
-namespace strata::quant::detail {
+namespace strata::cpu::kernels::detail {
 
 namespace {
 
@@ -195,4 +195,4 @@ bool matmul_avx2(const MatmulArgs& a) {
   return true;
 }
 
-}  // namespace strata::quant::detail
+}  // namespace strata::cpu::kernels::detail

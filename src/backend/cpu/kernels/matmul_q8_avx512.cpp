@@ -5,7 +5,7 @@
 // Loop order: blocks of 64 tokens (their int8 codes stay in L2), then rows, then tiles of up
 // to 4 tokens that share one decode of the row's weights. Every (row, token) pair runs the
 // same instruction sequence whatever the tile, so results are batch invariant.
-#include "quant/simd_intrin.h"
+#include "backend/cpu/kernels/simd_intrin.h"
 
 #include <algorithm>
 #include <array>
@@ -14,12 +14,12 @@
 #include <type_traits>
 #include <vector>
 
-#include "quant/act_q8.h"
-#include "quant/b32_factors.h"
-#include "quant/iq2xs_q8_kernel.h"
+#include "backend/cpu/kernels/act_q8.h"
+#include "backend/cpu/kernels/b32_factors.h"
+#include "backend/cpu/kernels/iq2xs_q8_kernel.h"
 #include "quant/quant_tables.h"
 
-namespace strata::quant::detail {
+namespace strata::cpu::kernels::detail {
 
 namespace {
 
@@ -581,4 +581,4 @@ bool matmul_q8_avx512(const MatmulArgs& m, const ActQ8& a, Q8Isa isa) {
   return true;
 }
 
-}  // namespace strata::quant::detail
+}  // namespace strata::cpu::kernels::detail
