@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "gguf/ggml_types.h"
+#include "quant/blocks.h"
 
 // The helpers below are `static`: this header is included by translation units compiled with
 // different -m flags, and an inline function with external linkage could be resolved to the
@@ -19,27 +20,28 @@ struct Geometry {
   int elems;
   int bytes;
 };
-/// Hard-coded here (not taken from gguf/) on purpose: the kernels depend on these exact layouts.
+/// Hard-coded here (not taken from gguf/) on purpose: the kernels depend on these exact layouts
+/// (the structs of quant/blocks.h, whose sizes are static_asserted there).
 static constexpr Geometry geometry(GgmlType t) {
   switch (t) {
     case GgmlType::F32: return {1, 4};
     case GgmlType::F16: return {1, 2};
     case GgmlType::BF16: return {1, 2};
-    case GgmlType::Q8_0: return {32, 34};
-    case GgmlType::Q4_0: return {32, 18};
-    case GgmlType::Q4_1: return {32, 20};
-    case GgmlType::Q5_0: return {32, 22};
-    case GgmlType::Q5_1: return {32, 24};
-    case GgmlType::Q2_K: return {256, 84};
-    case GgmlType::Q3_K: return {256, 110};
-    case GgmlType::Q4_K: return {256, 144};
-    case GgmlType::Q5_K: return {256, 176};
-    case GgmlType::Q6_K: return {256, 210};
-    case GgmlType::IQ2_XS: return {256, 74};
-    case GgmlType::IQ3_S: return {256, 110};
-    case GgmlType::IQ4_XS: return {256, 136};
-    case GgmlType::IQ4_NL: return {32, 18};
-    case GgmlType::MXFP4: return {32, 17};
+    case GgmlType::Q8_0: return {32, int{sizeof(blocks::BlockQ8_0)}};
+    case GgmlType::Q4_0: return {32, int{sizeof(blocks::BlockQ4_0)}};
+    case GgmlType::Q4_1: return {32, int{sizeof(blocks::BlockQ4_1)}};
+    case GgmlType::Q5_0: return {32, int{sizeof(blocks::BlockQ5_0)}};
+    case GgmlType::Q5_1: return {32, int{sizeof(blocks::BlockQ5_1)}};
+    case GgmlType::Q2_K: return {256, int{sizeof(blocks::BlockQ2_K)}};
+    case GgmlType::Q3_K: return {256, int{sizeof(blocks::BlockQ3_K)}};
+    case GgmlType::Q4_K: return {256, int{sizeof(blocks::BlockQ4_K)}};
+    case GgmlType::Q5_K: return {256, int{sizeof(blocks::BlockQ5_K)}};
+    case GgmlType::Q6_K: return {256, int{sizeof(blocks::BlockQ6_K)}};
+    case GgmlType::IQ2_XS: return {256, int{sizeof(blocks::BlockIQ2_XS)}};
+    case GgmlType::IQ3_S: return {256, int{sizeof(blocks::BlockIQ3_S)}};
+    case GgmlType::IQ4_XS: return {256, int{sizeof(blocks::BlockIQ4_XS)}};
+    case GgmlType::IQ4_NL: return {32, int{sizeof(blocks::BlockIQ4_NL)}};
+    case GgmlType::MXFP4: return {32, int{sizeof(blocks::BlockMXFP4)}};
     default: return {0, 0};
   }
 }
