@@ -25,6 +25,11 @@ struct V256 {
   static vec fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
   static vec add(vec a, vec b) { return _mm256_add_ps(a, b); }
   static float hsum(vec v) { return simd_hsum8(v); }
+  static vec load_f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static vec load_bf16(const uint8_t* p) {
+    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  }
 };
 
 // Keeps the compiler from contracting a multiply into a following add (-ffp-contract=fast is
@@ -73,126 +78,20 @@ struct E256 {
   }
 };
 
-void dec_f32(const uint8_t* s, float* o, int64_t n) { std::memcpy(o, s, static_cast<size_t>(n) * 4); }
-
-void dec_f16(const uint8_t* s, float* o, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_store_ps(o + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 2 * i))));
-  for (; i < n; ++i) o[i] = half_to_float(load_u16(s + 2 * i));
-}
-
-void dec_bf16(const uint8_t* s, float* o, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 2 * i)));
-    _mm256_store_ps(o + i, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+/// The AVX2 block decoders: those of simd_decoders.h with the 8-lane emitter.
+struct Blocks256 {
+  template <class S>
+  static simd::SinkFn<S> get(GgmlType t) {
+    return simd::block_decoder<E256, S>(t);
   }
-  for (; i < n; ++i) o[i] = bf16_to_float(load_u16(s + 2 * i));
-}
-
-simd::DecodeFn plain_decoder(GgmlType t) {
-  switch (t) {
-    case GgmlType::F32: return dec_f32;
-    case GgmlType::F16: return dec_f16;
-    case GgmlType::BF16: return dec_bf16;
-    default: return nullptr;
-  }
-}
-
-using StoreSink = simd::Store<V256>;
-
-// F32/F16/BF16 as sink decoders (n % 8 == 0), so that decode-sized calls can use the fused path.
-template <class S>
-void sink_f32(const uint8_t* b, S& out, int64_t n) {
-  S o = out;
-  for (int64_t i = 0; i < n; i += 8) o.put(_mm256_loadu_ps(reinterpret_cast<const float*>(b) + i));
-  out = o;
-}
-
-template <class S>
-void sink_f16(const uint8_t* b, S& out, int64_t n) {
-  S o = out;
-  for (int64_t i = 0; i < n; i += 8)
-    o.put(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 * i))));
-  out = o;
-}
-
-template <class S>
-void sink_bf16(const uint8_t* b, S& out, int64_t n) {
-  S o = out;
-  for (int64_t i = 0; i < n; i += 8) {
-    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 * i)));
-    o.put(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
-  }
-  out = o;
-}
-
-template <class S>
-simd::SinkDecodeFn<E256, S> decoder256(GgmlType t) {
-  switch (t) {
-    case GgmlType::F32: return sink_f32<S>;
-    case GgmlType::F16: return sink_f16<S>;
-    case GgmlType::BF16: return sink_bf16<S>;
-    default: return simd::block_decoder<E256, S>(t);
-  }
-}
-
-template <int NT>
-bool fused(const MatmulArgs& a) {
-  const auto dec = decoder256<simd::Fused<V256, NT>>(a.type);
-  if (!dec) return false;
-  simd::run_fused<V256, NT>(dec, a);
-  return true;
-}
+};
 
 }  // namespace
 
 bool decode_row_avx2(GgmlType t, const void* src, float* dst, int64_t n) {
-  const auto* s = static_cast<const uint8_t*>(src);
-  float* tmp = simd::scratch(static_cast<size_t>(n) + 16);  // decoders store aligned
-  if (const simd::DecodeFn f = plain_decoder(t)) {
-    f(s, tmp, n);
-  } else if (const auto dec = simd::block_decoder<E256, StoreSink>(t)) {  // block types only here
-    StoreSink sink{tmp};
-    dec(s, sink, n);
-  } else {
-    return false;
-  }
-  std::memcpy(dst, tmp, static_cast<size_t>(n) * sizeof(float));
-  return true;
+  return simd::decode_row<V256, Blocks256>(t, src, dst, n);
 }
 
-bool matmul_avx2(const MatmulArgs& a) {
-  const bool plain = plain_decoder(a.type) != nullptr;
-  if (plain && a.cols % (2 * V256::W) != 0) {  // ragged rows: only the panel path has tails
-    simd::run<V256>(plain_decoder(a.type), a);
-    return true;
-  }
-  switch (a.n_tok) {
-    case 1: return fused<1>(a);
-    case 2: return fused<2>(a);
-    case 3: return fused<3>(a);
-    case 4: return fused<4>(a);
-    default: break;
-  }
-  if (a.type == GgmlType::F32 && a.row_bytes % sizeof(float) == 0) {  // prefill on F32: no copy
-    simd::run_direct<V256>(a);
-    return true;
-  }
-  if (plain) {
-    simd::run<V256>(plain_decoder(a.type), a);
-    return true;
-  }
-  const auto dec = simd::block_decoder<E256, StoreSink>(a.type);
-  if (!dec) return false;
-  simd::run<V256>(
-      [dec](const uint8_t* src, float* dst, int64_t cols) {
-        StoreSink sink{dst};
-        dec(src, sink, cols);
-      },
-      a);
-  return true;
-}
+bool matmul_avx2(const MatmulArgs& a) { return simd::matmul_family<V256, Blocks256>(a); }
 
 }  // namespace strata::cpu::kernels::detail
