@@ -1,5 +1,5 @@
-// Kernel benchmarks for src/quant, reported next to a memory-bandwidth probe run in the same
-// process, so the matrix-vector numbers read as a fraction of what the memory can deliver.
+// Kernel benchmarks for src/backend/cpu/kernels (over the formats of src/quant), reported next
+// to a memory-bandwidth probe run in the same process, so the matrix-vector numbers read as a fraction of what the memory can deliver.
 //
 //   MemRead/threads:N      sequential read of a 1 GiB buffer (AVX2 loads), GB/s
 //   Memcpy/threads:N       memcpy of 512 MiB (bytes read + written), GB/s

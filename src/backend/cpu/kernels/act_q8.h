@@ -1,5 +1,5 @@
 #pragma once
-// Internal to src/quant: the int8 activation path ("q8 activations").
+// Internal to the CPU kernels (src/backend/cpu/kernels): the int8 activation path ("q8 activations").
 //
 // Activations x (fp32) are quantized per token in blocks of 32 (the Q8_0 scheme of ggml,
 // ggml-quants.c quantize_row_q8_0: d = amax / 127, q = round(x / d)), keeping the int16 sums
