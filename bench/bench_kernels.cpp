@@ -1,5 +1,5 @@
-// Kernel benchmarks for src/quant, reported next to a memory-bandwidth probe run in the same
-// process, so the matrix-vector numbers read as a fraction of what the memory can deliver.
+// Kernel benchmarks for src/backend/cpu/kernels (over the formats of src/quant), reported next
+// to a memory-bandwidth probe run in the same process, so the matrix-vector numbers read as a fraction of what the memory can deliver.
 //
 //   MemRead/threads:N      sequential read of a 1 GiB buffer (AVX2 loads), GB/s
 //   Memcpy/threads:N       memcpy of 512 MiB (bytes read + written), GB/s
@@ -13,7 +13,7 @@
 // Each benchmark uses the active kernel family (auto; --cpu-kernels=scalar|avx2|avx512 forces one).
 #include <benchmark/benchmark.h>
 
-#include "quant/simd_intrin.h"  // <immintrin.h> minus GCC 12's false -Wuninitialized
+#include "backend/cpu/kernels/simd_intrin.h"  // <immintrin.h> minus GCC 12's false -Wuninitialized
 
 #include <algorithm>
 #include <cstdint>
@@ -25,11 +25,13 @@
 #include <thread>
 #include <vector>
 
+#include "backend/cpu/kernels/kernels.h"
 #include "quant/quant.h"
 #include "quant/quant_tables.h"
 
 using strata::GgmlType;
 namespace q = strata::quant;
+namespace k = strata::cpu::kernels;
 
 namespace {
 
@@ -182,6 +184,10 @@ void BM_Memcpy(benchmark::State& st) {
 
 // ---- kernels ----
 
+/// The kernels every benchmark runs: --cpu-kernels / --act-quant, resolved in main().
+k::KernelConfig g_kernels;
+
+
 const GgmlType kTypes[] = {GgmlType::F32,  GgmlType::F16,  GgmlType::BF16,  GgmlType::Q8_0,   GgmlType::Q4_0,
                            GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1,  GgmlType::Q2_K,   GgmlType::Q3_K,
                            GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K,  GgmlType::IQ2_XS, GgmlType::IQ3_S,
@@ -205,7 +211,7 @@ void BM_MatVec(benchmark::State& st, GgmlType t) {
   std::vector<float> y(static_cast<size_t>(rows));
   for (auto _ : st) {
     split_rows(threads, rows, [&](int64_t r0, int64_t r1) {
-      q::matmul(t, w, rb, r0, r1, kCols, x.data(), kCols, 1, y.data(), rows);
+      k::matmul(g_kernels, t, w, rb, r0, r1, kCols, x.data(), kCols, 1, y.data(), rows);
     });
     benchmark::DoNotOptimize(y.data());
   }
@@ -227,7 +233,7 @@ void BM_MatVecHot(benchmark::State& st, GgmlType t) {
   const auto x = activations(kCols);
   std::vector<float> y(static_cast<size_t>(rows));
   for (auto _ : st) {
-    q::matmul(t, w.get(), rb, 0, rows, kCols, x.data(), kCols, 1, y.data(), rows);
+    k::matmul(g_kernels, t, w.get(), rb, 0, rows, kCols, x.data(), kCols, 1, y.data(), rows);
     benchmark::DoNotOptimize(y.data());
   }
   st.counters["GB/s"] = benchmark::Counter(static_cast<double>(rows) * static_cast<double>(rb) *
@@ -250,7 +256,7 @@ void BM_MatMul(benchmark::State& st, GgmlType t) {
   std::vector<float> y(static_cast<size_t>(rows * n_tok));
   for (auto _ : st) {
     split_rows(threads, rows, [&](int64_t r0, int64_t r1) {
-      q::matmul(t, w.get(), rb, r0, r1, kCols, x.data(), kCols, n_tok, y.data(), rows);
+      k::matmul(g_kernels, t, w.get(), rb, r0, r1, kCols, x.data(), kCols, n_tok, y.data(), rows);
     });
     benchmark::DoNotOptimize(y.data());
   }
@@ -327,21 +333,24 @@ void register_all() {
 int main(int argc, char** argv) {
   // --cpu-kernels=scalar|avx2|avx512|auto and --act-quant=auto|q8|f32 (ours; removed before Google Benchmark parses the rest)
   std::vector<char*> args;
+  k::CpuKernels family = k::CpuKernels::Auto;
+  k::ActQuant act = k::ActQuant::Auto;
   for (int i = 0; i < argc; ++i) {
     const std::string a = argv[i];
     if (a.rfind("--cpu-kernels=", 0) == 0) {
-      q::set_cpu_kernels(q::parse_cpu_kernels(a.substr(14)));
+      family = k::parse_cpu_kernels(a.substr(14));
       continue;
     }
     if (a.rfind("--act-quant=", 0) == 0) {  // auto (default: q8 with AVX-512) | q8 | f32
-      q::set_act_quant(q::parse_act_quant(a.substr(12)));
+      act = k::parse_act_quant(a.substr(12));
       continue;
     }
     args.push_back(argv[i]);
   }
   int n = static_cast<int>(args.size());
-  benchmark::AddCustomContext("cpu_kernels", q::cpu_kernels_name(q::active_cpu_kernels()));
-  benchmark::AddCustomContext("act_quant", q::act_quant_name(q::active_act_quant()));
+  g_kernels = k::resolve_kernels(family, act);
+  benchmark::AddCustomContext("cpu_kernels", k::cpu_kernels_name(g_kernels.family));
+  benchmark::AddCustomContext("act_quant", k::act_quant_name(g_kernels.act));
   register_all();
   benchmark::Initialize(&n, args.data());
   benchmark::RunSpecifiedBenchmarks();

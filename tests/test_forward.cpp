@@ -20,7 +20,7 @@
 
 #include <cstdio>
 
-#include "quant/quant.h"
+#include "backend/cpu/kernels/kernels.h"
 #include "support/paths.h"
 #include "support/reference.h"
 
@@ -71,7 +71,7 @@ void expect_greedy(engine::Engine& eng, const nlohmann::json& ref) {
 
 TEST(Forward, ShippedQ8_0MatchesTransformers) {
   engine::EngineOptions o = default_options();
-  o.act_quant = quant::ActQuant::F32;  // exact mode: weights expanded, activations fp32
+  o.act_quant = cpu::kernels::ActQuant::F32;  // exact mode: weights expanded, activations fp32
   engine::Engine eng(test::shipped_model(), o);
   const auto ref = test::load_json(test::data_path("qwen3moe-code-Q8_0.hf.json"));
   test::ParityReport rep;
@@ -90,7 +90,7 @@ TEST(Forward, ShippedQ8_0MatchesTransformers) {
 // q8 kernels already flipped the choice.
 TEST(Forward, ShippedQ8_0WithQ8ActivationsNearTransformers) {
   engine::EngineOptions o = default_options();
-  o.act_quant = quant::ActQuant::Q8;
+  o.act_quant = cpu::kernels::ActQuant::Q8;
   engine::Engine eng(test::shipped_model(), o);
   const auto ref = test::load_json(test::data_path("qwen3moe-code-Q8_0.hf.json"));
   test::ParityReport r;
@@ -106,7 +106,7 @@ TEST(Forward, ShippedQ8_0WithQ8ActivationsNearTransformers) {
 
 TEST(Forward, ShippedQ8_0GreedyMatchesTransformers) {
   engine::EngineOptions o = default_options();
-  o.act_quant = quant::ActQuant::F32;
+  o.act_quant = cpu::kernels::ActQuant::F32;
   engine::Engine eng(test::shipped_model(), o);
   expect_greedy(eng, test::load_json(test::data_path("qwen3moe-code-Q8_0.hf.json")));
 }

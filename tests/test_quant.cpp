@@ -1,5 +1,5 @@
-// Tests of src/quant: reference dequantization against gguf-py (tests/data/dequant.json),
-// fp16/bf16 conversions, every fast kernel family against the scalar reference on fresh random
+// Tests of src/quant and of the CPU kernels over it (src/backend/cpu/kernels): reference
+// dequantization against gguf-py (tests/data/dequant.json), fp16/bf16 conversions, every fast kernel family against the scalar reference on fresh random
 // data (seed printed; STRATA_QUANT_SEED replays a run), and the matmul invariance contract.
 #include <gtest/gtest.h>
 #include <immintrin.h>
@@ -21,7 +21,8 @@
 #include <unistd.h>
 #include <vector>
 
-#include "quant/act_q8.h"
+#include "backend/cpu/kernels/act_q8.h"
+#include "backend/cpu/kernels/kernels.h"
 #include "quant/quant.h"
 #include "quant/quant_impl.h"
 #include "quant/quant_tables.h"
@@ -29,6 +30,8 @@
 
 using strata::GgmlType;
 namespace q = strata::quant;
+namespace k = strata::cpu::kernels;
+namespace kd = strata::cpu::kernels::detail;
 
 namespace {
 
@@ -86,26 +89,20 @@ std::vector<GgmlType> supported_types() {
 }
 
 /// Kernel families this CPU can run.
-std::vector<q::CpuKernels> families() {
-  std::vector<q::CpuKernels> v = {q::CpuKernels::Scalar};
-  for (q::CpuKernels k : {q::CpuKernels::Avx2, q::CpuKernels::Avx512}) {
+std::vector<k::CpuKernels> families() {
+  std::vector<k::CpuKernels> v = {k::CpuKernels::Scalar};
+  for (k::CpuKernels f : {k::CpuKernels::Avx2, k::CpuKernels::Avx512}) {
     try {
-      q::set_cpu_kernels(k);
-      v.push_back(k);
+      k::resolve_kernels(f);
+      v.push_back(f);
     } catch (const std::runtime_error&) {
     }
   }
-  q::set_cpu_kernels(q::CpuKernels::Auto);
   return v;
 }
 
-/// Restores the automatic kernel family and activation mode when a test ends.
-struct FamilyGuard {
-  ~FamilyGuard() {
-    q::set_cpu_kernels(q::CpuKernels::Auto);
-    q::set_act_quant(q::ActQuant::Auto);
-  }
-};
+/// The kernels of family `fam` with activation mode `act` (resolved as the engine does).
+k::KernelConfig config(k::CpuKernels fam, k::ActQuant act = k::ActQuant::Auto) { return k::resolve_kernels(fam, act); }
 
 /// Byte offsets of the fp16 scale fields inside one block, so random blocks get sane scales.
 std::vector<int> fp16_fields(GgmlType t) {
@@ -241,22 +238,19 @@ TEST(QuantConvert, Bf16) {
 // Kernel selection and argument checks
 
 TEST(QuantKernels, ParseAndSelect) {
-  FamilyGuard guard;
-  EXPECT_EQ(q::parse_cpu_kernels("scalar"), q::CpuKernels::Scalar);
-  EXPECT_EQ(q::parse_cpu_kernels("avx2"), q::CpuKernels::Avx2);
-  EXPECT_EQ(q::parse_cpu_kernels("avx512"), q::CpuKernels::Avx512);
-  EXPECT_EQ(q::parse_cpu_kernels("auto"), q::CpuKernels::Auto);
-  EXPECT_THROW(q::parse_cpu_kernels("sse"), std::invalid_argument);
-  EXPECT_STREQ(q::cpu_kernels_name(q::CpuKernels::Avx512), "avx512");
-  q::set_cpu_kernels(q::CpuKernels::Auto);
-  EXPECT_NE(q::active_cpu_kernels(), q::CpuKernels::Auto);
-  q::set_cpu_kernels(q::CpuKernels::Scalar);
-  EXPECT_EQ(q::active_cpu_kernels(), q::CpuKernels::Scalar);
+  EXPECT_EQ(k::parse_cpu_kernels("scalar"), k::CpuKernels::Scalar);
+  EXPECT_EQ(k::parse_cpu_kernels("avx2"), k::CpuKernels::Avx2);
+  EXPECT_EQ(k::parse_cpu_kernels("avx512"), k::CpuKernels::Avx512);
+  EXPECT_EQ(k::parse_cpu_kernels("auto"), k::CpuKernels::Auto);
+  EXPECT_THROW(k::parse_cpu_kernels("sse"), std::invalid_argument);
+  EXPECT_STREQ(k::cpu_kernels_name(k::CpuKernels::Avx512), "avx512");
+  EXPECT_NE(config(k::CpuKernels::Auto).family, k::CpuKernels::Auto);
+  EXPECT_EQ(config(k::CpuKernels::Scalar).family, k::CpuKernels::Scalar);
   if (!__builtin_cpu_supports("avx512f")) {
-    EXPECT_THROW(q::set_cpu_kernels(q::CpuKernels::Avx512), std::runtime_error);
+    EXPECT_THROW(config(k::CpuKernels::Avx512), std::runtime_error);
   }
   std::printf("[quant] families on this CPU:");
-  for (auto k : families()) std::printf(" %s", q::cpu_kernels_name(k));
+  for (auto f : families()) std::printf(" %s", k::cpu_kernels_name(f));
   std::printf("\n");
 }
 
@@ -264,8 +258,9 @@ TEST(QuantKernels, RejectsBadArguments) {
   float x[64] = {}, y[4] = {};
   uint8_t w[68] = {};
   EXPECT_FALSE(q::is_supported(GgmlType::I32));
-  EXPECT_THROW(q::matmul(GgmlType::I32, w, 64, 0, 1, 16, x, 16, 1, y, 1), std::runtime_error);
-  EXPECT_THROW(q::matmul(GgmlType::Q8_0, w, 34, 0, 1, 48, x, 48, 1, y, 1), std::runtime_error);  // ragged
+  const k::KernelConfig kc = config(k::CpuKernels::Auto);
+  EXPECT_THROW(k::matmul(kc, GgmlType::I32, w, 64, 0, 1, 16, x, 16, 1, y, 1), std::runtime_error);
+  EXPECT_THROW(k::matmul(kc, GgmlType::Q8_0, w, 34, 0, 1, 48, x, 48, 1, y, 1), std::runtime_error);  // ragged
   EXPECT_THROW(q::dequantize_row(GgmlType::Q8_0, w, y, 3), std::runtime_error);
   EXPECT_THROW(q::dequantize_row(GgmlType::I32, w, y, 1), std::runtime_error);
   EXPECT_EQ(q::row_size(GgmlType::Q8_0, 64), 68u);
@@ -309,11 +304,11 @@ TEST(QuantDequant, MatchesGgufPyBitExact) {
       // the fast families' decoders must expand to the same bits
       std::vector<float> fast(static_cast<size_t>(cols));
       if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-          strata::quant::detail::decode_row_avx2(t, raw.data(), fast.data(), cols)) {
+          kd::decode_row_avx2(t, raw.data(), fast.data(), cols)) {
         for (int64_t k = 0; k < cols; ++k) ASSERT_EQ(bits(fast[k]), bits(out[k])) << tname << " avx2 col " << k;
       }
       if (__builtin_cpu_supports("avx512bw") &&
-          strata::quant::detail::decode_row_avx512(t, raw.data(), fast.data(), cols)) {
+          kd::decode_row_avx512(t, raw.data(), fast.data(), cols)) {
         for (int64_t k = 0; k < cols; ++k) ASSERT_EQ(bits(fast[k]), bits(out[k])) << tname << " avx512 col " << k;
       }
     }
@@ -518,12 +513,12 @@ TEST(QuantDequant, FastDecodersBitExactOnRandomBlocks) {
       const uint8_t* row = w.data() + rb * static_cast<size_t>(r);
       q::dequantize_row(t, row, ref.data(), cols);
       if (avx2) {
-        ASSERT_TRUE(strata::quant::detail::decode_row_avx2(t, row, fast.data(), cols));
+        ASSERT_TRUE(kd::decode_row_avx2(t, row, fast.data(), cols));
         for (int64_t k = 0; k < cols; ++k)
           ASSERT_EQ(bits(fast[k]), bits(ref[k])) << strata::quant::detail::type_name(t) << " avx2 col " << k;
       }
       if (avx512) {
-        ASSERT_TRUE(strata::quant::detail::decode_row_avx512(t, row, fast.data(), cols));
+        ASSERT_TRUE(kd::decode_row_avx512(t, row, fast.data(), cols));
         for (int64_t k = 0; k < cols; ++k)
           ASSERT_EQ(bits(fast[k]), bits(ref[k])) << strata::quant::detail::type_name(t) << " avx512 col " << k;
       }
@@ -578,8 +573,7 @@ struct Case {
 }  // namespace
 
 TEST(QuantMatmul, FastFamiliesMatchScalarReference) {
-  FamilyGuard guard;
-  q::set_act_quant(q::ActQuant::F32);  // the q8 path has its own tests (QuantQ8)
+  const k::ActQuant f32 = k::ActQuant::F32;  // the q8 path has its own tests (QuantQ8)
   std::mt19937_64 rng(test_seed() ^ 0x1234);
   const auto fams = families();
   for (GgmlType t : supported_types()) {
@@ -596,9 +590,8 @@ TEST(QuantMatmul, FastFamiliesMatchScalarReference) {
           if (rows * cols * n_tok > 255 * 4096 * 16) continue;  // keep the double reference fast
           const auto x = random_x(n_tok * cols, rng);
           // reference and the magnitude sum |w*x| per output
-          q::set_cpu_kernels(q::CpuKernels::Scalar);
           std::vector<float> ref(static_cast<size_t>(n_tok * rows));
-          q::matmul(t, w.data(), rb, 0, rows, cols, x.data(), cols, n_tok, ref.data(), rows);
+          k::matmul(config(k::CpuKernels::Scalar, f32), t, w.data(), rb, 0, rows, cols, x.data(), cols, n_tok, ref.data(), rows);
           std::vector<double> mag(ref.size(), 0.0);
           std::vector<float> wrow(static_cast<size_t>(cols));
           for (int64_t r = 0; r < rows; ++r) {
@@ -608,15 +601,14 @@ TEST(QuantMatmul, FastFamiliesMatchScalarReference) {
                 mag[tk * rows + r] += std::fabs(static_cast<double>(wrow[k]) * x[tk * cols + k]);
           }
           for (size_t fi = 1; fi < fams.size(); ++fi) {
-            q::set_cpu_kernels(fams[fi]);
             std::vector<float> y(ref.size(), NAN);
-            q::matmul(t, w.data(), rb, 0, rows, cols, x.data(), cols, n_tok, y.data(), rows);
+            k::matmul(config(fams[fi], f32), t, w.data(), rb, 0, rows, cols, x.data(), cols, n_tok, y.data(), rows);
             for (size_t i = 0; i < y.size(); ++i) {
               const double err = std::fabs(static_cast<double>(y[i]) - ref[i]);
               const double rel = err / std::max(mag[i], 1e-30);
               worst[fi] = std::max(worst[fi], rel);
               ASSERT_LE(err, tolerance(cols) * mag[i] + 1e-30)
-                  << std::string(strata::quant::detail::type_name(t)) << " " << q::cpu_kernels_name(fams[fi])
+                  << std::string(strata::quant::detail::type_name(t)) << " " << k::cpu_kernels_name(fams[fi])
                   << " rows=" << rows << " cols=" << cols << " n_tok=" << n_tok << " i=" << i << " y=" << y[i]
                   << " ref=" << ref[i];
             }
@@ -625,7 +617,7 @@ TEST(QuantMatmul, FastFamiliesMatchScalarReference) {
       }
     }
     std::printf("[quant] %-6s max |y-ref|/sum|w*x|:", strata::quant::detail::type_name(t));
-    for (size_t fi = 1; fi < fams.size(); ++fi) std::printf(" %s %.2e", q::cpu_kernels_name(fams[fi]), worst[fi]);
+    for (size_t fi = 1; fi < fams.size(); ++fi) std::printf(" %s %.2e", k::cpu_kernels_name(fams[fi]), worst[fi]);
     std::printf("  (bound at cols=4096: %.2e)\n", tolerance(4096));
   }
 }
@@ -634,29 +626,27 @@ TEST(QuantMatmul, FastFamiliesMatchScalarReference) {
 // Invariance contract: y[t][r] does not depend on n_tok, the row range or the other tokens.
 
 TEST(QuantMatmul, InvariantToTokenCountRowSplitAndStrides) {
-  FamilyGuard guard;
   std::mt19937_64 rng(test_seed() ^ 0x5678);
-  for (q::ActQuant act : {q::ActQuant::F32, q::ActQuant::Q8})
-  for (q::CpuKernels fam : families()) {
-    q::set_act_quant(act);
+  for (k::ActQuant act : {k::ActQuant::F32, k::ActQuant::Q8})
+  for (k::CpuKernels fam : families()) {
+    const k::KernelConfig kc = config(fam, act);
     for (GgmlType t : supported_types()) {
       const int be = q::block_elems(t);
       for (int64_t cols : {int64_t{256}, int64_t{1024}, be == 1 ? int64_t{77} : int64_t{512}}) {
-        q::set_cpu_kernels(fam);
         const int64_t rows = 41, n_tok = 137;  // > 2 blocks of 64 tokens in the panel path
         const auto w = random_rows(t, rows, cols, rng);
         const size_t rb = q::row_size(t, cols);
         const auto x = random_x(n_tok * cols, rng);
         std::vector<float> full(static_cast<size_t>(n_tok * rows));
-        q::matmul(t, w.data(), rb, 0, rows, cols, x.data(), cols, n_tok, full.data(), rows);
-        const std::string what = std::string(q::act_quant_name(act)) + " " + q::cpu_kernels_name(fam) + " " +
+        k::matmul(kc, t, w.data(), rb, 0, rows, cols, x.data(), cols, n_tok, full.data(), rows);
+        const std::string what = std::string(k::act_quant_name(act)) + " " + k::cpu_kernels_name(fam) + " " +
                                  strata::quant::detail::type_name(t) + " cols=" + std::to_string(cols);
         // one token at a time, from a copy placed elsewhere with a different stride
         for (int64_t tk = 0; tk < n_tok; ++tk) {
           std::vector<float> xt(static_cast<size_t>(cols) + 5);
           std::copy(x.begin() + tk * cols, x.begin() + (tk + 1) * cols, xt.begin() + 3);
           std::vector<float> yt(static_cast<size_t>(rows));
-          q::matmul(t, w.data(), rb, 0, rows, cols, xt.data() + 3, cols, 1, yt.data(), rows);
+          k::matmul(kc, t, w.data(), rb, 0, rows, cols, xt.data() + 3, cols, 1, yt.data(), rows);
           for (int64_t r = 0; r < rows; ++r)
             ASSERT_EQ(bits(yt[r]), bits(full[tk * rows + r])) << what << " token " << tk << " row " << r;
         }
@@ -669,7 +659,7 @@ TEST(QuantMatmul, InvariantToTokenCountRowSplitAndStrides) {
         const int64_t tok_cuts[] = {0, 7, 8, 21, 29, 100, 104, 137};
         for (int ri = 0; ri + 1 < 6; ++ri)
           for (int ti = 0; ti + 1 < 8; ++ti)
-            q::matmul(t, w.data(), rb, row_cuts[ri], row_cuts[ri + 1], cols, xs.data() + tok_cuts[ti] * ldx, ldx,
+            k::matmul(kc, t, w.data(), rb, row_cuts[ri], row_cuts[ri + 1], cols, xs.data() + tok_cuts[ti] * ldx, ldx,
                       tok_cuts[ti + 1] - tok_cuts[ti], ys.data() + tok_cuts[ti] * ldy, ldy);
         for (int64_t tk = 0; tk < n_tok; ++tk)
           for (int64_t r = 0; r < rows; ++r)
@@ -684,7 +674,6 @@ TEST(QuantMatmul, InvariantToTokenCountRowSplitAndStrides) {
 // page begins, so any over-read faults (the test process dies with SIGSEGV).
 
 TEST(QuantMatmul, NoKernelReadsPastTheLastRow) {
-  FamilyGuard guard;
   std::mt19937_64 rng(test_seed() ^ 0x6a6a);
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   int64_t runs = 0;
@@ -701,12 +690,11 @@ TEST(QuantMatmul, NoKernelReadsPastTheLastRow) {
       std::memcpy(wp, w.data(), bytes);
       const auto x = random_x(5 * cols, rng);
       std::vector<float> y(static_cast<size_t>(rows * 5));
-      for (q::ActQuant act : {q::ActQuant::F32, q::ActQuant::Q8})
-        for (q::CpuKernels fam : families()) {
-          q::set_cpu_kernels(fam);
-          q::set_act_quant(act);
+      for (k::ActQuant act : {k::ActQuant::F32, k::ActQuant::Q8})
+        for (k::CpuKernels fam : families()) {
+          const k::KernelConfig kc = config(fam, act);
           for (int64_t n_tok : {1, 2, 5}) {
-            q::matmul(t, wp, q::row_size(t, cols), 0, rows, cols, x.data(), cols, n_tok, y.data(), rows);
+            k::matmul(kc, t, wp, q::row_size(t, cols), 0, rows, cols, x.data(), cols, n_tok, y.data(), rows);
             ++runs;
           }
         }
@@ -742,7 +730,6 @@ std::vector<float> offsets(GgmlType t, const uint8_t* row, int64_t cols) {
 }  // namespace
 
 TEST(QuantQ8, AllFamiliesBitIdentical) {
-  FamilyGuard guard;
   std::mt19937_64 rng(test_seed() ^ 0x9abc);
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                     __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2");
@@ -750,10 +737,10 @@ TEST(QuantQ8, AllFamiliesBitIdentical) {
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   if (!avx2) GTEST_SKIP() << "no AVX2 on this CPU: only the scalar q8 family exists";
   // the AVX2 family and every AVX-512 level up to the CPU's best (each a superset of the one before)
-  using strata::quant::detail::Q8Isa;
+  using kd::Q8Isa;
   std::vector<Q8Isa> levels;
   if (avx512) {
-    const Q8Isa best = strata::quant::detail::best_q8_isa();
+    const Q8Isa best = kd::best_q8_isa();
     levels.push_back(Q8Isa::Avx512);
     if (best != Q8Isa::Avx512) levels.push_back(Q8Isa::Avx512Vnni);
     if (best == Q8Isa::Avx512Icl) levels.push_back(Q8Isa::Avx512Icl);
@@ -770,24 +757,24 @@ TEST(QuantQ8, AllFamiliesBitIdentical) {
         for (int64_t n_tok : {1, 2, 3, 5, 7, 64, 70}) {
           if (rows * cols * n_tok > 130 * 4096 * 8) continue;
           const auto x = random_x(n_tok * cols, rng);
-          q::ActQ8 act, act_lanes;  // without and with the type's lane order kept
+          k::ActQ8 act, act_lanes;  // without and with the type's lane order kept
           act.resize(n_tok, cols);
-          q::quantize_activations(x.data(), cols, 0, n_tok, act);
+          k::quantize_activations(config(k::CpuKernels::Auto), x.data(), cols, 0, n_tok, act);
           act_lanes.resize(n_tok, cols, t);
-          q::quantize_activations(x.data(), cols, 0, n_tok, act_lanes);
-          const strata::quant::detail::MatmulArgs base{t, w.data(), rb, 0, rows, cols, x.data(), cols, n_tok, nullptr, rows};
+          k::quantize_activations(config(k::CpuKernels::Auto), x.data(), cols, 0, n_tok, act_lanes);
+          const kd::MatmulArgs base{t, w.data(), rb, 0, rows, cols, x.data(), cols, n_tok, nullptr, rows};
           std::vector<float> ref(static_cast<size_t>(rows * n_tok), NAN), y(ref.size(), NAN);
           auto a = base;
           a.y = ref.data();
-          strata::quant::detail::matmul_q8_scalar(a, act);
+          kd::matmul_q8_scalar(a, act);
           for (int isa = -1; isa < static_cast<int>(levels.size()); ++isa)  // -1: the AVX2 family
-          for (const q::ActQ8* ap : {&act, &act_lanes}) {
+          for (const k::ActQ8* ap : {&act, &act_lanes}) {
             std::fill(y.begin(), y.end(), NAN);
             a.y = y.data();
             if (isa < 0) {
-              ASSERT_TRUE(strata::quant::detail::matmul_q8_avx2(a, *ap));
+              ASSERT_TRUE(kd::matmul_q8_avx2(a, *ap));
             } else {
-              ASSERT_TRUE(strata::quant::detail::matmul_q8_avx512(a, *ap, levels[static_cast<size_t>(isa)]));
+              ASSERT_TRUE(kd::matmul_q8_avx512(a, *ap, levels[static_cast<size_t>(isa)]));
             }
             for (size_t i = 0; i < y.size(); ++i)
               ASSERT_EQ(bits(y[i]), bits(ref[i])) << strata::quant::detail::type_name(t) << " "
@@ -806,14 +793,13 @@ TEST(QuantQ8, AllFamiliesBitIdentical) {
     const auto w = random_rows(t, rows, cols, rng);
     const auto x = random_x(n_tok * cols, rng);
     std::vector<float> first;
-    for (q::CpuKernels fam : families()) {
-      q::set_cpu_kernels(fam);
-      q::set_act_quant(q::ActQuant::Q8);
-      ASSERT_TRUE(q::has_q8_activations(t));
+    for (k::CpuKernels fam : families()) {
+      const k::KernelConfig kc = config(fam, k::ActQuant::Q8);
+      ASSERT_TRUE(k::has_q8_activations(kc, t));
       std::vector<float> y(static_cast<size_t>(rows * n_tok));
-      q::matmul(t, w.data(), q::row_size(t, cols), 0, rows, cols, x.data(), cols, n_tok, y.data(), rows);
+      k::matmul(kc, t, w.data(), q::row_size(t, cols), 0, rows, cols, x.data(), cols, n_tok, y.data(), rows);
       if (first.empty()) first = y;
-      for (size_t i = 0; i < y.size(); ++i) ASSERT_EQ(bits(y[i]), bits(first[i])) << q::cpu_kernels_name(fam);
+      for (size_t i = 0; i < y.size(); ++i) ASSERT_EQ(bits(y[i]), bits(first[i])) << k::cpu_kernels_name(fam);
     }
   }
   std::string names = " / avx2";
@@ -823,7 +809,6 @@ TEST(QuantQ8, AllFamiliesBitIdentical) {
 }
 
 TEST(QuantQ8, QuantizerIdenticalInEveryFamily) {
-  FamilyGuard guard;
   std::mt19937_64 rng(test_seed() ^ 0x7777);
   const int64_t cols = 4096, n_tok = 5;
   auto x = random_x(n_tok * cols, rng);
@@ -832,12 +817,11 @@ TEST(QuantQ8, QuantizerIdenticalInEveryFamily) {
   for (int k = 0; k < 32; ++k) x[static_cast<size_t>(128 + k)] = 0.5f * (k - 16);  // ties at 127/8 steps
   x[300] = NAN;
   x[400] = -INFINITY;
-  std::vector<q::ActQ8> out;
-  for (q::CpuKernels fam : families()) {
-    q::set_cpu_kernels(fam);
-    q::ActQ8 a;
+  std::vector<k::ActQ8> out;
+  for (k::CpuKernels fam : families()) {
+    k::ActQ8 a;
     a.resize(n_tok, cols);
-    q::quantize_activations(x.data(), cols, 0, n_tok, a);
+    k::quantize_activations(config(fam), x.data(), cols, 0, n_tok, a);
     out.push_back(a);
   }
   for (size_t f = 1; f < out.size(); ++f) {
@@ -857,8 +841,7 @@ TEST(QuantQ8, QuantizerIdenticalInEveryFamily) {
 }
 
 TEST(QuantQ8, EqualsExactProductOfDequantizedOperands) {
-  FamilyGuard guard;
-  q::set_act_quant(q::ActQuant::Q8);
+  const k::KernelConfig kc = config(k::CpuKernels::Auto, k::ActQuant::Q8);
   std::mt19937_64 rng(test_seed() ^ 0xdef0);
   for (GgmlType t : kQ8Types) {
     double worst_fmt = 0, worst_quant = 0;
@@ -870,11 +853,11 @@ TEST(QuantQ8, EqualsExactProductOfDequantizedOperands) {
       // activations with outliers and a zero block, as hidden states have
       for (int64_t k = 0; k < n_tok * cols; k += 97) x[static_cast<size_t>(k)] *= 20.0f;
       std::fill(x.begin(), x.begin() + 32, 0.0f);
-      q::ActQ8 act;
+      k::ActQ8 act;
       act.resize(n_tok, cols);
-      q::quantize_activations(x.data(), cols, 0, n_tok, act);
+      k::quantize_activations(kc, x.data(), cols, 0, n_tok, act);
       std::vector<float> y(static_cast<size_t>(rows * n_tok));
-      q::matmul(t, w.data(), rb, 0, rows, cols, x.data(), cols, n_tok, y.data(), rows);
+      k::matmul(kc, t, w.data(), rb, 0, rows, cols, x.data(), cols, n_tok, y.data(), rows);
       std::vector<float> wr(static_cast<size_t>(cols));
       for (int64_t r = 0; r < rows; ++r) {
         q::dequantize_row(t, w.data() + static_cast<size_t>(r) * rb, wr.data(), cols);
@@ -907,11 +890,9 @@ TEST(QuantQ8, EqualsExactProductOfDequantizedOperands) {
 }
 
 TEST(QuantQ8, NonFiniteActivationsReachTheOutput) {
-  FamilyGuard guard;
   std::mt19937_64 rng(test_seed() ^ 0x4242);
-  for (q::CpuKernels fam : families()) {
-    q::set_cpu_kernels(fam);
-    q::set_act_quant(q::ActQuant::Q8);
+  for (k::CpuKernels fam : families()) {
+    const k::KernelConfig kc = config(fam, k::ActQuant::Q8);
     for (GgmlType t : kQ8Types) {
       const int64_t rows = 4, cols = 256;
       const auto w = random_rows(t, rows, cols, rng);
@@ -919,42 +900,38 @@ TEST(QuantQ8, NonFiniteActivationsReachTheOutput) {
         auto x = random_x(cols, rng);
         x[77] = bad;
         std::vector<float> y(static_cast<size_t>(rows));
-        q::matmul(t, w.data(), q::row_size(t, cols), 0, rows, cols, x.data(), cols, 1, y.data(), rows);
-        for (float v : y) EXPECT_TRUE(std::isnan(v)) << strata::quant::detail::type_name(t) << " " << q::cpu_kernels_name(fam);
+        k::matmul(kc, t, w.data(), q::row_size(t, cols), 0, rows, cols, x.data(), cols, 1, y.data(), rows);
+        for (float v : y) EXPECT_TRUE(std::isnan(v)) << strata::quant::detail::type_name(t) << " " << k::cpu_kernels_name(fam);
       }
     }
   }
 }
 
 TEST(QuantQ8, ModeSelection) {
-  FamilyGuard guard;
-  EXPECT_EQ(q::parse_act_quant("f32"), q::ActQuant::F32);
-  EXPECT_EQ(q::parse_act_quant("q8"), q::ActQuant::Q8);
-  EXPECT_THROW(q::parse_act_quant("int4"), std::invalid_argument);
-  q::set_act_quant(q::ActQuant::Auto);
+  EXPECT_EQ(k::parse_act_quant("f32"), k::ActQuant::F32);
+  EXPECT_EQ(k::parse_act_quant("q8"), k::ActQuant::Q8);
+  EXPECT_THROW(k::parse_act_quant("int4"), std::invalid_argument);
   // auto: q8 with the AVX2 and AVX-512 kernels (every quantized type), f32 with the scalar family
-  q::set_cpu_kernels(q::CpuKernels::Scalar);
-  EXPECT_EQ(q::active_act_quant(), q::ActQuant::F32);
-  EXPECT_FALSE(q::has_q8_activations(GgmlType::Q4_K));
+  const k::KernelConfig scalar = config(k::CpuKernels::Scalar, k::ActQuant::Auto);
+  EXPECT_EQ(scalar.act, k::ActQuant::F32);
+  EXPECT_FALSE(k::has_q8_activations(scalar, GgmlType::Q4_K));
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
       __builtin_cpu_supports("bmi2")) {
-    q::set_cpu_kernels(q::CpuKernels::Avx2);
-    EXPECT_EQ(q::active_act_quant(), q::ActQuant::Q8);
-    for (GgmlType t : kQ8Types) EXPECT_TRUE(q::has_q8_activations(t)) << strata::quant::detail::type_name(t);
-    EXPECT_FALSE(q::has_q8_activations(GgmlType::BF16));
+    const k::KernelConfig avx2 = config(k::CpuKernels::Avx2, k::ActQuant::Auto);
+    EXPECT_EQ(avx2.act, k::ActQuant::Q8);
+    for (GgmlType t : kQ8Types) EXPECT_TRUE(k::has_q8_activations(avx2, t)) << strata::quant::detail::type_name(t);
+    EXPECT_FALSE(k::has_q8_activations(avx2, GgmlType::BF16));
   }
   if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") || !__builtin_cpu_supports("avx512vl") ||
       !__builtin_cpu_supports("avx512dq"))
     GTEST_SKIP() << "no AVX-512 on this CPU: auto is f32 in every family here";
-  q::set_cpu_kernels(q::CpuKernels::Avx512);
-  EXPECT_EQ(q::active_act_quant(), q::ActQuant::Q8);
-  q::set_act_quant(q::ActQuant::Q8);
-  EXPECT_TRUE(q::has_q8_activations(GgmlType::Q4_K));
-  EXPECT_TRUE(q::has_q8_activations(GgmlType::Q6_K));
-  EXPECT_TRUE(q::has_q8_activations(GgmlType::Q5_K));
-  for (GgmlType t : kQ8Types) EXPECT_TRUE(q::has_q8_activations(t)) << strata::quant::detail::type_name(t);
+  EXPECT_EQ(config(k::CpuKernels::Avx512, k::ActQuant::Auto).act, k::ActQuant::Q8);
+  const k::KernelConfig q8 = config(k::CpuKernels::Avx512, k::ActQuant::Q8);
+  EXPECT_TRUE(k::has_q8_activations(q8, GgmlType::Q4_K));
+  EXPECT_TRUE(k::has_q8_activations(q8, GgmlType::Q6_K));
+  EXPECT_TRUE(k::has_q8_activations(q8, GgmlType::Q5_K));
+  for (GgmlType t : kQ8Types) EXPECT_TRUE(k::has_q8_activations(q8, t)) << strata::quant::detail::type_name(t);
   for (GgmlType t : {GgmlType::F32, GgmlType::F16, GgmlType::BF16})  // no int8 kernel: fp32 activations
-    EXPECT_FALSE(q::has_q8_activations(t)) << strata::quant::detail::type_name(t);
-  q::set_act_quant(q::ActQuant::F32);
-  EXPECT_FALSE(q::has_q8_activations(GgmlType::Q4_K));
+    EXPECT_FALSE(k::has_q8_activations(q8, t)) << strata::quant::detail::type_name(t);
+  EXPECT_FALSE(k::has_q8_activations(config(k::CpuKernels::Avx512, k::ActQuant::F32), GgmlType::Q4_K));
 }

@@ -9,7 +9,7 @@
 #include <cmath>
 #include <cstdio>
 
-#include "quant/quant.h"
+#include "backend/cpu/kernels/kernels.h"
 #include "support/paths.h"
 #include "support/reference.h"
 
@@ -22,7 +22,7 @@ struct Agreement {
   double max_logprob_err = 0;  ///< over llama.cpp's top-5 log-probabilities at every step
 };
 
-Agreement teacher_forced(const std::string& model_path, const nlohmann::json& runs, quant::ActQuant act) {
+Agreement teacher_forced(const std::string& model_path, const nlohmann::json& runs, cpu::kernels::ActQuant act) {
   engine::EngineOptions o;
   o.act_quant = act;
   o.n_threads = 2;
@@ -80,11 +80,11 @@ TEST_P(QuantizedFixture, TopOneMatchesLlamaCppTeacherForced) {
   // (saying so) while the entry is a copy; once it is regenerated the strict check runs.
   if (name != "qwen3moe-code-Q8_0.gguf" && ref["models"][name] == ref["models"]["qwen3moe-code-Q8_0.gguf"])
     GTEST_SKIP() << name << ": its llamacpp-greedy.json entry is a copy of the Q8_0 entry (reference defect)";
-  for (quant::ActQuant act : {quant::ActQuant::Q8, quant::ActQuant::F32}) {
+  for (cpu::kernels::ActQuant act : {cpu::kernels::ActQuant::Q8, cpu::kernels::ActQuant::F32}) {
     const Agreement a = teacher_forced(fx + "/models/" + name, ref["models"][name], act);
     std::printf("[%s, %s activations] agreement with llama.cpp: %d/%d steps (%.1f %%); where its top-2 gap > 0.02: "
                 "%d/%d; max |log-prob - llama.cpp's| over its top 5: %.3f\n",
-                name.c_str(), quant::act_quant_name(act), a.agree, a.steps, 100.0 * a.agree / std::max(1, a.steps),
+                name.c_str(), cpu::kernels::act_quant_name(act), a.agree, a.steps, 100.0 * a.agree / std::max(1, a.steps),
                 a.checked_agree, a.checked, a.max_logprob_err);
     EXPECT_GT(a.checked, a.steps / 2);
   }

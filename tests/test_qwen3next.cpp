@@ -324,7 +324,7 @@ std::string load_error(const TensorEdit& ed, const std::string& tag) {
   w.write(path.string());
   std::string msg = "<no exception>";
   try {
-    cpu::CpuBackend be(cpu::CpuOptions{1});
+    cpu::CpuBackend be(cpu::CpuOptions{1, cpu::kernels::resolve_kernels()});
     model::load_model(gguf::File::open(path.string()), be);
   } catch (const model::ModelError& e) {
     msg = e.what();

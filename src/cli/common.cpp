@@ -51,8 +51,8 @@ void EngineFlags::add(CLI::App& app) {
 
 engine::EngineOptions EngineFlags::resolve() const {
   engine::EngineOptions o = opts;
-  o.kernels = quant::parse_cpu_kernels(cpu_kernels);
-  o.act_quant = quant::parse_act_quant(act_quant);
+  o.kernels = cpu::kernels::parse_cpu_kernels(cpu_kernels);
+  o.act_quant = cpu::kernels::parse_act_quant(act_quant);
   o.direct_io = !no_direct_io;
   o.use_pack = !no_pack;
   o.predict = predict == "on";

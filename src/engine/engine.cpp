@@ -105,12 +105,11 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
   if (opts_.io_threads > 1024) throw EngineError(fmt::format("--io-threads must be at most 1024, got {}", opts_.io_threads));
   if (opts_.io_threads < 1) throw EngineError(fmt::format("--io-threads must be at least 1, got {}", opts_.io_threads));
   if (opts_.arena_mb < 0) throw EngineError(fmt::format("--arena-mb must be positive, got {}", opts_.arena_mb));
-  quant::set_cpu_kernels(opts_.kernels);
-  quant::set_act_quant(opts_.act_quant);
+  kernels_ = cpu::kernels::resolve_kernels(opts_.kernels, opts_.act_quant);
   gguf_ = std::make_unique<gguf::File>(gguf::File::open(path));
   tok_ = std::make_unique<tokenizer::Tokenizer>(tokenizer::Tokenizer::from_gguf(*gguf_));
   if (opts_.n_threads <= 0) opts_.n_threads = int(std::max(1u, std::thread::hardware_concurrency()));
-  backend_ = std::make_unique<cpu::CpuBackend>(cpu::CpuOptions{opts_.n_threads});
+  backend_ = std::make_unique<cpu::CpuBackend>(cpu::CpuOptions{opts_.n_threads, kernels_});
   model_ = model::load_model(*gguf_, *backend_, opts_.load);
   const auto& hp = model_->hparams();
   if (tok_->n_vocab() < hp.n_vocab)
@@ -191,8 +190,8 @@ Engine::~Engine() = default;
 
 uint64_t Engine::arena_bytes() const { return uint64_t(stream_->n_slots()) * stream_->slot_bytes(); }
 
-std::string Engine::cpu_kernels() const { return quant::cpu_kernels_name(quant::active_cpu_kernels()); }
-std::string Engine::act_quant() const { return quant::act_quant_name(quant::active_act_quant()); }
+std::string Engine::cpu_kernels() const { return cpu::kernels::cpu_kernels_name(kernels_.family); }
+std::string Engine::act_quant() const { return cpu::kernels::act_quant_name(kernels_.act); }
 
 model::SequenceState Engine::new_sequence() const { return model_->new_state(opts_.n_ctx); }
 

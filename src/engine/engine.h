@@ -11,7 +11,7 @@
 #include "backend/backend.h"
 #include "gguf/gguf.h"
 #include "model/model.h"
-#include "quant/quant.h"
+#include "backend/cpu/kernels/kernels.h"
 #include "stream/expert_stream.h"
 #include "tokenizer/tokenizer.h"
 
@@ -35,11 +35,11 @@ struct EngineOptions {
   int io_threads = 8;         ///< expert-reading threads
   bool direct_io = true;      ///< O_DIRECT expert reads (buffered fallback with a warning)
   bool use_pack = true;       ///< read experts from MODEL.strata-pack when it is valid (--no-pack: never)
-  quant::CpuKernels kernels = quant::CpuKernels::Auto;
+  cpu::kernels::CpuKernels kernels = cpu::kernels::CpuKernels::Auto;  ///< --cpu-kernels (auto: CPUID)
   /// --act-quant: activations of Q8_0/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ2_XS/IQ3_S/IQ4_XS matmuls quantized to int8 (Q8, as
   /// llama.cpp does) or kept fp32 (F32: exact, slower); Auto (default) is Q8 with the AVX-512
-  /// kernels, else F32. Process-wide; docs/kernels.md.
-  quant::ActQuant act_quant = quant::ActQuant::Auto;
+  /// kernels, else F32. This engine's only (resolved once into its KernelConfig); docs/kernels.md.
+  cpu::kernels::ActQuant act_quant = cpu::kernels::ActQuant::Auto;
   model::LoadOptions load;    ///< numerics switches for parity tests (defaults are exact)
   bool predict = true;        ///< --predict: read ahead the next layer's predicted experts
   int predict_min = 1;        ///< --predict-min: only experts predicted by >= N tokens
@@ -81,9 +81,11 @@ class Engine {
   const EngineOptions& options() const { return opts_; }
   int64_t n_ctx() const { return opts_.n_ctx; }
   /// The CPU kernel family and activation mode in use after resolving `auto`, e.g. "avx512" and
-  /// "q8" (quant::cpu_kernels_name, quant::act_quant_name).
+  /// "q8" (cpu::kernels::cpu_kernels_name, act_quant_name).
   std::string cpu_kernels() const;
   std::string act_quant() const;
+  /// The resolved kernel family and activation mode every forward of this engine runs.
+  const cpu::kernels::KernelConfig& kernel_config() const { return kernels_; }
 
   /// Bytes of all routed experts in the file, and the arena actually allocated.
   uint64_t expert_bytes() const { return expert_bytes_; }
@@ -124,6 +126,7 @@ class Engine {
   std::unique_ptr<backend::Backend> backend_;  // before model_: the model's weights live in it
   std::unique_ptr<model::Model> model_;
   std::unique_ptr<model::Dumper> dump_;
+  cpu::kernels::KernelConfig kernels_;  ///< resolved from opts_.kernels / act_quant in the constructor
   std::unique_ptr<stream::ExpertStream> stream_;
   uint64_t expert_bytes_ = 0;
   uint64_t min_arena_bytes_ = 0;

@@ -1,10 +1,11 @@
 // Scalar reference dequantization, bit-exact with gguf-py (gguf/quants.py), which computes in
 // float32 numpy: every product below is one float32 multiply in the same order as there, so
 // the results match bit for bit (no FMA: this file is compiled for baseline x86-64).
-// Block layouts: ggml/src/ggml-common.h.
+// Block layouts: ggml/src/ggml-common.h, as the structs of quant/blocks.h.
 #include <stdexcept>
 #include <string>
 
+#include "quant/blocks.h"
 #include "quant/quant.h"
 #include "quant/quant_impl.h"
 #include "quant/quant_tables.h"
@@ -17,204 +18,203 @@ using detail::bits_f32;
 using detail::half_to_float;
 using detail::load_u16;
 using detail::load_u32;
-using detail::iq4xs_scale;
 using detail::k4_scale_min;
 using detail::q3k_scale;
+using namespace blocks;
 
-// Q8_0: { fp16 d; int8 q[32]; }  value = q * d
+// Each dequantizer reads block i of the row as its struct (quant/blocks.h: the fields, in file
+// order) and writes its 32 or 256 values.
+
+// Q8_0: value = q * d
 void deq_q8_0(const uint8_t* b, float* y, int64_t nb) {
-  for (int64_t i = 0; i < nb; ++i, b += 34, y += 32) {
-    const float d = half_to_float(load_u16(b));
-    for (int j = 0; j < 32; ++j) y[j] = static_cast<float>(static_cast<int8_t>(b[2 + j])) * d;
+  for (int64_t i = 0; i < nb; ++i, y += 32) {
+    const auto blk = load_block<BlockQ8_0>(b, i);
+    const float d = half_to_float(blk.d);
+    for (int j = 0; j < 32; ++j) y[j] = static_cast<float>(blk.qs[j]) * d;
   }
 }
 
-// Q4_0: { fp16 d; uint8 qs[16]; }  element j < 16: low nibble of qs[j], j >= 16: high nibble of
-// qs[j-16]; value = d * (q - 8)
+// Q4_0: element j < 16: low nibble of qs[j], j >= 16: high nibble of qs[j-16]; value = d * (q - 8)
 void deq_q4_0(const uint8_t* b, float* y, int64_t nb) {
-  for (int64_t i = 0; i < nb; ++i, b += 18, y += 32) {
-    const float d = half_to_float(load_u16(b));
+  for (int64_t i = 0; i < nb; ++i, y += 32) {
+    const auto blk = load_block<BlockQ4_0>(b, i);
+    const float d = half_to_float(blk.d);
     for (int j = 0; j < 16; ++j) {
-      y[j] = d * static_cast<float>((b[2 + j] & 0xf) - 8);
-      y[j + 16] = d * static_cast<float>((b[2 + j] >> 4) - 8);
+      y[j] = d * static_cast<float>((blk.qs[j] & 0xf) - 8);
+      y[j + 16] = d * static_cast<float>((blk.qs[j] >> 4) - 8);
     }
   }
 }
 
-// Q4_1: { fp16 d, m; uint8 qs[16]; }  value = (d * q) + m
+// Q4_1: Q4_0's nibbles; value = (d * q) + m
 void deq_q4_1(const uint8_t* b, float* y, int64_t nb) {
-  for (int64_t i = 0; i < nb; ++i, b += 20, y += 32) {
-    const float d = half_to_float(load_u16(b)), m = half_to_float(load_u16(b + 2));
+  for (int64_t i = 0; i < nb; ++i, y += 32) {
+    const auto blk = load_block<BlockQ4_1>(b, i);
+    const float d = half_to_float(blk.d), m = half_to_float(blk.m);
     for (int j = 0; j < 16; ++j) {
-      y[j] = d * static_cast<float>(b[4 + j] & 0xf) + m;
-      y[j + 16] = d * static_cast<float>(b[4 + j] >> 4) + m;
+      y[j] = d * static_cast<float>(blk.qs[j] & 0xf) + m;
+      y[j + 16] = d * static_cast<float>(blk.qs[j] >> 4) + m;
     }
   }
 }
 
-// Q5_0: { fp16 d; uint32 qh; uint8 qs[16]; }  5th bit of element j is bit j of qh;
-// value = d * (q - 16)
+// Q5_0: 5th bit of element j is bit j of qh (little-endian uint32); value = d * (q - 16)
 void deq_q5_0(const uint8_t* b, float* y, int64_t nb) {
-  for (int64_t i = 0; i < nb; ++i, b += 22, y += 32) {
-    const float d = half_to_float(load_u16(b));
-    const uint32_t qh = load_u32(b + 2);
+  for (int64_t i = 0; i < nb; ++i, y += 32) {
+    const auto blk = load_block<BlockQ5_0>(b, i);
+    const float d = half_to_float(blk.d);
+    const uint32_t qh = load_u32(blk.qh);
     for (int j = 0; j < 16; ++j) {
-      const int lo = (b[6 + j] & 0xf) | static_cast<int>(((qh >> j) & 1u) << 4);
-      const int hi = (b[6 + j] >> 4) | static_cast<int>(((qh >> (j + 16)) & 1u) << 4);
+      const int lo = (blk.qs[j] & 0xf) | static_cast<int>(((qh >> j) & 1u) << 4);
+      const int hi = (blk.qs[j] >> 4) | static_cast<int>(((qh >> (j + 16)) & 1u) << 4);
       y[j] = d * static_cast<float>(lo - 16);
       y[j + 16] = d * static_cast<float>(hi - 16);
     }
   }
 }
 
-// Q5_1: { fp16 d, m; uint32 qh; uint8 qs[16]; }  value = (d * q) + m
+// Q5_1: Q5_0's codes; value = (d * q) + m
 void deq_q5_1(const uint8_t* b, float* y, int64_t nb) {
-  for (int64_t i = 0; i < nb; ++i, b += 24, y += 32) {
-    const float d = half_to_float(load_u16(b)), m = half_to_float(load_u16(b + 2));
-    const uint32_t qh = load_u32(b + 4);
+  for (int64_t i = 0; i < nb; ++i, y += 32) {
+    const auto blk = load_block<BlockQ5_1>(b, i);
+    const float d = half_to_float(blk.d), m = half_to_float(blk.m);
+    const uint32_t qh = load_u32(blk.qh);
     for (int j = 0; j < 16; ++j) {
-      const int lo = (b[8 + j] & 0xf) | static_cast<int>(((qh >> j) & 1u) << 4);
-      const int hi = (b[8 + j] >> 4) | static_cast<int>(((qh >> (j + 16)) & 1u) << 4);
+      const int lo = (blk.qs[j] & 0xf) | static_cast<int>(((qh >> j) & 1u) << 4);
+      const int hi = (blk.qs[j] >> 4) | static_cast<int>(((qh >> (j + 16)) & 1u) << 4);
       y[j] = d * static_cast<float>(lo) + m;
       y[j + 16] = d * static_cast<float>(hi) + m;
     }
   }
 }
 
-// Q2_K (256): { uint8 scales[16]; uint8 qs[64]; fp16 d, dmin; }  element e = 128h + 32s + j
-// (h < 2, s < 4, j < 32) is bits 2s..2s+1 of qs[32h + j]; group g = e / 16 has scale
-// scales[g] & 15 and min scales[g] >> 4; value = (d * sc) * q - (dmin * m)
+// Q2_K (256): element e = 128h + 32s + j (h < 2, s < 4, j < 32) is bits 2s..2s+1 of
+// qs[32h + j]; group g = e / 16 has scale scales[g] & 15 and min scales[g] >> 4;
+// value = (d * sc) * q - (dmin * m)
 void deq_q2_k(const uint8_t* b, float* y, int64_t nb) {
-  for (int64_t i = 0; i < nb; ++i, b += 84, y += 256) {
-    const uint8_t* sc = b;
-    const uint8_t* qs = b + 16;
-    const float d = half_to_float(load_u16(b + 80)), dmin = half_to_float(load_u16(b + 82));
+  for (int64_t i = 0; i < nb; ++i, y += 256) {
+    const auto blk = load_block<BlockQ2_K>(b, i);
+    const float d = half_to_float(blk.d), dmin = half_to_float(blk.dmin);
     for (int e = 0; e < 256; ++e) {
       const int h = e / 128, s = (e / 32) % 4, j = e % 32, g = e / 16;
-      const float dl = d * static_cast<float>(sc[g] & 0xf), ml = dmin * static_cast<float>(sc[g] >> 4);
-      const int q = (qs[32 * h + j] >> (2 * s)) & 3;
+      const float dl = d * static_cast<float>(blk.scales[g] & 0xf), ml = dmin * static_cast<float>(blk.scales[g] >> 4);
+      const int q = (blk.qs[32 * h + j] >> (2 * s)) & 3;
       y[e] = dl * static_cast<float>(q) - ml;
     }
   }
 }
 
-// Q3_K (256): { uint8 hmask[32]; uint8 qs[64]; uint8 scales[12]; fp16 d; }  element
-// e = 128h + 32s + j: low 2 bits from qs[32h + j] >> 2s, high bit (e / 32) of hmask[j] (a set bit
-// means no -4 offset); 16 six-bit scales (minus 32), one per 16 elements:
+// Q3_K (256): element e = 128h + 32s + j: low 2 bits from qs[32h + j] >> 2s, high bit (e / 32)
+// of hmask[j] (a set bit means no -4 offset); 16 six-bit scales (minus 32), one per 16 elements:
 // low 4 bits from scales[g % 8] >> 4*(g / 8), high 2 bits from scales[8 + g % 4] >> 2*(g / 4).
 // value = (d * sc) * q
 void deq_q3_k(const uint8_t* b, float* y, int64_t nb) {
-  for (int64_t i = 0; i < nb; ++i, b += 110, y += 256) {
-    const uint8_t* hm = b;
-    const uint8_t* qs = b + 32;
-    const uint8_t* sc = b + 96;
-    const float d = half_to_float(load_u16(b + 108));
+  for (int64_t i = 0; i < nb; ++i, y += 256) {
+    const auto blk = load_block<BlockQ3_K>(b, i);
+    const float d = half_to_float(blk.d);
     float dl[16];
     for (int g = 0; g < 16; ++g) {
-      dl[g] = d * static_cast<float>(q3k_scale(sc, g));
+      dl[g] = d * static_cast<float>(q3k_scale(blk.scales, g));
     }
     for (int e = 0; e < 256; ++e) {
       const int h = e / 128, s = (e / 32) % 4, j = e % 32;
-      const int ql = (qs[32 * h + j] >> (2 * s)) & 3;
-      const int hbit = (hm[j] >> (e / 32)) & 1;
+      const int ql = (blk.qs[32 * h + j] >> (2 * s)) & 3;
+      const int hbit = (blk.hmask[j] >> (e / 32)) & 1;
       y[e] = dl[e / 16] * static_cast<float>(ql - (hbit ? 0 : 4));
     }
   }
 }
 
-// Q4_K (256): { fp16 d, dmin; uint8 scales[12]; uint8 qs[128]; }  sub-block g (32 elements) is
-// the low (g even) or high (g odd) nibbles of qs[32*(g/2) .. +32]; value = (d*sc) * q - (dmin*m)
+// Q4_K (256): sub-block g (32 elements) is the low (g even) or high (g odd) nibbles of
+// qs[32*(g/2) .. +32]; scale and min: k4_scale_min; value = (d*sc) * q - (dmin*m)
 void deq_q4_k(const uint8_t* b, float* y, int64_t nb) {
-  for (int64_t i = 0; i < nb; ++i, b += 144, y += 256) {
-    const float d = half_to_float(load_u16(b)), dmin = half_to_float(load_u16(b + 2));
-    const uint8_t* qs = b + 16;
+  for (int64_t i = 0; i < nb; ++i, y += 256) {
+    const auto blk = load_block<BlockQ4_K>(b, i);
+    const float d = half_to_float(blk.d), dmin = half_to_float(blk.dmin);
     for (int g = 0; g < 8; ++g) {
       int sc, m;
-      k4_scale_min(b + 4, g, sc, m);
+      k4_scale_min(blk.scales, g, sc, m);
       const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(m);
       for (int j = 0; j < 32; ++j) {
-        const int q = (qs[32 * (g / 2) + j] >> (4 * (g % 2))) & 0xf;
+        const int q = (blk.qs[32 * (g / 2) + j] >> (4 * (g % 2))) & 0xf;
         y[32 * g + j] = dl * static_cast<float>(q) - ml;
       }
     }
   }
 }
 
-// Q5_K (256): { fp16 d, dmin; uint8 scales[12]; uint8 qh[32]; uint8 qs[128]; }  as Q4_K plus a
-// 5th bit: bit g of qh[j] for element 32g + j.
+// Q5_K (256): as Q4_K plus a 5th bit: bit g of qh[j] for element 32g + j.
 void deq_q5_k(const uint8_t* b, float* y, int64_t nb) {
-  for (int64_t i = 0; i < nb; ++i, b += 176, y += 256) {
-    const float d = half_to_float(load_u16(b)), dmin = half_to_float(load_u16(b + 2));
-    const uint8_t* qh = b + 16;
-    const uint8_t* qs = b + 48;
+  for (int64_t i = 0; i < nb; ++i, y += 256) {
+    const auto blk = load_block<BlockQ5_K>(b, i);
+    const float d = half_to_float(blk.d), dmin = half_to_float(blk.dmin);
     for (int g = 0; g < 8; ++g) {
       int sc, m;
-      k4_scale_min(b + 4, g, sc, m);
+      k4_scale_min(blk.scales, g, sc, m);
       const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(m);
       for (int j = 0; j < 32; ++j) {
-        const int q = ((qs[32 * (g / 2) + j] >> (4 * (g % 2))) & 0xf) | (((qh[j] >> g) & 1) << 4);
+        const int q = ((blk.qs[32 * (g / 2) + j] >> (4 * (g % 2))) & 0xf) | (((blk.qh[j] >> g) & 1) << 4);
         y[32 * g + j] = dl * static_cast<float>(q) - ml;
       }
     }
   }
 }
 
-// Q6_K (256): { uint8 ql[128]; uint8 qh[64]; int8 scales[16]; fp16 d; }  element
-// e = 128h + 32s + j: low nibble of ql[64h + 32(s%2) + j] (s < 2) or high nibble (s >= 2),
-// top 2 bits from qh[32h + j] >> 2s; value = (d * sc[e/16]) * (q - 32)
+// Q6_K (256): element e = 128h + 32s + j: low nibble of ql[64h + 32(s%2) + j] (s < 2) or high
+// nibble (s >= 2), top 2 bits from qh[32h + j] >> 2s; value = (d * sc[e/16]) * (q - 32)
 void deq_q6_k(const uint8_t* b, float* y, int64_t nb) {
-  for (int64_t i = 0; i < nb; ++i, b += 210, y += 256) {
-    const uint8_t* ql = b;
-    const uint8_t* qh = b + 128;
-    const auto* sc = reinterpret_cast<const int8_t*>(b + 192);
-    const float d = half_to_float(load_u16(b + 208));
+  for (int64_t i = 0; i < nb; ++i, y += 256) {
+    const auto blk = load_block<BlockQ6_K>(b, i);
+    const float d = half_to_float(blk.d);
     for (int e = 0; e < 256; ++e) {
       const int h = e / 128, s = (e / 32) % 4, j = e % 32;
-      const int lo = (ql[64 * h + 32 * (s % 2) + j] >> (4 * (s / 2))) & 0xf;
-      const int hi = (qh[32 * h + j] >> (2 * s)) & 3;
-      y[e] = (d * static_cast<float>(sc[e / 16])) * static_cast<float>((lo | (hi << 4)) - 32);
+      const int lo = (blk.ql[64 * h + 32 * (s % 2) + j] >> (4 * (s / 2))) & 0xf;
+      const int hi = (blk.qh[32 * h + j] >> (2 * s)) & 3;
+      y[e] = (d * static_cast<float>(blk.scales[e / 16])) * static_cast<float>((lo | (hi << 4)) - 32);
     }
   }
 }
 
-// IQ4_NL: { fp16 d; uint8 qs[16]; }  Q4_0 layout, nibbles index kvalues_iq4nl; value = d * kv
+// IQ4_NL: Q4_0 layout, nibbles index kvalues_iq4nl; value = d * kv
 void deq_iq4_nl(const uint8_t* b, float* y, int64_t nb) {
-  for (int64_t i = 0; i < nb; ++i, b += 18, y += 32) {
-    const float d = half_to_float(load_u16(b));
+  for (int64_t i = 0; i < nb; ++i, y += 32) {
+    const auto blk = load_block<BlockIQ4_NL>(b, i);
+    const float d = half_to_float(blk.d);
     for (int j = 0; j < 16; ++j) {
-      y[j] = d * static_cast<float>(tables::kvalues_iq4nl[b[2 + j] & 0xf]);
-      y[j + 16] = d * static_cast<float>(tables::kvalues_iq4nl[b[2 + j] >> 4]);
+      y[j] = d * static_cast<float>(tables::kvalues_iq4nl[blk.qs[j] & 0xf]);
+      y[j + 16] = d * static_cast<float>(tables::kvalues_iq4nl[blk.qs[j] >> 4]);
     }
   }
 }
 
-// IQ4_XS (256): { fp16 d; uint16 scales_h; uint8 scales_l[4]; uint8 qs[128]; }  sub-block g of
-// 32: six-bit scale (minus 32) = nibble g of scales_l | bits 2g..2g+1 of scales_h << 4;
-// elements: low nibbles then high nibbles of qs[16g .. +16]; value = (d * sc) * kvalues_iq4nl[q]
+// IQ4_XS (256): sub-block g of 32: six-bit scale (minus 32) = nibble g of scales_l | bits
+// 2g..2g+1 of scales_h << 4; elements: low nibbles then high nibbles of qs[16g .. +16];
+// value = (d * sc) * kvalues_iq4nl[q]
 void deq_iq4_xs(const uint8_t* b, float* y, int64_t nb) {
-  for (int64_t i = 0; i < nb; ++i, b += 136, y += 256) {
-    const float d = half_to_float(load_u16(b));
-    const uint8_t* qs = b + 8;
+  for (int64_t i = 0; i < nb; ++i, y += 256) {
+    const auto blk = load_block<BlockIQ4_XS>(b, i);
+    const float d = half_to_float(blk.d);
     for (int g = 0; g < 8; ++g) {
-      const float dl = d * static_cast<float>(iq4xs_scale(b, g));
+      const int sc = (((blk.scales_l[g / 2] >> (4 * (g % 2))) & 0xf) | (((blk.scales_h >> (2 * g)) & 3) << 4)) - 32;
+      const float dl = d * static_cast<float>(sc);
       for (int j = 0; j < 16; ++j) {
-        y[32 * g + j] = dl * static_cast<float>(tables::kvalues_iq4nl[qs[16 * g + j] & 0xf]);
-        y[32 * g + j + 16] = dl * static_cast<float>(tables::kvalues_iq4nl[qs[16 * g + j] >> 4]);
+        y[32 * g + j] = dl * static_cast<float>(tables::kvalues_iq4nl[blk.qs[16 * g + j] & 0xf]);
+        y[32 * g + j + 16] = dl * static_cast<float>(tables::kvalues_iq4nl[blk.qs[16 * g + j] >> 4]);
       }
     }
   }
 }
 
-// IQ2_XS (256): { fp16 d; uint16 qs[32]; uint8 scales[8]; }  qs[k] covers elements 8k..8k+7:
-// bits 0-8 index iq2xs_grid (8 magnitudes, one per byte), bits 9-15 index ksigns_iq2xs (bit l
-// set: element l negative); scale nibble k/2 (one per 16 elements):
-// db = (d * (0.5 + nibble)) * 0.25, value = (db * grid) * sign
+// IQ2_XS (256): qs[k] covers elements 8k..8k+7: bits 0-8 index iq2xs_grid (8 magnitudes, one
+// per byte), bits 9-15 index ksigns_iq2xs (bit l set: element l negative); scale nibble k/2
+// (one per 16 elements): db = (d * (0.5 + nibble)) * 0.25, value = (db * grid) * sign
 void deq_iq2_xs(const uint8_t* b, float* y, int64_t nb) {
-  for (int64_t i = 0; i < nb; ++i, b += 74, y += 256) {
-    const float d = half_to_float(load_u16(b));
+  for (int64_t i = 0; i < nb; ++i, y += 256) {
+    const auto blk = load_block<BlockIQ2_XS>(b, i);
+    const float d = half_to_float(blk.d);
     for (int k = 0; k < 32; ++k) {
-      const uint16_t q = load_u16(b + 2 + 2 * k);
-      const int nib = (b[66 + k / 4] >> (4 * ((k / 2) % 2))) & 0xf;
+      const uint16_t q = blk.qs[k];
+      const int nib = (blk.scales[k / 4] >> (4 * ((k / 2) % 2))) & 0xf;
       const float db = (d * (0.5f + static_cast<float>(nib))) * 0.25f;
       const uint64_t g = tables::iq2xs_grid[q & 511];
       const uint8_t sg = tables::ksigns_iq2xs[q >> 9];
@@ -226,39 +226,36 @@ void deq_iq2_xs(const uint8_t* b, float* y, int64_t nb) {
   }
 }
 
-// IQ3_S (256): { fp16 d; uint8 qs[64]; uint8 qh[8]; uint8 signs[32]; uint8 scales[4]; }
-// qs[k] | (bit k%8 of qh[k/8]) << 8 indexes iq3s_grid (4 magnitudes) for elements 4k..4k+3;
-// bit l of signs[m] negates element 8m + l; scale nibble e/32: db = d * (1 + 2*nibble),
+// IQ3_S (256): qs[k] | (bit k%8 of qh[k/8]) << 8 indexes iq3s_grid (4 magnitudes) for elements
+// 4k..4k+3; bit l of signs[m] negates element 8m + l; scale nibble e/32: db = d * (1 + 2*nibble),
 // value = (db * grid) * sign
 void deq_iq3_s(const uint8_t* b, float* y, int64_t nb) {
-  for (int64_t i = 0; i < nb; ++i, b += 110, y += 256) {
-    const float d = half_to_float(load_u16(b));
-    const uint8_t* qs = b + 2;
-    const uint8_t* qh = b + 66;
-    const uint8_t* sg = b + 74;
-    const uint8_t* sc = b + 106;
+  for (int64_t i = 0; i < nb; ++i, y += 256) {
+    const auto blk = load_block<BlockIQ3_S>(b, i);
+    const float d = half_to_float(blk.d);
     for (int k = 0; k < 64; ++k) {
       const int e0 = 4 * k;
-      const int nib = (sc[e0 / 64] >> (4 * ((e0 / 32) % 2))) & 0xf;
+      const int nib = (blk.scales[e0 / 64] >> (4 * ((e0 / 32) % 2))) & 0xf;
       const float db = d * static_cast<float>(1 + 2 * nib);
-      const uint32_t g = tables::iq3s_grid[qs[k] | (((qh[k / 8] >> (k % 8)) & 1) << 8)];
+      const uint32_t g = tables::iq3s_grid[blk.qs[k] | (((blk.qh[k / 8] >> (k % 8)) & 1) << 8)];
       for (int l = 0; l < 4; ++l) {
         const int e = e0 + l;
         const float v = db * static_cast<float>((g >> (8 * l)) & 0xff);
-        y[e] = (sg[e / 8] >> (e % 8)) & 1 ? -v : v;
+        y[e] = (blk.signs[e / 8] >> (e % 8)) & 1 ? -v : v;
       }
     }
   }
 }
 
-// MXFP4: { uint8 e; uint8 qs[16]; }  Q4_0 nibble layout; kvalues_fp4 are the E2M1 values doubled,
-// hence the halved scale; value = d * kv
+// MXFP4: Q4_0 nibble layout; kvalues_fp4 are the E2M1 values doubled, hence the halved scale
+// (e8m0_half); value = d * kv
 void deq_mxfp4(const uint8_t* b, float* y, int64_t nb) {
-  for (int64_t i = 0; i < nb; ++i, b += 17, y += 32) {
-    const float d = detail::e8m0_half(b[0]);
+  for (int64_t i = 0; i < nb; ++i, y += 32) {
+    const auto blk = load_block<BlockMXFP4>(b, i);
+    const float d = detail::e8m0_half(blk.e);
     for (int j = 0; j < 16; ++j) {
-      y[j] = d * static_cast<float>(tables::kvalues_fp4[b[1 + j] & 0xf]);
-      y[j + 16] = d * static_cast<float>(tables::kvalues_fp4[b[1 + j] >> 4]);
+      y[j] = d * static_cast<float>(tables::kvalues_fp4[blk.qs[j] & 0xf]);
+      y[j + 16] = d * static_cast<float>(tables::kvalues_fp4[blk.qs[j] >> 4]);
     }
   }
 }

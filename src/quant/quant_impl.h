@@ -1,11 +1,12 @@
 #pragma once
-// Internal to src/quant: block geometry, inline scalar conversions and the entry points of
-// the kernel families. Not part of the public API (include quant/quant.h instead).
+// Internal to src/quant and the CPU kernels (src/backend/cpu/kernels): block geometry and inline
+// scalar conversions and scale unpacking. Not part of the public API (include quant/quant.h).
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 
 #include "gguf/ggml_types.h"
+#include "quant/blocks.h"
 
 // The helpers below are `static`: this header is included by translation units compiled with
 // different -m flags, and an inline function with external linkage could be resolved to the
@@ -19,27 +20,28 @@ struct Geometry {
   int elems;
   int bytes;
 };
-/// Hard-coded here (not taken from gguf/) on purpose: the kernels depend on these exact layouts.
+/// Hard-coded here (not taken from gguf/) on purpose: the kernels depend on these exact layouts
+/// (the structs of quant/blocks.h, whose sizes are static_asserted there).
 static constexpr Geometry geometry(GgmlType t) {
   switch (t) {
     case GgmlType::F32: return {1, 4};
     case GgmlType::F16: return {1, 2};
     case GgmlType::BF16: return {1, 2};
-    case GgmlType::Q8_0: return {32, 34};
-    case GgmlType::Q4_0: return {32, 18};
-    case GgmlType::Q4_1: return {32, 20};
-    case GgmlType::Q5_0: return {32, 22};
-    case GgmlType::Q5_1: return {32, 24};
-    case GgmlType::Q2_K: return {256, 84};
-    case GgmlType::Q3_K: return {256, 110};
-    case GgmlType::Q4_K: return {256, 144};
-    case GgmlType::Q5_K: return {256, 176};
-    case GgmlType::Q6_K: return {256, 210};
-    case GgmlType::IQ2_XS: return {256, 74};
-    case GgmlType::IQ3_S: return {256, 110};
-    case GgmlType::IQ4_XS: return {256, 136};
-    case GgmlType::IQ4_NL: return {32, 18};
-    case GgmlType::MXFP4: return {32, 17};
+    case GgmlType::Q8_0: return {32, int{sizeof(blocks::BlockQ8_0)}};
+    case GgmlType::Q4_0: return {32, int{sizeof(blocks::BlockQ4_0)}};
+    case GgmlType::Q4_1: return {32, int{sizeof(blocks::BlockQ4_1)}};
+    case GgmlType::Q5_0: return {32, int{sizeof(blocks::BlockQ5_0)}};
+    case GgmlType::Q5_1: return {32, int{sizeof(blocks::BlockQ5_1)}};
+    case GgmlType::Q2_K: return {256, int{sizeof(blocks::BlockQ2_K)}};
+    case GgmlType::Q3_K: return {256, int{sizeof(blocks::BlockQ3_K)}};
+    case GgmlType::Q4_K: return {256, int{sizeof(blocks::BlockQ4_K)}};
+    case GgmlType::Q5_K: return {256, int{sizeof(blocks::BlockQ5_K)}};
+    case GgmlType::Q6_K: return {256, int{sizeof(blocks::BlockQ6_K)}};
+    case GgmlType::IQ2_XS: return {256, int{sizeof(blocks::BlockIQ2_XS)}};
+    case GgmlType::IQ3_S: return {256, int{sizeof(blocks::BlockIQ3_S)}};
+    case GgmlType::IQ4_XS: return {256, int{sizeof(blocks::BlockIQ4_XS)}};
+    case GgmlType::IQ4_NL: return {32, int{sizeof(blocks::BlockIQ4_NL)}};
+    case GgmlType::MXFP4: return {32, int{sizeof(blocks::BlockMXFP4)}};
     default: return {0, 0};
   }
 }
@@ -155,28 +157,5 @@ static inline int iq4xs_scale(const uint8_t* b, int g) {
   const int sh = b[2] | (b[3] << 8);
   return (((b[4 + g / 2] >> (4 * (g % 2))) & 0xf) | (((sh >> (2 * g)) & 3) << 4)) - 32;
 }
-
-/// The arguments of one matmul call, already validated (see quant.h for the contract).
-struct MatmulArgs {
-  GgmlType type;
-  const uint8_t* W;
-  size_t row_bytes;
-  int64_t row_begin, row_end, cols;
-  const float* x;
-  int64_t ldx, n_tok;
-  float* y;
-  int64_t ldy;
-};
-
-/// Scalar reference family: every supported type.
-void matmul_scalar(const MatmulArgs& a);
-/// AVX2+FMA+F16C family. Returns false (and does nothing) for types it has no fast path for.
-bool matmul_avx2(const MatmulArgs& a);
-/// AVX-512 (F/BW/VL/DQ) family. Returns false for types it has no fast path for.
-bool matmul_avx512(const MatmulArgs& a);
-/// Row decoders of the fast families, exposed for tests: decode `n` elements (a multiple of the
-/// block size) of type `t` to floats. False if the family has no decoder for `t`.
-bool decode_row_avx2(GgmlType t, const void* src, float* dst, int64_t n);
-bool decode_row_avx512(GgmlType t, const void* src, float* dst, int64_t n);
 
 }  // namespace strata::quant::detail

@@ -1,5 +1,5 @@
-// AVX-512 attention for one query token (see attention_one in ops.h). Chosen when the quant
-// kernel family is avx512. The query heads that share a KV head are processed together, so
+// AVX-512 attention for one query token (see attention_one in ops.h). Chosen when the kernel
+// family (KernelConfig) is avx512. The query heads that share a KV head are processed together, so
 // each K/V row is read once per group instead of once per head (attention over a long
 // context is bound by reading the KV cache). Every position's score is one fixed sequence of FMAs over head_dim
 // (16 lanes, then one reduction tree), and the weighted V sum adds positions in order, so a
@@ -9,7 +9,7 @@
 #include <cstdint>
 
 #include "backend/cpu/ops.h"
-#include "quant/simd_intrin.h"
+#include "backend/cpu/kernels/simd_intrin.h"
 
 namespace strata::cpu::detail {
 

@@ -6,7 +6,7 @@
 
 namespace strata::cpu {
 
-void attention_block(ThreadPool& pool, const AttentionWeights& w, const AttentionShape& s, const float* h,
+void attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, const AttentionWeights& w, const AttentionShape& s, const float* h,
                      int64_t n_embd, int64_t T, int64_t pos0, float* k_cache, float* v_cache, float* out) {
   const int64_t q_dim = int64_t(s.n_head) * s.head_dim;
   const int64_t kv_dim = int64_t(s.n_head_kv) * s.head_dim;
@@ -16,7 +16,7 @@ void attention_block(ThreadPool& pool, const AttentionWeights& w, const Attentio
   std::vector<float> gate;
   if (s.q_gate) {
     std::vector<float> qg(T * 2 * q_dim);
-    matmul(pool, w.wq, h, n_embd, T, qg.data(), 2 * q_dim);
+    matmul(pool, kc, w.wq, h, n_embd, T, qg.data(), 2 * q_dim);
     gate.resize(T * q_dim);
     for (int64_t t = 0; t < T; ++t)
       for (int hh = 0; hh < s.n_head; ++hh) {
@@ -25,10 +25,10 @@ void attention_block(ThreadPool& pool, const AttentionWeights& w, const Attentio
         std::copy_n(src + s.head_dim, s.head_dim, gate.data() + t * q_dim + int64_t(hh) * s.head_dim);
       }
   } else {
-    matmul(pool, w.wq, h, n_embd, T, q.data(), q_dim);
+    matmul(pool, kc, w.wq, h, n_embd, T, q.data(), q_dim);
   }
-  matmul(pool, w.wk, h, n_embd, T, k.data(), kv_dim);
-  matmul(pool, w.wv, h, n_embd, T, v.data(), kv_dim);
+  matmul(pool, kc, w.wk, h, n_embd, T, k.data(), kv_dim);
+  matmul(pool, kc, w.wv, h, n_embd, T, v.data(), kv_dim);
 
   // Per-head q/k RMSNorm, rotary embedding, then K and V into the cache.
   pool.parallel_for(T, 1, [&](int64_t t0, int64_t t1) {
@@ -59,8 +59,8 @@ void attention_block(ThreadPool& pool, const AttentionWeights& w, const Attentio
       const int64_t q_off = t * q_dim + int64_t(g) * group * s.head_dim;
       // positions [first, pos0 + t]: all of them, or the last `window`
       const int64_t first = s.window > 0 ? std::max<int64_t>(0, pos0 + t + 1 - s.window) : 0;
-      attention_one(q.data() + q_off, k_cache + first * kv_dim + kv_off, v_cache + first * kv_dim + kv_off, kv_dim,
-                    pos0 + t + 1 - first, group, 1, s.head_dim, scale, att.data() + q_off, scratch.data());
+      attention_one(kc, q.data() + q_off, k_cache + first * kv_dim + kv_off, v_cache + first * kv_dim + kv_off,
+                    kv_dim, pos0 + t + 1 - first, group, 1, s.head_dim, scale, att.data() + q_off, scratch.data());
     }
   });
 
@@ -69,7 +69,7 @@ void attention_block(ThreadPool& pool, const AttentionWeights& w, const Attentio
     for (int64_t i = 0; i < T * q_dim; ++i) att[i] *= 1.0f / (1.0f + std::exp(-gate[i]));
 
   // Output projection.
-  matmul(pool, w.wo, att.data(), q_dim, T, out, n_embd);
+  matmul(pool, kc, w.wo, att.data(), q_dim, T, out, n_embd);
 }
 
 }  // namespace strata::cpu

@@ -31,7 +31,7 @@ using AttentionShape = backend::AttentionSpec;
 /// h: [T][n_embd] normed input; out: [T][n_embd] (overwritten).
 /// k_cache, v_cache: [n_ctx][n_head_kv * head_dim]; rows pos0..pos0+T-1 are written.
 /// Causal: token t attends to positions 0..pos0+t, or the last s.window of them when s.window > 0.
-void attention_block(ThreadPool& pool, const AttentionWeights& w, const AttentionShape& s, const float* h,
+void attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, const AttentionWeights& w, const AttentionShape& s, const float* h,
                      int64_t n_embd, int64_t T, int64_t pos0, float* k_cache, float* v_cache, float* out);
 
 }  // namespace strata::cpu

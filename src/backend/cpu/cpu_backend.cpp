@@ -52,13 +52,13 @@ const float* values_or_null(const Tensor& t) { return t.empty() ? nullptr : stat
 
 }  // namespace
 
-CpuBackend::CpuBackend(const CpuOptions& opts) : pool_(std::max(1, opts.n_threads)) {}
+CpuBackend::CpuBackend(const CpuOptions& opts) : pool_(std::max(1, opts.n_threads)), kc_(opts.kernels) {}
 CpuBackend::~CpuBackend() = default;
 
 backend::BackendInfo CpuBackend::info() const {
   return {"cpu", fmt::format("{} threads, {} kernels, {} activations", pool_.n_threads(),
-                             quant::cpu_kernels_name(quant::active_cpu_kernels()),
-                             quant::act_quant_name(quant::active_act_quant()))};
+                             kernels::cpu_kernels_name(kc_.family),
+                             kernels::act_quant_name(kc_.act))};
 }
 
 std::unique_ptr<backend::Buffer> CpuBackend::alloc(backend::BufferRole role, size_t bytes) {
@@ -99,38 +99,38 @@ void CpuBackend::add(const Tensor& x, const Tensor& y) {
 }
 
 void CpuBackend::matmul(const Tensor& W, const Tensor& x, const Tensor& y) {
-  cpu::matmul(pool_, as_matrix(W), x.f(), ld(x), x.rows(), y.f(), ld(y));
+  cpu::matmul(pool_, kc_, as_matrix(W), x.f(), ld(x), x.rows(), y.f(), ld(y));
 }
 
 void CpuBackend::attention(const backend::AttentionSpec& spec, const backend::AttentionWeights& w,
                            const backend::KvCache& kv, int64_t pos0, const Tensor& h, const Tensor& out) {
   const AttentionWeights aw{as_matrix(w.wq), as_matrix(w.wk), as_matrix(w.wv), as_matrix(w.wo),
                             values_or_null(w.q_norm), values_or_null(w.k_norm)};
-  attention_block(pool_, aw, spec, h.f(), h.cols(), h.rows(), pos0, kv.k.f(), kv.v.f(), out.f());
+  attention_block(pool_, kc_, aw, spec, h.f(), h.cols(), h.rows(), pos0, kv.k.f(), kv.v.f(), out.f());
 }
 
 void CpuBackend::gated_delta_net(const backend::GdnSpec& spec, const backend::GdnWeights& w,
                                  const backend::RecurrentState& state, const Tensor& h, const Tensor& out) {
   const GatedDeltaNetWeights gw{as_matrix(w.wqkv), as_matrix(w.wz), as_matrix(w.wba), as_matrix(w.wout),
                                 w.conv.f(),        w.dt_bias.f(),   w.a.f(),          w.norm.f()};
-  gated_delta_net_block(pool_, gw, spec, h.f(), h.cols(), h.rows(), state.conv.f(), state.ssm.f(), out.f());
+  gated_delta_net_block(pool_, kc_, gw, spec, h.f(), h.cols(), h.rows(), state.conv.f(), state.ssm.f(), out.f());
 }
 
 void CpuBackend::ffn(const backend::FfnCall& call, const backend::FfnWeights& w, const Tensor& h, const Tensor& out) {
   const FfnWeights fw{as_matrix(w.gate), as_matrix(w.up), as_matrix(w.down)};
   if (!call.scalar_gate.empty()) {
     if (!call.accumulate) throw std::invalid_argument("ffn: a scalar gate is only supported with accumulate");
-    add_gated_swiglu_ffn(pool_, fw, as_matrix(call.scalar_gate), h.f(), h.cols(), h.rows(), out.f());
+    add_gated_swiglu_ffn(pool_, kc_, fw, as_matrix(call.scalar_gate), h.f(), h.cols(), h.rows(), out.f());
     return;
   }
   if (call.accumulate) throw std::invalid_argument("ffn: accumulate needs a scalar gate");
-  swiglu_ffn(pool_, fw, h.f(), h.cols(), h.rows(), out.f());
+  swiglu_ffn(pool_, kc_, fw, h.f(), h.cols(), h.rows(), out.f());
 }
 
 void CpuBackend::router_logits(const Tensor& w, const Tensor& h, std::vector<float>& logits) {
   const int64_t n_expert = w.rows();
   logits.resize(size_t(h.rows() * n_expert));
-  cpu::matmul(pool_, as_matrix(w), h.f(), ld(h), h.rows(), logits.data(), n_expert);
+  cpu::matmul(pool_, kc_, as_matrix(w), h.f(), ld(h), h.rows(), logits.data(), n_expert);
 }
 
 void CpuBackend::expert_ffn(const backend::FfnSpec&, const backend::ExpertJob& job, int top_k, const Tensor& h,
@@ -141,10 +141,10 @@ void CpuBackend::expert_ffn(const backend::FfnSpec&, const backend::ExpertJob& j
   g_.resize(size_t(n * n_ff));
   u_.resize(size_t(n * n_ff));
   for (int64_t j = 0; j < n; ++j) std::copy_n(h.row(job.pairs[j] / top_k), n_embd, x_.data() + j * n_embd);
-  cpu::matmul(pool_, as_matrix(job.w.gate), x_.data(), n_embd, n, g_.data(), n_ff);
-  cpu::matmul(pool_, as_matrix(job.w.up), x_.data(), n_embd, n, u_.data(), n_ff);
+  cpu::matmul(pool_, kc_, as_matrix(job.w.gate), x_.data(), n_embd, n, g_.data(), n_ff);
+  cpu::matmul(pool_, kc_, as_matrix(job.w.up), x_.data(), n_embd, n, u_.data(), n_ff);
   for (int64_t i = 0; i < n * n_ff; ++i) g_[i] = silu(g_[i]) * u_[i];
-  cpu::matmul(pool_, as_matrix(job.w.down), g_.data(), n_ff, n, x_.data(), n_embd);
+  cpu::matmul(pool_, kc_, as_matrix(job.w.down), g_.data(), n_ff, n, x_.data(), n_embd);
   for (int64_t j = 0; j < n; ++j) std::copy_n(x_.data() + j * n_embd, n_embd, expert_out.row(job.pairs[j]));
 }
 

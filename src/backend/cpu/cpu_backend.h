@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cpu/kernels/kernels.h"
 #include "backend/cpu/ops.h"
 #include "backend/cpu/thread_pool.h"
 
@@ -13,7 +14,8 @@ namespace strata::cpu {
 
 /// Settings of one CPU backend instance.
 struct CpuOptions {
-  int n_threads = 1;  ///< compute threads (>= 1)
+  int n_threads = 1;             ///< compute threads (>= 1)
+  kernels::KernelConfig kernels;  ///< kernel family and activation mode (resolved: kernels::resolve_kernels)
 };
 
 /// A weight tensor as a row matrix for the CPU kernels (rows = ne[1]*ne[2]*ne[3], cols = ne[0]).
@@ -25,6 +27,8 @@ class CpuBackend final : public backend::Backend {
   ~CpuBackend() override;
 
   ThreadPool& pool() { return pool_; }
+  /// The kernel family and activation mode of this instance.
+  const kernels::KernelConfig& kernels() const { return kc_; }
 
   backend::BackendInfo info() const override;
   std::unique_ptr<backend::Buffer> alloc(backend::BufferRole role, size_t bytes) override;
@@ -55,6 +59,7 @@ class CpuBackend final : public backend::Backend {
 
  private:
   ThreadPool pool_;
+  kernels::KernelConfig kc_;
   std::vector<float> x_, g_, u_;  // expert_ffn scratch, reused across experts
 };
 

@@ -53,7 +53,7 @@ void delta_rule_step(float* S, const float* q, const float* k, const float* v, f
   }
 }
 
-void gated_delta_net_block(ThreadPool& pool, const GatedDeltaNetWeights& w, const GatedDeltaNetShape& s,
+void gated_delta_net_block(ThreadPool& pool, const kernels::KernelConfig& kc, const GatedDeltaNetWeights& w, const GatedDeltaNetShape& s,
                            const float* h, int64_t n_embd, int64_t T, float* conv_state, float* ssm_state, float* out) {
   const int64_t C = s.conv_dim(), key_dim = s.key_dim(), value_dim = s.value_dim();
   const int K = s.conv_kernel, dk = s.head_k_dim, dv = s.head_v_dim, nv = s.n_v_head;
@@ -61,9 +61,9 @@ void gated_delta_net_block(ThreadPool& pool, const GatedDeltaNetWeights& w, cons
   std::vector<float> x(T * C), xc(T * C), z(T * value_dim), ba(T * 2 * nv);
 
   // Input projections.
-  matmul(pool, w.wqkv, h, n_embd, T, x.data(), C);
-  matmul(pool, w.wz, h, n_embd, T, z.data(), value_dim);
-  matmul(pool, w.wba, h, n_embd, T, ba.data(), 2 * nv);
+  matmul(pool, kc, w.wqkv, h, n_embd, T, x.data(), C);
+  matmul(pool, kc, w.wz, h, n_embd, T, z.data(), value_dim);
+  matmul(pool, kc, w.wba, h, n_embd, T, ba.data(), 2 * nv);
 
   // Causal depthwise convolution over time with the rolling state, then SiLU. Channels are
   // independent: split them over the pool, each walking the tokens in order.
@@ -135,7 +135,7 @@ void gated_delta_net_block(ThreadPool& pool, const GatedDeltaNetWeights& w, cons
   });
 
   // Output projection.
-  matmul(pool, w.wout, o.data(), value_dim, T, out, n_embd);
+  matmul(pool, kc, w.wout, o.data(), value_dim, T, out, n_embd);
 }
 
 }  // namespace strata::cpu

@@ -42,7 +42,7 @@ struct GatedDeltaNetWeights {
 /// (overwritten). conv_state: [K-1][conv_dim], ssm_state: [n_v_head][dk][dv]: read as the
 /// state after the previous tokens (zeros for a fresh sequence) and advanced past these T.
 /// Per-token results depend only on the token and the state (not on T or thread count).
-void gated_delta_net_block(ThreadPool& pool, const GatedDeltaNetWeights& w, const GatedDeltaNetShape& s,
+void gated_delta_net_block(ThreadPool& pool, const kernels::KernelConfig& kc, const GatedDeltaNetWeights& w, const GatedDeltaNetShape& s,
                            const float* h, int64_t n_embd, int64_t T, float* conv_state, float* ssm_state, float* out);
 
 /// The delta-rule step of one value head for one token, in place on S: [dk][dv].

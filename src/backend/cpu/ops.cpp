@@ -8,28 +8,29 @@
 
 namespace strata::cpu {
 
-void matmul(ThreadPool& pool, const MatrixRef& W, const float* x, int64_t ldx, int64_t n_tok, float* y, int64_t ldy) {
+void matmul(ThreadPool& pool, const kernels::KernelConfig& kc, const MatrixRef& W, const float* x, int64_t ldx,
+            int64_t n_tok, float* y, int64_t ldy) {
   // Rows are split in blocks; each output element is computed by one call with the same
-  // accumulation order whatever the block (quant::matmul's invariance contract).
+  // accumulation order whatever the block (kernels::matmul's invariance contract).
   const int64_t grain = std::max<int64_t>(8, W.rows / (pool.n_threads() * 8));
-  if (quant::has_q8_activations(W.type)) {
+  if (kernels::has_q8_activations(kc, W.type)) {
     // q8 mode: quantize the activations once (tokens split over the pool when there are many),
     // then every row block reads the same codes
-    thread_local quant::ActQ8 tl_act;
-    quant::ActQ8& act = tl_act;  // lambdas on pool threads must see this thread's buffer
+    thread_local kernels::ActQ8 tl_act;
+    kernels::ActQ8& act = tl_act;  // lambdas on pool threads must see this thread's buffer
     act.resize(n_tok, W.cols, W.type);  // with W.type's lane order, made once for all row blocks
     if (n_tok * W.cols >= 32768) {
-      pool.parallel_for(n_tok, 1, [&](int64_t t0, int64_t t1) { quant::quantize_activations(x, ldx, t0, t1, act); });
+      pool.parallel_for(n_tok, 1, [&](int64_t t0, int64_t t1) { kernels::quantize_activations(kc, x, ldx, t0, t1, act); });
     } else {
-      quant::quantize_activations(x, ldx, 0, n_tok, act);
+      kernels::quantize_activations(kc, x, ldx, 0, n_tok, act);
     }
     pool.parallel_for(W.rows, grain, [&](int64_t r0, int64_t r1) {
-      quant::matmul_q8(W.type, W.data, W.row_bytes, r0, r1, W.cols, act, y, ldy);
+      kernels::matmul_q8(kc, W.type, W.data, W.row_bytes, r0, r1, W.cols, act, y, ldy);
     });
     return;
   }
   pool.parallel_for(W.rows, grain, [&](int64_t r0, int64_t r1) {
-    quant::matmul(W.type, W.data, W.row_bytes, r0, r1, W.cols, x, ldx, n_tok, y, ldy);
+    kernels::matmul(kc, W.type, W.data, W.row_bytes, r0, r1, W.cols, x, ldx, n_tok, y, ldy);
   });
 }
 
@@ -67,9 +68,9 @@ static inline float dot_f32(const float* a, const float* b, int n) {
   return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
 }
 
-void attention_one(const float* q, const float* k_cache, const float* v_cache, int64_t kv_stride, int64_t n_pos,
+void attention_one(const kernels::KernelConfig& kc, const float* q, const float* k_cache, const float* v_cache, int64_t kv_stride, int64_t n_pos,
                    int n_head, int n_head_kv, int head_dim, float scale, float* out, float* scratch) {
-  if (quant::active_cpu_kernels() == quant::CpuKernels::Avx512) {
+  if (kc.family == kernels::CpuKernels::Avx512) {
     detail::attention_one_avx512(q, k_cache, v_cache, kv_stride, n_pos, n_head, n_head_kv, head_dim, scale, out, scratch);
     return;
   }

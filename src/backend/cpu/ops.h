@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cpu/kernels/kernels.h"
 #include "backend/cpu/thread_pool.h"
 #include "gguf/ggml_types.h"
 
@@ -23,9 +24,11 @@ struct MatrixRef {
   size_t row_bytes = 0;
 };
 
-/// y[t][r] = sum_k W[r][k] x[t][k] for t < n_tok, r < W.rows, split by rows over the pool.
-/// x: [n_tok][ldx], y: [n_tok][ldy] (floats). Bit-identical for any thread count.
-void matmul(ThreadPool& pool, const MatrixRef& W, const float* x, int64_t ldx, int64_t n_tok, float* y, int64_t ldy);
+/// y[t][r] = sum_k W[r][k] x[t][k] for t < n_tok, r < W.rows, split by rows over the pool, with
+/// the kernels of `kc` (kernels::matmul). x: [n_tok][ldx], y: [n_tok][ldy] (floats).
+/// Bit-identical for any thread count.
+void matmul(ThreadPool& pool, const kernels::KernelConfig& kc, const MatrixRef& W, const float* x, int64_t ldx,
+            int64_t n_tok, float* y, int64_t ldy);
 
 /// RMSNorm (Zhang & Sennrich 2019): y = x / sqrt(mean(x^2) + eps) * w, over n elements.
 /// x and y may alias. The mean is accumulated in double.
@@ -45,9 +48,9 @@ void rope_apply(const backend::RopeSpec& rope, float* x, int n_heads, int head_d
 /// 0..n_pos-1 (row stride `kv_stride` floats); out: [n_head][head_dim]. Query head h reads
 /// KV head h / (n_head / n_head_kv). scale is usually 1/sqrt(head_dim).
 /// scratch must hold min(8, n_head / n_head_kv) * n_pos floats.
-/// Uses the AVX-512 version when the kernel family (quant::set_cpu_kernels) is avx512: FMA
-/// instead of SSE multiply-add, so results differ in rounding between families, never within one.
-void attention_one(const float* q, const float* k_cache, const float* v_cache, int64_t kv_stride, int64_t n_pos,
+/// Uses the AVX-512 version when kc.family is avx512: FMA instead of SSE multiply-add, so
+/// results differ in rounding between families, never within one.
+void attention_one(const kernels::KernelConfig& kc, const float* q, const float* k_cache, const float* v_cache, int64_t kv_stride, int64_t n_pos,
                    int n_head, int n_head_kv, int head_dim, float scale, float* out, float* scratch);
 
 namespace detail {

@@ -1,5 +1,5 @@
 #pragma once
-// Internal to src/quant: the int8 activation path ("q8 activations").
+// Internal to the CPU kernels (src/backend/cpu/kernels): the int8 activation path ("q8 activations").
 //
 // Activations x (fp32) are quantized per token in blocks of 32 (the Q8_0 scheme of ggml,
 // ggml-quants.c quantize_row_q8_0: d = amax / 127, q = round(x / d)), keeping the int16 sums
@@ -17,13 +17,12 @@
 #include <type_traits>
 #include <vector>
 
-#include "quant/quant.h"
-#include "quant/quant_impl.h"
+#include "backend/cpu/kernels/kernels.h"
+#include "backend/cpu/kernels/kernels_impl.h"
 #include "quant/quant_tables.h"
 
-namespace strata::quant::detail {
+namespace strata::cpu::kernels::detail {
 
-using quant::ActQ8;
 
 /// Quantizes one block of 32 activations: d = amax / 127, q = nearest-even(x * (127 / amax));
 /// all zero when amax == 0. A non-finite amax gives d = NaN and q = 0, so that the NaN reaches
@@ -213,10 +212,70 @@ static void rows_by_tiles(const MatmulArgs& m, int64_t t0, int64_t t1, Fn&& fn) 
   }
 }
 
+/// Calls fn(std::integral_constant<GgmlType, t>{}) when t is a super-block type with a lane
+/// order (has_lane_order), so that a kernel template can be instantiated per type.
+template <class Fn>
+static void with_lane_type(GgmlType t, Fn&& fn) {
+  using G = GgmlType;
+  switch (t) {
+    case G::Q2_K: fn(std::integral_constant<G, G::Q2_K>{}); break;
+    case G::Q3_K: fn(std::integral_constant<G, G::Q3_K>{}); break;
+    case G::Q4_K: fn(std::integral_constant<G, G::Q4_K>{}); break;
+    case G::Q5_K: fn(std::integral_constant<G, G::Q5_K>{}); break;
+    case G::Q6_K: fn(std::integral_constant<G, G::Q6_K>{}); break;
+    case G::IQ2_XS: fn(std::integral_constant<G, G::IQ2_XS>{}); break;
+    case G::IQ3_S: fn(std::integral_constant<G, G::IQ3_S>{}); break;
+    case G::IQ4_XS: fn(std::integral_constant<G, G::IQ4_XS>{}); break;
+    default: break;
+  }
+}
+
 /// Tokens [t0, t1) of `a` in the lane order of type t (has_lane_order(t)): the copy kept in `a`
 /// when it was quantized for t, else one rearranged now into this thread's buffers (valid until
 /// the thread's next call).
 LaneTokens lane_tokens(GgmlType t, const ActQ8& a, int64_t t0, int64_t t1);
+
+/// Tokens per block of the q8 SIMD driver: their codes stay in L2 while every row passes.
+inline constexpr int64_t kQ8TokBlock = 64;
+
+/// The row/token driver of the SIMD q8 families (AVX2 and AVX-512), written once: tokens in
+/// blocks of kQ8TokBlock; per block the super-block types read the codes in their lane order
+/// (lane_tokens: kept in `a` when it was quantized for m.type, else rearranged here, once per
+/// block), the 32-weight block types in natural order; rows are tiled by rows_by_tiles<MAXT>.
+/// The family K supplies, per type T (a compile-time constant) and tile of TB tokens:
+///   k.template lane_row<T, TB>(w, tk, y, ldy)        one row of a lane-order type, tokens tk
+///   k.template b32_row<T, TB>(w, tokens, i, y, ldy)  one row of a 32-weight type; i: the tile's
+///                                                    first token within the block
+///   k.lane_block(m, t0, t1, tk) -> bool              true if the family did the whole block
+///                                                    itself (rows and tokens; e.g. IQ2_XS on AVX-512)
+///   k.b32_block(m, a, t0, t1)                        per-block preparation of the 32-weight types
+/// Returns false (doing nothing) for types without an int8 kernel.
+template <int MAXT, class K>
+static bool run_q8_blocks(const MatmulArgs& m, const ActQ8& a, K& k) {
+  if (!has_q8_kernel(m.type)) return false;
+  for (int64_t t0 = 0; t0 < m.n_tok; t0 += kQ8TokBlock) {
+    const int64_t t1 = m.n_tok < t0 + kQ8TokBlock ? m.n_tok : t0 + kQ8TokBlock;
+    if (has_lane_order(m.type)) {
+      const LaneTokens tk = lane_tokens(m.type, a, t0, t1);
+      if (k.lane_block(m, t0, t1, tk)) continue;
+      with_lane_type(m.type, [&](auto type) {
+        rows_by_tiles<MAXT>(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
+          k.template lane_row<decltype(type)::value, decltype(tb)::value>(w, tk.from(t - t0), y, m.ldy);
+        });
+      });
+      continue;
+    }
+    k.b32_block(m, a, t0, t1);
+    with_b32_type(m.type, [&](auto type) {
+      rows_by_tiles<MAXT>(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
+        k.template b32_row<decltype(type)::value, decltype(tb)::value>(w, Tokens{a.qt(t), a.dt(t), a.st(t), a.cols},
+                                                                      t - t0, y, m.ldy);
+      });
+    });
+  }
+  return true;
+}
+
 
 /// Scalar q8 family (the definition of the arithmetic): y[t][r] for rows [row_begin, row_end).
 void matmul_q8_scalar(const MatmulArgs& m, const ActQ8& a);
@@ -242,4 +301,4 @@ bool matmul_q8_avx512(const MatmulArgs& m, const ActQ8& a, Q8Isa isa);
 void iq2xs_rows_icl(const uint8_t* W, size_t row_bytes, int64_t r0, int64_t r1, int64_t n_tok, const LaneTokens& tk,
                     float* y, int64_t ldy);
 
-}  // namespace strata::quant::detail
+}  // namespace strata::cpu::kernels::detail

@@ -6,19 +6,20 @@
 //
 // Kernels: every type of has_q8_kernel (the 32-weight block types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
 // IQ4_NL, MXFP4; Q2_K..Q6_K, IQ2_XS, IQ3_S, IQ4_XS in their lane orders).
-// Loop order as in the AVX-512 family: blocks of 64 tokens, rows, tiles of up to 4 tokens.
-#include "quant/simd_intrin.h"
+// Loop order as in the AVX-512 family (run_q8_blocks in act_q8.h): blocks of 64 tokens, rows,
+// tiles of 2 tokens.
+#include "backend/cpu/kernels/simd_intrin.h"
 
 #include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
-#include "quant/act_q8.h"
-#include "quant/b32_factors.h"
+#include "backend/cpu/kernels/act_q8.h"
+#include "backend/cpu/kernels/b32_factors.h"
 #include "quant/quant_tables.h"
 
-namespace strata::quant::detail {
+namespace strata::cpu::kernels::detail {
 
 namespace {
 
@@ -592,52 +593,52 @@ float quantize_block_q8_avx2(const float* x, int8_t* q, int16_t* s16) {
   return am / 127.0f;
 }
 
-bool matmul_q8_avx2(const MatmulArgs& m, const ActQ8& a) {
-  if (!has_q8_kernel(m.type)) return false;
-  constexpr int64_t kTokBlock = 64;  // their codes stay in L2 while every row passes
-  for (int64_t t0 = 0; t0 < m.n_tok; t0 += kTokBlock) {
-    const int64_t t1 = m.n_tok < t0 + kTokBlock ? m.n_tok : t0 + kTokBlock;
-    if (has_lane_order(m.type)) {
-      const LaneTokens tk = lane_tokens(m.type, a, t0, t1);
-      // tiles of 2 tokens: sums and accumulators of 16 lanes are 2 ymm each per token
-      rows_by_tiles<2>(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
-        constexpr int TB = decltype(tb)::value;
-        const LaneTokens sub = tk.from(t - t0);
-        switch (m.type) {
-          case GgmlType::Q4_K: row_q4_k<TB, false>(w, sub, y, m.ldy); break;
-          case GgmlType::Q5_K: row_q4_k<TB, true>(w, sub, y, m.ldy); break;
-          case GgmlType::Q6_K: row_q6_k<TB>(w, sub, y, m.ldy); break;
-          case GgmlType::IQ4_XS: row_iq4_xs<TB>(w, sub, y, m.ldy); break;
-          case GgmlType::Q2_K: row_q2_k<TB>(w, sub, y, m.ldy); break;
-          case GgmlType::Q3_K: row_q3_k<TB>(w, sub, y, m.ldy); break;
-          case GgmlType::IQ3_S: row_iq3_s<TB>(w, sub, y, m.ldy); break;
-          case GgmlType::IQ2_XS: row_iq2_xs<TB>(w, sub, y, m.ldy); break;
-          default: break;  // has_lane_order() lists exactly these
-        }
-      });
-      continue;
-    }
-    thread_local std::vector<int32_t> x128;
-    if (b32_format(m.type).offset == 128) {
-      const int64_t nl = a.cols / 4;
-      x128.resize(static_cast<size_t>((t1 - t0) * nl));
-      for (int64_t t = t0; t < t1; ++t)
-        for (int64_t l = 0; l < nl; l += 8) {  // 8 lanes (one block of 32 codes) at a time
-          const __m256i q = load256(a.qt(t) + 4 * l);
-          const __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q), _mm256_set1_epi16(1));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(x128.data() + (t - t0) * nl + l), _mm256_slli_epi32(sum, 7));
-        }
-    }
-    auto b32 = [&](auto type) {
-      // tiles of 2 tokens: 4 accumulators per token, 16 ymm registers in all
-      rows_by_tiles<2>(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
-        row_b32<decltype(type)::value, decltype(tb)::value>(w, Tokens{a.qt(t), a.dt(t), a.st(t), a.cols},
-                                                            x128.data() + (t - t0) * (a.cols / 4), y, m.ldy);
-      });
-    };
-    with_b32_type(m.type, b32);
+namespace {
+
+/// The AVX2 kernels for run_q8_blocks (act_q8.h). Tiles of 2 tokens: sums and accumulators of
+/// 16 lanes are 2 ymm each per token (the 32-weight types: 4 accumulators per token, 16 ymm
+/// registers in all).
+struct Avx2Q8 {
+  std::vector<int32_t>& x128;  ///< offset-128 types: per token of the block, 128 * each lane's code sum
+
+  template <GgmlType T, int TB>
+  void lane_row(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) const {
+    using G = GgmlType;
+    if constexpr (T == G::Q4_K) row_q4_k<TB, false>(w, tk, y, ldy);
+    else if constexpr (T == G::Q5_K) row_q4_k<TB, true>(w, tk, y, ldy);
+    else if constexpr (T == G::Q6_K) row_q6_k<TB>(w, tk, y, ldy);
+    else if constexpr (T == G::IQ4_XS) row_iq4_xs<TB>(w, tk, y, ldy);
+    else if constexpr (T == G::Q2_K) row_q2_k<TB>(w, tk, y, ldy);
+    else if constexpr (T == G::Q3_K) row_q3_k<TB>(w, tk, y, ldy);
+    else if constexpr (T == G::IQ3_S) row_iq3_s<TB>(w, tk, y, ldy);
+    else row_iq2_xs<TB>(w, tk, y, ldy);  // IQ2_XS: with_lane_type lists exactly these
   }
-  return true;
+  bool lane_block(const MatmulArgs&, int64_t, int64_t, const LaneTokens&) const { return false; }
+
+  /// x128 for the tokens [t0, t1) when the type has offset 128 (Q8_0, IQ4_NL).
+  void b32_block(const MatmulArgs& m, const ActQ8& a, int64_t t0, int64_t t1) const {
+    if (b32_format(m.type).offset != 128) return;
+    const int64_t nl = a.cols / 4;
+    x128.resize(static_cast<size_t>((t1 - t0) * nl));
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t l = 0; l < nl; l += 8) {  // 8 lanes (one block of 32 codes) at a time
+        const __m256i q = load256(a.qt(t) + 4 * l);
+        const __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q), _mm256_set1_epi16(1));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(x128.data() + (t - t0) * nl + l), _mm256_slli_epi32(sum, 7));
+      }
+  }
+  template <GgmlType T, int TB>
+  void b32_row(const uint8_t* w, const Tokens& tk, int64_t i, float* y, int64_t ldy) const {
+    row_b32<T, TB>(w, tk, x128.data() + i * (tk.cols / 4), y, ldy);
+  }
+};
+
+}  // namespace
+
+bool matmul_q8_avx2(const MatmulArgs& m, const ActQ8& a) {
+  thread_local std::vector<int32_t> x128;
+  Avx2Q8 k{x128};
+  return run_q8_blocks<2>(m, a, k);
 }
 
-}  // namespace strata::quant::detail
+}  // namespace strata::cpu::kernels::detail

@@ -19,11 +19,13 @@
 #include <cstdint>
 #include <cstring>
 
-#include "quant/quant_impl.h"
+#include "backend/cpu/kernels/act_q8.h"
+#include "backend/cpu/kernels/kernels_impl.h"
+#include "backend/cpu/kernels/simd_driver.h"
 #include "quant/quant_tables.h"
-#include "quant/simd_intrin.h"
+#include "backend/cpu/kernels/simd_intrin.h"
 
-namespace strata::quant::detail::simd {
+namespace strata::cpu::kernels::detail::simd {
 namespace {  // internal linkage: compiled once per instruction set
 
 inline __m128i ld16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
@@ -42,67 +44,49 @@ inline __m128i bits_to_bytes(uint32_t bits) {
 }
 inline __m128i table16(const int8_t* t) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(t)); }
 
-template <class E, class S>
-void dec_q8_0(const uint8_t* b, S& out, int64_t n) {
+/// The 32-weight block types (b32_format in act_q8.h: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL,
+/// MXFP4), one decoder: the codes are the nibbles of qs (element j < 16 low, j >= 16 high) with
+/// the fifth bit from qh where there is one, or qs's int8 values (Q8_0); then the reference's
+/// value: q * d (Q8_0), d * values[q] (IQ4_NL, MXFP4), d * q + m (Q4_1, Q5_1), d * (q - offset)
+/// (Q4_0, Q5_0). d is fp16, or the halved E8M0 byte (MXFP4).
+template <GgmlType T, class E, class S>
+void dec_b32(const uint8_t* b, S& out, int64_t n) {
+  constexpr B32Format F = b32_format(T);
+  static_assert(F.bytes != 0);
   S o = out;  // local copy: the sink's registers cannot alias x or the blocks
-  for (int64_t i = 0; i < n; i += 32, b += 34) {
-    const float d = E::half(load_u16(b));
-    E::i8(o, ld16(b + 2), d);
-    E::i8(o, ld16(b + 18), d);
-  }
-  out = o;
-}
-
-template <class E, class S>
-void dec_q4_0(const uint8_t* b, S& out, int64_t n) {
-  S o = out;  // local copy: the sink's registers cannot alias x or the blocks
-  const __m128i eight = _mm_set1_epi8(8);
-  for (int64_t i = 0; i < n; i += 32, b += 18) {
-    const float d = E::half(load_u16(b));
-    const __m128i v = ld16(b + 2);
-    E::i8(o, _mm_sub_epi8(lo_nib(v), eight), d);
-    E::i8(o, _mm_sub_epi8(hi_nib(v), eight), d);
-  }
-  out = o;
-}
-
-template <class E, class S>
-void dec_q4_1(const uint8_t* b, S& out, int64_t n) {
-  S o = out;  // local copy: the sink's registers cannot alias x or the blocks
-  for (int64_t i = 0; i < n; i += 32, b += 20) {
-    const float d = E::half(load_u16(b)), m = E::half(load_u16(b + 2));
-    const __m128i v = ld16(b + 4);
-    E::u8_add(o, lo_nib(v), d, m);
-    E::u8_add(o, hi_nib(v), d, m);
-  }
-  out = o;
-}
-
-template <class E, class S>
-void dec_q5_0(const uint8_t* b, S& out, int64_t n) {
-  S o = out;  // local copy: the sink's registers cannot alias x or the blocks
-  const __m128i sixteen = _mm_set1_epi8(16);
-  for (int64_t i = 0; i < n; i += 32, b += 22) {
-    const float d = E::half(load_u16(b));
-    const uint32_t qh = load_u32(b + 2);
-    const __m128i v = ld16(b + 6);
-    const __m128i h0 = _mm_slli_epi16(bits_to_bytes(qh & 0xffffu), 4);
-    const __m128i h1 = _mm_slli_epi16(bits_to_bytes(qh >> 16), 4);
-    E::i8(o, _mm_sub_epi8(_mm_or_si128(lo_nib(v), h0), sixteen), d);
-    E::i8(o, _mm_sub_epi8(_mm_or_si128(hi_nib(v), h1), sixteen), d);
-  }
-  out = o;
-}
-
-template <class E, class S>
-void dec_q5_1(const uint8_t* b, S& out, int64_t n) {
-  S o = out;  // local copy: the sink's registers cannot alias x or the blocks
-  for (int64_t i = 0; i < n; i += 32, b += 24) {
-    const float d = E::half(load_u16(b)), m = E::half(load_u16(b + 2));
-    const uint32_t qh = load_u32(b + 4);
-    const __m128i v = ld16(b + 8);
-    E::u8_add(o, _mm_or_si128(lo_nib(v), _mm_slli_epi16(bits_to_bytes(qh & 0xffffu), 4)), d, m);
-    E::u8_add(o, _mm_or_si128(hi_nib(v), _mm_slli_epi16(bits_to_bytes(qh >> 16), 4)), d, m);
+  [[maybe_unused]] const __m128i off = _mm_set1_epi8(static_cast<char>(F.offset));
+  [[maybe_unused]] __m128i kv = _mm_setzero_si128();
+  if constexpr (F.table) kv = table16(F.values);
+  for (int64_t i = 0; i < n; i += 32, b += F.bytes) {
+    float d;
+    if constexpr (F.e8m0) {
+      d = e8m0_half(b[0]);
+    } else {
+      d = E::half(load_u16(b));
+    }
+    if constexpr (F.qs + 32 == F.bytes) {  // Q8_0: 32 int8 codes
+      E::i8(o, ld16(b + F.qs), d);
+      E::i8(o, ld16(b + F.qs + 16), d);
+    } else {
+      const __m128i v = ld16(b + F.qs);
+      __m128i lo = lo_nib(v), hi = hi_nib(v);
+      if constexpr (F.qh >= 0) {
+        const uint32_t qh = load_u32(b + F.qh);
+        lo = _mm_or_si128(lo, _mm_slli_epi16(bits_to_bytes(qh & 0xffffu), 4));
+        hi = _mm_or_si128(hi, _mm_slli_epi16(bits_to_bytes(qh >> 16), 4));
+      }
+      if constexpr (F.table) {
+        E::i8(o, _mm_shuffle_epi8(kv, lo), d);
+        E::i8(o, _mm_shuffle_epi8(kv, hi), d);
+      } else if constexpr (F.min >= 0) {
+        const float m = E::half(load_u16(b + F.min));
+        E::u8_add(o, lo, d, m);
+        E::u8_add(o, hi, d, m);
+      } else {
+        E::i8(o, _mm_sub_epi8(lo, off), d);
+        E::i8(o, _mm_sub_epi8(hi, off), d);
+      }
+    }
   }
   out = o;
 }
@@ -215,19 +199,6 @@ void dec_q6_k(const uint8_t* b, S& out, int64_t n) {
 }
 
 template <class E, class S>
-void dec_iq4_nl(const uint8_t* b, S& out, int64_t n) {
-  S o = out;  // local copy: the sink's registers cannot alias x or the blocks
-  const __m128i kv = table16(tables::kvalues_iq4nl);
-  for (int64_t i = 0; i < n; i += 32, b += 18) {
-    const float d = E::half(load_u16(b));
-    const __m128i v = ld16(b + 2);
-    E::i8(o, _mm_shuffle_epi8(kv, lo_nib(v)), d);
-    E::i8(o, _mm_shuffle_epi8(kv, hi_nib(v)), d);
-  }
-  out = o;
-}
-
-template <class E, class S>
 void dec_iq4_xs(const uint8_t* b, S& out, int64_t n) {
   S o = out;  // local copy: the sink's registers cannot alias x or the blocks
   const __m128i kv = table16(tables::kvalues_iq4nl);
@@ -287,31 +258,16 @@ void dec_iq3_s(const uint8_t* b, S& out, int64_t n) {
   out = o;
 }
 
+/// The decoder of type t for emitter E, or nullptr. Plain types are handled by the family
+/// driver (simd_driver.h).
 template <class E, class S>
-void dec_mxfp4(const uint8_t* b, S& out, int64_t n) {
-  S o = out;  // local copy: the sink's registers cannot alias x or the blocks
-  const __m128i kv = table16(tables::kvalues_fp4);
-  for (int64_t i = 0; i < n; i += 32, b += 17) {
-    const float d = e8m0_half(b[0]);
-    const __m128i v = ld16(b + 1);
-    E::i8(o, _mm_shuffle_epi8(kv, lo_nib(v)), d);
-    E::i8(o, _mm_shuffle_epi8(kv, hi_nib(v)), d);
-  }
-  out = o;
-}
-
-/// The decoder of type t for emitter E, or nullptr. Plain types are handled by the family.
-template <class E, class S>
-using SinkDecodeFn = void (*)(const uint8_t*, S&, int64_t);
-
-template <class E, class S>
-SinkDecodeFn<E, S> block_decoder(GgmlType t) {
+SinkFn<S> block_decoder(GgmlType t) {
   switch (t) {
-    case GgmlType::Q8_0: return dec_q8_0<E, S>;
-    case GgmlType::Q4_0: return dec_q4_0<E, S>;
-    case GgmlType::Q4_1: return dec_q4_1<E, S>;
-    case GgmlType::Q5_0: return dec_q5_0<E, S>;
-    case GgmlType::Q5_1: return dec_q5_1<E, S>;
+    case GgmlType::Q8_0: return dec_b32<GgmlType::Q8_0, E, S>;
+    case GgmlType::Q4_0: return dec_b32<GgmlType::Q4_0, E, S>;
+    case GgmlType::Q4_1: return dec_b32<GgmlType::Q4_1, E, S>;
+    case GgmlType::Q5_0: return dec_b32<GgmlType::Q5_0, E, S>;
+    case GgmlType::Q5_1: return dec_b32<GgmlType::Q5_1, E, S>;
     case GgmlType::Q2_K: return dec_q2_k<E, S>;
     case GgmlType::Q3_K: return dec_q3_k<E, S>;
     case GgmlType::Q4_K: return dec_q4_k<E, S>;
@@ -320,11 +276,11 @@ SinkDecodeFn<E, S> block_decoder(GgmlType t) {
     case GgmlType::IQ2_XS: return dec_iq2_xs<E, S>;
     case GgmlType::IQ3_S: return dec_iq3_s<E, S>;
     case GgmlType::IQ4_XS: return dec_iq4_xs<E, S>;
-    case GgmlType::IQ4_NL: return dec_iq4_nl<E, S>;
-    case GgmlType::MXFP4: return dec_mxfp4<E, S>;
+    case GgmlType::IQ4_NL: return dec_b32<GgmlType::IQ4_NL, E, S>;
+    case GgmlType::MXFP4: return dec_b32<GgmlType::MXFP4, E, S>;
     default: return nullptr;
   }
 }
 
 }  // namespace
-}  // namespace strata::quant::detail::simd
+}  // namespace strata::cpu::kernels::detail::simd

@@ -5,10 +5,10 @@
 // instruction-set copy.
 #include <cstdint>
 
-#include "quant/act_q8.h"
-#include "quant/simd_intrin.h"
+#include "backend/cpu/kernels/act_q8.h"
+#include "backend/cpu/kernels/simd_intrin.h"
 
-namespace strata::quant::detail::b32 {
+namespace strata::cpu::kernels::detail::b32 {
 namespace {
 
 /// Mask of the first n (0..8) int32 lanes, for vmaskmov.
@@ -56,4 +56,4 @@ inline void b32_factors(const uint8_t* wg, int nv, __m256& fd, __m256& fc) {
 }
 
 }  // namespace
-}  // namespace strata::quant::detail::b32
+}  // namespace strata::cpu::kernels::detail::b32

@@ -19,12 +19,12 @@
 #include <cstdint>
 #include <cstring>
 
-#include "quant/act_q8.h"
-#include "quant/quant_impl.h"
+#include "backend/cpu/kernels/act_q8.h"
+#include "backend/cpu/kernels/kernels_impl.h"
 #include "quant/quant_tables.h"
-#include "quant/simd_intrin.h"
+#include "backend/cpu/kernels/simd_intrin.h"
 
-namespace strata::quant::detail::iq2q8 {
+namespace strata::cpu::kernels::detail::iq2q8 {
 namespace {  // internal linkage: compiled once per instruction set
 
 constexpr int kPrefetch = kQ8Prefetch;
@@ -150,4 +150,4 @@ void rows(const uint8_t* W, size_t row_bytes, int64_t r0, int64_t r1, int64_t n_
 }
 
 }  // namespace
-}  // namespace strata::quant::detail::iq2q8
+}  // namespace strata::cpu::kernels::detail::iq2q8

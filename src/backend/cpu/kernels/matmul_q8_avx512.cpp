@@ -5,7 +5,7 @@
 // Loop order: blocks of 64 tokens (their int8 codes stay in L2), then rows, then tiles of up
 // to 4 tokens that share one decode of the row's weights. Every (row, token) pair runs the
 // same instruction sequence whatever the tile, so results are batch invariant.
-#include "quant/simd_intrin.h"
+#include "backend/cpu/kernels/simd_intrin.h"
 
 #include <algorithm>
 #include <array>
@@ -14,12 +14,12 @@
 #include <type_traits>
 #include <vector>
 
-#include "quant/act_q8.h"
-#include "quant/b32_factors.h"
-#include "quant/iq2xs_q8_kernel.h"
+#include "backend/cpu/kernels/act_q8.h"
+#include "backend/cpu/kernels/b32_factors.h"
+#include "backend/cpu/kernels/iq2xs_q8_kernel.h"
 #include "quant/quant_tables.h"
 
-namespace strata::quant::detail {
+namespace strata::cpu::kernels::detail {
 
 namespace {
 
@@ -486,58 +486,40 @@ void row_iq3_s(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
   for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum16(acc[t]);
 }
 
+/// The AVX-512 kernels at one level (VNNI or not) for run_q8_blocks (act_q8.h), tiles of up to 4
+/// tokens. IQ2_XS takes whole blocks of rows and tokens (iq2xs_q8_kernel.h), at the Icl level
+/// from its own translation unit.
 template <bool VNNI>
-void run(const MatmulArgs& m, const ActQ8& a, Q8Isa isa) {
-  constexpr int64_t kTokBlock = 64;  // their codes stay in L2 while every row passes
-  for (int64_t t0 = 0; t0 < m.n_tok; t0 += kTokBlock) {
-    const int64_t t1 = std::min(m.n_tok, t0 + kTokBlock);
-    if (has_lane_order(m.type)) {
-      // the super-block types: the codes in the type's lane order, kept in `a` when it was
-      // quantized for this type, else rearranged here (this block, once per call)
-      const LaneTokens tk = lane_tokens(m.type, a, t0, t1);
-      if (m.type == GgmlType::Q4_K) {
-        rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
-          row_q4_k<decltype(tb)::value, VNNI, false>(w, tk.from(t - t0), y, m.ldy);
-        });
-      } else if (m.type == GgmlType::Q5_K) {
-        rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
-          row_q4_k<decltype(tb)::value, VNNI, true>(w, tk.from(t - t0), y, m.ldy);
-        });
-      } else if (m.type == GgmlType::Q2_K) {
-        rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
-          row_q2_k<decltype(tb)::value, VNNI>(w, tk.from(t - t0), y, m.ldy);
-        });
-      } else if (m.type == GgmlType::Q3_K) {
-        rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
-          row_q3_k<decltype(tb)::value, VNNI>(w, tk.from(t - t0), y, m.ldy);
-        });
-      } else if (m.type == GgmlType::IQ3_S) {
-        rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
-          row_iq3_s<decltype(tb)::value, VNNI>(w, tk.from(t - t0), y, m.ldy);
-        });
-      } else if (m.type == GgmlType::IQ4_XS) {
-        rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
-          row_iq4_xs<decltype(tb)::value, VNNI>(w, tk.from(t - t0), y, m.ldy);
-        });
-      } else if (m.type == GgmlType::Q6_K) {
-        rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
-          row_q6_k<decltype(tb)::value, VNNI>(w, tk.from(t - t0), y, m.ldy);
-        });
-      } else if (isa == Q8Isa::Avx512Icl) {
-        iq2xs_rows_icl(m.W, m.row_bytes, m.row_begin, m.row_end, t1 - t0, tk, m.y + t0 * m.ldy, m.ldy);
-      } else {
-        iq2q8::rows<VNNI, false>(m.W, m.row_bytes, m.row_begin, m.row_end, t1 - t0, tk, m.y + t0 * m.ldy, m.ldy);
-      }
-      continue;
-    }
-    auto b32 = [&](auto type) {
-      rows_by_tiles(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
-        row_b32<decltype(type)::value, decltype(tb)::value, VNNI>(w, Tokens{a.qt(t), a.dt(t), a.st(t), a.cols}, y, m.ldy);
-      });
-    };
-    with_b32_type(m.type, b32);
+struct Avx512Q8 {
+  Q8Isa isa;
+
+  template <GgmlType T, int TB>
+  void lane_row(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) const {
+    using G = GgmlType;
+    if constexpr (T == G::Q4_K) row_q4_k<TB, VNNI, false>(w, tk, y, ldy);
+    else if constexpr (T == G::Q5_K) row_q4_k<TB, VNNI, true>(w, tk, y, ldy);
+    else if constexpr (T == G::Q2_K) row_q2_k<TB, VNNI>(w, tk, y, ldy);
+    else if constexpr (T == G::Q3_K) row_q3_k<TB, VNNI>(w, tk, y, ldy);
+    else if constexpr (T == G::IQ3_S) row_iq3_s<TB, VNNI>(w, tk, y, ldy);
+    else if constexpr (T == G::IQ4_XS) row_iq4_xs<TB, VNNI>(w, tk, y, ldy);
+    else if constexpr (T == G::Q6_K) row_q6_k<TB, VNNI>(w, tk, y, ldy);
+    // IQ2_XS never comes here: lane_block takes it
   }
-}
+  bool lane_block(const MatmulArgs& m, int64_t t0, int64_t t1, const LaneTokens& tk) const {
+    if (m.type != GgmlType::IQ2_XS) return false;
+    if (isa == Q8Isa::Avx512Icl) {
+      iq2xs_rows_icl(m.W, m.row_bytes, m.row_begin, m.row_end, t1 - t0, tk, m.y + t0 * m.ldy, m.ldy);
+    } else {
+      iq2q8::rows<VNNI, false>(m.W, m.row_bytes, m.row_begin, m.row_end, t1 - t0, tk, m.y + t0 * m.ldy, m.ldy);
+    }
+    return true;
+  }
+  void b32_block(const MatmulArgs&, const ActQ8&, int64_t, int64_t) const {}
+  template <GgmlType T, int TB>
+  void b32_row(const uint8_t* w, const Tokens& tk, int64_t, float* y, int64_t ldy) const {
+    row_b32<T, TB, VNNI>(w, tk, y, ldy);
+  }
+};
 
 }  // namespace
 
@@ -572,13 +554,12 @@ Q8Isa best_q8_isa() {
 }
 
 bool matmul_q8_avx512(const MatmulArgs& m, const ActQ8& a, Q8Isa isa) {
-  if (!has_q8_kernel(m.type)) return false;
   if (isa == Q8Isa::Avx512) {
-    run<false>(m, a, isa);
-  } else {
-    run<true>(m, a, isa);
+    Avx512Q8<false> k{isa};
+    return run_q8_blocks<4>(m, a, k);
   }
-  return true;
+  Avx512Q8<true> k{isa};
+  return run_q8_blocks<4>(m, a, k);
 }
 
-}  // namespace strata::quant::detail
+}  // namespace strata::cpu::kernels::detail

@@ -1,12 +1,13 @@
 // AVX-512 family: row decoders (block -> fp32, values bit-identical to the scalar reference)
 // and the drivers of simd_driver.h with 16-lane vectors (2 accumulators = 32 lanes per
 // (row, token) pair; panel micro-kernel 3 rows x 4 tokens; fused path up to 4 tokens).
-#include "quant/simd_intrin.h"
+#include "backend/cpu/kernels/simd_intrin.h"
 //
-#include "quant/simd_driver.h"
-#include "quant/simd_decoders.h"
+#include "backend/cpu/kernels/simd_driver.h"
+#include "backend/cpu/kernels/simd_decoders.h"
+#include "backend/cpu/kernels/act_q8.h"
 
-namespace strata::quant::detail {
+namespace strata::cpu::kernels::detail {
 
 namespace {
 
@@ -23,6 +24,11 @@ struct V512 {
   static vec fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
   static vec add(vec a, vec b) { return _mm512_add_ps(a, b); }
   static float hsum(vec v) { return simd_hsum16(v); }
+  static vec load_f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static vec load_bf16(const uint8_t* p) {
+    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  }
 };
 
 // Keeps the compiler from contracting a multiply into a following add (-ffp-contract=fast is
@@ -70,55 +76,56 @@ inline __m512 i8_table(const int8_t* t) { return _mm512_cvtepi32_ps(_mm512_cvtep
 inline __m512i idx16(__m128i bytes) { return _mm512_cvtepu8_epi32(bytes); }
 inline __m512i hi4(__m512i idx) { return _mm512_srli_epi32(idx, 4); }
 
-template <class S>
-void lut_q4_0(const uint8_t* b, S& out, int64_t n) {
-  S o = out;
-  const __m512 base = _mm512_sub_ps(iota16(), _mm512_set1_ps(8.f));  // q - 8, exact
-  for (int64_t i = 0; i < n; i += 32, b += 18) {
-    const __m512 t = _mm512_mul_ps(base, _mm512_set1_ps(_cvtsh_ss(load_u16(b))));
-    const __m512i q = idx16(simd::ld16(b + 2));
-    o.put(_mm512_permutexvar_ps(q, t));
-    o.put(_mm512_permutexvar_ps(hi4(q), t));
-  }
-  out = o;
+/// 5-bit codes: low nibble from idx (bits 3:0), 5th bit from `h` (bit i for lane i) into bit 4.
+inline __m512i idx5(__m512i nib_idx, __mmask16 h) {
+  const __m512i lo = _mm512_and_si512(nib_idx, _mm512_set1_epi32(15));
+  return _mm512_mask_or_epi32(lo, h, lo, _mm512_set1_epi32(16));
 }
 
-template <class S>
-void lut_q4_1(const uint8_t* b, S& out, int64_t n) {
+/// The 32-weight block types with at most 32 values per block (b32_format: Q4_0, Q4_1, Q5_0,
+/// Q5_1, IQ4_NL, MXFP4). The table of a block: entry u = base[u] * d (+ m with a min: the product
+/// rounded first), base[u] = values[u] (IQ4_NL, MXFP4) or u - offset (u < 16 in tl, u + 16 in th
+/// for the 5-bit types), all exact; 16 codes are expanded with one vpermps (4 bits) or
+/// vpermt2ps (5 bits).
+template <GgmlType T, class S>
+void lut_b32(const uint8_t* b, S& out, int64_t n) {
+  constexpr B32Format F = b32_format(T);
+  constexpr bool kFive = F.qh >= 0;
+  static_assert(F.bytes != 0 && F.qs + 32 != F.bytes, "not a 4/5-bit type");
   S o = out;
-  for (int64_t i = 0; i < n; i += 32, b += 20) {
-    const __m512 t = _mm512_add_ps(opaque(_mm512_mul_ps(iota16(), _mm512_set1_ps(_cvtsh_ss(load_u16(b))))),
-                                   _mm512_set1_ps(_cvtsh_ss(load_u16(b + 2))));
-    const __m512i q = idx16(simd::ld16(b + 4));
-    o.put(_mm512_permutexvar_ps(q, t));
-    o.put(_mm512_permutexvar_ps(hi4(q), t));
+  const __m512 off = _mm512_set1_ps(F.min >= 0 ? 0.f : static_cast<float>(F.offset));
+  __m512 lo_base, hi_base = _mm512_sub_ps(_mm512_add_ps(iota16(), _mm512_set1_ps(16.f)), off);
+  if constexpr (F.table) {
+    lo_base = i8_table(F.values);
+  } else {
+    lo_base = _mm512_sub_ps(iota16(), off);
   }
-  out = o;
-}
-
-template <class S>
-void lut_iq4_nl(const uint8_t* b, S& out, int64_t n) {
-  S o = out;
-  const __m512 kv = i8_table(tables::kvalues_iq4nl);
-  for (int64_t i = 0; i < n; i += 32, b += 18) {
-    const __m512 t = _mm512_mul_ps(kv, _mm512_set1_ps(_cvtsh_ss(load_u16(b))));
-    const __m512i q = idx16(simd::ld16(b + 2));
-    o.put(_mm512_permutexvar_ps(q, t));
-    o.put(_mm512_permutexvar_ps(hi4(q), t));
-  }
-  out = o;
-}
-
-template <class S>
-void lut_mxfp4(const uint8_t* b, S& out, int64_t n) {
-  S o = out;
-  const __m512 kv = i8_table(tables::kvalues_fp4);
-  for (int64_t i = 0; i < n; i += 32, b += 17) {
-    const float d = e8m0_half(b[0]);
-    const __m512 t = _mm512_mul_ps(kv, _mm512_set1_ps(d));
-    const __m512i q = idx16(simd::ld16(b + 1));
-    o.put(_mm512_permutexvar_ps(q, t));
-    o.put(_mm512_permutexvar_ps(hi4(q), t));
+  for (int64_t i = 0; i < n; i += 32, b += F.bytes) {
+    float d;
+    if constexpr (F.e8m0) {
+      d = e8m0_half(b[0]);
+    } else {
+      d = _cvtsh_ss(load_u16(b));
+    }
+    const __m512 dv = _mm512_set1_ps(d);
+    __m512 tl, th = _mm512_setzero_ps();
+    if constexpr (F.min >= 0) {
+      const __m512 mv = _mm512_set1_ps(_cvtsh_ss(load_u16(b + F.min)));
+      tl = _mm512_add_ps(opaque(_mm512_mul_ps(lo_base, dv)), mv);
+      if constexpr (kFive) th = _mm512_add_ps(opaque(_mm512_mul_ps(hi_base, dv)), mv);
+    } else {
+      tl = _mm512_mul_ps(lo_base, dv);
+      if constexpr (kFive) th = _mm512_mul_ps(hi_base, dv);
+    }
+    const __m512i q = idx16(simd::ld16(b + F.qs));
+    if constexpr (kFive) {
+      const uint32_t qh = load_u32(b + F.qh);
+      o.put(_mm512_permutex2var_ps(tl, idx5(q, static_cast<__mmask16>(qh)), th));
+      o.put(_mm512_permutex2var_ps(tl, idx5(hi4(q), static_cast<__mmask16>(qh >> 16)), th));
+    } else {
+      o.put(_mm512_permutexvar_ps(q, tl));
+      o.put(_mm512_permutexvar_ps(hi4(q), tl));
+    }
   }
   out = o;
 }
@@ -238,44 +245,6 @@ void lut_iq2_xs(const uint8_t* b, S& out, int64_t n) {
   out = o;
 }
 
-/// 5-bit codes: low nibble from idx (bits 3:0), 5th bit from `h` (bit i for lane i) into bit 4.
-inline __m512i idx5(__m512i nib_idx, __mmask16 h) {
-  const __m512i lo = _mm512_and_si512(nib_idx, _mm512_set1_epi32(15));
-  return _mm512_mask_or_epi32(lo, h, lo, _mm512_set1_epi32(16));
-}
-
-template <class S>
-void lut_q5_0(const uint8_t* b, S& out, int64_t n) {
-  S o = out;
-  const __m512 lo_base = _mm512_sub_ps(iota16(), _mm512_set1_ps(16.f));  // codes 0..15 -> -16..-1
-  const __m512 hi_base = iota16();                                      // codes 16..31 -> 0..15
-  for (int64_t i = 0; i < n; i += 32, b += 22) {
-    const __m512 dv = _mm512_set1_ps(_cvtsh_ss(load_u16(b)));
-    const __m512 tl = _mm512_mul_ps(lo_base, dv), th = _mm512_mul_ps(hi_base, dv);
-    const uint32_t qh = load_u32(b + 2);
-    const __m512i q = idx16(simd::ld16(b + 6));
-    o.put(_mm512_permutex2var_ps(tl, idx5(q, static_cast<__mmask16>(qh)), th));
-    o.put(_mm512_permutex2var_ps(tl, idx5(hi4(q), static_cast<__mmask16>(qh >> 16)), th));
-  }
-  out = o;
-}
-
-template <class S>
-void lut_q5_1(const uint8_t* b, S& out, int64_t n) {
-  S o = out;
-  const __m512 hi_base = _mm512_add_ps(iota16(), _mm512_set1_ps(16.f));
-  for (int64_t i = 0; i < n; i += 32, b += 24) {
-    const __m512 dv = _mm512_set1_ps(_cvtsh_ss(load_u16(b))), mv = _mm512_set1_ps(_cvtsh_ss(load_u16(b + 2)));
-    const __m512 tl = _mm512_add_ps(opaque(_mm512_mul_ps(iota16(), dv)), mv);
-    const __m512 th = _mm512_add_ps(opaque(_mm512_mul_ps(hi_base, dv)), mv);
-    const uint32_t qh = load_u32(b + 4);
-    const __m512i q = idx16(simd::ld16(b + 8));
-    o.put(_mm512_permutex2var_ps(tl, idx5(q, static_cast<__mmask16>(qh)), th));
-    o.put(_mm512_permutex2var_ps(tl, idx5(hi4(q), static_cast<__mmask16>(qh >> 16)), th));
-  }
-  out = o;
-}
-
 template <class S>
 void lut_q5_k(const uint8_t* b, S& out, int64_t n) {
   S o = out;
@@ -307,138 +276,39 @@ void lut_q5_k(const uint8_t* b, S& out, int64_t n) {
   out = o;
 }
 
-// F32/F16/BF16 as sink decoders (n % 16 == 0), so that decode-sized calls can use the fused path.
-template <class S>
-void sink_f32(const uint8_t* b, S& out, int64_t n) {
-  S o = out;
-  for (int64_t i = 0; i < n; i += 16) o.put(_mm512_loadu_ps(reinterpret_cast<const float*>(b) + i));
-  out = o;
-}
-
-template <class S>
-void sink_f16(const uint8_t* b, S& out, int64_t n) {
-  S o = out;
-  for (int64_t i = 0; i < n; i += 16)
-    o.put(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2 * i))));
-  out = o;
-}
-
-template <class S>
-void sink_bf16(const uint8_t* b, S& out, int64_t n) {
-  S o = out;
-  for (int64_t i = 0; i < n; i += 16) {
-    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2 * i)));
-    o.put(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
-  }
-  out = o;
-}
-
 /// The AVX-512 decoder of block type t for sink S: table decoders where they apply, the shared
-/// decoders otherwise.
+/// decoders otherwise (the plain types are the family driver's, simd_driver.h).
 template <class S>
-simd::SinkDecodeFn<E512, S> decoder512(GgmlType t) {
+simd::SinkFn<S> decoder512(GgmlType t) {
   switch (t) {
-    case GgmlType::Q4_0: return lut_q4_0<S>;
-    case GgmlType::Q4_1: return lut_q4_1<S>;
-    case GgmlType::Q5_0: return lut_q5_0<S>;
-    case GgmlType::Q5_1: return lut_q5_1<S>;
+    case GgmlType::Q4_0: return lut_b32<GgmlType::Q4_0, S>;
+    case GgmlType::Q4_1: return lut_b32<GgmlType::Q4_1, S>;
+    case GgmlType::Q5_0: return lut_b32<GgmlType::Q5_0, S>;
+    case GgmlType::Q5_1: return lut_b32<GgmlType::Q5_1, S>;
     case GgmlType::Q4_K: return lut_q4_k<S>;
     case GgmlType::Q5_K: return lut_q5_k<S>;
-    case GgmlType::IQ4_NL: return lut_iq4_nl<S>;
+    case GgmlType::IQ4_NL: return lut_b32<GgmlType::IQ4_NL, S>;
     case GgmlType::IQ4_XS: return lut_iq4_xs<S>;
     case GgmlType::IQ2_XS: return lut_iq2_xs<S>;
-    case GgmlType::MXFP4: return lut_mxfp4<S>;
-    case GgmlType::F32: return sink_f32<S>;
-    case GgmlType::F16: return sink_f16<S>;
-    case GgmlType::BF16: return sink_bf16<S>;
+    case GgmlType::MXFP4: return lut_b32<GgmlType::MXFP4, S>;
     default: return simd::block_decoder<E512, S>(t);
   }
 }
 
-void dec_f32(const uint8_t* s, float* o, int64_t n) { std::memcpy(o, s, static_cast<size_t>(n) * 4); }
-
-void dec_f16(const uint8_t* s, float* o, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm512_store_ps(o + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 2 * i))));
-  for (; i < n; ++i) o[i] = half_to_float(load_u16(s + 2 * i));
-}
-
-void dec_bf16(const uint8_t* s, float* o, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 2 * i)));
-    _mm512_store_ps(o + i, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+/// The AVX-512 block decoders (decoder512) for the family driver.
+struct Blocks512 {
+  template <class S>
+  static simd::SinkFn<S> get(GgmlType t) {
+    return decoder512<S>(t);
   }
-  for (; i < n; ++i) o[i] = bf16_to_float(load_u16(s + 2 * i));
-}
-
-simd::DecodeFn plain_decoder(GgmlType t) {
-  switch (t) {
-    case GgmlType::F32: return dec_f32;
-    case GgmlType::F16: return dec_f16;
-    case GgmlType::BF16: return dec_bf16;
-    default: return nullptr;
-  }
-}
-
-using StoreSink = simd::Store<V512>;
-
-template <int NT>
-bool fused(const MatmulArgs& a) {
-  const auto dec = decoder512<simd::Fused<V512, NT>>(a.type);
-  if (!dec) return false;
-  simd::run_fused<V512, NT>(dec, a);
-  return true;
-}
+};
 
 }  // namespace
 
 bool decode_row_avx512(GgmlType t, const void* src, float* dst, int64_t n) {
-  const auto* s = static_cast<const uint8_t*>(src);
-  float* tmp = simd::scratch(static_cast<size_t>(n) + 16);  // decoders store aligned
-  if (const simd::DecodeFn f = plain_decoder(t)) {
-    f(s, tmp, n);
-  } else if (const auto dec = decoder512<StoreSink>(t)) {  // block types only here
-    StoreSink sink{tmp};
-    dec(s, sink, n);
-  } else {
-    return false;
-  }
-  std::memcpy(dst, tmp, static_cast<size_t>(n) * sizeof(float));
-  return true;
+  return simd::decode_row<V512, Blocks512>(t, src, dst, n);
 }
 
-bool matmul_avx512(const MatmulArgs& a) {
-  const bool plain = plain_decoder(a.type) != nullptr;
-  if (plain && a.cols % (2 * V512::W) != 0) {  // ragged rows: only the panel path has tails
-    simd::run<V512>(plain_decoder(a.type), a);
-    return true;
-  }
-  switch (a.n_tok) {
-    case 1: return fused<1>(a);
-    case 2: return fused<2>(a);
-    case 3: return fused<3>(a);
-    case 4: return fused<4>(a);
-    default: break;
-  }
-  if (a.type == GgmlType::F32 && a.row_bytes % sizeof(float) == 0) {  // prefill on F32: no copy
-    simd::run_direct<V512>(a);
-    return true;
-  }
-  if (plain) {
-    simd::run<V512>(plain_decoder(a.type), a);
-    return true;
-  }
-  const auto dec = decoder512<StoreSink>(a.type);
-  if (!dec) return false;
-  simd::run<V512>(
-      [dec](const uint8_t* src, float* dst, int64_t cols) {
-        StoreSink sink{dst};
-        dec(src, sink, cols);
-      },
-      a);
-  return true;
-}
+bool matmul_avx512(const MatmulArgs& a) { return simd::matmul_family<V512, Blocks512>(a); }
 
-}  // namespace strata::quant::detail
+}  // namespace strata::cpu::kernels::detail

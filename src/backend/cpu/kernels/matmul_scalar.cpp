@@ -5,15 +5,15 @@
 #include <vector>
 
 #include "quant/quant.h"
-#include "quant/quant_impl.h"
+#include "backend/cpu/kernels/kernels_impl.h"
 
-namespace strata::quant::detail {
+namespace strata::cpu::kernels::detail {
 
 void matmul_scalar(const MatmulArgs& a) {
   thread_local std::vector<float> row;
   row.resize(static_cast<size_t>(a.cols));
   for (int64_t r = a.row_begin; r < a.row_end; ++r) {
-    dequantize_row(a.type, a.W + static_cast<size_t>(r) * a.row_bytes, row.data(), a.cols);
+    quant::dequantize_row(a.type, a.W + static_cast<size_t>(r) * a.row_bytes, row.data(), a.cols);
     for (int64_t t = 0; t < a.n_tok; ++t) {
       const float* xt = a.x + t * a.ldx;
       double acc = 0.0;
@@ -23,4 +23,4 @@ void matmul_scalar(const MatmulArgs& a) {
   }
 }
 
-}  // namespace strata::quant::detail
+}  // namespace strata::cpu::kernels::detail

@@ -12,10 +12,10 @@
 #include <stdexcept>
 #include <vector>
 
-#include "quant/act_q8.h"
+#include "backend/cpu/kernels/act_q8.h"
 #include "quant/quant_tables.h"
 
-namespace strata::quant::detail {
+namespace strata::cpu::kernels::detail {
 
 namespace {
 
@@ -343,4 +343,4 @@ void matmul_q8_scalar(const MatmulArgs& m, const ActQ8& a) {
   }
 }
 
-}  // namespace strata::quant::detail
+}  // namespace strata::cpu::kernels::detail

@@ -29,9 +29,9 @@
 #include <cstring>
 #include <memory>
 
-#include "quant/quant_impl.h"
+#include "backend/cpu/kernels/kernels_impl.h"
 
-namespace strata::quant::detail::simd {
+namespace strata::cpu::kernels::detail::simd {
 
 namespace {  // internal linkage: each SIMD translation unit gets its own copy (see quant_impl.h)
 
@@ -249,5 +249,137 @@ void run(Dec dec, const MatmulArgs& a) {
   }
 }
 
+// ---- the family driver: F32/F16/BF16 decoders and the path choice, written once ----
+// The traits V also provide V::load_f16(p) / V::load_bf16(p): the V::W halves / bfloat16 at p
+// (bytes) as floats, exactly.
+
+/// A decoder that hands a row's weights to a sink S (Store, Fused), V::W at a time, in order.
+template <class S>
+using SinkFn = void (*)(const uint8_t* src, S& out, int64_t cols);
+
+template <class V>
+void dec_f32(const uint8_t* s, float* o, int64_t n) {
+  std::memcpy(o, s, static_cast<size_t>(n) * 4);
+}
+template <class V>
+void dec_f16(const uint8_t* s, float* o, int64_t n) {
+  int64_t i = 0;
+  for (; i + V::W <= n; i += V::W) V::store(o + i, V::load_f16(s + 2 * i));
+  for (; i < n; ++i) o[i] = half_to_float(load_u16(s + 2 * i));
+}
+template <class V>
+void dec_bf16(const uint8_t* s, float* o, int64_t n) {
+  int64_t i = 0;
+  for (; i + V::W <= n; i += V::W) V::store(o + i, V::load_bf16(s + 2 * i));
+  for (; i < n; ++i) o[i] = bf16_to_float(load_u16(s + 2 * i));
+}
+
+/// The row decoder of a plain type (F32/F16/BF16; any cols), or nullptr.
+template <class V>
+DecodeFn plain_decoder(GgmlType t) {
+  switch (t) {
+    case GgmlType::F32: return dec_f32<V>;
+    case GgmlType::F16: return dec_f16<V>;
+    case GgmlType::BF16: return dec_bf16<V>;
+    default: return nullptr;
+  }
+}
+
+// F32/F16/BF16 as sink decoders (n % V::W == 0), so that decode-sized calls can use the fused path.
+template <class V, class S>
+void sink_f32(const uint8_t* b, S& out, int64_t n) {
+  S o = out;
+  for (int64_t i = 0; i < n; i += V::W) o.put(V::loadu(reinterpret_cast<const float*>(b) + i));
+  out = o;
+}
+template <class V, class S>
+void sink_f16(const uint8_t* b, S& out, int64_t n) {
+  S o = out;
+  for (int64_t i = 0; i < n; i += V::W) o.put(V::load_f16(b + 2 * i));
+  out = o;
+}
+template <class V, class S>
+void sink_bf16(const uint8_t* b, S& out, int64_t n) {
+  S o = out;
+  for (int64_t i = 0; i < n; i += V::W) o.put(V::load_bf16(b + 2 * i));
+  out = o;
+}
+
+/// The sink decoder of type t: the plain types here, the block types from the family
+/// (Blocks::template get<S>(t), nullptr where it has none).
+template <class V, class Blocks, class S>
+SinkFn<S> sink_decoder(GgmlType t) {
+  switch (t) {
+    case GgmlType::F32: return sink_f32<V, S>;
+    case GgmlType::F16: return sink_f16<V, S>;
+    case GgmlType::BF16: return sink_bf16<V, S>;
+    default: return Blocks::template get<S>(t);
+  }
+}
+
+/// Decodes n elements of type t at src to floats at dst with the family's decoders (the test
+/// hook decode_row_avx2/avx512). False if the family has no decoder for t.
+template <class V, class Blocks>
+bool decode_row(GgmlType t, const void* src, float* dst, int64_t n) {
+  const auto* s = static_cast<const uint8_t*>(src);
+  float* tmp = scratch(static_cast<size_t>(n) + 16);  // decoders store aligned
+  if (const DecodeFn f = plain_decoder<V>(t)) {
+    f(s, tmp, n);
+  } else if (const auto dec = Blocks::template get<Store<V>>(t)) {  // block types only here
+    Store<V> sink{tmp};
+    dec(s, sink, n);
+  } else {
+    return false;
+  }
+  std::memcpy(dst, tmp, static_cast<size_t>(n) * sizeof(float));
+  return true;
+}
+
+template <class V, class Blocks, int NT>
+bool fused(const MatmulArgs& a) {
+  const auto dec = sink_decoder<V, Blocks, Fused<V, NT>>(a.type);
+  if (!dec) return false;
+  run_fused<V, NT>(dec, a);
+  return true;
+}
+
+/// One f32-activation matmul call of a SIMD family (traits V, block decoders Blocks): ragged
+/// plain rows take the panel path (the only one with tails), decode-sized calls (1-4 tokens) the
+/// fused path, F32 prefill the panel path on the weights in place, the rest the panel path on
+/// decoded panels. False (nothing done) for a type the family has no decoder for.
+template <class V, class Blocks>
+bool matmul_family(const MatmulArgs& a) {
+  static_assert(V::FUSED_MAX == 4);
+  const DecodeFn plain = plain_decoder<V>(a.type);
+  if (plain && a.cols % (2 * V::W) != 0) {
+    run<V>(plain, a);
+    return true;
+  }
+  switch (a.n_tok) {
+    case 1: return fused<V, Blocks, 1>(a);
+    case 2: return fused<V, Blocks, 2>(a);
+    case 3: return fused<V, Blocks, 3>(a);
+    case 4: return fused<V, Blocks, 4>(a);
+    default: break;
+  }
+  if (a.type == GgmlType::F32 && a.row_bytes % sizeof(float) == 0) {  // prefill on F32: no copy
+    run_direct<V>(a);
+    return true;
+  }
+  if (plain) {
+    run<V>(plain, a);
+    return true;
+  }
+  const auto dec = Blocks::template get<Store<V>>(a.type);
+  if (!dec) return false;
+  run<V>(
+      [dec](const uint8_t* src, float* dst, int64_t cols) {
+        Store<V> sink{dst};
+        dec(src, sink, cols);
+      },
+      a);
+  return true;
+}
+
 }  // namespace
-}  // namespace strata::quant::detail::simd
+}  // namespace strata::cpu::kernels::detail::simd
