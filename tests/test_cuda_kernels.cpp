@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdlib>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -508,4 +510,56 @@ TEST(CudaKernels, GatedDeltaNetMatchesCpuBlock) {
   EXPECT_LE(e_ss, 1e-4);
   EXPECT_LE(e_cs, 1e-5);
   quant::set_cpu_kernels(quant::CpuKernels::Auto);
+}
+
+// Timings, only with STRATA_CUDA_BENCH=1 (wall clock around synchronize, 20 repetitions after a
+// warm-up): matmul at n_tok = 1 (GB/s of weight bytes) and 512 (GFLOP/s), attention prefill and
+// decode. Weights 32768 x 4096, larger than the H200's L2.
+TEST(CudaKernels, Timings) {
+  REQUIRE_CUDA_DEVICE();
+  const char* env = std::getenv("STRATA_CUDA_BENCH");
+  if (!env || std::string(env) != "1") GTEST_SKIP() << "set STRATA_CUDA_BENCH=1 to time the kernels";
+  std::mt19937 rng(1);
+  auto time_ms = [](auto&& fn) {
+    fn();
+    cuda::synchronize();
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 20; ++i) fn();
+    cuda::synchronize();
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / 20;
+  };
+  const int64_t rows = 32768, cols = 4096;
+  const auto x = random_floats(size_t(512 * cols), rng);
+  auto dx = upload(x);
+  cuda::DeviceBuffer dy(size_t(512 * rows) * 4);
+  for (GgmlType t : {GgmlType::BF16, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K,
+                     GgmlType::IQ2_XS, GgmlType::IQ3_S, GgmlType::IQ4_XS, GgmlType::MXFP4}) {
+    const size_t rb = quant::row_size(t, cols);
+    auto dw = upload(random_rows(t, rows, cols, rng));
+    const double ms1 = time_ms([&] {
+      cuda::matmul(t, dw.get(), rb, rows, cols, dx.as<float>(), cols, 1, dy.as<float>(), rows);
+    });
+    const double ms512 = time_ms([&] {
+      cuda::matmul(t, dw.get(), rb, rows, cols, dx.as<float>(), cols, 512, dy.as<float>(), rows);
+    });
+    std::printf("timing matmul %-6s %lldx%lld: n_tok=1 %.3f ms = %.0f GB/s | n_tok=512 %.2f ms = %.0f GFLOP/s\n",
+                strata::ggml_type_name(t).c_str(), (long long)rows, (long long)cols, ms1, double(rb * rows) / ms1 / 1e6,
+                ms512, 2.0 * rows * cols * 512 / ms512 / 1e6);
+  }
+  // attention: 32 query heads, 4 KV heads, dim 128 (the Qwen3-30B-A3B shape)
+  cuda::AttentionArgs a;
+  a.n_head = 32, a.n_head_kv = 4, a.head_dim = 128, a.scale = 1.0f / std::sqrt(128.0f);
+  a.q_stride = a.out_stride = 32 * 128, a.kv_stride = 4 * 128;
+  const int64_t n_ctx = 4096;
+  auto dq = upload(random_floats(size_t(2048 * a.q_stride), rng));
+  auto dk = upload(random_floats(size_t(n_ctx * a.kv_stride), rng));
+  auto dv = upload(random_floats(size_t(n_ctx * a.kv_stride), rng));
+  cuda::DeviceBuffer dout(size_t(2048 * a.out_stride) * 4);
+  a.q = dq.as<float>(), a.k = dk.as<float>(), a.v = dv.as<float>(), a.out = dout.as<float>();
+  a.n_tok = 2048, a.pos0 = 0;
+  const double pre = time_ms([&] { cuda::attention(a); });
+  a.n_tok = 1, a.pos0 = n_ctx - 1;
+  const double dec = time_ms([&] { cuda::attention(a); });
+  std::printf("timing attention 32/4 heads dim 128: prefill 2048 tokens %.2f ms (%.0f GFLOP/s), decode at 4096 %.3f ms\n",
+              pre, 4.0 * 32 * 128 * 2048.0 * 2049 / 2 / pre / 1e6, dec);
 }
