@@ -1,0 +1,319 @@
+#pragma once
+// The backend interface: what an architecture's forward pass asks of the machine it runs on.
+//
+// Block-level, in the spirit of ggml-backend's split between memory (buffers by role),
+// transfers and synchronization (upload, download, events) and compute, but without a graph:
+// in every MoE layer the host must stand between the router and the expert matmuls (the cut:
+// the routed ids decide which expert reads are urgent and which slots are pinned), and the
+// next layer's read-ahead must leave for the IO threads before this layer's experts run. So
+// the boundary is one call per block, and a device backend queues its kernels asynchronously
+// and only routing decisions cross back to the host each layer (docs/architecture.md).
+//
+// Conventions: a Tensor is a non-owning view with a ggml type, a shape in ggml `ne` order
+// (ne[0] is the contiguous dimension: the columns of a weight matrix, the features of an
+// activation row) and byte strides nb[] (nb[0] = element or block size, nb[1] = row stride).
+// Activations are fp32 rows of [T][n_embd] (ne = {n_embd, T}). Weight matrices W with
+// `rows` output features and `cols` input features are ne = {cols, rows} and y = x W^T.
+// Every compute call computes each token's result from that token's inputs only, in an order
+// that does not depend on how many tokens share the call (batch invariance: results do not
+// depend on prompt chunking, arena size, IO timing or thread count).
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "gguf/ggml_types.h"
+
+namespace strata::backend {
+
+/// Where a tensor's bytes live: host memory, or the memory of the backend's device.
+enum class Place : uint8_t { Host, Device };
+
+/// What a buffer holds; a backend may place roles differently (e.g. a GPU backend keeps weights,
+/// activations, state and the arena in device memory and staging in pinned host memory).
+enum class BufferRole : uint8_t {
+  Weights,      ///< resident (dense) weights
+  Activations,  ///< per-call scratch: hidden states, projections, expert outputs
+  State,        ///< per-sequence state: KV cache, recurrent state (zero-initialized)
+  Arena,        ///< the expert arena's slots
+  Staging,      ///< host memory that reads land in before a copy to the device
+};
+
+/// A non-owning view of a tensor. Shape in ggml `ne` order (ne[0] contiguous); nb[] in bytes.
+struct Tensor {
+  GgmlType type = GgmlType::F32;
+  int64_t ne[4] = {0, 1, 1, 1};
+  size_t nb[4] = {0, 0, 0, 0};
+  void* data = nullptr;
+  Place place = Place::Host;
+
+  /// `rows` rows of `cols` elements of type `t`, `row_bytes` apart (a weight matrix or a
+  /// block of activation rows). nb[0] is the type's block size in bytes (ggml's convention).
+  static Tensor matrix(GgmlType t, const void* data, int64_t cols, int64_t rows, size_t row_bytes,
+                       Place place = Place::Host);
+  /// Contiguous fp32 rows: ne = {cols, rows}, nb[1] = cols * 4 bytes.
+  static Tensor f32(float* data, int64_t cols, int64_t rows = 1, Place place = Place::Host);
+
+  bool empty() const { return data == nullptr; }
+  int64_t cols() const { return ne[0]; }
+  /// ne[1] * ne[2] * ne[3]: the number of rows of ne[0] elements.
+  int64_t rows() const { return ne[1] * ne[2] * ne[3]; }
+  size_t row_bytes() const { return nb[1]; }
+  /// Elements in all.
+  int64_t numel() const { return ne[0] * rows(); }
+  /// Rows [r0, r0 + n) of a 2-D view (same type, stride and place).
+  Tensor rows_view(int64_t r0, int64_t n) const;
+  /// fp32 data (precondition: type F32). Host pointer only when place == Host.
+  float* f() const { return static_cast<float*>(data); }
+  /// fp32 row r (precondition: type F32, r < rows()).
+  float* row(int64_t r) const { return reinterpret_cast<float*>(static_cast<char*>(data) + size_t(r) * nb[1]); }
+};
+
+/// Memory owned by a backend. Tensors are views into it.
+class Buffer {
+ public:
+  virtual ~Buffer() = default;
+  virtual BufferRole role() const = 0;
+  virtual Place place() const = 0;
+  virtual void* data() = 0;
+  virtual size_t bytes() const = 0;
+  /// fp32 rows [cols x rows] starting `offset_bytes` into the buffer (precondition: fits).
+  Tensor f32(int64_t cols, int64_t rows, size_t offset_bytes = 0);
+};
+
+/// A point in a backend's queue of work. done() when all work queued before record() finished.
+class Event {
+ public:
+  virtual ~Event() = default;
+  /// Blocks the calling thread until the event has completed. Rethrows a device error.
+  virtual void wait() = 0;
+  /// True if it has completed (never blocks).
+  virtual bool done() = 0;
+};
+using EventPtr = std::shared_ptr<Event>;
+
+/// The expert arena's memory and how an IO thread lands a read in a slot. The stream
+/// (src/stream/) owns the slot bookkeeping and the IO threads; the backend owns the memory.
+///   CPU: the IO thread reads straight into the slot; land() does nothing.
+///   GPU: the IO thread reads into its own pinned staging buffer, land() copies it to the device
+///        slot on a copy stream and returns when the copy completed.
+class ArenaMemory {
+ public:
+  virtual ~ArenaMemory() = default;
+  virtual size_t n_slots() const = 0;
+  /// Bytes per slot (a multiple of 4 KiB).
+  virtual size_t slot_bytes() const = 0;
+  /// Host memory (4 KiB-aligned, slot_bytes() long) into which IO thread `io_thread` reads the
+  /// bytes destined for `slot`. Valid until land() returns.
+  virtual uint8_t* read_target(size_t slot, int io_thread) = 0;
+  /// Makes the first `bytes` read into read_target(slot, io_thread) visible at slot_data(slot)
+  /// to kernels queued after it returns. Called by that IO thread. Throws on a device error.
+  virtual void land(size_t slot, int io_thread, size_t bytes) = 0;
+  /// Where kernels find slot `slot` (a host or device address, as place() says).
+  virtual const uint8_t* slot_data(size_t slot) const = 0;
+  virtual Place place() const = 0;
+};
+
+// ---- block specifications (from the model file; constant per layer) ----------------------
+
+/// Rotary position embedding (Su et al. 2021, "RoFormer"). inv_freq[i] = base^(-2i/n_rot), or
+/// as the model file's scaling says; the host computes the table once.
+struct RopeSpec {
+  enum class Mode : uint8_t {
+    Neox,  ///< pairs (i, i + n_rot/2) of each head (GPT-NeoX, transformers' rotate_half)
+    Norm,  ///< adjacent pairs (2i, 2i+1) (the original layout; llama.cpp's "NORM")
+  };
+  Mode mode = Mode::Neox;
+  int n_rot = 0;                 ///< rotated dimensions per head (<= head_dim, even); 0 = NoPE
+  std::vector<double> inv_freq;  ///< [n_rot / 2], radians per token
+};
+
+/// Grouped-query self-attention of one layer (Vaswani et al. 2017; GQA: Ainslie et al. 2023).
+struct AttentionSpec {
+  int n_head = 0;
+  int n_head_kv = 0;
+  int head_dim = 0;              ///< per-head dimension of q, k and v
+  float rms_eps = 1e-6f;         ///< epsilon of the per-head q/k RMSNorm
+  const RopeSpec* rope = nullptr;
+  /// attn_q rows are [n_head][q(head_dim), gate(head_dim)] and the output is multiplied by
+  /// sigmoid(gate) per element before attn_output (qwen3next). False: [n_head][head_dim].
+  bool q_gate = false;
+  /// Attend only to the last `window` positions (0 = full causal attention).
+  int64_t window = 0;
+  /// Scale of q.k; 0 = 1/sqrt(head_dim).
+  float scale = 0;
+};
+
+/// Weights of one attention layer; empty tensors are absent (no bias, no q/k norm).
+struct AttentionWeights {
+  Tensor wq;      ///< attn_q: ne {n_embd, n_head * head_dim (x2 if q_gate)}
+  Tensor wk;      ///< attn_k: ne {n_embd, n_head_kv * head_dim}
+  Tensor wv;      ///< attn_v: ne {n_embd, n_head_kv * head_dim}
+  Tensor wo;      ///< attn_output: ne {n_head * head_dim, n_embd}
+  Tensor q_norm;  ///< attn_q_norm: F32 ne {head_dim}, or empty
+  Tensor k_norm;  ///< attn_k_norm: F32 ne {head_dim}, or empty
+};
+
+/// The attention cache of one layer of one sequence: K and V rows of n_head_kv * head_dim
+/// floats for positions 0..n_ctx-1 (ne = {n_head_kv * head_dim, n_ctx}).
+struct KvCache {
+  Tensor k, v;
+};
+
+/// Gated delta net (Yang, Kautz & Hatamizadeh 2024, arXiv:2412.06464), the linear-attention
+/// layer of Qwen3-Next; formulas in src/backend/cpu/gated_delta_net.h.
+struct GdnSpec {
+  int n_k_head = 0;       ///< ssm.group_count: key (and query) heads
+  int n_v_head = 0;       ///< ssm.time_step_rank: value heads (a multiple of n_k_head)
+  int head_k_dim = 0;     ///< ssm.state_size: dk
+  int head_v_dim = 0;     ///< ssm.inner_size / n_v_head: dv
+  int conv_kernel = 0;    ///< ssm.conv_kernel: taps of the causal depthwise convolution
+  float rms_eps = 1e-6f;  ///< epsilon of the gated RMSNorm
+
+  int64_t key_dim() const { return int64_t(n_k_head) * head_k_dim; }
+  int64_t value_dim() const { return int64_t(n_v_head) * head_v_dim; }
+  /// Channels of the convolution: q, k and v side by side.
+  int64_t conv_dim() const { return 2 * key_dim() + value_dim(); }
+  /// Floats of the rolling convolution state: [K-1][conv_dim], oldest input first.
+  int64_t conv_state_size() const { return int64_t(conv_kernel - 1) * conv_dim(); }
+  /// Floats of the delta-rule state: [n_v_head][dk][dv].
+  int64_t ssm_state_size() const { return int64_t(n_v_head) * head_k_dim * head_v_dim; }
+};
+
+struct GdnWeights {
+  Tensor wqkv;     ///< attn_qkv: ne {n_embd, conv_dim}
+  Tensor wz;       ///< attn_gate: ne {n_embd, n_v_head * dv}
+  Tensor wba;      ///< ssm_ba: ne {n_embd, 2 * n_v_head}, per key head [b (r), a (r)]
+  Tensor wout;     ///< ssm_out: ne {n_v_head * dv, n_embd}
+  Tensor conv;     ///< ssm_conv1d: F32 ne {K, conv_dim} (a channel's taps contiguous)
+  Tensor dt_bias;  ///< ssm_dt.bias: F32 ne {n_v_head}
+  Tensor a;        ///< ssm_a: F32 ne {n_v_head}, -exp(A_log)
+  Tensor norm;     ///< ssm_norm: F32 ne {dv}
+};
+
+/// The recurrent state of one gated-delta-net layer of one sequence.
+struct RecurrentState {
+  Tensor conv;  ///< F32 [K-1][conv_dim], oldest input first
+  Tensor ssm;   ///< F32 [n_v_head][dk][dv]
+};
+
+/// A feed-forward network: SwiGLU (Shazeer 2020), out = down(silu(gate h) * up h).
+struct FfnSpec {
+  enum class Act : uint8_t { SwiGLU };
+  Act act = Act::SwiGLU;
+};
+
+struct FfnWeights {
+  Tensor gate;  ///< ffn_gate(_exps slice): ne {n_embd, n_ff}
+  Tensor up;    ///< ffn_up: ne {n_embd, n_ff}
+  Tensor down;  ///< ffn_down: ne {n_ff, n_embd}
+};
+
+/// Options of one ffn() call.
+struct FfnCall {
+  FfnSpec spec;
+  /// When set (ne {n_embd, 1}), each token's result is scaled by sigmoid(h . scalar_gate)
+  /// (qwen3next's shared expert: ffn_gate_inp_shexp).
+  Tensor scalar_gate;
+  /// Add to `out` instead of overwriting it.
+  bool accumulate = false;
+};
+
+/// How a router turns its logits into experts and mixing weights.
+struct RouterSpec {
+  enum class Gating : uint8_t {
+    Softmax,  ///< softmax over all experts, then top-k (qwen3moe, qwen3next)
+  };
+  Gating gating = Gating::Softmax;
+  int n_expert = 0;
+  int top_k = 0;
+  bool norm_topk = true;  ///< renormalize the selected weights to sum to 1
+};
+
+/// Routing of T tokens: [T][top_k], experts by descending score (ties: lower id first).
+struct Routing {
+  int top_k = 0;
+  std::vector<int32_t> ids;      ///< [T * top_k]
+  std::vector<float> probs;      ///< gating probabilities of the selected experts
+  std::vector<float> weights;    ///< mixing weights (probs, renormalized if norm_topk)
+  std::vector<float> next_prob;  ///< [T]: the (k+1)-th probability (0 when top_k = n_expert)
+  int64_t n_tokens() const { return top_k ? int64_t(ids.size()) / top_k : 0; }
+};
+
+/// Selects experts from router logits [T][n_expert] on the host (softmaxed in place), as
+/// `spec` says. The selection every backend shares; throws std::invalid_argument for a spec it
+/// cannot apply.
+void select_experts(const RouterSpec& spec, float* logits, int64_t T, Routing& out);
+
+/// One resident expert applied to the tokens routed to it.
+struct ExpertJob {
+  int32_t expert = -1;
+  FfnWeights w;                     ///< views of the expert's slices inside its arena slot
+  std::span<const int64_t> pairs;   ///< (token, k) pairs as t * top_k + k, ascending
+};
+
+/// Names a backend and what it runs on, for logs and `info`.
+struct BackendInfo {
+  std::string name;     ///< "cpu", "cuda"
+  std::string device;   ///< e.g. "2 threads, avx2 kernels, q8 activations"
+};
+
+/// The machine an architecture's forward pass runs on. One instance per engine; not
+/// thread-safe (one compute thread drives it). All compute calls may run asynchronously with
+/// respect to the host; download() and Event::wait() synchronize.
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual BackendInfo info() const = 0;
+
+  // ---- memory and transfers ----
+  /// A buffer of `bytes` for `role` (State buffers are zeroed). Throws std::bad_alloc or a
+  /// backend error naming the size when the memory is not there.
+  virtual std::unique_ptr<Buffer> alloc(BufferRole role, size_t bytes) = 0;
+  /// Makes a resident weight tensor (host bytes `host`, shape of `t`) usable by the kernels:
+  /// the CPU returns a view of the host bytes (which must outlive it); a GPU copies them.
+  virtual Tensor weights(const Tensor& host) = 0;
+  /// Copies `bytes` host bytes into dst (at dst.data) / dst.data bytes to the host.
+  virtual void upload(const Tensor& dst, const void* src, size_t bytes) = 0;
+  virtual void download(void* dst, const Tensor& src, size_t bytes) = 0;
+  /// An event that completes when all work queued so far has finished.
+  virtual EventPtr record() = 0;
+  /// Blocks until all queued work has finished.
+  virtual void synchronize() = 0;
+  /// The arena of `n_slots` slots of `slot_bytes` (a multiple of 4 KiB) for `io_threads`
+  /// reader threads. Throws (naming the sizes) when the memory cannot be had.
+  virtual std::unique_ptr<ArenaMemory> make_arena(size_t n_slots, size_t slot_bytes, int io_threads) = 0;
+
+  // ---- compute: one call per block; x/h/out are fp32 rows ne {n_embd, T} ----
+  /// Token embeddings: x[t] = dequantized row ids[t] of `table` (ne {n_embd, n_vocab}).
+  virtual void embed(const Tensor& table, std::span<const int32_t> ids, const Tensor& x) = 0;
+  /// y[t] = RMSNorm(x[t]) * w (Zhang & Sennrich 2019; mean of squares in double). x may alias y.
+  virtual void rms_norm(const Tensor& x, const Tensor& w, float eps, const Tensor& y) = 0;
+  /// x += y, elementwise.
+  virtual void add(const Tensor& x, const Tensor& y) = 0;
+  /// y = x W^T: y[t][r] = sum_k W[r][k] x[t][k]. W ne {cols, rows}; x ne {cols, T}; y ne {rows, T}.
+  virtual void matmul(const Tensor& W, const Tensor& x, const Tensor& y) = 0;
+  /// Causal self-attention for T consecutive tokens at positions [pos0, pos0 + T) of one
+  /// sequence: projections, q/k norm, RoPE, K/V rows pos0.. written to `kv`, attention over
+  /// positions 0..pos0+t (or the window), output projection into `out` (overwritten).
+  virtual void attention(const AttentionSpec& spec, const AttentionWeights& w, const KvCache& kv, int64_t pos0,
+                         const Tensor& h, const Tensor& out) = 0;
+  /// The gated delta net for T consecutive tokens of one sequence, advancing `state`.
+  virtual void gated_delta_net(const GdnSpec& spec, const GdnWeights& w, const RecurrentState& state,
+                               const Tensor& h, const Tensor& out) = 0;
+  /// A dense FFN on every row of h into out (see FfnCall for the gate and accumulation).
+  virtual void ffn(const FfnCall& call, const FfnWeights& w, const Tensor& h, const Tensor& out) = 0;
+  /// Router logits [T][n_expert] of `w` (ne {n_embd, n_expert}) on h, on the host.
+  virtual void router_logits(const Tensor& w, const Tensor& h, std::vector<float>& logits) = 0;
+  /// Applies one expert to its tokens: for each pair p of job.pairs, row p of expert_out
+  /// (ne {n_embd, T * top_k}) = ffn(job.w, h[p / top_k]). Rows not in pairs are untouched.
+  virtual void expert_ffn(const FfnSpec& spec, const ExpertJob& job, int top_k, const Tensor& h,
+                          const Tensor& expert_out) = 0;
+  /// out[t] = sum over k in order of routing.weights[t][k] * expert_out[t * top_k + k]
+  /// (overwrites out; the fixed k order keeps results independent of expert arrival order).
+  virtual void moe_combine(const Routing& routing, const Tensor& expert_out, const Tensor& out) = 0;
+};
+
+}  // namespace strata::backend
