@@ -53,10 +53,7 @@ Tensor Buffer::f32(int64_t cols, int64_t rows, size_t offset_bytes) {
   return Tensor::f32(reinterpret_cast<float*>(static_cast<char*>(data()) + offset_bytes), cols, rows, place());
 }
 
-namespace {
-// In-place softmax over n logits (max-subtracted, sum in double): the gating of qwen3moe and
-// qwen3next (transformers: softmax(router_logits, dtype=float)).
-void softmax_row(float* x, int64_t n) {
+void softmax(float* x, int64_t n) {
   float mx = x[0];
   for (int64_t i = 1; i < n; ++i) mx = std::max(mx, x[i]);
   double sum = 0;
@@ -67,7 +64,6 @@ void softmax_row(float* x, int64_t n) {
   const float inv = float(1.0 / sum);
   for (int64_t i = 0; i < n; ++i) x[i] *= inv;
 }
-}  // namespace
 
 void select_experts(const RouterSpec& spec, float* logits, int64_t T, Routing& r) {
   const int n_expert = spec.n_expert, top_k = spec.top_k;
@@ -81,7 +77,7 @@ void select_experts(const RouterSpec& spec, float* logits, int64_t T, Routing& r
   std::vector<int32_t> order(n_expert);
   for (int64_t t = 0; t < T; ++t) {
     float* p = logits + t * n_expert;
-    softmax_row(p, n_expert);
+    softmax(p, n_expert);
     std::iota(order.begin(), order.end(), 0);
     const int n_sorted = std::min(top_k + 1, n_expert);
     std::partial_sort(order.begin(), order.begin() + n_sorted, order.end(),

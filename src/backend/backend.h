@@ -253,6 +253,10 @@ struct Routing {
   int64_t n_tokens() const { return top_k ? int64_t(ids.size()) / top_k : 0; }
 };
 
+/// In-place softmax over n values (max-subtracted, sum in double): the gating of the softmax
+/// routers (transformers: softmax(router_logits, dtype=float)), on the host.
+void softmax(float* x, int64_t n);
+
 /// Selects experts from router logits [T][n_expert] on the host (softmaxed in place), as
 /// `spec` says. The selection every backend shares; throws std::invalid_argument for a spec it
 /// cannot apply.

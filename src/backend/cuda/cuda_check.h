@@ -1,0 +1,31 @@
+#pragma once
+// Checked CUDA runtime calls: STRATA_CUDA_CHECK(expr) throws strata::cuda::CudaError with the
+// CUDA error name and string, the expression, the file and the line; it never aborts.
+// Include only from .cu / CUDA-aware sources (it includes cuda_runtime.h).
+#include <cuda_runtime.h>
+
+#include "backend/cuda/kernels.h"
+
+namespace strata::cuda::detail {
+
+[[noreturn]] void throw_cuda_error(cudaError_t err, const char* expr, const char* file, int line);
+/// Throws CudaError("<what> (file:line)") for an argument the kernels cannot take.
+[[noreturn]] void throw_arg_error(const std::string& what, const char* file, int line);
+
+}  // namespace strata::cuda::detail
+
+#define STRATA_CUDA_CHECK(expr)                                                          \
+  do {                                                                                   \
+    const cudaError_t strata_cuda_err_ = (expr);                                         \
+    if (strata_cuda_err_ != cudaSuccess)                                                 \
+      ::strata::cuda::detail::throw_cuda_error(strata_cuda_err_, #expr, __FILE__, __LINE__); \
+  } while (0)
+
+/// After a kernel launch: a bad configuration is reported at the launch site.
+#define STRATA_CUDA_CHECK_LAUNCH() STRATA_CUDA_CHECK(cudaGetLastError())
+
+/// Argument check on the host, before any launch.
+#define STRATA_CUDA_REQUIRE(cond, msg)                                                       \
+  do {                                                                                       \
+    if (!(cond)) ::strata::cuda::detail::throw_arg_error(std::string(msg), __FILE__, __LINE__); \
+  } while (0)

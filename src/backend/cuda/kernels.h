@@ -1,0 +1,200 @@
+#pragma once
+// CUDA kernels of the forward pass, with a host-side C++ API that does not include any CUDA
+// header: streams are passed as `void*` (a cudaStream_t; nullptr = the legacy default stream),
+// and every pointer documented as "device" must point to device memory (cudaMalloc or the
+// helpers below). Every launch is asynchronous on its stream; argument errors are thrown on
+// the host before anything is launched, and a CUDA failure is thrown as CudaError naming the
+// call, the file and the line (src/backend/cuda/cuda_check.h). Nothing aborts.
+//
+// Shapes are written in ggml `ne` order: ne[0] is the contiguous dimension, so a matrix
+// "[cols, rows]" has rows of `cols` contiguous elements. Units: elements unless a name ends
+// in _bytes; all activations are fp32.
+//
+// Determinism and batch invariance (docs/architecture.md, "Exactness rules"): every kernel
+// computes one output element with an instruction sequence fixed by the shapes of that
+// element's own inputs, never by how many other tokens or rows share the launch, and uses no
+// atomics. So the same inputs give the same bits for any n_tok, any split of a batch, and on
+// both matmul paths (MatmulPath).
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "gguf/ggml_types.h"
+
+namespace strata::cuda {
+
+/// A failed CUDA runtime call (message: the CUDA error name and string, the call, file:line),
+/// or a kernel argument the device cannot take.
+class CudaError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Devices and memory (thin checked wrappers, so that callers and tests need no CUDA headers)
+
+/// Number of CUDA devices; 0 when there is no device or no driver (never throws).
+int device_count() noexcept;
+/// Makes `dev` the current device of the calling thread.
+void set_device(int dev);
+/// "NVIDIA H200 (sm_90, 132 SMs, 139.8 GiB)" for device `dev`.
+std::string device_description(int dev);
+
+/// cudaMalloc of `bytes` (256-byte aligned); throws CudaError naming the size on failure.
+void* device_alloc(size_t bytes);
+/// cudaFree; nullptr is a no-op. Never throws (errors are ignored, as in a destructor).
+void device_free(void* p) noexcept;
+/// Synchronous copies (host memory may be pageable).
+void copy_to_device(void* dst, const void* src, size_t bytes);
+void copy_to_host(void* dst, const void* src, size_t bytes);
+/// Waits for all work on `stream` and throws the first asynchronous error, if any.
+void synchronize(void* stream = nullptr);
+
+/// Owning device buffer (move-only).
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t bytes) : p_(bytes ? device_alloc(bytes) : nullptr), bytes_(bytes) {}
+  ~DeviceBuffer() { device_free(p_); }
+  DeviceBuffer(DeviceBuffer&& o) noexcept : p_(o.p_), bytes_(o.bytes_) { o.p_ = nullptr, o.bytes_ = 0; }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    if (this != &o) {
+      device_free(p_);
+      p_ = o.p_, bytes_ = o.bytes_;
+      o.p_ = nullptr, o.bytes_ = 0;
+    }
+    return *this;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  void* get() const { return p_; }
+  template <class T>
+  T* as() const { return static_cast<T*>(p_); }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* p_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Quantized matmul
+
+/// True if matmul and get_rows take weights of type `t`: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
+/// Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ2_XS, IQ3_S, IQ4_XS, IQ4_NL, MXFP4.
+bool is_supported(GgmlType t);
+
+/// Which kernel computes a matmul. Both give the same bits for every output element (below);
+/// Auto takes MatVec for n_tok < 4 and Tiled otherwise.
+enum class MatmulPath { Auto, MatVec, Tiled };
+
+/// y[t][r] = sum_k W[r][k] x[t][k], for t < n_tok, r < rows.
+///   W: device, [cols, rows] in the GGUF block format of `type` (row r at W + r * row_bytes,
+///      row_bytes >= the row's size in bytes); x: device, [cols, n_tok] fp32, rows `ldx` floats
+///      apart; y: device, [rows, n_tok] fp32, rows `ldy` floats apart (x and y must not overlap).
+/// Arithmetic (identical on both paths, so bit-identical for any n_tok and path): each weight is
+/// expanded to fp32 exactly as quant::dequantize_row does (same fp32 operations, no
+/// contraction); the row is cut into 256-column chunks and lane l (0..31) of a warp owns
+/// columns [256i + 8l, 256i + 8l + 8) of every chunk i, accumulating w·x with fp32 FMA in
+/// column order; the 32 lane sums are combined by a fixed butterfly (xor 16, 8, 4, 2, 1).
+/// MatVec: one warp per (row, token). Tiled: one warp per row and tile of 8 tokens, each
+/// weight expanded once for the tile (8 accumulators, each the MatVec sequence).
+/// Error against the exact sum (fp32 accumulation of cols/32 terms, then 5 additions):
+/// |y - sum| <= (cols/32 + 6) * 2^-24 * sum_k |w_k x_k| (to first order).
+/// Requirements (CudaError otherwise): is_supported(type); cols a multiple of the block size
+/// (and of 8 for F32/F16/BF16); x 16-byte aligned and ldx a multiple of 4; W 16-byte aligned
+/// with row_bytes a multiple of 16 for F32/F16/BF16, 2-byte aligned with even row_bytes for
+/// the block types except MXFP4 (any alignment).
+void matmul(GgmlType type, const void* W, size_t row_bytes, int64_t rows, int64_t cols, const float* x, int64_t ldx,
+            int64_t n_tok, float* y, int64_t ldy, void* stream = nullptr, MatmulPath path = MatmulPath::Auto);
+
+/// Embedding lookup: out[t][:] = dequantize_row(table row ids[t]) for t < n, bit-identical
+/// with quant::dequantize_row. table: device, [cols, n_rows_table] of `type`, rows row_bytes
+/// apart; ids: device, n int32 row indices (each in [0, n_rows_table): not checked on the
+/// device, the caller validates token ids); out: device, [cols, n] fp32, rows `ldo` floats
+/// apart. Same type and alignment requirements as matmul.
+void get_rows(GgmlType type, const void* table, size_t row_bytes, int64_t cols, const int32_t* ids, int64_t n,
+              float* out, int64_t ldo, void* stream = nullptr);
+
+// ---------------------------------------------------------------------------------------------
+// Elementwise and per-row ops (all device pointers, fp32)
+
+/// RMSNorm of n_rows rows of n: y = (x * s) * w with s = float(1 / sqrt(mean(x^2) + eps)), the
+/// mean of squares accumulated in double (per-thread partial sums over a fixed stride, then a
+/// fixed tree). x: [n, n_rows] rows ldx apart; w: [n]; y: rows ldy apart (may alias x when
+/// ldy == ldx). Matches cpu::rms_norm up to the double rounding of the mean (<= 1 ulp of s).
+void rms_norm(const float* x, int64_t ldx, const float* w, float* y, int64_t ldy, int64_t n, int64_t n_rows, float eps,
+              void* stream = nullptr);
+
+/// y[i] = a[i] + b[i] for i < n (exact; y may alias a or b).
+void add(const float* a, const float* b, float* y, int64_t n, void* stream = nullptr);
+
+/// y[i] = silu(gate[i]) * up[i], silu(x) = x / (1 + expf(-x)) (CUDA's expf: <= 2 ulp), for i < n
+/// (y may alias either input).
+void swiglu(const float* gate, const float* up, float* y, int64_t n, void* stream = nullptr);
+
+/// In-place softmax of n_rows rows of n (x: [n, n_rows], rows ld apart): max-subtracted,
+/// expf, the sum in double (fixed tree), multiplied by float(1 / sum), as cpu::softmax.
+void softmax_rows(float* x, int64_t ld, int64_t n, int64_t n_rows, void* stream = nullptr);
+
+/// NEOX rotary embedding in place, as cpu::Rope::apply: x: [head_dim, n_heads, n_tok] (token t
+/// at x + t * ld_tok, head h at + h * head_dim); pairs (i, i + n_rot/2) for i < n_rot/2 rotate
+/// by theta = pos[t] * inv_freq[i] (double; cos/sin in double, rounded to float); pos: device,
+/// n_tok int32 positions; inv_freq: device, n_rot/2 doubles (cpu::Rope::inv_freq).
+void rope_neox(float* x, int64_t ld_tok, int64_t n_tok, int n_heads, int head_dim, int n_rot, const int32_t* pos,
+               const double* inv_freq, void* stream = nullptr);
+
+// ---------------------------------------------------------------------------------------------
+// Attention
+
+/// Causal GQA attention of n_tok consecutive query tokens against an fp32 KV cache.
+struct AttentionArgs {
+  const float* q = nullptr;  ///< device, [head_dim, n_head, n_tok], token rows q_stride floats apart
+  int64_t q_stride = 0;
+  const float* k = nullptr;  ///< device, cache [head_dim, n_head_kv, n_ctx], position rows kv_stride apart
+  const float* v = nullptr;  ///< device, same layout as k
+  int64_t kv_stride = 0;
+  float* out = nullptr;      ///< device, [head_dim, n_head, n_tok], token rows out_stride apart
+  int64_t out_stride = 0;
+  int64_t n_tok = 0;         ///< query t is at position pos0 + t and sees cache positions [0, pos0 + t]
+  int64_t pos0 = 0;          ///< (the cache must already hold positions up to pos0 + n_tok - 1)
+  int n_head = 0, n_head_kv = 0;  ///< query head h reads KV head h / (n_head / n_head_kv)
+  int head_dim = 0;          ///< a multiple of 32, at most 256
+  float scale = 0;           ///< usually 1/sqrt(head_dim)
+};
+
+/// Flash-attention style: blocks of one KV head and up to 8 query rows (token, head of the
+/// group), KV in tiles of 32 positions through shared memory, online softmax. Per query row
+/// the arithmetic is fixed by its position alone: score = (sequential fp32 FMA over head_dim)
+/// * scale; per tile m' = max(m, tile max), c = expf(m - m'), l = l*c + (butterfly sum of
+/// expf(s - m')), o = o*c then FMA of the tile's p·v in position order; out = o / l. So decode
+/// (n_tok = 1) and prefill give the same bits for the same position, whatever the chunk.
+/// Errors: bad shapes (head_dim, divisibility, n_tok <= 0) throw CudaError.
+void attention(const AttentionArgs& a, void* stream = nullptr);
+
+// ---------------------------------------------------------------------------------------------
+// Gated delta net (src/layers/gated_delta_net.h: same formulas, same layouts)
+
+/// Causal depthwise convolution with the rolling state, then SiLU, for T tokens:
+/// xc[t][c] = silu(sum_{j<K-1} w[c][j] state[j][c] + w[c][K-1] x[t][c]), then the state shifts
+/// (it keeps the last K-1 raw inputs, oldest first). x, xc: device [C, T] (rows C apart);
+/// w: device [K, C] (taps of a channel contiguous); state: device [C, K-1], advanced in place.
+/// Products and sums in the CPU's order without contraction (bit-identical to the CPU before
+/// the SiLU; the SiLU's expf <= 2 ulp).
+void gdn_conv(const float* x, int64_t C, int64_t T, const float* w, int K, float* state, float* xc,
+              void* stream = nullptr);
+
+/// The recurrent part for T tokens, per value head j (value heads in parallel, tokens in
+/// order): q, k of key head j / (n_v/n_k) from xc (q at t*C + hk*dk, k at + key_dim), each
+/// L2-normalized (x / sqrt(sum x^2 + 1e-6), the sum in double), q then scaled by 1/sqrt(dk);
+/// beta = sigmoid(b), decay = exp(softplus(a + dt_bias[j]) * A[j]) from ba [2*n_v, T] (per key
+/// head [b (r values), a (r values)]); then cpu's delta_rule_step on S = state[j] ([dv, dk],
+/// row i = dk index) with the same fp32 operations in the same order (no contraction),
+/// o[t][j*dv + :] = S^T q. xc: device [C, T]; ba: device [2*n_v, T]; dt_bias, A: device [n_v];
+/// state: device [dv, dk, n_v], advanced in place; o: device [n_v*dv, T].
+/// Limits: dk, dv <= 1024; state of one head (dk*dv floats) must fit in shared memory.
+void gdn_recurrent(const float* xc, int64_t C, int64_t T, const float* ba, const float* dt_bias, const float* A,
+                   int n_k_head, int n_v_head, int dk, int dv, float* state, float* o, void* stream = nullptr);
+
+}  // namespace strata::cuda

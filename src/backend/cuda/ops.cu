@@ -1,0 +1,154 @@
+// Elementwise and per-row kernels: RMSNorm, add, SwiGLU, softmax, NEOX RoPE. Contracts in
+// kernels.h. Reductions use a fixed tree over a fixed number of threads (no atomics), so a
+// row's result depends only on that row.
+#include <cfloat>
+#include <string>
+
+#include "backend/cuda/cuda_check.h"
+
+namespace strata::cuda {
+
+namespace {
+
+constexpr int kRowThreads = 256;
+
+/// Sum over the block of one value per thread, in a fixed tree (thread 0's value first).
+template <class T>
+__device__ T block_sum(T v, T* sh) {
+  sh[threadIdx.x] = v;
+  __syncthreads();
+#pragma unroll
+  for (int s = kRowThreads / 2; s > 0; s /= 2) {
+    if (int(threadIdx.x) < s) sh[threadIdx.x] = sh[threadIdx.x] + sh[threadIdx.x + s];
+    __syncthreads();
+  }
+  const T r = sh[0];
+  __syncthreads();
+  return r;
+}
+
+__device__ float block_max(float v, float* sh) {
+  sh[threadIdx.x] = v;
+  __syncthreads();
+#pragma unroll
+  for (int s = kRowThreads / 2; s > 0; s /= 2) {
+    if (int(threadIdx.x) < s) sh[threadIdx.x] = fmaxf(sh[threadIdx.x], sh[threadIdx.x + s]);
+    __syncthreads();
+  }
+  const float r = sh[0];
+  __syncthreads();
+  return r;
+}
+
+__global__ void __launch_bounds__(kRowThreads)
+    rms_norm_kernel(const float* x, int64_t ldx, const float* __restrict__ w, float* y, int64_t ldy, int64_t n,
+                    float eps) {
+  __shared__ double sh[kRowThreads];
+  const float* xr = x + int64_t(blockIdx.x) * ldx;
+  float* yr = y + int64_t(blockIdx.x) * ldy;
+  double ss = 0;
+  for (int64_t i = threadIdx.x; i < n; i += kRowThreads) ss += double(xr[i]) * double(xr[i]);
+  ss = block_sum(ss, sh);
+  const float scale = float(1.0 / sqrt(ss / double(n) + double(eps)));
+  for (int64_t i = threadIdx.x; i < n; i += kRowThreads) yr[i] = __fmul_rn(__fmul_rn(xr[i], scale), w[i]);
+}
+
+__global__ void add_kernel(const float* a, const float* b, float* y, int64_t n) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    y[i] = __fadd_rn(a[i], b[i]);
+}
+
+__device__ __forceinline__ float silu(float x) { return __fdiv_rn(x, __fadd_rn(1.0f, expf(-x))); }
+
+__global__ void swiglu_kernel(const float* g, const float* u, float* y, int64_t n) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    y[i] = __fmul_rn(silu(g[i]), u[i]);
+}
+
+__global__ void __launch_bounds__(kRowThreads) softmax_kernel(float* x, int64_t ld, int64_t n) {
+  __shared__ double shd[kRowThreads];
+  __shared__ float shf[kRowThreads];
+  float* xr = x + int64_t(blockIdx.x) * ld;
+  float mx = -FLT_MAX;
+  for (int64_t i = threadIdx.x; i < n; i += kRowThreads) mx = fmaxf(mx, xr[i]);
+  mx = block_max(mx, shf);
+  double sum = 0;
+  for (int64_t i = threadIdx.x; i < n; i += kRowThreads) {
+    const float e = expf(__fsub_rn(xr[i], mx));
+    xr[i] = e;
+    sum += double(e);
+  }
+  sum = block_sum(sum, shd);
+  const float inv = float(1.0 / sum);
+  for (int64_t i = threadIdx.x; i < n; i += kRowThreads) xr[i] = __fmul_rn(xr[i], inv);
+}
+
+/// One thread per (token, head, pair i < n_rot/2).
+__global__ void rope_neox_kernel(float* x, int64_t ld_tok, int64_t n_tok, int n_heads, int head_dim, int half,
+                                 const int32_t* __restrict__ pos, const double* __restrict__ inv_freq) {
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t total = n_tok * n_heads * half;
+  if (idx >= total) return;
+  const int i = int(idx % half);
+  const int h = int((idx / half) % n_heads);
+  const int64_t t = idx / (int64_t(half) * n_heads);
+  const double theta = double(pos[t]) * inv_freq[i];
+  const float c = float(cos(theta)), s = float(sin(theta));
+  float* xh = x + t * ld_tok + int64_t(h) * head_dim;
+  const float a = xh[i], b = xh[i + half];
+  xh[i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+  xh[i + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+}
+
+unsigned elementwise_blocks(int64_t n) {
+  const int64_t b = (n + 255) / 256;
+  return unsigned(b < 65536 ? b : 65536);
+}
+
+}  // namespace
+
+void rms_norm(const float* x, int64_t ldx, const float* w, float* y, int64_t ldy, int64_t n, int64_t n_rows, float eps,
+              void* stream) {
+  STRATA_CUDA_REQUIRE(n > 0 && ldx >= n && ldy >= n, "cuda::rms_norm: bad n/ldx/ldy");
+  STRATA_CUDA_REQUIRE(n_rows >= 0 && n_rows <= 0x7fffffff, "cuda::rms_norm: bad n_rows");
+  if (n_rows == 0) return;
+  rms_norm_kernel<<<unsigned(n_rows), kRowThreads, 0, static_cast<cudaStream_t>(stream)>>>(x, ldx, w, y, ldy, n, eps);
+  STRATA_CUDA_CHECK_LAUNCH();
+}
+
+void add(const float* a, const float* b, float* y, int64_t n, void* stream) {
+  STRATA_CUDA_REQUIRE(n >= 0, "cuda::add: n < 0");
+  if (n == 0) return;
+  add_kernel<<<elementwise_blocks(n), 256, 0, static_cast<cudaStream_t>(stream)>>>(a, b, y, n);
+  STRATA_CUDA_CHECK_LAUNCH();
+}
+
+void swiglu(const float* gate, const float* up, float* y, int64_t n, void* stream) {
+  STRATA_CUDA_REQUIRE(n >= 0, "cuda::swiglu: n < 0");
+  if (n == 0) return;
+  swiglu_kernel<<<elementwise_blocks(n), 256, 0, static_cast<cudaStream_t>(stream)>>>(gate, up, y, n);
+  STRATA_CUDA_CHECK_LAUNCH();
+}
+
+void softmax_rows(float* x, int64_t ld, int64_t n, int64_t n_rows, void* stream) {
+  STRATA_CUDA_REQUIRE(n > 0 && ld >= n, "cuda::softmax_rows: bad n/ld");
+  STRATA_CUDA_REQUIRE(n_rows >= 0 && n_rows <= 0x7fffffff, "cuda::softmax_rows: bad n_rows");
+  if (n_rows == 0) return;
+  softmax_kernel<<<unsigned(n_rows), kRowThreads, 0, static_cast<cudaStream_t>(stream)>>>(x, ld, n);
+  STRATA_CUDA_CHECK_LAUNCH();
+}
+
+void rope_neox(float* x, int64_t ld_tok, int64_t n_tok, int n_heads, int head_dim, int n_rot, const int32_t* pos,
+               const double* inv_freq, void* stream) {
+  STRATA_CUDA_REQUIRE(n_rot > 0 && n_rot % 2 == 0 && n_rot <= head_dim, "cuda::rope_neox: n_rot must be even, in (0, head_dim]");
+  STRATA_CUDA_REQUIRE(n_heads > 0 && ld_tok >= int64_t(n_heads) * head_dim, "cuda::rope_neox: ld_tok < n_heads*head_dim");
+  STRATA_CUDA_REQUIRE(n_tok >= 0, "cuda::rope_neox: n_tok < 0");
+  const int64_t total = n_tok * n_heads * (n_rot / 2);
+  if (total == 0) return;
+  STRATA_CUDA_REQUIRE((total + 255) / 256 <= 0x7fffffff, "cuda::rope_neox: too many elements");
+  rope_neox_kernel<<<unsigned((total + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      x, ld_tok, n_tok, n_heads, head_dim, n_rot / 2, pos, inv_freq);
+  STRATA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace strata::cuda

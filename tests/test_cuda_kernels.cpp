@@ -1,0 +1,564 @@
+// The CUDA kernels (src/backend/cuda/kernels.h) against the CPU references: quant::dequantize_row
+// with a double-precision dot for matmul, cpu::rms_norm / backend::softmax / silu / cpu::rope_apply / the gated delta
+// net block for the rest, and a double-precision softmax attention. Plus batch invariance: a
+// token's outputs are bit-identical alone, in small batches and in a batch of 2048, on both
+// matmul paths, and attention gives the same bits in decode and in any prefill chunking.
+// Without a CUDA device every test that needs one skips, saying so.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/cpu/ops.h"
+#include "backend/cpu/thread_pool.h"
+#include "backend/cuda/kernels.h"
+#include "backend/backend.h"
+#include "backend/cpu/gated_delta_net.h"
+#include "quant/quant.h"
+
+namespace cuda = strata::cuda;
+namespace quant = strata::quant;
+namespace cpu = strata::cpu;
+using strata::GgmlType;
+
+namespace {
+
+#define REQUIRE_CUDA_DEVICE()                                                                          \
+  do {                                                                                                 \
+    if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device found (cudaGetDeviceCount reports none)"; \
+  } while (0)
+
+const GgmlType kAllTypes[] = {GgmlType::F32,  GgmlType::F16,    GgmlType::BF16,   GgmlType::Q8_0,   GgmlType::Q4_0,
+                              GgmlType::Q4_1, GgmlType::Q5_0,   GgmlType::Q5_1,   GgmlType::Q2_K,   GgmlType::Q3_K,
+                              GgmlType::Q4_K, GgmlType::Q5_K,   GgmlType::Q6_K,   GgmlType::IQ2_XS, GgmlType::IQ3_S,
+                              GgmlType::IQ4_XS, GgmlType::IQ4_NL, GgmlType::MXFP4};
+
+template <class T>
+cuda::DeviceBuffer upload(const std::vector<T>& v) {
+  cuda::DeviceBuffer b(std::max<size_t>(1, v.size() * sizeof(T)));
+  if (!v.empty()) cuda::copy_to_device(b.get(), v.data(), v.size() * sizeof(T));
+  return b;
+}
+template <class T>
+std::vector<T> download(const cuda::DeviceBuffer& b, size_t n) {
+  std::vector<T> v(n);
+  cuda::synchronize();
+  if (n) cuda::copy_to_host(v.data(), b.get(), n * sizeof(T));
+  return v;
+}
+
+void put_half(uint8_t* p, float f) {
+  const uint16_t h = quant::fp32_to_fp16(f);
+  std::memcpy(p, &h, 2);
+}
+
+/// Random rows of type t: random bytes (every code and grid index is valid: the grids have
+/// 512 entries and 9-bit indices, ksigns 128 and 7-bit ones), then sane fp16 scales
+/// (|d| in [2^-8, 2^-6], random sign for the K-quant mins) and MXFP4 exponents in [118, 132].
+std::vector<uint8_t> random_rows(GgmlType t, int64_t rows, int64_t cols, std::mt19937& rng) {
+  const size_t rb = quant::row_size(t, cols);
+  std::vector<uint8_t> w(rb * rows);
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::uniform_real_distribution<float> mag(1.0f / 256, 1.0f / 64), uni(-1.0f, 1.0f);
+  if (t == GgmlType::F32 || t == GgmlType::F16 || t == GgmlType::BF16) {
+    for (int64_t i = 0; i < rows * cols; ++i) {
+      const float f = uni(rng);
+      if (t == GgmlType::F32) std::memcpy(&w[4 * i], &f, 4);
+      else {
+        const uint16_t h = t == GgmlType::F16 ? quant::fp32_to_fp16(f) : quant::fp32_to_bf16(f);
+        std::memcpy(&w[2 * i], &h, 2);
+      }
+    }
+    return w;
+  }
+  for (auto& b : w) b = uint8_t(byte(rng));
+  const int be = quant::block_elems(t);
+  const size_t bb = quant::row_size(t, be);
+  auto sgn = [&] { return byte(rng) & 1 ? -1.0f : 1.0f; };
+  for (size_t off = 0; off + bb <= w.size(); off += bb) {
+    uint8_t* b = &w[off];
+    switch (t) {
+      case GgmlType::Q4_1:
+      case GgmlType::Q5_1:
+        put_half(b, mag(rng));
+        put_half(b + 2, sgn() * mag(rng) * 8);
+        break;
+      case GgmlType::Q2_K:
+        put_half(b + 80, mag(rng));
+        put_half(b + 82, sgn() * mag(rng));
+        break;
+      case GgmlType::Q3_K: put_half(b + 108, mag(rng)); break;
+      case GgmlType::Q4_K:
+      case GgmlType::Q5_K:
+        put_half(b, mag(rng));
+        put_half(b + 2, sgn() * mag(rng));
+        break;
+      case GgmlType::Q6_K: put_half(b + 208, mag(rng)); break;
+      case GgmlType::MXFP4: b[0] = uint8_t(118 + byte(rng) % 15); break;
+      default: put_half(b, sgn() * mag(rng)); break;  // Q8_0, Q4_0, Q5_0, IQ4_NL, IQ2_XS, IQ3_S, IQ4_XS
+    }
+  }
+  return w;
+}
+
+std::vector<float> random_floats(size_t n, std::mt19937& rng, float lo = -1.0f, float hi = 1.0f) {
+  std::uniform_real_distribution<float> d(lo, hi);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+/// cols that exercise each type: a partial 256-column chunk for the 32-weight types, a
+/// multiple of 8 but not of 256 for the plain ones.
+int64_t test_cols(GgmlType t) {
+  const int be = quant::block_elems(t);
+  if (be == 256) return 768;
+  if (be == 32) return 608;
+  return 520;
+}
+
+bool bits_equal(float a, float b) { return std::memcmp(&a, &b, 4) == 0; }
+
+}  // namespace
+
+TEST(CudaKernels, UnsupportedTypeIsAClearError) {
+  // checked on the host before any CUDA call, so this runs without a device too
+  try {
+    cuda::matmul(GgmlType::IQ1_S, nullptr, 50, 1, 256, nullptr, 256, 1, nullptr, 1);
+    FAIL() << "no exception";
+  } catch (const cuda::CudaError& e) {
+    EXPECT_NE(std::string(e.what()).find("IQ1_S"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(cuda::get_rows(GgmlType::Q8_K, nullptr, 292, 256, nullptr, 1, nullptr, 256), cuda::CudaError);
+  for (GgmlType t : kAllTypes) EXPECT_TRUE(cuda::is_supported(t));
+}
+
+TEST(CudaKernels, DeviceInfo) {
+  REQUIRE_CUDA_DEVICE();
+  std::printf("device 0: %s\n", cuda::device_description(0).c_str());
+}
+
+// Embedding rows are the decoders' output: bit-identical with quant::dequantize_row.
+TEST(CudaKernels, GetRowsBitExactWithReference) {
+  REQUIRE_CUDA_DEVICE();
+  std::mt19937 rng(11);
+  for (GgmlType t : kAllTypes) {
+    SCOPED_TRACE(quant::is_supported(t) ? strata::ggml_type_name(t) : "?");
+    const int64_t rows = 23, cols = test_cols(t);
+    const size_t rb = quant::row_size(t, cols);
+    const auto w = random_rows(t, rows, cols, rng);
+    std::vector<int32_t> ids = {0, 5, 22, 5, 17, 1, 22, 9};
+    auto dw = upload(w);
+    auto dids = upload(ids);
+    cuda::DeviceBuffer dout(ids.size() * cols * 4);
+    cuda::get_rows(t, dw.get(), rb, cols, dids.as<int32_t>(), int64_t(ids.size()), dout.as<float>(), cols);
+    const auto out = download<float>(dout, ids.size() * cols);
+    std::vector<float> ref(cols);
+    int64_t mismatches = 0;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      quant::dequantize_row(t, w.data() + ids[i] * rb, ref.data(), cols);
+      for (int64_t c = 0; c < cols; ++c) mismatches += !bits_equal(out[i * cols + c], ref[c]);
+    }
+    EXPECT_EQ(mismatches, 0);
+  }
+}
+
+// matmul against dequantize_row + a double dot. Bound (kernels.h): fp32 FMA accumulation of
+// cols/32 terms per lane, then 5 butterfly additions, with exactly dequantized weights:
+// |y - exact| <= (cols/32 + 6) * 2^-24 * sum |w x| to first order; we allow 1.05 times that.
+TEST(CudaKernels, MatmulMatchesReferenceAllTypes) {
+  REQUIRE_CUDA_DEVICE();
+  std::mt19937 rng(7);
+  for (GgmlType t : kAllTypes) {
+    const std::string name = strata::ggml_type_name(t);
+    const int64_t rows = 37, cols = test_cols(t);
+    const size_t rb = quant::row_size(t, cols);
+    const auto w = random_rows(t, rows, cols, rng);
+    std::vector<double> wd(rows * cols);
+    {
+      std::vector<float> tmp(cols);
+      for (int64_t r = 0; r < rows; ++r) {
+        quant::dequantize_row(t, w.data() + r * rb, tmp.data(), cols);
+        for (int64_t c = 0; c < cols; ++c) wd[r * cols + c] = tmp[c];
+      }
+    }
+    auto dw = upload(w);
+    double worst_ratio = 0, worst_abs = 0;
+    for (int64_t n_tok : {1, 3, 64, 300}) {
+      for (cuda::MatmulPath path : {cuda::MatmulPath::MatVec, cuda::MatmulPath::Tiled}) {
+        SCOPED_TRACE(name + " n_tok=" + std::to_string(n_tok) + (path == cuda::MatmulPath::Tiled ? " tiled" : " matvec"));
+        const int64_t ldx = cols + 4, ldy = rows + 3;
+        const auto x = random_floats(size_t(n_tok * ldx), rng);
+        auto dx = upload(x);
+        cuda::DeviceBuffer dy(size_t(n_tok * ldy) * 4);
+        cuda::matmul(t, dw.get(), rb, rows, cols, dx.as<float>(), ldx, n_tok, dy.as<float>(), ldy, nullptr, path);
+        const auto y = download<float>(dy, size_t(n_tok * ldy));
+        int64_t bad = 0;
+        for (int64_t tk = 0; tk < n_tok; ++tk)
+          for (int64_t r = 0; r < rows; ++r) {
+            double s = 0, sa = 0;
+            for (int64_t c = 0; c < cols; ++c) {
+              const double p = wd[r * cols + c] * double(x[tk * ldx + c]);
+              s += p, sa += std::fabs(p);
+            }
+            const double err = std::fabs(double(y[tk * ldy + r]) - s);
+            const double bound = 1.05 * (double(cols) / 32 + 6) * 0x1p-24 * sa + 1e-30;
+            worst_ratio = std::max(worst_ratio, err / bound);
+            worst_abs = std::max(worst_abs, err);
+            bad += err > bound;
+          }
+        EXPECT_EQ(bad, 0);
+      }
+    }
+    std::printf("matmul %-6s cols=%lld: max |err| %.3g, max err/bound %.3f\n", name.c_str(), (long long)cols, worst_abs,
+                worst_ratio);
+  }
+}
+
+// The same token's outputs, bit for bit: alone (both paths), at another offset of a batch of 3,
+// and inside a batch of 2048 (tiled), for every type.
+TEST(CudaKernels, MatmulBatchInvariance) {
+  REQUIRE_CUDA_DEVICE();
+  std::mt19937 rng(5);
+  const int64_t big = 2048;
+  const int64_t probe[] = {0, 1, 7, 8, 9, 1000, 2046, 2047};
+  for (GgmlType t : kAllTypes) {
+    SCOPED_TRACE(strata::ggml_type_name(t));
+    const int64_t rows = 40, cols = test_cols(t), ldx = cols;
+    const size_t rb = quant::row_size(t, cols);
+    auto dw = upload(random_rows(t, rows, cols, rng));
+    const auto x = random_floats(size_t(big * ldx), rng);
+    auto dx = upload(x);
+    cuda::DeviceBuffer dy(size_t(big * rows) * 4), d1(size_t(rows) * 4), d3(size_t(3 * rows) * 4);
+    cuda::matmul(t, dw.get(), rb, rows, cols, dx.as<float>(), ldx, big, dy.as<float>(), rows);
+    const auto y = download<float>(dy, size_t(big * rows));
+    int64_t mismatches = 0;
+    for (int64_t p : probe) {
+      for (cuda::MatmulPath path : {cuda::MatmulPath::MatVec, cuda::MatmulPath::Tiled}) {
+        cuda::matmul(t, dw.get(), rb, rows, cols, dx.as<float>() + p * ldx, ldx, 1, d1.as<float>(), rows, nullptr, path);
+        const auto y1 = download<float>(d1, size_t(rows));
+        for (int64_t r = 0; r < rows; ++r) mismatches += !bits_equal(y1[r], y[p * rows + r]);
+      }
+      // token p as the last of 3 (rows p-2, p-1, p), on the default (mat-vec) path
+      if (p >= 2) {
+        cuda::matmul(t, dw.get(), rb, rows, cols, dx.as<float>() + (p - 2) * ldx, ldx, 3, d3.as<float>(), rows);
+        const auto y3 = download<float>(d3, size_t(3 * rows));
+        for (int64_t r = 0; r < rows; ++r) mismatches += !bits_equal(y3[2 * rows + r], y[p * rows + r]);
+      }
+    }
+    EXPECT_EQ(mismatches, 0);
+  }
+}
+
+// RMSNorm: cpu::rms_norm differs only in the order of the double sum of squares, so the scale
+// agrees to <= 1 ulp; relative tolerance 4 * 2^-24 per element.
+TEST(CudaKernels, RmsNormMatchesCpu) {
+  REQUIRE_CUDA_DEVICE();
+  std::mt19937 rng(3);
+  const int64_t n = 1000, n_rows = 37, ld = 1003;
+  const auto x = random_floats(size_t(n_rows * ld), rng, -3, 3);
+  const auto w = random_floats(size_t(n), rng, 0.5f, 1.5f);
+  auto dx = upload(x), dw = upload(w);
+  cuda::DeviceBuffer dy(size_t(n_rows * n) * 4);
+  cuda::rms_norm(dx.as<float>(), ld, dw.as<float>(), dy.as<float>(), n, n, n_rows, 1e-6f);
+  const auto y = download<float>(dy, size_t(n_rows * n));
+  double worst = 0;
+  std::vector<float> ref(n);
+  for (int64_t r = 0; r < n_rows; ++r) {
+    cpu::rms_norm(x.data() + r * ld, w.data(), ref.data(), n, 1e-6f);
+    for (int64_t i = 0; i < n; ++i)
+      worst = std::max(worst, std::fabs(double(y[r * n + i]) - ref[i]) / (std::fabs(double(ref[i])) + 1e-30));
+  }
+  std::printf("rms_norm: max rel err %.3g\n", worst);
+  EXPECT_LE(worst, 4 * 0x1p-24);
+}
+
+TEST(CudaKernels, AddSwigluSoftmaxMatchCpu) {
+  REQUIRE_CUDA_DEVICE();
+  std::mt19937 rng(4);
+  const int64_t n = 100003;
+  const auto a = random_floats(size_t(n), rng, -8, 8), b = random_floats(size_t(n), rng, -8, 8);
+  auto da = upload(a), db = upload(b);
+  cuda::DeviceBuffer dy(size_t(n) * 4);
+  cuda::add(da.as<float>(), db.as<float>(), dy.as<float>(), n);
+  auto y = download<float>(dy, size_t(n));
+  int64_t add_bad = 0;
+  for (int64_t i = 0; i < n; ++i) add_bad += !bits_equal(y[i], a[i] + b[i]);
+  EXPECT_EQ(add_bad, 0) << "add is exact";
+  // silu(g) * u: CUDA expf is within 2 ulp, then a division and a product: 8 * 2^-24 relative
+  cuda::swiglu(da.as<float>(), db.as<float>(), dy.as<float>(), n);
+  y = download<float>(dy, size_t(n));
+  double worst = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double ref = double(cpu::silu(a[i])) * double(b[i]);
+    worst = std::max(worst, std::fabs(y[i] - ref) / (std::fabs(ref) + 1e-30));
+  }
+  std::printf("swiglu: max rel err %.3g\n", worst);
+  EXPECT_LE(worst, 8 * 0x1p-24);
+  // softmax rows: expf (2 ulp) then a product with the inverse sum: 6 * 2^-24 relative
+  const int64_t sn = 1500, rows = 9;
+  auto s = random_floats(size_t(sn * rows), rng, -20, 20);
+  auto ds = upload(s);
+  cuda::softmax_rows(ds.as<float>(), sn, sn, rows);
+  const auto sy = download<float>(ds, size_t(sn * rows));
+  worst = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    std::vector<float> ref(s.begin() + r * sn, s.begin() + (r + 1) * sn);
+    strata::backend::softmax(ref.data(), sn);
+    for (int64_t i = 0; i < sn; ++i)
+      worst = std::max(worst, std::fabs(double(sy[r * sn + i]) - ref[i]) / (double(ref[i]) + 1e-38));
+  }
+  std::printf("softmax: max rel err %.3g\n", worst);
+  EXPECT_LE(worst, 6 * 0x1p-24);
+}
+
+// RoPE: the same double theta and cos/sin rounded to float as cpu::rope_apply; CUDA's double cos/sin
+// are within 2 ulp of double, so the floats almost always agree; allow 2 ulp of the inputs.
+TEST(CudaKernels, RopeNeoxMatchesCpu) {
+  REQUIRE_CUDA_DEVICE();
+  std::mt19937 rng(6);
+  const int n_heads = 6, head_dim = 128, n_rot = 96;
+  const int64_t n_tok = 50, ld = n_heads * head_dim + 8;
+  const auto rope = strata::backend::RopeSpec::standard(n_rot, 1e6);
+  auto x = random_floats(size_t(n_tok * ld), rng, -2, 2);
+  std::vector<int32_t> pos(n_tok);
+  for (int64_t t = 0; t < n_tok; ++t) pos[t] = int32_t(rng() % 40000);
+  auto dx = upload(x);
+  auto dpos = upload(pos);
+  auto dfreq = upload(rope.inv_freq);
+  cuda::rope_neox(dx.as<float>(), ld, n_tok, n_heads, head_dim, n_rot, dpos.as<int32_t>(), dfreq.as<double>());
+  const auto y = download<float>(dx, size_t(n_tok * ld));
+  double worst = 0;
+  int64_t differ = 0;
+  for (int64_t t = 0; t < n_tok; ++t) {
+    std::vector<float> ref(x.begin() + t * ld, x.begin() + (t + 1) * ld);
+    cpu::rope_apply(rope, ref.data(), n_heads, head_dim, pos[t]);
+    for (int64_t i = 0; i < ld; ++i) {
+      differ += !bits_equal(y[t * ld + i], ref[i]);
+      worst = std::max(worst, std::fabs(double(y[t * ld + i]) - ref[i]));
+    }
+  }
+  std::printf("rope: %lld of %lld values differ from cpu::rope_apply in bits, max |err| %.3g\n", (long long)differ,
+              (long long)(n_tok * ld), worst);
+  EXPECT_LE(worst, 4 * 2.0 * 0x1p-24);
+}
+
+namespace {
+
+/// Double-precision causal attention for query token t (at position pos0 + t).
+void attention_ref(const cuda::AttentionArgs& a, const std::vector<float>& q, const std::vector<float>& k,
+                   const std::vector<float>& v, int64_t t, std::vector<double>& out) {
+  const int group = a.n_head / a.n_head_kv, hd = a.head_dim;
+  const int64_t P = a.pos0 + t;
+  out.assign(size_t(a.n_head) * hd, 0.0);
+  std::vector<double> s(size_t(P + 1));
+  for (int h = 0; h < a.n_head; ++h) {
+    const float* qh = q.data() + t * a.q_stride + int64_t(h) * hd;
+    const int64_t off = int64_t(h / group) * hd;
+    double mx = -1e300;
+    for (int64_t p = 0; p <= P; ++p) {
+      double d = 0;
+      for (int i = 0; i < hd; ++i) d += double(qh[i]) * k[p * a.kv_stride + off + i];
+      s[p] = d * a.scale;
+      mx = std::max(mx, s[p]);
+    }
+    double l = 0;
+    for (int64_t p = 0; p <= P; ++p) l += (s[p] = std::exp(s[p] - mx));
+    for (int64_t p = 0; p <= P; ++p)
+      for (int i = 0; i < hd; ++i) out[size_t(h) * hd + i] += s[p] / l * v[p * a.kv_stride + off + i];
+  }
+}
+
+}  // namespace
+
+// Attention: against a double reference (tolerance below), and bit-identical between decode
+// (one query) and prefill in one chunk or several.
+TEST(CudaKernels, AttentionMatchesReferenceAndDecodeEqualsPrefill) {
+  REQUIRE_CUDA_DEVICE();
+  std::mt19937 rng(9);
+  struct Shape {
+    int n_head, n_head_kv, head_dim;
+  };
+  for (Shape sh : {Shape{8, 2, 64}, Shape{16, 2, 128}, Shape{4, 4, 256}, Shape{6, 1, 96}}) {
+    SCOPED_TRACE("heads " + std::to_string(sh.n_head) + "/" + std::to_string(sh.n_head_kv) + " dim " +
+                 std::to_string(sh.head_dim));
+    const int64_t pos0 = 17, n_tok = 300, n_ctx = pos0 + n_tok;
+    cuda::AttentionArgs a;
+    a.n_head = sh.n_head, a.n_head_kv = sh.n_head_kv, a.head_dim = sh.head_dim;
+    a.q_stride = a.out_stride = int64_t(sh.n_head) * sh.head_dim;
+    a.kv_stride = int64_t(sh.n_head_kv) * sh.head_dim;
+    a.scale = 1.0f / std::sqrt(float(sh.head_dim));
+    const auto q = random_floats(size_t(n_tok * a.q_stride), rng, -2, 2);
+    const auto k = random_floats(size_t(n_ctx * a.kv_stride), rng, -2, 2);
+    const auto v = random_floats(size_t(n_ctx * a.kv_stride), rng, -1, 1);
+    auto dq = upload(q), dk = upload(k), dv = upload(v);
+    cuda::DeviceBuffer dout(size_t(n_tok * a.out_stride) * 4);
+    a.q = dq.as<float>(), a.k = dk.as<float>(), a.v = dv.as<float>(), a.out = dout.as<float>();
+    a.n_tok = n_tok, a.pos0 = pos0;
+    cuda::attention(a);
+    const auto out = download<float>(dout, size_t(n_tok * a.out_stride));
+    // |v| <= 1: the output error of fp32 online softmax is a few ulp per weight plus the fp32
+    // sums over <= 317 positions, ~ (317/32 + 40) * 2^-24 on this data; allow 2e-6 absolute.
+    double worst = 0;
+    std::vector<double> ref;
+    for (int64_t t : {int64_t(0), int64_t(1), int64_t(31), int64_t(150), n_tok - 1}) {
+      attention_ref(a, q, k, v, t, ref);
+      for (size_t i = 0; i < ref.size(); ++i) worst = std::max(worst, std::fabs(out[t * a.out_stride + i] - ref[i]));
+    }
+    std::printf("attention %d/%d heads, dim %d: max |err| %.3g\n", sh.n_head, sh.n_head_kv, sh.head_dim, worst);
+    EXPECT_LE(worst, 2e-6);
+    // decode: one query at a time
+    int64_t mismatches = 0;
+    cuda::DeviceBuffer d1(size_t(a.out_stride) * 4);
+    for (int64_t t : {int64_t(0), int64_t(5), int64_t(32), int64_t(150), n_tok - 1}) {
+      cuda::AttentionArgs b = a;
+      b.q = a.q + t * a.q_stride, b.out = d1.as<float>(), b.n_tok = 1, b.pos0 = pos0 + t;
+      cuda::attention(b);
+      const auto o1 = download<float>(d1, size_t(a.out_stride));
+      for (int64_t i = 0; i < a.out_stride; ++i) mismatches += !bits_equal(o1[i], out[t * a.out_stride + i]);
+    }
+    // prefill in chunks of 100 (positions 17.., 117.., 217..)
+    cuda::DeviceBuffer dc(size_t(n_tok * a.out_stride) * 4);
+    for (int64_t c0 = 0; c0 < n_tok; c0 += 100) {
+      cuda::AttentionArgs b = a;
+      b.q = a.q + c0 * a.q_stride, b.out = dc.as<float>() + c0 * a.out_stride, b.n_tok = 100, b.pos0 = pos0 + c0;
+      cuda::attention(b);
+    }
+    const auto oc = download<float>(dc, size_t(n_tok * a.out_stride));
+    for (size_t i = 0; i < oc.size(); ++i) mismatches += !bits_equal(oc[i], out[i]);
+    EXPECT_EQ(mismatches, 0);
+  }
+}
+
+// The gated delta net block on the GPU (matmuls, conv, recurrence, gated RMSNorm, output
+// projection) against cpu::gated_delta_net_block, in two chunks so the states carry over.
+// The CPU f32 matmuls differ from the GPU's in accumulation order (~1e-7 relative), which the
+// normalizations and the recurrence carry along; allow 1e-4 relative to the largest output.
+TEST(CudaKernels, GatedDeltaNetMatchesCpuBlock) {
+  REQUIRE_CUDA_DEVICE();
+  std::mt19937 rng(12);
+  strata::cpu::GatedDeltaNetShape s;
+  s.n_k_head = 2, s.n_v_head = 4, s.head_k_dim = 128, s.head_v_dim = 128, s.conv_kernel = 4, s.rms_eps = 1e-6f;
+  const int64_t n_embd = 256, C = s.conv_dim(), VD = s.value_dim(), nv = s.n_v_head;
+  const int K = s.conv_kernel;
+  auto mk = [&](int64_t rows, int64_t cols, float sc) { return random_floats(size_t(rows * cols), rng, -sc, sc); };
+  const auto wqkv = mk(C, n_embd, 0.08f), wz = mk(VD, n_embd, 0.08f), wba = mk(2 * nv, n_embd, 0.1f),
+             wout = mk(n_embd, VD, 0.05f), conv = mk(C, K, 0.5f), dtb = mk(1, nv, 0.5f), norm = mk(1, 128, 1.0f);
+  std::vector<float> A(nv);
+  for (auto& a : A) a = -std::exp(std::uniform_real_distribution<float>(-1, 1)(rng));
+  auto ref = [&](const std::vector<float>& w, int64_t rows, int64_t cols) {
+    return cpu::MatrixRef{GgmlType::F32, w.data(), rows, cols, size_t(cols) * 4};
+  };
+  strata::cpu::GatedDeltaNetWeights W{ref(wqkv, C, n_embd), ref(wz, VD, n_embd), ref(wba, 2 * nv, n_embd),
+                                         ref(wout, n_embd, VD), conv.data(), dtb.data(), A.data(), norm.data()};
+  const int64_t T = 40, chunks[] = {25, 15};
+  const auto h = random_floats(size_t(T * n_embd), rng, -1, 1);
+  std::vector<float> conv_state(size_t(s.conv_state_size()), 0.0f), ssm_state(size_t(s.ssm_state_size()), 0.0f);
+  std::vector<float> out_cpu(size_t(T * n_embd));
+  {
+    cpu::ThreadPool pool(1);
+    int64_t t0 = 0;
+    for (int64_t n : chunks) {
+      strata::cpu::gated_delta_net_block(pool, cpu::kernels::KernelConfig{}, W, s, h.data() + t0 * n_embd, n_embd, n, conv_state.data(),
+                                            ssm_state.data(), out_cpu.data() + t0 * n_embd);
+      t0 += n;
+    }
+  }
+  auto dh = upload(h), dwqkv = upload(wqkv), dwz = upload(wz), dwba = upload(wba), dwout = upload(wout),
+       dconv = upload(conv), ddtb = upload(dtb), dA = upload(A), dnorm = upload(norm);
+  cuda::DeviceBuffer dcs(size_t(s.conv_state_size()) * 4), dss(size_t(s.ssm_state_size()) * 4);
+  {
+    std::vector<float> zc(size_t(s.conv_state_size()), 0.0f), zs(size_t(s.ssm_state_size()), 0.0f);
+    cuda::copy_to_device(dcs.get(), zc.data(), zc.size() * 4);
+    cuda::copy_to_device(dss.get(), zs.data(), zs.size() * 4);
+  }
+  cuda::DeviceBuffer dx(size_t(T * C) * 4), dxc(size_t(T * C) * 4), dz(size_t(T * VD) * 4), dba(size_t(T * 2 * nv) * 4),
+      dO(size_t(T * VD) * 4), dout(size_t(T * n_embd) * 4);
+  int64_t t0 = 0;
+  for (int64_t n : chunks) {
+    const float* hx = dh.as<float>() + t0 * n_embd;
+    cuda::matmul(GgmlType::F32, dwqkv.get(), size_t(n_embd) * 4, C, n_embd, hx, n_embd, n, dx.as<float>(), C);
+    cuda::matmul(GgmlType::F32, dwz.get(), size_t(n_embd) * 4, VD, n_embd, hx, n_embd, n, dz.as<float>(), VD);
+    cuda::matmul(GgmlType::F32, dwba.get(), size_t(n_embd) * 4, 2 * nv, n_embd, hx, n_embd, n, dba.as<float>(), 2 * nv);
+    cuda::gdn_conv(dx.as<float>(), C, n, dconv.as<float>(), K, dcs.as<float>(), dxc.as<float>());
+    cuda::gdn_recurrent(dxc.as<float>(), C, n, dba.as<float>(), ddtb.as<float>(), dA.as<float>(), s.n_k_head, s.n_v_head,
+                        s.head_k_dim, s.head_v_dim, dss.as<float>(), dO.as<float>());
+    cuda::rms_norm(dO.as<float>(), s.head_v_dim, dnorm.as<float>(), dO.as<float>(), s.head_v_dim, s.head_v_dim,
+                   n * nv, s.rms_eps);
+    cuda::swiglu(dz.as<float>(), dO.as<float>(), dO.as<float>(), n * VD);
+    cuda::matmul(GgmlType::F32, dwout.get(), size_t(VD) * 4, n_embd, VD, dO.as<float>(), VD, n,
+                 dout.as<float>() + t0 * n_embd, n_embd);
+    t0 += n;
+  }
+  const auto out = download<float>(dout, size_t(T * n_embd));
+  const auto ss = download<float>(dss, ssm_state.size());
+  const auto cs = download<float>(dcs, conv_state.size());
+  auto rel = [](const std::vector<float>& g, const std::vector<float>& r) {
+    double mx = 0, err = 0;
+    for (size_t i = 0; i < r.size(); ++i) mx = std::max(mx, std::fabs(double(r[i]))), err = std::max(err, std::fabs(double(g[i]) - r[i]));
+    return err / mx;
+  };
+  const double e_out = rel(out, out_cpu), e_ss = rel(ss, ssm_state), e_cs = rel(cs, conv_state);
+  std::printf("gated delta net: max err / max |ref|: out %.3g, ssm state %.3g, conv state %.3g\n", e_out, e_ss, e_cs);
+  EXPECT_LE(e_out, 1e-4);
+  EXPECT_LE(e_ss, 1e-4);
+  EXPECT_LE(e_cs, 1e-5);
+}
+
+// Timings, only with STRATA_CUDA_BENCH=1 (wall clock around synchronize, 20 repetitions after a
+// warm-up): matmul at n_tok = 1 (GB/s of weight bytes) and 512 (GFLOP/s), attention prefill and
+// decode. Weights 32768 x 4096, larger than the H200's L2.
+TEST(CudaKernels, Timings) {
+  REQUIRE_CUDA_DEVICE();
+  const char* env = std::getenv("STRATA_CUDA_BENCH");
+  if (!env || std::string(env) != "1") GTEST_SKIP() << "set STRATA_CUDA_BENCH=1 to time the kernels";
+  std::mt19937 rng(1);
+  auto time_ms = [](auto&& fn) {
+    fn();
+    cuda::synchronize();
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 20; ++i) fn();
+    cuda::synchronize();
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / 20;
+  };
+  const int64_t rows = 32768, cols = 4096;
+  const auto x = random_floats(size_t(512 * cols), rng);
+  auto dx = upload(x);
+  cuda::DeviceBuffer dy(size_t(512 * rows) * 4);
+  for (GgmlType t : {GgmlType::BF16, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K,
+                     GgmlType::IQ2_XS, GgmlType::IQ3_S, GgmlType::IQ4_XS, GgmlType::MXFP4}) {
+    const size_t rb = quant::row_size(t, cols);
+    auto dw = upload(random_rows(t, rows, cols, rng));
+    const double ms1 = time_ms([&] {
+      cuda::matmul(t, dw.get(), rb, rows, cols, dx.as<float>(), cols, 1, dy.as<float>(), rows);
+    });
+    const double ms512 = time_ms([&] {
+      cuda::matmul(t, dw.get(), rb, rows, cols, dx.as<float>(), cols, 512, dy.as<float>(), rows);
+    });
+    std::printf("timing matmul %-6s %lldx%lld: n_tok=1 %.3f ms = %.0f GB/s | n_tok=512 %.2f ms = %.0f GFLOP/s\n",
+                strata::ggml_type_name(t).c_str(), (long long)rows, (long long)cols, ms1, double(rb * rows) / ms1 / 1e6,
+                ms512, 2.0 * rows * cols * 512 / ms512 / 1e6);
+  }
+  // attention: 32 query heads, 4 KV heads, dim 128 (the Qwen3-30B-A3B shape)
+  cuda::AttentionArgs a;
+  a.n_head = 32, a.n_head_kv = 4, a.head_dim = 128, a.scale = 1.0f / std::sqrt(128.0f);
+  a.q_stride = a.out_stride = 32 * 128, a.kv_stride = 4 * 128;
+  const int64_t n_ctx = 4096;
+  auto dq = upload(random_floats(size_t(2048 * a.q_stride), rng));
+  auto dk = upload(random_floats(size_t(n_ctx * a.kv_stride), rng));
+  auto dv = upload(random_floats(size_t(n_ctx * a.kv_stride), rng));
+  cuda::DeviceBuffer dout(size_t(2048 * a.out_stride) * 4);
+  a.q = dq.as<float>(), a.k = dk.as<float>(), a.v = dv.as<float>(), a.out = dout.as<float>();
+  a.n_tok = 2048, a.pos0 = 0;
+  const double pre = time_ms([&] { cuda::attention(a); });
+  a.n_tok = 1, a.pos0 = n_ctx - 1;
+  const double dec = time_ms([&] { cuda::attention(a); });
+  std::printf("timing attention 32/4 heads dim 128: prefill 2048 tokens %.2f ms (%.0f GFLOP/s), decode at 4096 %.3f ms\n",
+              pre, 4.0 * 32 * 128 * 2048.0 * 2049 / 2 / pre / 1e6, dec);
+}
