@@ -9,7 +9,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <random>
+#include <span>
 
 #include "gguf/ggml_types.h"
 #include "gguf/gguf.h"
@@ -152,6 +154,59 @@ TEST_F(Gguf, ShippedModelParses) {
     EXPECT_GE(t.offset, f.data_offset()) << t.name;
     EXPECT_EQ(t.offset % f.alignment(), 0u) << t.name;
   }
+}
+
+// from_bytes runs the parser open() runs: the same File from the same bytes, errors naming
+// the image's name instead of a path.
+TEST_F(Gguf, FromBytesMatchesOpen) {
+  const std::string path = strata::test::shipped_model();
+  const File a = File::open(path);
+  const File b = File::from_bytes(shipped_bytes(), "in-memory");
+  EXPECT_EQ(b.path(), "in-memory");
+  EXPECT_EQ(b.version(), a.version());
+  EXPECT_EQ(b.file_size(), a.file_size());
+  EXPECT_EQ(b.alignment(), a.alignment());
+  EXPECT_EQ(b.data_offset(), a.data_offset());
+  EXPECT_EQ(b.metadata(), a.metadata());
+  ASSERT_EQ(b.tensors().size(), a.tensors().size());
+  for (size_t i = 0; i < a.tensors().size(); ++i) {
+    const TensorInfo &x = a.tensors()[i], &y = b.tensors()[i];
+    EXPECT_EQ(y.name, x.name);
+    EXPECT_EQ(y.type, x.type);
+    EXPECT_EQ(y.ne, x.ne);
+    EXPECT_EQ(y.offset, x.offset);
+    EXPECT_EQ(y.n_bytes, x.n_bytes);
+    EXPECT_EQ(y.row_bytes, x.row_bytes);
+  }
+  EXPECT_EQ(b.get_string_array("tokenizer.ggml.tokens"), a.get_string_array("tokenizer.ggml.tokens"));
+
+  // The File owns what it parsed: it outlives the bytes.
+  std::optional<File> f;
+  {
+    Bytes copy = base_file();
+    f.emplace(File::from_bytes(copy, "copy"));
+  }
+  EXPECT_EQ(f->get_string("general.architecture"), "test");
+  EXPECT_EQ(f->get_int_array("arr.ints"), (std::vector<int64_t>{1, 2, 3}));
+  EXPECT_EQ(f->find_tensor("t.bravo")->n_bytes, 68u);
+}
+
+TEST_F(Gguf, FromBytesErrors) {
+  auto error_of = [](const Bytes& b, size_t n) -> std::string {
+    try {
+      File::from_bytes(std::span<const uint8_t>(b.data(), std::min(n, b.size())), "img.gguf");
+    } catch (const GgufError& e) {
+      return e.what();
+    }
+    return "<accepted>";
+  };
+  EXPECT_EQ(error_of({}, 0), "img.gguf: truncated file: magic at offset 0 needs 4 bytes, only 0 remain");
+  const Bytes& shipped = shipped_bytes();
+  EXPECT_THAT(error_of(shipped, 20), HasSubstr("img.gguf: truncated file: kv count"));
+  EXPECT_THAT(error_of(shipped, shipped.size() - 1), HasSubstr("runs past the end of the file"));
+  Bytes b = base_file();
+  b[0] = 'X';
+  EXPECT_THAT(error_of(b, SIZE_MAX), HasSubstr("img.gguf: bad magic"));
 }
 
 TEST(GgmlTypes, BlockGeometry) {
@@ -535,16 +590,27 @@ TEST_F(Gguf, MutationFuzz) {
       }
     }
     write_all(p, b, n);
+    std::string outcome = "accepted";
     try {
       File f = File::open(p);
       for (const TensorInfo& t : f.tensors()) ASSERT_LE(t.offset + t.n_bytes, f.file_size());
       ++ok;
     } catch (const GgufError& e) {
       ASSERT_THAT(e.what(), HasSubstr(p + ": "));
+      outcome = e.what();
       ++rejected;
     } catch (const std::exception& e) {
       FAIL() << "iteration " << iter << ": unexpected exception type: " << e.what();
     }
+    // The same bytes from memory: the same verdict, word for word.
+    b.resize(n);
+    std::string outcome_bytes = "accepted";
+    try {
+      File::from_bytes(b, p);
+    } catch (const GgufError& e) {
+      outcome_bytes = e.what();
+    }
+    ASSERT_EQ(outcome_bytes, outcome) << "iteration " << iter;
   }
   EXPECT_GT(rejected, 500);
   RecordProperty("accepted", ok);
