@@ -445,6 +445,47 @@ TEST_F(Gguf, HugeCounts) {
   expect_error(b, "kv count 1099511627776 is absurd");
 }
 
+// Counts are bounded by the bytes that remain, which in a large file (here a 1 TiB sparse one:
+// the model files are tens of GiB) allows billions of entries. The parser must not reserve room
+// for a count it has not read yet (it did: std::bad_alloc, or an ASan allocation-size abort).
+TEST_F(Gguf, HugeCountsInLargeFile) {
+  const uint64_t kFile = uint64_t{1} << 40;
+  auto expect_large_file_error = [&](Bytes head, const std::string& phrase) {
+    const std::string p = tmp("large.gguf");
+    write_all(p, head);
+    fs::resize_file(p, kFile);  // zeros, no blocks
+    try {
+      File::open(p);
+      ADD_FAILURE() << "open() accepted a corrupt file; expected: " << phrase;
+    } catch (const GgufError& e) {
+      EXPECT_THAT(e.what(), HasSubstr(p + ": "));
+      EXPECT_THAT(e.what(), HasSubstr(phrase));
+    }
+    fs::remove(p);
+  };
+  Bytes head(24);
+  put_u32(head, 0, 0x46554747);
+  put_u32(head, 4, 3);
+  put_u64(head, 16, kFile / 16);  // kv count; kv #0 and #1 are key "" = UINT8 0 (zeros)
+  expect_large_file_error(head, "duplicate key '' (kv #1)");
+  put_u64(head, 16, 0);
+  put_u64(head, 8, kFile / 64);  // tensor count; tensor #0 reads n_dims 0
+  expect_large_file_error(head, "tensor '' has n_dims 0");
+  // kv #0: key "a", ARRAY of BOOL with 2^39 items, the third of which is 2.
+  Bytes arr(24 + 8 + 1 + 4 + 4 + 8 + 3);
+  std::memcpy(arr.data(), head.data(), 24);
+  put_u64(arr, 8, 0);
+  put_u64(arr, 16, 1);
+  put_u64(arr, 24, 1);                                            // key length
+  arr[32] = 'a';
+  put_u32(arr, 33, static_cast<uint32_t>(ValueType::ARRAY));
+  put_u32(arr, 37, static_cast<uint32_t>(ValueType::BOOL));
+  put_u64(arr, 41, uint64_t{1} << 39);                            // count
+  arr[49] = 1, arr[50] = 0, arr[51] = 2;
+  head = arr;
+  expect_large_file_error(head, "key 'a' has bool value 2");
+}
+
 TEST_F(Gguf, HugeStringLength) {
   Bytes b = base_file();
   ASSERT_EQ(get_u64(b, 24), std::string("general.architecture").size());

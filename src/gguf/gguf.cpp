@@ -24,6 +24,9 @@ constexpr uint32_t kMagic = 0x46554747;  // "GGUF" read as a little-endian uint3
 constexpr uint32_t kMaxDims = 4;
 constexpr int kMaxArrayDepth = 16;  // nested arrays deeper than this are rejected (stack bound)
 constexpr size_t kBufSize = size_t{1} << 16;
+// Counts are only bounded by the bytes that remain, which in a large file allows billions of
+// entries: room is reserved for at most this many before any has been read (more grow as read).
+constexpr uint64_t kMaxReserve = 4096;
 constexpr uint64_t kMinKvBytes = 8 + 4 + 1;              // key length, value type, 1-byte value
 constexpr uint64_t kMinTensorInfoBytes = 8 + 4 + 8 + 4 + 8;  // name length, n_dims, 1 dim, type, offset
 
@@ -201,7 +204,7 @@ Value read_value(Reader& r, const std::string& path, ValueType t, const std::str
         fail(path, fmt::format("array count {} of key '{}' at offset {} cannot fit in the remaining {} bytes "
                                "({} bytes per {} element at least)",
                                count, key, at, r.remaining(), min_bytes, value_type_name(arr.elem_type)));
-      arr.items.reserve(count);
+      arr.items.reserve(std::min(count, kMaxReserve));
       for (uint64_t i = 0; i < count; ++i) arr.items.push_back(read_value(r, path, arr.elem_type, key, depth + 1));
       out.v = std::move(arr);
       break;
@@ -325,7 +328,7 @@ File File::parse(Reader& r, std::string path_arg, uint64_t file_size) {
     fail(path, fmt::format("tensor count {} is absurd for a file of {} bytes", tensor_count, f.file_size_));
 
   // ---- metadata
-  f.kv_.reserve(kv_count);
+  f.kv_.reserve(std::min(kv_count, kMaxReserve));
   for (uint64_t i = 0; i < kv_count; ++i) {
     std::string key = r.str(fmt::format("key of kv #{}", i));
     if (f.kv_index_.count(key)) fail(path, fmt::format("duplicate key '{}' (kv #{})", key, i));
@@ -348,9 +351,9 @@ File File::parse(Reader& r, std::string path_arg, uint64_t file_size) {
   }
 
   // ---- tensor table
-  f.tensors_.reserve(tensor_count);
+  f.tensors_.reserve(std::min(tensor_count, kMaxReserve));
   std::vector<uint64_t> rel_offsets;
-  rel_offsets.reserve(tensor_count);
+  rel_offsets.reserve(std::min(tensor_count, kMaxReserve));
   for (uint64_t i = 0; i < tensor_count; ++i) {
     TensorInfo t;
     t.name = r.str(fmt::format("name of tensor #{}", i));
