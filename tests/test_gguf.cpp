@@ -209,6 +209,32 @@ TEST_F(Gguf, FromBytesErrors) {
   EXPECT_THAT(error_of(b, SIZE_MAX), HasSubstr("img.gguf: bad magic"));
 }
 
+// "blk.N." with N decimal digits that fit in an int; anything else is not a layer tensor. (The
+// sscanf("blk.%d.") this replaced was undefined for an N past INT_MAX, and in glibc wrapped:
+// blk.4294967296. read as layer 0; it also took "blk.+3.", "blk. 3." and "blk.3x" as layer 3.)
+TEST(TensorInfoLayer, StrictDecimal) {
+  auto layer = [](const std::string& name) {
+    TensorInfo t;
+    t.name = name;
+    return t.layer();
+  };
+  EXPECT_EQ(layer("blk.0.attn_q.weight"), 0);
+  EXPECT_EQ(layer("blk.47.ffn_gate_exps.weight"), 47);
+  EXPECT_EQ(layer("blk.007.x"), 7);
+  EXPECT_EQ(layer("blk.2147483647.x"), 2147483647);
+  EXPECT_EQ(layer("blk.2147483648.x"), -1);
+  EXPECT_EQ(layer("blk.4294967296.x"), -1);
+  EXPECT_EQ(layer("blk.99999999999999999999.x"), -1);
+  EXPECT_EQ(layer("blk.-1.x"), -1);
+  EXPECT_EQ(layer("blk.+3.x"), -1);
+  EXPECT_EQ(layer("blk. 3.x"), -1);
+  EXPECT_EQ(layer("blk.3x"), -1);
+  EXPECT_EQ(layer("blk.3"), -1);
+  EXPECT_EQ(layer("blk..x"), -1);
+  EXPECT_EQ(layer("token_embd.weight"), -1);
+  EXPECT_EQ(layer(""), -1);
+}
+
 TEST(GgmlTypes, BlockGeometry) {
   struct G { GgmlType t; const char* name; uint32_t be, bb; };
   const G want[] = {

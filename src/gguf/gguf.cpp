@@ -10,11 +10,12 @@
 
 #include <algorithm>
 #include <bit>
+#include <charconv>
 #include <cerrno>
-#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <span>
+#include <string_view>
 #include <utility>
 
 namespace strata::gguf {
@@ -283,8 +284,14 @@ std::string TensorInfo::shape_str() const {
 }
 
 int TensorInfo::layer() const {
+  constexpr std::string_view kPrefix = "blk.";
+  if (name.size() <= kPrefix.size() || name.compare(0, kPrefix.size(), kPrefix) != 0) return -1;
+  const char* first = name.data() + kPrefix.size();
+  const char* last = name.data() + name.size();
+  if (*first < '0' || *first > '9') return -1;  // from_chars would take a sign
   int l = -1;
-  return std::sscanf(name.c_str(), "blk.%d.", &l) == 1 && l >= 0 ? l : -1;
+  const auto [end, ec] = std::from_chars(first, last, l);
+  return ec == std::errc() && end != last && *end == '.' ? l : -1;
 }
 
 // ---------------------------------------------------------------- File
