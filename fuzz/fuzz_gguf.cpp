@@ -26,8 +26,8 @@ namespace {
   std::abort();
 }
 
-#define FUZZ_CHECK(cond, detail) \
-  do {                           \
+#define FUZZ_CHECK(cond, detail)          \
+  do {                                    \
     if (!(cond)) violated(#cond, detail); \
   } while (0)
 
@@ -36,8 +36,7 @@ template <typename F>
 void tolerate(F&& f) {
   try {
     f();
-  } catch (const GgufError&) {
-  }
+  } catch (const GgufError&) {}
 }
 
 /// Walks a value as a consumer would: every accessor, recursively into arrays.
@@ -80,8 +79,8 @@ void touch_file(const File& f, size_t size) {
     tolerate([&] { (void)f.get_float_array(key); });
   }
   // Keys a loader asks for whether or not the file has them.
-  for (const char* key : {"general.architecture", "general.alignment", "tokenizer.ggml.tokens",
-                          "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"}) {
+  for (const char* key : {"general.architecture", "general.alignment", "tokenizer.ggml.tokens", "tokenizer.ggml.merges",
+                          "tokenizer.ggml.token_type", "tokenizer.ggml.scores"}) {
     tolerate([&] { (void)f.get_string(key, ""); });
     tolerate([&] { (void)f.get_string_array(key); });
     tolerate([&] { (void)f.get_int_array(key); });
