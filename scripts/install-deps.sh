@@ -12,6 +12,8 @@ PKGS=(
   libgtest-dev libgmock-dev libbenchmark-dev  # tests and benchmarks
   python3 python3-jinja2  # test oracle for chat templates
   libcpp-httplib-dev  # HTTP server of `strata serve`
+  clang libclang-rt-dev  # the GGUF parser's libFuzzer target (fuzz/, run by scripts/test.sh)
+  clang-format        # scripts/format.sh
 )
 # The server tests use Node.js and npm (tests/server); a Node.js from elsewhere is kept.
 command -v node >/dev/null 2>&1 || PKGS+=(nodejs)

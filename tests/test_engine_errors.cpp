@@ -3,29 +3,17 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "support/paths.h"
 #include "engine/engine.h"
+#include "support/error_of.h"
+#include "support/options.h"
+#include "support/paths.h"
 
 using namespace strata;
 using ::testing::HasSubstr;
 
 namespace {
-template <typename E, typename F>
-std::string error_of(F f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  }
-  return "<no exception>";
-}
-engine::EngineOptions small() {
-  engine::EngineOptions o;
-  o.n_threads = 1;
-  o.arena_mb = 8;
-  o.n_ctx = 16;
-  return o;
-}
+using test::error_of;
+engine::EngineOptions small() { return test::engine_options(/*n_threads=*/1, /*n_ctx=*/16, /*arena_mb=*/8); }
 }  // namespace
 
 TEST(EngineErrors, PromptLongerThanContext) {

@@ -38,26 +38,6 @@ engine::EngineOptions default_options() {
   return o;
 }
 
-void print_report(const char* name, const test::ParityReport& r) {
-  std::printf(
-      "[%s] positions %d, top-1 checked %d mismatched %d, max |dlogit| top-20 %.3g, all-vocab last %.3g, "
-      "logsumexp %.3g; routes checked %d mismatched %d, max |dprob| %.3g\n",
-      name, r.positions, r.top1_checked, r.top1_mismatch, r.max_logit_err, r.max_last_err, r.max_lse_err,
-      r.routes_checked, r.routes_mismatch, r.max_route_prob_err);
-}
-
-void expect_parity(const test::ParityReport& r) {
-  EXPECT_GT(r.positions, 0);
-  EXPECT_GT(r.top1_checked, r.positions / 2);
-  EXPECT_EQ(r.top1_mismatch, 0);
-  EXPECT_LE(r.max_logit_err, kLogitTol);
-  EXPECT_LE(r.max_last_err, kLogitTol);
-  EXPECT_LE(r.max_lse_err, kLogitTol);
-  EXPECT_GT(r.routes_checked, 0);
-  EXPECT_EQ(r.routes_mismatch, 0);
-  EXPECT_LE(r.max_route_prob_err, kRouteProbTol);
-}
-
 void expect_greedy(engine::Engine& eng, const nlohmann::json& ref) {
   for (const auto& g : ref["greedy"]) {
     const auto prompt = g["ids"].get<std::vector<int32_t>>();
@@ -76,8 +56,8 @@ TEST(Forward, ShippedQ8_0MatchesTransformers) {
   const auto ref = test::load_json(test::data_path("qwen3moe-code-Q8_0.hf.json"));
   test::ParityReport rep;
   test::compare_with_hf(eng, ref, rep);
-  print_report("Q8_0 f32 activations vs transformers", rep);
-  expect_parity(rep);
+  test::print_report("Q8_0 f32 activations vs transformers", rep);
+  test::expect_parity(rep, kLogitTol, kRouteProbTol);
 }
 
 // The default q8 activations (int8 codes per block of 32, as llama.cpp computes on CPU) cost
@@ -95,7 +75,7 @@ TEST(Forward, ShippedQ8_0WithQ8ActivationsNearTransformers) {
   const auto ref = test::load_json(test::data_path("qwen3moe-code-Q8_0.hf.json"));
   test::ParityReport r;
   test::compare_with_hf(eng, ref, r);
-  print_report("Q8_0 q8 activations vs transformers", r);
+  test::print_report("Q8_0 q8 activations vs transformers", r);
   EXPECT_GT(r.top1_checked, r.positions / 2);
   EXPECT_LE(r.top1_mismatch, r.top1_checked * 15 / 1000);
   EXPECT_LE(r.max_logit_err, 1.5);
@@ -119,8 +99,8 @@ TEST(Forward, Bf16MatchesTransformers) {
   const auto ref = test::load_json(fx + "/ref/qwen3moe-code.hf.json");
   test::ParityReport rep;
   test::compare_with_hf(eng, ref, rep);
-  print_report("BF16 vs transformers", rep);
-  expect_parity(rep);
+  test::print_report("BF16 vs transformers", rep);
+  test::expect_parity(rep, kLogitTol, kRouteProbTol);
 }
 
 TEST(Forward, Bf16GreedyMatchesTransformersAndLlamaCpp) {

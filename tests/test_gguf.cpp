@@ -9,11 +9,14 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <random>
+#include <span>
 
 #include "gguf/ggml_types.h"
 #include "gguf/gguf.h"
 #include "gguf/gguf_writer.h"
+#include "support/error_of.h"
 #include "support/paths.h"
 
 namespace fs = std::filesystem;
@@ -102,6 +105,11 @@ class Gguf : public ::testing::Test {
   void expect_error(const Bytes& b, const std::string& phrase, size_t n = SIZE_MAX) {
     std::string p = tmp("bad.gguf");
     write_all(p, b, n);
+    expect_open_error(p, phrase);
+  }
+
+  /// Expects open(p) to throw GgufError whose message contains the path and `phrase`.
+  void expect_open_error(const std::string& p, const std::string& phrase) {
     try {
       File::open(p);
       ADD_FAILURE() << "open() accepted a corrupt file; expected: " << phrase;
@@ -152,6 +160,81 @@ TEST_F(Gguf, ShippedModelParses) {
     EXPECT_GE(t.offset, f.data_offset()) << t.name;
     EXPECT_EQ(t.offset % f.alignment(), 0u) << t.name;
   }
+}
+
+// from_bytes runs the parser open() runs: the same File from the same bytes, errors naming
+// the image's name instead of a path.
+TEST_F(Gguf, FromBytesMatchesOpen) {
+  const std::string path = strata::test::shipped_model();
+  const File a = File::open(path);
+  const File b = File::from_bytes(shipped_bytes(), "in-memory");
+  EXPECT_EQ(b.path(), "in-memory");
+  EXPECT_EQ(b.version(), a.version());
+  EXPECT_EQ(b.file_size(), a.file_size());
+  EXPECT_EQ(b.alignment(), a.alignment());
+  EXPECT_EQ(b.data_offset(), a.data_offset());
+  EXPECT_EQ(b.metadata(), a.metadata());
+  ASSERT_EQ(b.tensors().size(), a.tensors().size());
+  for (size_t i = 0; i < a.tensors().size(); ++i) {
+    const TensorInfo &x = a.tensors()[i], &y = b.tensors()[i];
+    EXPECT_EQ(y.name, x.name);
+    EXPECT_EQ(y.type, x.type);
+    EXPECT_EQ(y.ne, x.ne);
+    EXPECT_EQ(y.offset, x.offset);
+    EXPECT_EQ(y.n_bytes, x.n_bytes);
+    EXPECT_EQ(y.row_bytes, x.row_bytes);
+  }
+  EXPECT_EQ(b.get_string_array("tokenizer.ggml.tokens"), a.get_string_array("tokenizer.ggml.tokens"));
+
+  // The File owns what it parsed: it outlives the bytes.
+  std::optional<File> f;
+  {
+    Bytes copy = base_file();
+    f.emplace(File::from_bytes(copy, "copy"));
+  }
+  EXPECT_EQ(f->get_string("general.architecture"), "test");
+  EXPECT_EQ(f->get_int_array("arr.ints"), (std::vector<int64_t>{1, 2, 3}));
+  EXPECT_EQ(f->find_tensor("t.bravo")->n_bytes, 68u);
+}
+
+TEST_F(Gguf, FromBytesErrors) {
+  auto error_of = [](const Bytes& b, size_t n) {
+    return strata::test::error_of<GgufError>(
+        [&] { File::from_bytes(std::span<const uint8_t>(b.data(), std::min(n, b.size())), "img.gguf"); });
+  };
+  EXPECT_EQ(error_of({}, 0), "img.gguf: truncated file: magic at offset 0 needs 4 bytes, only 0 remain");
+  const Bytes& shipped = shipped_bytes();
+  EXPECT_THAT(error_of(shipped, 20), HasSubstr("img.gguf: truncated file: kv count"));
+  EXPECT_THAT(error_of(shipped, shipped.size() - 1), HasSubstr("runs past the end of the file"));
+  Bytes b = base_file();
+  b[0] = 'X';
+  EXPECT_THAT(error_of(b, SIZE_MAX), HasSubstr("img.gguf: bad magic"));
+}
+
+// "blk.N." with N decimal digits that fit in an int; anything else is not a layer tensor. (The
+// sscanf("blk.%d.") this replaced was undefined for an N past INT_MAX, and in glibc wrapped:
+// blk.4294967296. read as layer 0; it also took "blk.+3.", "blk. 3." and "blk.3x" as layer 3.)
+TEST(TensorInfoLayer, StrictDecimal) {
+  auto layer = [](const std::string& name) {
+    TensorInfo t;
+    t.name = name;
+    return t.layer();
+  };
+  EXPECT_EQ(layer("blk.0.attn_q.weight"), 0);
+  EXPECT_EQ(layer("blk.47.ffn_gate_exps.weight"), 47);
+  EXPECT_EQ(layer("blk.007.x"), 7);
+  EXPECT_EQ(layer("blk.2147483647.x"), 2147483647);
+  EXPECT_EQ(layer("blk.2147483648.x"), -1);
+  EXPECT_EQ(layer("blk.4294967296.x"), -1);
+  EXPECT_EQ(layer("blk.99999999999999999999.x"), -1);
+  EXPECT_EQ(layer("blk.-1.x"), -1);
+  EXPECT_EQ(layer("blk.+3.x"), -1);
+  EXPECT_EQ(layer("blk. 3.x"), -1);
+  EXPECT_EQ(layer("blk.3x"), -1);
+  EXPECT_EQ(layer("blk.3"), -1);
+  EXPECT_EQ(layer("blk..x"), -1);
+  EXPECT_EQ(layer("token_embd.weight"), -1);
+  EXPECT_EQ(layer(""), -1);
 }
 
 TEST(GgmlTypes, BlockGeometry) {
@@ -390,6 +473,41 @@ TEST_F(Gguf, HugeCounts) {
   expect_error(b, "kv count 1099511627776 is absurd");
 }
 
+// Counts are bounded by the bytes that remain, which in a large file (here a 1 TiB sparse one:
+// the model files are tens of GiB) allows billions of entries. The parser must not reserve room
+// for a count it has not read yet (it did: std::bad_alloc, or an ASan allocation-size abort).
+TEST_F(Gguf, HugeCountsInLargeFile) {
+  const uint64_t kFile = uint64_t{1} << 40;
+  auto expect_large_file_error = [&](Bytes head, const std::string& phrase) {
+    const std::string p = tmp("large.gguf");
+    write_all(p, head);
+    fs::resize_file(p, kFile);  // zeros, no blocks
+    expect_open_error(p, phrase);
+    fs::remove(p);
+  };
+  Bytes head(24);
+  put_u32(head, 0, 0x46554747);
+  put_u32(head, 4, 3);
+  put_u64(head, 16, kFile / 16);  // kv count; kv #0 and #1 are key "" = UINT8 0 (zeros)
+  expect_large_file_error(head, "duplicate key '' (kv #1)");
+  put_u64(head, 16, 0);
+  put_u64(head, 8, kFile / 64);  // tensor count; tensor #0 reads n_dims 0
+  expect_large_file_error(head, "tensor '' has n_dims 0");
+  // kv #0: key "a", ARRAY of BOOL with 2^39 items, the third of which is 2.
+  Bytes arr(24 + 8 + 1 + 4 + 4 + 8 + 3);
+  std::memcpy(arr.data(), head.data(), 24);
+  put_u64(arr, 8, 0);
+  put_u64(arr, 16, 1);
+  put_u64(arr, 24, 1);                                            // key length
+  arr[32] = 'a';
+  put_u32(arr, 33, static_cast<uint32_t>(ValueType::ARRAY));
+  put_u32(arr, 37, static_cast<uint32_t>(ValueType::BOOL));
+  put_u64(arr, 41, uint64_t{1} << 39);                            // count
+  arr[49] = 1, arr[50] = 0, arr[51] = 2;
+  head = arr;
+  expect_large_file_error(head, "key 'a' has bool value 2");
+}
+
 TEST_F(Gguf, HugeStringLength) {
   Bytes b = base_file();
   ASSERT_EQ(get_u64(b, 24), std::string("general.architecture").size());
@@ -535,16 +653,27 @@ TEST_F(Gguf, MutationFuzz) {
       }
     }
     write_all(p, b, n);
+    std::string outcome = "accepted";
     try {
       File f = File::open(p);
       for (const TensorInfo& t : f.tensors()) ASSERT_LE(t.offset + t.n_bytes, f.file_size());
       ++ok;
     } catch (const GgufError& e) {
       ASSERT_THAT(e.what(), HasSubstr(p + ": "));
+      outcome = e.what();
       ++rejected;
     } catch (const std::exception& e) {
       FAIL() << "iteration " << iter << ": unexpected exception type: " << e.what();
     }
+    // The same bytes from memory: the same verdict, word for word.
+    b.resize(n);
+    std::string outcome_bytes = "accepted";
+    try {
+      File::from_bytes(b, p);
+    } catch (const GgufError& e) {
+      outcome_bytes = e.what();
+    }
+    ASSERT_EQ(outcome_bytes, outcome) << "iteration " << iter;
   }
   EXPECT_GT(rejected, 500);
   RecordProperty("accepted", ok);

@@ -26,6 +26,7 @@
 #include "quant/quant.h"
 #include "stream/expert_stream.h"
 #include "stream/pack.h"
+#include "support/options.h"
 #include "support/paths.h"
 
 namespace fs = std::filesystem;
@@ -100,13 +101,7 @@ std::pair<double, double> tensor_stats(const std::string& path, const gguf::Tens
   return {mean, std::sqrt(s2 / n - mean * mean)};
 }
 
-engine::EngineOptions small_opts() {
-  engine::EngineOptions o;
-  o.n_threads = 2;
-  o.n_ctx = 128;
-  o.arena_mb = 8;
-  return o;
-}
+engine::EngineOptions small_opts() { return test::engine_options(/*n_threads=*/2, /*n_ctx=*/128, /*arena_mb=*/8); }
 
 std::vector<int32_t> prompt_ids(int n, int vocab, uint32_t seed) {
   std::mt19937 rng(seed);
@@ -264,20 +259,27 @@ TEST(Synth, Qwen3NextHasTheRealTensorSetAndRuns) {
   for (const auto& t : tiny.tensors()) EXPECT_EQ(g.find_tensor(t.name)->ne.size(), t.ne.size()) << t.name;
   // Qwen3-Next-80B-A3B's shapes.
   using NE = std::vector<uint64_t>;
-  EXPECT_EQ(g.find_tensor("blk.0.attn_qkv.weight")->ne, (NE{2048, 8192}));
-  EXPECT_EQ(g.find_tensor("blk.0.attn_gate.weight")->ne, (NE{2048, 4096}));
-  EXPECT_EQ(g.find_tensor("blk.0.ssm_ba.weight")->ne, (NE{2048, 64}));
-  EXPECT_EQ(g.find_tensor("blk.0.ssm_conv1d.weight")->ne, (NE{4, 8192}));
-  EXPECT_EQ(g.find_tensor("blk.0.ssm_out.weight")->ne, (NE{4096, 2048}));
-  EXPECT_EQ(g.find_tensor("blk.0.ssm_norm.weight")->ne, (NE{128}));
-  EXPECT_EQ(g.find_tensor("blk.0.ssm_a")->ne, (NE{32}));
-  EXPECT_EQ(g.find_tensor("blk.0.ffn_gate_exps.weight")->ne, (NE{2048, 512, 4}));
-  EXPECT_EQ(g.find_tensor("blk.0.ffn_down_shexp.weight")->ne, (NE{512, 2048}));
-  EXPECT_EQ(g.find_tensor("blk.0.ffn_gate_inp_shexp.weight")->ne, (NE{2048, 1}));
-  EXPECT_EQ(g.find_tensor("blk.3.attn_q.weight")->ne, (NE{2048, 8192}));
-  EXPECT_EQ(g.find_tensor("blk.3.attn_k.weight")->ne, (NE{2048, 512}));
-  EXPECT_EQ(g.find_tensor("blk.3.attn_output.weight")->ne, (NE{4096, 2048}));
-  EXPECT_EQ(g.find_tensor("blk.3.attn_q_norm.weight")->ne, (NE{256}));
+  const std::pair<const char*, NE> shapes[] = {
+      {"blk.0.attn_qkv.weight", {2048, 8192}},
+      {"blk.0.attn_gate.weight", {2048, 4096}},
+      {"blk.0.ssm_ba.weight", {2048, 64}},
+      {"blk.0.ssm_conv1d.weight", {4, 8192}},
+      {"blk.0.ssm_out.weight", {4096, 2048}},
+      {"blk.0.ssm_norm.weight", {128}},
+      {"blk.0.ssm_a", {32}},
+      {"blk.0.ffn_gate_exps.weight", {2048, 512, 4}},
+      {"blk.0.ffn_down_shexp.weight", {512, 2048}},
+      {"blk.0.ffn_gate_inp_shexp.weight", {2048, 1}},
+      {"blk.3.attn_q.weight", {2048, 8192}},
+      {"blk.3.attn_k.weight", {2048, 512}},
+      {"blk.3.attn_output.weight", {4096, 2048}},
+      {"blk.3.attn_q_norm.weight", {256}},
+  };
+  for (const auto& [name, ne] : shapes) {
+    const gguf::TensorInfo* t = g.find_tensor(name);
+    ASSERT_NE(t, nullptr) << name;
+    EXPECT_EQ(t->ne, ne) << name;
+  }
   EXPECT_EQ(g.get_int("qwen3next.rope.dimension_count"), 64);
   EXPECT_EQ(g.get_int("qwen3next.ssm.inner_size"), 4096);
   EXPECT_EQ(g.get_int("qwen3next.ssm.group_count"), 16);

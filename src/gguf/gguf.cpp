@@ -1,5 +1,6 @@
-// GGUF reader: a bounded, buffered pread reader over the file; every count, length and
-// offset is checked against the bytes that remain before it is used or allocated.
+// GGUF reader: one parser over a bounded reader (buffered pread over the file, or bytes in
+// memory); every count, length and offset is checked against the bytes that remain before it
+// is used or allocated.
 #include "gguf/gguf.h"
 
 #include <fcntl.h>
@@ -9,10 +10,13 @@
 
 #include <algorithm>
 #include <bit>
+#include <charconv>
 #include <cerrno>
-#include <cstdio>
 #include <cstring>
 #include <limits>
+#include <span>
+#include <string_view>
+#include <utility>
 
 namespace strata::gguf {
 namespace {
@@ -21,6 +25,9 @@ constexpr uint32_t kMagic = 0x46554747;  // "GGUF" read as a little-endian uint3
 constexpr uint32_t kMaxDims = 4;
 constexpr int kMaxArrayDepth = 16;  // nested arrays deeper than this are rejected (stack bound)
 constexpr size_t kBufSize = size_t{1} << 16;
+// Counts are only bounded by the bytes that remain, which in a large file allows billions of
+// entries: room is reserved for at most this many before any has been read (more grow as read).
+constexpr uint64_t kMaxReserve = 4096;
 constexpr uint64_t kMinKvBytes = 8 + 4 + 1;              // key length, value type, 1-byte value
 constexpr uint64_t kMinTensorInfoBytes = 8 + 4 + 8 + 4 + 8;  // name length, n_dims, 1 dim, type, offset
 
@@ -55,11 +62,20 @@ class Fd {
   int fd_;
 };
 
-/// Sequential reader over [0, size) of an fd with pread and a small buffer. Never reads past
-/// `size`; every read first checks the bytes that remain and throws GgufError if short.
+}  // namespace
+
+namespace detail {
+
+/// Sequential reader over [0, size) of a GGUF image: a file read with pread through a small
+/// buffer, or bytes in memory. Never reads past `size`; every read first checks the bytes that
+/// remain and throws GgufError naming `path` if they are short.
 class Reader {
  public:
-  Reader(const std::string& path, int fd, uint64_t size) : path_(path), fd_(fd), size_(size), buf_(kBufSize) {}
+  /// Reads the file open as `fd` (not owned), `size` bytes long.
+  Reader(std::string path, int fd, uint64_t size) : path_(std::move(path)), fd_(fd), size_(size), buf_(kBufSize) {}
+  /// Reads `bytes` (not copied: they must outlive the reader).
+  Reader(std::string path, std::span<const uint8_t> bytes)
+      : path_(std::move(path)), in_memory_(true), mem_(bytes.data()), size_(bytes.size()) {}
 
   uint64_t pos() const { return pos_; }
   uint64_t remaining() const { return size_ - pos_; }
@@ -69,6 +85,11 @@ class Reader {
       fail(path_, fmt::format("truncated file: {} at offset {} needs {} bytes, only {} remain", what, pos_, n,
                               remaining()));
     auto* out = static_cast<uint8_t*>(dst);
+    if (in_memory_) {
+      if (n > 0) std::memcpy(out, mem_ + pos_, n);
+      pos_ += n;
+      return;
+    }
     while (n > 0) {
       uint64_t avail = buf_start_ + buf_len_ - pos_;
       if (avail == 0) {
@@ -124,14 +145,22 @@ class Reader {
     }
   }
 
-  const std::string& path_;
-  int fd_;
+  std::string path_;
+  int fd_ = -1;
+  bool in_memory_ = false;
+  const uint8_t* mem_ = nullptr;  // the image, when in_memory_
   uint64_t size_;
   uint64_t pos_ = 0;
   uint64_t buf_start_ = 0;
   uint64_t buf_len_ = 0;
   std::vector<uint8_t> buf_;
 };
+
+}  // namespace detail
+
+namespace {
+
+using detail::Reader;
 
 Value read_value(Reader& r, const std::string& path, ValueType t, const std::string& key, int depth) {
   Value out;
@@ -176,7 +205,7 @@ Value read_value(Reader& r, const std::string& path, ValueType t, const std::str
         fail(path, fmt::format("array count {} of key '{}' at offset {} cannot fit in the remaining {} bytes "
                                "({} bytes per {} element at least)",
                                count, key, at, r.remaining(), min_bytes, value_type_name(arr.elem_type)));
-      arr.items.reserve(count);
+      arr.items.reserve(std::min(count, kMaxReserve));
       for (uint64_t i = 0; i < count; ++i) arr.items.push_back(read_value(r, path, arr.elem_type, key, depth + 1));
       out.v = std::move(arr);
       break;
@@ -255,23 +284,39 @@ std::string TensorInfo::shape_str() const {
 }
 
 int TensorInfo::layer() const {
+  constexpr std::string_view kPrefix = "blk.";
+  if (name.size() <= kPrefix.size() || name.compare(0, kPrefix.size(), kPrefix) != 0) return -1;
+  const char* first = name.data() + kPrefix.size();
+  const char* last = name.data() + name.size();
+  if (*first < '0' || *first > '9') return -1;  // from_chars would take a sign
   int l = -1;
-  return std::sscanf(name.c_str(), "blk.%d.", &l) == 1 && l >= 0 ? l : -1;
+  const auto [end, ec] = std::from_chars(first, last, l);
+  return ec == std::errc() && end != last && *end == '.' ? l : -1;
 }
 
 // ---------------------------------------------------------------- File
 
 File File::open(const std::string& path) {
-  File f;
-  f.path_ = path;
   Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) fail(path, fmt::format("cannot open: {}", std::strerror(errno)));
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) fail(path, fmt::format("cannot stat: {}", std::strerror(errno)));
   if (!S_ISREG(st.st_mode)) fail(path, "not a regular file");
-  f.file_size_ = static_cast<uint64_t>(st.st_size);
+  const auto size = static_cast<uint64_t>(st.st_size);
+  Reader r(path, fd.get(), size);
+  return parse(r, path, size);
+}
 
-  Reader r(f.path_, fd.get(), f.file_size_);
+File File::from_bytes(std::span<const uint8_t> bytes, std::string name) {
+  Reader r(name, bytes);
+  return parse(r, std::move(name), bytes.size());
+}
+
+File File::parse(Reader& r, std::string path_arg, uint64_t file_size) {
+  File f;
+  f.path_ = std::move(path_arg);
+  f.file_size_ = file_size;
+  const std::string& path = f.path_;
   uint32_t magic = r.u32("magic");
   if (magic != kMagic)
     fail(path, fmt::format("bad magic 0x{:08x} (expected 0x{:08x}, \"GGUF\"): not a GGUF file", magic, kMagic));
@@ -290,7 +335,7 @@ File File::open(const std::string& path) {
     fail(path, fmt::format("tensor count {} is absurd for a file of {} bytes", tensor_count, f.file_size_));
 
   // ---- metadata
-  f.kv_.reserve(kv_count);
+  f.kv_.reserve(std::min(kv_count, kMaxReserve));
   for (uint64_t i = 0; i < kv_count; ++i) {
     std::string key = r.str(fmt::format("key of kv #{}", i));
     if (f.kv_index_.count(key)) fail(path, fmt::format("duplicate key '{}' (kv #{})", key, i));
@@ -313,9 +358,9 @@ File File::open(const std::string& path) {
   }
 
   // ---- tensor table
-  f.tensors_.reserve(tensor_count);
+  f.tensors_.reserve(std::min(tensor_count, kMaxReserve));
   std::vector<uint64_t> rel_offsets;
-  rel_offsets.reserve(tensor_count);
+  rel_offsets.reserve(std::min(tensor_count, kMaxReserve));
   for (uint64_t i = 0; i < tensor_count; ++i) {
     TensorInfo t;
     t.name = r.str(fmt::format("name of tensor #{}", i));

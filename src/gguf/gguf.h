@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <variant>
@@ -18,6 +19,10 @@
 #include "gguf/ggml_types.h"
 
 namespace strata::gguf {
+
+namespace detail {
+class Reader;  // the bounded byte reader the parser runs on (gguf.cpp)
+}
 
 /// Thrown for any malformed, truncated or unsupported GGUF file. what() names the file.
 class GgufError : public std::runtime_error {
@@ -88,6 +93,12 @@ class File {
   /// offset past the end of the file, overflowing sizes, unknown type ids, duplicate names,
   /// misaligned tensor offsets) and std::system_error-derived GgufError when the file cannot be opened.
   static File open(const std::string& path);
+  /// Parses a GGUF image held in memory, `bytes` being the whole file (header and tensor data),
+  /// with the same checks as open(): the result is the File open() would return for a file with
+  /// these bytes. `name` stands for the path in path() and in error messages ("<name>: ...").
+  /// file_size() is bytes.size(). Nothing of `bytes` is kept: the File stays valid after they go.
+  /// Throws GgufError for every malformed, truncated or unsupported image, as open() does.
+  static File from_bytes(std::span<const uint8_t> bytes, std::string name);
 
   const std::string& path() const { return path_; }
   uint32_t version() const { return version_; }
@@ -118,6 +129,10 @@ class File {
   const TensorInfo* find_tensor(const std::string& name) const;
 
  private:
+  /// The parser behind open() and from_bytes(): reads the header from `r`, which spans the
+  /// whole file (`path` and `file_size` set by the caller). Throws GgufError.
+  static File parse(detail::Reader& r, std::string path, uint64_t file_size);
+
   std::string path_;
   uint32_t version_ = 0;
   uint64_t file_size_ = 0;

@@ -1,7 +1,10 @@
 #include "support/reference.h"
 
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <set>
 #include <stdexcept>
@@ -80,6 +83,26 @@ std::vector<int32_t> greedy(engine::Engine& eng, const std::vector<int32_t>& pro
     if (i + 1 < n) eng.decode(st, id, logits);
   }
   return out;
+}
+
+void print_report(const char* name, const ParityReport& r) {
+  std::printf(
+      "[%s] positions %d, top-1 checked %d mismatched %d, max |dlogit| top-20 %.3g, all-vocab last %.3g, "
+      "logsumexp %.3g; routes checked %d mismatched %d, max |dprob| %.3g\n",
+      name, r.positions, r.top1_checked, r.top1_mismatch, r.max_logit_err, r.max_last_err, r.max_lse_err,
+      r.routes_checked, r.routes_mismatch, r.max_route_prob_err);
+}
+
+void expect_parity(const ParityReport& r, double logit_tol, double route_prob_tol) {
+  EXPECT_GT(r.positions, 0);
+  EXPECT_GT(r.top1_checked, r.positions / 2);
+  EXPECT_EQ(r.top1_mismatch, 0);
+  EXPECT_LE(r.max_logit_err, logit_tol);
+  EXPECT_LE(r.max_last_err, logit_tol);
+  EXPECT_LE(r.max_lse_err, logit_tol);
+  EXPECT_GT(r.routes_checked, 0);
+  EXPECT_EQ(r.routes_mismatch, 0);
+  EXPECT_LE(r.max_route_prob_err, route_prob_tol);
 }
 
 }  // namespace strata::test

@@ -29,6 +29,15 @@ struct ParityReport {
 /// and compares logits and routing. Fills `rep`; does not assert.
 void compare_with_hf(engine::Engine& eng, const nlohmann::json& ref, ParityReport& rep);
 
+/// Prints one line with every field of `r`, prefixed by "[name]" (test output, not asserted).
+void print_report(const char* name, const ParityReport& r);
+
+/// Asserts (gtest EXPECT) that `r` shows parity with the reference: positions compared, more
+/// than half of them with a checked top-1 and none mismatched, logits (top-20, last position,
+/// logsumexp) within `logit_tol`, routes checked with none mismatched and routing
+/// probabilities within `route_prob_tol`. Tolerances are absolute.
+void expect_parity(const ParityReport& r, double logit_tol, double route_prob_tol);
+
 /// Greedy continuation of `prompt` for n tokens (KV cache, one token at a time).
 std::vector<int32_t> greedy(engine::Engine& eng, const std::vector<int32_t>& prompt, int n);
 
