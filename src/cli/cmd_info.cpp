@@ -5,6 +5,7 @@
 
 #include "cli/commands.h"
 #include "cli/common.h"
+#include "model/arch.h"
 #include "model/hparams.h"
 #include "model/model.h"
 
@@ -57,22 +58,34 @@ void register_info(CLI::App& root) {
   app->add_flag("--json", f->json, "print JSON");
   app->callback([f] {
     const gguf::File g = gguf::File::open(f->model);
-    const model::ModelHParams hp = model::read_common_hparams(g);
+    // A supported architecture's table says which tensors are routed experts (read through the
+    // stream), dense, or skipped; for other files the expert parts go by llama.cpp's names.
+    const model::Architecture* arch = nullptr;
+    for (const auto& a : model::architectures())
+      if (a.matches(g)) arch = &a;
+    const model::ModelHParams hp = arch ? model::read_hparams(g, *arch) : model::read_common_hparams(g);
+    std::map<std::string, model::TensorRole> role;
+    if (arch)
+      for (const auto& t : arch->tensors(hp)) role.emplace(t.name, t.role);
     std::map<std::string, int> per_type;
-    uint64_t dense = 0, experts = 0;
+    uint64_t dense = 0, experts = 0, skipped = 0;
     std::vector<uint64_t> per_layer(hp.n_layer, 0);
     for (const auto& t : g.tensors()) {
       per_type[ggml_type_name(t.type)]++;
-      if (t.name.find("_exps.") != std::string::npos) {
+      const auto r = role.find(t.name);
+      const bool is_expert = r != role.end() ? r->second == model::TensorRole::Expert
+                                             : t.name.find("_exps.") != std::string::npos;
+      if (is_expert) {
         experts += t.n_bytes;
         const int layer = t.layer();
         if (layer >= 0 && layer < hp.n_layer) per_layer[layer] += t.n_bytes;
+      } else if (r != role.end() && r->second == model::TensorRole::Skip) {
+        skipped += t.n_bytes;
       } else {
         dense += t.n_bytes;
       }
     }
-    const auto archs = model::supported_architectures();
-    const bool supported = std::find(archs.begin(), archs.end(), hp.arch) != archs.end();
+    const bool supported = arch != nullptr;
     nlohmann::json j = {{"file", f->model},
                         {"file_bytes", g.file_size()},
                         {"gguf_version", g.version()},
@@ -98,7 +111,8 @@ void register_info(CLI::App& root) {
                         {"tensors_per_type", per_type},
                         {"dense_bytes", dense},
                         {"expert_bytes", experts},
-                        {"expert_bytes_per_layer", per_layer}};
+                        {"expert_bytes_per_layer", per_layer},
+                        {"skipped_bytes", skipped}};
     if (f->json) {
       fmt::print("{}\n", j.dump());
       return;
@@ -116,6 +130,8 @@ void register_info(CLI::App& root) {
     fmt::print("dense bytes   {}\n", human_bytes(double(dense)));
     fmt::print("expert bytes  {} in all, {} per layer\n", human_bytes(double(experts)),
                human_bytes(hp.n_layer ? double(experts) / hp.n_layer : 0.0));
+    if (skipped > 0) fmt::print("skipped bytes {} (tensors the forward pass does not use, e.g. NextN blocks)\n",
+                                human_bytes(double(skipped)));
   });
 }
 

@@ -5,6 +5,7 @@
 #include "cli/commands.h"
 #include "cli/common.h"
 #include "cli/progress.h"
+#include "model/arch.h"
 #include "stream/pack.h"
 
 namespace strata::cli {
@@ -26,6 +27,10 @@ void register_pack(CLI::App& root) {
     ProgressBar bar("pack", f->quiet);
     stream::PackOptions o;
     o.progress = [&](uint64_t done, uint64_t total) { bar.update(done, total); };
+    // the experts as the architecture's table lays them out (by llama.cpp's names when unsupported)
+    const gguf::File g = gguf::File::open(f->model);
+    for (const auto& a : model::architectures())
+      if (a.matches(g)) o.layers = model::expert_layout(g, a);
     const stream::PackResult r = stream::write_pack(f->model, f->out, o);
     bar.finish();
     if (f->json) {

@@ -30,6 +30,7 @@
 #include "cli/progress.h"
 #include "gguf/gguf_writer.h"
 #include "io/write_file.h"
+#include "model/arch.h"
 #include "quant/quant.h"
 
 namespace strata::cli {
@@ -40,54 +41,46 @@ namespace fs = std::filesystem;
 
 // ---- architectures ----------------------------------------------------------------------
 
+// A real model's shape: its hyper-parameters as the GGUF keys would hold them. The tensors come
+// from the architecture's table (src/model/arch/), the keys from its key table.
 struct SynthShape {
-  std::string like, arch, name;
-  int n_layer = 0, n_embd = 0, n_head = 0, n_head_kv = 0, head_dim = 0;
-  int n_expert = 0, n_expert_used = 0, n_ff = 0, n_ff_exp = 0, n_ff_shexp = 0;
-  int64_t n_vocab = 0, n_ctx = 0;
-  double rope_base = 1e6;
-  float rms_eps = 1e-6f;
-  bool tied = false;
-  // qwen3next only
-  int n_rot = 0, ssm_conv = 0, ssm_state = 0, ssm_groups = 0, ssm_dt_rank = 0, ssm_inner = 0, full_attn_interval = 0;
+  std::string like, name;
+  model::ModelHParams hp;
 };
+
+model::ModelHParams qwen_hp(const char* arch, int n_layer, int n_embd, int n_head, int n_head_kv, int head_dim,
+                            int n_expert, int n_expert_used, int n_ff, int n_ff_exp, int64_t n_vocab, int64_t n_ctx,
+                            double rope_base) {
+  model::ModelHParams h;
+  h.arch = arch;
+  h.n_layer = n_layer, h.n_embd = n_embd, h.n_head = n_head, h.n_head_kv = n_head_kv;
+  h.head_dim_k = h.head_dim_v = h.n_rot = head_dim;
+  h.n_expert = n_expert, h.n_expert_used = n_expert_used, h.n_ff = n_ff, h.n_ff_exp = n_ff_exp;
+  h.n_vocab = int(n_vocab), h.n_ctx_train = n_ctx, h.rope_freq_base = rope_base, h.rms_eps = 1e-6f;
+  return h;
+}
 
 // Shapes from the models' Hugging Face config.json (and, for the code model, the shipped GGUF).
 std::vector<SynthShape> known_shapes() {
   std::vector<SynthShape> v;
+  v.push_back({"qwen3moe-30b-a3b", "Qwen3 30B A3B",  // Qwen/Qwen3-30B-A3B
+               qwen_hp("qwen3moe", 48, 2048, 32, 4, 128, 128, 8, 6144, 768, 151936, 40960, 1e6)});
+  v.push_back({"qwen3moe-235b-a22b", "Qwen3 235B A22B",  // Qwen/Qwen3-235B-A22B
+               qwen_hp("qwen3moe", 94, 4096, 64, 4, 128, 128, 8, 12288, 1536, 151936, 40960, 1e6)});
   {
-    SynthShape s;  // Qwen/Qwen3-30B-A3B
-    s.like = "qwen3moe-30b-a3b", s.arch = "qwen3moe", s.name = "Qwen3 30B A3B";
-    s.n_layer = 48, s.n_embd = 2048, s.n_head = 32, s.n_head_kv = 4, s.head_dim = 128;
-    s.n_expert = 128, s.n_expert_used = 8, s.n_ff = 6144, s.n_ff_exp = 768;
-    s.n_vocab = 151936, s.n_ctx = 40960, s.rope_base = 1e6;
+    SynthShape s{"qwen3-next-80b-a3b", "Qwen3 Next 80B A3B",  // Qwen/Qwen3-Next-80B-A3B-Instruct
+                 qwen_hp("qwen3next", 48, 2048, 16, 2, 256, 512, 10, 5120, 512, 151936, 262144, 1e7)};
+    model::ModelHParams& h = s.hp;
+    h.n_ff_shexp = 512;
+    h.n_rot = 64;  // partial_rotary_factor 0.25 of head_dim 256
+    h.ssm_conv_kernel = 4, h.ssm_state_size = 128, h.ssm_group_count = 16, h.ssm_time_step_rank = 32;
+    h.ssm_inner_size = 32 * 128, h.full_attention_interval = 4;
     v.push_back(s);
   }
   {
-    SynthShape s;  // Qwen/Qwen3-235B-A22B
-    s.like = "qwen3moe-235b-a22b", s.arch = "qwen3moe", s.name = "Qwen3 235B A22B";
-    s.n_layer = 94, s.n_embd = 4096, s.n_head = 64, s.n_head_kv = 4, s.head_dim = 128;
-    s.n_expert = 128, s.n_expert_used = 8, s.n_ff = 12288, s.n_ff_exp = 1536;
-    s.n_vocab = 151936, s.n_ctx = 40960, s.rope_base = 1e6;
-    v.push_back(s);
-  }
-  {
-    SynthShape s;  // Qwen/Qwen3-Next-80B-A3B-Instruct
-    s.like = "qwen3-next-80b-a3b", s.arch = "qwen3next", s.name = "Qwen3 Next 80B A3B";
-    s.n_layer = 48, s.n_embd = 2048, s.n_head = 16, s.n_head_kv = 2, s.head_dim = 256;
-    s.n_expert = 512, s.n_expert_used = 10, s.n_ff = 5120, s.n_ff_exp = 512, s.n_ff_shexp = 512;
-    s.n_vocab = 151936, s.n_ctx = 262144, s.rope_base = 1e7;
-    s.n_rot = 64;  // partial_rotary_factor 0.25 of head_dim 256
-    s.ssm_conv = 4, s.ssm_state = 128, s.ssm_groups = 16, s.ssm_dt_rank = 32, s.ssm_inner = 32 * 128;
-    s.full_attn_interval = 4;
-    v.push_back(s);
-  }
-  {
-    SynthShape s;  // the shipped trained model (models/qwen3moe-code-Q8_0.gguf)
-    s.like = "qwen3moe-code", s.arch = "qwen3moe", s.name = "Qwen3Moe Code";
-    s.n_layer = 8, s.n_embd = 256, s.n_head = 4, s.n_head_kv = 2, s.head_dim = 64;
-    s.n_expert = 64, s.n_expert_used = 8, s.n_ff = 512, s.n_ff_exp = 64;
-    s.n_vocab = 8192, s.n_ctx = 4096, s.rope_base = 1e6, s.tied = true;
+    SynthShape s{"qwen3moe-code", "Qwen3Moe Code",  // the shipped trained model (models/qwen3moe-code-Q8_0.gguf)
+                 qwen_hp("qwen3moe", 8, 256, 4, 2, 64, 64, 8, 512, 64, 8192, 4096, 1e6)};
+    s.hp.tied_output = true;
     v.push_back(s);
   }
   return v;
@@ -216,8 +209,8 @@ struct Rng {  // wyrand: fast, good enough for weights
   }
 };
 
-// What a float tensor holds.
-enum class Kind { Weight, Norm, Router, Conv, SsmA, DtBias };
+// What a float tensor holds: the architecture table's TensorInit.
+using Kind = model::TensorInit;
 
 constexpr float kStd = 0.02f;
 constexpr int64_t kFloatUnit = 256;  // elements per generation unit of float tensors
@@ -378,125 +371,30 @@ struct Plan {
   uint64_t record_bytes = 0;  // one expert's gate + up + down (largest layer)
 };
 
+// The tensors of the architecture's table for these hyper-parameters, with the types of a
+// quantized file: experts `expert_type`, dense weight matrices `dense_type` (each falling back as
+// llama.cpp's quantizer does where the type does not divide the rows), norms, routers and other
+// small tensors F32.
 Plan make_plan(const SynthShape& s, GgmlType expert_type, GgmlType dense_type) {
+  const model::Architecture* arch = model::find_architecture(s.hp.arch);
+  if (!arch) throw std::logic_error("synth: no architecture " + s.hp.arch);
   Plan plan;
-  const uint64_t E = uint64_t(s.n_embd), V = uint64_t(s.n_vocab), X = uint64_t(s.n_expert),
-                 F = uint64_t(s.n_ff_exp), hd = uint64_t(s.head_dim);
-  auto add = [&](std::string name, std::vector<uint64_t> ne, Kind kind, GgmlType want) {
-    const GgmlType t = (kind == Kind::Weight) ? row_compatible(want, ne[0]) : GgmlType::F32;
-    plan.tensors.push_back(PlannedTensor{std::move(name), t, std::move(ne), kind});
-  };
-  auto w = [&](std::string name, std::vector<uint64_t> ne) { add(std::move(name), std::move(ne), Kind::Weight, dense_type); };
-  auto f32 = [&](std::string name, std::vector<uint64_t> ne, Kind kind) { add(std::move(name), std::move(ne), kind, GgmlType::F32); };
-  auto experts = [&](const std::string& p) {
-    uint64_t rec = 0;
-    for (const auto& [part, ne] : std::vector<std::pair<std::string, std::vector<uint64_t>>>{
-             {"ffn_down_exps", {F, E, X}}, {"ffn_gate_exps", {E, F, X}}, {"ffn_up_exps", {E, F, X}}}) {
-      add(p + part + ".weight", ne, Kind::Weight, expert_type);
-      const auto& t = plan.tensors.back();
-      const uint64_t bytes = gguf::Writer::tensor_bytes(t.type, t.ne);
+  std::map<int, uint64_t> record;  // per layer: one expert's gate + up + down bytes
+  for (const model::TensorSpec& t : arch->tensors(s.hp)) {
+    if (t.role == model::TensorRole::Skip) continue;
+    std::vector<uint64_t> ne(t.ne.begin(), t.ne.end());
+    const bool weight = t.init == Kind::Weight && t.role != model::TensorRole::Vector;
+    const GgmlType want = t.role == model::TensorRole::Expert ? expert_type : dense_type;
+    const GgmlType type = weight ? row_compatible(want, ne[0]) : GgmlType::F32;
+    plan.tensors.push_back(PlannedTensor{t.name, type, ne, t.init});
+    if (t.role == model::TensorRole::Expert) {
+      const uint64_t bytes = gguf::Writer::tensor_bytes(type, ne);
       plan.expert_bytes += bytes;
-      rec += bytes / X;
+      record[std::atoi(t.name.c_str() + 4)] += bytes / ne[2];  // "blk.N.ffn_*_exps.weight"
     }
-    plan.record_bytes = std::max(plan.record_bytes, rec);
-  };
-
-  if (s.arch == "qwen3moe") {
-    // Order as llama.cpp writes it: globals, then each block's tensors sorted by name.
-    f32("output_norm.weight", {E}, Kind::Norm);
-    w("token_embd.weight", {E, V});
-    if (!s.tied) w("output.weight", {E, V});
-    const uint64_t q = uint64_t(s.n_head) * hd, kv = uint64_t(s.n_head_kv) * hd;
-    for (int l = 0; l < s.n_layer; ++l) {
-      const std::string p = fmt::format("blk.{}.", l);
-      w(p + "attn_k.weight", {E, kv});
-      f32(p + "attn_k_norm.weight", {hd}, Kind::Norm);
-      f32(p + "attn_norm.weight", {E}, Kind::Norm);
-      w(p + "attn_output.weight", {q, E});
-      w(p + "attn_q.weight", {E, q});
-      f32(p + "attn_q_norm.weight", {hd}, Kind::Norm);
-      w(p + "attn_v.weight", {E, kv});
-      const size_t first_expert = plan.tensors.size();
-      experts(p);
-      // ffn_gate_inp and ffn_norm sort between the expert tensors: keep llama.cpp's order.
-      auto down = plan.tensors[first_expert], gate = plan.tensors[first_expert + 1], up = plan.tensors[first_expert + 2];
-      plan.tensors.resize(first_expert);
-      plan.tensors.push_back(down);
-      plan.tensors.push_back(gate);
-      f32(p + "ffn_gate_inp.weight", {E, X}, Kind::Router);
-      f32(p + "ffn_norm.weight", {E}, Kind::Norm);
-      plan.tensors.push_back(up);
-    }
-  } else if (s.arch == "qwen3next") {
-    // Order as in llama.cpp's conversion of Qwen3-Next (see models/qwen3next-tiny-bf16.gguf).
-    w("output.weight", {E, V});
-    w("token_embd.weight", {E, V});
-    const uint64_t key_dim = uint64_t(s.ssm_groups) * uint64_t(s.ssm_state), value_dim = uint64_t(s.ssm_inner);
-    const uint64_t head_v = value_dim / uint64_t(s.ssm_dt_rank), conv_ch = 2 * key_dim + value_dim;
-    const uint64_t Fs = uint64_t(s.n_ff_shexp);
-    for (int l = 0; l < s.n_layer; ++l) {
-      const std::string p = fmt::format("blk.{}.", l);
-      const bool full = (l + 1) % s.full_attn_interval == 0;
-      f32(p + "attn_norm.weight", {E}, Kind::Norm);
-      if (!full) {
-        f32(p + "ssm_a", {uint64_t(s.ssm_dt_rank)}, Kind::SsmA);
-        f32(p + "ssm_conv1d.weight", {uint64_t(s.ssm_conv), conv_ch}, Kind::Conv);
-        f32(p + "ssm_dt.bias", {uint64_t(s.ssm_dt_rank)}, Kind::DtBias);
-        w(p + "ssm_ba.weight", {E, 2 * uint64_t(s.ssm_dt_rank)});
-        w(p + "attn_qkv.weight", {E, conv_ch});
-        w(p + "attn_gate.weight", {E, value_dim});
-        f32(p + "ssm_norm.weight", {head_v}, Kind::Norm);
-        w(p + "ssm_out.weight", {value_dim, E});
-      }
-      experts(p);
-      f32(p + "ffn_gate_inp.weight", {E, X}, Kind::Router);
-      w(p + "ffn_down_shexp.weight", {Fs, E});
-      w(p + "ffn_gate_shexp.weight", {E, Fs});
-      w(p + "ffn_up_shexp.weight", {E, Fs});
-      f32(p + "ffn_gate_inp_shexp.weight", {E, 1}, Kind::Router);
-      f32(p + "post_attention_norm.weight", {E}, Kind::Norm);
-      if (full) {
-        const uint64_t q = uint64_t(s.n_head) * hd, kv = uint64_t(s.n_head_kv) * hd;
-        f32(p + "attn_k_norm.weight", {hd}, Kind::Norm);
-        w(p + "attn_k.weight", {E, kv});
-        w(p + "attn_output.weight", {q, E});
-        f32(p + "attn_q_norm.weight", {hd}, Kind::Norm);
-        w(p + "attn_q.weight", {E, 2 * q});  // query and output gate interleaved per head
-        w(p + "attn_v.weight", {E, kv});
-      }
-    }
-    f32("output_norm.weight", {E}, Kind::Norm);
-  } else {
-    throw std::logic_error("synth: no tensor plan for architecture " + s.arch);
   }
+  for (const auto& [layer, bytes] : record) plan.record_bytes = std::max(plan.record_bytes, bytes);
   return plan;
-}
-
-void add_arch_keys(gguf::Writer& w, const SynthShape& s) {
-  const std::string a = s.arch + ".";
-  w.add_u32(a + "block_count", uint32_t(s.n_layer));
-  w.add_u32(a + "context_length", uint32_t(s.n_ctx));
-  w.add_u32(a + "embedding_length", uint32_t(s.n_embd));
-  w.add_u32(a + "feed_forward_length", uint32_t(s.n_ff));
-  w.add_u32(a + "attention.head_count", uint32_t(s.n_head));
-  w.add_u32(a + "attention.head_count_kv", uint32_t(s.n_head_kv));
-  w.add_f32(a + "rope.freq_base", float(s.rope_base));
-  w.add_f32(a + "attention.layer_norm_rms_epsilon", s.rms_eps);
-  w.add_u32(a + "expert_count", uint32_t(s.n_expert));
-  w.add_u32(a + "expert_used_count", uint32_t(s.n_expert_used));
-  w.add_u32(a + "attention.key_length", uint32_t(s.head_dim));
-  w.add_u32(a + "attention.value_length", uint32_t(s.head_dim));
-  w.add_u32(a + "expert_feed_forward_length", uint32_t(s.n_ff_exp));
-  if (s.arch == "qwen3next") {
-    w.add_u32(a + "expert_shared_feed_forward_length", uint32_t(s.n_ff_shexp));
-    w.add_u32(a + "ssm.conv_kernel", uint32_t(s.ssm_conv));
-    w.add_u32(a + "ssm.state_size", uint32_t(s.ssm_state));
-    w.add_u32(a + "ssm.group_count", uint32_t(s.ssm_groups));
-    w.add_u32(a + "ssm.time_step_rank", uint32_t(s.ssm_dt_rank));
-    w.add_u32(a + "ssm.inner_size", uint32_t(s.ssm_inner));
-    w.add_u32(a + "full_attention_interval", uint32_t(s.full_attn_interval));
-    w.add_u32(a + "rope.dimension_count", uint32_t(s.n_rot));
-  }
 }
 
 // tokenizer.* keys of `src`, the token list padded with unused "[PADn]" tokens to n_vocab.
@@ -550,13 +448,14 @@ void run_synth(const SynthFlags& f) {
     if (k.like == f.like) shape = k;
   if (!shape) throw std::invalid_argument(fmt::format("unknown --like '{}' (known: {})", f.like, known_names()));
   SynthShape s = *shape;
-  if (f.layers > 0) s.n_layer = f.layers;
-  if (f.experts > 0) s.n_expert = f.experts;
-  if (f.expert_used > 0) s.n_expert_used = f.expert_used;
-  if (f.vocab > 0) s.n_vocab = f.vocab;
-  if (s.n_expert_used > s.n_expert)
-    throw std::invalid_argument(fmt::format("top-k {} exceeds the {} experts (use --expert-used)", s.n_expert_used,
-                                            s.n_expert));
+  model::ModelHParams& hp = s.hp;
+  if (f.layers > 0) hp.n_layer = f.layers;
+  if (f.experts > 0) hp.n_expert = f.experts;
+  if (f.expert_used > 0) hp.n_expert_used = f.expert_used;
+  if (f.vocab > 0) hp.n_vocab = int(f.vocab);
+  if (hp.n_expert_used > hp.n_expert)
+    throw std::invalid_argument(fmt::format("top-k {} exceeds the {} experts (use --expert-used)", hp.n_expert_used,
+                                            hp.n_expert));
   const GgmlType type = parse_type(f.type);
   const GgmlType expert_type = f.expert_type.empty() ? type : parse_type(f.expert_type);
   const GgmlType dense_type = !f.dense_type.empty() ? parse_type(f.dense_type)
@@ -571,16 +470,16 @@ void run_synth(const SynthFlags& f) {
 
   const Plan plan = make_plan(s, expert_type, dense_type);
   gguf::Writer w;
-  w.add_string("general.architecture", s.arch);
+  w.add_string("general.architecture", hp.arch);
   w.add_string("general.type", "model");
   const bool overridden = f.layers > 0 || f.experts > 0 || f.expert_used > 0;
   w.add_string("general.name", fmt::format("{}{} (strata synth, random weights)", s.name, overridden ? " shaped" : ""));
-  add_arch_keys(w, s);
+  model::write_hparams(w, hp, *model::find_architecture(hp.arch));
   w.add_u32("general.file_type", llama_file_type(expert_type));
   w.add_u32("general.quantization_version", 2);
   w.add_string("strata.synth.like", s.like);
   w.add_u64("strata.synth.seed", f.seed);
-  add_tokenizer(w, tok_src, s.n_vocab);
+  add_tokenizer(w, tok_src, hp.n_vocab);
 
   std::map<GgmlType, BlockScales> scales;
   std::map<std::string, int> type_count;
@@ -618,7 +517,7 @@ void run_synth(const SynthFlags& f) {
     fmt::print(stderr,
                "strata synth: {} like {} ({} layers, {} experts top-{}, vocab {}), experts {}, dense {}: {} tensors "
                "({}), {} ({} of experts, {} per expert record)\n",
-               f.out, s.like, s.n_layer, s.n_expert, s.n_expert_used, s.n_vocab, ggml_type_name(expert_type),
+               f.out, s.like, hp.n_layer, hp.n_expert, hp.n_expert_used, hp.n_vocab, ggml_type_name(expert_type),
                ggml_type_name(dense_type), plan.tensors.size(), types.substr(1), human_bytes(double(total)),
                human_bytes(double(plan.expert_bytes)), human_bytes(double(plan.record_bytes)));
 

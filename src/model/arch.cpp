@@ -165,6 +165,24 @@ void write_hparams(gguf::Writer& w, const ModelHParams& hp, const Architecture& 
   for (const auto& k : a.keys) write(k);
 }
 
+std::vector<stream::LayerExperts> expert_layout(const gguf::File& f, const Architecture& a) {
+  const ModelHParams hp = read_hparams(f, a);
+  std::vector<stream::LayerExperts> layers(size_t(hp.n_layer));
+  static const char* kParts[3] = {"ffn_gate_exps.", "ffn_up_exps.", "ffn_down_exps."};
+  for (const TensorSpec& t : a.tensors(hp)) {
+    if (t.role != TensorRole::Expert) continue;
+    const gguf::TensorInfo* info = f.find_tensor(t.name);
+    if (!info) throw ModelError(fmt::format("{}: missing tensor '{}'", f.path(), t.name));
+    const int layer = info->layer();
+    for (int p = 0; p < 3; ++p)
+      if (t.name.find(kParts[p]) != std::string::npos && layer >= 0 && layer < hp.n_layer) {
+        layers[size_t(layer)].n_expert = int(info->ne[2]);
+        layers[size_t(layer)].part[p] = stream::PartLayout{info->offset, info->ne[1] * info->row_bytes};
+      }
+  }
+  return layers;
+}
+
 // ---- bound weights ----------------------------------------------------------------------
 
 BoundWeights::BoundWeights(const gguf::File& f, const std::vector<TensorSpec>& table, backend::Backend& be) : f_(f) {

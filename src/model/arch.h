@@ -129,6 +129,11 @@ class BoundWeights {
   const Entry* find(const std::string& name) const;
 };
 
+/// Where each layer's routed experts live in `f`, from the Expert entries of `a`'s table
+/// (blk.N.ffn_{gate,up,down}_exps: parts 0, 1, 2; n_expert 0 for layers without). Throws
+/// ModelError as read_hparams does, or for an Expert entry the file lacks.
+std::vector<stream::LayerExperts> expert_layout(const gguf::File& f, const Architecture& a);
+
 /// "blk.<l>.<suffix>": the name of a layer's tensor.
 std::string blk(int layer, const char* suffix);
 

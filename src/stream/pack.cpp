@@ -236,7 +236,7 @@ PackResult write_pack(const std::string& gguf_path, const std::string& out_path_
   const auto t0 = std::chrono::steady_clock::now();
   const std::string out_path = out_path_in.empty() ? default_pack_path(gguf_path) : out_path_in;
   const gguf::File g = gguf::File::open(gguf_path);
-  const std::vector<LayerExperts> layers = expert_layers_from_gguf(g);
+  const std::vector<LayerExperts> layers = opts.layers.empty() ? expert_layers_from_gguf(g) : opts.layers;
   uint64_t n_records = 0;
   for (const auto& L : layers) n_records += uint64_t(L.n_expert);
   if (n_records == 0) throw std::runtime_error(gguf_path + ": no routed experts (blk.N.ffn_*_exps.weight) to pack");

@@ -51,6 +51,9 @@ struct PackOptions {
   /// Records re-read from the finished file and compared with the GGUF before it is renamed
   /// into place: the first and last expert of every layer plus this many more at random.
   int verify_samples = 64;
+  /// The routed experts to pack as the model's architecture table lays them out
+  /// (model::expert_layout); empty = found by llama.cpp's tensor names (expert_layers_from_gguf).
+  std::vector<LayerExperts> layers;
 };
 
 struct PackResult {
