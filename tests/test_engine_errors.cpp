@@ -47,11 +47,35 @@ TEST(EngineErrors, IdsOutOfVocabulary) {
 }
 
 TEST(EngineErrors, ArenaBelowMinimum) {
+  // Both pinned: a 1 MiB arena (15 slots of 68 KiB) cannot hold one layer of a 16-token chunk
+  // (top-8 x 16 tokens, capped at the 64 experts); the error names both remedies.
   engine::EngineOptions o = small();
-  o.arena_mb = 1;  // one layer of a 512-token chunk needs all 64 experts (~3.4 MiB)
+  o.arena_mb = 1;
+  o.prompt_chunk = 16;
   const std::string msg = error_of<stream::ArenaTooSmall>([&] { engine::Engine eng(test::shipped_model(), o); });
-  EXPECT_THAT(msg, HasSubstr("--arena-mb"));
+  EXPECT_THAT(msg, HasSubstr("--arena-mb 5 or more"));
   EXPECT_THAT(msg, HasSubstr("64"));
+  EXPECT_THAT(msg, HasSubstr("--prompt-chunk 1 or less"));
+}
+
+TEST(EngineErrors, PinnedSmallArenaShrinksTheAutomaticChunk) {
+  // Only the arena pinned: the automatic chunk shrinks until one layer's top-k fits (15 slots /
+  // top-8 = 1 token), so any prompt runs, and gives the logits of a roomy arena.
+  engine::EngineOptions o = small();
+  o.arena_mb = 1;
+  engine::Engine eng(test::shipped_model(), o);
+  EXPECT_EQ(eng.options().prompt_chunk, 1);
+  const std::vector<int32_t> ids = {16, 53, 90, 127, 164, 201};
+  model::SequenceState st = eng.new_sequence();
+  std::vector<float> logits;
+  eng.prefill(st, ids, model::LogitsMode::Last, logits);
+  engine::EngineOptions big = small();
+  big.arena_mb = 40;
+  engine::Engine ref(test::shipped_model(), big);
+  model::SequenceState st2 = ref.new_sequence();
+  std::vector<float> ref_logits;
+  ref.prefill(st2, ids, model::LogitsMode::Last, ref_logits);
+  EXPECT_EQ(logits, ref_logits);
 }
 
 TEST(EngineErrors, NegativeSettingsAreRefused) {

@@ -144,15 +144,22 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
   }
   uint64_t all_slots = 0;
   for (const auto& L : layers) all_slots += uint64_t(L.n_expert) * slot;
-  const uint64_t min_slots =
-      std::min<uint64_t>(uint64_t(hp.n_expert_used) * uint64_t(opts_.prompt_chunk), max_experts);
+  const uint64_t top_k = uint64_t(std::max(1, hp.n_expert_used));
+  const bool pinned_arena = opts_.arena_bytes > 0 || opts_.arena_mb > 0;
+  const uint64_t pinned_bytes = opts_.arena_bytes > 0 ? opts_.arena_bytes : uint64_t(std::max<int64_t>(0, opts_.arena_mb)) << 20;
+  // A pinned arena with an automatic chunk: the chunk shrinks until one layer's worst case (top-k
+  // experts per token) fits, so a small arena works for any prompt (slower: more reads per token).
+  if (pinned_arena && auto_chunk && max_experts > 0) {
+    const uint64_t slots = pinned_bytes / slot;
+    if (slots < std::min<uint64_t>(top_k * uint64_t(opts_.prompt_chunk), max_experts) && slots >= top_k)
+      opts_.prompt_chunk = int(std::min<uint64_t>(uint64_t(opts_.prompt_chunk), slots / top_k));
+  }
+  const uint64_t min_slots = std::min<uint64_t>(top_k * uint64_t(opts_.prompt_chunk), max_experts);
   min_arena_bytes_ = std::max<uint64_t>(1, min_slots) * slot;
   // An automatically sized arena gives way to the chunk's scratch; a pinned one does not.
   const uint64_t resident = model_->dense_bytes() + model_->state_bytes(opts_.n_ctx) +
                             chunk_scratch_bytes_per_token(hp) * uint64_t(opts_.prompt_chunk);
-  uint64_t arena = opts_.arena_bytes > 0 ? opts_.arena_bytes
-                   : opts_.arena_mb > 0   ? uint64_t(opts_.arena_mb) << 20
-                                          : default_arena_bytes(all_slots, resident, min_arena_bytes_);
+  uint64_t arena = pinned_arena ? pinned_bytes : default_arena_bytes(all_slots, resident, min_arena_bytes_);
   if (opts_.arena_mb == 0) opts_.arena_mb = int64_t((arena + (1 << 20) - 1) >> 20);
 
   stream::StreamOptions so;
@@ -173,7 +180,15 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
       static_rank_path_ = rp;
     }
   }
-  stream_ = std::make_unique<stream::ExpertStream>(expert_file_, layers, so, *backend_);
+  try {
+    stream_ = std::make_unique<stream::ExpertStream>(expert_file_, layers, so, *backend_);
+  } catch (const stream::ArenaTooSmall& e) {
+    // Both pinned: name both remedies (a smaller chunk needs fewer experts at once).
+    const uint64_t fit = (arena / slot) / top_k;
+    if (!auto_chunk && fit >= 1)
+      throw stream::ArenaTooSmall(fmt::format("{}, or --prompt-chunk {} or less", e.what(), fit), e.min_bytes);
+    throw;
+  }
   if (!opts_.dump_dir.empty()) {
     try {
       dump_ = std::make_unique<model::Dumper>(opts_.dump_dir, opts_.dump_filter);
