@@ -273,6 +273,42 @@ void Engine::run(model::SequenceState& st, std::span<const int32_t> ids, model::
   phase.stream += stream_->stats() - s0;
 }
 
+void Engine::forward_batch(std::span<model::SeqInput> batch, model::RoutingTrace* trace) {
+  if (batch.empty()) throw EngineError("empty batch: give at least one sequence");
+  bool all_single = true;
+  int64_t n = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const model::SeqInput& s = batch[i];
+    if (!s.state || (s.mode != model::LogitsMode::None && !s.logits))
+      throw EngineError(fmt::format("batch entry {} has no state or no logits vector", i));
+    for (size_t j = 0; j < i; ++j)
+      if (batch[j].state == s.state) throw EngineError(fmt::format("batch entries {} and {} share a state", j, i));
+    try {
+      check_ids(*s.state, s.ids);
+    } catch (const EngineError& e) {
+      throw EngineError(fmt::format("batch entry {}: {}", i, e.what()));
+    }
+    all_single = all_single && s.ids.size() == 1;
+    n += int64_t(s.ids.size());
+  }
+  PhaseStats& phase = all_single ? decode_ : prefill_;
+  const auto t0 = std::chrono::steady_clock::now();
+  const stream::StreamStats s0 = stream_->stats();
+  model::ForwardContext ctx{*backend_, *stream_, trace, &times_, {}, &phase.prediction, dump_.get()};
+  ctx.ahead.predict = opts_.predict;
+  ctx.ahead.predict_min = opts_.predict_min;
+  ctx.ahead.static_rank = static_rank_.empty() ? nullptr : &static_rank_;
+  model_->forward(ctx, batch);
+  for (const model::SeqInput& s : batch)
+    if (s.mode != model::LogitsMode::None)
+      for (float v : *s.logits)
+        if (!std::isfinite(v))
+          throw EngineError("the model produced non-finite logits (NaN or Inf weights, or invalid hyper-parameters in the file)");
+  phase.tokens += n;
+  phase.seconds += seconds_since(t0);
+  phase.stream += stream_->stats() - s0;
+}
+
 void Engine::prefill(model::SequenceState& st, std::span<const int32_t> ids, model::LogitsMode mode,
                      std::vector<float>& logits, model::RoutingTrace* trace) {
   run(st, ids, mode, logits, trace, prefill_);

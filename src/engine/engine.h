@@ -102,6 +102,12 @@ class Engine {
   /// Throws EngineError for an empty input, ids outside [0, n_vocab), or too little context left.
   void prefill(model::SequenceState& st, std::span<const int32_t> ids, model::LogitsMode mode,
                std::vector<float>& logits, model::RoutingTrace* trace = nullptr);
+  /// Runs several sequences in one forward call (no prompt chunking): every matmul and each
+  /// layer's expert reads are shared by all their tokens; each sequence's logits are exactly what
+  /// running it alone gives (batch invariance). Counts as decode when every entry has one token,
+  /// else as prefill. Throws EngineError as prefill does (naming the entry), or for a state that
+  /// appears twice.
+  void forward_batch(std::span<model::SeqInput> batch, model::RoutingTrace* trace = nullptr);
   /// Runs one token; logits [n_vocab]. Counts as decode. Same errors as prefill.
   void decode(model::SequenceState& st, int32_t id, std::vector<float>& logits, model::RoutingTrace* trace = nullptr);
 

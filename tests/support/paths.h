@@ -12,6 +12,8 @@ inline std::string data_path(const std::string& name) { return std::string(STRAT
 
 /// Path of the model shipped in the repo (models/qwen3moe-code-Q8_0.gguf).
 inline std::string shipped_model() { return std::string(STRATA_REPO_DIR) + "/models/qwen3moe-code-Q8_0.gguf"; }
+/// Path of the random-weight qwen3next model shipped in the repo (models/qwen3next-tiny-bf16.gguf).
+inline std::string shipped_qwen3next() { return std::string(STRATA_REPO_DIR) + "/models/qwen3next-tiny-bf16.gguf"; }
 
 /// The shared fixtures folder, or "" when it is absent (tests then GTEST_SKIP with a message).
 inline std::string shared_fixtures() {
