@@ -39,6 +39,31 @@ void Model::forward(ForwardContext& ctx, SequenceState& st, std::span<const int3
   forward(ctx, std::span<SeqInput>(one));
 }
 
+void Model::bind_io(const BoundWeights& w) {
+  tok_embd_ = w.get("token_embd.weight");
+  output_norm_ = w.get("output_norm.weight");
+  output_ = hp_.tied_output ? tok_embd_ : w.get("output.weight");
+}
+
+backend::AttentionSpec Model::attention_spec(const backend::RopeSpec* rope) const {
+  backend::AttentionSpec a;
+  a.n_head = hp_.n_head;
+  a.n_head_kv = hp_.n_head_kv;
+  a.head_dim = hp_.head_dim_k;
+  a.rms_eps = hp_.rms_eps;
+  a.rope = rope;
+  return a;
+}
+
+backend::RouterSpec Model::softmax_router() const {
+  backend::RouterSpec r;
+  r.gating = backend::RouterSpec::Gating::Softmax;
+  r.n_expert = hp_.n_expert;
+  r.top_k = hp_.n_expert_used;
+  r.norm_topk = hp_.norm_topk;
+  return r;
+}
+
 MoeLayer Model::bind_moe(const BoundWeights& w, int layer, const backend::RouterSpec& spec) {
   auto part = [&](const char* name, int i) {
     const gguf::TensorInfo& t = w.expert(blk(layer, name));

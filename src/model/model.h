@@ -142,6 +142,14 @@ class Model {
                std::vector<float>& logits);
 
  protected:
+  /// Binds token_embd, output_norm and the output head (token_embd when output.weight is absent:
+  /// tied embeddings) into tok_embd_, output_norm_, output_.
+  void bind_io(const BoundWeights& w);
+  /// GQA attention from the common hyper-parameters (heads, head dim, norm epsilon) with `rope`.
+  backend::AttentionSpec attention_spec(const backend::RopeSpec* rope) const;
+  /// Softmax over all experts, top-k, renormalized as norm_topk says (qwen3moe, qwen3next).
+  backend::RouterSpec softmax_router() const;
+
   /// Binds layer `layer`'s router (blk.N.ffn_gate_inp) and routed experts (ffn_{gate,up,down}_exps,
   /// left on disk) and records where the experts live for the stream (experts_[layer]).
   MoeLayer bind_moe(const BoundWeights& w, int layer, const backend::RouterSpec& spec);
@@ -150,6 +158,7 @@ class Model {
   std::vector<stream::LayerExperts> experts_;
   uint64_t dense_bytes_ = 0;
   backend::Backend* be_ = nullptr;  ///< where the weights and the sequences' state live
+  backend::Tensor tok_embd_, output_norm_, output_;  ///< set by bind_io
 
  private:
   friend std::unique_ptr<Model> load_model(const gguf::File&, backend::Backend&, const struct LoadOptions&);

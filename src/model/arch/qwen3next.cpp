@@ -122,17 +122,10 @@ class Qwen3Next final : public Model {
     gdn_ = gdn_spec(hp_);
     rope_ = backend::RopeSpec::standard(hp_.n_rot, hp_.rope_freq_base, backend::RopeSpec::Mode::Neox,
                                         opts.rope_freqs_bf16);
-    attn_.n_head = hp_.n_head;
-    attn_.n_head_kv = hp_.n_head_kv;
-    attn_.head_dim = hp_.head_dim_k;
-    attn_.rms_eps = hp_.rms_eps;
-    attn_.rope = &rope_;
+    attn_ = attention_spec(&rope_);
     attn_.q_gate = true;
-    const backend::RouterSpec router{backend::RouterSpec::Gating::Softmax, hp_.n_expert, hp_.n_expert_used,
-                                     hp_.norm_topk};
-    tok_embd_ = w.get("token_embd.weight");
-    output_norm_ = w.get("output_norm.weight");
-    output_ = hp_.tied_output ? tok_embd_ : w.get("output.weight");
+    const backend::RouterSpec router = softmax_router();
+    bind_io(w);
     layers_.resize(size_t(hp_.n_layer));
     experts_.resize(size_t(hp_.n_layer));
     for (int l = 0; l < hp_.n_layer; ++l) {
@@ -200,7 +193,6 @@ class Qwen3Next final : public Model {
 
  private:
   backend::GdnSpec gdn_;
-  backend::Tensor tok_embd_, output_norm_, output_;
   std::vector<Layer> layers_;
   backend::RopeSpec rope_;
   backend::AttentionSpec attn_;
