@@ -144,6 +144,16 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
   }
   uint64_t all_slots = 0;
   for (const auto& L : layers) all_slots += uint64_t(L.n_expert) * slot;
+  // A pinned arena too small for the automatic chunk's worst case shrinks the chunk to the tokens
+  // whose experts it holds at once (results do not depend on the chunk); an explicit
+  // --prompt-chunk is kept and the stream names the minimum arena instead.
+  const uint64_t pinned = opts_.arena_bytes > 0 ? opts_.arena_bytes : uint64_t(opts_.arena_mb) << 20;
+  const uint64_t top_k = std::max<uint64_t>(1, uint64_t(hp.n_expert_used));
+  if (auto_chunk && pinned > 0 && slot > 0) {
+    const uint64_t fit = pinned / slot;
+    if (fit < std::min<uint64_t>(top_k * uint64_t(opts_.prompt_chunk), max_experts) && fit >= top_k)
+      opts_.prompt_chunk = int(std::min<uint64_t>(fit / top_k, uint64_t(opts_.prompt_chunk)));
+  }
   const uint64_t min_slots =
       std::min<uint64_t>(uint64_t(hp.n_expert_used) * uint64_t(opts_.prompt_chunk), max_experts);
   min_arena_bytes_ = std::max<uint64_t>(1, min_slots) * slot;
