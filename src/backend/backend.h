@@ -182,6 +182,14 @@ struct GdnSpec {
   int head_v_dim = 0;     ///< ssm.inner_size / n_v_head: dv
   int conv_kernel = 0;    ///< ssm.conv_kernel: taps of the causal depthwise convolution
   float rms_eps = 1e-6f;  ///< epsilon of the gated RMSNorm
+  /// Which key head value head j (0 <= j < n_v_head) reads, r = n_v_head / n_k_head:
+  enum class VHeadOrder : uint8_t {
+    Grouped,  ///< j / r: value heads grouped by key head, as transformers' repeat_interleave (qwen3next files)
+    Tiled,    ///< j % n_k_head: llama.cpp's converter permutes Qwen3.5's value heads (of attn_qkv's v rows,
+              ///< attn_gate, ssm_alpha/beta, ssm_a, ssm_dt, ssm_conv1d's v channels and ssm_out's columns) so
+              ///< that ggml_repeat's tiled broadcast applies (convert_hf_to_gguf.py _LinearAttentionVReorderBase)
+  };
+  VHeadOrder v_head_order = VHeadOrder::Grouped;
 
   int64_t key_dim() const { return int64_t(n_k_head) * head_k_dim; }
   int64_t value_dim() const { return int64_t(n_v_head) * head_v_dim; }
@@ -196,12 +204,15 @@ struct GdnSpec {
 struct GdnWeights {
   Tensor wqkv;     ///< attn_qkv: ne {n_embd, conv_dim}
   Tensor wz;       ///< attn_gate: ne {n_embd, n_v_head * dv}
-  Tensor wba;      ///< ssm_ba: ne {n_embd, 2 * n_v_head}, per key head [b (r), a (r)]
+  Tensor wba;      ///< ssm_ba: ne {n_embd, 2 * n_v_head}, per key head [b (r), a (r)]; or empty, then:
   Tensor wout;     ///< ssm_out: ne {n_v_head * dv, n_embd}
   Tensor conv;     ///< ssm_conv1d: F32 ne {K, conv_dim} (a channel's taps contiguous)
   Tensor dt_bias;  ///< ssm_dt.bias: F32 ne {n_v_head}
   Tensor a;        ///< ssm_a: F32 ne {n_v_head}, -exp(A_log)
   Tensor norm;     ///< ssm_norm: F32 ne {dv}
+  /// Separate b and a projections (qwen35moe: HF's in_proj_b / in_proj_a), used when wba is empty.
+  Tensor wbeta{};  ///< ssm_beta: ne {n_embd, n_v_head}, b per value head (beta = sigmoid(b))
+  Tensor walpha{}; ///< ssm_alpha: ne {n_embd, n_v_head}, a per value head (g = softplus(a + dt_bias) * ssm_a)
 };
 
 /// The recurrent state of one gated-delta-net layer of one sequence.

@@ -32,6 +32,9 @@ struct ModelHParams {
   int ssm_time_step_rank = 0;   ///< <arch>.ssm.time_step_rank (ssm_dt_rank): value heads
   int ssm_inner_size = 0;       ///< <arch>.ssm.inner_size (ssm_d_inner): value heads x value head dim
   int full_attention_interval = 0;  ///< <arch>.full_attention_interval: every n-th layer is full attention
+  /// <arch>.nextn_predict_layers: the last n_nextn of the n_layer blocks are multi-token-prediction
+  /// (NextN/MTP) blocks, in the file but not part of the forward pass (0: none)
+  int n_nextn = 0;
   int n_vocab = 0;              ///< rows of token_embd
   bool tied_output = false;     ///< no output.weight: logits use token_embd
 };

@@ -112,7 +112,8 @@ void CpuBackend::attention(const backend::AttentionSpec& spec, const backend::At
 void CpuBackend::gated_delta_net(const backend::GdnSpec& spec, const backend::GdnWeights& w,
                                  const backend::RecurrentState& state, const Tensor& h, const Tensor& out) {
   const GatedDeltaNetWeights gw{as_matrix(w.wqkv), as_matrix(w.wz), as_matrix(w.wba), as_matrix(w.wout),
-                                w.conv.f(),        w.dt_bias.f(),   w.a.f(),          w.norm.f()};
+                                w.conv.f(),        w.dt_bias.f(),   w.a.f(),          w.norm.f(),
+                                as_matrix(w.wbeta), as_matrix(w.walpha)};
   gated_delta_net_block(pool_, kc_, gw, spec, h.f(), h.cols(), h.rows(), state.conv.f(), state.ssm.f(), out.f());
 }
 

@@ -63,7 +63,13 @@ void gated_delta_net_block(ThreadPool& pool, const kernels::KernelConfig& kc, co
   // Input projections.
   matmul(pool, kc, w.wqkv, h, n_embd, T, x.data(), C);
   matmul(pool, kc, w.wz, h, n_embd, T, z.data(), value_dim);
-  matmul(pool, kc, w.wba, h, n_embd, T, ba.data(), 2 * nv);
+  const bool separate_ba = w.wba.data == nullptr;  // ssm_beta and ssm_alpha: [b (nv) | a (nv)] per token in `ba`
+  if (!separate_ba) {
+    matmul(pool, kc, w.wba, h, n_embd, T, ba.data(), 2 * nv);
+  } else {
+    matmul(pool, kc, w.wbeta, h, n_embd, T, ba.data(), 2 * nv);
+    matmul(pool, kc, w.walpha, h, n_embd, T, ba.data() + nv, 2 * nv);
+  }
 
   // Causal depthwise convolution over time with the rolling state, then SiLU. Channels are
   // independent: split them over the pool, each walking the tokens in order.
@@ -99,7 +105,8 @@ void gated_delta_net_block(ThreadPool& pool, const kernels::KernelConfig& kc, co
       const float* bat = ba.data() + t * 2 * nv;
       for (int j = 0; j < nv; ++j) {
         const int g = j / r, i = j % r;
-        const float b = bat[g * 2 * r + i], a = bat[g * 2 * r + r + i];
+        const float b = separate_ba ? bat[j] : bat[g * 2 * r + i];
+        const float a = separate_ba ? bat[nv + j] : bat[g * 2 * r + r + i];
         beta[t * nv + j] = sigmoid(b);
         decay[t * nv + j] = std::exp(softplus(a + w.dt_bias[j]) * w.a[j]);
       }
@@ -112,7 +119,7 @@ void gated_delta_net_block(ThreadPool& pool, const kernels::KernelConfig& kc, co
     std::vector<float> scratch(dv);
     for (int64_t j = j0; j < j1; ++j) {
       float* S = ssm_state + j * int64_t(dk) * dv;
-      const int64_t hk = j / r;
+      const int64_t hk = s.v_head_order == GatedDeltaNetShape::VHeadOrder::Tiled ? j % s.n_k_head : j / r;
       for (int64_t t = 0; t < T; ++t) {
         const float* q = xc.data() + t * C + hk * dk;
         const float* k = q + key_dim;

@@ -11,6 +11,8 @@
 //   q, k   = l2norm per key head (eps 1e-6 under the square root, as transformers' l2norm);
 //            q *= 1/sqrt(dk); value head j reads key head j / (n_v_head / n_k_head)
 //   b, a   = ssm_ba h, per key head [b (r), a (r)], r = n_v_head / n_k_head
+//            (or b = ssm_beta h, a = ssm_alpha h, one per value head: qwen35moe)
+//   value head j reads key head j / r (GdnSpec::VHeadOrder::Grouped) or j % n_k_head (Tiled)
 //   beta   = sigmoid(b),  g = softplus(a + ssm_dt.bias) * ssm_a   (ssm_a = -exp(A_log) < 0)
 //   S      = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q      (S: [dk][dv] per value head)
 //   y      = (rmsnorm(o) * ssm_norm) * silu(z),  z = attn_gate h   (per value head)
@@ -36,6 +38,8 @@ struct GatedDeltaNetWeights {
   const float* dt_bias = nullptr;  ///< ssm_dt.bias: [n_v_head]
   const float* a = nullptr;      ///< ssm_a: [n_v_head], -exp(A_log) (negative)
   const float* norm = nullptr;   ///< ssm_norm: [dv], weight of the gated RMSNorm
+  MatrixRef wbeta{};        ///< ssm_beta: [n_v_head, n_embd] (used when wba.data is null)
+  MatrixRef walpha{};       ///< ssm_alpha: [n_v_head, n_embd] (used when wba.data is null)
 };
 
 /// Runs the layer for T consecutive tokens. h: [T][n_embd] normed input; out: [T][n_embd]
