@@ -32,6 +32,19 @@ struct ModelHParams {
   int ssm_time_step_rank = 0;   ///< <arch>.ssm.time_step_rank (ssm_dt_rank): value heads
   int ssm_inner_size = 0;       ///< <arch>.ssm.inner_size (ssm_d_inner): value heads x value head dim
   int full_attention_interval = 0;  ///< <arch>.full_attention_interval: every n-th layer is full attention
+  // Routed-MoE options of the deepseek2 / glm4moe families (llama.cpp's names in parentheses).
+  int n_expert_shared = 0;      ///< <arch>.expert_shared_count: ungated shared experts (n_expert_shared)
+  int n_layer_dense_lead = 0;   ///< <arch>.leading_dense_block_count: first layers with a dense FFN
+  int n_expert_groups = 0;      ///< <arch>.expert_group_count: expert groups for group-limited routing
+  int n_group_used = 0;         ///< <arch>.expert_group_used_count: groups that may be selected
+  int expert_gating_func = 0;   ///< <arch>.expert_gating_func: 0 absent, 1 softmax, 2 sigmoid (llama.cpp's enum)
+  float expert_weights_scale = 0;  ///< <arch>.expert_weights_scale: factor on the mixing weights (0: absent = 1)
+  int n_nextn_layer = 0;        ///< <arch>.nextn_predict_layers: last blocks are MTP/NextN, not in the forward pass
+  // Multi-head latent attention (deepseek2).
+  int q_lora_rank = 0;          ///< <arch>.attention.q_lora_rank (0: plain attn_q)
+  int kv_lora_rank = 0;         ///< <arch>.attention.kv_lora_rank: latent KV width
+  int head_dim_k_mla = 0;       ///< <arch>.attention.key_length_mla: q/k dims per head (nope + rope)
+  int head_dim_v_mla = 0;       ///< <arch>.attention.value_length_mla: value dims per head
   int n_vocab = 0;              ///< rows of token_embd
   bool tied_output = false;     ///< no output.weight: logits use token_embd
 };

@@ -70,8 +70,10 @@ class Qwen3Moe final : public Model {
     attn_.head_dim = hp_.head_dim_k;
     attn_.rms_eps = hp_.rms_eps;
     attn_.rope = &rope_;
-    const backend::RouterSpec router{backend::RouterSpec::Gating::Softmax, hp_.n_expert, hp_.n_expert_used,
-                                     hp_.norm_topk};
+    backend::RouterSpec router;  // softmax gating, no selection bias or groups
+    router.n_expert = hp_.n_expert;
+    router.top_k = hp_.n_expert_used;
+    router.norm_topk = hp_.norm_topk;
     tok_embd_ = w.get("token_embd.weight");
     output_norm_ = w.get("output_norm.weight");
     output_ = hp_.tied_output ? tok_embd_ : w.get("output.weight");
@@ -82,7 +84,7 @@ class Qwen3Moe final : public Model {
       Layer& L = layers_[size_t(l)];
       L.attn_norm = b("attn_norm.weight");
       L.attn = {b("attn_q.weight"), b("attn_k.weight"), b("attn_v.weight"), b("attn_output.weight"),
-                b("attn_q_norm.weight"), b("attn_k_norm.weight")};
+                b("attn_q_norm.weight"), b("attn_k_norm.weight"), {}, {}, {}};  // no biases
       L.ffn_norm = b("ffn_norm.weight");
       L.moe = bind_moe(w, l, router);
     }

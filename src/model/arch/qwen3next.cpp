@@ -128,8 +128,10 @@ class Qwen3Next final : public Model {
     attn_.rms_eps = hp_.rms_eps;
     attn_.rope = &rope_;
     attn_.q_gate = true;
-    const backend::RouterSpec router{backend::RouterSpec::Gating::Softmax, hp_.n_expert, hp_.n_expert_used,
-                                     hp_.norm_topk};
+    backend::RouterSpec router;  // softmax gating, no selection bias or groups
+    router.n_expert = hp_.n_expert;
+    router.top_k = hp_.n_expert_used;
+    router.norm_topk = hp_.norm_topk;
     tok_embd_ = w.get("token_embd.weight");
     output_norm_ = w.get("output_norm.weight");
     output_ = hp_.tied_output ? tok_embd_ : w.get("output.weight");
@@ -145,7 +147,7 @@ class Qwen3Next final : public Model {
                  b("ssm_conv1d.weight"), b("ssm_dt.bias"),      b("ssm_a"),         b("ssm_norm.weight")};
       else
         L.att = {b("attn_q.weight"),      b("attn_k.weight"),      b("attn_v.weight"),
-                 b("attn_output.weight"), b("attn_q_norm.weight"), b("attn_k_norm.weight")};
+                 b("attn_output.weight"), b("attn_q_norm.weight"), b("attn_k_norm.weight"), {}, {}, {}};  // no biases
       L.post_attn_norm = b("post_attention_norm.weight");
       L.moe = bind_moe(w, l, router);
       L.shexp = {b("ffn_gate_shexp.weight"), b("ffn_up_shexp.weight"), b("ffn_down_shexp.weight")};
