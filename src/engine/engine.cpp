@@ -144,8 +144,19 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
   }
   uint64_t all_slots = 0;
   for (const auto& L : layers) all_slots += uint64_t(L.n_expert) * slot;
-  const uint64_t min_slots =
+  uint64_t min_slots =
       std::min<uint64_t>(uint64_t(hp.n_expert_used) * uint64_t(opts_.prompt_chunk), max_experts);
+  // A pinned arena too small for the automatic chunk's worst case: shrink the automatic chunk to
+  // what the arena holds (top-k experts per token) instead of refusing; one token's top-k must fit.
+  const bool pinned_arena = opts_.arena_bytes > 0 || opts_.arena_mb > 0;
+  if (auto_chunk && pinned_arena && slot > 0 && hp.n_expert_used > 0) {
+    const uint64_t pinned = opts_.arena_bytes > 0 ? opts_.arena_bytes : uint64_t(opts_.arena_mb) << 20;
+    const uint64_t slots = pinned / slot;
+    if (slots < min_slots && slots >= uint64_t(hp.n_expert_used)) {
+      opts_.prompt_chunk = int(slots / uint64_t(hp.n_expert_used));
+      min_slots = std::min<uint64_t>(uint64_t(hp.n_expert_used) * uint64_t(opts_.prompt_chunk), max_experts);
+    }
+  }
   min_arena_bytes_ = std::max<uint64_t>(1, min_slots) * slot;
   // An automatically sized arena gives way to the chunk's scratch; a pinned one does not.
   const uint64_t resident = model_->dense_bytes() + model_->state_bytes(opts_.n_ctx) +
