@@ -4,6 +4,7 @@
 #include <cmath>
 #include <numeric>
 #include <stdexcept>
+#include <vector>
 
 #include "gguf/ggml_types.h"
 #include "quant/quant.h"
@@ -67,30 +68,87 @@ void softmax(float* x, int64_t n) {
 
 void select_experts(const RouterSpec& spec, float* logits, int64_t T, Routing& r) {
   const int n_expert = spec.n_expert, top_k = spec.top_k;
-  if (spec.gating != RouterSpec::Gating::Softmax) throw std::invalid_argument("select_experts: unknown gating function");
+  if (spec.gating != RouterSpec::Gating::Softmax && spec.gating != RouterSpec::Gating::Sigmoid)
+    throw std::invalid_argument("select_experts: unknown gating function");
   if (top_k <= 0 || top_k > n_expert) throw std::invalid_argument("select_experts: top_k must be in [1, n_expert]");
+  const bool biased = !spec.selection_bias.empty();
+  if (biased && int64_t(spec.selection_bias.size()) != n_expert)
+    throw std::invalid_argument("select_experts: selection_bias must have n_expert values");
+  const bool grouped = spec.n_group > 1 && spec.n_group_used < spec.n_group;
+  const int group_size = grouped ? n_expert / spec.n_group : n_expert;
+  if (grouped && (n_expert % spec.n_group != 0 || spec.n_group_used < 1 ||
+                  int64_t(spec.n_group_used) * group_size < top_k))
+    throw std::invalid_argument(
+        "select_experts: n_group must divide n_expert and n_group_used groups must hold top_k experts");
   r.top_k = top_k;
   r.ids.assign(T * top_k, 0);
   r.probs.assign(T * top_k, 0.0f);
   r.weights.assign(T * top_k, 0.0f);
   r.next_prob.assign(T, 0.0f);
-  std::vector<int32_t> order(n_expert);
+  std::vector<int32_t> order(n_expert), gorder;
+  std::vector<float> score_buf, gscore;
+  if (grouped) {
+    gorder.resize(size_t(spec.n_group));
+    gscore.resize(size_t(spec.n_group));
+  }
   for (int64_t t = 0; t < T; ++t) {
     float* p = logits + t * n_expert;
-    softmax(p, n_expert);
+    if (spec.gating == RouterSpec::Gating::Softmax) {
+      softmax(p, n_expert);
+    } else {
+      for (int i = 0; i < n_expert; ++i) p[i] = 1.0f / (1.0f + std::exp(-p[i]));
+    }
+    // Selection scores: the probabilities, plus the selection bias.
+    const float* s = p;
+    if (biased) {
+      score_buf.resize(size_t(n_expert));
+      for (int i = 0; i < n_expert; ++i) score_buf[size_t(i)] = p[i] + spec.selection_bias[size_t(i)];
+      s = score_buf.data();
+    }
+    auto better = [&](int32_t a, int32_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); };
+    int n_cand = n_expert;
     std::iota(order.begin(), order.end(), 0);
-    const int n_sorted = std::min(top_k + 1, n_expert);
-    std::partial_sort(order.begin(), order.begin() + n_sorted, order.end(),
-                      [&](int32_t a, int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
-    if (top_k < n_expert) r.next_prob[t] = p[order[top_k]];
+    if (grouped) {
+      // A group scores the sum of its two best selection scores; the best n_group_used groups'
+      // experts are the candidates.
+      for (int g = 0; g < spec.n_group; ++g) {
+        float b1 = -INFINITY, b2 = -INFINITY;
+        for (int i = g * group_size; i < (g + 1) * group_size; ++i) {
+          if (s[i] > b1) {
+            b2 = b1;
+            b1 = s[i];
+          } else if (s[i] > b2) {
+            b2 = s[i];
+          }
+        }
+        gscore[size_t(g)] = group_size >= 2 ? b1 + b2 : b1;
+      }
+      std::iota(gorder.begin(), gorder.end(), 0);
+      std::stable_sort(gorder.begin(), gorder.end(),
+                       [&](int32_t a, int32_t b) { return gscore[size_t(a)] > gscore[size_t(b)]; });
+      std::sort(gorder.begin(), gorder.begin() + spec.n_group_used);
+      n_cand = 0;
+      for (int gi = 0; gi < spec.n_group_used; ++gi)
+        for (int i = gorder[size_t(gi)] * group_size; i < (gorder[size_t(gi)] + 1) * group_size; ++i)
+          order[size_t(n_cand++)] = i;
+    }
+    const int n_sorted = std::min(top_k + 1, n_cand);
+    std::partial_sort(order.begin(), order.begin() + n_sorted, order.begin() + n_cand, better);
+    if (top_k < n_cand) r.next_prob[t] = p[order[top_k]];
     double sum = 0;
     for (int k = 0; k < top_k; ++k) sum += p[order[k]];
     for (int k = 0; k < top_k; ++k) {
       r.ids[t * top_k + k] = order[k];
       r.probs[t * top_k + k] = p[order[k]];
-      r.weights[t * top_k + k] = spec.norm_topk ? float(p[order[k]] / sum) : p[order[k]];
+      float w = spec.norm_topk ? float(p[order[k]] / sum) : p[order[k]];
+      if (spec.weights_scale != 1.0f) w *= spec.weights_scale;
+      r.weights[t * top_k + k] = w;
     }
   }
+}
+
+void Backend::mla_attention(const MlaSpec&, const MlaWeights&, const Tensor&, int64_t, const Tensor&, const Tensor&) {
+  throw std::logic_error("backend '" + info().name + "' does not implement multi-head latent attention (mla_attention)");
 }
 
 }  // namespace strata::backend

@@ -165,12 +165,53 @@ struct AttentionWeights {
   Tensor wo;      ///< attn_output: ne {n_head * head_dim, n_embd}
   Tensor q_norm;  ///< attn_q_norm: F32 ne {head_dim}, or empty
   Tensor k_norm;  ///< attn_k_norm: F32 ne {head_dim}, or empty
+  /// Projection biases (attn_{q,k,v}.bias; glm4moe, gpt-oss), F32 ne {rows of the projection}, or
+  /// empty. Added right after the matmul, before q/k norm and RoPE (transformers nn.Linear bias).
+  Tensor bq, bk, bv;
 };
 
 /// The attention cache of one layer of one sequence: K and V rows of n_head_kv * head_dim
 /// floats for positions 0..n_ctx-1 (ne = {n_head_kv * head_dim, n_ctx}).
 struct KvCache {
   Tensor k, v;
+};
+
+/// Multi-head latent attention (DeepSeek-V2, arXiv:2405.04434), computed in the absorbed form
+/// over a latent cache. Per token t and head h (transformers DeepseekV3Attention; llama.cpp
+/// deepseek2 with MLA tensors):
+///   q[h]      = q_b(RMSNorm(q_a(x)) * q_a_norm)[h]   (or attn_q(x)[h] when q_lora_rank = 0),
+///               [q_nope (n_nope) | q_pe (n_rot)]
+///   [c | kpe] = kv_a_mqa(x);  c = RMSNorm(c) * kv_a_norm  (kv_lora_rank), kpe (n_rot, one for all heads)
+///   q_pe, kpe rotated by `rope` (deepseek: Mode::Norm, adjacent pairs)
+///   score(t, s) = scale * (q_nope[h] . k_nope[h](s) + q_pe[h] . kpe(s)), k_nope[h](s) = k_b[h] c(s)
+///   out[h]    = v_b[h] sum_s softmax(score)(s) c(s);  attn_output(out)
+/// Absorbed: q_nope[h] . (k_b[h] c) = (k_b[h]^T q_nope[h]) . c, so the cache holds only c and
+/// kpe per token: MlaCache rows of kv_lora_rank + n_rot floats.
+struct MlaSpec {
+  int n_head = 0;
+  int q_lora_rank = 0;   ///< attention.q_lora_rank; 0 = a plain attn_q projection
+  int kv_lora_rank = 0;  ///< attention.kv_lora_rank: latent width
+  int n_nope = 0;        ///< key_length_mla - rope.dimension_count: non-rotated q/k dims per head
+  int n_rot = 0;         ///< rope.dimension_count: rotated q/k dims per head (and of kpe)
+  int v_dim = 0;         ///< value_length_mla: value dims per head
+  float rms_eps = 1e-6f; ///< epsilon of q_a_norm and kv_a_norm
+  const RopeSpec* rope = nullptr;
+  float scale = 0;       ///< scale of the scores; 0 = 1/sqrt(n_nope + n_rot)
+  /// Floats per cached token: [c (kv_lora_rank) | kpe (n_rot)].
+  int64_t cache_dim() const { return int64_t(kv_lora_rank) + n_rot; }
+};
+
+/// Weights of one MLA layer (ggml ne order). Empty: absent.
+struct MlaWeights {
+  Tensor wq_a;      ///< attn_q_a: ne {n_embd, q_lora_rank} (empty when q_lora_rank = 0)
+  Tensor q_a_norm;  ///< attn_q_a_norm: F32 ne {q_lora_rank}
+  Tensor wq_b;      ///< attn_q_b: ne {q_lora_rank, n_head * (n_nope + n_rot)}
+  Tensor wq;        ///< attn_q: ne {n_embd, n_head * (n_nope + n_rot)} (when q_lora_rank = 0)
+  Tensor wkv_a;     ///< attn_kv_a_mqa: ne {n_embd, kv_lora_rank + n_rot}
+  Tensor kv_a_norm; ///< attn_kv_a_norm: F32 ne {kv_lora_rank}
+  Tensor wk_b;      ///< attn_k_b: ne {n_nope, kv_lora_rank, n_head} (head h: rows = latent, cols = nope)
+  Tensor wv_b;      ///< attn_v_b: ne {kv_lora_rank, v_dim, n_head} (head h: rows = v dims, cols = latent)
+  Tensor wo;        ///< attn_output: ne {n_head * v_dim, n_embd}
 };
 
 /// Gated delta net (Yang, Kautz & Hatamizadeh 2024, arXiv:2412.06464), the linear-attention
@@ -237,30 +278,51 @@ struct FfnWeights {
 struct FfnCall {
   FfnSpec spec;
   /// When set (ne {n_embd, 1}), each token's result is scaled by sigmoid(h . scalar_gate)
-  /// (qwen3next's shared expert: ffn_gate_inp_shexp).
+  /// (qwen3next's shared expert: ffn_gate_inp_shexp). Requires accumulate.
   Tensor scalar_gate;
-  /// Add to `out` instead of overwriting it.
+  /// Add to `out` instead of overwriting it; without scalar_gate: out += ffn(h) (the ungated
+  /// shared experts of deepseek2 / glm4moe, expert_shared_count).
   bool accumulate = false;
 };
 
-/// How a router turns its logits into experts and mixing weights.
+/// How a router turns its logits into experts and mixing weights. Steps, in order (each a no-op
+/// at its default; transformers DeepseekV3TopkRouter / Glm4MoeTopkRouter, llama.cpp
+/// build_moe_ffn):
+///   1. p = gating(logits): softmax over all experts, or sigmoid per expert;
+///   2. selection score s = p + selection_bias (selection only; the weights use p);
+///   3. group limit: experts split into n_group equal groups of consecutive ids, a group
+///      scores the sum of its two best s, only the n_group_used best groups compete;
+///   4. top-k of s (ties: lower id first), ids in descending s;
+///   5. weights = p of the selected, divided by their sum if norm_topk, times weights_scale.
 struct RouterSpec {
   enum class Gating : uint8_t {
-    Softmax,  ///< softmax over all experts, then top-k (qwen3moe, qwen3next)
+    Softmax,  ///< softmax over all experts, then top-k (qwen3moe, qwen3next; expert_gating_func 1)
+    Sigmoid,  ///< sigmoid of each logit (deepseek V3, glm4moe; expert_gating_func 2)
   };
   Gating gating = Gating::Softmax;
   int n_expert = 0;
   int top_k = 0;
-  bool norm_topk = true;  ///< renormalize the selected weights to sum to 1
+  bool norm_topk = true;  ///< renormalize the selected weights to sum to 1 (expert_weights_norm)
+  /// Added to the gating probabilities for selection only: blk.N.exp_probs_b.bias, fp32 [n_expert]
+  /// on the host (transformers e_score_correction_bias). Empty: none.
+  std::vector<float> selection_bias;
+  /// expert_group_count: groups of n_expert / n_group consecutive experts (0 or 1: no groups).
+  int n_group = 0;
+  /// expert_group_used_count: groups whose experts may be selected (transformers topk_group).
+  int n_group_used = 0;
+  /// expert_weights_scale: factor on the final mixing weights (transformers routed_scaling_factor).
+  float weights_scale = 1.0f;
 };
 
 /// Routing of T tokens: [T][top_k], experts by descending score (ties: lower id first).
 struct Routing {
   int top_k = 0;
   std::vector<int32_t> ids;      ///< [T * top_k]
-  std::vector<float> probs;      ///< gating probabilities of the selected experts
-  std::vector<float> weights;    ///< mixing weights (probs, renormalized if norm_topk)
-  std::vector<float> next_prob;  ///< [T]: the (k+1)-th probability (0 when top_k = n_expert)
+  std::vector<float> probs;      ///< gating probabilities of the selected experts (without selection bias)
+  std::vector<float> weights;    ///< mixing weights (probs, renormalized if norm_topk, times weights_scale)
+  /// [T]: the gating probability of the (k+1)-th candidate in selection order (0 when top_k =
+  /// n_expert or none is left after the group limit)
+  std::vector<float> next_prob;
   int64_t n_tokens() const { return top_k ? int64_t(ids.size()) / top_k : 0; }
 };
 
@@ -268,8 +330,8 @@ struct Routing {
 /// routers (transformers: softmax(router_logits, dtype=float)), on the host.
 void softmax(float* x, int64_t n);
 
-/// Selects experts from router logits [T][n_expert] on the host (softmaxed in place), as
-/// `spec` says. The selection every backend shares; throws std::invalid_argument for a spec it
+/// Selects experts from router logits [T][n_expert] on the host (replaced in place by the gating
+/// probabilities), as `spec` says. The selection every backend shares; throws std::invalid_argument for a spec it
 /// cannot apply.
 void select_experts(const RouterSpec& spec, float* logits, int64_t T, Routing& out);
 
@@ -328,6 +390,12 @@ class Backend {
   /// positions 0..pos0+t (or the window), output projection into `out` (overwritten).
   virtual void attention(const AttentionSpec& spec, const AttentionWeights& w, const KvCache& kv, int64_t pos0,
                          const Tensor& h, const Tensor& out) = 0;
+  /// Multi-head latent attention (MlaSpec) for T consecutive tokens at positions
+  /// [pos0, pos0 + T) of one sequence: rows pos0.. of `cache` (ne {spec.cache_dim(), n_ctx})
+  /// written, output projection into `out` (overwritten). Default: throws std::logic_error
+  /// (a backend that has not implemented it).
+  virtual void mla_attention(const MlaSpec& spec, const MlaWeights& w, const Tensor& cache, int64_t pos0,
+                             const Tensor& h, const Tensor& out);
   /// The gated delta net for T consecutive tokens of one sequence, advancing `state`.
   virtual void gated_delta_net(const GdnSpec& spec, const GdnWeights& w, const RecurrentState& state,
                                const Tensor& h, const Tensor& out) = 0;

@@ -190,6 +190,7 @@ BoundWeights::BoundWeights(const gguf::File& f, const std::vector<TensorSpec>& t
   for (const TensorSpec& t : table) {
     if (t.role == TensorRole::Skip) continue;
     const gguf::TensorInfo* info = f.find_tensor(t.name);
+    if (t.optional && !info) continue;
     const std::vector<int64_t>& ne =
         (!t.alt_ne.empty() && info && info->ne.size() == t.alt_ne.size()) ? t.alt_ne : t.ne;
     Entry e;

@@ -56,10 +56,15 @@ struct TensorSpec {
   TensorRole role = TensorRole::Matrix;
   TensorInit init = TensorInit::Weight;
   std::vector<int64_t> alt_ne;   ///< a second accepted shape (e.g. [n_embd] for [n_embd, 1]); empty = none
+  /// May be absent from the file (llama.cpp's TENSOR_NOT_REQUIRED, e.g. glm4moe's q/k norm and
+  /// attention biases): BoundWeights skips it and maybe() returns an empty tensor. Present, its
+  /// shape is checked like any other.
+  bool optional = false;
 
   TensorSpec(std::string name_, std::vector<int64_t> ne_, TensorRole role_, TensorInit init_,
-             std::vector<int64_t> alt_ne_ = {})
-      : name(std::move(name_)), ne(std::move(ne_)), role(role_), init(init_), alt_ne(std::move(alt_ne_)) {}
+             std::vector<int64_t> alt_ne_ = {}, bool optional_ = false)
+      : name(std::move(name_)), ne(std::move(ne_)), role(role_), init(init_), alt_ne(std::move(alt_ne_)),
+        optional(optional_) {}
 };
 
 /// An architecture's description, registered once per file in src/model/arch/.

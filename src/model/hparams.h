@@ -35,6 +35,18 @@ struct ModelHParams {
   /// <arch>.nextn_predict_layers: the last n_nextn of the n_layer blocks are multi-token-prediction
   /// (NextN/MTP) blocks, in the file but not part of the forward pass (0: none)
   int n_nextn = 0;
+  // Routed-MoE options of the deepseek2 / glm4moe families (llama.cpp's names in parentheses).
+  int n_expert_shared = 0;      ///< <arch>.expert_shared_count: ungated shared experts (n_expert_shared)
+  int n_layer_dense_lead = 0;   ///< <arch>.leading_dense_block_count: first layers with a dense FFN
+  int n_expert_groups = 0;      ///< <arch>.expert_group_count: expert groups for group-limited routing
+  int n_group_used = 0;         ///< <arch>.expert_group_used_count: groups that may be selected
+  int expert_gating_func = 0;   ///< <arch>.expert_gating_func: 0 absent, 1 softmax, 2 sigmoid (llama.cpp's enum)
+  float expert_weights_scale = 0;  ///< <arch>.expert_weights_scale: factor on the mixing weights (0: absent = 1)
+  // Multi-head latent attention (deepseek2).
+  int q_lora_rank = 0;          ///< <arch>.attention.q_lora_rank (0: plain attn_q)
+  int kv_lora_rank = 0;         ///< <arch>.attention.kv_lora_rank: latent KV width
+  int head_dim_k_mla = 0;       ///< <arch>.attention.key_length_mla: q/k dims per head (nope + rope)
+  int head_dim_v_mla = 0;       ///< <arch>.attention.value_length_mla: value dims per head
   int n_vocab = 0;              ///< rows of token_embd
   bool tied_output = false;     ///< no output.weight: logits use token_embd
 };

@@ -45,6 +45,22 @@ void Model::bind_io(const BoundWeights& w) {
   output_ = hp_.tied_output ? tok_embd_ : w.get("output.weight");
 }
 
+backend::AttentionWeights Model::bind_attention(const BoundWeights& w, int layer) const {
+  auto get = [&](const char* n) { return w.get(blk(layer, n)); };
+  auto maybe = [&](const char* n) { return w.maybe(blk(layer, n)); };
+  backend::AttentionWeights a;
+  a.wq = get("attn_q.weight");
+  a.wk = get("attn_k.weight");
+  a.wv = get("attn_v.weight");
+  a.wo = get("attn_output.weight");
+  a.q_norm = maybe("attn_q_norm.weight");
+  a.k_norm = maybe("attn_k_norm.weight");
+  a.bq = maybe("attn_q.bias");
+  a.bk = maybe("attn_k.bias");
+  a.bv = maybe("attn_v.bias");
+  return a;
+}
+
 backend::AttentionSpec Model::attention_spec(const backend::RopeSpec* rope) const {
   backend::AttentionSpec a;
   a.n_head = hp_.n_head;

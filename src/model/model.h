@@ -145,6 +145,9 @@ class Model {
   /// Binds token_embd, output_norm and the output head (token_embd when output.weight is absent:
   /// tied embeddings) into tok_embd_, output_norm_, output_.
   void bind_io(const BoundWeights& w);
+  /// Layer `layer`'s attention weights: blk.N.attn_{q,k,v,output}.weight, and whichever of
+  /// attn_{q,k}_norm.weight and attn_{q,k,v}.bias the architecture's table lists.
+  backend::AttentionWeights bind_attention(const BoundWeights& w, int layer) const;
   /// GQA attention from the common hyper-parameters (heads, head dim, norm epsilon) with `rope`.
   backend::AttentionSpec attention_spec(const backend::RopeSpec* rope) const;
   /// Softmax over all experts, top-k, renormalized as norm_topk says (qwen3moe, qwen3next).

@@ -87,6 +87,17 @@ void Step::attention(int layer, const backend::AttentionSpec& spec, const backen
   name(o_, "attn_out", layer);
 }
 
+void Step::mla_attention(int layer, const backend::MlaSpec& spec, const backend::MlaWeights& w) {
+  int64_t t0 = 0;
+  for (SeqInput& s : batch_) {
+    const int64_t n = int64_t(s.ids.size());
+    be_.mla_attention(spec, w, s.state->k[size_t(layer)].tensor(spec.cache_dim()), s.state->n_past,
+                      h_.rows_view(t0, n), o_.rows_view(t0, n));
+    t0 += n;
+  }
+  name(o_, "attn_out", layer);
+}
+
 void Step::gated_delta_net(int layer, const backend::GdnSpec& spec, const backend::GdnWeights& w) {
   int64_t t0 = 0;
   for (SeqInput& s : batch_) {
@@ -157,10 +168,10 @@ void Step::read_ahead(const ReadAhead& ra, const Tensor& h) {
   if (!order.empty()) ctx_.stream.prefetch(ra.layer, order);
 }
 
-void Step::read_ahead_first(const MoeLayer& first, const Tensor& norm0) {
+void Step::read_ahead_first(const MoeLayer& first, const Tensor& norm0, int layer) {
   be_.rms_norm(x_, norm0, model_.hparams().rms_eps, h_);
   pred_.clear();
-  read_ahead(plan_read_ahead(0, &first, &pred_), h_);
+  read_ahead(plan_read_ahead(layer, &first, &pred_), h_);
 }
 
 void Step::score_prediction(int layer, const backend::Routing& r, const std::vector<int32_t>& predicted) {

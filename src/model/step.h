@@ -62,14 +62,18 @@ class Step {
   void residual(const char* name, int layer);
   /// o = attention(h) per sequence, with `layer`'s KV cache of each. Names "attn_out-<layer>".
   void attention(int layer, const backend::AttentionSpec& spec, const backend::AttentionWeights& w);
+  /// o = multi-head latent attention(h) per sequence, with `layer`'s latent cache of each (the
+  /// state's k buffer, rows of spec.cache_dim() floats). Names "attn_out-<layer>".
+  void mla_attention(int layer, const backend::MlaSpec& spec, const backend::MlaWeights& w);
   /// o = gated delta net(h) per sequence, advancing `layer`'s recurrent state of each.
   /// Names "linear_attn_out-<layer>".
   void gated_delta_net(int layer, const backend::GdnSpec& spec, const backend::GdnWeights& w);
   /// o += (or =) ffn(h) as `call` says. Names "<name>-<layer>" (o after the call).
   void ffn(const backend::FfnCall& call, const backend::FfnWeights& w, const char* name, int layer);
-  /// Layer 0's read-ahead before any compute: `first`'s router on the embeddings normed with
-  /// `norm0` (layer 0's pre-MoE norm), then the static rank.
-  void read_ahead_first(const MoeLayer& first, const backend::Tensor& norm0);
+  /// The first MoE layer's read-ahead before any compute: `first`'s router on the embeddings
+  /// normed with `norm0` (that layer's pre-MoE norm), then the static rank. `layer` is that
+  /// layer's index (0 unless leading layers are dense).
+  void read_ahead_first(const MoeLayer& first, const backend::Tensor& norm0, int layer = 0);
   /// o = routed MoE of `layer` on h with experts from the stream (the cut), layer+1's experts
   /// read ahead with `next`'s router (null: the last MoE layer). Names "ffn_moe_out-<layer>".
   void moe(int layer, const MoeLayer& w, const MoeLayer* next);

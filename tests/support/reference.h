@@ -26,7 +26,7 @@ struct ParityReport {
 };
 
 /// Runs every case of a transformers reference (`cases[]`) teacher-forced through `eng`
-/// and compares logits and routing. Fills `rep`; does not assert.
+/// and compares logits and routing (where the case has `routing`). Fills `rep`; does not assert.
 void compare_with_hf(engine::Engine& eng, const nlohmann::json& ref, ParityReport& rep);
 
 /// Prints one line with every field of `r`, prefixed by "[name]" (test output, not asserted).

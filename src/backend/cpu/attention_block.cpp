@@ -17,6 +17,9 @@ void attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, const At
   if (s.q_gate) {
     std::vector<float> qg(T * 2 * q_dim);
     matmul(pool, kc, w.wq, h, n_embd, T, qg.data(), 2 * q_dim);
+    if (w.bq)
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t i = 0; i < 2 * q_dim; ++i) qg[t * 2 * q_dim + i] += w.bq[i];
     gate.resize(T * q_dim);
     for (int64_t t = 0; t < T; ++t)
       for (int hh = 0; hh < s.n_head; ++hh) {
@@ -29,6 +32,15 @@ void attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, const At
   }
   matmul(pool, kc, w.wk, h, n_embd, T, k.data(), kv_dim);
   matmul(pool, kc, w.wv, h, n_embd, T, v.data(), kv_dim);
+  // Projection biases (before q/k norm and RoPE, as nn.Linear adds them).
+  auto add_bias = [T](float* y, const float* b, int64_t n) {
+    if (!b) return;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t i = 0; i < n; ++i) y[t * n + i] += b[i];
+  };
+  if (!s.q_gate) add_bias(q.data(), w.bq, q_dim);
+  add_bias(k.data(), w.bk, kv_dim);
+  add_bias(v.data(), w.bv, kv_dim);
 
   // Per-head q/k RMSNorm, rotary embedding, then K and V into the cache.
   pool.parallel_for(T, 1, [&](int64_t t0, int64_t t1) {
@@ -70,6 +82,69 @@ void attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, const At
 
   // Output projection.
   matmul(pool, kc, w.wo, att.data(), q_dim, T, out, n_embd);
+}
+
+void mla_attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, const MlaWeights& w,
+                         const backend::MlaSpec& s, const float* h, int64_t n_embd, int64_t T, int64_t pos0,
+                         float* cache, float* out) {
+  const int64_t H = s.n_head, R = s.kv_lora_rank, P = s.n_rot, N = s.n_nope, Vd = s.v_dim;
+  const int64_t qk = N + P, C = R + P;  // q/k dims per head; cache row (= absorbed query) dims
+  // Queries [T][H][N + P].
+  std::vector<float> q(size_t(T * H * qk));
+  if (s.q_lora_rank > 0) {
+    const int64_t QL = s.q_lora_rank;
+    std::vector<float> qa(size_t(T * QL));
+    matmul(pool, kc, w.wq_a, h, n_embd, T, qa.data(), QL);
+    for (int64_t t = 0; t < T; ++t) rms_norm(qa.data() + t * QL, w.q_a_norm, qa.data() + t * QL, int(QL), s.rms_eps);
+    matmul(pool, kc, w.wq_b, qa.data(), QL, T, q.data(), H * qk);
+  } else {
+    matmul(pool, kc, w.wq, h, n_embd, T, q.data(), H * qk);
+  }
+  // Latent and shared rotary key [T][R + P]: normed latent into the cache, kpe rotated.
+  std::vector<float> kva(size_t(T * C));
+  matmul(pool, kc, w.wkv_a, h, n_embd, T, kva.data(), C);
+  // Absorbed queries [T][H][R + P]: k_b[h]^T q_nope[h], then the rotated q_pe.
+  std::vector<float> qabs(size_t(T * H * C)), att(size_t(T * H * C));
+  pool.parallel_for(T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* row = kva.data() + t * C;
+      rms_norm(row, w.kv_a_norm, row, int(R), s.rms_eps);
+      rope_apply(*s.rope, row + R, 1, int(P), pos0 + t);
+      std::copy(row, row + C, cache + (pos0 + t) * C);
+      for (int64_t hh = 0; hh < H; ++hh) {
+        float* qh = q.data() + (t * H + hh) * qk;
+        rope_apply(*s.rope, qh + N, 1, int(P), pos0 + t);
+        std::copy(qh + N, qh + qk, qabs.data() + (t * H + hh) * C + R);
+      }
+    }
+  });
+  // k_b[h] has R rows of N columns: qabs[t][h][:R] = k_b[h] q_nope[t][h] (one matmul per head
+  // over the T tokens, rows strided by H * (N + P)).
+  const size_t kb_head_bytes = size_t(R) * w.wk_b.row_bytes;
+  const size_t vb_head_bytes = size_t(Vd) * w.wv_b.row_bytes;
+  for (int64_t hh = 0; hh < H; ++hh) {
+    MatrixRef kb = w.wk_b;
+    kb.data = static_cast<const uint8_t*>(w.wk_b.data) + size_t(hh) * kb_head_bytes;
+    kb.rows = R;
+    matmul(pool, kc, kb, q.data() + hh * qk, H * qk, T, qabs.data() + hh * C, H * C);
+  }
+  // Attention of all heads over one shared KV "head" (keys: cache rows; values: their latent).
+  const float scale = s.scale != 0 ? s.scale : 1.0f / std::sqrt(float(qk));
+  pool.parallel_for(T, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scratch(size_t(std::min<int64_t>(H, 8)) * size_t(pos0 + T));
+    for (int64_t t = t0; t < t1; ++t)
+      attention_one(kc, qabs.data() + t * H * C, cache, cache, C, pos0 + t + 1, int(H), 1, int(C), scale,
+                    att.data() + t * H * C, scratch.data());
+  });
+  // out[h] = v_b[h] ctx[h] (ctx: the first R dims of each head's output), then attn_output.
+  std::vector<float> o(size_t(T * H * Vd));
+  for (int64_t hh = 0; hh < H; ++hh) {
+    MatrixRef vb = w.wv_b;
+    vb.data = static_cast<const uint8_t*>(w.wv_b.data) + size_t(hh) * vb_head_bytes;
+    vb.rows = Vd;
+    matmul(pool, kc, vb, att.data() + hh * C, H * C, T, o.data() + hh * Vd, H * Vd);
+  }
+  matmul(pool, kc, w.wo, o.data(), H * Vd, T, out, n_embd);
 }
 
 }  // namespace strata::cpu

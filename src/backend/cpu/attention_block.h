@@ -22,6 +22,9 @@ struct AttentionWeights {
   MatrixRef wo;               ///< attn_output: [n_embd, n_head * head_dim]
   const float* q_norm = nullptr;   ///< attn_q_norm [head_dim], or null
   const float* k_norm = nullptr;   ///< attn_k_norm [head_dim], or null
+  const float* bq = nullptr;       ///< attn_q.bias [rows of wq], or null
+  const float* bk = nullptr;       ///< attn_k.bias [n_head_kv * head_dim], or null
+  const float* bv = nullptr;       ///< attn_v.bias [n_head_kv * head_dim], or null
 };
 
 /// The layer's shape, RoPE, gating and window: backend::AttentionSpec (backend/backend.h).
@@ -33,5 +36,19 @@ using AttentionShape = backend::AttentionSpec;
 /// Causal: token t attends to positions 0..pos0+t, or the last s.window of them when s.window > 0.
 void attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, const AttentionWeights& w, const AttentionShape& s, const float* h,
                      int64_t n_embd, int64_t T, int64_t pos0, float* k_cache, float* v_cache, float* out);
+
+/// Multi-head latent attention (backend::MlaSpec has the formulas) for T consecutive tokens at
+/// positions [pos0, pos0 + T). h: [T][n_embd]; cache: [n_ctx][kv_lora_rank + n_rot], rows
+/// pos0..pos0+T-1 written ([normed latent c | rotated kpe]); out: [T][n_embd] (overwritten).
+/// Scores and the latent context use attention_one with one shared "KV head" of
+/// kv_lora_rank + n_rot dims (keys = the cache rows, values = their first kv_lora_rank dims).
+struct MlaWeights {
+  MatrixRef wq_a, wq_b, wq, wkv_a, wk_b, wv_b, wo;  ///< as backend::MlaWeights (wk_b, wv_b: all heads' rows)
+  const float* q_a_norm = nullptr;
+  const float* kv_a_norm = nullptr;
+};
+void mla_attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, const MlaWeights& w,
+                         const backend::MlaSpec& s, const float* h, int64_t n_embd, int64_t T, int64_t pos0,
+                         float* cache, float* out);
 
 }  // namespace strata::cpu

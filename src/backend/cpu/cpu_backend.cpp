@@ -104,9 +104,25 @@ void CpuBackend::matmul(const Tensor& W, const Tensor& x, const Tensor& y) {
 
 void CpuBackend::attention(const backend::AttentionSpec& spec, const backend::AttentionWeights& w,
                            const backend::KvCache& kv, int64_t pos0, const Tensor& h, const Tensor& out) {
-  const AttentionWeights aw{as_matrix(w.wq), as_matrix(w.wk), as_matrix(w.wv), as_matrix(w.wo),
-                            values_or_null(w.q_norm), values_or_null(w.k_norm)};
+  const AttentionWeights aw{as_matrix(w.wq),          as_matrix(w.wk),          as_matrix(w.wv),
+                            as_matrix(w.wo),          values_or_null(w.q_norm), values_or_null(w.k_norm),
+                            values_or_null(w.bq),     values_or_null(w.bk),     values_or_null(w.bv)};
   attention_block(pool_, kc_, aw, spec, h.f(), h.cols(), h.rows(), pos0, kv.k.f(), kv.v.f(), out.f());
+}
+
+void CpuBackend::mla_attention(const backend::MlaSpec& spec, const backend::MlaWeights& w, const Tensor& cache,
+                               int64_t pos0, const Tensor& h, const Tensor& out) {
+  MlaWeights mw;
+  mw.wq_a = as_matrix(w.wq_a);
+  mw.wq_b = as_matrix(w.wq_b);
+  mw.wq = as_matrix(w.wq);
+  mw.wkv_a = as_matrix(w.wkv_a);
+  mw.wk_b = as_matrix(w.wk_b);
+  mw.wv_b = as_matrix(w.wv_b);
+  mw.wo = as_matrix(w.wo);
+  mw.q_a_norm = values_or_null(w.q_a_norm);
+  mw.kv_a_norm = values_or_null(w.kv_a_norm);
+  mla_attention_block(pool_, kc_, mw, spec, h.f(), h.cols(), h.rows(), pos0, cache.f(), out.f());
 }
 
 void CpuBackend::gated_delta_net(const backend::GdnSpec& spec, const backend::GdnWeights& w,
@@ -124,7 +140,17 @@ void CpuBackend::ffn(const backend::FfnCall& call, const backend::FfnWeights& w,
     add_gated_swiglu_ffn(pool_, kc_, fw, as_matrix(call.scalar_gate), h.f(), h.cols(), h.rows(), out.f());
     return;
   }
-  if (call.accumulate) throw std::invalid_argument("ffn: accumulate needs a scalar gate");
+  if (call.accumulate) {  // out += ffn(h)
+    const int64_t n = h.rows() * out.cols();
+    ffn_scratch_.resize(size_t(n));
+    swiglu_ffn(pool_, kc_, fw, h.f(), h.cols(), h.rows(), ffn_scratch_.data());
+    for (int64_t t = 0; t < h.rows(); ++t) {
+      float* o = out.row(t);
+      const float* y = ffn_scratch_.data() + t * out.cols();
+      for (int64_t i = 0; i < out.cols(); ++i) o[i] += y[i];
+    }
+    return;
+  }
   swiglu_ffn(pool_, kc_, fw, h.f(), h.cols(), h.rows(), out.f());
 }
 

@@ -46,6 +46,8 @@ class CpuBackend final : public backend::Backend {
   void matmul(const backend::Tensor& W, const backend::Tensor& x, const backend::Tensor& y) override;
   void attention(const backend::AttentionSpec& spec, const backend::AttentionWeights& w, const backend::KvCache& kv,
                  int64_t pos0, const backend::Tensor& h, const backend::Tensor& out) override;
+  void mla_attention(const backend::MlaSpec& spec, const backend::MlaWeights& w, const backend::Tensor& cache,
+                     int64_t pos0, const backend::Tensor& h, const backend::Tensor& out) override;
   void gated_delta_net(const backend::GdnSpec& spec, const backend::GdnWeights& w,
                        const backend::RecurrentState& state, const backend::Tensor& h,
                        const backend::Tensor& out) override;
@@ -61,6 +63,7 @@ class CpuBackend final : public backend::Backend {
   ThreadPool pool_;
   kernels::KernelConfig kc_;
   std::vector<float> x_, g_, u_;  // expert_ffn scratch, reused across experts
+  std::vector<float> ffn_scratch_;  // ffn(accumulate) without a gate: the FFN's rows before the add
 };
 
 }  // namespace strata::cpu

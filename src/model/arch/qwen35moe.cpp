@@ -215,8 +215,7 @@ class Qwen35Moe final : public Model {
         L.lin.wbeta = b("ssm_beta.weight");
         L.lin.walpha = b("ssm_alpha.weight");
       } else {
-        L.att = {b("attn_q.weight"),      b("attn_k.weight"),      b("attn_v.weight"),
-                 b("attn_output.weight"), b("attn_q_norm.weight"), b("attn_k_norm.weight")};
+        L.att = bind_attention(w, l);
       }
       L.post_attn_norm = b("post_attention_norm.weight");
       L.moe = bind_moe(w, l, router);

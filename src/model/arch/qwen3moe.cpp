@@ -74,8 +74,7 @@ class Qwen3Moe final : public Model {
       auto b = [&](const char* n) { return w.get(blk(l, n)); };
       Layer& L = layers_[size_t(l)];
       L.attn_norm = b("attn_norm.weight");
-      L.attn = {b("attn_q.weight"), b("attn_k.weight"), b("attn_v.weight"), b("attn_output.weight"),
-                b("attn_q_norm.weight"), b("attn_k_norm.weight")};
+      L.attn = bind_attention(w, l);
       L.ffn_norm = b("ffn_norm.weight");
       L.moe = bind_moe(w, l, router);
     }

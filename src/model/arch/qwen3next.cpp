@@ -137,8 +137,7 @@ class Qwen3Next final : public Model {
         L.lin = {b("attn_qkv.weight"),   b("attn_gate.weight"), b("ssm_ba.weight"), b("ssm_out.weight"),
                  b("ssm_conv1d.weight"), b("ssm_dt.bias"),      b("ssm_a"),         b("ssm_norm.weight")};
       else
-        L.att = {b("attn_q.weight"),      b("attn_k.weight"),      b("attn_v.weight"),
-                 b("attn_output.weight"), b("attn_q_norm.weight"), b("attn_k_norm.weight")};
+        L.att = bind_attention(w, l);
       L.post_attn_norm = b("post_attention_norm.weight");
       L.moe = bind_moe(w, l, router);
       L.shexp = {b("ffn_gate_shexp.weight"), b("ffn_up_shexp.weight"), b("ffn_down_shexp.weight")};
