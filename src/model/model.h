@@ -143,7 +143,9 @@ class Model {
 
  protected:
   /// Binds layer `layer`'s router (blk.N.ffn_gate_inp) and routed experts (ffn_{gate,up,down}_exps,
-  /// left on disk) and records where the experts live for the stream (experts_[layer]).
+  /// left on disk) and records where the experts live for the stream (experts_[layer]). The
+  /// router's and experts' biases (ffn_gate_inp.bias, ffn_*_exps.bias) are bound when the
+  /// architecture's table lists them (resident), else left empty.
   MoeLayer bind_moe(const BoundWeights& w, int layer, const backend::RouterSpec& spec);
 
   ModelHParams hp_;
