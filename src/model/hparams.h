@@ -32,6 +32,7 @@ struct ModelHParams {
   int ssm_time_step_rank = 0;   ///< <arch>.ssm.time_step_rank (ssm_dt_rank): value heads
   int ssm_inner_size = 0;       ///< <arch>.ssm.inner_size (ssm_d_inner): value heads x value head dim
   int full_attention_interval = 0;  ///< <arch>.full_attention_interval: every n-th layer is full attention
+  int n_swa = 0;                ///< <arch>.attention.sliding_window: positions a sliding-window layer attends (0: none)
   int n_vocab = 0;              ///< rows of token_embd
   bool tied_output = false;     ///< no output.weight: logits use token_embd
 };
