@@ -144,6 +144,15 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
   }
   uint64_t all_slots = 0;
   for (const auto& L : layers) all_slots += uint64_t(L.n_expert) * slot;
+  // An automatic chunk shrinks to what a pinned arena can hold (top-k slots per token of the
+  // chunk); an explicit --prompt-chunk is kept and a too small arena is an error below.
+  const bool pinned_arena = opts_.arena_bytes > 0 || opts_.arena_mb > 0;
+  if (auto_chunk && pinned_arena && slot > 0 && hp.n_expert_used > 0) {
+    const uint64_t pinned = opts_.arena_bytes > 0 ? opts_.arena_bytes : uint64_t(opts_.arena_mb) << 20;
+    const uint64_t slots = pinned / slot;
+    if (slots < std::min<uint64_t>(uint64_t(hp.n_expert_used) * uint64_t(opts_.prompt_chunk), max_experts))
+      opts_.prompt_chunk = int(std::max<uint64_t>(1, slots / uint64_t(hp.n_expert_used)));
+  }
   const uint64_t min_slots =
       std::min<uint64_t>(uint64_t(hp.n_expert_used) * uint64_t(opts_.prompt_chunk), max_experts);
   min_arena_bytes_ = std::max<uint64_t>(1, min_slots) * slot;
