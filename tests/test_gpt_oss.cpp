@@ -1,0 +1,280 @@
+// The gpt-oss forward pass (GptOssForCausalLM: biased GQA attention with sinks, sliding window
+// on even layers, biased router with softmax over the top-k, clamped SwiGLU experts with
+// biases) against the shared fixtures: ../shared/fixtures/models/gpt-oss-tiny-bf16.gguf,
+// ref/gpt-oss-tiny.hf.json (transformers 5.17, fp32 math on the bf16 weights, exact RoPE
+// frequencies) and ref/llamacpp-greedy-archs.json (llama.cpp's greedy continuations). Every
+// test skips, saying so, when the fixtures folder is absent.
+//
+// Tolerance on logits: 1e-3 absolute (fp32 on both sides; only the summation order differs;
+// logits here are of magnitude ~5-10). Measured: see kMeasured below, printed by the test. A
+// one-line slip moves logits by far more: without the sinks, without the sliding window, with
+// the softmax over all experts, or with the unclamped SwiGLU the error is > 1e-2 (checked while
+// writing this test by switching each off).
+// Router scores: the reference gives the raw logits (bias included) of the top-k per layer
+// and token; ours are compared through their softmax: log(p_k / p_0) = s_k - s_0, within 1e-4
+// (the reference stores 6 decimals).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include "backend/cpu/cpu_backend.h"
+#include "gguf/gguf_writer.h"
+#include "support/paths.h"
+#include "support/reference.h"
+
+using namespace strata;
+using ::testing::HasSubstr;
+
+namespace {
+
+constexpr double kLogitTol = 1e-3;
+constexpr double kScoreTol = 1e-4;
+
+std::string model_path(const std::string& fx) { return fx + "/models/gpt-oss-tiny-bf16.gguf"; }
+
+engine::EngineOptions options() {
+  engine::EngineOptions o;
+  o.n_threads = 2;
+  o.arena_mb = 64;  // all experts (12 MiB) fit
+  return o;
+}
+
+bool bit_equal(const float* a, const float* b, size_t n) { return std::memcmp(a, b, n * sizeof(float)) == 0; }
+
+// The reference's router_top compared with our routing trace: the selected sets where our k-th
+// and (k+1)-th weights differ by more than 1e-4, and the score differences s_k - s_0.
+struct RouterReport {
+  int checked = 0, mismatched = 0;
+  double max_score_err = 0;
+};
+
+void compare_router(engine::Engine& eng, const nlohmann::json& ref, RouterReport& rep) {
+  for (const auto& c : ref["cases"]) {
+    const auto ids = c["ids"].get<std::vector<int32_t>>();
+    model::SequenceState st = eng.new_sequence();
+    std::vector<float> logits;
+    model::RoutingTrace trace;
+    eng.prefill(st, ids, model::LogitsMode::Last, logits, &trace);
+    const auto& layers = c["router_top"];
+    ASSERT_EQ(layers.size(), trace.ids.size());
+    for (size_t l = 0; l < layers.size(); ++l)
+      for (size_t t = 0; t < ids.size(); ++t) {
+        const auto ref_ids = layers[l]["ids"][t].get<std::vector<int32_t>>();
+        const auto ref_scores = layers[l]["scores"][t].get<std::vector<double>>();
+        const auto& our_ids = trace.ids[l][t];
+        const auto& our_probs = trace.probs[l][t];
+        ASSERT_EQ(ref_ids.size(), our_ids.size());
+        if (double(our_probs.back()) - double(trace.next_prob[l][t]) <= 1e-4) continue;
+        ++rep.checked;
+        if (std::set<int32_t>(ref_ids.begin(), ref_ids.end()) != std::set<int32_t>(our_ids.begin(), our_ids.end())) {
+          ++rep.mismatched;
+          continue;
+        }
+        for (size_t k = 1; k < our_ids.size(); ++k) {
+          const double ours = std::log(double(our_probs[k]) / double(our_probs[0]));
+          rep.max_score_err = std::max(rep.max_score_err, std::abs(ours - (ref_scores[k] - ref_scores[0])));
+        }
+      }
+  }
+}
+
+std::vector<float> all_logits(const std::string& path, const engine::EngineOptions& o, const std::vector<int32_t>& ids) {
+  engine::Engine eng(path, o);
+  model::SequenceState st = eng.new_sequence();
+  std::vector<float> logits;
+  eng.prefill(st, ids, model::LogitsMode::All, logits);
+  return logits;
+}
+
+}  // namespace
+
+TEST(GptOss, HyperParameters) {
+  STRATA_REQUIRE_FIXTURES(fx);
+  engine::Engine eng(model_path(fx), options());
+  const auto& hp = eng.hparams();
+  EXPECT_EQ(hp.arch, "gpt-oss");
+  EXPECT_EQ(hp.n_layer, 4);
+  EXPECT_EQ(hp.n_embd, 128);
+  EXPECT_EQ(hp.n_head, 4);
+  EXPECT_EQ(hp.n_head_kv, 2);
+  EXPECT_EQ(hp.head_dim_k, 32);
+  EXPECT_EQ(hp.n_expert, 32);
+  EXPECT_EQ(hp.n_expert_used, 4);
+  EXPECT_EQ(hp.n_ff_exp, 128);
+  EXPECT_EQ(hp.n_swa, 32);
+  EXPECT_FALSE(hp.tied_output);
+}
+
+TEST(GptOss, MatchesTransformers) {
+  STRATA_REQUIRE_FIXTURES(fx);
+  engine::Engine eng(model_path(fx), options());
+  nlohmann::json ref = test::load_json(fx + "/ref/gpt-oss-tiny.hf.json");
+  // The reference has router_top (raw scores) instead of routing (probabilities): compare the
+  // logits through compare_with_hf with the routing part empty, the router separately.
+  for (auto& c : ref["cases"]) c["routing"] = nlohmann::json::array();
+  test::ParityReport rep;
+  test::compare_with_hf(eng, ref, rep);
+  RouterReport rr;
+  compare_router(eng, ref, rr);
+  test::print_report("gpt-oss vs transformers", rep);
+  std::printf("[gpt-oss router vs transformers] routes checked %d mismatched %d, max |d(s_k - s_0)| %.3g\n",
+              rr.checked, rr.mismatched, rr.max_score_err);
+  EXPECT_GT(rep.positions, 0);
+  EXPECT_GT(rep.top1_checked, rep.positions / 2);
+  EXPECT_EQ(rep.top1_mismatch, 0);
+  EXPECT_LE(rep.max_logit_err, kLogitTol);
+  EXPECT_LE(rep.max_last_err, kLogitTol);
+  EXPECT_LE(rep.max_lse_err, kLogitTol);
+  EXPECT_GT(rr.checked, 0);
+  EXPECT_EQ(rr.mismatched, 0);
+  EXPECT_LE(rr.max_score_err, kScoreTol);
+}
+
+TEST(GptOss, GreedyMatchesTransformersAndLlamaCpp) {
+  STRATA_REQUIRE_FIXTURES(fx);
+  engine::Engine eng(model_path(fx), options());
+  const auto ref = test::load_json(fx + "/ref/gpt-oss-tiny.hf.json");
+  for (const auto& g : ref["greedy"]) {
+    const auto want = g["greedy"].get<std::vector<int32_t>>();
+    EXPECT_EQ(test::greedy(eng, g["ids"].get<std::vector<int32_t>>(), int(want.size())), want)
+        << "differs from transformers for: " << g["text"].get<std::string>();
+  }
+  const auto lc = test::load_json(fx + "/ref/llamacpp-greedy-archs.json");
+  for (const auto& g : lc["models"]["gpt-oss-tiny-bf16.gguf"]) {
+    const auto want = g["greedy"].get<std::vector<int32_t>>();
+    EXPECT_EQ(test::greedy(eng, g["ids"].get<std::vector<int32_t>>(), int(want.size())), want)
+        << "differs from llama.cpp for: " << g["text"].get<std::string>();
+  }
+}
+
+TEST(GptOss, ChunksArenaAndDecodeAreBitIdentical) {
+  STRATA_REQUIRE_FIXTURES(fx);
+  const std::string path = model_path(fx);
+  // A prompt longer than the sliding window (32), so the window really cuts.
+  std::vector<int32_t> ids;
+  const auto ref_json = test::load_json(fx + "/ref/gpt-oss-tiny.hf.json");
+  for (const auto& c : ref_json["greedy"])
+    for (int32_t id : c["ids"].get<std::vector<int32_t>>()) ids.push_back(id);
+  while (ids.size() < 80) {
+    const int32_t next = ids[ids.size() % 17];
+    ids.push_back(next);
+  }
+  const size_t V = 8192;
+  engine::EngineOptions whole = options();
+  whole.prompt_chunk = int(ids.size());
+  const auto ref = all_logits(path, whole, ids);
+  ASSERT_EQ(ref.size(), ids.size() * V);
+  for (int chunk : {1, 7, 33}) {
+    engine::EngineOptions o = options();
+    o.prompt_chunk = chunk;
+    o.n_threads = chunk == 7 ? 1 : 2;
+    const auto got = all_logits(path, o, ids);
+    EXPECT_TRUE(got.size() == ref.size() && bit_equal(got.data(), ref.data(), ref.size())) << "chunk " << chunk;
+  }
+  // The smallest arena (far below the 12 MiB of experts): experts are evicted and re-read.
+  {
+    engine::EngineOptions o = options();
+    o.prompt_chunk = 1;
+    o.arena_bytes = engine::Engine(path, o).min_arena_bytes();
+    const auto got = all_logits(path, o, ids);
+    EXPECT_TRUE(got.size() == ref.size() && bit_equal(got.data(), ref.data(), ref.size())) << "minimum arena";
+  }
+  engine::Engine eng(path, options());
+  model::SequenceState st = eng.new_sequence();
+  std::vector<float> logits;
+  eng.prefill(st, std::span(ids).first(1), model::LogitsMode::Last, logits);
+  EXPECT_TRUE(bit_equal(logits.data(), ref.data(), V)) << "position 0";
+  for (size_t i = 1; i < ids.size(); ++i) {
+    eng.decode(st, ids[i], logits);
+    ASSERT_TRUE(bit_equal(logits.data(), ref.data() + i * V, V)) << "decode position " << i;
+  }
+}
+
+namespace {
+// Rewrites the fixture with one tensor dropped or reshaped (data cut or padded to the new size)
+// or one key set, through gguf::Writer, and returns the error loading it gives.
+struct Edit {
+  std::string drop{}, reshape{};
+  std::vector<uint64_t> ne{};
+  std::string key{}, value{};  // string key to set (added when absent)
+  std::string drop_key{};
+};
+
+std::string load_error(const std::string& fx, const Edit& ed, const std::string& tag) {
+  const std::string model = model_path(fx);
+  const gguf::File src = gguf::File::open(model);
+  gguf::Writer w(src.alignment());
+  bool key_set = false;
+  for (const auto& [key, value] : src.metadata()) {
+    if (key == "general.alignment" || key == ed.drop_key) continue;
+    if (key == ed.key) {
+      w.add_string(key, ed.value);
+      key_set = true;
+    } else {
+      w.add_kv(key, value);
+    }
+  }
+  if (!ed.key.empty() && !key_set) w.add_string(ed.key, ed.value);
+  std::ifstream in(model, std::ios::binary);
+  for (const auto& t : src.tensors()) {
+    if (t.name == ed.drop) continue;
+    std::vector<uint8_t> data(t.n_bytes);
+    in.seekg(std::streamoff(t.offset));
+    in.read(reinterpret_cast<char*>(data.data()), std::streamsize(data.size()));
+    std::vector<uint64_t> ne = t.ne;
+    if (t.name == ed.reshape) {
+      ne = ed.ne;
+      data.resize(gguf::Writer::tensor_bytes(t.type, ne));
+    }
+    w.add_tensor(t.name, t.type, ne, std::move(data));
+  }
+  const auto path =
+      std::filesystem::temp_directory_path() / ("strata-gpt-oss-" + tag + "-" + std::to_string(::getpid()) + ".gguf");
+  w.write(path.string());
+  std::string msg = "<no exception>";
+  try {
+    cpu::CpuBackend be(cpu::CpuOptions{1, cpu::kernels::resolve_kernels()});
+    model::load_model(gguf::File::open(path.string()), be);
+  } catch (const std::exception& e) {
+    msg = e.what();
+  }
+  std::filesystem::remove(path);
+  return msg;
+}
+}  // namespace
+
+TEST(GptOssErrors, MissingTensorIsNamedWithItsShape) {
+  STRATA_REQUIRE_FIXTURES(fx);
+  EXPECT_THAT(load_error(fx, {.drop = "blk.1.attn_sinks.weight"}, "sinks"),
+              HasSubstr("missing tensor 'blk.1.attn_sinks.weight' (expected shape [4])"));
+  EXPECT_THAT(load_error(fx, {.drop = "blk.2.ffn_gate_inp.bias"}, "router-bias"),
+              HasSubstr("missing tensor 'blk.2.ffn_gate_inp.bias' (expected shape [32])"));
+  EXPECT_THAT(load_error(fx, {.drop = "blk.0.ffn_down_exps.bias"}, "down-bias"),
+              HasSubstr("missing tensor 'blk.0.ffn_down_exps.bias' (expected shape [128, 32])"));
+  EXPECT_THAT(load_error(fx, {.drop = "blk.3.attn_q.bias"}, "q-bias"),
+              HasSubstr("missing tensor 'blk.3.attn_q.bias' (expected shape [128])"));
+}
+
+TEST(GptOssErrors, ReshapedTensorIsNamedWithBothShapes) {
+  STRATA_REQUIRE_FIXTURES(fx);
+  EXPECT_THAT(load_error(fx, {.reshape = "blk.0.ffn_up_exps.bias", .ne = {32, 128}}, "up-bias"),
+              HasSubstr("tensor 'blk.0.ffn_up_exps.bias': expected shape [128, 32], got [32, 128]"));
+  EXPECT_THAT(load_error(fx, {.reshape = "blk.2.attn_sinks.weight", .ne = {8}}, "sinks8"),
+              HasSubstr("tensor 'blk.2.attn_sinks.weight': expected shape [4], got [8]"));
+}
+
+TEST(GptOssErrors, MissingSlidingWindowAndYarnAreRefused) {
+  STRATA_REQUIRE_FIXTURES(fx);
+  EXPECT_THAT(load_error(fx, {.drop_key = "gpt-oss.attention.sliding_window"}, "no-swa"),
+              HasSubstr("gpt-oss.attention.sliding_window"));
+  const std::string yarn = load_error(fx, {.key = "gpt-oss.rope.scaling.type", .value = "yarn"}, "yarn");
+  EXPECT_THAT(yarn, HasSubstr("gpt-oss.rope.scaling.type = 'yarn'"));
+  EXPECT_THAT(yarn, HasSubstr("not supported yet"));
+}
