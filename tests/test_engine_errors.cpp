@@ -49,9 +49,21 @@ TEST(EngineErrors, IdsOutOfVocabulary) {
 TEST(EngineErrors, ArenaBelowMinimum) {
   engine::EngineOptions o = small();
   o.arena_mb = 1;  // one layer of a 512-token chunk needs all 64 experts (~3.4 MiB)
+  o.prompt_chunk = 512;
   const std::string msg = error_of<stream::ArenaTooSmall>([&] { engine::Engine eng(test::shipped_model(), o); });
   EXPECT_THAT(msg, HasSubstr("--arena-mb"));
   EXPECT_THAT(msg, HasSubstr("64"));
+  // An automatic chunk shrinks to what the pinned arena holds (15 slots: one token of top-8)...
+  o.prompt_chunk = 0;
+  {
+    engine::Engine eng(test::shipped_model(), o);
+    EXPECT_EQ(eng.options().prompt_chunk, 1);
+  }
+  // ...but not below one token: fewer slots than top-k is still an error naming the minimum.
+  o.arena_mb = 0;
+  o.arena_bytes = 4 * 68 * 1024;
+  EXPECT_THAT(error_of<stream::ArenaTooSmall>([&] { engine::Engine eng(test::shipped_model(), o); }),
+              HasSubstr("one layer can need 8 at once"));
 }
 
 TEST(EngineErrors, NegativeSettingsAreRefused) {
