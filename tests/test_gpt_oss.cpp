@@ -351,3 +351,39 @@ TEST(GptOssBlocks, SoftmaxTopKGating) {
   EXPECT_EQ(ra.ids, r.ids);
   for (int k = 0; k < 3; ++k) EXPECT_NEAR(ra.weights[size_t(k)], r.weights[size_t(k)], 1e-7);
 }
+
+TEST(GptOssBlocks, AttentionSinksMatchFormula) {
+  // cpu::attention_one with sinks against the formula in double, for the scalar/SSE kernel and
+  // the machine's best family (AVX-512 where the CPU has it): per query head h,
+  //   p_j = exp(s_j) / (sum_i exp(s_i) + exp(sink_h)),  out_h = sum_j p_j v_j,  s_j = scale q_h.k_j.
+  const int n_head = 4, n_head_kv = 2, hd = 32, n_pos = 5;
+  const int64_t kv_stride = int64_t(n_head_kv) * hd;
+  std::vector<float> q(size_t(n_head) * hd), k(size_t(n_pos * kv_stride)), v(size_t(n_pos * kv_stride));
+  for (size_t i = 0; i < q.size(); ++i) q[i] = float(std::sin(0.37 * double(i)));
+  for (size_t i = 0; i < k.size(); ++i) k[i] = float(std::cos(0.11 * double(i) + 0.5));
+  for (size_t i = 0; i < v.size(); ++i) v[i] = float(std::sin(0.23 * double(i) - 1.0));
+  const float sinks[n_head] = {-1.0f, 0.5f, 3.0f, 0.0f};
+  const float scale = 1.0f / std::sqrt(float(hd));
+  for (auto family : {cpu::kernels::CpuKernels::Scalar, cpu::kernels::CpuKernels::Auto}) {
+    const auto kc = cpu::kernels::resolve_kernels(family, cpu::kernels::ActQuant::F32);
+    std::vector<float> out(q.size()), scratch(size_t(n_head) * n_pos);
+    cpu::attention_one(kc, q.data(), k.data(), v.data(), kv_stride, n_pos, n_head, n_head_kv, hd, scale, out.data(),
+                       scratch.data(), sinks);
+    for (int h = 0; h < n_head; ++h) {
+      const int g = h / (n_head / n_head_kv);
+      std::vector<double> s(n_pos);
+      double z = std::exp(double(sinks[h]));
+      for (int p = 0; p < n_pos; ++p) {
+        double d = 0;
+        for (int i = 0; i < hd; ++i) d += double(q[size_t(h * hd + i)]) * k[size_t(p * kv_stride + g * hd + i)];
+        s[size_t(p)] = std::exp(d * scale);
+        z += s[size_t(p)];
+      }
+      for (int i = 0; i < hd; ++i) {
+        double want = 0;
+        for (int p = 0; p < n_pos; ++p) want += s[size_t(p)] / z * v[size_t(p * kv_stride + g * hd + i)];
+        EXPECT_NEAR(out[size_t(h * hd + i)], want, 1e-6) << cpu::kernels::cpu_kernels_name(kc.family) << " head " << h;
+      }
+    }
+  }
+}
