@@ -66,9 +66,50 @@ void softmax(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] *= inv;
 }
 
+namespace {
+
+// Gating::SoftmaxTopK: the top_k largest raw logits (ties: lower id first), then a softmax
+// over those k values only (max-subtracted, sum in double, as softmax() above).
+void select_softmax_topk(const RouterSpec& spec, float* logits, int64_t T, Routing& r) {
+  const int n_expert = spec.n_expert, top_k = spec.top_k;
+  std::vector<int32_t> order(n_expert);
+  std::vector<float> e(size_t(top_k) + 1);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* l = logits + t * n_expert;
+    std::iota(order.begin(), order.end(), 0);
+    const int n_sorted = std::min(top_k + 1, n_expert);
+    std::partial_sort(order.begin(), order.begin() + n_sorted, order.end(),
+                      [&](int32_t a, int32_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
+    const float mx = l[order[0]];
+    double sum = 0;
+    for (int k = 0; k < n_sorted; ++k) {
+      e[size_t(k)] = std::exp(l[order[k]] - mx);
+      if (k < top_k) sum += e[size_t(k)];
+    }
+    const float inv = float(1.0 / sum);
+    for (int k = 0; k < top_k; ++k) {
+      r.ids[t * top_k + k] = order[k];
+      r.probs[t * top_k + k] = r.weights[t * top_k + k] = e[size_t(k)] * inv;
+    }
+    if (top_k < n_expert) r.next_prob[t] = e[size_t(top_k)] * inv;
+  }
+}
+
+}  // namespace
+
+void Backend::router_logits_biased(const Tensor& w, const Tensor& bias, const Tensor& h, std::vector<float>& logits) {
+  router_logits(w, h, logits);
+  const int64_t n_expert = w.rows();
+  if (bias.numel() != n_expert) throw std::invalid_argument("router_logits_biased: the bias needs n_expert values");
+  std::vector<float> b(static_cast<size_t>(n_expert));
+  download(b.data(), bias, b.size() * sizeof(float));
+  for (size_t i = 0; i < logits.size(); ++i) logits[i] += b[i % size_t(n_expert)];
+}
+
 void select_experts(const RouterSpec& spec, float* logits, int64_t T, Routing& r) {
   const int n_expert = spec.n_expert, top_k = spec.top_k;
-  if (spec.gating != RouterSpec::Gating::Softmax && spec.gating != RouterSpec::Gating::Sigmoid)
+  if (spec.gating != RouterSpec::Gating::Softmax && spec.gating != RouterSpec::Gating::Sigmoid &&
+      spec.gating != RouterSpec::Gating::SoftmaxTopK)
     throw std::invalid_argument("select_experts: unknown gating function");
   if (top_k <= 0 || top_k > n_expert) throw std::invalid_argument("select_experts: top_k must be in [1, n_expert]");
   const bool biased = !spec.selection_bias.empty();
@@ -85,6 +126,10 @@ void select_experts(const RouterSpec& spec, float* logits, int64_t T, Routing& r
   r.probs.assign(T * top_k, 0.0f);
   r.weights.assign(T * top_k, 0.0f);
   r.next_prob.assign(T, 0.0f);
+  if (spec.gating == RouterSpec::Gating::SoftmaxTopK) {
+    select_softmax_topk(spec, logits, T, r);
+    return;
+  }
   std::vector<int32_t> order(n_expert), gorder;
   std::vector<float> score_buf, gscore;
   if (grouped) {

@@ -165,9 +165,17 @@ struct AttentionWeights {
   Tensor wo;      ///< attn_output: ne {n_head * head_dim, n_embd}
   Tensor q_norm;  ///< attn_q_norm: F32 ne {head_dim}, or empty
   Tensor k_norm;  ///< attn_k_norm: F32 ne {head_dim}, or empty
-  /// Projection biases (attn_{q,k,v}.bias; glm4moe, gpt-oss), F32 ne {rows of the projection}, or
-  /// empty. Added right after the matmul, before q/k norm and RoPE (transformers nn.Linear bias).
-  Tensor bq, bk, bv;
+  /// Projection biases, F32, each added to its projection's output row (y = x W^T + b; before
+  /// the q/k norm and RoPE for q and k): attn_q.bias ne {rows of wq}, attn_k.bias and
+  /// attn_v.bias ne {n_head_kv * head_dim}, attn_output.bias ne {n_embd}; empty = no bias
+  /// (gpt-oss: transformers GptOssAttention nn.Linear(..., bias=attention_bias)).
+  Tensor bq{}, bk{}, bv{}, bo{};
+  /// attn_sinks: F32 ne {n_head}, one extra logit per query head in the softmax denominator,
+  /// in the same units as the scaled scores (q.k * scale); it takes probability mass but has no
+  /// value row: p_j = exp(s_j) / (sum_i exp(s_i) + exp(sink_h)). Empty = none. (gpt-oss:
+  /// transformers eager_attention_forward concatenates `sinks` to the scaled scores and drops
+  /// that column after the softmax; llama.cpp ggml_soft_max_add_sinks.)
+  Tensor sinks{};
 };
 
 /// The attention cache of one layer of one sequence: K and V rows of n_head_kv * head_dim
@@ -264,14 +272,27 @@ struct RecurrentState {
 
 /// A feed-forward network: SwiGLU (Shazeer 2020), out = down(silu(gate h) * up h).
 struct FfnSpec {
-  enum class Act : uint8_t { SwiGLU };
+  enum class Act : uint8_t {
+    SwiGLU,  ///< act(g, u) = silu(g) * u
+    /// gpt-oss's clamped SwiGLU ("swiglu_oai"): with g' = min(g, limit) and
+    /// u' = clamp(u, -limit, limit), act(g, u) = g' * sigmoid(alpha * g') * (u' + 1).
+    /// Sources: transformers GptOssExperts.forward (alpha 1.702, limit 7.0), llama.cpp
+    /// ggml_swiglu_oai (LLM_FFN_SWIGLU_OAI_MOE, the same constants).
+    SwiGluOai,
+  };
   Act act = Act::SwiGLU;
+  float alpha = 1.702f;  ///< SwiGluOai: slope inside the sigmoid (dimensionless)
+  float limit = 7.0f;    ///< SwiGluOai: clamp bound of g (above) and u (both sides)
 };
 
 struct FfnWeights {
   Tensor gate;  ///< ffn_gate(_exps slice): ne {n_embd, n_ff}
   Tensor up;    ///< ffn_up: ne {n_embd, n_ff}
   Tensor down;  ///< ffn_down: ne {n_ff, n_embd}
+  /// Biases added to each projection's output (F32; empty = none): gate and up ne {n_ff}, down
+  /// ne {n_embd}. For a routed expert: row `expert` of the layer's resident
+  /// ffn_{gate,up,down}_exps.bias (ne {n_ff or n_embd, n_expert}) (gpt-oss).
+  Tensor gate_b{}, up_b{}, down_b{};
 };
 
 /// Options of one ffn() call.
@@ -298,6 +319,10 @@ struct RouterSpec {
   enum class Gating : uint8_t {
     Softmax,  ///< softmax over all experts, then top-k (qwen3moe, qwen3next; expert_gating_func 1)
     Sigmoid,  ///< sigmoid of each logit (deepseek V3, glm4moe; expert_gating_func 2)
+    /// top-k of the raw logits, then softmax over the k selected only (the weights sum to 1;
+    /// norm_topk has no effect). gpt-oss: transformers GptOssTopKRouter (topk, then softmax of
+    /// the top values); llama.cpp LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT.
+    SoftmaxTopK,
   };
   Gating gating = Gating::Softmax;
   int n_expert = 0;
@@ -321,7 +346,9 @@ struct Routing {
   std::vector<float> probs;      ///< gating probabilities of the selected experts (without selection bias)
   std::vector<float> weights;    ///< mixing weights (probs, renormalized if norm_topk, times weights_scale)
   /// [T]: the gating probability of the (k+1)-th candidate in selection order (0 when top_k =
-  /// n_expert or none is left after the group limit)
+  /// n_expert or none is left after the group limit). SoftmaxTopK: the (k+1)-th expert's
+  /// exp(logit - max) over the selected experts' normalizer, so that probs[k-1] - next_prob is
+  /// the selection margin on the same scale as the probs.
   std::vector<float> next_prob;
   int64_t n_tokens() const { return top_k ? int64_t(ids.size()) / top_k : 0; }
 };
@@ -331,7 +358,7 @@ struct Routing {
 void softmax(float* x, int64_t n);
 
 /// Selects experts from router logits [T][n_expert] on the host (replaced in place by the gating
-/// probabilities), as `spec` says. The selection every backend shares; throws std::invalid_argument for a spec it
+/// probabilities; left as they are for SoftmaxTopK), as `spec` says. The selection every backend shares; throws std::invalid_argument for a spec it
 /// cannot apply.
 void select_experts(const RouterSpec& spec, float* logits, int64_t T, Routing& out);
 
@@ -403,6 +430,11 @@ class Backend {
   virtual void ffn(const FfnCall& call, const FfnWeights& w, const Tensor& h, const Tensor& out) = 0;
   /// Router logits [T][n_expert] of `w` (ne {n_embd, n_expert}) on h, on the host.
   virtual void router_logits(const Tensor& w, const Tensor& h, std::vector<float>& logits) = 0;
+  /// Router logits plus a per-expert bias: logits[t][e] = h[t] . w[e] + bias[e] (bias:
+  /// ffn_gate_inp.bias, F32 ne {n_expert}; gpt-oss: transformers GptOssTopKRouter's F.linear
+  /// with bias). The default calls router_logits, downloads the bias and adds it on the host,
+  /// so every backend has it; a backend may add it on its device instead.
+  virtual void router_logits_biased(const Tensor& w, const Tensor& bias, const Tensor& h, std::vector<float>& logits);
   /// Applies one expert to its tokens: for each pair p of job.pairs, row p of expert_out
   /// (ne {n_embd, T * top_k}) = ffn(job.w, h[p / top_k]). Rows not in pairs are untouched.
   virtual void expert_ffn(const FfnSpec& spec, const ExpertJob& job, int top_k, const Tensor& h,

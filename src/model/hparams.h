@@ -47,6 +47,7 @@ struct ModelHParams {
   int kv_lora_rank = 0;         ///< <arch>.attention.kv_lora_rank: latent KV width
   int head_dim_k_mla = 0;       ///< <arch>.attention.key_length_mla: q/k dims per head (nope + rope)
   int head_dim_v_mla = 0;       ///< <arch>.attention.value_length_mla: value dims per head
+  int n_swa = 0;                ///< <arch>.attention.sliding_window: positions a sliding-window layer attends (0: none)
   int n_vocab = 0;              ///< rows of token_embd
   bool tied_output = false;     ///< no output.weight: logits use token_embd
 };

@@ -58,6 +58,8 @@ backend::AttentionWeights Model::bind_attention(const BoundWeights& w, int layer
   a.bq = maybe("attn_q.bias");
   a.bk = maybe("attn_k.bias");
   a.bv = maybe("attn_v.bias");
+  a.bo = maybe("attn_output.bias");
+  a.sinks = maybe("attn_sinks.weight");
   return a;
 }
 
@@ -88,6 +90,11 @@ MoeLayer Model::bind_moe(const BoundWeights& w, int layer, const backend::Router
   };
   MoeLayer m;
   m.router = w.get(blk(layer, "ffn_gate_inp.weight"));
+  // biases only where the architecture's table lists them (gpt-oss); empty otherwise
+  m.router_bias = w.maybe(blk(layer, "ffn_gate_inp.bias"));
+  m.gate_bias = w.maybe(blk(layer, "ffn_gate_exps.bias"));
+  m.up_bias = w.maybe(blk(layer, "ffn_up_exps.bias"));
+  m.down_bias = w.maybe(blk(layer, "ffn_down_exps.bias"));
   m.spec = spec;
   experts_[size_t(layer)].n_expert = spec.n_expert;
   m.gate = part("ffn_gate_exps.weight", 0);

@@ -146,7 +146,8 @@ class Model {
   /// tied embeddings) into tok_embd_, output_norm_, output_.
   void bind_io(const BoundWeights& w);
   /// Layer `layer`'s attention weights: blk.N.attn_{q,k,v,output}.weight, and whichever of
-  /// attn_{q,k}_norm.weight and attn_{q,k,v}.bias the architecture's table lists.
+  /// attn_{q,k}_norm.weight, attn_{q,k,v,output}.bias and attn_sinks.weight the architecture's
+  /// table lists.
   backend::AttentionWeights bind_attention(const BoundWeights& w, int layer) const;
   /// GQA attention from the common hyper-parameters (heads, head dim, norm epsilon) with `rope`.
   backend::AttentionSpec attention_spec(const backend::RopeSpec* rope) const;
@@ -154,7 +155,9 @@ class Model {
   backend::RouterSpec softmax_router() const;
 
   /// Binds layer `layer`'s router (blk.N.ffn_gate_inp) and routed experts (ffn_{gate,up,down}_exps,
-  /// left on disk) and records where the experts live for the stream (experts_[layer]).
+  /// left on disk) and records where the experts live for the stream (experts_[layer]). The
+  /// router's and experts' biases (ffn_gate_inp.bias, ffn_*_exps.bias) are bound when the
+  /// architecture's table lists them (resident), else left empty.
   MoeLayer bind_moe(const BoundWeights& w, int layer, const backend::RouterSpec& spec);
 
   ModelHParams hp_;

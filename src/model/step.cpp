@@ -143,7 +143,7 @@ void Step::read_ahead(const ReadAhead& ra, const Tensor& h) {
   if (ra.router_of) {
     // The later layer's router on this layer's input, for every token.
     std::vector<float> logits;
-    be_.router_logits(ra.router_of->router, h, logits);
+    router_logits(*ra.router_of, h, logits);
     backend::RouterSpec spec = ra.router_of->spec;
     spec.top_k = ra.top_k;
     backend::Routing pr;
@@ -166,6 +166,13 @@ void Step::read_ahead(const ReadAhead& ra, const Tensor& h) {
     ++n;
   }
   if (!order.empty()) ctx_.stream.prefetch(ra.layer, order);
+}
+
+void Step::router_logits(const MoeLayer& m, const Tensor& h, std::vector<float>& logits) {
+  if (m.router_bias.empty())
+    be_.router_logits(m.router, h, logits);
+  else
+    be_.router_logits_biased(m.router, m.router_bias, h, logits);
 }
 
 void Step::read_ahead_first(const MoeLayer& first, const Tensor& norm0, int layer) {
@@ -216,7 +223,7 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
 
   // Router and top-k selection; the ids come to the host.
   std::vector<float> logits;
-  be_.router_logits(w.router, h_, logits);
+  router_logits(w, h_, logits);
   backend::Routing r;
   backend::select_experts(w.spec, logits.data(), T_, r);
 
@@ -250,6 +257,9 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
     backend::ExpertJob job;
     job.expert = e;
     job.w = backend::FfnWeights{part(w.gate, view.part[0]), part(w.up, view.part[1]), part(w.down, view.part[2])};
+    if (!w.gate_bias.empty()) job.w.gate_b = w.gate_bias.rows_view(e, 1);
+    if (!w.up_bias.empty()) job.w.up_b = w.up_bias.rows_view(e, 1);
+    if (!w.down_bias.empty()) job.w.down_b = w.down_bias.rows_view(e, 1);
     job.pairs = pairs[size_t(e)];
     be_.expert_ffn(w.ffn, job, K, h_, expert_out);
   };

@@ -37,11 +37,16 @@ struct ExpertPartShape {
 /// A routed-MoE layer: its router (resident) and the shapes of its streamed experts.
 struct MoeLayer {
   backend::Tensor router;  ///< ffn_gate_inp: ne {n_embd, n_expert}
+  backend::Tensor router_bias;  ///< ffn_gate_inp.bias: F32 ne {n_expert}, added to the logits; or empty
   backend::RouterSpec spec;
   backend::FfnSpec ffn;
   ExpertPartShape gate;    ///< ffn_gate_exps slice: ne {n_embd, n_ff_exp}
   ExpertPartShape up;      ///< ffn_up_exps slice
   ExpertPartShape down;    ///< ffn_down_exps slice: ne {n_ff_exp, n_embd}
+  /// Resident expert biases, F32, one row per expert (or empty): ffn_gate_exps.bias and
+  /// ffn_up_exps.bias ne {n_ff_exp, n_expert}, ffn_down_exps.bias ne {n_embd, n_expert}. Row e
+  /// goes with expert e's job (FfnWeights::gate_b, up_b, down_b).
+  backend::Tensor gate_bias, up_bias, down_bias;
 };
 
 class Step {
@@ -89,6 +94,8 @@ class Step {
   ReadAhead plan_read_ahead(int layer, const MoeLayer* router_of, std::vector<int32_t>* predicted) const;
   void read_ahead(const ReadAhead& ra, const backend::Tensor& h);
   void score_prediction(int layer, const backend::Routing& r, const std::vector<int32_t>& predicted);
+  /// `m`'s router logits on h (plus its bias, if it has one).
+  void router_logits(const MoeLayer& m, const backend::Tensor& h, std::vector<float>& logits);
   void record_routing(int layer, const backend::Routing& r);
 
   ForwardContext& ctx_;

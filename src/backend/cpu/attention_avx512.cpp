@@ -32,7 +32,7 @@ inline float dot(const float* q, const float* k, int n) {
 /// same position order per output lane), so grouping never changes a result.
 template <int G>
 void group_heads(const float* q, const float* k, const float* v, int64_t kv_stride, int64_t n_pos, int head_dim,
-                 float scale, float* out, float* scratch) {
+                 float scale, float* out, float* scratch, const float* sinks) {
   float mx[G], inv[G];
   for (int j = 0; j < G; ++j) mx[j] = -INFINITY;
   for (int64_t p = 0; p < n_pos; ++p) {
@@ -46,11 +46,13 @@ void group_heads(const float* q, const float* k, const float* v, int64_t kv_stri
   }
   for (int j = 0; j < G; ++j) {
     float* sc = scratch + int64_t(j) * n_pos;
+    if (sinks) mx[j] = std::max(mx[j], sinks[j]);
     double sum = 0;
     for (int64_t p = 0; p < n_pos; ++p) {
       sc[p] = std::exp(sc[p] - mx[j]);
       sum += sc[p];
     }
+    if (sinks) sum += std::exp(sinks[j] - mx[j]);  // the sink's share of the denominator
     inv[j] = float(1.0 / sum);
   }
   // out[j][d] = sum_p (w_jp * inv_j) * v_p[d], positions in order, 32 dims per pass
@@ -80,7 +82,8 @@ void group_heads(const float* q, const float* k, const float* v, int64_t kv_stri
 }  // namespace
 
 void attention_one_avx512(const float* q, const float* k_cache, const float* v_cache, int64_t kv_stride, int64_t n_pos,
-                          int n_head, int n_head_kv, int head_dim, float scale, float* out, float* scratch) {
+                          int n_head, int n_head_kv, int head_dim, float scale, float* out, float* scratch,
+                          const float* sinks) {
   const int group = n_head / n_head_kv;
   for (int g = 0; g < n_head_kv; ++g) {
     const float* k = k_cache + int64_t(g) * head_dim;
@@ -90,15 +93,16 @@ void attention_one_avx512(const float* q, const float* k_cache, const float* v_c
       const int64_t h = int64_t(g) * group + h0;
       const float* qh = q + h * head_dim;
       float* oh = out + h * head_dim;
+      const float* sh = sinks ? sinks + h : nullptr;
       switch (n) {
-        case 8: group_heads<8>(qh, k, v, kv_stride, n_pos, head_dim, scale, oh, scratch); break;
-        case 7: group_heads<7>(qh, k, v, kv_stride, n_pos, head_dim, scale, oh, scratch); break;
-        case 6: group_heads<6>(qh, k, v, kv_stride, n_pos, head_dim, scale, oh, scratch); break;
-        case 5: group_heads<5>(qh, k, v, kv_stride, n_pos, head_dim, scale, oh, scratch); break;
-        case 4: group_heads<4>(qh, k, v, kv_stride, n_pos, head_dim, scale, oh, scratch); break;
-        case 3: group_heads<3>(qh, k, v, kv_stride, n_pos, head_dim, scale, oh, scratch); break;
-        case 2: group_heads<2>(qh, k, v, kv_stride, n_pos, head_dim, scale, oh, scratch); break;
-        default: group_heads<1>(qh, k, v, kv_stride, n_pos, head_dim, scale, oh, scratch); break;
+        case 8: group_heads<8>(qh, k, v, kv_stride, n_pos, head_dim, scale, oh, scratch, sh); break;
+        case 7: group_heads<7>(qh, k, v, kv_stride, n_pos, head_dim, scale, oh, scratch, sh); break;
+        case 6: group_heads<6>(qh, k, v, kv_stride, n_pos, head_dim, scale, oh, scratch, sh); break;
+        case 5: group_heads<5>(qh, k, v, kv_stride, n_pos, head_dim, scale, oh, scratch, sh); break;
+        case 4: group_heads<4>(qh, k, v, kv_stride, n_pos, head_dim, scale, oh, scratch, sh); break;
+        case 3: group_heads<3>(qh, k, v, kv_stride, n_pos, head_dim, scale, oh, scratch, sh); break;
+        case 2: group_heads<2>(qh, k, v, kv_stride, n_pos, head_dim, scale, oh, scratch, sh); break;
+        default: group_heads<1>(qh, k, v, kv_stride, n_pos, head_dim, scale, oh, scratch, sh); break;
       }
     }
   }

@@ -6,6 +6,15 @@
 
 namespace strata::cpu {
 
+namespace {
+// y[t][i] += b[i] for T rows of n floats (a projection's bias; b null: nothing).
+void add_bias(float* y, const float* b, int64_t T, int64_t n) {
+  if (!b) return;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < n; ++i) y[t * n + i] += b[i];
+}
+}  // namespace
+
 void attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, const AttentionWeights& w, const AttentionShape& s, const float* h,
                      int64_t n_embd, int64_t T, int64_t pos0, float* k_cache, float* v_cache, float* out) {
   const int64_t q_dim = int64_t(s.n_head) * s.head_dim;
@@ -17,9 +26,7 @@ void attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, const At
   if (s.q_gate) {
     std::vector<float> qg(T * 2 * q_dim);
     matmul(pool, kc, w.wq, h, n_embd, T, qg.data(), 2 * q_dim);
-    if (w.bq)
-      for (int64_t t = 0; t < T; ++t)
-        for (int64_t i = 0; i < 2 * q_dim; ++i) qg[t * 2 * q_dim + i] += w.bq[i];
+    add_bias(qg.data(), w.bq, T, 2 * q_dim);
     gate.resize(T * q_dim);
     for (int64_t t = 0; t < T; ++t)
       for (int hh = 0; hh < s.n_head; ++hh) {
@@ -29,18 +36,12 @@ void attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, const At
       }
   } else {
     matmul(pool, kc, w.wq, h, n_embd, T, q.data(), q_dim);
+    add_bias(q.data(), w.bq, T, q_dim);
   }
   matmul(pool, kc, w.wk, h, n_embd, T, k.data(), kv_dim);
   matmul(pool, kc, w.wv, h, n_embd, T, v.data(), kv_dim);
-  // Projection biases (before q/k norm and RoPE, as nn.Linear adds them).
-  auto add_bias = [T](float* y, const float* b, int64_t n) {
-    if (!b) return;
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t i = 0; i < n; ++i) y[t * n + i] += b[i];
-  };
-  if (!s.q_gate) add_bias(q.data(), w.bq, q_dim);
-  add_bias(k.data(), w.bk, kv_dim);
-  add_bias(v.data(), w.bv, kv_dim);
+  add_bias(k.data(), w.bk, T, kv_dim);
+  add_bias(v.data(), w.bv, T, kv_dim);
 
   // Per-head q/k RMSNorm, rotary embedding, then K and V into the cache.
   pool.parallel_for(T, 1, [&](int64_t t0, int64_t t1) {
@@ -72,7 +73,8 @@ void attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, const At
       // positions [first, pos0 + t]: all of them, or the last `window`
       const int64_t first = s.window > 0 ? std::max<int64_t>(0, pos0 + t + 1 - s.window) : 0;
       attention_one(kc, q.data() + q_off, k_cache + first * kv_dim + kv_off, v_cache + first * kv_dim + kv_off,
-                    kv_dim, pos0 + t + 1 - first, group, 1, s.head_dim, scale, att.data() + q_off, scratch.data());
+                    kv_dim, pos0 + t + 1 - first, group, 1, s.head_dim, scale, att.data() + q_off, scratch.data(),
+                    w.sinks ? w.sinks + int64_t(g) * group : nullptr);
     }
   });
 
@@ -82,6 +84,7 @@ void attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, const At
 
   // Output projection.
   matmul(pool, kc, w.wo, att.data(), q_dim, T, out, n_embd);
+  add_bias(out, w.bo, T, n_embd);
 }
 
 void mla_attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, const MlaWeights& w,

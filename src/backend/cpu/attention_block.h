@@ -8,6 +8,10 @@
 // `q_proj(h).view(..., -1, head_dim * 2).chunk(2, -1)`, `out * sigmoid(gate)`; llama.cpp
 // qwen3next build_layer_attn views the same layout). Partial rotary embedding comes from
 // the RopeSpec itself (n_rot < head_dim rotates only the first n_rot dims).
+//
+// gpt-oss adds biases to the four projections and one "sink" logit per query head that joins
+// each softmax's denominator (backend::AttentionWeights::sinks; transformers GptOssAttention),
+// and attends over a window of the last `window` positions on its sliding layers.
 #include <cstdint>
 
 #include "backend/backend.h"
@@ -22,9 +26,11 @@ struct AttentionWeights {
   MatrixRef wo;               ///< attn_output: [n_embd, n_head * head_dim]
   const float* q_norm = nullptr;   ///< attn_q_norm [head_dim], or null
   const float* k_norm = nullptr;   ///< attn_k_norm [head_dim], or null
-  const float* bq = nullptr;       ///< attn_q.bias [rows of wq], or null
+  const float* bq = nullptr;       ///< attn_q.bias [wq.rows], or null (added before the q norm and RoPE)
   const float* bk = nullptr;       ///< attn_k.bias [n_head_kv * head_dim], or null
   const float* bv = nullptr;       ///< attn_v.bias [n_head_kv * head_dim], or null
+  const float* bo = nullptr;       ///< attn_output.bias [n_embd], or null
+  const float* sinks = nullptr;    ///< attn_sinks [n_head] (extra softmax logit per head), or null
 };
 
 /// The layer's shape, RoPE, gating and window: backend::AttentionSpec (backend/backend.h).

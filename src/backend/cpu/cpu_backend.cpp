@@ -50,6 +50,13 @@ int64_t ld(const Tensor& t) { return int64_t(t.row_bytes() / sizeof(float)); }
 
 const float* values_or_null(const Tensor& t) { return t.empty() ? nullptr : static_cast<const float*>(t.data); }
 
+// y[j][i] += b[i] for n rows of m floats (b null: nothing).
+void add_rows(float* y, const float* b, int64_t n, int64_t m) {
+  if (!b) return;
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t i = 0; i < m; ++i) y[j * m + i] += b[i];
+}
+
 }  // namespace
 
 CpuBackend::CpuBackend(const CpuOptions& opts) : pool_(std::max(1, opts.n_threads)), kc_(opts.kernels) {}
@@ -106,7 +113,8 @@ void CpuBackend::attention(const backend::AttentionSpec& spec, const backend::At
                            const backend::KvCache& kv, int64_t pos0, const Tensor& h, const Tensor& out) {
   const AttentionWeights aw{as_matrix(w.wq),          as_matrix(w.wk),          as_matrix(w.wv),
                             as_matrix(w.wo),          values_or_null(w.q_norm), values_or_null(w.k_norm),
-                            values_or_null(w.bq),     values_or_null(w.bk),     values_or_null(w.bv)};
+                            values_or_null(w.bq),     values_or_null(w.bk),     values_or_null(w.bv),
+                            values_or_null(w.bo),     values_or_null(w.sinks)};
   attention_block(pool_, kc_, aw, spec, h.f(), h.cols(), h.rows(), pos0, kv.k.f(), kv.v.f(), out.f());
 }
 
@@ -134,6 +142,8 @@ void CpuBackend::gated_delta_net(const backend::GdnSpec& spec, const backend::Gd
 }
 
 void CpuBackend::ffn(const backend::FfnCall& call, const backend::FfnWeights& w, const Tensor& h, const Tensor& out) {
+  if (call.spec.act != backend::FfnSpec::Act::SwiGLU || !w.gate_b.empty() || !w.up_b.empty() || !w.down_b.empty())
+    throw std::invalid_argument("ffn: the dense FFN supports SwiGLU without biases only (see expert_ffn)");
   const FfnWeights fw{as_matrix(w.gate), as_matrix(w.up), as_matrix(w.down)};
   if (!call.scalar_gate.empty()) {
     if (!call.accumulate) throw std::invalid_argument("ffn: a scalar gate is only supported with accumulate");
@@ -160,9 +170,10 @@ void CpuBackend::router_logits(const Tensor& w, const Tensor& h, std::vector<flo
   cpu::matmul(pool_, kc_, as_matrix(w), h.f(), ld(h), h.rows(), logits.data(), n_expert);
 }
 
-void CpuBackend::expert_ffn(const backend::FfnSpec&, const backend::ExpertJob& job, int top_k, const Tensor& h,
+void CpuBackend::expert_ffn(const backend::FfnSpec& spec, const backend::ExpertJob& job, int top_k, const Tensor& h,
                             const Tensor& expert_out) {
-  // SwiGLU on all the expert's tokens at once: down(silu(gate x) * up x) into the (token, k) rows.
+  // SwiGLU on all the expert's tokens at once: down(silu(gate x) * up x) into the (token, k) rows
+  // (biases, when given, added to each projection's output; SwiGluOai: the clamped variant).
   const int64_t n_embd = h.cols(), n_ff = job.w.gate.rows(), n = int64_t(job.pairs.size());
   x_.resize(size_t(n * n_embd));
   g_.resize(size_t(n * n_ff));
@@ -170,8 +181,15 @@ void CpuBackend::expert_ffn(const backend::FfnSpec&, const backend::ExpertJob& j
   for (int64_t j = 0; j < n; ++j) std::copy_n(h.row(job.pairs[j] / top_k), n_embd, x_.data() + j * n_embd);
   cpu::matmul(pool_, kc_, as_matrix(job.w.gate), x_.data(), n_embd, n, g_.data(), n_ff);
   cpu::matmul(pool_, kc_, as_matrix(job.w.up), x_.data(), n_embd, n, u_.data(), n_ff);
-  for (int64_t i = 0; i < n * n_ff; ++i) g_[i] = silu(g_[i]) * u_[i];
+  add_rows(g_.data(), values_or_null(job.w.gate_b), n, n_ff);
+  add_rows(u_.data(), values_or_null(job.w.up_b), n, n_ff);
+  if (spec.act == backend::FfnSpec::Act::SwiGluOai) {
+    for (int64_t i = 0; i < n * n_ff; ++i) g_[i] = swiglu_oai(g_[i], u_[i], spec.alpha, spec.limit);
+  } else {
+    for (int64_t i = 0; i < n * n_ff; ++i) g_[i] = silu(g_[i]) * u_[i];
+  }
   cpu::matmul(pool_, kc_, as_matrix(job.w.down), g_.data(), n_ff, n, x_.data(), n_embd);
+  add_rows(x_.data(), values_or_null(job.w.down_b), n, n_embd);
   for (int64_t j = 0; j < n; ++j) std::copy_n(x_.data() + j * n_embd, n_embd, expert_out.row(job.pairs[j]));
 }
 

@@ -69,9 +69,11 @@ static inline float dot_f32(const float* a, const float* b, int n) {
 }
 
 void attention_one(const kernels::KernelConfig& kc, const float* q, const float* k_cache, const float* v_cache, int64_t kv_stride, int64_t n_pos,
-                   int n_head, int n_head_kv, int head_dim, float scale, float* out, float* scratch) {
+                   int n_head, int n_head_kv, int head_dim, float scale, float* out, float* scratch,
+                   const float* sinks) {
   if (kc.family == kernels::CpuKernels::Avx512) {
-    detail::attention_one_avx512(q, k_cache, v_cache, kv_stride, n_pos, n_head, n_head_kv, head_dim, scale, out, scratch);
+    detail::attention_one_avx512(q, k_cache, v_cache, kv_stride, n_pos, n_head, n_head_kv, head_dim, scale, out, scratch,
+                                 sinks);
     return;
   }
   const int group = n_head / n_head_kv;
@@ -84,11 +86,13 @@ void attention_one(const kernels::KernelConfig& kc, const float* q, const float*
       scratch[p] = s;
       mx = std::max(mx, s);
     }
+    if (sinks) mx = std::max(mx, sinks[h]);
     double sum = 0;
     for (int64_t p = 0; p < n_pos; ++p) {
       scratch[p] = std::exp(scratch[p] - mx);
       sum += scratch[p];
     }
+    if (sinks) sum += std::exp(sinks[h] - mx);  // the sink's share of the denominator
     const float inv = float(1.0 / sum);
     // out = sum_p w_p v_p, 16 dims at a time held in four SSE registers across all positions.
     // Each lane adds w_p * v_p in position order, exactly as the scalar loop would.

@@ -37,6 +37,14 @@ void rms_norm(const float* x, const float* w, float* y, int64_t n, float eps);
 /// SiLU(x) = x * sigmoid(x).
 inline float silu(float x) { return x / (1.0f + __builtin_expf(-x)); }
 
+/// gpt-oss's clamped SwiGLU of one gate value g and up value u (backend::FfnSpec::Act::SwiGluOai):
+/// g' = min(g, limit), u' = clamp(u, -limit, limit), g' * sigmoid(alpha g') * (u' + 1).
+inline float swiglu_oai(float g, float u, float alpha, float limit) {
+  g = g < limit ? g : limit;
+  u = u < -limit ? -limit : (u > limit ? limit : u);
+  return g / (1.0f + __builtin_expf(-alpha * g)) * (u + 1.0f);
+}
+
 /// Rotary position embedding (Su et al. 2021, "RoFormer") of x: [n_heads][head_dim] (head_dim
 /// contiguous) in place for position `pos` (tokens), the first rope.n_rot dims of each head:
 /// Neox mode rotates pairs (i, i + n_rot/2) (GPT-NeoX, transformers' rotate_half), Norm mode
@@ -48,15 +56,20 @@ void rope_apply(const backend::RopeSpec& rope, float* x, int n_heads, int head_d
 /// 0..n_pos-1 (row stride `kv_stride` floats); out: [n_head][head_dim]. Query head h reads
 /// KV head h / (n_head / n_head_kv). scale is usually 1/sqrt(head_dim).
 /// scratch must hold min(8, n_head / n_head_kv) * n_pos floats.
+/// sinks: null, or [n_head] extra logits (same units as the scaled scores), one per query head,
+/// that join the softmax's max and denominator without a value row (gpt-oss attention sinks:
+/// backend::AttentionWeights::sinks).
 /// Uses the AVX-512 version when kc.family is avx512: FMA instead of SSE multiply-add, so
 /// results differ in rounding between families, never within one.
 void attention_one(const kernels::KernelConfig& kc, const float* q, const float* k_cache, const float* v_cache, int64_t kv_stride, int64_t n_pos,
-                   int n_head, int n_head_kv, int head_dim, float scale, float* out, float* scratch);
+                   int n_head, int n_head_kv, int head_dim, float scale, float* out, float* scratch,
+                   const float* sinks = nullptr);
 
 namespace detail {
 /// AVX-512 attention_one (attention_avx512.cpp); same contract.
 void attention_one_avx512(const float* q, const float* k_cache, const float* v_cache, int64_t kv_stride, int64_t n_pos,
-                          int n_head, int n_head_kv, int head_dim, float scale, float* out, float* scratch);
+                          int n_head, int n_head_kv, int head_dim, float scale, float* out, float* scratch,
+                          const float* sinks = nullptr);
 }  // namespace detail
 
 }  // namespace strata::cpu
