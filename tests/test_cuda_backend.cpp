@@ -5,10 +5,11 @@
 // function). They differ only in rounding: the GPU's matmul sums 32 lane partials in a fixed
 // butterfly where the CPU sums in its SIMD order (<= (cols/32 + 6) * 2^-24 * sum|w x| per dot
 // product, docs/cuda.md), attention uses an online softmax, and CUDA's expf is within 2 ulp.
-// Per layer these are ~1e-6 relative; through the layers' norms and residuals the logits
-// (|logit| up to ~20) move by ~1e-4. The bound below, 5e-2 absolute, leaves room for a token
-// whose router sits on a near-tie between its k-th and (k+1)-th expert (the mixing weight of
-// a flipped expert is then ~its tiny margin); the measured maximum is printed.
+// Per op these are ~1e-7..1e-6 relative. Measured on an H200 (2026-12-01, 24 positions x 8192
+// logits): max |cuda - cpu| 4.8e-6 on qwen3moe Q8_0 (|logit| <= 17.4) and 2.0e-6 on qwen3next
+// bf16 (|logit| <= 2.3). The bound below, 1e-3 absolute (~200x that), leaves room for other
+// prompts and for a token whose router sits on a near-tie between its k-th and (k+1)-th expert
+// (a flipped expert's mixing weight is then ~its tiny margin); the measured maximum is printed.
 //
 // Without a CUDA device every test skips, saying so, except the one that checks that asking
 // for the CUDA backend then is a clear error.
@@ -36,7 +37,7 @@ namespace {
   GTEST_SKIP() << "no CUDA device found (cudaGetDeviceCount reports none): the CUDA backend tests need a " \
                   "GPU"
 
-constexpr double kLogitTolerance = 5e-2;  // absolute, see the header comment
+constexpr double kLogitTolerance = 1e-3;  // absolute, see the header comment
 constexpr float kClearGap = 1e-2f;        // top-1 must agree where the CPU's top-2 gap exceeds this
 
 std::string model_path(const std::string& name) {
