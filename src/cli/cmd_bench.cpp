@@ -159,12 +159,14 @@ void register_bench(CLI::App& root) {
     PhaseRun pre, dec, fpre, fdec;
     double ssd_gbps = 0;
     uint64_t record = 0, io_pre = 0, io_dec = 0, arena_bytes = 0, n_slots = 0;
-    std::string expert_file, kernels, actq;
+    std::string expert_file, kernels, actq, backend_name, backend_device;
     int n_threads = 0;
     {
       engine::Engine eng(f->engine.model, opts);
       kernels = eng.cpu_kernels();
       actq = eng.act_quant();
+      backend_name = eng.backend_info().name;
+      backend_device = eng.backend_info().device;
       n_threads = eng.options().n_threads;
       const auto& tok = eng.tokenizer();
       if (!f->prompt_ids.empty()) {
@@ -223,6 +225,8 @@ void register_bench(CLI::App& root) {
                           {"threads", n_threads},
                           {"cpu_kernels", kernels},
                           {"act_quant", actq},
+                          {"backend", backend_name},
+                          {"backend_device", backend_device},
                           {"decode_mode", forced.empty() ? "free-running greedy" : "teacher-forced"},
                           {"prefill", phase(pre, fpre, io_pre)},
                           {"decode", phase(dec, fdec, io_dec)}};
@@ -235,6 +239,7 @@ void register_bench(CLI::App& root) {
                                            : std::string("not measured (no IO floor)");
     fmt::print("drive: {}   arena: {} in {} slots   predict: {}   compute: {} threads, {} kernels, {} activations\n",
                drive, human_bytes(double(arena_bytes)), n_slots, opts.predict ? "on" : "off", n_threads, kernels, actq);
+    fmt::print("backend: {} ({})\n", backend_name, backend_device);
     for (const char* name : {"prefill", "decode"}) {
       const auto& j = out[name];
       // without a drive measurement there is no IO floor to print

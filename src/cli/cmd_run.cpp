@@ -50,10 +50,11 @@ void register_run(CLI::App& root) {
     if (!f->json)
       fmt::print(stderr,
                  "strata: {} ({}), {} prompt tokens, arena {} ({} slots), prompt chunk {}{}, {} threads, {} kernels, "
-                 "{} activations\n",
+                 "{} activations, backend {} ({})\n",
                  f->engine.model, eng.hparams().arch, prompt.size(), human_bytes(double(eng.arena_bytes())),
                  eng.stream().n_slots(), eng.options().prompt_chunk, f->engine.opts.prompt_chunk == 0 ? " (automatic)" : "",
-                 eng.options().n_threads, eng.cpu_kernels(), eng.act_quant());
+                 eng.options().n_threads, eng.cpu_kernels(), eng.act_quant(), eng.backend_info().name,
+                 eng.backend_info().device);
 
     engine::Sampler sampler(f->sp);
     model::SequenceState st = eng.new_sequence();

@@ -9,8 +9,15 @@
 namespace strata::cli {
 
 void EngineFlags::add(CLI::App& app) {
+  opts.backend = "auto";  // the command line's default: the GPU when there is one
   app.add_option("-m,--model", model, "GGUF model file")->required()->check(CLI::ExistingFile);
   app.add_option("-t,--threads", opts.n_threads, "compute threads (0 = all cores)")->capture_default_str();
+  app.add_option("--backend", opts.backend,
+                 "where the forward pass runs: cpu, cuda (a CUDA GPU; an error without one), auto (cuda when a "
+                 "device is present, else cpu)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
+  app.add_option("--device", opts.device, "CUDA device ordinal for --backend cuda")->capture_default_str();
   app.add_option("--arena-mb", opts.arena_mb,
                  "expert arena size in MiB (0 = automatic: half of available RAM minus dense weights "
                  "and KV cache, capped at all experts)")

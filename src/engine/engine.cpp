@@ -18,6 +18,9 @@
 #include "io/file.h"
 #include "model/weights.h"
 #include "stream/pack.h"
+#ifdef STRATA_HAVE_CUDA
+#include "backend/cuda/cuda_backend.h"
+#endif
 
 namespace strata::engine {
 
@@ -61,6 +64,32 @@ int auto_prompt_chunk(const model::ModelHParams& hp, int64_t n_ctx) {
   chunk = std::min<uint64_t>(chunk, uint64_t(std::max<int64_t>(n_ctx, 1)));
   chunk = chunk / 64 * 64;
   return int(std::max<uint64_t>(chunk, std::min<int64_t>(64, std::max<int64_t>(n_ctx, 1))));
+}
+
+bool cuda_device_present() {
+#ifdef STRATA_HAVE_CUDA
+  return cuda::device_count() > 0;
+#else
+  return false;
+#endif
+}
+
+std::unique_ptr<backend::Backend> make_backend(EngineOptions& opts, const cpu::kernels::KernelConfig& kernels) {
+  if (opts.backend == "auto") opts.backend = cuda_device_present() ? "cuda" : "cpu";
+  if (opts.backend == "cpu") return std::make_unique<cpu::CpuBackend>(cpu::CpuOptions{opts.n_threads, kernels});
+  if (opts.backend != "cuda")
+    throw EngineError(fmt::format("--backend must be cpu, cuda or auto, got '{}'", opts.backend));
+#ifdef STRATA_HAVE_CUDA
+  const int n = cuda::device_count();
+  if (n == 0) throw EngineError("--backend cuda: no CUDA device found (cudaGetDeviceCount reports none); use --backend cpu");
+  if (opts.device < 0 || opts.device >= n)
+    throw EngineError(fmt::format("--device {}: there {} {} CUDA device{} (0..{})", opts.device, n == 1 ? "is" : "are", n,
+                                  n == 1 ? "" : "s", n - 1));
+  return std::make_unique<cuda::CudaBackend>(cuda::CudaOptions{opts.device});
+#else
+  throw EngineError("--backend cuda: this strata was built without the CUDA backend (configure with nvcc installed, "
+                    "-DSTRATA_CUDA=ON); use --backend cpu");
+#endif
 }
 
 uint64_t default_arena_bytes(uint64_t all_expert_slot_bytes, uint64_t resident_bytes, uint64_t min_bytes) {
@@ -109,7 +138,7 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
   gguf_ = std::make_unique<gguf::File>(gguf::File::open(path));
   tok_ = std::make_unique<tokenizer::Tokenizer>(tokenizer::Tokenizer::from_gguf(*gguf_));
   if (opts_.n_threads <= 0) opts_.n_threads = int(std::max(1u, std::thread::hardware_concurrency()));
-  backend_ = std::make_unique<cpu::CpuBackend>(cpu::CpuOptions{opts_.n_threads, kernels_});
+  backend_ = make_backend(opts_, kernels_);
   model_ = model::load_model(*gguf_, *backend_, opts_.load);
   const auto& hp = model_->hparams();
   if (tok_->n_vocab() < hp.n_vocab)
@@ -160,6 +189,17 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
   const uint64_t resident = model_->dense_bytes() + model_->state_bytes(opts_.n_ctx) +
                             chunk_scratch_bytes_per_token(hp) * uint64_t(opts_.prompt_chunk);
   uint64_t arena = pinned_arena ? pinned_bytes : default_arena_bytes(all_slots, resident, min_arena_bytes_);
+#ifdef STRATA_HAVE_CUDA
+  if (auto* cb = dynamic_cast<cuda::CudaBackend*>(backend_.get()); cb && !pinned_arena) {
+    // The arena lives in VRAM: what is free now (the weights are loaded) minus the KV cache, the
+    // chunk's scratch and 1 GiB of headroom, capped at all experts, at least one layer's worst case.
+    size_t free_b = 0, total_b = 0;
+    cb->mem_info(free_b, total_b);
+    const uint64_t need = model_->state_bytes(opts_.n_ctx) +
+                          chunk_scratch_bytes_per_token(hp) * uint64_t(opts_.prompt_chunk) + (uint64_t(1) << 30);
+    arena = std::max(std::min<uint64_t>(free_b > need ? free_b - need : 0, all_slots), min_arena_bytes_);
+  }
+#endif
   if (opts_.arena_mb == 0) opts_.arena_mb = int64_t((arena + (1 << 20) - 1) >> 20);
 
   stream::StreamOptions so;

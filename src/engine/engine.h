@@ -27,6 +27,10 @@ class EngineError : public std::runtime_error {
 /// Run settings (from the user), as opposed to model hyper-parameters (from the file).
 struct EngineOptions {
   int n_threads = 0;          ///< compute threads; 0 = all hardware threads
+  /// --backend: "cpu", "cuda" (the CudaBackend on `device`; an EngineError without a device or
+  /// in a build without CUDA) or "auto" (cuda when the build has it and a device is present).
+  std::string backend = "cpu";
+  int device = 0;             ///< --device: CUDA device ordinal for the cuda backend
   int64_t arena_mb = 0;       ///< arena size in MiB; 0 = automatic (see default_arena_bytes)
   uint64_t arena_bytes = 0;   ///< exact arena size in bytes; overrides arena_mb when nonzero
   int prompt_chunk = 0;       ///< tokens per prefill chunk (--prompt-chunk); 0 = from available memory
@@ -74,6 +78,8 @@ class Engine {
   const model::Model& model() const { return *model_; }
   /// The backend the forward pass runs on.
   backend::Backend& backend() { return *backend_; }
+  /// Its name and what it runs on ("cpu", "2 threads, ..." / "cuda", "device 0: NVIDIA H200 ...").
+  backend::BackendInfo backend_info() const { return backend_->info(); }
   const tokenizer::Tokenizer& tokenizer() const { return *tok_; }
   stream::ExpertStream& stream() { return *stream_; }
   /// The file experts are read from: the GGUF, or its pack sidecar when one is in use.
@@ -155,6 +161,15 @@ uint64_t chunk_scratch_bytes_per_token(const model::ModelHParams& hp);
 /// rounded down to a multiple of 64, between 64 and 2048 and at most n_ctx. Bigger chunks
 /// read each expert once for more tokens (DESIGN.md: 1024 -> 2048 cut expert reads 43 %).
 int auto_prompt_chunk(const model::ModelHParams& hp, int64_t n_ctx);
+
+/// True when this build has the CUDA backend and a CUDA device is present.
+bool cuda_device_present();
+
+/// The backend `opts.backend` names ("auto" resolved in place to "cuda" or "cpu"): the CPU
+/// backend with opts.n_threads threads and `kernels`, or the CUDA backend on opts.device.
+/// Throws EngineError for an unknown name, for "cuda" without a device or in a build without
+/// CUDA, and for a device ordinal that does not exist.
+std::unique_ptr<backend::Backend> make_backend(EngineOptions& opts, const cpu::kernels::KernelConfig& kernels);
 
 /// MemAvailable from /proc/meminfo in bytes (0 if unknown).
 uint64_t mem_available_bytes();

@@ -1,0 +1,153 @@
+// Small kernels of the CudaBackend (contracts in backend_kernels.h).
+#include "backend/cuda/backend_kernels.h"
+#include "backend/cuda/cuda_check.h"
+
+#include <algorithm>
+
+namespace strata::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+// A 2-D launch: blockIdx.y = row (up to 65535 per launch, looped on the host), x over columns.
+dim3 grid_for(int64_t cols, int64_t rows) {
+  return dim3(unsigned((cols + kThreads - 1) / kThreads), unsigned(rows));
+}
+constexpr int64_t kMaxRowsPerLaunch = 65535;
+
+__global__ void gather_rows_kernel(const float* __restrict__ src, int64_t lds, const int64_t* __restrict__ pairs,
+                                   int top_k, float* __restrict__ dst, int64_t ldd, int64_t cols, int64_t j0) {
+  const int64_t j = j0 + blockIdx.y;
+  const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= cols) return;
+  dst[j * ldd + i] = src[(pairs[j] / top_k) * lds + i];
+}
+
+__global__ void scatter_rows_kernel(const float* __restrict__ src, int64_t lds, const int64_t* __restrict__ pairs,
+                                    float* __restrict__ dst, int64_t ldd, int64_t cols, int64_t j0) {
+  const int64_t j = j0 + blockIdx.y;
+  const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= cols) return;
+  dst[pairs[j] * ldd + i] = src[j * lds + i];
+}
+
+__global__ void add_rows_kernel(float* x, int64_t ldx, const float* y, int64_t ldy, int64_t cols, int64_t t0) {
+  const int64_t t = t0 + blockIdx.y;
+  const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= cols) return;
+  x[t * ldx + i] = __fadd_rn(x[t * ldx + i], y[t * ldy + i]);
+}
+
+__global__ void split_q_gate_kernel(const float* __restrict__ qg, int64_t n, int head_dim, float* __restrict__ q,
+                                    float* __restrict__ gate) {
+  // i indexes q / gate as [T][n_head][head_dim]; the source is [T][n_head][2][head_dim].
+  const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= n) return;
+  const int64_t th = i / head_dim, d = i % head_dim;
+  q[i] = qg[th * 2 * head_dim + d];
+  gate[i] = qg[th * 2 * head_dim + head_dim + d];
+}
+
+__device__ __forceinline__ float sigmoid(float x) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x))); }
+
+__global__ void sigmoid_mul_kernel(float* x, const float* __restrict__ gate, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= n) return;
+  x[i] = __fmul_rn(x[i], sigmoid(gate[i]));
+}
+
+__global__ void gated_accumulate_kernel(float* out, int64_t ldo, const float* __restrict__ y, int64_t ldy,
+                                        const float* __restrict__ s, int64_t cols, int64_t t0) {
+  const int64_t t = t0 + blockIdx.y;
+  const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= cols) return;
+  const float g = sigmoid(s[t]);
+  out[t * ldo + i] = __fadd_rn(out[t * ldo + i], __fmul_rn(g, y[t * ldy + i]));
+}
+
+__global__ void moe_combine_kernel(const float* __restrict__ eo, int64_t lde, const float* __restrict__ w, int K,
+                                   float* __restrict__ out, int64_t ldo, int64_t cols, int64_t t0) {
+  const int64_t t = t0 + blockIdx.y;
+  const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= cols) return;
+  float o = 0.0f;
+  for (int k = 0; k < K; ++k) o = __fadd_rn(o, __fmul_rn(w[t * K + k], eo[(t * K + k) * lde + i]));
+  out[t * ldo + i] = o;
+}
+
+// Runs launch(first_row, rows) over [0, n_rows) in pieces of at most 65535 rows (grid.y's limit).
+template <class F>
+void by_rows(int64_t n_rows, F launch) {
+  for (int64_t r0 = 0; r0 < n_rows; r0 += kMaxRowsPerLaunch) {
+    launch(r0, std::min<int64_t>(kMaxRowsPerLaunch, n_rows - r0));
+    STRATA_CUDA_CHECK_LAUNCH();
+  }
+}
+
+unsigned blocks_1d(int64_t n) { return unsigned((n + kThreads - 1) / kThreads); }
+
+}  // namespace
+
+void gather_rows(const float* src, int64_t lds, const int64_t* pairs, int top_k, int64_t n, float* dst, int64_t ldd,
+                 int64_t cols, void* stream) {
+  STRATA_CUDA_REQUIRE(top_k > 0 && n >= 0 && cols >= 0, "cuda::gather_rows: bad shape");
+  if (n == 0 || cols == 0) return;
+  by_rows(n, [&](int64_t j0, int64_t m) {
+    gather_rows_kernel<<<grid_for(cols, m), kThreads, 0, as_stream(stream)>>>(src, lds, pairs, top_k, dst, ldd, cols, j0);
+  });
+}
+
+void scatter_rows(const float* src, int64_t lds, const int64_t* pairs, int64_t n, float* dst, int64_t ldd,
+                  int64_t cols, void* stream) {
+  STRATA_CUDA_REQUIRE(n >= 0 && cols >= 0, "cuda::scatter_rows: bad shape");
+  if (n == 0 || cols == 0) return;
+  by_rows(n, [&](int64_t j0, int64_t m) {
+    scatter_rows_kernel<<<grid_for(cols, m), kThreads, 0, as_stream(stream)>>>(src, lds, pairs, dst, ldd, cols, j0);
+  });
+}
+
+void add_rows(float* x, int64_t ldx, const float* y, int64_t ldy, int64_t cols, int64_t n_rows, void* stream) {
+  STRATA_CUDA_REQUIRE(n_rows >= 0 && cols >= 0, "cuda::add_rows: bad shape");
+  if (n_rows == 0 || cols == 0) return;
+  by_rows(n_rows, [&](int64_t t0, int64_t m) {
+    add_rows_kernel<<<grid_for(cols, m), kThreads, 0, as_stream(stream)>>>(x, ldx, y, ldy, cols, t0);
+  });
+}
+
+void split_q_gate(const float* qg, int64_t T, int n_head, int head_dim, float* q, float* gate, void* stream) {
+  STRATA_CUDA_REQUIRE(T >= 0 && n_head > 0 && head_dim > 0, "cuda::split_q_gate: bad shape");
+  const int64_t n = T * n_head * head_dim;
+  if (n == 0) return;
+  split_q_gate_kernel<<<blocks_1d(n), kThreads, 0, as_stream(stream)>>>(qg, n, head_dim, q, gate);
+  STRATA_CUDA_CHECK_LAUNCH();
+}
+
+void sigmoid_mul(float* x, const float* gate, int64_t n, void* stream) {
+  STRATA_CUDA_REQUIRE(n >= 0, "cuda::sigmoid_mul: n < 0");
+  if (n == 0) return;
+  sigmoid_mul_kernel<<<blocks_1d(n), kThreads, 0, as_stream(stream)>>>(x, gate, n);
+  STRATA_CUDA_CHECK_LAUNCH();
+}
+
+void gated_accumulate(float* out, int64_t ldo, const float* y, int64_t ldy, const float* s, int64_t cols, int64_t T,
+                      void* stream) {
+  STRATA_CUDA_REQUIRE(T >= 0 && cols >= 0, "cuda::gated_accumulate: bad shape");
+  if (T == 0 || cols == 0) return;
+  by_rows(T, [&](int64_t t0, int64_t m) {
+    gated_accumulate_kernel<<<grid_for(cols, m), kThreads, 0, as_stream(stream)>>>(out, ldo, y, ldy, s, cols, t0);
+  });
+}
+
+void moe_combine(const float* eo, int64_t lde, const float* w, int K, int64_t T, float* out, int64_t ldo,
+                 int64_t cols, void* stream) {
+  STRATA_CUDA_REQUIRE(K > 0 && T >= 0 && cols >= 0, "cuda::moe_combine: bad shape");
+  if (T == 0 || cols == 0) return;
+  by_rows(T, [&](int64_t t0, int64_t m) {
+    moe_combine_kernel<<<grid_for(cols, m), kThreads, 0, as_stream(stream)>>>(eo, lde, w, K, out, ldo, cols, t0);
+  });
+}
+
+}  // namespace strata::cuda

@@ -1,0 +1,47 @@
+#pragma once
+// The small CUDA kernels of the CudaBackend that src/backend/cuda/kernels.h does not have:
+// row gathers and scatters for the expert FFN, the q/gate split and the sigmoid gates of
+// qwen3next, a strided residual add, and the MoE combine. Same conventions as kernels.h: no
+// CUDA header, streams as void*, every pointer a device pointer, fp32 activations with rows
+// `ld*` floats apart, asynchronous launches, CudaError on a bad argument or a failed launch.
+//
+// Each kernel computes an output element from that element's own inputs with a fixed sequence
+// of IEEE operations (__fadd_rn / __fmul_rn: no contraction), so results never depend on how
+// many rows share a launch (batch invariance) and match the CPU backend's loops bit for bit
+// except where an expf is involved (CUDA's expf: <= 2 ulp).
+#include <cstdint>
+
+namespace strata::cuda {
+
+/// dst row j = src row (pairs[j] / top_k), `cols` floats, for j < n. pairs: device, n int64
+/// (token, k) entries t * top_k + k. src rows lds apart; dst rows ldd apart.
+void gather_rows(const float* src, int64_t lds, const int64_t* pairs, int top_k, int64_t n, float* dst, int64_t ldd,
+                 int64_t cols, void* stream = nullptr);
+
+/// dst row pairs[j] = src row j, `cols` floats, for j < n (pairs distinct). src rows lds apart,
+/// dst rows ldd apart.
+void scatter_rows(const float* src, int64_t lds, const int64_t* pairs, int64_t n, float* dst, int64_t ldd,
+                  int64_t cols, void* stream = nullptr);
+
+/// x[t][i] += y[t][i] for t < n_rows, i < cols (exact fp32 adds); rows ldx / ldy apart.
+void add_rows(float* x, int64_t ldx, const float* y, int64_t ldy, int64_t cols, int64_t n_rows, void* stream = nullptr);
+
+/// Splits qwen3next's gated query projection: qg [2 * head_dim * n_head, T] (per token and head
+/// [q(head_dim), gate(head_dim)]) into q and gate, each [head_dim * n_head, T] contiguous.
+void split_q_gate(const float* qg, int64_t T, int n_head, int head_dim, float* q, float* gate, void* stream = nullptr);
+
+/// x[i] *= 1 / (1 + expf(-gate[i])) for i < n (the gated attention output).
+void sigmoid_mul(float* x, const float* gate, int64_t n, void* stream = nullptr);
+
+/// out[t][i] += (1 / (1 + expf(-s[t]))) * y[t][i] for t < T, i < cols (qwen3next's shared
+/// expert with its scalar gate). s: T floats; out rows ldo apart, y rows ldy apart.
+void gated_accumulate(float* out, int64_t ldo, const float* y, int64_t ldy, const float* s, int64_t cols, int64_t T,
+                      void* stream = nullptr);
+
+/// out[t][i] = sum over k = 0..K-1, in that order, of w[t*K + k] * eo[t*K + k][i], starting
+/// from 0 (each product rounded, then added: the CPU backend's loop). eo rows lde apart, out
+/// rows ldo apart, w: T*K floats.
+void moe_combine(const float* eo, int64_t lde, const float* w, int K, int64_t T, float* out, int64_t ldo,
+                 int64_t cols, void* stream = nullptr);
+
+}  // namespace strata::cuda

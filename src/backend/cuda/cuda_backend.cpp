@@ -1,0 +1,569 @@
+// CudaBackend (contracts in cuda_backend.h and backend/backend.h).
+#include "backend/cuda/cuda_backend.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+
+#include "backend/cuda/backend_kernels.h"
+#include "backend/cuda/cuda_check.h"
+
+namespace strata::cuda {
+
+using backend::BufferRole;
+using backend::Place;
+using backend::Tensor;
+
+struct CudaContext {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  ~CudaContext() {
+    if (stream) {
+      (void)cudaSetDevice(device);
+      (void)cudaStreamSynchronize(stream);
+      (void)cudaStreamDestroy(stream);
+    }
+  }
+};
+
+namespace {
+
+constexpr size_t kAlign = 256;          // carve alignment of scratch regions (bytes)
+constexpr size_t kRingBytes = 8 << 20;  // pinned upload ring (bytes)
+constexpr double kMiB = 1024.0 * 1024.0;
+
+size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+const char* role_name(BufferRole r) {
+  switch (r) {
+    case BufferRole::Weights: return "weights";
+    case BufferRole::Activations: return "activations";
+    case BufferRole::State: return "state";
+    case BufferRole::Arena: return "arena";
+    case BufferRole::Staging: return "staging";
+  }
+  return "?";
+}
+
+// Throws a CudaError naming the sizes when `bytes` of device memory are more than is free.
+void require_vram(int device, size_t bytes, const char* what) {
+  size_t free_b = 0, total_b = 0;
+  STRATA_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  if (bytes > free_b)
+    throw CudaError(fmt::format("strata::cuda: {} needs {:.1f} MiB of device memory but only {:.1f} MiB of {:.1f} MiB "
+                                "are free on device {}",
+                                what, double(bytes) / kMiB, double(free_b) / kMiB, double(total_b) / kMiB, device));
+}
+
+// A failed allocation as a CudaError naming the sizes.
+[[noreturn]] void throw_alloc_error(cudaError_t e, int device, size_t bytes, const char* what) {
+  (void)cudaGetLastError();
+  size_t free_b = 0, total_b = 0;
+  (void)cudaMemGetInfo(&free_b, &total_b);
+  throw CudaError(fmt::format("strata::cuda: cannot allocate {:.1f} MiB for {} on device {} ({}): {:.1f} MiB of "
+                              "{:.1f} MiB free",
+                              double(bytes) / kMiB, what, device, cudaGetErrorString(e), double(free_b) / kMiB,
+                              double(total_b) / kMiB));
+}
+
+// Pinned host memory, or 4 KiB-aligned pageable memory with a warning when pinning fails.
+uint8_t* host_alloc(size_t bytes, bool& pinned, const char* what) {
+  void* p = nullptr;
+  const cudaError_t e = cudaHostAlloc(&p, std::max<size_t>(bytes, 1), cudaHostAllocPortable);
+  if (e == cudaSuccess) {
+    pinned = true;
+    return static_cast<uint8_t*>(p);
+  }
+  (void)cudaGetLastError();
+  fmt::print(stderr, "strata: warning: cannot pin {:.1f} MiB of host memory for {} ({}); using pageable memory "
+             "(slower host-to-device copies)\n", double(bytes) / kMiB, what, cudaGetErrorString(e));
+  pinned = false;
+  p = std::aligned_alloc(4096, align_up(std::max<size_t>(bytes, 1), 4096));
+  if (!p) throw std::bad_alloc();
+  return static_cast<uint8_t*>(p);
+}
+
+void host_free(uint8_t* p, bool pinned) noexcept {
+  if (!p) return;
+  if (pinned)
+    (void)cudaFreeHost(p);
+  else
+    std::free(p);
+}
+
+// A buffer of any role: device memory (activations stream-ordered), or pinned staging.
+class CudaBuffer final : public backend::Buffer {
+ public:
+  CudaBuffer(std::shared_ptr<CudaContext> ctx, BufferRole role, size_t bytes) : ctx_(std::move(ctx)), role_(role), bytes_(bytes) {
+    if (bytes == 0) return;
+    STRATA_CUDA_CHECK(cudaSetDevice(ctx_->device));
+    if (role == BufferRole::Staging) {
+      data_ = host_alloc(bytes, pinned_, "a staging buffer");
+      return;
+    }
+    const std::string what = fmt::format("a {} buffer", role_name(role));
+    if (role != BufferRole::Activations) require_vram(ctx_->device, bytes, what.c_str());
+    cudaError_t e = role == BufferRole::Activations ? cudaMallocAsync(&data_, bytes, ctx_->stream) : cudaMalloc(&data_, bytes);
+    if (e != cudaSuccess) throw_alloc_error(e, ctx_->device, bytes, what.c_str());
+    if (role == BufferRole::State) STRATA_CUDA_CHECK(cudaMemsetAsync(data_, 0, bytes, ctx_->stream));
+  }
+  ~CudaBuffer() override {
+    if (!data_) return;
+    (void)cudaSetDevice(ctx_->device);
+    if (role_ == BufferRole::Staging)
+      host_free(static_cast<uint8_t*>(data_), pinned_);
+    else if (role_ == BufferRole::Activations)
+      (void)cudaFreeAsync(data_, ctx_->stream);  // after the work queued on it
+    else
+      (void)cudaFree(data_);  // synchronizes the device first
+  }
+  BufferRole role() const override { return role_; }
+  Place place() const override { return role_ == BufferRole::Staging ? Place::Host : Place::Device; }
+  void* data() override { return data_; }
+  size_t bytes() const override { return bytes_; }
+
+ private:
+  std::shared_ptr<CudaContext> ctx_;
+  BufferRole role_;
+  size_t bytes_;
+  void* data_ = nullptr;
+  bool pinned_ = false;
+};
+
+// A CUDA event recorded on the compute stream. cudaEventSynchronize / cudaEventQuery are
+// thread-safe, so wait() and done() may be called from any thread.
+class CudaEvent final : public backend::Event {
+ public:
+  CudaEvent(std::shared_ptr<CudaContext> ctx) : ctx_(std::move(ctx)) {
+    STRATA_CUDA_CHECK(cudaEventCreateWithFlags(&ev_, cudaEventDisableTiming));
+    STRATA_CUDA_CHECK(cudaEventRecord(ev_, ctx_->stream));
+  }
+  ~CudaEvent() override { (void)cudaEventDestroy(ev_); }
+  void wait() override { STRATA_CUDA_CHECK(cudaEventSynchronize(ev_)); }
+  bool done() override {
+    const cudaError_t e = cudaEventQuery(ev_);
+    if (e == cudaErrorNotReady) return false;
+    STRATA_CUDA_CHECK(e);
+    return true;
+  }
+
+ private:
+  std::shared_ptr<CudaContext> ctx_;
+  cudaEvent_t ev_ = nullptr;
+};
+
+// The expert arena in device memory (see cuda_backend.h).
+class DeviceArena final : public backend::ArenaMemory {
+ public:
+  DeviceArena(std::shared_ptr<CudaContext> ctx, size_t n_slots, size_t slot_bytes, int io_threads)
+      : ctx_(std::move(ctx)), n_slots_(n_slots), slot_bytes_(slot_bytes) {
+    if (slot_bytes == 0 || slot_bytes % 4096 != 0)
+      throw std::invalid_argument(fmt::format("cuda arena: slot size {} bytes is not a positive multiple of 4 KiB", slot_bytes));
+    if (io_threads < 1) throw std::invalid_argument("cuda arena: needs at least one IO thread");
+    if (n_slots > SIZE_MAX / slot_bytes)
+      throw std::invalid_argument(fmt::format("cuda arena: {} slots of {} bytes overflow", n_slots, slot_bytes));
+    STRATA_CUDA_CHECK(cudaSetDevice(ctx_->device));
+    const size_t bytes = n_slots * slot_bytes;
+    const std::string what = fmt::format("the expert arena ({} slots x {:.1f} KiB)", n_slots, double(slot_bytes) / 1024.0);
+    require_vram(ctx_->device, bytes, what.c_str());
+    if (bytes > 0) {
+      const cudaError_t e = cudaMalloc(&slots_, bytes);
+      if (e != cudaSuccess) throw_alloc_error(e, ctx_->device, bytes, what.c_str());
+    }
+    io_.resize(size_t(io_threads));
+    try {
+      for (Io& io : io_) {
+        io.staging = host_alloc(slot_bytes, io.pinned, "an expert staging buffer");
+        STRATA_CUDA_CHECK(cudaStreamCreateWithFlags(&io.stream, cudaStreamNonBlocking));
+      }
+    } catch (...) {
+      release();
+      throw;
+    }
+  }
+  ~DeviceArena() override { release(); }
+
+  size_t n_slots() const override { return n_slots_; }
+  size_t slot_bytes() const override { return slot_bytes_; }
+  uint8_t* read_target(size_t, int io_thread) override { return io_[size_t(io_thread)].staging; }
+  void land(size_t slot, int io_thread, size_t bytes, size_t offset) override {
+    Io& io = io_[size_t(io_thread)];
+    STRATA_CUDA_CHECK(cudaSetDevice(ctx_->device));
+    STRATA_CUDA_CHECK(cudaMemcpyAsync(static_cast<uint8_t*>(slots_) + slot * slot_bytes_ + offset, io.staging + offset,
+                                      bytes, cudaMemcpyHostToDevice, io.stream));
+    STRATA_CUDA_CHECK(cudaStreamSynchronize(io.stream));
+  }
+  const uint8_t* slot_data(size_t slot) const override { return static_cast<const uint8_t*>(slots_) + slot * slot_bytes_; }
+  Place place() const override { return Place::Device; }
+
+ private:
+  struct Io {
+    uint8_t* staging = nullptr;
+    bool pinned = false;
+    cudaStream_t stream = nullptr;
+  };
+  void release() noexcept {
+    (void)cudaSetDevice(ctx_->device);
+    for (Io& io : io_) {
+      if (io.stream) (void)cudaStreamSynchronize(io.stream), (void)cudaStreamDestroy(io.stream);
+      host_free(io.staging, io.pinned);
+      io = Io{};
+    }
+    if (slots_) (void)cudaFree(slots_);
+    slots_ = nullptr;
+  }
+
+  std::shared_ptr<CudaContext> ctx_;
+  size_t n_slots_, slot_bytes_;
+  void* slots_ = nullptr;
+  std::vector<Io> io_;
+};
+
+// Floats between rows of an fp32 activation tensor.
+int64_t ld(const Tensor& t) { return int64_t(t.row_bytes() / sizeof(float)); }
+
+void require_device(const Tensor& t, const char* what) {
+  if (t.place != Place::Device)
+    throw CudaError(fmt::format("strata::cuda: {} is not in device memory (make it with the CUDA backend's alloc or weights)", what));
+}
+
+// Bump allocator over one scratch region.
+struct Carve {
+  char* base;
+  size_t off = 0;
+  template <class T>
+  T* take(size_t n) {
+    T* p = reinterpret_cast<T*>(base + off);
+    off += align_up(n * sizeof(T), kAlign);
+    return p;
+  }
+};
+template <class T>
+size_t sz(size_t n) { return align_up(n * sizeof(T), kAlign); }
+
+}  // namespace
+
+CudaBackend::CudaBackend(const CudaOptions& opts) : device_(opts.device) {
+  const int n = device_count();
+  if (n == 0) throw CudaError("strata::cuda: no CUDA device found (cudaGetDeviceCount reports none)");
+  if (opts.device < 0 || opts.device >= n)
+    throw CudaError(fmt::format("strata::cuda: device {} does not exist ({} device{} found: 0..{})", opts.device, n,
+                                n == 1 ? "" : "s", n - 1));
+  set_device(device_);
+  ctx_ = std::make_shared<CudaContext>();
+  ctx_->device = device_;
+  STRATA_CUDA_CHECK(cudaStreamCreateWithFlags(&ctx_->stream, cudaStreamNonBlocking));
+  ring_bytes_ = kRingBytes;
+  ring_ = host_alloc(ring_bytes_, ring_pinned_, "the upload ring");
+}
+
+CudaBackend::~CudaBackend() {
+  (void)cudaSetDevice(device_);
+  (void)cudaStreamSynchronize(ctx_->stream);
+  if (scratch_) (void)cudaFreeAsync(scratch_, ctx_->stream);
+  (void)cudaStreamSynchronize(ctx_->stream);
+  host_free(ring_, ring_pinned_);
+  inv_freq_.clear();
+  weights_.clear();
+}
+
+void* CudaBackend::stream() const { return ctx_->stream; }
+
+void CudaBackend::mem_info(size_t& free_bytes, size_t& total_bytes) const {
+  STRATA_CUDA_CHECK(cudaSetDevice(device_));
+  STRATA_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+}
+
+backend::BackendInfo CudaBackend::info() const { return {"cuda", fmt::format("device {}: {}", device_, device_description(device_))}; }
+
+std::unique_ptr<backend::Buffer> CudaBackend::alloc(BufferRole role, size_t bytes) {
+  return std::make_unique<CudaBuffer>(ctx_, role, bytes);
+}
+
+Tensor CudaBackend::weights(const Tensor& host) {
+  if (host.place != Place::Host) throw CudaError("strata::cuda: weights() takes a host tensor");
+  if (!is_supported(host.type))
+    throw CudaError(fmt::format("strata::cuda: weight type {} ({} x {}) is not supported by the CUDA kernels",
+                                ggml_type_name(uint32_t(host.type)), host.cols(), host.rows()));
+  const size_t bytes = host.row_bytes() * size_t(host.rows());
+  require_vram(device_, bytes, "a resident weight tensor");
+  DeviceBuffer buf(bytes);
+  if (bytes) STRATA_CUDA_CHECK(cudaMemcpy(buf.get(), host.data, bytes, cudaMemcpyHostToDevice));
+  Tensor t = host;
+  t.data = buf.get();
+  t.place = Place::Device;
+  weight_bytes_ += bytes;
+  weights_.push_back(std::move(buf));
+  return t;
+}
+
+void CudaBackend::upload_async(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  if (bytes > ring_bytes_ || !ring_pinned_) {
+    // Too large for the ring (or no pinned ring): a copy from pageable memory, complete on return.
+    STRATA_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, ctx_->stream));
+    STRATA_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));
+    return;
+  }
+  if (ring_off_ + bytes > ring_bytes_) {
+    // Wrap: the copies out of the ring queued so far must have run before it is overwritten.
+    STRATA_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));
+    ring_off_ = 0;
+  }
+  uint8_t* slot = ring_ + ring_off_;
+  std::memcpy(slot, src, bytes);
+  STRATA_CUDA_CHECK(cudaMemcpyAsync(dst, slot, bytes, cudaMemcpyHostToDevice, ctx_->stream));
+  ring_off_ = align_up(ring_off_ + bytes, 64);
+}
+
+char* CudaBackend::scratch(size_t bytes) {
+  if (bytes > scratch_bytes_) {
+    if (scratch_) STRATA_CUDA_CHECK(cudaFreeAsync(scratch_, ctx_->stream));
+    scratch_ = nullptr;
+    scratch_bytes_ = 0;
+    const size_t want = std::max<size_t>(align_up(bytes + bytes / 4, 1 << 20), 1 << 20);
+    const cudaError_t e = cudaMallocAsync(&scratch_, want, ctx_->stream);
+    if (e != cudaSuccess) throw_alloc_error(e, device_, want, "compute scratch");
+    scratch_bytes_ = want;
+  }
+  return static_cast<char*>(scratch_);
+}
+
+void CudaBackend::upload(const Tensor& dst, const void* src, size_t bytes) {
+  if (dst.place == Place::Host) {
+    std::memcpy(dst.data, src, bytes);
+    return;
+  }
+  upload_async(dst.data, src, bytes);
+}
+
+void CudaBackend::download(void* dst, const Tensor& src, size_t bytes) {
+  if (src.place == Place::Host) {
+    STRATA_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));
+    std::memcpy(dst, src.data, bytes);
+    return;
+  }
+  STRATA_CUDA_CHECK(cudaMemcpyAsync(dst, src.data, bytes, cudaMemcpyDeviceToHost, ctx_->stream));
+  STRATA_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));
+}
+
+void CudaBackend::copy(const Tensor& dst, const Tensor& src, size_t bytes) {
+  STRATA_CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, bytes, cudaMemcpyDefault, ctx_->stream));
+}
+
+backend::EventPtr CudaBackend::record() { return std::make_shared<CudaEvent>(ctx_); }
+
+void CudaBackend::synchronize() { STRATA_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream)); }
+
+std::unique_ptr<backend::ArenaMemory> CudaBackend::make_arena(size_t n_slots, size_t slot_bytes, int io_threads) {
+  return std::make_unique<DeviceArena>(ctx_, n_slots, slot_bytes, io_threads);
+}
+
+// ---- compute ------------------------------------------------------------------------------
+
+void CudaBackend::embed(const Tensor& table, std::span<const int32_t> ids, const Tensor& x) {
+  require_device(table, "embed: the table");
+  const int64_t n = int64_t(ids.size());
+  if (n == 0) return;
+  Carve c{scratch(sz<int32_t>(size_t(n)))};
+  int32_t* d_ids = c.take<int32_t>(size_t(n));
+  upload_async(d_ids, ids.data(), size_t(n) * sizeof(int32_t));
+  get_rows(table.type, table.data, table.row_bytes(), table.cols(), d_ids, n, x.f(), ld(x), stream());
+}
+
+void CudaBackend::rms_norm(const Tensor& x, const Tensor& w, float eps, const Tensor& y) {
+  cuda::rms_norm(x.f(), ld(x), w.f(), y.f(), ld(y), x.cols(), x.rows(), eps, stream());
+}
+
+void CudaBackend::add(const Tensor& x, const Tensor& y) { add_rows(x.f(), ld(x), y.f(), ld(y), x.cols(), x.rows(), stream()); }
+
+void CudaBackend::matmul(const Tensor& W, const Tensor& x, const Tensor& y) {
+  require_device(W, "matmul: the weights");
+  cuda::matmul(W.type, W.data, W.row_bytes(), W.rows(), W.cols(), x.f(), ld(x), x.rows(), y.f(), ld(y), stream());
+}
+
+const double* CudaBackend::inv_freq(const backend::RopeSpec& rope) {
+  auto it = inv_freq_.find(&rope);
+  const size_t bytes = rope.inv_freq.size() * sizeof(double);
+  if (it == inv_freq_.end() || it->second.bytes() != bytes) {
+    DeviceBuffer b(bytes);
+    STRATA_CUDA_CHECK(cudaMemcpy(b.get(), rope.inv_freq.data(), bytes, cudaMemcpyHostToDevice));
+    it = inv_freq_.insert_or_assign(&rope, std::move(b)).first;
+  }
+  return it->second.as<double>();
+}
+
+void CudaBackend::attention(const backend::AttentionSpec& s, const backend::AttentionWeights& w,
+                            const backend::KvCache& kv, int64_t pos0, const Tensor& h, const Tensor& out) {
+  const int64_t T = h.rows();
+  if (T == 0) return;
+  const int64_t q_dim = int64_t(s.n_head) * s.head_dim, kv_dim = int64_t(s.n_head_kv) * s.head_dim;
+  if (pos0 + T > kv.k.rows())
+    throw CudaError(fmt::format("strata::cuda: attention: positions up to {} do not fit the cache of {}", pos0 + T, kv.k.rows()));
+  if (s.window > 0 && pos0 + T > s.window)
+    throw CudaError("strata::cuda: attention: sliding-window attention is not implemented on the CUDA backend");
+  if (!w.bq.empty() || !w.bk.empty() || !w.bv.empty() || !w.bo.empty() || !w.sinks.empty())
+    throw CudaError("strata::cuda: attention: projection biases and attention sinks (glm4moe, gpt-oss) are not "
+                    "implemented on the CUDA backend yet; use --backend cpu");
+  const backend::RopeSpec* rope = s.rope;
+  if (rope && rope->n_rot > 0 && rope->mode != backend::RopeSpec::Mode::Neox)
+    throw CudaError("strata::cuda: attention: only NEOX rotary embedding is implemented on the CUDA backend");
+
+  Carve c{scratch(sz<float>(size_t(T * q_dim)) * (s.q_gate ? 4 : 2) + sz<int32_t>(size_t(T)))};
+  float* q = c.take<float>(size_t(T * q_dim));
+  float* att = c.take<float>(size_t(T * q_dim));
+  float* gate = nullptr;
+  int32_t* pos = c.take<int32_t>(size_t(T));
+  const int64_t ldh = ld(h);
+  // Projections; K and V go straight into the cache rows pos0.. (normed and rotated in place).
+  if (s.q_gate) {
+    float* qg = c.take<float>(size_t(T * 2 * q_dim));
+    gate = c.take<float>(size_t(T * q_dim));
+    cuda::matmul(w.wq.type, w.wq.data, w.wq.row_bytes(), w.wq.rows(), w.wq.cols(), h.f(), ldh, T, qg, 2 * q_dim, stream());
+    split_q_gate(qg, T, s.n_head, s.head_dim, q, gate, stream());
+  } else {
+    cuda::matmul(w.wq.type, w.wq.data, w.wq.row_bytes(), w.wq.rows(), w.wq.cols(), h.f(), ldh, T, q, q_dim, stream());
+  }
+  float* kc = kv.k.f() + pos0 * kv_dim;
+  float* vc = kv.v.f() + pos0 * kv_dim;
+  cuda::matmul(w.wk.type, w.wk.data, w.wk.row_bytes(), w.wk.rows(), w.wk.cols(), h.f(), ldh, T, kc, kv_dim, stream());
+  cuda::matmul(w.wv.type, w.wv.data, w.wv.row_bytes(), w.wv.rows(), w.wv.cols(), h.f(), ldh, T, vc, kv_dim, stream());
+  // Per-head RMSNorm of q and k: rows of head_dim.
+  if (!w.q_norm.empty())
+    cuda::rms_norm(q, s.head_dim, w.q_norm.f(), q, s.head_dim, s.head_dim, T * s.n_head, s.rms_eps, stream());
+  if (!w.k_norm.empty())
+    cuda::rms_norm(kc, s.head_dim, w.k_norm.f(), kc, s.head_dim, s.head_dim, T * s.n_head_kv, s.rms_eps, stream());
+  if (rope && rope->n_rot > 0) {
+    std::vector<int32_t> p(static_cast<size_t>(T));
+    for (int64_t t = 0; t < T; ++t) p[size_t(t)] = int32_t(pos0 + t);
+    upload_async(pos, p.data(), p.size() * sizeof(int32_t));
+    const double* inv = inv_freq(*rope);
+    rope_neox(q, q_dim, T, s.n_head, s.head_dim, rope->n_rot, pos, inv, stream());
+    rope_neox(kc, kv_dim, T, s.n_head_kv, s.head_dim, rope->n_rot, pos, inv, stream());
+  }
+  AttentionArgs a;
+  a.q = q, a.q_stride = q_dim;
+  a.k = kv.k.f(), a.v = kv.v.f(), a.kv_stride = kv_dim;
+  a.out = att, a.out_stride = q_dim;
+  a.n_tok = T, a.pos0 = pos0;
+  a.n_head = s.n_head, a.n_head_kv = s.n_head_kv, a.head_dim = s.head_dim;
+  a.scale = s.scale != 0 ? s.scale : 1.0f / std::sqrt(float(s.head_dim));
+  cuda::attention(a, stream());
+  if (s.q_gate) sigmoid_mul(att, gate, T * q_dim, stream());
+  cuda::matmul(w.wo.type, w.wo.data, w.wo.row_bytes(), w.wo.rows(), w.wo.cols(), att, q_dim, T, out.f(), ld(out), stream());
+}
+
+void CudaBackend::gated_delta_net(const backend::GdnSpec& s, const backend::GdnWeights& w,
+                                  const backend::RecurrentState& state, const Tensor& h, const Tensor& out) {
+  const int64_t T = h.rows();
+  if (T == 0) return;
+  if (s.v_head_order != backend::GdnSpec::VHeadOrder::Grouped || w.wba.empty())
+    throw CudaError("strata::cuda: gated delta net: the qwen35moe layout (separate ssm_alpha/ssm_beta, tiled value "
+                    "heads) is not implemented on the CUDA backend yet; use --backend cpu");
+  const int64_t C = s.conv_dim(), VD = s.value_dim(), nv = s.n_v_head;
+  Carve c{scratch(2 * sz<float>(size_t(T * C)) + 2 * sz<float>(size_t(T * VD)) + sz<float>(size_t(T * 2 * nv)))};
+  float* x = c.take<float>(size_t(T * C));
+  float* xc = c.take<float>(size_t(T * C));
+  float* z = c.take<float>(size_t(T * VD));
+  float* o = c.take<float>(size_t(T * VD));
+  float* ba = c.take<float>(size_t(T * 2 * nv));
+  const int64_t ldh = ld(h);
+  auto mm = [&](const Tensor& W, const float* in, int64_t ldi, float* y, int64_t ldy) {
+    cuda::matmul(W.type, W.data, W.row_bytes(), W.rows(), W.cols(), in, ldi, T, y, ldy, stream());
+  };
+  mm(w.wqkv, h.f(), ldh, x, C);
+  mm(w.wz, h.f(), ldh, z, VD);
+  mm(w.wba, h.f(), ldh, ba, 2 * nv);
+  gdn_conv(x, C, T, w.conv.f(), s.conv_kernel, state.conv.f(), xc, stream());
+  gdn_recurrent(xc, C, T, ba, w.dt_bias.f(), w.a.f(), s.n_k_head, s.n_v_head, s.head_k_dim, s.head_v_dim,
+                state.ssm.f(), o, stream());
+  // Gated RMSNorm per value head: (rmsnorm(o) * ssm_norm) * silu(z).
+  cuda::rms_norm(o, s.head_v_dim, w.norm.f(), o, s.head_v_dim, s.head_v_dim, T * nv, s.rms_eps, stream());
+  swiglu(z, o, o, T * VD, stream());
+  mm(w.wout, o, VD, out.f(), ld(out));
+}
+
+void CudaBackend::swiglu_ffn(const backend::FfnWeights& w, const float* h, int64_t ldh, int64_t T, float* out,
+                             int64_t ldo, char* base) {
+  const int64_t F = w.gate.rows();
+  Carve c{base};
+  float* g = c.take<float>(size_t(T * F));
+  float* u = c.take<float>(size_t(T * F));
+  cuda::matmul(w.gate.type, w.gate.data, w.gate.row_bytes(), F, w.gate.cols(), h, ldh, T, g, F, stream());
+  cuda::matmul(w.up.type, w.up.data, w.up.row_bytes(), w.up.rows(), w.up.cols(), h, ldh, T, u, F, stream());
+  swiglu(g, u, g, T * F, stream());
+  cuda::matmul(w.down.type, w.down.data, w.down.row_bytes(), w.down.rows(), w.down.cols(), g, F, T, out, ldo, stream());
+}
+
+// The activations and biases the CUDA FFN kernels implement: SwiGLU without biases.
+static void check_ffn(const backend::FfnSpec& spec, const backend::FfnWeights& w, const char* what) {
+  if (spec.act != backend::FfnSpec::Act::SwiGLU || !w.gate_b.empty() || !w.up_b.empty() || !w.down_b.empty())
+    throw CudaError(fmt::format("strata::cuda: {}: only SwiGLU without biases is implemented on the CUDA backend "
+                                "(gpt-oss needs the clamped SwiGLU and expert biases); use --backend cpu",
+                                what));
+}
+
+void CudaBackend::ffn(const backend::FfnCall& call, const backend::FfnWeights& w, const Tensor& h, const Tensor& out) {
+  const int64_t T = h.rows(), E = out.cols(), F = w.gate.rows();
+  if (T == 0) return;
+  check_ffn(call.spec, w, "ffn");
+  if (call.scalar_gate.empty()) {
+    if (call.accumulate)
+      throw CudaError("strata::cuda: ffn: an ungated shared expert (glm4moe, deepseek2) is not implemented on the "
+                      "CUDA backend yet; use --backend cpu");
+    swiglu_ffn(w, h.f(), ld(h), T, out.f(), ld(out), scratch(2 * sz<float>(size_t(T * F))));
+    return;
+  }
+  if (!call.accumulate) throw std::invalid_argument("ffn: a scalar gate is only supported with accumulate");
+  const size_t ff = 2 * sz<float>(size_t(T * F));
+  char* base = scratch(ff + sz<float>(size_t(T * E)) + sz<float>(size_t(T)));
+  Carve c{base + ff};
+  float* y = c.take<float>(size_t(T * E));
+  float* gs = c.take<float>(size_t(T));
+  swiglu_ffn(w, h.f(), ld(h), T, y, E, base);
+  const Tensor& sg = call.scalar_gate;
+  cuda::matmul(sg.type, sg.data, sg.row_bytes(), 1, sg.cols(), h.f(), ld(h), T, gs, 1, stream());
+  gated_accumulate(out.f(), ld(out), y, E, gs, E, T, stream());
+}
+
+void CudaBackend::router_logits(const Tensor& w, const Tensor& h, std::vector<float>& logits) {
+  const int64_t n_expert = w.rows(), T = h.rows();
+  logits.resize(size_t(T * n_expert));
+  if (T == 0) return;
+  float* d = Carve{scratch(sz<float>(size_t(T * n_expert)))}.take<float>(size_t(T * n_expert));
+  cuda::matmul(w.type, w.data, w.row_bytes(), n_expert, w.cols(), h.f(), ld(h), T, d, n_expert, stream());
+  STRATA_CUDA_CHECK(cudaMemcpyAsync(logits.data(), d, logits.size() * sizeof(float), cudaMemcpyDeviceToHost, ctx_->stream));
+  STRATA_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));
+}
+
+void CudaBackend::expert_ffn(const backend::FfnSpec& spec, const backend::ExpertJob& job, int top_k, const Tensor& h,
+                             const Tensor& expert_out) {
+  check_ffn(spec, job.w, "expert_ffn");
+  // Gather the expert's token rows, SwiGLU on all of them at once, scatter to the (token, k) rows.
+  const int64_t n = int64_t(job.pairs.size()), E = h.cols(), F = job.w.gate.rows();
+  if (n == 0) return;
+  const size_t head = sz<int64_t>(size_t(n)) + 2 * sz<float>(size_t(n * E));
+  char* base = scratch(head + 2 * sz<float>(size_t(n * F)));
+  Carve c{base};
+  int64_t* pairs = c.take<int64_t>(size_t(n));
+  float* xg = c.take<float>(size_t(n * E));
+  float* y = c.take<float>(size_t(n * E));
+  upload_async(pairs, job.pairs.data(), size_t(n) * sizeof(int64_t));
+  gather_rows(h.f(), ld(h), pairs, top_k, n, xg, E, E, stream());
+  swiglu_ffn(job.w, xg, E, n, y, E, base + head);
+  scatter_rows(y, E, pairs, n, expert_out.f(), ld(expert_out), E, stream());
+}
+
+void CudaBackend::moe_combine(const backend::Routing& r, const Tensor& expert_out, const Tensor& out) {
+  const int64_t T = r.n_tokens();
+  if (T == 0) return;
+  float* w = Carve{scratch(sz<float>(r.weights.size()))}.take<float>(r.weights.size());
+  upload_async(w, r.weights.data(), r.weights.size() * sizeof(float));
+  cuda::moe_combine(expert_out.f(), ld(expert_out), w, r.top_k, T, out.f(), ld(out), out.cols(), stream());
+}
+
+}  // namespace strata::cuda

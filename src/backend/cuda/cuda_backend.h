@@ -1,0 +1,114 @@
+#pragma once
+// The CUDA backend: backend::Backend on one GPU with the kernels of src/backend/cuda.
+//
+// Memory: weights, activations, per-sequence state and the expert arena live in device memory
+// (cudaMalloc; activations stream-ordered with cudaMallocAsync); staging buffers are pinned
+// host memory (cudaHostAlloc, pageable with a warning when pinning fails). Every compute call
+// is queued on one compute stream and returns before it runs; only download(), router_logits()
+// (the routing decisions of the MoE cut), Event::wait() and synchronize() wait for the device.
+// Small host arrays a call needs (token ids, (token, k) pairs, positions, routing weights) go
+// through a pinned upload ring on the same stream.
+//
+// The expert arena (make_arena): slot memory on the device, one pinned staging buffer of
+// slot_bytes per IO thread, and one copy stream per IO thread. land() copies the piece from
+// the thread's staging to the slot on its copy stream and waits for that copy only, so the IO
+// thread blocks and the compute stream does not; the stream's wait() returns after land(), so
+// kernels queued afterwards see the bytes. Slot reuse waits on the last-use event (release()).
+//
+// Numerics: the per-element arithmetic of every kernel is fixed by that element's own inputs
+// (kernels.h, backend_kernels.h), so results are independent of the prompt chunk, the arena
+// size and IO timing (batch invariance), as on the CPU. Against the CPU backend with fp32
+// activations the results differ by accumulation order (matmul lanes, attention's online
+// softmax) and CUDA's expf (<= 2 ulp): see tests/test_cuda_backend.cpp for the tolerances.
+//
+// This header includes no CUDA header.
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/cuda/kernels.h"
+
+namespace strata::cuda {
+
+/// Settings of one CUDA backend instance.
+struct CudaOptions {
+  int device = 0;  ///< CUDA device ordinal (cudaSetDevice)
+};
+
+/// Shared by the backend, its buffers and its arenas: the device, the compute stream (a
+/// cudaStream_t), and the stream-ordered allocator's release. Destroyed by the last holder, so a
+/// buffer that outlives the backend is still freed correctly.
+struct CudaContext;
+
+class CudaBackend final : public backend::Backend {
+ public:
+  /// Opens device `opts.device`. Throws CudaError when there is no such device.
+  explicit CudaBackend(const CudaOptions& opts);
+  ~CudaBackend() override;
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  /// Free and total device memory in bytes (cudaMemGetInfo).
+  void mem_info(size_t& free_bytes, size_t& total_bytes) const;
+  /// Bytes of device memory held by resident weights (weights()).
+  size_t weight_bytes() const { return weight_bytes_; }
+  int device() const { return device_; }
+
+  backend::BackendInfo info() const override;
+  std::unique_ptr<backend::Buffer> alloc(backend::BufferRole role, size_t bytes) override;
+  /// Copies the tensor's rows (rows() x nb[1] bytes) to the device; the result keeps type, shape
+  /// and strides, place Device. Throws CudaError naming the type for a weight type the kernels
+  /// cannot take, and when the memory is not there.
+  backend::Tensor weights(const backend::Tensor& host) override;
+  void upload(const backend::Tensor& dst, const void* src, size_t bytes) override;
+  void download(void* dst, const backend::Tensor& src, size_t bytes) override;
+  void copy(const backend::Tensor& dst, const backend::Tensor& src, size_t bytes) override;
+  backend::EventPtr record() override;
+  void synchronize() override;
+  std::unique_ptr<backend::ArenaMemory> make_arena(size_t n_slots, size_t slot_bytes, int io_threads) override;
+
+  void embed(const backend::Tensor& table, std::span<const int32_t> ids, const backend::Tensor& x) override;
+  void rms_norm(const backend::Tensor& x, const backend::Tensor& w, float eps, const backend::Tensor& y) override;
+  void add(const backend::Tensor& x, const backend::Tensor& y) override;
+  void matmul(const backend::Tensor& W, const backend::Tensor& x, const backend::Tensor& y) override;
+  void attention(const backend::AttentionSpec& spec, const backend::AttentionWeights& w, const backend::KvCache& kv,
+                 int64_t pos0, const backend::Tensor& h, const backend::Tensor& out) override;
+  void gated_delta_net(const backend::GdnSpec& spec, const backend::GdnWeights& w,
+                       const backend::RecurrentState& state, const backend::Tensor& h,
+                       const backend::Tensor& out) override;
+  void ffn(const backend::FfnCall& call, const backend::FfnWeights& w, const backend::Tensor& h,
+           const backend::Tensor& out) override;
+  void router_logits(const backend::Tensor& w, const backend::Tensor& h, std::vector<float>& logits) override;
+  void expert_ffn(const backend::FfnSpec& spec, const backend::ExpertJob& job, int top_k, const backend::Tensor& h,
+                  const backend::Tensor& expert_out) override;
+  void moe_combine(const backend::Routing& routing, const backend::Tensor& expert_out,
+                   const backend::Tensor& out) override;
+
+ private:
+  void* stream() const;
+  /// Device scratch of at least `bytes` for the current call (grown stream-ordered; reused by
+  /// the next call, which the stream orders after this one).
+  char* scratch(size_t bytes);
+  /// Queues a copy of `bytes` host bytes to device `dst` on the compute stream through the
+  /// pinned ring; `src` may be reused when it returns.
+  void upload_async(void* dst, const void* src, size_t bytes);
+  /// The device copy of `rope`'s inv_freq table (doubles), uploaded once per spec.
+  const double* inv_freq(const backend::RopeSpec& rope);
+  void swiglu_ffn(const backend::FfnWeights& w, const float* h, int64_t ldh, int64_t T, float* out, int64_t ldo,
+                  char* scratch_base);
+
+  int device_ = 0;
+  std::shared_ptr<CudaContext> ctx_;
+  std::vector<DeviceBuffer> weights_;  // device copies made by weights()
+  size_t weight_bytes_ = 0;
+  void* scratch_ = nullptr;
+  size_t scratch_bytes_ = 0;
+  uint8_t* ring_ = nullptr;  // pinned upload ring (or pageable when pinning failed)
+  bool ring_pinned_ = false;
+  size_t ring_bytes_ = 0, ring_off_ = 0;
+  std::map<const backend::RopeSpec*, DeviceBuffer> inv_freq_;
+};
+
+}  // namespace strata::cuda
