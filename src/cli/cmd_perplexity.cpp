@@ -52,7 +52,8 @@ void register_perplexity(CLI::App& root) {
   f->engine.add(*app);
   f->prompt.add(*app);
   app->get_option("-c")->description(
-      "tokens per chunk and context (default 512, or the base file's with --kl-divergence; at most the model's context)");
+      "tokens per chunk and context (default 512, or the base file's with --kl-divergence; at most the model's "
+      "context)");
   app->add_option("--kl-divergence-base", f->kld_base,
                   "without --kl-divergence: write the reference distributions here (top-K ids and log-probs, the "
                   "tail mass, log-sum-exp and the text token's log-prob per scored position); with it: read them");
@@ -68,8 +69,9 @@ void register_perplexity(CLI::App& root) {
     if (f->kld) {
       base = quality::read_kld_base(f->kld_base);
       if (opts.n_ctx != 0 && opts.n_ctx != base.plan.n_ctx)
-        throw std::invalid_argument(fmt::format("-c {} differs from the base file's chunk of {} tokens: omit -c or give -c {}",
-                                                opts.n_ctx, base.plan.n_ctx, base.plan.n_ctx));
+        throw std::invalid_argument(
+            fmt::format("-c {} differs from the base file's chunk of {} tokens: omit -c or give -c {}", opts.n_ctx,
+                        base.plan.n_ctx, base.plan.n_ctx));
       opts.n_ctx = base.plan.n_ctx;
     } else if (opts.n_ctx == 0) {
       opts.n_ctx = kDefaultChunk;
@@ -143,14 +145,10 @@ void register_perplexity(CLI::App& root) {
 
     const std::string estimator = "PPL = exp(mean NLL); +/- = PPL x the standard error of the mean NLL";
     if (f->json) {
-      nlohmann::json j = {{"tokens", tokens.size()},
-                          {"n_ctx", n_ctx},
-                          {"chunks", plan.n_chunk},
-                          {"scored", acc.n},
-                          {"ppl", acc.ppl()},
-                          {"ppl_error", acc.ppl_error()},
-                          {"mean_nll", acc.nll().mean},
-                          {"chunk_ppl", chunk_ppl},
+      nlohmann::json j = {{"tokens", tokens.size()},    {"n_ctx", n_ctx},
+                          {"chunks", plan.n_chunk},     {"scored", acc.n},
+                          {"ppl", acc.ppl()},           {"ppl_error", acc.ppl_error()},
+                          {"mean_nll", acc.nll().mean}, {"chunk_ppl", chunk_ppl},
                           {"estimator", estimator}};
       if (f->kld) {
         const quality::KldSummary s = quality::summarize(cmp);
@@ -193,12 +191,15 @@ void register_perplexity(CLI::App& root) {
     fmt::print("99.9%   KLD: {:.6f}\n", s.kld_p999);
     fmt::print("99.0%   KLD: {:.6f}\n", s.kld_p99);
     fmt::print("Median  KLD: {:.6f}\n", s.kld_median);
-    fmt::print("Mean KLD upper bound: {:.6f} (the base's mass outside its top {} is {:.3g} on average; the bound puts it "
-               "where this run is least probable)\n",
-               s.kld_upper_mean, base.top_k, s.tail_mean);
+    fmt::print(
+        "Mean KLD upper bound: {:.6f} (the base's mass outside its top {} is {:.3g} on average; the bound puts it "
+        "where this run is least probable)\n",
+        s.kld_upper_mean, base.top_k, s.tail_mean);
     fmt::print("====== Token probability statistics ======\n");
-    fmt::print("RMS dp (text token)         : {:.3f} +/- {:.3f} %\n", 100 * s.rms_dp_text.mean, 100 * s.rms_dp_text.error);
-    fmt::print("RMS dp (base's top-1 token) : {:.3f} +/- {:.3f} %\n", 100 * s.rms_dp_top.mean, 100 * s.rms_dp_top.error);
+    fmt::print("RMS dp (text token)         : {:.3f} +/- {:.3f} %\n", 100 * s.rms_dp_text.mean,
+               100 * s.rms_dp_text.error);
+    fmt::print("RMS dp (base's top-1 token) : {:.3f} +/- {:.3f} %\n", 100 * s.rms_dp_top.mean,
+               100 * s.rms_dp_top.error);
     fmt::print("Same top-1                  : {:.3f} +/- {:.3f} %\n", 100 * s.same_top.mean, 100 * s.same_top.error);
   });
 }

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 
 #include "cli/commands.h"
 #include "cli/common.h"
@@ -49,8 +50,8 @@ Routes run_setting(const std::string& model, const engine::EngineOptions& o, con
   r.ids = prompt.tokens(eng.tokenizer());
   const std::vector<int32_t>& ids = r.ids;
   if (ids.size() < n_decode + 1)
-    throw std::invalid_argument(fmt::format("the prompt has {} tokens; --decode {} needs at least {}", ids.size(),
-                                            n_decode, n_decode + 1));
+    throw std::invalid_argument(
+        fmt::format("the prompt has {} tokens; --decode {} needs at least {}", ids.size(), n_decode, n_decode + 1));
   model::SequenceState st = eng.new_sequence();
   std::vector<float> logits;
   const size_t n_pre = ids.size() - n_decode;
@@ -81,7 +82,8 @@ void register_route_parity(CLI::App& root) {
       ->required()
       ->check(CLI::ExistingFile);
   f->prompt.add(*app);
-  app->add_option("--a", f->a, "engine flags of setting A, quoted, e.g. \"--arena-mb 8 --prompt-chunk 16\"")->required();
+  app->add_option("--a", f->a, "engine flags of setting A, quoted, e.g. \"--arena-mb 8 --prompt-chunk 16\"")
+      ->required();
   app->add_option("--b", f->b, "engine flags of setting B, quoted")->required();
   app->add_option("--decode", f->decode,
                   "the last N prompt tokens are decoded one at a time (teacher-forced) to compare decode routing too")
@@ -101,7 +103,8 @@ void register_route_parity(CLI::App& root) {
     const Routes ra = run_setting(model_a, oa, f->prompt, n_decode);
     const Routes rb = run_setting(model_b, ob, f->prompt, n_decode);
     if (ra.ids != rb.ids)
-      throw std::invalid_argument("the two settings' tokenizers give different tokens for the prompt: give --prompt-ids");
+      throw std::invalid_argument(
+          "the two settings' tokenizers give different tokens for the prompt: give --prompt-ids");
     const std::vector<int32_t>& ids = ra.ids;
 
     nlohmann::json rows = nlohmann::json::array();
@@ -112,11 +115,13 @@ void register_route_parity(CLI::App& root) {
       const model::RoutingTrace& ta = std::string(phase) == "prefill" ? ra.prefill : ra.decode;
       const model::RoutingTrace& tb = std::string(phase) == "prefill" ? rb.prefill : rb.decode;
       if (ta.ids.size() != tb.ids.size())
-        throw std::runtime_error(fmt::format("the two settings ran models with {} and {} layers", ta.ids.size(), tb.ids.size()));
+        throw std::runtime_error(
+            fmt::format("the two settings ran models with {} and {} layers", ta.ids.size(), tb.ids.size()));
       for (size_t l = 0; l < ta.ids.size(); ++l) {
         if (ta.ids[l].empty() && tb.ids[l].empty()) continue;  // no routed experts in this layer
         if (ta.ids[l].size() != tb.ids[l].size())
-          throw std::runtime_error(fmt::format("layer {}: {} and {} routed tokens", l, ta.ids[l].size(), tb.ids[l].size()));
+          throw std::runtime_error(
+              fmt::format("layer {}: {} and {} routed tokens", l, ta.ids[l].size(), tb.ids[l].size()));
         LayerCount c;
         for (size_t t = 0; t < ta.ids[l].size(); ++t) {
           ++c.tokens;
@@ -140,32 +145,51 @@ void register_route_parity(CLI::App& root) {
           } else {
             ++c.real;
             if (first_real.is_null())
-              first_real = {{"phase", phase}, {"layer", l}, {"token", t}, {"a", ta.ids[l][t]}, {"b", tb.ids[l][t]},
-                            {"a_probs", ta.probs[l][t]}, {"b_probs", tb.probs[l][t]}, {"boundary_gap", gap}};
+              first_real = {{"phase", phase},
+                            {"layer", l},
+                            {"token", t},
+                            {"a", ta.ids[l][t]},
+                            {"b", tb.ids[l][t]},
+                            {"a_probs", ta.probs[l][t]},
+                            {"b_probs", tb.probs[l][t]},
+                            {"boundary_gap", gap}};
           }
         }
         total_real += c.real;
         total_ties += c.ties;
         total_tokens += c.tokens;
-        rows.push_back({{"phase", phase}, {"layer", l}, {"tokens", c.tokens}, {"same", c.same}, {"ties", c.ties},
-                        {"real", c.real}, {"max_dp", c.max_dp}});
+        rows.push_back({{"phase", phase},
+                        {"layer", l},
+                        {"tokens", c.tokens},
+                        {"same", c.same},
+                        {"ties", c.ties},
+                        {"real", c.real},
+                        {"max_dp", c.max_dp}});
         lines.push_back(fmt::format("{:<8} {:>5} {:>7} {:>7} {:>5} {:>5}  {:.3g}", phase, l, c.tokens, c.same, c.ties,
                                     c.real, c.max_dp));
       }
     }
     const bool pass = total_real == 0;
     if (f->json) {
-      nlohmann::json j = {{"a", f->a}, {"b", f->b}, {"prompt_tokens", ids.size()}, {"decoded", n_decode},
-                          {"tie_tol", f->tie_tol}, {"layers", rows}, {"tokens_compared", total_tokens},
-                          {"ties", total_ties}, {"real", total_real}, {"pass", pass}};
+      nlohmann::json j = {{"a", f->a},
+                          {"b", f->b},
+                          {"prompt_tokens", ids.size()},
+                          {"decoded", n_decode},
+                          {"tie_tol", f->tie_tol},
+                          {"layers", rows},
+                          {"tokens_compared", total_tokens},
+                          {"ties", total_ties},
+                          {"real", total_real},
+                          {"pass", pass}};
       if (!first_real.is_null()) j["first_real"] = first_real;
       fmt::print("{}\n", j.dump());
     } else {
       fmt::print("route-parity: A = \"{}\", B = \"{}\"; {} prompt tokens: {} prefilled, {} decoded teacher-forced\n",
                  f->a, f->b, ids.size(), ids.size() - n_decode, n_decode);
-      fmt::print("tie: exactly one expert swapped and (p_k - p_k+1) <= {:g} * p_k in either run (router "
-                 "probabilities; p_k the k-th chosen, p_k+1 the best not chosen)\n",
-                 f->tie_tol);
+      fmt::print(
+          "tie: exactly one expert swapped and (p_k - p_k+1) <= {:g} * p_k in either run (router "
+          "probabilities; p_k the k-th chosen, p_k+1 the best not chosen)\n",
+          f->tie_tol);
       fmt::print("{:<8} {:>5} {:>7} {:>7} {:>5} {:>5}  {}\n", "phase", "layer", "tokens", "same", "ties", "real",
                  "max|dp| (same experts)");
       for (const auto& s : lines) fmt::print("{}\n", s);
@@ -180,6 +204,7 @@ void register_route_parity(CLI::App& root) {
         fmt::print("FAIL: {} real routing differences ({} ties) in {} (layer, token) pairs\n", total_real, total_ties,
                    total_tokens);
     }
+    std::fflush(stdout);
     if (!pass) throw std::runtime_error(fmt::format("route-parity: {} real routing differences", total_real));
   });
 }

@@ -66,7 +66,8 @@ double mass_outside(const float* row, int n_vocab, double lse, const std::vector
 
 RefPosition make_ref(const float* row, int n_vocab, int top_k, int32_t next_id) {
   if (top_k < 1 || top_k > n_vocab) throw std::invalid_argument(fmt::format("top-k {} not in [1, {}]", top_k, n_vocab));
-  if (next_id < 0 || next_id >= n_vocab) throw std::invalid_argument(fmt::format("token {} outside the vocabulary", next_id));
+  if (next_id < 0 || next_id >= n_vocab)
+    throw std::invalid_argument(fmt::format("token {} outside the vocabulary", next_id));
   RefPosition r;
   r.lse = log_sum_exp(row, n_vocab);
   std::vector<int32_t> order(static_cast<size_t>(n_vocab));
@@ -86,7 +87,8 @@ RefPosition make_ref(const float* row, int n_vocab, int top_k, int32_t next_id) 
 }
 
 PositionCompare compare_position(const RefPosition& ref, const float* row, int n_vocab, int32_t next_id) {
-  if (next_id < 0 || next_id >= n_vocab) throw std::invalid_argument(fmt::format("token {} outside the vocabulary", next_id));
+  if (next_id < 0 || next_id >= n_vocab)
+    throw std::invalid_argument(fmt::format("token {} outside the vocabulary", next_id));
   PositionCompare c;
   const double lse = log_sum_exp(row, n_vocab);
   std::vector<char> in_set(size_t(n_vocab), 0);
@@ -234,7 +236,8 @@ class Reader {
   Reader(const std::vector<char>& b, const std::string& path) : b_(b), path_(path) {}
   void need(size_t n) const {
     if (n > b_.size() - off_)
-      throw QualityError(fmt::format("KLD base file '{}' is truncated: it ends at byte {} inside its header", path_, b_.size()));
+      throw QualityError(
+          fmt::format("KLD base file '{}' is truncated: it ends at byte {} inside its header", path_, b_.size()));
   }
   void get(void* p, size_t n) {
     need(n);
@@ -283,7 +286,8 @@ void write_kld_base(const std::string& path, const KldBase& base) {
   w.str(base.settings);
   w.put(base.tokens.data(), base.tokens.size() * 4);
   for (const RefPosition& r : base.positions) {
-    if (r.ids.size() != base.top_k || r.lp.size() != base.top_k) throw QualityError("KLD base: a record has the wrong K");
+    if (r.ids.size() != base.top_k || r.lp.size() != base.top_k)
+      throw QualityError("KLD base: a record has the wrong K");
     w.pod<double>(r.lse);
     w.pod<double>(r.tail);
     w.pod<float>(r.next_lp);
@@ -310,18 +314,19 @@ KldBase read_kld_base(const std::string& path) {
   if (!in) throw QualityError(fmt::format("cannot open KLD base file '{}'", path));
   std::vector<char> b((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   if (b.size() < 8 || std::memcmp(b.data(), kMagic, 8) != 0)
-    throw QualityError(fmt::format(
-        "'{}' is not a strata KLD base file (no STRATAKL magic): write one with `strata perplexity "
-        "--kl-divergence-base FILE` (without --kl-divergence)",
-        path));
+    throw QualityError(
+        fmt::format("'{}' is not a strata KLD base file (no STRATAKL magic): write one with `strata perplexity "
+                    "--kl-divergence-base FILE` (without --kl-divergence)",
+                    path));
   Reader r(b, path);
   char magic[8];
   r.get(magic, 8);
   const uint32_t version = r.pod<uint32_t>();
   if (version != KldBase::kVersion)
-    throw QualityError(fmt::format("KLD base file '{}' has format version {}; this strata reads version {}: "
-                                   "write the base again with this strata",
-                                   path, version, KldBase::kVersion));
+    throw QualityError(
+        fmt::format("KLD base file '{}' has format version {}; this strata reads version {}: "
+                    "write the base again with this strata",
+                    path, version, KldBase::kVersion));
   KldBase base;
   base.n_vocab = r.pod<uint32_t>();
   base.top_k = r.pod<uint32_t>();
@@ -340,9 +345,10 @@ KldBase read_kld_base(const std::string& path) {
   const size_t n_tok = size_t(p.n_chunk) * size_t(p.n_ctx), n_pos = size_t(p.n_chunk) * size_t(p.n_scored);
   const size_t expect = r.offset() + n_tok * 4 + n_pos * record_bytes(base.top_k) + 8;
   if (b.size() != expect)
-    throw QualityError(fmt::format("KLD base file '{}' is {}: {} bytes, its header says {} ({} chunks of {} tokens, K {})",
-                                   path, b.size() < expect ? "truncated" : "longer than its header says", b.size(),
-                                   expect, p.n_chunk, p.n_ctx, base.top_k));
+    throw QualityError(
+        fmt::format("KLD base file '{}' is {}: {} bytes, its header says {} ({} chunks of {} tokens, K {})", path,
+                    b.size() < expect ? "truncated" : "longer than its header says", b.size(), expect, p.n_chunk,
+                    p.n_ctx, base.top_k));
   uint64_t stored = 0;
   std::memcpy(&stored, b.data() + b.size() - 8, 8);
   if (stored != fnv1a(b.data(), b.size() - 8))
@@ -360,7 +366,8 @@ KldBase read_kld_base(const std::string& path) {
       rp.ids[k] = r.pod<int32_t>();
       rp.lp[k] = r.pod<float>();
       if (rp.ids[k] < 0 || uint32_t(rp.ids[k]) >= base.n_vocab)
-        throw QualityError(fmt::format("KLD base file '{}' is corrupt: token id {} outside its vocabulary", path, rp.ids[k]));
+        throw QualityError(
+            fmt::format("KLD base file '{}' is corrupt: token id {} outside its vocabulary", path, rp.ids[k]));
     }
   }
   return base;

@@ -122,14 +122,14 @@ struct PplAccumulator {
 /// The summary `strata perplexity --kl-divergence` prints (all over the scored positions).
 struct KldSummary {
   size_t n = 0;
-  MeanError ppl, ppl_base;       ///< PPL(Q), PPL(P) with their errors (as PplAccumulator)
-  MeanError ppl_ratio;           ///< exp(mean(nll - nll_base)), error ratio * SE(mean difference)
-  MeanError kld;                 ///< mean lower-bound KLD and its SE
-  double kld_upper_mean = 0;     ///< mean of kld_upper (the gap to kld is what top-K can not see)
-  double tail_mean = 0;          ///< mean of P's tail mass
+  MeanError ppl, ppl_base;    ///< PPL(Q), PPL(P) with their errors (as PplAccumulator)
+  MeanError ppl_ratio;        ///< exp(mean(nll - nll_base)), error ratio * SE(mean difference)
+  MeanError kld;              ///< mean lower-bound KLD and its SE
+  double kld_upper_mean = 0;  ///< mean of kld_upper (the gap to kld is what top-K can not see)
+  double tail_mean = 0;       ///< mean of P's tail mass
   double kld_p99 = 0, kld_p999 = 0, kld_max = 0, kld_median = 0;
-  MeanError same_top;            ///< fraction p, error sqrt(p (1 - p) / (n - 1))
-  MeanError rms_dp_text;         ///< sqrt(mean dp^2), error 0.5 / rms * SE(mean dp^2)
+  MeanError same_top;     ///< fraction p, error sqrt(p (1 - p) / (n - 1))
+  MeanError rms_dp_text;  ///< sqrt(mean dp^2), error 0.5 / rms * SE(mean dp^2)
   MeanError rms_dp_top;
 };
 KldSummary summarize(std::span<const PositionCompare> positions);
@@ -144,8 +144,8 @@ struct KldBase {
   uint32_t top_k = 0;
   ChunkPlan plan;
   uint64_t tokenizer_hash = 0;
-  std::string model;     ///< the reference model file (as given)
-  std::string settings;  ///< the reference engine settings, for the report (e.g. "act-quant f32, kernels avx2")
+  std::string model;            ///< the reference model file (as given)
+  std::string settings;         ///< the reference engine settings, for the report (e.g. "act-quant f32, kernels avx2")
   std::vector<int32_t> tokens;  ///< n_chunk * n_ctx: the tokens the chunks ran
   std::vector<RefPosition> positions;
 };
