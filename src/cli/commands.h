@@ -15,4 +15,6 @@ void register_bench(CLI::App& root);
 void register_synth(CLI::App& root);
 void register_ssdbw(CLI::App& root);
 void register_pack(CLI::App& root);
+void register_perplexity(CLI::App& root);
+void register_route_parity(CLI::App& root);
 }  // namespace strata::cli

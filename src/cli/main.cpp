@@ -20,6 +20,8 @@ int main(int argc, char** argv) {
   strata::cli::register_synth(app);
   strata::cli::register_ssdbw(app);
   strata::cli::register_pack(app);
+  strata::cli::register_perplexity(app);
+  strata::cli::register_route_parity(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

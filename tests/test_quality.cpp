@@ -1,0 +1,585 @@
+// Quality tools (issue 15): the perplexity and KL-divergence formulas on hand-computed cases,
+// `strata perplexity` (llama.cpp's chunking, reproducible, equal to the PPL computed here from
+// the engine's logits), `--kl-divergence` (0 against itself under other engine settings, small
+// but > 0 for f32 vs q8 activations, larger for Q4_K_M than for Q8_0 against BF16, clear errors),
+// `strata route-parity`, and determinism of prefill and decode (logits and routing) across IO
+// timing on the CPU backend.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <thread>
+
+#include "engine/engine.h"
+#include "engine/quality.h"
+#include "support/paths.h"
+
+namespace fs = std::filesystem;
+using namespace strata;
+using ::testing::HasSubstr;
+
+namespace {
+
+class Scratch {
+ public:
+  Scratch() {
+    dir_ = fs::current_path() / ("strata-test-quality-" + std::to_string(::getpid()));
+    fs::create_directories(dir_);
+  }
+  ~Scratch() {
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+
+ private:
+  fs::path dir_;
+};
+Scratch& scratch() {
+  static Scratch s;
+  return s;
+}
+
+struct CmdResult {
+  int rc = -1;
+  std::string out;
+};
+// Runs the strata binary; `with_stderr` merges stderr into out (else it is dropped).
+CmdResult run_strata(const std::string& args, bool with_stderr = true) {
+  CmdResult r;
+  const std::string cmd = test::strata_binary() + " " + args + (with_stderr ? " 2>&1" : " 2>/dev/null");
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (!p) return r;
+  std::array<char, 4096> buf{};
+  size_t n;
+  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
+  const int st = ::pclose(p);
+  r.rc = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  return r;
+}
+nlohmann::json run_json(const std::string& args) {
+  const CmdResult r = run_strata(args, false);
+  EXPECT_EQ(r.rc, 0) << args << "\n" << run_strata(args).out;
+  return r.rc == 0 ? nlohmann::json::parse(r.out) : nlohmann::json();
+}
+
+const std::string kText = std::string(STRATA_TEST_DATA) + "/quality.py";
+std::string model_flag() { return "-m " + test::shipped_model() + " -t 2"; }
+
+// The base file of the shipped model on kText with chunks of 64 (written once).
+const std::string& shipped_base() {
+  static const std::string path = [] {
+    const std::string p = scratch().path("shipped.kld");
+    const CmdResult r = run_strata("perplexity " + model_flag() + " -f " + kText + " -c 64 --kl-divergence-base " + p);
+    EXPECT_EQ(r.rc, 0) << r.out;
+    return p;
+  }();
+  return path;
+}
+
+constexpr double kLn2 = 0.69314718055994530942;
+
+std::vector<float> logits_of(std::initializer_list<double> probs) {
+  std::vector<float> v;
+  for (double p : probs) v.push_back(float(std::log(p)));
+  return v;
+}
+
+}  // namespace
+
+// ---- formulas on hand-computed cases ----
+
+TEST(QualityFormulas, ChunkPlanIsLlamaCpps) {
+  const quality::ChunkPlan p = quality::plan_chunks(200, 64);
+  EXPECT_EQ(p.n_chunk, 3);  // 200 / 64; the last 8 tokens are dropped
+  EXPECT_EQ(p.first, 32);
+  EXPECT_EQ(p.n_scored, 31);  // positions 32..62 predict tokens 33..63
+  EXPECT_EQ(quality::plan_chunks(128, 64).n_chunk, 2);
+  try {
+    quality::plan_chunks(127, 64);
+    FAIL() << "no error for a text of fewer than 2 chunks";
+  } catch (const quality::QualityError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("127 tokens"));
+    EXPECT_THAT(e.what(), HasSubstr("at least 2 chunks = 128 tokens"));
+  }
+}
+
+TEST(QualityFormulas, MeanErrorPercentileLogSumExp) {
+  // 1, 2, 3, 4: mean 2.5, population variance 1.25, error sqrt(1.25 / 3)
+  const quality::MeanError m = quality::mean_and_error(10, 30, 4);
+  EXPECT_DOUBLE_EQ(m.mean, 2.5);
+  EXPECT_NEAR(m.error, std::sqrt(1.25 / 3), 1e-15);
+  EXPECT_EQ(quality::mean_and_error(5, 25, 1).error, 0.0);
+  const std::vector<double> v = {1, 2, 3, 4, 5};
+  EXPECT_DOUBLE_EQ(quality::percentile(v, 0.5), 3.0);
+  EXPECT_NEAR(quality::percentile(v, 0.99), 4.96, 1e-12);  // rank 3.96: 0.04 * 4 + 0.96 * 5
+  EXPECT_NEAR(quality::percentile(v, 0.999), 4.996, 1e-12);
+  EXPECT_DOUBLE_EQ(quality::percentile(v, 1.0), 5.0);
+  const std::vector<float> row = {0.0f, float(std::log(3.0))};
+  EXPECT_NEAR(quality::log_sum_exp(row.data(), 2), std::log(4.0), 1e-7);
+  // PPL of NLLs ln 2 and ln 8: exp(mean) = exp(2 ln 2) = 4; error = 4 * sqrt(((ln2^2 + (3 ln2)^2)/2 - (2 ln2)^2) / 1)
+  quality::PplAccumulator acc;
+  acc.add(kLn2);
+  acc.add(3 * kLn2);
+  EXPECT_NEAR(acc.ppl(), 4.0, 1e-12);
+  EXPECT_NEAR(acc.ppl_error(), 4.0 * kLn2, 1e-12);
+}
+
+// P = (0.5, 0.25, 0.125, 0.125), Q = (0.25, 0.25, 0.4, 0.1), K = 2 (S = {0, 1}), next token 2.
+//  exact KL(P||Q) = 0.5 ln 2 + 0 + 0.125 ln(0.125/0.4) + 0.125 ln(0.125/0.1)
+//  lower bound    = 0.5 ln 2 + 0 + P_T ln(P_T/Q_T) with P_T = 0.25, Q_T = 0.5: 0.25 ln 2
+//  upper bound    = 0.5 ln 2 + the tail mass 0.25 (at most P(K-th) = 0.25) on Q's smallest, 0.1:
+//                   0.5 ln 2 + 0.25 ln(0.25/0.1)
+TEST(QualityFormulas, KldBoundsOnHandComputedCase) {
+  const auto p = logits_of({0.5, 0.25, 0.125, 0.125});
+  const auto q = logits_of({0.25, 0.25, 0.4, 0.1});
+  const double exact = 0.5 * kLn2 + 0.125 * std::log(0.125 / 0.4) + 0.125 * std::log(0.125 / 0.1);
+  const quality::RefPosition r2 = quality::make_ref(p.data(), 4, 2, 2);
+  EXPECT_EQ(r2.ids, (std::vector<int32_t>{0, 1}));
+  EXPECT_NEAR(r2.tail, 0.25, 1e-7);
+  EXPECT_NEAR(r2.lse, 0.0, 1e-7);
+  EXPECT_NEAR(r2.next_lp, std::log(0.125), 1e-6);
+  const quality::PositionCompare c = quality::compare_position(r2, q.data(), 4, 2);
+  EXPECT_NEAR(c.kld, 0.25 * kLn2, 1e-6);
+  EXPECT_NEAR(c.kld_upper, 0.5 * kLn2 + 0.25 * std::log(0.25 / 0.1), 1e-6);
+  EXPECT_LE(c.kld, exact);
+  EXPECT_GE(c.kld_upper, exact);
+  EXPECT_NEAR(c.nll, -std::log(0.4), 1e-6);
+  EXPECT_NEAR(c.nll_base, -std::log(0.125), 1e-6);
+  EXPECT_NEAR(c.dp_text, 0.4 - 0.125, 1e-6);
+  EXPECT_NEAR(c.dp_top, 0.25 - 0.5, 1e-6);
+  EXPECT_FALSE(c.same_top);  // Q's argmax is 2, P's is 0
+  // K = n_vocab: no tail, both bounds are the exact KL
+  const quality::PositionCompare e = quality::compare_position(quality::make_ref(p.data(), 4, 4, 2), q.data(), 4, 2);
+  EXPECT_NEAR(e.kld, exact, 1e-6);
+  EXPECT_NEAR(e.kld_upper, exact, 1e-6);
+  // against itself: exactly 0, whatever K
+  for (int k : {1, 2, 4}) {
+    const quality::PositionCompare s = quality::compare_position(quality::make_ref(p.data(), 4, k, 1), p.data(), 4, 1);
+    EXPECT_EQ(s.kld, 0.0) << k;
+    EXPECT_EQ(s.nll, s.nll_base);
+    EXPECT_EQ(s.dp_text, 0.0);
+    EXPECT_TRUE(s.same_top);
+  }
+}
+
+TEST(QualityFormulas, BoundsHoldOnRandomDistributions) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.0f, 3.0f);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int V = 50;
+    std::vector<float> p(V), q(V);
+    for (int i = 0; i < V; ++i) {
+      p[size_t(i)] = nd(rng);
+      q[size_t(i)] = p[size_t(i)] + 0.5f * nd(rng);
+    }
+    const double exact = quality::compare_position(quality::make_ref(p.data(), V, V, 0), q.data(), V, 0).kld;
+    for (int k : {1, 5, 20}) {
+      const auto c = quality::compare_position(quality::make_ref(p.data(), V, k, 0), q.data(), V, 0);
+      EXPECT_LE(c.kld, exact + 1e-6) << trial << " K " << k;
+      EXPECT_GE(c.kld_upper, exact - 1e-6) << trial << " K " << k;
+    }
+  }
+}
+
+TEST(QualityFormulas, SummaryOnHandComputedPositions) {
+  std::vector<quality::PositionCompare> v(2);
+  v[0].nll = 1.0, v[0].nll_base = 0.5, v[0].kld = 0.1, v[0].same_top = true, v[0].dp_text = 0.3, v[0].dp_top = 0.1;
+  v[1].nll = 2.0, v[1].nll_base = 1.5, v[1].kld = 0.3, v[1].same_top = false, v[1].dp_text = -0.4, v[1].dp_top = 0.1;
+  const quality::KldSummary s = quality::summarize(v);
+  EXPECT_NEAR(s.ppl.mean, std::exp(1.5), 1e-12);
+  EXPECT_NEAR(s.ppl_base.mean, std::exp(1.0), 1e-12);
+  EXPECT_NEAR(s.ppl_ratio.mean, std::exp(0.5), 1e-12);  // the differences are both 0.5
+  EXPECT_NEAR(s.ppl_ratio.error, 0.0, 1e-12);
+  EXPECT_NEAR(s.kld.mean, 0.2, 1e-12);
+  EXPECT_NEAR(s.kld.error, 0.1, 1e-12);  // population sd 0.1 / sqrt(1)
+  EXPECT_NEAR(s.kld_p99, 0.1 + 0.99 * 0.2, 1e-12);
+  EXPECT_NEAR(s.same_top.mean, 0.5, 1e-12);
+  EXPECT_NEAR(s.same_top.error, 0.5, 1e-12);  // sqrt(0.25 / 1)
+  EXPECT_NEAR(s.rms_dp_text.mean, std::sqrt((0.09 + 0.16) / 2), 1e-12);
+  EXPECT_NEAR(s.rms_dp_top.mean, 0.1, 1e-12);
+}
+
+TEST(QualityFormulas, BaseFileRoundTripAndErrors) {
+  quality::KldBase b;
+  b.n_vocab = 4;
+  b.top_k = 2;
+  b.plan = quality::plan_chunks(8, 4);
+  b.tokenizer_hash = 42;
+  b.model = "m.gguf";
+  b.settings = "act-quant f32";
+  b.tokens = {0, 1, 2, 3, 3, 2, 1, 0};
+  const auto p = logits_of({0.5, 0.25, 0.125, 0.125});
+  for (int i = 0; i < b.plan.n_chunk * b.plan.n_scored; ++i)
+    b.positions.push_back(quality::make_ref(p.data(), 4, 2, i % 4));
+  const std::string path = scratch().path("tiny.kld");
+  quality::write_kld_base(path, b);
+  const quality::KldBase r = quality::read_kld_base(path);
+  EXPECT_EQ(r.tokens, b.tokens);
+  EXPECT_EQ(r.model, "m.gguf");
+  EXPECT_EQ(r.tokenizer_hash, 42u);
+  ASSERT_EQ(r.positions.size(), b.positions.size());
+  EXPECT_EQ(r.positions[1].lp, b.positions[1].lp);
+  EXPECT_EQ(r.positions[1].tail, b.positions[1].tail);
+  auto error_of = [](const std::string& f) {
+    try {
+      quality::read_kld_base(f);
+    } catch (const quality::QualityError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const auto bytes = [&] {
+    std::ifstream in(path, std::ios::binary);
+    return std::vector<char>((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  }();
+  auto write = [](const std::string& f, const std::vector<char>& v) {
+    std::ofstream(f, std::ios::binary).write(v.data(), std::streamsize(v.size()));
+  };
+  write(scratch().path("trunc.kld"), std::vector<char>(bytes.begin(), bytes.end() - 5));
+  EXPECT_THAT(error_of(scratch().path("trunc.kld")), HasSubstr("truncated"));
+  write(scratch().path("short.kld"), std::vector<char>(bytes.begin(), bytes.begin() + 20));
+  EXPECT_THAT(error_of(scratch().path("short.kld")), HasSubstr("truncated"));
+  auto flipped = bytes;
+  flipped[bytes.size() - 20] ^= 1;
+  write(scratch().path("flip.kld"), flipped);
+  EXPECT_THAT(error_of(scratch().path("flip.kld")), HasSubstr("corrupt"));
+  auto magic = bytes;
+  magic[0] = 'X';
+  write(scratch().path("magic.kld"), magic);
+  EXPECT_THAT(error_of(scratch().path("magic.kld")), HasSubstr("not a strata KLD base file"));
+  auto version = bytes;
+  version[8] = 9;
+  write(scratch().path("version.kld"), version);
+  EXPECT_THAT(error_of(scratch().path("version.kld")), HasSubstr("version 9"));
+}
+
+// ---- strata perplexity on the shipped model ----
+
+TEST(QualityPerplexity, FiniteReproducibleAndEqualToLogits) {
+  const std::string args = "perplexity " + model_flag() + " -f " + kText + " -c 64 --json";
+  const nlohmann::json a = run_json(args), b = run_json(args);
+  ASSERT_TRUE(a.is_object());
+  EXPECT_GE(a["chunks"].get<int>(), 2);
+  EXPECT_EQ(a["scored"].get<int>(), a["chunks"].get<int>() * 31);
+  const double ppl = a["ppl"].get<double>();
+  EXPECT_TRUE(std::isfinite(ppl));
+  EXPECT_GT(ppl, 1.0);
+  EXPECT_LT(ppl, 100.0);  // a Python model on Python text
+  EXPECT_GT(a["ppl_error"].get<double>(), 0.0);
+  EXPECT_EQ(a.dump(), b.dump());  // bit-identical run to run
+
+  // The same number from the engine's logits, with the scoring written out here.
+  engine::EngineOptions o;
+  o.n_threads = 2;
+  o.n_ctx = 64;
+  engine::Engine eng(test::shipped_model(), o);
+  std::ifstream in(kText);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::vector<int32_t> ids = eng.tokenizer().encode(text);
+  const int V = eng.hparams().n_vocab, n_chunk = int(ids.size() / 64);
+  double nll = 0;
+  int n = 0;
+  for (int c = 0; c < n_chunk; ++c) {
+    std::vector<int32_t> chunk(ids.begin() + c * 64, ids.begin() + (c + 1) * 64);
+    model::SequenceState st = eng.new_sequence();
+    std::vector<float> logits;
+    eng.prefill(st, chunk, model::LogitsMode::All, logits);
+    for (int j = 32; j < 63; ++j) {
+      const float* row = logits.data() + size_t(j) * size_t(V);
+      double sum = 0;
+      for (int i = 0; i < V; ++i) sum += std::exp(double(row[i]));
+      nll += std::log(sum) - double(row[chunk[size_t(j) + 1]]);
+      ++n;
+    }
+  }
+  EXPECT_EQ(n, a["scored"].get<int>());
+  EXPECT_NEAR(ppl, std::exp(nll / n), 1e-5 * ppl);
+}
+
+TEST(QualityPerplexity, TextShorterThanTwoChunksIsAClearError) {
+  const CmdResult r = run_strata("perplexity " + model_flag() + " -p 'def f(x):\n    return x\n' -c 64");
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_THAT(r.out, HasSubstr("needs at least 2 chunks = 128 tokens"));
+}
+
+// ---- --kl-divergence ----
+
+TEST(QualityKld, AgainstItselfUnderOtherEngineSettingsIsExactlyZero) {
+  const std::string& base = shipped_base();
+  for (const std::string settings : {"", "--arena-mb 5 --prompt-chunk 16", "--predict off --io-threads 1",
+                                     "--prompt-chunk 7 --arena-mb 40 --no-direct-io"}) {
+    const nlohmann::json j = run_json("perplexity " + model_flag() + " -f " + kText + " --kl-divergence-base " + base +
+                                      " --kl-divergence --json " + settings);
+    ASSERT_TRUE(j.contains("kld")) << settings;
+    const auto& k = j["kld"];
+    EXPECT_EQ(k["mean"]["value"].get<double>(), 0.0) << settings;
+    EXPECT_EQ(k["max"].get<double>(), 0.0) << settings;
+    EXPECT_EQ(k["p999"].get<double>(), 0.0) << settings;
+    EXPECT_EQ(k["same_top1"]["value"].get<double>(), 1.0) << settings;
+    EXPECT_EQ(k["ppl_ratio"]["value"].get<double>(), 1.0) << settings;
+    EXPECT_EQ(k["rms_dp_text"]["value"].get<double>(), 0.0) << settings;
+  }
+}
+
+TEST(QualityKld, F32VersusQ8ActivationsIsSmallButNotZero) {
+  const std::string base = scratch().path("f32.kld");
+  ASSERT_EQ(run_strata("perplexity " + model_flag() + " -f " + kText + " -c 64 --act-quant f32 --kl-divergence-base " +
+                       base)
+                .rc,
+            0);
+  const nlohmann::json j = run_json("perplexity " + model_flag() + " -f " + kText + " --kl-divergence-base " + base +
+                                    " --kl-divergence --json --act-quant q8");
+  ASSERT_TRUE(j.contains("kld"));
+  const auto& k = j["kld"];
+  const double kld = k["mean"]["value"].get<double>();
+  std::fprintf(stderr, "KLD(f32 || q8) = %.3g +/- %.2g, p99 %.3g, same top-1 %.4f, PPL ratio %.5f\n", kld,
+               k["mean"]["error"].get<double>(), k["p99"].get<double>(), k["same_top1"]["value"].get<double>(),
+               k["ppl_ratio"]["value"].get<double>());
+  EXPECT_GT(kld, 0.0);
+  EXPECT_LT(kld, 0.01);
+  EXPECT_GT(k["same_top1"]["value"].get<double>(), 0.95);
+  EXPECT_LE(kld, k["mean_upper_bound"].get<double>());
+  EXPECT_GE(k["p999"].get<double>(), k["p99"].get<double>());
+  EXPECT_NEAR(k["ppl_ratio"]["value"].get<double>(), 1.0, 0.02);
+  // The scalar kernels (f32 activations) against the AVX2 f32 base: the last bits only.
+  const nlohmann::json s = run_json("perplexity " + model_flag() + " -f " + kText + " --kl-divergence-base " + base +
+                                    " --kl-divergence --json --cpu-kernels scalar --act-quant f32");
+  ASSERT_TRUE(s.contains("kld"));
+  EXPECT_LT(s["kld"]["mean"]["value"].get<double>(), 1e-5);
+}
+
+TEST(QualityKld, Q4KMIsFurtherFromBf16ThanQ8) {
+  STRATA_REQUIRE_FIXTURES(fx);
+  const std::string bf16 = fx + "/models/qwen3moe-code-bf16.gguf";
+  if (!fs::exists(bf16)) GTEST_SKIP() << "fixture " << bf16 << " absent";
+  const std::string base = scratch().path("bf16.kld");
+  ASSERT_EQ(run_strata("perplexity -m " + bf16 + " -t 2 -f " + kText + " -c 64 --kl-divergence-base " + base).rc, 0);
+  std::map<std::string, double> kld;
+  for (const std::string q : {"Q8_0", "Q4_K_M"}) {
+    const std::string m = fx + "/models/qwen3moe-code-" + q + ".gguf";
+    if (!fs::exists(m)) GTEST_SKIP() << "fixture " << m << " absent";
+    const nlohmann::json j = run_json("perplexity -m " + m + " -t 2 -f " + kText + " --kl-divergence-base " + base +
+                                      " --kl-divergence --json");
+    ASSERT_TRUE(j.contains("kld")) << q;
+    kld[q] = j["kld"]["mean"]["value"].get<double>();
+    std::fprintf(stderr, "KLD(BF16 || %s) = %.4g, PPL %.4f (BF16 %.4f)\n", q.c_str(), kld[q], j["ppl"].get<double>(),
+                 j["kld"]["ppl_base"]["value"].get<double>());
+  }
+  EXPECT_GT(kld["Q8_0"], 0.0);
+  EXPECT_GT(kld["Q4_K_M"], kld["Q8_0"]);
+}
+
+TEST(QualityKld, WrongTextVocabularyTokenizerOrChunkAreClearErrors) {
+  const std::string& base = shipped_base();
+  const std::string cmp = "perplexity " + model_flag() + " --kl-divergence --kl-divergence-base ";
+  // another text (long enough for 2 chunks of 64)
+  const std::string other = std::string(STRATA_REPO_DIR) + "/tools/gen_quant_tables.py";
+  CmdResult r = run_strata(cmp + base + " -f " + other);
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_THAT(r.out, HasSubstr("made from another text"));
+  // another chunk size
+  r = run_strata(cmp + base + " -f " + kText + " -c 128");
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_THAT(r.out, HasSubstr("differs from the base file's chunk of 64"));
+  // a base of another vocabulary / tokenizer (the header rewritten, checksum valid)
+  quality::KldBase b = quality::read_kld_base(base);
+  b.n_vocab = 151936;
+  quality::write_kld_base(scratch().path("vocab.kld"), b);
+  r = run_strata(cmp + scratch().path("vocab.kld") + " -f " + kText);
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_THAT(r.out, HasSubstr("vocabulary of 151936 tokens, this model 8192"));
+  b = quality::read_kld_base(base);
+  b.tokenizer_hash ^= 1;
+  quality::write_kld_base(scratch().path("tok.kld"), b);
+  r = run_strata(cmp + scratch().path("tok.kld") + " -f " + kText);
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_THAT(r.out, HasSubstr("another tokenizer"));
+  // truncated and corrupt files, through the command
+  std::vector<char> bytes;
+  {
+    std::ifstream in(base, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  std::ofstream(scratch().path("cut.kld"), std::ios::binary).write(bytes.data(), std::streamsize(bytes.size() / 2));
+  r = run_strata(cmp + scratch().path("cut.kld") + " -f " + kText);
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_THAT(r.out, HasSubstr("truncated"));
+  bytes[bytes.size() / 2] ^= 0x40;
+  std::ofstream(scratch().path("bad.kld"), std::ios::binary).write(bytes.data(), std::streamsize(bytes.size()));
+  r = run_strata(cmp + scratch().path("bad.kld") + " -f " + kText);
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_THAT(r.out, HasSubstr("corrupt"));
+  r = run_strata(cmp + test::shipped_model() + " -f " + kText);
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_THAT(r.out, HasSubstr("not a strata KLD base file"));
+}
+
+// ---- strata route-parity ----
+
+TEST(QualityRouteParity, SettingsThatMustAgreePass) {
+  for (const auto& [a, b] :
+       std::vector<std::pair<std::string, std::string>>{{"--arena-mb 40", "--arena-mb 5 --prompt-chunk 16"},
+                                                        {"--prompt-chunk 512",
+                                                         "--prompt-chunk 7 --predict off --io-threads 1"}}) {
+    const CmdResult r = run_strata("route-parity -m " + test::shipped_model() + " -f " + kText + " --a \"-t 2 " + a +
+                                   "\" --b \"-t 2 " + b + "\"");
+    EXPECT_EQ(r.rc, 0) << r.out;
+    EXPECT_THAT(r.out, HasSubstr("PASS: the routing agrees on all"));
+    EXPECT_THAT(r.out, HasSubstr("decode"));
+  }
+}
+
+TEST(QualityRouteParity, F32VersusQ8ReportsDifferencesWithTiesApart) {
+  const CmdResult r = run_strata("route-parity -m " + test::shipped_model() + " -f " + kText +
+                                     " --a \"-t 2 --act-quant q8\" --b \"-t 2 --act-quant f32\" --json",
+                                 false);
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  const size_t real = j["real"].get<size_t>(), ties = j["ties"].get<size_t>();
+  std::fprintf(stderr, "route-parity q8 vs f32: %zu real differences, %zu ties in %zu pairs\n", real, ties,
+               j["tokens_compared"].get<size_t>());
+  EXPECT_EQ(r.rc, real ? 1 : 0);
+  EXPECT_EQ(j["pass"].get<bool>(), real == 0);
+  size_t sum_real = 0, sum_ties = 0;
+  for (const auto& row : j["layers"]) {
+    EXPECT_EQ(row["tokens"].get<size_t>(),
+              row["same"].get<size_t>() + row["ties"].get<size_t>() + row["real"].get<size_t>());
+    sum_real += row["real"].get<size_t>();
+    sum_ties += row["ties"].get<size_t>();
+  }
+  EXPECT_EQ(sum_real, real);
+  EXPECT_EQ(sum_ties, ties);
+  if (real) {
+    EXPECT_TRUE(j.contains("first_real"));
+  }
+  // A huge tolerance turns every single-expert swap into a tie: ties are separated, not dropped.
+  const CmdResult t = run_strata("route-parity -m " + test::shipped_model() + " -f " + kText +
+                                     " --a \"-t 2 --act-quant q8\" --b \"-t 2 --act-quant f32\" --json --tie-tol 1",
+                                 false);
+  const nlohmann::json jt = nlohmann::json::parse(t.out);
+  EXPECT_EQ(jt["ties"].get<size_t>() + jt["real"].get<size_t>(), ties + real);
+  if (real) {
+    EXPECT_GT(jt["ties"].get<size_t>(), ties);
+  }
+}
+
+TEST(QualityRouteParity, BadFlagsAreNamed) {
+  const CmdResult r =
+      run_strata("route-parity -m " + test::shipped_model() + " -f " + kText + " --a \"--arena-mb x\" --b \"\"");
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_THAT(r.out, HasSubstr("--a \"--arena-mb x\""));
+}
+
+// ---- determinism (issue 15 item 4): CPU backend, logits and routing, across IO timing ----
+
+namespace {
+struct RunResult {
+  std::vector<float> prefill_logits, decode_logits;
+  model::RoutingTrace prefill_trace, decode_trace;
+};
+
+// Prefill of the first 80 tokens of kText (all logits), then 8 teacher-forced decode steps.
+RunResult run_once(const engine::EngineOptions& o, bool slow_stream) {
+  engine::Engine eng(test::shipped_model(), o);
+  std::ifstream in(kText);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<int32_t> ids = eng.tokenizer().encode(text);
+  ids.resize(88);
+  std::atomic<bool> done{false};
+  std::thread staller;
+  if (slow_stream)  // pauses the IO threads 2 ms of every 3: reads land late and in other orders
+    staller = std::thread([&] {
+      while (!done) {
+        eng.stream().pause_io(true);
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        eng.stream().pause_io(false);
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    });
+  RunResult r;
+  model::SequenceState st = eng.new_sequence();
+  eng.prefill(st, std::span(ids).first(80), model::LogitsMode::All, r.prefill_logits, &r.prefill_trace);
+  std::vector<float> step;
+  for (size_t i = 80; i < ids.size(); ++i) {
+    eng.decode(st, ids[i], step, &r.decode_trace);
+    r.decode_logits.insert(r.decode_logits.end(), step.begin(), step.end());
+  }
+  done = true;
+  if (staller.joinable()) staller.join();
+  eng.stream().pause_io(false);
+  return r;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+bool same_trace(const model::RoutingTrace& a, const model::RoutingTrace& b) {
+  if (a.ids != b.ids || a.probs.size() != b.probs.size() || a.next_prob.size() != b.next_prob.size()) return false;
+  for (size_t l = 0; l < a.probs.size(); ++l) {
+    if (a.probs[l].size() != b.probs[l].size() || !same_bits(a.next_prob[l], b.next_prob[l])) return false;
+    for (size_t t = 0; t < a.probs[l].size(); ++t)
+      if (!same_bits(a.probs[l][t], b.probs[l][t])) return false;
+  }
+  return true;
+}
+}  // namespace
+
+TEST(QualityDeterminism, PrefillAndDecodeBitIdenticalAcrossIoTiming) {
+  engine::EngineOptions ref;
+  ref.n_threads = 2;
+  ref.n_ctx = 128;
+  ref.arena_mb = 40;  // every expert fits
+  const RunResult a = run_once(ref, false);
+  ASSERT_FALSE(a.prefill_trace.ids.empty());
+  ASSERT_EQ(a.decode_logits.size(), 8u * 8192u);
+  struct Variant {
+    std::string name;
+    engine::EngineOptions o;
+    bool slow;
+  };
+  std::vector<Variant> variants;
+  variants.push_back({"same settings again", ref, false});
+  auto with = [&](const std::string& name, auto&& edit, bool slow = false) {
+    engine::EngineOptions o = ref;
+    edit(o);
+    variants.push_back({name, o, slow});
+  };
+  with("io-threads 1", [](auto& o) { o.io_threads = 1; });
+  with("io-threads 16", [](auto& o) { o.io_threads = 16; });
+  with("arena 5 MiB, prompt chunk 16", [](auto& o) { o.arena_mb = 5, o.prompt_chunk = 16; });
+  with("minimum arena (auto chunk)", [](auto& o) { o.arena_mb = 1; });
+  with("prediction off", [](auto& o) { o.predict = false; });
+  with("prediction off, arena 5 MiB, chunk 16",
+       [](auto& o) { o.predict = false, o.arena_mb = 5, o.prompt_chunk = 16; });
+  with("buffered reads", [](auto& o) { o.direct_io = false; });
+  with("threads 1", [](auto& o) { o.n_threads = 1; });
+  with(
+      "paused/slow stream, arena 5 MiB, chunk 16", [](auto& o) { o.arena_mb = 5, o.prompt_chunk = 16; }, true);
+  with(
+      "paused/slow stream, io-threads 1", [](auto& o) { o.io_threads = 1; }, true);
+  for (const Variant& v : variants) {
+    RunResult b;
+    try {
+      b = run_once(v.o, v.slow);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << v.name << ": " << e.what();
+      continue;
+    }
+    EXPECT_TRUE(same_bits(a.prefill_logits, b.prefill_logits)) << v.name << ": prefill logits";
+    EXPECT_TRUE(same_bits(a.decode_logits, b.decode_logits)) << v.name << ": decode logits";
+    EXPECT_TRUE(same_trace(a.prefill_trace, b.prefill_trace)) << v.name << ": prefill routing";
+    EXPECT_TRUE(same_trace(a.decode_trace, b.decode_trace)) << v.name << ": decode routing";
+  }
+}
