@@ -1,5 +1,6 @@
 // Kernel benchmarks for src/backend/cpu/kernels (over the formats of src/quant), reported next
-// to a memory-bandwidth probe run in the same process, so the matrix-vector numbers read as a fraction of what the memory can deliver.
+// to a memory-bandwidth probe run in the same process, so the matrix-vector numbers read as a fraction of what the
+// memory can deliver.
 //
 //   MemRead/threads:N      sequential read of a 1 GiB buffer (AVX2 loads), GB/s
 //   Memcpy/threads:N       memcpy of 512 MiB (bytes read + written), GB/s
@@ -137,7 +138,8 @@ __attribute__((target("avx512f"))) uint64_t read_sum512(const uint8_t* p, size_t
     a2 = _mm512_add_epi64(a2, _mm512_load_si512(p + i + 128));
     a3 = _mm512_add_epi64(a3, _mm512_load_si512(p + i + 192));
   }
-  return static_cast<uint64_t>(_mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3))));
+  return static_cast<uint64_t>(
+      _mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3))));
 }
 
 uint64_t read_probe(const uint8_t* p, size_t n) {
@@ -187,10 +189,9 @@ void BM_Memcpy(benchmark::State& st) {
 /// The kernels every benchmark runs: --cpu-kernels / --act-quant, resolved in main().
 k::KernelConfig g_kernels;
 
-
-const GgmlType kTypes[] = {GgmlType::F32,  GgmlType::F16,  GgmlType::BF16,  GgmlType::Q8_0,   GgmlType::Q4_0,
-                           GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1,  GgmlType::Q2_K,   GgmlType::Q3_K,
-                           GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K,  GgmlType::IQ2_XS, GgmlType::IQ3_S,
+const GgmlType kTypes[] = {GgmlType::F32,    GgmlType::F16,    GgmlType::BF16, GgmlType::Q8_0,   GgmlType::Q4_0,
+                           GgmlType::Q4_1,   GgmlType::Q5_0,   GgmlType::Q5_1, GgmlType::Q2_K,   GgmlType::Q3_K,
+                           GgmlType::Q4_K,   GgmlType::Q5_K,   GgmlType::Q6_K, GgmlType::IQ2_XS, GgmlType::IQ3_S,
                            GgmlType::IQ4_XS, GgmlType::IQ4_NL, GgmlType::MXFP4};
 
 std::vector<float> activations(int64_t n) {
@@ -216,7 +217,8 @@ void BM_MatVec(benchmark::State& st, GgmlType t) {
     benchmark::DoNotOptimize(y.data());
   }
   const double bytes = static_cast<double>(rows) * static_cast<double>(rb);
-  st.counters["GB/s"] = benchmark::Counter(bytes * static_cast<double>(st.iterations()) / 1e9, benchmark::Counter::kIsRate);
+  st.counters["GB/s"] =
+      benchmark::Counter(bytes * static_cast<double>(st.iterations()) / 1e9, benchmark::Counter::kIsRate);
   st.counters["Gweights/s"] =
       benchmark::Counter(static_cast<double>(rows * kCols) * static_cast<double>(st.iterations()) / 1e9,
                          benchmark::Counter::kIsRate);
@@ -260,26 +262,29 @@ void BM_MatMul(benchmark::State& st, GgmlType t) {
     });
     benchmark::DoNotOptimize(y.data());
   }
-  st.counters["GFLOP/s"] = benchmark::Counter(2.0 * static_cast<double>(rows * kCols * n_tok) *
-                                                  static_cast<double>(st.iterations()) / 1e9,
-                                              benchmark::Counter::kIsRate);
+  st.counters["GFLOP/s"] =
+      benchmark::Counter(2.0 * static_cast<double>(rows * kCols * n_tok) * static_cast<double>(st.iterations()) / 1e9,
+                         benchmark::Counter::kIsRate);
 }
 
 // The floor of any IQ2_XS decoder that looks its grid up with vpgatherqq, as the q8 kernel
 // does: per super-block (74 bytes, 32 9-bit grid indices) the kernel's index extraction and its
 // four 8-entry gathers from the 4 KiB grid (L1), summed so nothing is optimized away; codes
 // stream from 0.5 MiB (L2). ns/superblock and the GB/s of weight bytes that alone would allow.
-__attribute__((target("avx512f,avx512bw"))) __attribute__((noinline)) long long
-iq2xs_gathers(const uint8_t* w, int64_t nsb) {
+__attribute__((target("avx512f,avx512bw"))) __attribute__((noinline)) long long iq2xs_gathers(const uint8_t* w,
+                                                                                              int64_t nsb) {
   const long long* grid = reinterpret_cast<const long long*>(strata::quant::tables::iq2xs_grid);
   const __m512i m511 = _mm512_set1_epi64(511);
   __m512i acc0 = _mm512_setzero_si512(), acc1 = acc0;
   for (int64_t i = 0; i < nsb; ++i, w += 74) {
     const __m512i codes = _mm512_loadu_si512(w + 2);
     acc0 = _mm512_add_epi64(acc0, _mm512_i64gather_epi64(_mm512_and_si512(codes, m511), grid, 8));
-    acc1 = _mm512_add_epi64(acc1, _mm512_i64gather_epi64(_mm512_and_si512(_mm512_srli_epi64(codes, 16), m511), grid, 8));
-    acc0 = _mm512_add_epi64(acc0, _mm512_i64gather_epi64(_mm512_and_si512(_mm512_srli_epi64(codes, 32), m511), grid, 8));
-    acc1 = _mm512_add_epi64(acc1, _mm512_i64gather_epi64(_mm512_and_si512(_mm512_srli_epi64(codes, 48), m511), grid, 8));
+    acc1 =
+        _mm512_add_epi64(acc1, _mm512_i64gather_epi64(_mm512_and_si512(_mm512_srli_epi64(codes, 16), m511), grid, 8));
+    acc0 =
+        _mm512_add_epi64(acc0, _mm512_i64gather_epi64(_mm512_and_si512(_mm512_srli_epi64(codes, 32), m511), grid, 8));
+    acc1 =
+        _mm512_add_epi64(acc1, _mm512_i64gather_epi64(_mm512_and_si512(_mm512_srli_epi64(codes, 48), m511), grid, 8));
   }
   return _mm512_reduce_add_epi64(_mm512_add_epi64(acc0, acc1));
 }
@@ -299,25 +304,40 @@ void BM_Iq2xsGatherFloor(benchmark::State& st) {
     benchmark::DoNotOptimize(r);
   }
   const double n = static_cast<double>(nsb) * static_cast<double>(st.iterations());
-  st.counters["ns/superblock"] = benchmark::Counter(n * 1e-9, benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+  st.counters["ns/superblock"] =
+      benchmark::Counter(n * 1e-9, benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
   st.counters["GB/s"] = benchmark::Counter(n * 74 / 1e9, benchmark::Counter::kIsRate);
 }
 
 void register_all() {
   benchmark::RegisterBenchmark("Iq2xsGatherFloor", BM_Iq2xsGatherFloor)->UseRealTime()->Unit(benchmark::kMicrosecond);
-  benchmark::RegisterBenchmark("MemRead", BM_MemRead)->Arg(1)->Arg(2)->UseRealTime()->MeasureProcessCPUTime()->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("Memcpy", BM_Memcpy)->Arg(1)->Arg(2)->UseRealTime()->MeasureProcessCPUTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("MemRead", BM_MemRead)
+      ->Arg(1)
+      ->Arg(2)
+      ->UseRealTime()
+      ->MeasureProcessCPUTime()
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("Memcpy", BM_Memcpy)
+      ->Arg(1)
+      ->Arg(2)
+      ->UseRealTime()
+      ->MeasureProcessCPUTime()
+      ->Unit(benchmark::kMillisecond);
   for (GgmlType t : kTypes) {
     const std::string name = std::string("MatVec/") + strata::ggml_type_name(t);
     benchmark::RegisterBenchmark(name.c_str(), BM_MatVec, t)
         ->Arg(1)
         ->Arg(2)
-        ->UseRealTime()->MeasureProcessCPUTime()
+        ->UseRealTime()
+        ->MeasureProcessCPUTime()
         ->Unit(benchmark::kMillisecond);
   }
   for (GgmlType t : kTypes) {
     const std::string name = std::string("MatVecHot/") + strata::ggml_type_name(t);
-    benchmark::RegisterBenchmark(name.c_str(), BM_MatVecHot, t)->UseRealTime()->MeasureProcessCPUTime()->Unit(benchmark::kMicrosecond);
+    benchmark::RegisterBenchmark(name.c_str(), BM_MatVecHot, t)
+        ->UseRealTime()
+        ->MeasureProcessCPUTime()
+        ->Unit(benchmark::kMicrosecond);
   }
   for (GgmlType t : kTypes) {
     const std::string name = std::string("MatMul/") + strata::ggml_type_name(t);
@@ -331,7 +351,8 @@ void register_all() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // --cpu-kernels=scalar|avx2|avx512|auto and --act-quant=auto|q8|f32 (ours; removed before Google Benchmark parses the rest)
+  // --cpu-kernels=scalar|avx2|avx512|auto and --act-quant=auto|q8|f32 (ours; removed before Google Benchmark parses the
+  // rest)
   std::vector<char*> args;
   k::CpuKernels family = k::CpuKernels::Auto;
   k::ActQuant act = k::ActQuant::Auto;

@@ -83,7 +83,8 @@ TEST(Batch, SharesTheLayersExpertReads) {
   eng.reset_stats();
   const int32_t next[3] = {7, 8, 9};
   std::vector<model::SeqInput> step;
-  for (int i = 0; i < 3; ++i) step.push_back({&s[i], std::span<const int32_t>(&next[i], 1), model::LogitsMode::Last, &l[i]});
+  for (int i = 0; i < 3; ++i)
+    step.push_back({&s[i], std::span<const int32_t>(&next[i], 1), model::LogitsMode::Last, &l[i]});
   eng.forward_batch(step);
   const uint64_t batched = eng.decode_stats().stream.needed;
   EXPECT_EQ(eng.decode_stats().tokens, 3);
@@ -97,7 +98,8 @@ TEST(Batch, BadEntriesAreNamed) {
   model::SequenceState sa = eng.new_sequence();
   std::vector<float> la;
   const std::vector<int32_t> bad = {1, 9999999};
-  std::vector<model::SeqInput> twice = {{&sa, kA, model::LogitsMode::Last, &la}, {&sa, kB, model::LogitsMode::Last, &la}};
+  std::vector<model::SeqInput> twice = {{&sa, kA, model::LogitsMode::Last, &la},
+                                        {&sa, kB, model::LogitsMode::Last, &la}};
   try {
     eng.forward_batch(twice);
     FAIL() << "expected EngineError";

@@ -241,7 +241,8 @@ roles={{ messages | map(attribute='role') | join(',') }} uniq={{ messages | map(
 J message_sets() {
   J sys = {{"role", "system"}, {"content", "You are terse.  "}};
   J u1 = {{"role", "user"}, {"content", "Write a function that reads lines."}};
-  J a1 = {{"role", "assistant"}, {"content", "<think>\nThe user wants code.\n</think>\n\ndef read_lines(p):\n    pass"}};
+  J a1 = {{"role", "assistant"},
+          {"content", "<think>\nThe user wants code.\n</think>\n\ndef read_lines(p):\n    pass"}};
   J u2 = {{"role", "user"}, {"content", "  héllo 🌍 \"quoted\" and 'single'\n\twith tabs  "}};
   J a2 = {{"role", "assistant"}, {"content", "Sure."}};
   return J::array({J::array({u1}), J::array({sys, u1}), J::array({sys, u1, a2, u2}), J::array({u1, a1, u2}),
@@ -256,9 +257,12 @@ struct Case {
 
 std::vector<Case> all_cases() {
   std::vector<Case> cases;
-  const std::vector<std::pair<std::string, std::string>> templates = {
-      {"shipped-chatml", shipped_template()}, {"qwen3", kQwen3}, {"llama3", kLlama3},
-      {"mistral", kMistral},                 {"gemma", kGemma},  {"soup", kSoup}};
+  const std::vector<std::pair<std::string, std::string>> templates = {{"shipped-chatml", shipped_template()},
+                                                                      {"qwen3", kQwen3},
+                                                                      {"llama3", kLlama3},
+                                                                      {"mistral", kMistral},
+                                                                      {"gemma", kGemma},
+                                                                      {"soup", kSoup}};
   const J sets = message_sets();
   for (auto& [name, t] : templates)
     for (size_t k = 0; k < sets.size(); ++k)
@@ -384,7 +388,8 @@ TEST(ChatTemplate, ShippedModel) {
   const ChatTemplate t = ChatTemplate::from_gguf(f, tok);
   EXPECT_FALSE(t.is_fallback());
   const J msgs = J::array({{{"role", "system"}, {"content", "S"}}, {{"role", "user"}, {"content", "U"}}});
-  EXPECT_EQ(t.apply(msgs, true), "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n");
+  EXPECT_EQ(t.apply(msgs, true),
+            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n");
   const auto eog = strata::chat::end_of_generation_tokens(tok);
   const auto im_end = tok.find_token("<|im_end|>");
   ASSERT_TRUE(im_end.has_value());

@@ -32,8 +32,8 @@ using namespace strata;
 
 namespace {
 
-#define REQUIRE_CUDA_DEVICE()                                                                             \
-  if (cuda::device_count() == 0)                                                                          \
+#define REQUIRE_CUDA_DEVICE()                                                                              \
+  if (cuda::device_count() == 0)                                                                           \
   GTEST_SKIP() << "no CUDA device found (cudaGetDeviceCount reports none): the CUDA backend tests need a " \
                   "GPU"
 
@@ -64,7 +64,8 @@ engine::EngineOptions options(const std::string& backend) {
   return o;
 }
 
-std::vector<float> all_logits(const std::string& model, const engine::EngineOptions& o, const std::vector<int32_t>& ids) {
+std::vector<float> all_logits(const std::string& model, const engine::EngineOptions& o,
+                              const std::vector<int32_t>& ids) {
   engine::Engine eng(model, o);
   model::SequenceState st = eng.new_sequence();
   std::vector<float> logits;
@@ -72,8 +73,8 @@ std::vector<float> all_logits(const std::string& model, const engine::EngineOpti
   return logits;
 }
 
-std::vector<int32_t> greedy(const std::string& model, const engine::EngineOptions& o, const std::vector<int32_t>& prompt,
-                            int n) {
+std::vector<int32_t> greedy(const std::string& model, const engine::EngineOptions& o,
+                            const std::vector<int32_t>& prompt, int n) {
   engine::Engine eng(model, o);
   model::SequenceState st = eng.new_sequence();
   std::vector<float> logits;
@@ -122,9 +123,10 @@ void compare_with_cpu(const std::string& name) {
       EXPECT_EQ(tc, tg) << name << ": top-1 differs at position " << t;
     }
   }
-  std::printf("%s: %zu positions x %zu logits: max |cuda - cpu| = %.3g (max |logit| %.3g), top-1 equal at %d of %d "
-              "clear positions\n",
-              name.c_str(), ids.size(), V, max_err, max_abs, agree, clear);
+  std::printf(
+      "%s: %zu positions x %zu logits: max |cuda - cpu| = %.3g (max |logit| %.3g), top-1 equal at %d of %d "
+      "clear positions\n",
+      name.c_str(), ids.size(), V, max_err, max_abs, agree, clear);
   EXPECT_LE(max_err, kLogitTolerance) << name;
 
   const std::vector<int32_t> prompt(ids.begin(), ids.begin() + 16);

@@ -8,18 +8,18 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "backend/backend.h"
+#include "backend/cpu/gated_delta_net.h"
 #include "backend/cpu/ops.h"
 #include "backend/cpu/thread_pool.h"
 #include "backend/cuda/kernels.h"
-#include "backend/backend.h"
-#include "backend/cpu/gated_delta_net.h"
 #include "quant/quant.h"
 
 namespace cuda = strata::cuda;
@@ -29,14 +29,14 @@ using strata::GgmlType;
 
 namespace {
 
-#define REQUIRE_CUDA_DEVICE()                                                                          \
-  do {                                                                                                 \
+#define REQUIRE_CUDA_DEVICE()                                                                                \
+  do {                                                                                                       \
     if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device found (cudaGetDeviceCount reports none)"; \
   } while (0)
 
-const GgmlType kAllTypes[] = {GgmlType::F32,  GgmlType::F16,    GgmlType::BF16,   GgmlType::Q8_0,   GgmlType::Q4_0,
-                              GgmlType::Q4_1, GgmlType::Q5_0,   GgmlType::Q5_1,   GgmlType::Q2_K,   GgmlType::Q3_K,
-                              GgmlType::Q4_K, GgmlType::Q5_K,   GgmlType::Q6_K,   GgmlType::IQ2_XS, GgmlType::IQ3_S,
+const GgmlType kAllTypes[] = {GgmlType::F32,    GgmlType::F16,    GgmlType::BF16, GgmlType::Q8_0,   GgmlType::Q4_0,
+                              GgmlType::Q4_1,   GgmlType::Q5_0,   GgmlType::Q5_1, GgmlType::Q2_K,   GgmlType::Q3_K,
+                              GgmlType::Q4_K,   GgmlType::Q5_K,   GgmlType::Q6_K, GgmlType::IQ2_XS, GgmlType::IQ3_S,
                               GgmlType::IQ4_XS, GgmlType::IQ4_NL, GgmlType::MXFP4};
 
 template <class T>
@@ -69,7 +69,8 @@ std::vector<uint8_t> random_rows(GgmlType t, int64_t rows, int64_t cols, std::mt
   if (t == GgmlType::F32 || t == GgmlType::F16 || t == GgmlType::BF16) {
     for (int64_t i = 0; i < rows * cols; ++i) {
       const float f = uni(rng);
-      if (t == GgmlType::F32) std::memcpy(&w[4 * i], &f, 4);
+      if (t == GgmlType::F32)
+        std::memcpy(&w[4 * i], &f, 4);
       else {
         const uint16_t h = t == GgmlType::F16 ? quant::fp32_to_fp16(f) : quant::fp32_to_bf16(f);
         std::memcpy(&w[2 * i], &h, 2);
@@ -192,7 +193,8 @@ TEST(CudaKernels, MatmulMatchesReferenceAllTypes) {
     double worst_ratio = 0, worst_abs = 0;
     for (int64_t n_tok : {1, 3, 64, 300}) {
       for (cuda::MatmulPath path : {cuda::MatmulPath::MatVec, cuda::MatmulPath::Tiled}) {
-        SCOPED_TRACE(name + " n_tok=" + std::to_string(n_tok) + (path == cuda::MatmulPath::Tiled ? " tiled" : " matvec"));
+        SCOPED_TRACE(name + " n_tok=" + std::to_string(n_tok) +
+                     (path == cuda::MatmulPath::Tiled ? " tiled" : " matvec"));
         const int64_t ldx = cols + 4, ldy = rows + 3;
         const auto x = random_floats(size_t(n_tok * ldx), rng);
         auto dx = upload(x);
@@ -241,7 +243,8 @@ TEST(CudaKernels, MatmulBatchInvariance) {
     int64_t mismatches = 0;
     for (int64_t p : probe) {
       for (cuda::MatmulPath path : {cuda::MatmulPath::MatVec, cuda::MatmulPath::Tiled}) {
-        cuda::matmul(t, dw.get(), rb, rows, cols, dx.as<float>() + p * ldx, ldx, 1, d1.as<float>(), rows, nullptr, path);
+        cuda::matmul(t, dw.get(), rb, rows, cols, dx.as<float>() + p * ldx, ldx, 1, d1.as<float>(), rows, nullptr,
+                     path);
         const auto y1 = download<float>(d1, size_t(rows));
         for (int64_t r = 0; r < rows; ++r) mismatches += !bits_equal(y1[r], y[p * rows + r]);
       }
@@ -455,8 +458,14 @@ TEST(CudaKernels, GatedDeltaNetMatchesCpuBlock) {
   auto ref = [&](const std::vector<float>& w, int64_t rows, int64_t cols) {
     return cpu::MatrixRef{GgmlType::F32, w.data(), rows, cols, size_t(cols) * 4};
   };
-  strata::cpu::GatedDeltaNetWeights W{ref(wqkv, C, n_embd), ref(wz, VD, n_embd), ref(wba, 2 * nv, n_embd),
-                                         ref(wout, n_embd, VD), conv.data(), dtb.data(), A.data(), norm.data()};
+  strata::cpu::GatedDeltaNetWeights W{ref(wqkv, C, n_embd),
+                                      ref(wz, VD, n_embd),
+                                      ref(wba, 2 * nv, n_embd),
+                                      ref(wout, n_embd, VD),
+                                      conv.data(),
+                                      dtb.data(),
+                                      A.data(),
+                                      norm.data()};
   const int64_t T = 40, chunks[] = {25, 15};
   const auto h = random_floats(size_t(T * n_embd), rng, -1, 1);
   std::vector<float> conv_state(size_t(s.conv_state_size()), 0.0f), ssm_state(size_t(s.ssm_state_size()), 0.0f);
@@ -465,8 +474,8 @@ TEST(CudaKernels, GatedDeltaNetMatchesCpuBlock) {
     cpu::ThreadPool pool(1);
     int64_t t0 = 0;
     for (int64_t n : chunks) {
-      strata::cpu::gated_delta_net_block(pool, cpu::kernels::KernelConfig{}, W, s, h.data() + t0 * n_embd, n_embd, n, conv_state.data(),
-                                            ssm_state.data(), out_cpu.data() + t0 * n_embd);
+      strata::cpu::gated_delta_net_block(pool, cpu::kernels::KernelConfig{}, W, s, h.data() + t0 * n_embd, n_embd, n,
+                                         conv_state.data(), ssm_state.data(), out_cpu.data() + t0 * n_embd);
       t0 += n;
     }
   }
@@ -487,10 +496,10 @@ TEST(CudaKernels, GatedDeltaNetMatchesCpuBlock) {
     cuda::matmul(GgmlType::F32, dwz.get(), size_t(n_embd) * 4, VD, n_embd, hx, n_embd, n, dz.as<float>(), VD);
     cuda::matmul(GgmlType::F32, dwba.get(), size_t(n_embd) * 4, 2 * nv, n_embd, hx, n_embd, n, dba.as<float>(), 2 * nv);
     cuda::gdn_conv(dx.as<float>(), C, n, dconv.as<float>(), K, dcs.as<float>(), dxc.as<float>());
-    cuda::gdn_recurrent(dxc.as<float>(), C, n, dba.as<float>(), ddtb.as<float>(), dA.as<float>(), s.n_k_head, s.n_v_head,
-                        s.head_k_dim, s.head_v_dim, dss.as<float>(), dO.as<float>());
-    cuda::rms_norm(dO.as<float>(), s.head_v_dim, dnorm.as<float>(), dO.as<float>(), s.head_v_dim, s.head_v_dim,
-                   n * nv, s.rms_eps);
+    cuda::gdn_recurrent(dxc.as<float>(), C, n, dba.as<float>(), ddtb.as<float>(), dA.as<float>(), s.n_k_head,
+                        s.n_v_head, s.head_k_dim, s.head_v_dim, dss.as<float>(), dO.as<float>());
+    cuda::rms_norm(dO.as<float>(), s.head_v_dim, dnorm.as<float>(), dO.as<float>(), s.head_v_dim, s.head_v_dim, n * nv,
+                   s.rms_eps);
     cuda::swiglu(dz.as<float>(), dO.as<float>(), dO.as<float>(), n * VD);
     cuda::matmul(GgmlType::F32, dwout.get(), size_t(VD) * 4, n_embd, VD, dO.as<float>(), VD, n,
                  dout.as<float>() + t0 * n_embd, n_embd);
@@ -501,7 +510,8 @@ TEST(CudaKernels, GatedDeltaNetMatchesCpuBlock) {
   const auto cs = download<float>(dcs, conv_state.size());
   auto rel = [](const std::vector<float>& g, const std::vector<float>& r) {
     double mx = 0, err = 0;
-    for (size_t i = 0; i < r.size(); ++i) mx = std::max(mx, std::fabs(double(r[i]))), err = std::max(err, std::fabs(double(g[i]) - r[i]));
+    for (size_t i = 0; i < r.size(); ++i)
+      mx = std::max(mx, std::fabs(double(r[i]))), err = std::max(err, std::fabs(double(g[i]) - r[i]));
     return err / mx;
   };
   const double e_out = rel(out, out_cpu), e_ss = rel(ss, ssm_state), e_cs = rel(cs, conv_state);
@@ -535,12 +545,10 @@ TEST(CudaKernels, Timings) {
                      GgmlType::IQ2_XS, GgmlType::IQ3_S, GgmlType::IQ4_XS, GgmlType::MXFP4}) {
     const size_t rb = quant::row_size(t, cols);
     auto dw = upload(random_rows(t, rows, cols, rng));
-    const double ms1 = time_ms([&] {
-      cuda::matmul(t, dw.get(), rb, rows, cols, dx.as<float>(), cols, 1, dy.as<float>(), rows);
-    });
-    const double ms512 = time_ms([&] {
-      cuda::matmul(t, dw.get(), rb, rows, cols, dx.as<float>(), cols, 512, dy.as<float>(), rows);
-    });
+    const double ms1 =
+        time_ms([&] { cuda::matmul(t, dw.get(), rb, rows, cols, dx.as<float>(), cols, 1, dy.as<float>(), rows); });
+    const double ms512 =
+        time_ms([&] { cuda::matmul(t, dw.get(), rb, rows, cols, dx.as<float>(), cols, 512, dy.as<float>(), rows); });
     std::printf("timing matmul %-6s %lldx%lld: n_tok=1 %.3f ms = %.0f GB/s | n_tok=512 %.2f ms = %.0f GFLOP/s\n",
                 strata::ggml_type_name(t).c_str(), (long long)rows, (long long)cols, ms1, double(rb * rows) / ms1 / 1e6,
                 ms512, 2.0 * rows * cols * 512 / ms512 / 1e6);
@@ -559,6 +567,7 @@ TEST(CudaKernels, Timings) {
   const double pre = time_ms([&] { cuda::attention(a); });
   a.n_tok = 1, a.pos0 = n_ctx - 1;
   const double dec = time_ms([&] { cuda::attention(a); });
-  std::printf("timing attention 32/4 heads dim 128: prefill 2048 tokens %.2f ms (%.0f GFLOP/s), decode at 4096 %.3f ms\n",
-              pre, 4.0 * 32 * 128 * 2048.0 * 2049 / 2 / pre / 1e6, dec);
+  std::printf(
+      "timing attention 32/4 heads dim 128: prefill 2048 tokens %.2f ms (%.0f GFLOP/s), decode at 4096 %.3f ms\n", pre,
+      4.0 * 32 * 128 * 2048.0 * 2049 / 2 / pre / 1e6, dec);
 }

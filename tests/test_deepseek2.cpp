@@ -198,7 +198,8 @@ TEST(Deepseek2Errors, MalformedFilesAreNamed) {
   test::GgufEdit d2;
   d2.drop = {"blk.1.attn_k_b.weight"};
   d2.copies = {{"blk.1.attn_kv_b.weight", "blk.1.attn_q_b.weight"}};  // the pre-MLA layout
-  EXPECT_THAT(test::edited_load_error(m, d2, "ds-d2"), HasSubstr("tensor 'blk.1.attn_kv_b.weight' (the pre-MLA layout"));
+  EXPECT_THAT(test::edited_load_error(m, d2, "ds-d2"),
+              HasSubstr("tensor 'blk.1.attn_kv_b.weight' (the pre-MLA layout"));
   test::GgufEdit r1;
   r1.reshape = "blk.3.attn_kv_a_mqa.weight";
   r1.ne = {128, 64};
@@ -210,5 +211,6 @@ TEST(Deepseek2Errors, MalformedFilesAreNamed) {
               HasSubstr("key 'deepseek2.expert_group_used_count' = 5 is out of range"));
   test::GgufEdit k2;
   k2.set_kv = {{"deepseek2.rope.scaling.type", gguf::make_string("yarn")}};
-  EXPECT_THAT(test::edited_load_error(m, k2, "ds-k2"), HasSubstr("key 'deepseek2.rope.scaling.type' = 'yarn' is not supported yet"));
+  EXPECT_THAT(test::edited_load_error(m, k2, "ds-k2"),
+              HasSubstr("key 'deepseek2.rope.scaling.type' = 'yarn' is not supported yet"));
 }

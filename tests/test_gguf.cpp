@@ -75,9 +75,8 @@ class Gguf : public ::testing::Test {
   void SetUp() override {
     // Many small files are written: prefer tmpfs (/dev/shm) over a disk-backed temp dir.
     const fs::path base = ::access("/dev/shm", W_OK) == 0 ? fs::path("/dev/shm") : fs::temp_directory_path();
-    dir_ = base /
-           ("strata_test_gguf_" + std::to_string(::getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    dir_ = base / ("strata_test_gguf_" + std::to_string(::getpid()) + "_" +
+                   ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::create_directories(dir_);
   }
   void TearDown() override { fs::remove_all(dir_); }
@@ -238,20 +237,28 @@ TEST(TensorInfoLayer, StrictDecimal) {
 }
 
 TEST(GgmlTypes, BlockGeometry) {
-  struct G { GgmlType t; const char* name; uint32_t be, bb; };
+  struct G {
+    GgmlType t;
+    const char* name;
+    uint32_t be, bb;
+  };
   const G want[] = {
-      {GgmlType::F32, "F32", 1, 4},        {GgmlType::F16, "F16", 1, 2},          {GgmlType::BF16, "BF16", 1, 2},
-      {GgmlType::Q4_0, "Q4_0", 32, 18},    {GgmlType::Q4_1, "Q4_1", 32, 20},      {GgmlType::Q5_0, "Q5_0", 32, 22},
-      {GgmlType::Q5_1, "Q5_1", 32, 24},    {GgmlType::Q8_0, "Q8_0", 32, 34},      {GgmlType::Q8_1, "Q8_1", 32, 36},
-      {GgmlType::Q2_K, "Q2_K", 256, 84},   {GgmlType::Q3_K, "Q3_K", 256, 110},    {GgmlType::Q4_K, "Q4_K", 256, 144},
-      {GgmlType::Q5_K, "Q5_K", 256, 176},  {GgmlType::Q6_K, "Q6_K", 256, 210},    {GgmlType::Q8_K, "Q8_K", 256, 292},
-      {GgmlType::IQ2_XXS, "IQ2_XXS", 256, 66}, {GgmlType::IQ2_XS, "IQ2_XS", 256, 74},
-      {GgmlType::IQ3_XXS, "IQ3_XXS", 256, 98}, {GgmlType::IQ1_S, "IQ1_S", 256, 50},
-      {GgmlType::IQ4_NL, "IQ4_NL", 32, 18},    {GgmlType::IQ3_S, "IQ3_S", 256, 110},
-      {GgmlType::IQ2_S, "IQ2_S", 256, 82},     {GgmlType::IQ4_XS, "IQ4_XS", 256, 136},
-      {GgmlType::I8, "I8", 1, 1},          {GgmlType::I16, "I16", 1, 2},          {GgmlType::I32, "I32", 1, 4},
-      {GgmlType::I64, "I64", 1, 8},        {GgmlType::F64, "F64", 1, 8},          {GgmlType::IQ1_M, "IQ1_M", 256, 56},
-      {GgmlType::TQ1_0, "TQ1_0", 256, 54}, {GgmlType::TQ2_0, "TQ2_0", 256, 66},   {GgmlType::MXFP4, "MXFP4", 32, 17},
+      {GgmlType::F32, "F32", 1, 4},           {GgmlType::F16, "F16", 1, 2},
+      {GgmlType::BF16, "BF16", 1, 2},         {GgmlType::Q4_0, "Q4_0", 32, 18},
+      {GgmlType::Q4_1, "Q4_1", 32, 20},       {GgmlType::Q5_0, "Q5_0", 32, 22},
+      {GgmlType::Q5_1, "Q5_1", 32, 24},       {GgmlType::Q8_0, "Q8_0", 32, 34},
+      {GgmlType::Q8_1, "Q8_1", 32, 36},       {GgmlType::Q2_K, "Q2_K", 256, 84},
+      {GgmlType::Q3_K, "Q3_K", 256, 110},     {GgmlType::Q4_K, "Q4_K", 256, 144},
+      {GgmlType::Q5_K, "Q5_K", 256, 176},     {GgmlType::Q6_K, "Q6_K", 256, 210},
+      {GgmlType::Q8_K, "Q8_K", 256, 292},     {GgmlType::IQ2_XXS, "IQ2_XXS", 256, 66},
+      {GgmlType::IQ2_XS, "IQ2_XS", 256, 74},  {GgmlType::IQ3_XXS, "IQ3_XXS", 256, 98},
+      {GgmlType::IQ1_S, "IQ1_S", 256, 50},    {GgmlType::IQ4_NL, "IQ4_NL", 32, 18},
+      {GgmlType::IQ3_S, "IQ3_S", 256, 110},   {GgmlType::IQ2_S, "IQ2_S", 256, 82},
+      {GgmlType::IQ4_XS, "IQ4_XS", 256, 136}, {GgmlType::I8, "I8", 1, 1},
+      {GgmlType::I16, "I16", 1, 2},           {GgmlType::I32, "I32", 1, 4},
+      {GgmlType::I64, "I64", 1, 8},           {GgmlType::F64, "F64", 1, 8},
+      {GgmlType::IQ1_M, "IQ1_M", 256, 56},    {GgmlType::TQ1_0, "TQ1_0", 256, 54},
+      {GgmlType::TQ2_0, "TQ2_0", 256, 66},    {GgmlType::MXFP4, "MXFP4", 32, 17},
   };
   EXPECT_EQ(std::size(want), 32u);
   for (const G& g : want) {
@@ -297,11 +304,14 @@ TEST_F(Gguf, WriterRoundTrip) {
       {"a.nested3", make_array(ValueType::ARRAY, {make_array(ValueType::ARRAY, {make_string_array({"deep"})})})},
   };
   for (const auto& [k, v] : kv) w.add_kv(k, v);
-  struct T { std::string name; GgmlType type; std::vector<uint64_t> ne; };
+  struct T {
+    std::string name;
+    GgmlType type;
+    std::vector<uint64_t> ne;
+  };
   const std::vector<T> ts = {
-      {"f32", GgmlType::F32, {4, 3}},          {"f16", GgmlType::F16, {8}},
-      {"q8", GgmlType::Q8_0, {64, 2}},         {"q4k", GgmlType::Q4_K, {256, 1, 2}},
-      {"i8", GgmlType::I8, {5, 1, 1, 2}},      {"mxfp4", GgmlType::MXFP4, {32, 3}},
+      {"f32", GgmlType::F32, {4, 3}},       {"f16", GgmlType::F16, {8}},        {"q8", GgmlType::Q8_0, {64, 2}},
+      {"q4k", GgmlType::Q4_K, {256, 1, 2}}, {"i8", GgmlType::I8, {5, 1, 1, 2}}, {"mxfp4", GgmlType::MXFP4, {32, 3}},
   };
   std::vector<Bytes> datas;
   for (size_t i = 0; i < ts.size(); ++i) {
@@ -498,11 +508,11 @@ TEST_F(Gguf, HugeCountsInLargeFile) {
   std::memcpy(arr.data(), head.data(), 24);
   put_u64(arr, 8, 0);
   put_u64(arr, 16, 1);
-  put_u64(arr, 24, 1);                                            // key length
+  put_u64(arr, 24, 1);  // key length
   arr[32] = 'a';
   put_u32(arr, 33, static_cast<uint32_t>(ValueType::ARRAY));
   put_u32(arr, 37, static_cast<uint32_t>(ValueType::BOOL));
-  put_u64(arr, 41, uint64_t{1} << 39);                            // count
+  put_u64(arr, 41, uint64_t{1} << 39);  // count
   arr[49] = 1, arr[50] = 0, arr[51] = 2;
   head = arr;
   expect_large_file_error(head, "key 'a' has bool value 2");
@@ -542,7 +552,9 @@ TEST_F(Gguf, DuplicateKeyAndTensor) {
 }
 
 // Tensor table fields of t.alpha / t.bravo (2 dims each): n_dims, ne[0], ne[1], type, offset.
-struct TensorFields { size_t n_dims, ne0, ne1, type, offset; };
+struct TensorFields {
+  size_t n_dims, ne0, ne1, type, offset;
+};
 TensorFields fields(const Bytes& b, const std::string& name) {
   size_t p = find(b, name) + name.size();
   return {p, p + 4, p + 12, p + 20, p + 24};
@@ -624,9 +636,25 @@ TEST_F(Gguf, MutationFuzz) {
   File::open(tmp("base.gguf"));  // the unmutated file is valid
   std::mt19937_64 rng(12345);
   const std::string p = tmp("fuzz.gguf");
-  const uint64_t specials[] = {0, 1, 2, 3, 4, 7, 31, 32, 33, 0xff, 0xffff, 0xffffffffu, uint64_t{1} << 31,
-                               uint64_t{1} << 32, uint64_t{1} << 60, uint64_t{1} << 62, ~uint64_t{0},
-                               ~uint64_t{0} - 1, uint64_t{1} << 63};
+  const uint64_t specials[] = {0,
+                               1,
+                               2,
+                               3,
+                               4,
+                               7,
+                               31,
+                               32,
+                               33,
+                               0xff,
+                               0xffff,
+                               0xffffffffu,
+                               uint64_t{1} << 31,
+                               uint64_t{1} << 32,
+                               uint64_t{1} << 60,
+                               uint64_t{1} << 62,
+                               ~uint64_t{0},
+                               ~uint64_t{0} - 1,
+                               uint64_t{1} << 63};
   int ok = 0, rejected = 0;
   for (int iter = 0; iter < 2000; ++iter) {
     Bytes b = base;
@@ -636,9 +664,9 @@ TEST_F(Gguf, MutationFuzz) {
     for (int r = 0; r < rounds; ++r) {
       size_t at = rng() % b.size();
       switch (kind) {
-        case 0: b[at] = static_cast<uint8_t>(rng()); break;                    // one byte
-        case 1: b[at] ^= static_cast<uint8_t>(1u << (rng() % 8)); break;       // one bit
-        case 2: {                                                              // a run of random bytes
+        case 0: b[at] = static_cast<uint8_t>(rng()); break;               // one byte
+        case 1: b[at] ^= static_cast<uint8_t>(1u << (rng() % 8)); break;  // one bit
+        case 2: {                                                         // a run of random bytes
           size_t len = 1 + rng() % 8;
           for (size_t i = at; i < std::min(b.size(), at + len); ++i) b[i] = static_cast<uint8_t>(rng());
           break;

@@ -90,7 +90,8 @@ void compare_router(engine::Engine& eng, const nlohmann::json& ref, RouterReport
   }
 }
 
-std::vector<float> all_logits(const std::string& path, const engine::EngineOptions& o, const std::vector<int32_t>& ids) {
+std::vector<float> all_logits(const std::string& path, const engine::EngineOptions& o,
+                              const std::vector<int32_t>& ids) {
   engine::Engine eng(path, o);
   model::SequenceState st = eng.new_sequence();
   std::vector<float> logits;
@@ -129,8 +130,8 @@ TEST(GptOss, MatchesTransformers) {
   RouterReport rr;
   compare_router(eng, ref, rr);
   test::print_report("gpt-oss vs transformers", rep);
-  std::printf("[gpt-oss router vs transformers] routes checked %d mismatched %d, max |d(s_k - s_0)| %.3g\n",
-              rr.checked, rr.mismatched, rr.max_score_err);
+  std::printf("[gpt-oss router vs transformers] routes checked %d mismatched %d, max |d(s_k - s_0)| %.3g\n", rr.checked,
+              rr.mismatched, rr.max_score_err);
   EXPECT_GT(rep.positions, 0);
   EXPECT_GT(rep.top1_checked, rep.positions / 2);
   EXPECT_EQ(rep.top1_mismatch, 0);
@@ -290,7 +291,8 @@ TEST(GptOssBlocks, ClampedSwiGluExpertWithBiases) {
   //   g = W_g x + b_g, u = W_u x + b_u, g' = min(g, 7), u' = clamp(u, -7, 7),
   //   y = W_d (g' sigmoid(1.702 g') (u' + 1)) + b_d.
   cpu::CpuBackend be(cpu::CpuOptions{1, cpu::kernels::resolve_kernels(cpu::kernels::CpuKernels::Scalar)});
-  std::vector<float> wg = {4, 1, -2, 0.5f, 0.25f, 0.1f}, wu = {-5, 0, 3, 3, 0.5f, -0.5f}, wd = {1, -1, 0.5f, 0.3f, 2, -0.7f};
+  std::vector<float> wg = {4, 1, -2, 0.5f, 0.25f, 0.1f}, wu = {-5, 0, 3, 3, 0.5f, -0.5f},
+                     wd = {1, -1, 0.5f, 0.3f, 2, -0.7f};
   std::vector<float> bg = {0.5f, -0.25f, 0.125f}, bu = {-0.5f, 1, 0.2f}, bd = {0.1f, -0.2f};
   std::vector<float> h = {2, 1};  // one token
   backend::ExpertJob job;
@@ -318,7 +320,8 @@ TEST(GptOssBlocks, ClampedSwiGluExpertWithBiases) {
   }
   ASSERT_GE(clamped, 2);  // the inputs do exercise the clamp (g = 9.5, u = -10.5)
   for (int i = 0; i < 2; ++i) {
-    const double want = double(wd[3 * i]) * act[0] + double(wd[3 * i + 1]) * act[1] + double(wd[3 * i + 2]) * act[2] + bd[i];
+    const double want =
+        double(wd[3 * i]) * act[0] + double(wd[3 * i + 1]) * act[1] + double(wd[3 * i + 2]) * act[2] + bd[i];
     EXPECT_NEAR(out[size_t(i)], want, 1e-5 * std::max(1.0, std::abs(want))) << "output " << i;
   }
 }

@@ -4,9 +4,9 @@
 
 #include <cstring>
 
+#include "engine/static_rank.h"
 #include "support/paths.h"
 #include "support/reference.h"
-#include "engine/static_rank.h"
 
 using namespace strata;
 
@@ -24,7 +24,8 @@ std::vector<int32_t> test_prompt() {
   return best;
 }
 
-std::vector<float> all_logits(const engine::EngineOptions& o, const std::vector<int32_t>& ids, uint64_t* min_arena = nullptr) {
+std::vector<float> all_logits(const engine::EngineOptions& o, const std::vector<int32_t>& ids,
+                              uint64_t* min_arena = nullptr) {
   engine::Engine eng(test::shipped_model(), o);
   if (min_arena) *min_arena = eng.min_arena_bytes();
   model::SequenceState st = eng.new_sequence();

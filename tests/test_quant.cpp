@@ -1,9 +1,12 @@
 // Tests of src/quant and of the CPU kernels over it (src/backend/cpu/kernels): reference
-// dequantization against gguf-py (tests/data/dequant.json), fp16/bf16 conversions, every fast kernel family against the scalar reference on fresh random
-// data (seed printed; STRATA_QUANT_SEED replays a run), and the matmul invariance contract.
+// dequantization against gguf-py (tests/data/dequant.json), fp16/bf16 conversions, every fast kernel family against the
+// scalar reference on fresh random data (seed printed; STRATA_QUANT_SEED replays a run), and the matmul invariance
+// contract.
 #include <gtest/gtest.h>
 #include <immintrin.h>
 
+#include <sys/mman.h>
+#include <unistd.h>
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -17,8 +20,6 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
-#include <sys/mman.h>
-#include <unistd.h>
 #include <vector>
 
 #include "backend/cpu/kernels/act_q8.h"
@@ -74,8 +75,8 @@ GgmlType type_from_name(const std::string& n) {
 /// Every type this module is meant to implement (phase 1 and 2 of the quant work).
 const std::vector<GgmlType>& all_types() {
   static const std::vector<GgmlType> v = {
-      GgmlType::F32,  GgmlType::F16,  GgmlType::BF16,   GgmlType::Q8_0,  GgmlType::Q4_0,   GgmlType::Q4_1,
-      GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q2_K,   GgmlType::Q3_K,  GgmlType::Q4_K,   GgmlType::Q5_K,
+      GgmlType::F32,  GgmlType::F16,    GgmlType::BF16,  GgmlType::Q8_0,   GgmlType::Q4_0,   GgmlType::Q4_1,
+      GgmlType::Q5_0, GgmlType::Q5_1,   GgmlType::Q2_K,  GgmlType::Q3_K,   GgmlType::Q4_K,   GgmlType::Q5_K,
       GgmlType::Q6_K, GgmlType::IQ2_XS, GgmlType::IQ3_S, GgmlType::IQ4_XS, GgmlType::IQ4_NL, GgmlType::MXFP4,
   };
   return v;
@@ -95,8 +96,7 @@ std::vector<k::CpuKernels> families() {
     try {
       k::resolve_kernels(f);
       v.push_back(f);
-    } catch (const std::runtime_error&) {
-    }
+    } catch (const std::runtime_error&) {}
   }
   return v;
 }
@@ -206,8 +206,8 @@ TEST(QuantConvert, Fp16MatchesF16cHardware) {
     ASSERT_EQ(bits(a), bits(b)) << "h=" << h;
   }
   std::mt19937_64 rng(test_seed());
-  std::vector<float> probes = {0.f, -0.f, 65504.f, 65519.99f, 65520.f, 1e-8f, 2.98e-8f, 2.99e-8f, 6.1e-5f, 6.097e-5f,
-                               0.33333334f, 1e30f, -1e30f, INFINITY, -INFINITY};
+  std::vector<float> probes = {0.f,     -0.f,      65504.f,     65519.99f, 65520.f, 1e-8f,    2.98e-8f, 2.99e-8f,
+                               6.1e-5f, 6.097e-5f, 0.33333334f, 1e30f,     -1e30f,  INFINITY, -INFINITY};
   for (int i = 0; i < 200000; ++i) {
     uint32_t u = static_cast<uint32_t>(rng());
     // concentrate on the half range: exponents 100..145
@@ -307,8 +307,7 @@ TEST(QuantDequant, MatchesGgufPyBitExact) {
           kd::decode_row_avx2(t, raw.data(), fast.data(), cols)) {
         for (int64_t k = 0; k < cols; ++k) ASSERT_EQ(bits(fast[k]), bits(out[k])) << tname << " avx2 col " << k;
       }
-      if (__builtin_cpu_supports("avx512bw") &&
-          kd::decode_row_avx512(t, raw.data(), fast.data(), cols)) {
+      if (__builtin_cpu_supports("avx512bw") && kd::decode_row_avx512(t, raw.data(), fast.data(), cols)) {
         for (int64_t k = 0; k < cols; ++k) ASSERT_EQ(bits(fast[k]), bits(out[k])) << tname << " avx512 col " << k;
       }
     }
@@ -426,8 +425,8 @@ TEST(QuantDequant, WholeTensorSumsMatchGgufPy) {
         break;
       }
     if (path.empty()) {
-      std::printf("[quant] %s: %s not available, whole-tensor sum not checked\n", tj.at("type").get<std::string>().c_str(),
-                  file.c_str());
+      std::printf("[quant] %s: %s not available, whole-tensor sum not checked\n",
+                  tj.at("type").get<std::string>().c_str(), file.c_str());
       continue;
     }
     MiniGguf g(path);
@@ -591,7 +590,8 @@ TEST(QuantMatmul, FastFamiliesMatchScalarReference) {
           const auto x = random_x(n_tok * cols, rng);
           // reference and the magnitude sum |w*x| per output
           std::vector<float> ref(static_cast<size_t>(n_tok * rows));
-          k::matmul(config(k::CpuKernels::Scalar, f32), t, w.data(), rb, 0, rows, cols, x.data(), cols, n_tok, ref.data(), rows);
+          k::matmul(config(k::CpuKernels::Scalar, f32), t, w.data(), rb, 0, rows, cols, x.data(), cols, n_tok,
+                    ref.data(), rows);
           std::vector<double> mag(ref.size(), 0.0);
           std::vector<float> wrow(static_cast<size_t>(cols));
           for (int64_t r = 0; r < rows; ++r) {
@@ -628,45 +628,47 @@ TEST(QuantMatmul, FastFamiliesMatchScalarReference) {
 TEST(QuantMatmul, InvariantToTokenCountRowSplitAndStrides) {
   std::mt19937_64 rng(test_seed() ^ 0x5678);
   for (k::ActQuant act : {k::ActQuant::F32, k::ActQuant::Q8})
-  for (k::CpuKernels fam : families()) {
-    const k::KernelConfig kc = config(fam, act);
-    for (GgmlType t : supported_types()) {
-      const int be = q::block_elems(t);
-      for (int64_t cols : {int64_t{256}, int64_t{1024}, be == 1 ? int64_t{77} : int64_t{512}}) {
-        const int64_t rows = 41, n_tok = 137;  // > 2 blocks of 64 tokens in the panel path
-        const auto w = random_rows(t, rows, cols, rng);
-        const size_t rb = q::row_size(t, cols);
-        const auto x = random_x(n_tok * cols, rng);
-        std::vector<float> full(static_cast<size_t>(n_tok * rows));
-        k::matmul(kc, t, w.data(), rb, 0, rows, cols, x.data(), cols, n_tok, full.data(), rows);
-        const std::string what = std::string(k::act_quant_name(act)) + " " + k::cpu_kernels_name(fam) + " " +
-                                 strata::quant::detail::type_name(t) + " cols=" + std::to_string(cols);
-        // one token at a time, from a copy placed elsewhere with a different stride
-        for (int64_t tk = 0; tk < n_tok; ++tk) {
-          std::vector<float> xt(static_cast<size_t>(cols) + 5);
-          std::copy(x.begin() + tk * cols, x.begin() + (tk + 1) * cols, xt.begin() + 3);
-          std::vector<float> yt(static_cast<size_t>(rows));
-          k::matmul(kc, t, w.data(), rb, 0, rows, cols, xt.data() + 3, cols, 1, yt.data(), rows);
-          for (int64_t r = 0; r < rows; ++r)
-            ASSERT_EQ(bits(yt[r]), bits(full[tk * rows + r])) << what << " token " << tk << " row " << r;
+    for (k::CpuKernels fam : families()) {
+      const k::KernelConfig kc = config(fam, act);
+      for (GgmlType t : supported_types()) {
+        const int be = q::block_elems(t);
+        for (int64_t cols : {int64_t{256}, int64_t{1024}, be == 1 ? int64_t{77} : int64_t{512}}) {
+          const int64_t rows = 41, n_tok = 137;  // > 2 blocks of 64 tokens in the panel path
+          const auto w = random_rows(t, rows, cols, rng);
+          const size_t rb = q::row_size(t, cols);
+          const auto x = random_x(n_tok * cols, rng);
+          std::vector<float> full(static_cast<size_t>(n_tok * rows));
+          k::matmul(kc, t, w.data(), rb, 0, rows, cols, x.data(), cols, n_tok, full.data(), rows);
+          const std::string what = std::string(k::act_quant_name(act)) + " " + k::cpu_kernels_name(fam) + " " +
+                                   strata::quant::detail::type_name(t) + " cols=" + std::to_string(cols);
+          // one token at a time, from a copy placed elsewhere with a different stride
+          for (int64_t tk = 0; tk < n_tok; ++tk) {
+            std::vector<float> xt(static_cast<size_t>(cols) + 5);
+            std::copy(x.begin() + tk * cols, x.begin() + (tk + 1) * cols, xt.begin() + 3);
+            std::vector<float> yt(static_cast<size_t>(rows));
+            k::matmul(kc, t, w.data(), rb, 0, rows, cols, xt.data() + 3, cols, 1, yt.data(), rows);
+            for (int64_t r = 0; r < rows; ++r)
+              ASSERT_EQ(bits(yt[r]), bits(full[tk * rows + r])) << what << " token " << tk << " row " << r;
+          }
+          // rows split into uneven ranges, tokens in uneven chunks, wider ldx/ldy
+          const int64_t ldx = cols + 16, ldy = rows + 3;
+          std::vector<float> xs(static_cast<size_t>(n_tok * ldx), 1e30f);
+          for (int64_t tk = 0; tk < n_tok; ++tk)
+            std::copy(x.begin() + tk * cols, x.begin() + (tk + 1) * cols, xs.begin() + tk * ldx);
+          std::vector<float> ys(static_cast<size_t>(n_tok * ldy), NAN);
+          const int64_t row_cuts[] = {0, 1, 4, 5, 22, 41};
+          const int64_t tok_cuts[] = {0, 7, 8, 21, 29, 100, 104, 137};
+          for (int ri = 0; ri + 1 < 6; ++ri)
+            for (int ti = 0; ti + 1 < 8; ++ti)
+              k::matmul(kc, t, w.data(), rb, row_cuts[ri], row_cuts[ri + 1], cols, xs.data() + tok_cuts[ti] * ldx, ldx,
+                        tok_cuts[ti + 1] - tok_cuts[ti], ys.data() + tok_cuts[ti] * ldy, ldy);
+          for (int64_t tk = 0; tk < n_tok; ++tk)
+            for (int64_t r = 0; r < rows; ++r)
+              ASSERT_EQ(bits(ys[tk * ldy + r]), bits(full[tk * rows + r]))
+                  << what << " split, token " << tk << " row " << r;
         }
-        // rows split into uneven ranges, tokens in uneven chunks, wider ldx/ldy
-        const int64_t ldx = cols + 16, ldy = rows + 3;
-        std::vector<float> xs(static_cast<size_t>(n_tok * ldx), 1e30f);
-        for (int64_t tk = 0; tk < n_tok; ++tk) std::copy(x.begin() + tk * cols, x.begin() + (tk + 1) * cols, xs.begin() + tk * ldx);
-        std::vector<float> ys(static_cast<size_t>(n_tok * ldy), NAN);
-        const int64_t row_cuts[] = {0, 1, 4, 5, 22, 41};
-        const int64_t tok_cuts[] = {0, 7, 8, 21, 29, 100, 104, 137};
-        for (int ri = 0; ri + 1 < 6; ++ri)
-          for (int ti = 0; ti + 1 < 8; ++ti)
-            k::matmul(kc, t, w.data(), rb, row_cuts[ri], row_cuts[ri + 1], cols, xs.data() + tok_cuts[ti] * ldx, ldx,
-                      tok_cuts[ti + 1] - tok_cuts[ti], ys.data() + tok_cuts[ti] * ldy, ldy);
-        for (int64_t tk = 0; tk < n_tok; ++tk)
-          for (int64_t r = 0; r < rows; ++r)
-            ASSERT_EQ(bits(ys[tk * ldy + r]), bits(full[tk * rows + r])) << what << " split, token " << tk << " row " << r;
       }
     }
-  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -701,7 +703,8 @@ TEST(QuantMatmul, NoKernelReadsPastTheLastRow) {
       munmap(m, span + page);
     }
   }
-  std::printf("[quant] %lld matmul calls with the weights ending at an inaccessible page\n", static_cast<long long>(runs));
+  std::printf("[quant] %lld matmul calls with the weights ending at an inaccessible page\n",
+              static_cast<long long>(runs));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -711,9 +714,9 @@ TEST(QuantMatmul, NoKernelReadsPastTheLastRow) {
 
 namespace {
 
-const GgmlType kQ8Types[] = {GgmlType::Q8_0, GgmlType::Q4_0,   GgmlType::Q4_1,  GgmlType::Q5_0, GgmlType::Q5_1,
-                             GgmlType::IQ4_NL, GgmlType::MXFP4, GgmlType::Q2_K,   GgmlType::Q3_K,  GgmlType::Q4_K, GgmlType::Q5_K,
-                             GgmlType::Q6_K, GgmlType::IQ2_XS, GgmlType::IQ3_S, GgmlType::IQ4_XS};
+const GgmlType kQ8Types[] = {GgmlType::Q8_0,   GgmlType::Q4_0,  GgmlType::Q4_1,   GgmlType::Q5_0,  GgmlType::Q5_1,
+                             GgmlType::IQ4_NL, GgmlType::MXFP4, GgmlType::Q2_K,   GgmlType::Q3_K,  GgmlType::Q4_K,
+                             GgmlType::Q5_K,   GgmlType::Q6_K,  GgmlType::IQ2_XS, GgmlType::IQ3_S, GgmlType::IQ4_XS};
 
 /// Per element the offset magnitude a format subtracts inside a block (Q4_K: dmin * m, found by
 /// dequantizing the block with its codes zeroed); 0 for the others.
@@ -731,8 +734,8 @@ std::vector<float> offsets(GgmlType t, const uint8_t* row, int64_t cols) {
 
 TEST(QuantQ8, AllFamiliesBitIdentical) {
   std::mt19937_64 rng(test_seed() ^ 0x9abc);
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+                    __builtin_cpu_supports("bmi2");
   const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   if (!avx2) GTEST_SKIP() << "no AVX2 on this CPU: only the scalar q8 family exists";
@@ -768,21 +771,22 @@ TEST(QuantQ8, AllFamiliesBitIdentical) {
           a.y = ref.data();
           kd::matmul_q8_scalar(a, act);
           for (int isa = -1; isa < static_cast<int>(levels.size()); ++isa)  // -1: the AVX2 family
-          for (const k::ActQ8* ap : {&act, &act_lanes}) {
-            std::fill(y.begin(), y.end(), NAN);
-            a.y = y.data();
-            if (isa < 0) {
-              ASSERT_TRUE(kd::matmul_q8_avx2(a, *ap));
-            } else {
-              ASSERT_TRUE(kd::matmul_q8_avx512(a, *ap, levels[static_cast<size_t>(isa)]));
+            for (const k::ActQ8* ap : {&act, &act_lanes}) {
+              std::fill(y.begin(), y.end(), NAN);
+              a.y = y.data();
+              if (isa < 0) {
+                ASSERT_TRUE(kd::matmul_q8_avx2(a, *ap));
+              } else {
+                ASSERT_TRUE(kd::matmul_q8_avx512(a, *ap, levels[static_cast<size_t>(isa)]));
+              }
+              for (size_t i = 0; i < y.size(); ++i)
+                ASSERT_EQ(bits(y[i]), bits(ref[i]))
+                    << strata::quant::detail::type_name(t) << " "
+                    << (isa < 0 ? "avx2" : kLevelName[static_cast<int>(levels[static_cast<size_t>(isa)])])
+                    << (ap == &act ? "" : " lanes kept") << " rows=" << rows << " cols=" << cols << " n_tok=" << n_tok
+                    << " i=" << i;
+              checked += static_cast<int64_t>(y.size());
             }
-            for (size_t i = 0; i < y.size(); ++i)
-              ASSERT_EQ(bits(y[i]), bits(ref[i])) << strata::quant::detail::type_name(t) << " "
-                                                  << (isa < 0 ? "avx2" : kLevelName[static_cast<int>(levels[static_cast<size_t>(isa)])])
-                                                  << (ap == &act ? "" : " lanes kept")
-                                                  << " rows=" << rows << " cols=" << cols << " n_tok=" << n_tok << " i=" << i;
-            checked += static_cast<int64_t>(y.size());
-          }
         }
       }
     }
@@ -813,7 +817,7 @@ TEST(QuantQ8, QuantizerIdenticalInEveryFamily) {
   const int64_t cols = 4096, n_tok = 5;
   auto x = random_x(n_tok * cols, rng);
   for (int64_t k = 0; k < n_tok * cols; k += 13) x[static_cast<size_t>(k)] *= 1000.0f;
-  std::fill(x.begin() + 64, x.begin() + 96, 0.0f);              // all-zero block
+  std::fill(x.begin() + 64, x.begin() + 96, 0.0f);                                 // all-zero block
   for (int k = 0; k < 32; ++k) x[static_cast<size_t>(128 + k)] = 0.5f * (k - 16);  // ties at 127/8 steps
   x[300] = NAN;
   x[400] = -INFINITY;
@@ -836,7 +840,8 @@ TEST(QuantQ8, QuantizerIdenticalInEveryFamily) {
   for (int64_t k = 0; k < n_tok * cols; ++k) {
     const float d = out[0].d[static_cast<size_t>(k / 32)];
     if (std::isnan(d)) continue;
-    ASSERT_LE(std::fabs(double(x[static_cast<size_t>(k)]) - double(d) * out[0].q[static_cast<size_t>(k)]), 0.5 * d * (1 + 1e-6) + 1e-30);
+    ASSERT_LE(std::fabs(double(x[static_cast<size_t>(k)]) - double(d) * out[0].q[static_cast<size_t>(k)]),
+              0.5 * d * (1 + 1e-6) + 1e-30);
   }
 }
 
@@ -901,7 +906,8 @@ TEST(QuantQ8, NonFiniteActivationsReachTheOutput) {
         x[77] = bad;
         std::vector<float> y(static_cast<size_t>(rows));
         k::matmul(kc, t, w.data(), q::row_size(t, cols), 0, rows, cols, x.data(), cols, 1, y.data(), rows);
-        for (float v : y) EXPECT_TRUE(std::isnan(v)) << strata::quant::detail::type_name(t) << " " << k::cpu_kernels_name(fam);
+        for (float v : y)
+          EXPECT_TRUE(std::isnan(v)) << strata::quant::detail::type_name(t) << " " << k::cpu_kernels_name(fam);
       }
     }
   }
@@ -922,8 +928,8 @@ TEST(QuantQ8, ModeSelection) {
     for (GgmlType t : kQ8Types) EXPECT_TRUE(k::has_q8_activations(avx2, t)) << strata::quant::detail::type_name(t);
     EXPECT_FALSE(k::has_q8_activations(avx2, GgmlType::BF16));
   }
-  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") || !__builtin_cpu_supports("avx512vl") ||
-      !__builtin_cpu_supports("avx512dq"))
+  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
+      !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512dq"))
     GTEST_SKIP() << "no AVX-512 on this CPU: auto is f32 in every family here";
   EXPECT_EQ(config(k::CpuKernels::Avx512, k::ActQuant::Auto).act, k::ActQuant::Q8);
   const k::KernelConfig q8 = config(k::CpuKernels::Avx512, k::ActQuant::Q8);

@@ -82,10 +82,11 @@ TEST_P(QuantizedFixture, TopOneMatchesLlamaCppTeacherForced) {
     GTEST_SKIP() << name << ": its llamacpp-greedy.json entry is a copy of the Q8_0 entry (reference defect)";
   for (cpu::kernels::ActQuant act : {cpu::kernels::ActQuant::Q8, cpu::kernels::ActQuant::F32}) {
     const Agreement a = teacher_forced(fx + "/models/" + name, ref["models"][name], act);
-    std::printf("[%s, %s activations] agreement with llama.cpp: %d/%d steps (%.1f %%); where its top-2 gap > 0.02: "
-                "%d/%d; max |log-prob - llama.cpp's| over its top 5: %.3f\n",
-                name.c_str(), cpu::kernels::act_quant_name(act), a.agree, a.steps, 100.0 * a.agree / std::max(1, a.steps),
-                a.checked_agree, a.checked, a.max_logprob_err);
+    std::printf(
+        "[%s, %s activations] agreement with llama.cpp: %d/%d steps (%.1f %%); where its top-2 gap > 0.02: "
+        "%d/%d; max |log-prob - llama.cpp's| over its top 5: %.3f\n",
+        name.c_str(), cpu::kernels::act_quant_name(act), a.agree, a.steps, 100.0 * a.agree / std::max(1, a.steps),
+        a.checked_agree, a.checked, a.max_logprob_err);
     EXPECT_GT(a.checked, a.steps / 2);
   }
 }

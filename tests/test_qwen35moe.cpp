@@ -12,8 +12,8 @@
 // (GdnSpec::VHeadOrder::Grouped) moves logits by up to 5.4 and flips 27 of the 97 top-1s
 // (measured by switching the spec). llama.cpp's reading of IMRoPE for text (the fourth section at
 // position 0, so pair 7 of 8 is not rotated here) would move them by far less than 1e-4: that
-// pair turns by 7.5e-7 rad per token. Router scores: 1e-4 on differences of raw scores (the reference's router_top are raw
-// router logits; ours are softmax probabilities, and log p_k - log p_0 = s_k - s_0).
+// pair turns by 7.5e-7 rad per token. Router scores: 1e-4 on differences of raw scores (the reference's router_top are
+// raw router logits; ours are softmax probabilities, and log p_k - log p_0 = s_k - s_0).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -65,7 +65,8 @@ bool bit_equal(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
-std::vector<float> all_logits(const std::string& path, const engine::EngineOptions& o, const std::vector<int32_t>& ids) {
+std::vector<float> all_logits(const std::string& path, const engine::EngineOptions& o,
+                              const std::vector<int32_t>& ids) {
   engine::Engine eng(path, o);
   model::SequenceState st = eng.new_sequence();
   std::vector<float> logits;
@@ -161,7 +162,8 @@ Parity compare(engine::Engine& eng, const nlohmann::json& ref) {
         for (size_t k = 0; k < ref_ids.size(); ++k) {
           const auto it = std::find(our_ids.begin(), our_ids.end(), ref_ids[k]);
           if (it == our_ids.end()) continue;  // a tie swapped it out (counted above if not a tie)
-          const double ours = std::log(double(our_probs[size_t(it - our_ids.begin())])) - std::log(double(our_probs[0]));
+          const double ours =
+              std::log(double(our_probs[size_t(it - our_ids.begin())])) - std::log(double(our_probs[0]));
           p.max_score_err = std::max(p.max_score_err, std::abs(ours - (ref_scores[k] - ref_scores[0])));
         }
       }
@@ -174,10 +176,11 @@ TEST(Qwen35Moe, MatchesTransformers) {
   STRATA_REQUIRE_FIXTURES(fx);
   engine::Engine eng(model_path(fx), options());
   const Parity p = compare(eng, hf_ref(fx));
-  std::printf("[qwen35moe vs transformers] positions %d, top-1 checked %d mismatched %d, max |dlogit| top-20 %.3g, "
-              "all-vocab last %.3g, logsumexp %.3g; routes checked %d mismatched %d, max |d score diff| %.3g\n",
-              p.positions, p.top1_checked, p.top1_mismatch, p.max_logit_err, p.max_last_err, p.max_lse_err,
-              p.routes_checked, p.routes_mismatch, p.max_score_err);
+  std::printf(
+      "[qwen35moe vs transformers] positions %d, top-1 checked %d mismatched %d, max |dlogit| top-20 %.3g, "
+      "all-vocab last %.3g, logsumexp %.3g; routes checked %d mismatched %d, max |d score diff| %.3g\n",
+      p.positions, p.top1_checked, p.top1_mismatch, p.max_logit_err, p.max_last_err, p.max_lse_err, p.routes_checked,
+      p.routes_mismatch, p.max_score_err);
   EXPECT_EQ(p.positions, 9 + 24 + 64);
   EXPECT_GT(p.top1_checked, p.positions / 2);
   EXPECT_EQ(p.top1_mismatch, 0);
@@ -192,7 +195,8 @@ TEST(Qwen35Moe, MatchesTransformers) {
 TEST(Qwen35Moe, GreedyMatchesTransformersAndLlamaCpp) {
   STRATA_REQUIRE_FIXTURES(fx);
   const nlohmann::json hf = hf_ref(fx);
-  const nlohmann::json lc = test::load_json(fx + "/ref/llamacpp-greedy-archs.json")["models"]["qwen35moe-tiny-bf16.gguf"];
+  const nlohmann::json lc =
+      test::load_json(fx + "/ref/llamacpp-greedy-archs.json")["models"]["qwen35moe-tiny-bf16.gguf"];
   ASSERT_EQ(lc.size(), hf["greedy"].size());
   engine::Engine eng(model_path(fx), options());
   for (size_t i = 0; i < hf["greedy"].size(); ++i) {
@@ -294,7 +298,8 @@ TEST(Qwen35Moe, ImropeOnTextIsNeoxPartialRotary) {
     cpu::rope_apply(rope, ours.data(), n_heads, head_dim, pos);
     const int64_t p3[3] = {pos, pos, pos};
     imrope_reference(want.data(), n_heads, head_dim, n_rot, base, sec, p3);
-    for (size_t i = 0; i < ours.size(); ++i) ASSERT_NEAR(ours[i], want[i], 2e-6 * (1 + std::abs(want[i]))) << pos << " " << i;
+    for (size_t i = 0; i < ours.size(); ++i)
+      ASSERT_NEAR(ours[i], want[i], 2e-6 * (1 + std::abs(want[i]))) << pos << " " << i;
   }
   // The sections do matter once positions differ (image tokens): the reference is not vacuous.
   std::vector<float> a = x0, b = x0;
@@ -358,8 +363,8 @@ std::string write_edited(const std::string& src_path, const FileEdit& ed, const 
     for (auto& byte : data) byte ^= ed.scramble;
     w.add_tensor(a.name, from->type, ne, std::move(data));
   }
-  const auto path = std::filesystem::temp_directory_path() /
-                    ("strata-qwen35moe-" + tag + "-" + std::to_string(::getpid()) + ".gguf");
+  const auto path =
+      std::filesystem::temp_directory_path() / ("strata-qwen35moe-" + tag + "-" + std::to_string(::getpid()) + ".gguf");
   w.write(path.string());
   return path.string();
 }
@@ -403,11 +408,11 @@ FileEdit append_nextn_block(uint8_t scramble) {
   e.scramble = scramble;
   e.set.emplace_back("qwen35moe.block_count", gguf::make_u32(5));
   e.set.emplace_back("qwen35moe.nextn_predict_layers", gguf::make_u32(1));
-  for (const char* n : {"attn_norm.weight", "post_attention_norm.weight", "attn_q.weight", "attn_k.weight",
-                        "attn_v.weight", "attn_output.weight", "attn_q_norm.weight", "attn_k_norm.weight",
-                        "ffn_gate_inp.weight", "ffn_down_exps.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight",
-                        "ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight",
-                        "ffn_down_shexp.weight"})
+  for (const char* n :
+       {"attn_norm.weight", "post_attention_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+        "attn_output.weight", "attn_q_norm.weight", "attn_k_norm.weight", "ffn_gate_inp.weight", "ffn_down_exps.weight",
+        "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight",
+        "ffn_up_shexp.weight", "ffn_down_shexp.weight"})
     e.add.push_back({model::blk(4, n), model::blk(3, n), {}});
   e.add.push_back({"blk.4.nextn.eh_proj.weight", "blk.3.attn_output.weight", {256, 128}});  // [2 n_embd, n_embd]
   for (const char* n : {"nextn.enorm.weight", "nextn.hnorm.weight", "nextn.shared_head_norm.weight"})

@@ -32,9 +32,9 @@
 #include <fstream>
 #include <random>
 
-#include "gguf/gguf_writer.h"
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/gated_delta_net.h"
+#include "gguf/gguf_writer.h"
 #include "model/weights.h"
 #include "support/paths.h"
 #include "support/reference.h"
@@ -250,10 +250,10 @@ namespace {
 // Rewrites the shipped model with one tensor dropped or reshaped (data cut or padded to the
 // new size), through gguf::Writer, and returns the error loading it gives.
 struct TensorEdit {
-  std::string drop;                  // tensor to remove
-  std::string reshape;               // tensor to give the shape `ne`
+  std::string drop;     // tensor to remove
+  std::string reshape;  // tensor to give the shape `ne`
   std::vector<uint64_t> ne;
-  std::string add;                   // tensor to add (a copy of `add_from`'s bytes, shape `ne`)
+  std::string add;  // tensor to add (a copy of `add_from`'s bytes, shape `ne`)
   std::string add_from;
 };
 TensorEdit drop(std::string name) {
@@ -302,8 +302,8 @@ std::string load_error(const TensorEdit& ed, const std::string& tag) {
       w.add_tensor(ed.add, t.type, ed.ne, std::move(extra));
     }
   }
-  const auto path = std::filesystem::temp_directory_path() /
-                    ("strata-qwen3next-" + tag + "-" + std::to_string(::getpid()) + ".gguf");
+  const auto path =
+      std::filesystem::temp_directory_path() / ("strata-qwen3next-" + tag + "-" + std::to_string(::getpid()) + ".gguf");
   w.write(path.string());
   std::string msg = "<no exception>";
   try {
@@ -338,14 +338,16 @@ TEST(Qwen3NextErrors, ReshapedTensorIsNamedWithBothShapes) {
 }
 
 TEST(Qwen3NextErrors, FusedGateUpExpertsAreRefusedClearly) {
-  const std::string msg = load_error(
-      add_copy("blk.0.ffn_gate_up_exps.weight", "blk.0.ffn_up_exps.weight", {128, 64, 64}), "fused");
+  const std::string msg =
+      load_error(add_copy("blk.0.ffn_gate_up_exps.weight", "blk.0.ffn_up_exps.weight", {128, 64, 64}), "fused");
   EXPECT_THAT(msg, HasSubstr("'blk.0.ffn_gate_up_exps.weight'"));
   EXPECT_THAT(msg, HasSubstr("not supported yet"));
 }
 
 TEST(Qwen3NextErrors, LayerTensorBeyondBlockCountIsRefused) {
   // a fifth layer's tensor in a file whose metadata says 4 layers: it would be silently unused
-  const std::string msg = load_error(add_copy("blk.4.attn_norm.weight", "blk.3.attn_norm.weight", {128}), "extra-layer");
-  EXPECT_THAT(msg, HasSubstr("tensor 'blk.4.attn_norm.weight' belongs to layer 4, but qwen3next.block_count says 4 layers"));
+  const std::string msg =
+      load_error(add_copy("blk.4.attn_norm.weight", "blk.3.attn_norm.weight", {128}), "extra-layer");
+  EXPECT_THAT(msg,
+              HasSubstr("tensor 'blk.4.attn_norm.weight' belongs to layer 4, but qwen3next.block_count says 4 layers"));
 }

@@ -1,5 +1,5 @@
-#include <thread>
 #include <chrono>
+#include <thread>
 // The server's scheduler without HTTP: interleaved requests give the same tokens as requests
 // run alone, stop strings are held back and cut, cancellation frees the slot, a full queue
 // refuses; and the logprob / stop-suffix helpers.
@@ -44,8 +44,7 @@ GenParams greedy(const std::string& prompt, int max_tokens) {
 
 std::string collect(Request& r, std::vector<Event>* events = nullptr) {
   std::vector<Event> ev;
-  while (!r.wait(ev, std::chrono::milliseconds(1000))) {
-  }
+  while (!r.wait(ev, std::chrono::milliseconds(1000))) {}
   std::string text;
   for (auto& e : ev) text += e.text;
   if (events) *events = std::move(ev);
@@ -70,8 +69,8 @@ TEST(Server, StopSuffixAndLogprob) {
 
 TEST(Server, InterleavedEqualsAlone) {
   auto& eng = shared_engine();
-  const std::vector<std::string> prompts = {"def read_lines(path):", "class Stack:", "import os\n", "def fib(n):",
-                                            "for i in range(3):"};
+  const std::vector<std::string> prompts = {"def read_lines(path):", "class Stack:", "import os\n",
+                                            "def fib(n):", "for i in range(3):"};
   std::vector<std::string> alone;
   {
     Scheduler s(eng, 1, 8);

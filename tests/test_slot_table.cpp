@@ -46,7 +46,8 @@ std::vector<int> drain(SlotTable& t) {
 
 /// Requests `experts` of `layer`, expecting none to be blocked.
 void request_all(SlotTable& t, int layer, std::vector<int32_t> experts) {
-  for (const int32_t e : experts) ASSERT_NE(t.request(layer, e), Outcome::Blocked) << "layer " << layer << " expert " << e;
+  for (const int32_t e : experts)
+    ASSERT_NE(t.request(layer, e), Outcome::Blocked) << "layer " << layer << " expert " << e;
 }
 
 }  // namespace

@@ -227,8 +227,8 @@ TEST_F(StreamTest, LruEvictionAndExactCounters) {
   req(0, {0, 1});  // 2 hits
   req(0, {2, 3});  // 2 misses, arena now full; LRU order: (0,0) (0,1) (0,2) (0,3)
   bytes += syn->aligned_bytes(0, 2) + syn->aligned_bytes(0, 3);
-  req(0, {1});     // hit; LRU order: (0,0) (0,2) (0,3) (0,1)
-  req(1, {5});     // miss, evicts (0,0)
+  req(0, {1});  // hit; LRU order: (0,0) (0,2) (0,3) (0,1)
+  req(1, {5});  // miss, evicts (0,0)
   bytes += syn->aligned_bytes(1, 5);
   EXPECT_FALSE(s.resident(0, 0));
   EXPECT_TRUE(s.resident(0, 1));
@@ -265,7 +265,7 @@ TEST_F(StreamTest, PinnedSlotsAreNeverEvicted) {
   for (int l = 0; l < 2; ++l)
     for (int e = 0; e < 2; ++e) EXPECT_TRUE(syn->view_ok(l, e, s.wait(l, e)));
   EXPECT_THROW(s.request(2, v({0})), std::logic_error);  // a 5th pin cannot be placed
-  EXPECT_NO_THROW(s.prefetch(2, v({0})));  // a hint: ignored when every slot is pinned
+  EXPECT_NO_THROW(s.prefetch(2, v({0})));                // a hint: ignored when every slot is pinned
   s.wait_idle();
   EXPECT_FALSE(s.resident(2, 0));
   for (int l = 0; l < 2; ++l)
@@ -481,8 +481,8 @@ TEST_F(StreamTest, DirectRefusedAtFirstReadFallsBack) {
   const std::string err = testing::internal::GetCapturedStderr();
   strata::io::testing::simulate_direct_read_einval(false);
   EXPECT_FALSE(s.direct());
-  EXPECT_EQ(err, "strata: warning: " + syn->path.string() +
-                     ": O_DIRECT refused by the filesystem, using buffered reads\n");
+  EXPECT_EQ(err,
+            "strata: warning: " + syn->path.string() + ": O_DIRECT refused by the filesystem, using buffered reads\n");
   for (int l = 0; l < 3; ++l) {
     std::vector<int32_t> ids(10);
     std::iota(ids.begin(), ids.end(), 0);

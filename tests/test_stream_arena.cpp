@@ -45,7 +45,8 @@ class StagedArena : public backend::ArenaMemory {
   void land(size_t slot, int io_thread, size_t bytes, size_t offset) override {
     EXPECT_EQ(offset % 4096, 0u);
     EXPECT_LE(offset + bytes, bytes_);
-    std::memcpy(slots_.data() + slot * bytes_ + offset, staging_.at(static_cast<size_t>(io_thread)).get() + offset, bytes);
+    std::memcpy(slots_.data() + slot * bytes_ + offset, staging_.at(static_cast<size_t>(io_thread)).get() + offset,
+                bytes);
     ++lands;
   }
   const uint8_t* slot_data(size_t slot) const override { return slots_.data() + slot * bytes_; }
@@ -110,7 +111,8 @@ struct ExpertFile {
     }
     bytes.resize(pos);
     for (auto& b : bytes) b = static_cast<uint8_t>(rng());
-    std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
+    std::ofstream(path, std::ios::binary)
+        .write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
   }
   ~ExpertFile() { fs::remove(path); }
 

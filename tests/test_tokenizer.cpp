@@ -35,7 +35,8 @@ const std::vector<Case>& cases() {
     if (!in) throw std::runtime_error("cannot open " + strata::test::data_path("tokenizer.json"));
     nlohmann::json j = nlohmann::json::parse(in);
     std::vector<Case> v;
-    for (const auto& c : j.at("cases")) v.push_back({c.at("text").get<std::string>(), c.at("ids").get<std::vector<int32_t>>()});
+    for (const auto& c : j.at("cases"))
+      v.push_back({c.at("text").get<std::string>(), c.at("ids").get<std::vector<int32_t>>()});
     return v;
   }();
   return cs;
@@ -54,14 +55,12 @@ std::string ids_str(const std::vector<int32_t>& ids) {
   return os.str();
 }
 
-std::string short_text(const std::string& s) {
-  return s.size() <= 80 ? s : s.substr(0, 80) + "...";
-}
+std::string short_text(const std::string& s) { return s.size() <= 80 ? s : s.substr(0, 80) + "..."; }
 
 // A tiny tokenizer over the alphabet {a, b, c} plus one control token.
 tk::Tokenizer tiny(const std::vector<std::string>& merges) {
-  return tk::Tokenizer::from_vocab("gpt2", "qwen2", {"<|end|>", "a", "b", "c", "ab", "bc", "abc", "Ġ"}, {3, 1, 1, 1, 1, 1, 1, 1},
-                                   merges, -1, 0);
+  return tk::Tokenizer::from_vocab("gpt2", "qwen2", {"<|end|>", "a", "b", "c", "ab", "bc", "abc", "Ġ"},
+                                   {3, 1, 1, 1, 1, 1, 1, 1}, merges, -1, 0);
 }
 
 }  // namespace
@@ -186,7 +185,9 @@ TEST(Tokenizer, StreamDecoderReplacesInvalid) {
   {
     tk::StreamDecoder dec(t);
     EXPECT_EQ(dec.push(*lead), "");
-    EXPECT_EQ(dec.push(*a), "\xEF\xBF\xBD" "a");  // can never complete -> replaced at once
+    EXPECT_EQ(dec.push(*a),
+              "\xEF\xBF\xBD"
+              "a");  // can never complete -> replaced at once
     EXPECT_EQ(dec.push(*cont), "\xEF\xBF\xBD");
     EXPECT_EQ(dec.flush(), "");
   }
@@ -202,12 +203,15 @@ TEST(Tokenizer, InvalidUtf8Throws) {
       EXPECT_EQ(std::string(e.what()), "invalid UTF-8 at byte " + std::to_string(at)) << ::testing::PrintToString(s);
     }
   };
-  expect_error("ab\xFF" "cd", 2);
-  expect_error("abc\xE6\x97", 3);        // truncated
-  expect_error("\xC0\x80", 0);           // overlong
-  expect_error("x\xED\xA0\x80", 1);      // surrogate
-  expect_error("xy\xF4\x90\x80\x80", 2); // above U+10FFFF
-  expect_error("\x80", 0);               // lone continuation
+  expect_error(
+      "ab\xFF"
+      "cd",
+      2);
+  expect_error("abc\xE6\x97", 3);         // truncated
+  expect_error("\xC0\x80", 0);            // overlong
+  expect_error("x\xED\xA0\x80", 1);       // surrogate
+  expect_error("xy\xF4\x90\x80\x80", 2);  // above U+10FFFF
+  expect_error("\x80", 0);                // lone continuation
   EXPECT_NO_THROW(t.encode("\xF4\x8F\xBF\xBF"));
 }
 

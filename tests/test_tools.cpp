@@ -83,9 +83,7 @@ std::vector<uint8_t> read_bytes(const std::string& path, uint64_t off, size_t n)
   return b;
 }
 
-std::vector<uint8_t> file_bytes(const std::string& path) {
-  return read_bytes(path, 0, size_t(fs::file_size(path)));
-}
+std::vector<uint8_t> file_bytes(const std::string& path) { return read_bytes(path, 0, size_t(fs::file_size(path))); }
 
 // Mean and std of a whole tensor's dequantized values.
 std::pair<double, double> tensor_stats(const std::string& path, const gguf::TensorInfo& t) {
@@ -145,9 +143,10 @@ TEST(Synth, CodeLikeMatchesTheShippedTensorSetAndRuns) {
     ASSERT_NE(s, nullptr) << t.name;
     EXPECT_EQ(s->ne, t.ne) << t.name;
   }
-  for (const char* k : {"qwen3moe.block_count", "qwen3moe.embedding_length", "qwen3moe.attention.head_count",
-                        "qwen3moe.attention.head_count_kv", "qwen3moe.expert_count", "qwen3moe.expert_used_count",
-                        "qwen3moe.expert_feed_forward_length", "qwen3moe.attention.key_length", "qwen3moe.context_length"})
+  for (const char* k :
+       {"qwen3moe.block_count", "qwen3moe.embedding_length", "qwen3moe.attention.head_count",
+        "qwen3moe.attention.head_count_kv", "qwen3moe.expert_count", "qwen3moe.expert_used_count",
+        "qwen3moe.expert_feed_forward_length", "qwen3moe.attention.key_length", "qwen3moe.context_length"})
     EXPECT_EQ(syn.get_int(k), real.get_int(k)) << k;
   EXPECT_EQ(syn.get_string_array("tokenizer.ggml.tokens"), real.get_string_array("tokenizer.ggml.tokens"));
   // Types: experts IQ2_XS, down rows of 64 fall back to IQ4_NL as llama.cpp does; dense Q8_0;
@@ -178,8 +177,8 @@ TEST(Synth, SameSeedSameBytesAcrossTypes) {
     const std::string c = scratch().path(std::string("seed-c-") + type + ".gguf");
     ASSERT_EQ(run_strata(std::string("synth --like qwen3moe-code --layers 2 -q --type ") + type + " -o " + a).rc, 0);
     ASSERT_EQ(run_strata(std::string("synth --like qwen3moe-code --layers 2 -q --type ") + type + " -o " + b).rc, 0);
-    ASSERT_EQ(run_strata(std::string("synth --like qwen3moe-code --layers 2 -q --seed 2 --type ") + type + " -o " + c).rc,
-              0);
+    ASSERT_EQ(
+        run_strata(std::string("synth --like qwen3moe-code --layers 2 -q --seed 2 --type ") + type + " -o " + c).rc, 0);
     EXPECT_TRUE(file_bytes(a) == file_bytes(b)) << type;
     EXPECT_FALSE(file_bytes(a) == file_bytes(c)) << type;
     const gguf::File g = gguf::File::open(a);
@@ -193,8 +192,8 @@ TEST(Synth, SameSeedSameBytesAcrossTypes) {
 
 TEST(Synth, Qwen3_30bShapedWithOverridesRuns) {
   const std::string out = scratch().path("q30-l2-e8.gguf");
-  const CmdResult r = run_strata("synth --like qwen3moe-30b-a3b --type Q4_K --layers 2 --experts 8 --vocab 8192 -q -o " +
-                                 out);
+  const CmdResult r =
+      run_strata("synth --like qwen3moe-30b-a3b --type Q4_K --layers 2 --experts 8 --vocab 8192 -q -o " + out);
   ASSERT_EQ(r.rc, 0) << r.out;
   const gguf::File g = gguf::File::open(out);
   EXPECT_EQ(g.get_string("general.architecture"), "qwen3moe");
@@ -241,9 +240,10 @@ TEST(Synth, Qwen3NextHasTheRealTensorSetAndRuns) {
   // 4 layers: 3 linear-attention layers and 1 full-attention layer, like the shipped tiny model.
   STRATA_REQUIRE_FIXTURES(fx);
   const std::string out = scratch().path("next-l4.gguf");
-  const CmdResult r =
-      run_strata("synth --like qwen3-next-80b-a3b --type Q4_0 --dense-type Q4_0 --layers 4 --experts 4 --expert-used 2 "
-                 "--vocab 8192 -q -o " + out);
+  const CmdResult r = run_strata(
+      "synth --like qwen3-next-80b-a3b --type Q4_0 --dense-type Q4_0 --layers 4 --experts 4 --expert-used 2 "
+      "--vocab 8192 -q -o " +
+      out);
   ASSERT_EQ(r.rc, 0) << r.out;
   const gguf::File g = gguf::File::open(out);
   const gguf::File tiny = gguf::File::open(fx + "/models/qwen3next-tiny-bf16.gguf");
@@ -291,7 +291,7 @@ TEST(Synth, Qwen3NextHasTheRealTensorSetAndRuns) {
   std::vector<float> ssm_a(static_cast<size_t>(a->n_elements));
   std::memcpy(ssm_a.data(), raw.data(), raw.size());
   for (float x : ssm_a) EXPECT_LT(x, 0.0f);  // -exp(A_log)
-  run_some_tokens(out);  // the qwen3next loader accepts it and the numbers stay finite
+  run_some_tokens(out);                      // the qwen3next loader accepts it and the numbers stay finite
 }
 
 TEST(Synth, BadArgumentsSayWhatToChange) {
@@ -338,8 +338,9 @@ TEST_F(PackTest, LogitsBitIdenticalAndOneReadPerExpert) {
   ASSERT_EQ(c.status, stream::PackStatus::Ok) << c.message;
   const uint64_t record = c.layout.layers[0].part[0].stride;
   EXPECT_EQ(record % 4096, 0u);
-  EXPECT_EQ(record, (layers[0].part[0].expert_bytes + layers[0].part[1].expert_bytes +
-                     layers[0].part[2].expert_bytes + 4095) / 4096 * 4096);
+  EXPECT_EQ(record,
+            (layers[0].part[0].expert_bytes + layers[0].part[1].expert_bytes + layers[0].part[2].expert_bytes + 4095) /
+                4096 * 4096);
 
   const std::vector<int32_t> ids = prompt_ids(50, 8192, 11);
   std::vector<float> logits_pack, logits_gguf;
@@ -476,7 +477,8 @@ TEST_F(PackTest, CliWritesTheDefaultSidecarAndNeverAPartialFile) {
   EXPECT_NE(bad.rc, 0);
   EXPECT_THAT(bad.out, HasSubstr("cannot create"));
   // strata run reads it (and --no-pack does not).
-  EXPECT_THAT(run_strata("run -m " + model + " -p 'def f():' -n 2 -t 1 --temp 0").out, HasSubstr("using packed experts"));
+  EXPECT_THAT(run_strata("run -m " + model + " -p 'def f():' -n 2 -t 1 --temp 0").out,
+              HasSubstr("using packed experts"));
   EXPECT_THAT(run_strata("run -m " + model + " -p 'def f():' -n 2 -t 1 --temp 0 --no-pack").out,
               ::testing::Not(HasSubstr("using packed experts")));
 }
@@ -492,7 +494,8 @@ TEST(StreamMerge, ContiguousPartsAreOneRead) {
   const int n = 10;
   std::vector<uint8_t> bytes(4096 + n * rec);
   for (auto& b : bytes) b = uint8_t(rng());
-  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
+  std::ofstream(path, std::ios::binary)
+      .write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
   std::vector<stream::LayerExperts> layers(1);
   layers[0].n_expert = n;
   layers[0].part[0] = stream::PartLayout{4096, p0, rec};
@@ -615,10 +618,9 @@ TEST(GgufWriter, StreamedTensorsEqualInMemoryOnes) {
   EXPECT_EQ(str.file_bytes(), fs::file_size(p2));
   // A fill that throws: the error surfaces and no file is left.
   gguf::Writer bad;
-  bad.add_tensor_streamed("x", GgmlType::F32, {1 << 20},
-                          [](uint64_t off, uint8_t*, size_t) {
-                            if (off > 0) throw std::runtime_error("generator failed");
-                          });
+  bad.add_tensor_streamed("x", GgmlType::F32, {1 << 20}, [](uint64_t off, uint8_t*, size_t) {
+    if (off > 0) throw std::runtime_error("generator failed");
+  });
   o.chunk_bytes = 1 << 16;
   o.progress = nullptr;
   EXPECT_THROW(bad.write(scratch().path("bad.gguf"), o), std::runtime_error);

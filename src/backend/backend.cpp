@@ -117,8 +117,8 @@ void select_experts(const RouterSpec& spec, float* logits, int64_t T, Routing& r
     throw std::invalid_argument("select_experts: selection_bias must have n_expert values");
   const bool grouped = spec.n_group > 1 && spec.n_group_used < spec.n_group;
   const int group_size = grouped ? n_expert / spec.n_group : n_expert;
-  if (grouped && (n_expert % spec.n_group != 0 || spec.n_group_used < 1 ||
-                  int64_t(spec.n_group_used) * group_size < top_k))
+  if (grouped &&
+      (n_expert % spec.n_group != 0 || spec.n_group_used < 1 || int64_t(spec.n_group_used) * group_size < top_k))
     throw std::invalid_argument(
         "select_experts: n_group must divide n_expert and n_group_used groups must hold top_k experts");
   r.top_k = top_k;
@@ -193,7 +193,8 @@ void select_experts(const RouterSpec& spec, float* logits, int64_t T, Routing& r
 }
 
 void Backend::mla_attention(const MlaSpec&, const MlaWeights&, const Tensor&, int64_t, const Tensor&, const Tensor&) {
-  throw std::logic_error("backend '" + info().name + "' does not implement multi-head latent attention (mla_attention)");
+  throw std::logic_error("backend '" + info().name +
+                         "' does not implement multi-head latent attention (mla_attention)");
 }
 
 }  // namespace strata::backend

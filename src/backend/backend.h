@@ -145,8 +145,8 @@ struct RopeSpec {
 struct AttentionSpec {
   int n_head = 0;
   int n_head_kv = 0;
-  int head_dim = 0;              ///< per-head dimension of q, k and v
-  float rms_eps = 1e-6f;         ///< epsilon of the per-head q/k RMSNorm
+  int head_dim = 0;       ///< per-head dimension of q, k and v
+  float rms_eps = 1e-6f;  ///< epsilon of the per-head q/k RMSNorm
   const RopeSpec* rope = nullptr;
   /// attn_q rows are [n_head][q(head_dim), gate(head_dim)] and the output is multiplied by
   /// sigmoid(gate) per element before attn_output (qwen3next). False: [n_head][head_dim].
@@ -197,29 +197,29 @@ struct KvCache {
 /// kpe per token: MlaCache rows of kv_lora_rank + n_rot floats.
 struct MlaSpec {
   int n_head = 0;
-  int q_lora_rank = 0;   ///< attention.q_lora_rank; 0 = a plain attn_q projection
-  int kv_lora_rank = 0;  ///< attention.kv_lora_rank: latent width
-  int n_nope = 0;        ///< key_length_mla - rope.dimension_count: non-rotated q/k dims per head
-  int n_rot = 0;         ///< rope.dimension_count: rotated q/k dims per head (and of kpe)
-  int v_dim = 0;         ///< value_length_mla: value dims per head
-  float rms_eps = 1e-6f; ///< epsilon of q_a_norm and kv_a_norm
+  int q_lora_rank = 0;    ///< attention.q_lora_rank; 0 = a plain attn_q projection
+  int kv_lora_rank = 0;   ///< attention.kv_lora_rank: latent width
+  int n_nope = 0;         ///< key_length_mla - rope.dimension_count: non-rotated q/k dims per head
+  int n_rot = 0;          ///< rope.dimension_count: rotated q/k dims per head (and of kpe)
+  int v_dim = 0;          ///< value_length_mla: value dims per head
+  float rms_eps = 1e-6f;  ///< epsilon of q_a_norm and kv_a_norm
   const RopeSpec* rope = nullptr;
-  float scale = 0;       ///< scale of the scores; 0 = 1/sqrt(n_nope + n_rot)
+  float scale = 0;  ///< scale of the scores; 0 = 1/sqrt(n_nope + n_rot)
   /// Floats per cached token: [c (kv_lora_rank) | kpe (n_rot)].
   int64_t cache_dim() const { return int64_t(kv_lora_rank) + n_rot; }
 };
 
 /// Weights of one MLA layer (ggml ne order). Empty: absent.
 struct MlaWeights {
-  Tensor wq_a;      ///< attn_q_a: ne {n_embd, q_lora_rank} (empty when q_lora_rank = 0)
-  Tensor q_a_norm;  ///< attn_q_a_norm: F32 ne {q_lora_rank}
-  Tensor wq_b;      ///< attn_q_b: ne {q_lora_rank, n_head * (n_nope + n_rot)}
-  Tensor wq;        ///< attn_q: ne {n_embd, n_head * (n_nope + n_rot)} (when q_lora_rank = 0)
-  Tensor wkv_a;     ///< attn_kv_a_mqa: ne {n_embd, kv_lora_rank + n_rot}
-  Tensor kv_a_norm; ///< attn_kv_a_norm: F32 ne {kv_lora_rank}
-  Tensor wk_b;      ///< attn_k_b: ne {n_nope, kv_lora_rank, n_head} (head h: rows = latent, cols = nope)
-  Tensor wv_b;      ///< attn_v_b: ne {kv_lora_rank, v_dim, n_head} (head h: rows = v dims, cols = latent)
-  Tensor wo;        ///< attn_output: ne {n_head * v_dim, n_embd}
+  Tensor wq_a;       ///< attn_q_a: ne {n_embd, q_lora_rank} (empty when q_lora_rank = 0)
+  Tensor q_a_norm;   ///< attn_q_a_norm: F32 ne {q_lora_rank}
+  Tensor wq_b;       ///< attn_q_b: ne {q_lora_rank, n_head * (n_nope + n_rot)}
+  Tensor wq;         ///< attn_q: ne {n_embd, n_head * (n_nope + n_rot)} (when q_lora_rank = 0)
+  Tensor wkv_a;      ///< attn_kv_a_mqa: ne {n_embd, kv_lora_rank + n_rot}
+  Tensor kv_a_norm;  ///< attn_kv_a_norm: F32 ne {kv_lora_rank}
+  Tensor wk_b;       ///< attn_k_b: ne {n_nope, kv_lora_rank, n_head} (head h: rows = latent, cols = nope)
+  Tensor wv_b;       ///< attn_v_b: ne {kv_lora_rank, v_dim, n_head} (head h: rows = v dims, cols = latent)
+  Tensor wo;         ///< attn_output: ne {n_head * v_dim, n_embd}
 };
 
 /// Gated delta net (Yang, Kautz & Hatamizadeh 2024, arXiv:2412.06464), the linear-attention
@@ -260,8 +260,8 @@ struct GdnWeights {
   Tensor a;        ///< ssm_a: F32 ne {n_v_head}, -exp(A_log)
   Tensor norm;     ///< ssm_norm: F32 ne {dv}
   /// Separate b and a projections (qwen35moe: HF's in_proj_b / in_proj_a), used when wba is empty.
-  Tensor wbeta{};  ///< ssm_beta: ne {n_embd, n_v_head}, b per value head (beta = sigmoid(b))
-  Tensor walpha{}; ///< ssm_alpha: ne {n_embd, n_v_head}, a per value head (g = softplus(a + dt_bias) * ssm_a)
+  Tensor wbeta{};   ///< ssm_beta: ne {n_embd, n_v_head}, b per value head (beta = sigmoid(b))
+  Tensor walpha{};  ///< ssm_alpha: ne {n_embd, n_v_head}, a per value head (g = softplus(a + dt_bias) * ssm_a)
 };
 
 /// The recurrent state of one gated-delta-net layer of one sequence.
@@ -342,9 +342,9 @@ struct RouterSpec {
 /// Routing of T tokens: [T][top_k], experts by descending score (ties: lower id first).
 struct Routing {
   int top_k = 0;
-  std::vector<int32_t> ids;      ///< [T * top_k]
-  std::vector<float> probs;      ///< gating probabilities of the selected experts (without selection bias)
-  std::vector<float> weights;    ///< mixing weights (probs, renormalized if norm_topk, times weights_scale)
+  std::vector<int32_t> ids;    ///< [T * top_k]
+  std::vector<float> probs;    ///< gating probabilities of the selected experts (without selection bias)
+  std::vector<float> weights;  ///< mixing weights (probs, renormalized if norm_topk, times weights_scale)
   /// [T]: the gating probability of the (k+1)-th candidate in selection order (0 when top_k =
   /// n_expert or none is left after the group limit). SoftmaxTopK: the (k+1)-th expert's
   /// exp(logit - max) over the selected experts' normalizer, so that probs[k-1] - next_prob is
@@ -358,21 +358,21 @@ struct Routing {
 void softmax(float* x, int64_t n);
 
 /// Selects experts from router logits [T][n_expert] on the host (replaced in place by the gating
-/// probabilities; left as they are for SoftmaxTopK), as `spec` says. The selection every backend shares; throws std::invalid_argument for a spec it
-/// cannot apply.
+/// probabilities; left as they are for SoftmaxTopK), as `spec` says. The selection every backend shares; throws
+/// std::invalid_argument for a spec it cannot apply.
 void select_experts(const RouterSpec& spec, float* logits, int64_t T, Routing& out);
 
 /// One resident expert applied to the tokens routed to it.
 struct ExpertJob {
   int32_t expert = -1;
-  FfnWeights w;                     ///< views of the expert's slices inside its arena slot
-  std::span<const int64_t> pairs;   ///< (token, k) pairs as t * top_k + k, ascending
+  FfnWeights w;                    ///< views of the expert's slices inside its arena slot
+  std::span<const int64_t> pairs;  ///< (token, k) pairs as t * top_k + k, ascending
 };
 
 /// Names a backend and what it runs on, for logs and `info`.
 struct BackendInfo {
-  std::string name;     ///< "cpu", "cuda"
-  std::string device;   ///< e.g. "2 threads, avx2 kernels, q8 activations"
+  std::string name;    ///< "cpu", "cuda"
+  std::string device;  ///< e.g. "2 threads, avx2 kernels, q8 activations"
 };
 
 /// The machine an architecture's forward pass runs on. One instance per engine; not
@@ -424,8 +424,8 @@ class Backend {
   virtual void mla_attention(const MlaSpec& spec, const MlaWeights& w, const Tensor& cache, int64_t pos0,
                              const Tensor& h, const Tensor& out);
   /// The gated delta net for T consecutive tokens of one sequence, advancing `state`.
-  virtual void gated_delta_net(const GdnSpec& spec, const GdnWeights& w, const RecurrentState& state,
-                               const Tensor& h, const Tensor& out) = 0;
+  virtual void gated_delta_net(const GdnSpec& spec, const GdnWeights& w, const RecurrentState& state, const Tensor& h,
+                               const Tensor& out) = 0;
   /// A dense FFN on every row of h into out (see FfnCall for the gate and accumulation).
   virtual void ffn(const FfnCall& call, const FfnWeights& w, const Tensor& h, const Tensor& out) = 0;
   /// Router logits [T][n_expert] of `w` (ne {n_embd, n_expert}) on h, on the host.

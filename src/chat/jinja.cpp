@@ -19,6 +19,8 @@ Template::Template(std::string_view source, const TemplateOptions& opts) {
   impl_ = std::move(impl);
 }
 
-std::string Template::render(const nlohmann::ordered_json& context) const { return jinja::render(impl_->body, context); }
+std::string Template::render(const nlohmann::ordered_json& context) const {
+  return jinja::render(impl_->body, context);
+}
 
 }  // namespace strata::chat

@@ -5,8 +5,8 @@
 
 #include <algorithm>
 #include <fstream>
-#include <random>
 #include <map>
+#include <random>
 #include <set>
 #include <sstream>
 
@@ -65,8 +65,8 @@ std::pair<uint64_t, uint64_t> optimal_reads(const model::RoutingTrace& pre, int6
     }
     for (uint64_t k : groups[g]) last_seen[k] = g;
   }
-  std::map<uint64_t, size_t> cache;                  // key -> next use
-  std::set<std::pair<size_t, uint64_t>> by_next;     // (next use, key)
+  std::map<uint64_t, size_t> cache;               // key -> next use
+  std::set<std::pair<size_t, uint64_t>> by_next;  // (next use, key)
   uint64_t reads_pre = 0, reads_dec = 0;
   for (size_t g = 0; g < groups.size(); ++g) {
     std::set<uint64_t> pinned(groups[g].begin(), groups[g].end());
@@ -116,8 +116,8 @@ void run_phases(engine::Engine& eng, const std::vector<int32_t>& prompt, int gen
   eng.prefill(st, prompt, model::LogitsMode::Last, logits, &pre.trace);
   const int n = forced.empty() ? gen : int(std::min<size_t>(forced.size(), size_t(gen)));
   for (int i = 0; i < n && st.n_past < st.n_ctx; ++i) {
-    const int32_t id = forced.empty() ? int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin())
-                                      : forced[size_t(i)];
+    const int32_t id =
+        forced.empty() ? int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin()) : forced[size_t(i)];
     dec.fed.push_back(id);
     eng.decode(st, id, logits, &dec.trace);
   }
@@ -185,8 +185,9 @@ void register_bench(CLI::App& root) {
       n_slots = eng.stream().n_slots();
       expert_file = eng.expert_file();
       if (!f->no_ssd) {
-        if (!f->json) fmt::print(stderr, "measuring the drive: random {} reads of {} for {:.0f} s ...\n", opts.io_threads,
-                                 human_bytes(double(record)), f->ssd_seconds);
+        if (!f->json)
+          fmt::print(stderr, "measuring the drive: random {} reads of {} for {:.0f} s ...\n", opts.io_threads,
+                     human_bytes(double(record)), f->ssd_seconds);
         ssd_gbps = io::measure_read_gbps(expert_file, record, opts.io_threads, f->ssd_seconds);
       }
       if (!f->json) fmt::print(stderr, "running {} prompt tokens, {} decode tokens ...\n", prompt.size(), f->gen);
@@ -244,15 +245,16 @@ void register_bench(CLI::App& root) {
       const auto& j = out[name];
       // without a drive measurement there is no IO floor to print
       const std::string io_floor = ssd_gbps > 0 ? fmt::format("{:.3f} s", j["io_floor_s"].get<double>()) : "-";
-      fmt::print("{:<8} {:5d} tok {:8.3f} s {:8.2f} tok/s | needed {} hit {} ahead {} missed {} wasted {} | read {} "
-                 "({:.2f} GB/s) wait {:.3f} s | IO floor {}, compute floor {:.3f} s, ratio {:.2f} | recall "
-                 "{:.1f} %\n",
-                 name, j["tokens"].get<int64_t>(), j["seconds"].get<double>(), j["tokens_per_s"].get<double>(),
-                 j["needed"].get<uint64_t>(), j["hit"].get<uint64_t>(), j["streamed_ahead"].get<uint64_t>(),
-                 j["missed"].get<uint64_t>(), j["wasted"].get<uint64_t>(),
-                 human_bytes(double(j["bytes_read"].get<uint64_t>())), j["read_gbps"].get<double>(),
-                 j["exposed_wait_s"].get<double>(), io_floor, j["compute_floor_s"].get<double>(),
-                 j["ratio_to_floor"].get<double>(), 100.0 * j["prediction_recall"].get<double>());
+      fmt::print(
+          "{:<8} {:5d} tok {:8.3f} s {:8.2f} tok/s | needed {} hit {} ahead {} missed {} wasted {} | read {} "
+          "({:.2f} GB/s) wait {:.3f} s | IO floor {}, compute floor {:.3f} s, ratio {:.2f} | recall "
+          "{:.1f} %\n",
+          name, j["tokens"].get<int64_t>(), j["seconds"].get<double>(), j["tokens_per_s"].get<double>(),
+          j["needed"].get<uint64_t>(), j["hit"].get<uint64_t>(), j["streamed_ahead"].get<uint64_t>(),
+          j["missed"].get<uint64_t>(), j["wasted"].get<uint64_t>(),
+          human_bytes(double(j["bytes_read"].get<uint64_t>())), j["read_gbps"].get<double>(),
+          j["exposed_wait_s"].get<double>(), io_floor, j["compute_floor_s"].get<double>(),
+          j["ratio_to_floor"].get<double>(), 100.0 * j["prediction_recall"].get<double>());
     }
     fmt::print("decode mode: {}\n", out["decode_mode"].get<std::string>());
   });

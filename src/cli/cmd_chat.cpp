@@ -30,7 +30,8 @@ struct ChatFlags {
 
 void register_chat(CLI::App& root) {
   auto f = std::make_shared<ChatFlags>();
-  CLI::App* app = root.add_subcommand("chat", "interactive chat with the model's chat template (stdin lines; /exit ends)");
+  CLI::App* app =
+      root.add_subcommand("chat", "interactive chat with the model's chat template (stdin lines; /exit ends)");
   f->engine.add(*app);
   app->add_option("--system", f->system, "system message");
   app->add_option("-n,--n-predict", f->n_predict, "most tokens per reply (-1 = until end of turn or context)")

@@ -53,7 +53,8 @@ void register_info(CLI::App& root) {
     bool json = false;
   };
   auto f = std::make_shared<Flags>();
-  CLI::App* app = root.add_subcommand("info", "architecture, hyper-parameters, tensor types and expert bytes of a GGUF");
+  CLI::App* app =
+      root.add_subcommand("info", "architecture, hyper-parameters, tensor types and expert bytes of a GGUF");
   app->add_option("-m,--model", f->model, "GGUF model file")->required()->check(CLI::ExistingFile);
   app->add_flag("--json", f->json, "print JSON");
   app->callback([f] {
@@ -73,8 +74,8 @@ void register_info(CLI::App& root) {
     for (const auto& t : g.tensors()) {
       per_type[ggml_type_name(t.type)]++;
       const auto r = role.find(t.name);
-      const bool is_expert = r != role.end() ? r->second == model::TensorRole::Expert
-                                             : t.name.find("_exps.") != std::string::npos;
+      const bool is_expert =
+          r != role.end() ? r->second == model::TensorRole::Expert : t.name.find("_exps.") != std::string::npos;
       if (is_expert) {
         experts += t.n_bytes;
         const int layer = t.layer();
@@ -130,8 +131,9 @@ void register_info(CLI::App& root) {
     fmt::print("dense bytes   {}\n", human_bytes(double(dense)));
     fmt::print("expert bytes  {} in all, {} per layer\n", human_bytes(double(experts)),
                human_bytes(hp.n_layer ? double(experts) / hp.n_layer : 0.0));
-    if (skipped > 0) fmt::print("skipped bytes {} (tensors the forward pass does not use, e.g. NextN blocks)\n",
-                                human_bytes(double(skipped)));
+    if (skipped > 0)
+      fmt::print("skipped bytes {} (tensors the forward pass does not use, e.g. NextN blocks)\n",
+                 human_bytes(double(skipped)));
   });
 }
 

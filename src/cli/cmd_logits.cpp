@@ -52,7 +52,8 @@ void register_logits(CLI::App& root) {
         top_ids.push_back(order[k]);
         top_logits.push_back(row[order[k]]);
       }
-      positions.push_back({{"top_ids", top_ids}, {"top_logits", top_logits}, {"logsumexp", double(mx) + std::log(sum)}});
+      positions.push_back(
+          {{"top_ids", top_ids}, {"top_logits", top_logits}, {"logsumexp", double(mx) + std::log(sum)}});
     }
     nlohmann::json j = {{"prompt_ids", ids}, {"positions", positions}};
     if (f->routing) j["routing"] = {{"ids", trace.ids}, {"probs", trace.probs}};

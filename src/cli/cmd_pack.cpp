@@ -17,8 +17,9 @@ void register_pack(CLI::App& root) {
   };
   auto f = std::make_shared<Flags>();
   CLI::App* app = root.add_subcommand(
-      "pack", "write a sidecar with each expert's gate, up and down as one 4 KiB-aligned record (one read per "
-              "expert); the engine uses it when present and valid (--no-pack to ignore it)");
+      "pack",
+      "write a sidecar with each expert's gate, up and down as one 4 KiB-aligned record (one read per "
+      "expert); the engine uses it when present and valid (--no-pack to ignore it)");
   app->add_option("-m,--model", f->model, "GGUF model file")->required()->check(CLI::ExistingFile);
   app->add_option("-o,--output", f->out, "pack file (default: MODEL.strata-pack, where the engine looks for it)");
   app->add_flag("-q,--quiet", f->quiet, "no progress bar");

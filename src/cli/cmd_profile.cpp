@@ -15,7 +15,8 @@ void register_profile(CLI::App& root) {
     std::string out;
   };
   auto f = std::make_shared<Flags>();
-  CLI::App* app = root.add_subcommand("profile", "record per-layer expert popularity over a text (static rank sidecar)");
+  CLI::App* app =
+      root.add_subcommand("profile", "record per-layer expert popularity over a text (static rank sidecar)");
   f->engine.add(*app);
   f->prompt.add(*app);
   app->add_option("-o,--output", f->out, "where to write it (default: MODEL.strata-rank)");

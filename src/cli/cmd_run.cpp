@@ -32,16 +32,20 @@ void register_run(CLI::App& root) {
   app->add_option("--top-p", f->sp.top_p, "top-p sampling (1 = off)")->capture_default_str();
   app->add_option("--min-p", f->sp.min_p, "min-p sampling (0 = off)")->capture_default_str();
   app->add_option("--repeat-penalty", f->sp.repeat_penalty, "repetition penalty (1 = off)")->capture_default_str();
-  app->add_option("--repeat-last-n", f->sp.repeat_last_n, "tokens the repetition penalty looks back (0 = off, -1 = the whole context)")
+  app->add_option("--repeat-last-n", f->sp.repeat_last_n,
+                  "tokens the repetition penalty looks back (0 = off, -1 = the whole context)")
       ->capture_default_str();
   app->add_option("-s,--seed", f->sp.seed, "sampling seed (default: random)");
   app->add_flag("--ignore-eos", f->ignore_eos, "keep generating after the end-of-text token");
   app->add_flag("--json", f->json, "print one JSON object (prompt_ids, ids, text, stats) instead of streaming text");
   app->callback([f] {
     const auto& sp = f->sp;
-    if (!std::isfinite(sp.temp) || sp.temp < 0) throw std::invalid_argument(fmt::format("--temp must be >= 0, got {}", sp.temp));
-    if (!(sp.top_p > 0 && sp.top_p <= 1)) throw std::invalid_argument(fmt::format("--top-p must be in (0, 1], got {}", sp.top_p));
-    if (!(sp.min_p >= 0 && sp.min_p <= 1)) throw std::invalid_argument(fmt::format("--min-p must be in [0, 1], got {}", sp.min_p));
+    if (!std::isfinite(sp.temp) || sp.temp < 0)
+      throw std::invalid_argument(fmt::format("--temp must be >= 0, got {}", sp.temp));
+    if (!(sp.top_p > 0 && sp.top_p <= 1))
+      throw std::invalid_argument(fmt::format("--top-p must be in (0, 1], got {}", sp.top_p));
+    if (!(sp.min_p >= 0 && sp.min_p <= 1))
+      throw std::invalid_argument(fmt::format("--min-p must be in [0, 1], got {}", sp.min_p));
     if (sp.top_k < 0) throw std::invalid_argument(fmt::format("--top-k must be >= 0 (0 = off), got {}", sp.top_k));
     if (!(sp.repeat_penalty > 0) || !std::isfinite(sp.repeat_penalty))
       throw std::invalid_argument(fmt::format("--repeat-penalty must be > 0 (1 = off), got {}", sp.repeat_penalty));
@@ -52,9 +56,9 @@ void register_run(CLI::App& root) {
                  "strata: {} ({}), {} prompt tokens, arena {} ({} slots), prompt chunk {}{}, {} threads, {} kernels, "
                  "{} activations, backend {} ({})\n",
                  f->engine.model, eng.hparams().arch, prompt.size(), human_bytes(double(eng.arena_bytes())),
-                 eng.stream().n_slots(), eng.options().prompt_chunk, f->engine.opts.prompt_chunk == 0 ? " (automatic)" : "",
-                 eng.options().n_threads, eng.cpu_kernels(), eng.act_quant(), eng.backend_info().name,
-                 eng.backend_info().device);
+                 eng.stream().n_slots(), eng.options().prompt_chunk,
+                 f->engine.opts.prompt_chunk == 0 ? " (automatic)" : "", eng.options().n_threads, eng.cpu_kernels(),
+                 eng.act_quant(), eng.backend_info().name, eng.backend_info().device);
 
     engine::Sampler sampler(f->sp);
     model::SequenceState st = eng.new_sequence();

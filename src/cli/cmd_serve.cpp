@@ -47,7 +47,8 @@ chat::ChatTemplate load_chat_template(engine::Engine& eng, const std::string& fi
 
 void register_serve(CLI::App& root) {
   auto f = std::make_shared<ServeFlags>();
-  CLI::App* app = root.add_subcommand("serve", "OpenAI-compatible HTTP server: chat and text completions, SSE streaming");
+  CLI::App* app =
+      root.add_subcommand("serve", "OpenAI-compatible HTTP server: chat and text completions, SSE streaming");
   f->engine.add(*app);
   auto& s = f->server;
   app->add_option("--host", s.host, "address to listen on")->capture_default_str();

@@ -26,10 +26,14 @@ uint64_t parse_size(const std::string& s) {
   if (unit.size() > 1 && (unit.back() == 'B')) unit.pop_back();
   if (unit.size() > 1 && unit.back() == 'I') unit.pop_back();
   double mul = 0;
-  if (unit.empty()) mul = 1;
-  else if (unit == "K") mul = 1024.0;
-  else if (unit == "M") mul = 1024.0 * 1024;
-  else if (unit == "G") mul = 1024.0 * 1024 * 1024;
+  if (unit.empty())
+    mul = 1;
+  else if (unit == "K")
+    mul = 1024.0;
+  else if (unit == "M")
+    mul = 1024.0 * 1024;
+  else if (unit == "G")
+    mul = 1024.0 * 1024 * 1024;
   if (used == 0 || mul == 0 || !(v > 0))
     throw std::invalid_argument(fmt::format("'{}' is not a size (bytes, or with K, M, G)", s));
   return uint64_t(std::llround(v * mul));
@@ -63,7 +67,8 @@ void register_ssdbw(CLI::App& root) {
     o.reads = f->reads;
     std::vector<int32_t> counts = parse_id_list(f->threads);
     for (int32_t c : counts)
-      if (c < 1 || c > 1024) throw std::invalid_argument(fmt::format("--threads: {} is not a thread count in 1..1024", c));
+      if (c < 1 || c > 1024)
+        throw std::invalid_argument(fmt::format("--threads: {} is not a thread count in 1..1024", c));
     nlohmann::json results = nlohmann::json::array();
     bool direct = true;
     uint64_t rec = 0;
@@ -76,8 +81,8 @@ void register_ssdbw(CLI::App& root) {
         if (i == 0)
           fmt::print("strata ssdbw: {}, random {} reads ({} B), {}\n{:>8} {:>8} {:>8} {:>10} {:>12}\n", f->file,
                      human_bytes(double(r.record_bytes)), r.record_bytes,
-                     r.direct ? "O_DIRECT" : "BUFFERED (O_DIRECT refused: the page cache may flatter this)",
-                     "threads", "GB/s", "reads", "seconds", "latency ms");
+                     r.direct ? "O_DIRECT" : "BUFFERED (O_DIRECT refused: the page cache may flatter this)", "threads",
+                     "GB/s", "reads", "seconds", "latency ms");
         fmt::print("{:>8} {:>8.3f} {:>8} {:>10.2f} {:>12.2f}\n", r.threads, r.gbps, r.reads, r.seconds,
                    r.mean_latency_ms);
         std::fflush(stdout);
@@ -90,8 +95,9 @@ void register_ssdbw(CLI::App& root) {
                          {"mean_latency_ms", r.mean_latency_ms}});
     }
     if (f->json)
-      fmt::print("{}\n", nlohmann::json{{"file", f->file}, {"record_bytes", rec}, {"direct", direct}, {"results", results}}
-                             .dump());
+      fmt::print(
+          "{}\n",
+          nlohmann::json{{"file", f->file}, {"record_bytes", rec}, {"direct", direct}, {"results", results}}.dump());
   });
 }
 

@@ -103,11 +103,21 @@ struct ScaleLayout {
   bool e8m0;
 };
 constexpr std::array<ScaleLayout, 15> kScaleLayouts = {{
-    {GgmlType::Q4_0, 0, -1, false},   {GgmlType::Q4_1, 0, 2, false},   {GgmlType::Q5_0, 0, -1, false},
-    {GgmlType::Q5_1, 0, 2, false},    {GgmlType::Q8_0, 0, -1, false},  {GgmlType::Q2_K, 80, 82, false},
-    {GgmlType::Q3_K, 108, -1, false}, {GgmlType::Q4_K, 0, 2, false},   {GgmlType::Q5_K, 0, 2, false},
-    {GgmlType::Q6_K, 208, -1, false}, {GgmlType::IQ2_XS, 0, -1, false}, {GgmlType::IQ3_S, 0, -1, false},
-    {GgmlType::IQ4_XS, 0, -1, false}, {GgmlType::IQ4_NL, 0, -1, false}, {GgmlType::MXFP4, 0, -1, true},
+    {GgmlType::Q4_0, 0, -1, false},
+    {GgmlType::Q4_1, 0, 2, false},
+    {GgmlType::Q5_0, 0, -1, false},
+    {GgmlType::Q5_1, 0, 2, false},
+    {GgmlType::Q8_0, 0, -1, false},
+    {GgmlType::Q2_K, 80, 82, false},
+    {GgmlType::Q3_K, 108, -1, false},
+    {GgmlType::Q4_K, 0, 2, false},
+    {GgmlType::Q5_K, 0, 2, false},
+    {GgmlType::Q6_K, 208, -1, false},
+    {GgmlType::IQ2_XS, 0, -1, false},
+    {GgmlType::IQ3_S, 0, -1, false},
+    {GgmlType::IQ4_XS, 0, -1, false},
+    {GgmlType::IQ4_NL, 0, -1, false},
+    {GgmlType::MXFP4, 0, -1, true},
 }};
 
 bool is_float_type(GgmlType t) { return t == GgmlType::F32 || t == GgmlType::F16 || t == GgmlType::BF16; }
@@ -134,7 +144,8 @@ GgmlType parse_type(const std::string& name) {
     const auto info = ggml_type_info(id);
     if (info && up == info->name && synth_supports(info->type)) return info->type;
   }
-  throw std::invalid_argument(fmt::format("unknown or unsupported type '{}' (synth writes: {})", name, synth_type_list()));
+  throw std::invalid_argument(
+      fmt::format("unknown or unsupported type '{}' (synth writes: {})", name, synth_type_list()));
 }
 
 uint32_t llama_file_type(GgmlType t) {  // llama_ftype of a file whose bulk (the experts) is `t`
@@ -168,8 +179,11 @@ GgmlType row_compatible(GgmlType want, uint64_t cols) {
   if (fits(want)) return want;
   GgmlType t = want;
   switch (want) {
-    case GgmlType::IQ2_XS: case GgmlType::IQ3_S: case GgmlType::Q2_K: case GgmlType::Q3_K: case GgmlType::IQ4_XS:
-      t = GgmlType::IQ4_NL; break;
+    case GgmlType::IQ2_XS:
+    case GgmlType::IQ3_S:
+    case GgmlType::Q2_K:
+    case GgmlType::Q3_K:
+    case GgmlType::IQ4_XS: t = GgmlType::IQ4_NL; break;
     case GgmlType::Q4_K: t = GgmlType::Q5_0; break;
     case GgmlType::Q5_K: t = GgmlType::Q5_1; break;
     case GgmlType::Q6_K: t = GgmlType::Q8_0; break;
@@ -217,7 +231,8 @@ constexpr int64_t kFloatUnit = 256;  // elements per generation unit of float te
 
 float sample(Kind k, Rng& r) {
   switch (k) {
-    case Kind::Weight: case Kind::Router: return kStd * r.gauss();
+    case Kind::Weight:
+    case Kind::Router: return kStd * r.gauss();
     case Kind::Conv: return 2 * kStd * r.gauss();
     case Kind::Norm: return 1.0f + 0.1f * r.gauss();
     case Kind::SsmA: return -std::exp(r.uniform() * std::log(16.0f));  // -exp(A_log), A in [1, 16)
@@ -401,8 +416,8 @@ Plan make_plan(const SynthShape& s, GgmlType expert_type, GgmlType dense_type) {
 void add_tokenizer(gguf::Writer& w, const gguf::File& src, int64_t n_vocab) {
   const int64_t n_tok = int64_t(src.get_string_array("tokenizer.ggml.tokens").size());
   if (n_vocab < n_tok)
-    throw std::invalid_argument(fmt::format("--vocab {} is smaller than the tokenizer's {} tokens (from {})", n_vocab,
-                                            n_tok, src.path()));
+    throw std::invalid_argument(
+        fmt::format("--vocab {} is smaller than the tokenizer's {} tokens (from {})", n_vocab, n_tok, src.path()));
   for (const auto& [key, v] : src.metadata()) {
     if (key.rfind("tokenizer.", 0) != 0) continue;
     if (key == "tokenizer.ggml.tokens" && n_vocab > n_tok) {
@@ -428,7 +443,8 @@ std::string default_tokenizer_source() {
   std::error_code ec;
   const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
   if (!ec)
-    for (fs::path d = exe.parent_path(); !d.empty() && d != d.root_path(); d = d.parent_path()) cands.push_back(d / rel);
+    for (fs::path d = exe.parent_path(); !d.empty() && d != d.root_path(); d = d.parent_path())
+      cands.push_back(d / rel);
   for (const auto& c : cands)
     if (fs::is_regular_file(c, ec)) return c.string();
   throw std::invalid_argument("cannot find " + rel + " for the tokenizer: give --tokenizer-from GGUF");
@@ -454,8 +470,8 @@ void run_synth(const SynthFlags& f) {
   if (f.expert_used > 0) hp.n_expert_used = f.expert_used;
   if (f.vocab > 0) hp.n_vocab = int(f.vocab);
   if (hp.n_expert_used > hp.n_expert)
-    throw std::invalid_argument(fmt::format("top-k {} exceeds the {} experts (use --expert-used)", hp.n_expert_used,
-                                            hp.n_expert));
+    throw std::invalid_argument(
+        fmt::format("top-k {} exceeds the {} experts (use --expert-used)", hp.n_expert_used, hp.n_expert));
   const GgmlType type = parse_type(f.type);
   const GgmlType expert_type = f.expert_type.empty() ? type : parse_type(f.expert_type);
   const GgmlType dense_type = !f.dense_type.empty() ? parse_type(f.dense_type)
@@ -549,15 +565,15 @@ void register_synth(CLI::App& root) {
       "write a GGUF with the tensor names, shapes and types of a real MoE model and random weights (valid blocks), "
       "so that models larger than RAM can be run and measured");
   app->add_option("--like", f->like, "model to imitate: " + known_names())->required();
-  app->add_option("--type", f->type, "type of the routed experts (" + synth_type_list() +
-                                         "); dense weights get Q8_0 (BF16/F16/F32 when --type is one of those)")
+  app->add_option("--type", f->type,
+                  "type of the routed experts (" + synth_type_list() +
+                      "); dense weights get Q8_0 (BF16/F16/F32 when --type is one of those)")
       ->capture_default_str();
   app->add_option("--expert-type", f->expert_type, "override the experts' type (default: --type)");
   app->add_option("--dense-type", f->dense_type, "override the dense weights' type (norms and routers stay F32)");
   app->add_option("--layers", f->layers, "override the number of layers")->check(at_least(1));
   app->add_option("--experts", f->experts, "override the number of experts per layer")->check(at_least(1));
-  app->add_option("--expert-used", f->expert_used, "override top-k (experts used per token)")
-      ->check(at_least(1));
+  app->add_option("--expert-used", f->expert_used, "override top-k (experts used per token)")->check(at_least(1));
   app->add_option("--vocab", f->vocab,
                   "rows of token_embd/output (default: the real model's, 151936 for the Qwen3 models). The "
                   "tokenizer is a real one copied from --tokenizer-from (8192 tokens for the shipped model), padded "

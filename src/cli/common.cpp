@@ -25,7 +25,8 @@ void EngineFlags::add(CLI::App& app) {
   app.add_option("--prompt-chunk", opts.prompt_chunk,
                  "tokens per prefill chunk (0 = automatic: what 1/16 of available RAM holds, 64..2048)")
       ->capture_default_str();
-  app.add_option("-c,--ctx-size", opts.n_ctx, "context size in tokens (0 = the model's training context, capped at 4096; at most the model's)")
+  app.add_option("-c,--ctx-size", opts.n_ctx,
+                 "context size in tokens (0 = the model's training context, capped at 4096; at most the model's)")
       ->capture_default_str();
   app.add_option("--io-threads", opts.io_threads, "threads reading experts from disk")->capture_default_str();
   app.add_flag("--no-direct-io", no_direct_io, "read experts through the page cache instead of O_DIRECT");
@@ -138,7 +139,8 @@ double overall_recall(const model::PredictionStats& p) {
 
 nlohmann::json phase_json(const engine::PhaseStats& p) {
   return {{"prediction_recall", overall_recall(p.prediction)},
-          {"prediction_recall_per_layer", recall_json(p.prediction)},{"tokens", p.tokens},
+          {"prediction_recall_per_layer", recall_json(p.prediction)},
+          {"tokens", p.tokens},
           {"seconds", p.seconds},
           {"tokens_per_s", p.tokens_per_s()},
           {"needed", p.stream.needed},
@@ -156,7 +158,8 @@ nlohmann::json arena_json(engine::Engine& e) {
           {"slots", e.stream().n_slots()},
           {"slot_bytes", e.stream().slot_bytes()},
           {"expert_bytes", e.expert_bytes()},
-          {"expert_count", [&] {
+          {"expert_count",
+           [&] {
              uint64_t n = 0;
              for (const auto& L : e.model().expert_layout()) n += uint64_t(L.n_expert);
              return n;
@@ -179,11 +182,12 @@ void print_stats(engine::Engine& e) {
   line("decode", e.decode_stats());
   uint64_t total_experts = 0;
   for (const auto& L : e.model().expert_layout()) total_experts += uint64_t(L.n_expert);
-  fmt::print(stderr, "arena    {} slots x {} = {} (room for {:.0f} % of the {} experts, {} of expert bytes), {} reads, {} threads\n",
-             e.stream().n_slots(), human_bytes(double(e.stream().slot_bytes())), human_bytes(double(e.arena_bytes())),
-             100.0 * double(e.stream().n_slots()) / double(std::max<uint64_t>(1, total_experts)), total_experts,
-             human_bytes(double(e.expert_bytes())), e.stream().direct() ? "O_DIRECT" : "buffered",
-             e.options().n_threads);
+  fmt::print(
+      stderr,
+      "arena    {} slots x {} = {} (room for {:.0f} % of the {} experts, {} of expert bytes), {} reads, {} threads\n",
+      e.stream().n_slots(), human_bytes(double(e.stream().slot_bytes())), human_bytes(double(e.arena_bytes())),
+      100.0 * double(e.stream().n_slots()) / double(std::max<uint64_t>(1, total_experts)), total_experts,
+      human_bytes(double(e.expert_bytes())), e.stream().direct() ? "O_DIRECT" : "buffered", e.options().n_threads);
 }
 
 }  // namespace strata::cli

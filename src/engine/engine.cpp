@@ -13,10 +13,10 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "engine/static_rank.h"
-#include "model/dump.h"
-#include "quant/quant.h"
 #include "io/file.h"
+#include "model/dump.h"
 #include "model/weights.h"
+#include "quant/quant.h"
 #include "stream/pack.h"
 #ifdef STRATA_HAVE_CUDA
 #include "backend/cuda/cuda_backend.h"
@@ -81,14 +81,16 @@ std::unique_ptr<backend::Backend> make_backend(EngineOptions& opts, const cpu::k
     throw EngineError(fmt::format("--backend must be cpu, cuda or auto, got '{}'", opts.backend));
 #ifdef STRATA_HAVE_CUDA
   const int n = cuda::device_count();
-  if (n == 0) throw EngineError("--backend cuda: no CUDA device found (cudaGetDeviceCount reports none); use --backend cpu");
+  if (n == 0)
+    throw EngineError("--backend cuda: no CUDA device found (cudaGetDeviceCount reports none); use --backend cpu");
   if (opts.device < 0 || opts.device >= n)
-    throw EngineError(fmt::format("--device {}: there {} {} CUDA device{} (0..{})", opts.device, n == 1 ? "is" : "are", n,
-                                  n == 1 ? "" : "s", n - 1));
+    throw EngineError(fmt::format("--device {}: there {} {} CUDA device{} (0..{})", opts.device, n == 1 ? "is" : "are",
+                                  n, n == 1 ? "" : "s", n - 1));
   return std::make_unique<cuda::CudaBackend>(cuda::CudaOptions{opts.device});
 #else
-  throw EngineError("--backend cuda: this strata was built without the CUDA backend (configure with nvcc installed, "
-                    "-DSTRATA_CUDA=ON); use --backend cpu");
+  throw EngineError(
+      "--backend cuda: this strata was built without the CUDA backend (configure with nvcc installed, "
+      "-DSTRATA_CUDA=ON); use --backend cpu");
 #endif
 }
 
@@ -131,7 +133,8 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
     throw EngineError(fmt::format("--prompt-chunk must be at least 1 (or 0 = automatic), got {}", opts_.prompt_chunk));
   if (opts_.n_threads < 0 || opts_.n_threads > 1024)
     throw EngineError(fmt::format("--threads must be between 0 (all cores) and 1024, got {}", opts_.n_threads));
-  if (opts_.io_threads > 1024) throw EngineError(fmt::format("--io-threads must be at most 1024, got {}", opts_.io_threads));
+  if (opts_.io_threads > 1024)
+    throw EngineError(fmt::format("--io-threads must be at most 1024, got {}", opts_.io_threads));
   if (opts_.io_threads < 1) throw EngineError(fmt::format("--io-threads must be at least 1, got {}", opts_.io_threads));
   if (opts_.arena_mb < 0) throw EngineError(fmt::format("--arena-mb must be positive, got {}", opts_.arena_mb));
   kernels_ = cpu::kernels::resolve_kernels(opts_.kernels, opts_.act_quant);
@@ -142,15 +145,17 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
   model_ = model::load_model(*gguf_, *backend_, opts_.load);
   const auto& hp = model_->hparams();
   if (tok_->n_vocab() < hp.n_vocab)
-    throw model::ModelError(fmt::format("{}: tokenizer has {} tokens but token_embd has {} rows", path,
-                                        tok_->n_vocab(), hp.n_vocab));
+    throw model::ModelError(
+        fmt::format("{}: tokenizer has {} tokens but token_embd has {} rows", path, tok_->n_vocab(), hp.n_vocab));
 
-  if (opts_.n_ctx < 0) throw EngineError(fmt::format("--ctx-size must be positive (or 0 = the model's), got {}", opts_.n_ctx));
+  if (opts_.n_ctx < 0)
+    throw EngineError(fmt::format("--ctx-size must be positive (or 0 = the model's), got {}", opts_.n_ctx));
   if (opts_.n_ctx <= 0) opts_.n_ctx = std::min<int64_t>(hp.n_ctx_train > 0 ? hp.n_ctx_train : 4096, 4096);
   if (hp.n_ctx_train > 0 && opts_.n_ctx > hp.n_ctx_train)
-    throw EngineError(fmt::format("--ctx-size {} exceeds the model's training context of {} tokens (no RoPE scaling "
-                                  "is implemented); use at most {}",
-                                  opts_.n_ctx, hp.n_ctx_train, hp.n_ctx_train));
+    throw EngineError(
+        fmt::format("--ctx-size {} exceeds the model's training context of {} tokens (no RoPE scaling "
+                    "is implemented); use at most {}",
+                    opts_.n_ctx, hp.n_ctx_train, hp.n_ctx_train));
   const bool auto_chunk = opts_.prompt_chunk == 0;
   if (auto_chunk) opts_.prompt_chunk = auto_prompt_chunk(hp, opts_.n_ctx);
 
@@ -175,7 +180,8 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
   for (const auto& L : layers) all_slots += uint64_t(L.n_expert) * slot;
   const uint64_t top_k = uint64_t(std::max(1, hp.n_expert_used));
   const bool pinned_arena = opts_.arena_bytes > 0 || opts_.arena_mb > 0;
-  const uint64_t pinned_bytes = opts_.arena_bytes > 0 ? opts_.arena_bytes : uint64_t(std::max<int64_t>(0, opts_.arena_mb)) << 20;
+  const uint64_t pinned_bytes =
+      opts_.arena_bytes > 0 ? opts_.arena_bytes : uint64_t(std::max<int64_t>(0, opts_.arena_mb)) << 20;
   // A pinned arena with an automatic chunk: the chunk shrinks until one layer's worst case (top-k
   // experts per token) fits, so a small arena works for any prompt (slower: more reads per token).
   if (pinned_arena && auto_chunk && max_experts > 0) {
@@ -208,7 +214,8 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
   so.direct = opts_.direct_io;
   so.min_slots = std::max<uint64_t>(1, min_slots);
   so.fake = opts_.fake_stream;
-  if (opts_.predict_min < 1) throw EngineError(fmt::format("--predict-min must be at least 1, got {}", opts_.predict_min));
+  if (opts_.predict_min < 1)
+    throw EngineError(fmt::format("--predict-min must be at least 1, got {}", opts_.predict_min));
 
   // Static rank sidecar: explicit path, or MODEL.strata-rank when present.
   if (opts_.static_rank != "none") {
@@ -233,8 +240,8 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
     try {
       dump_ = std::make_unique<model::Dumper>(opts_.dump_dir, opts_.dump_filter);
     } catch (const std::regex_error& e) {
-      throw EngineError(fmt::format("--dump-filter '{}' is not a valid regular expression: {}", opts_.dump_filter,
-                                    e.what()));
+      throw EngineError(
+          fmt::format("--dump-filter '{}' is not a valid regular expression: {}", opts_.dump_filter, e.what()));
     } catch (const std::runtime_error& e) {
       throw EngineError(e.what());
     }
@@ -261,8 +268,8 @@ void Engine::check_ids(const model::SequenceState& st, std::span<const int32_t> 
   const int n_vocab = model_->hparams().n_vocab;
   for (size_t i = 0; i < ids.size(); ++i)
     if (ids[i] < 0 || ids[i] >= n_vocab)
-      throw EngineError(fmt::format("token id {} at position {} is out of the vocabulary (0..{})", ids[i], i,
-                                    n_vocab - 1));
+      throw EngineError(
+          fmt::format("token id {} at position {} is out of the vocabulary (0..{})", ids[i], i, n_vocab - 1));
   if (st.n_past + int64_t(ids.size()) > st.n_ctx)
     throw EngineError(fmt::format("{} tokens after {} past tokens exceed the context of {} tokens (raise --ctx-size)",
                                   ids.size(), st.n_past, st.n_ctx));
@@ -284,7 +291,7 @@ void Engine::run(model::SequenceState& st, std::span<const int32_t> ids, model::
   for (int64_t c0 = 0; c0 < n; c0 += opts_.prompt_chunk) {
     const int64_t c1 = std::min<int64_t>(n, c0 + opts_.prompt_chunk);
     const bool last_chunk = c1 == n;
-    const model::LogitsMode m = mode == model::LogitsMode::All ? model::LogitsMode::All
+    const model::LogitsMode m = mode == model::LogitsMode::All                    ? model::LogitsMode::All
                                 : (last_chunk && mode == model::LogitsMode::Last) ? model::LogitsMode::Last
                                                                                   : model::LogitsMode::None;
     const auto tc = std::chrono::steady_clock::now();
@@ -307,7 +314,8 @@ void Engine::run(model::SequenceState& st, std::span<const int32_t> ids, model::
   // A NaN weight or a broken hyper-parameter shows up here: refuse it instead of sampling garbage.
   for (float v : logits)
     if (!std::isfinite(v))
-      throw EngineError("the model produced non-finite logits (NaN or Inf weights, or invalid hyper-parameters in the file)");
+      throw EngineError(
+          "the model produced non-finite logits (NaN or Inf weights, or invalid hyper-parameters in the file)");
   phase.tokens += n;
   phase.seconds += seconds_since(t0);
   phase.stream += stream_->stats() - s0;
@@ -343,7 +351,8 @@ void Engine::forward_batch(std::span<model::SeqInput> batch, model::RoutingTrace
     if (s.mode != model::LogitsMode::None)
       for (float v : *s.logits)
         if (!std::isfinite(v))
-          throw EngineError("the model produced non-finite logits (NaN or Inf weights, or invalid hyper-parameters in the file)");
+          throw EngineError(
+              "the model produced non-finite logits (NaN or Inf weights, or invalid hyper-parameters in the file)");
   phase.tokens += n;
   phase.seconds += seconds_since(t0);
   phase.stream += stream_->stats() - s0;

@@ -9,9 +9,9 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cpu/kernels/kernels.h"
 #include "gguf/gguf.h"
 #include "model/model.h"
-#include "backend/cpu/kernels/kernels.h"
 #include "stream/expert_stream.h"
 #include "tokenizer/tokenizer.h"
 
@@ -26,34 +26,34 @@ class EngineError : public std::runtime_error {
 
 /// Run settings (from the user), as opposed to model hyper-parameters (from the file).
 struct EngineOptions {
-  int n_threads = 0;          ///< compute threads; 0 = all hardware threads
+  int n_threads = 0;  ///< compute threads; 0 = all hardware threads
   /// --backend: "cpu", "cuda" (the CudaBackend on `device`; an EngineError without a device or
   /// in a build without CUDA) or "auto" (cuda when the build has it and a device is present).
   std::string backend = "cpu";
-  int device = 0;             ///< --device: CUDA device ordinal for the cuda backend
-  int64_t arena_mb = 0;       ///< arena size in MiB; 0 = automatic (see default_arena_bytes)
-  uint64_t arena_bytes = 0;   ///< exact arena size in bytes; overrides arena_mb when nonzero
-  int prompt_chunk = 0;       ///< tokens per prefill chunk (--prompt-chunk); 0 = from available memory
-                              ///< (see auto_prompt_chunk)
-  int64_t n_ctx = 0;          ///< context in tokens; 0 = min(context_length of the model, 4096)
-  int io_threads = 8;         ///< expert-reading threads
-  bool direct_io = true;      ///< O_DIRECT expert reads (buffered fallback with a warning)
-  bool use_pack = true;       ///< read experts from MODEL.strata-pack when it is valid (--no-pack: never)
+  int device = 0;            ///< --device: CUDA device ordinal for the cuda backend
+  int64_t arena_mb = 0;      ///< arena size in MiB; 0 = automatic (see default_arena_bytes)
+  uint64_t arena_bytes = 0;  ///< exact arena size in bytes; overrides arena_mb when nonzero
+  int prompt_chunk = 0;      ///< tokens per prefill chunk (--prompt-chunk); 0 = from available memory
+                             ///< (see auto_prompt_chunk)
+  int64_t n_ctx = 0;         ///< context in tokens; 0 = min(context_length of the model, 4096)
+  int io_threads = 8;        ///< expert-reading threads
+  bool direct_io = true;     ///< O_DIRECT expert reads (buffered fallback with a warning)
+  bool use_pack = true;      ///< read experts from MODEL.strata-pack when it is valid (--no-pack: never)
   cpu::kernels::CpuKernels kernels = cpu::kernels::CpuKernels::Auto;  ///< --cpu-kernels (auto: CPUID)
   /// --act-quant: activations of Q8_0/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ2_XS/IQ3_S/IQ4_XS matmuls quantized to int8 (Q8, as
   /// llama.cpp does) or kept fp32 (F32: exact, slower); Auto (default) is Q8 with the AVX-512
   /// kernels, else F32. This engine's only (resolved once into its KernelConfig); docs/kernels.md.
   cpu::kernels::ActQuant act_quant = cpu::kernels::ActQuant::Auto;
-  model::LoadOptions load;    ///< numerics switches for parity tests (defaults are exact)
-  bool predict = true;        ///< --predict: read ahead the next layer's predicted experts
-  int predict_min = 1;        ///< --predict-min: only experts predicted by >= N tokens
+  model::LoadOptions load;  ///< numerics switches for parity tests (defaults are exact)
+  bool predict = true;      ///< --predict: read ahead the next layer's predicted experts
+  int predict_min = 1;      ///< --predict-min: only experts predicted by >= N tokens
   /// Static-rank sidecar; "" = MODEL.strata-rank when present, "none" = do not use one.
   std::string static_rank;
   bool fake_stream = false;
-  bool trace = false;         ///< --trace: one line per prompt chunk splitting its time (stderr)
+  bool trace = false;  ///< --trace: one line per prompt chunk splitting its time (stderr)
   /// --dump DIR: write the named intermediates of every forward call there (model/dump.h); "" = off.
   std::string dump_dir;
-  std::string dump_filter;    ///< --dump-filter REGEX: only names matching it (whole name); "" = all
+  std::string dump_filter;  ///< --dump-filter REGEX: only names matching it (whole name); "" = all
 };
 
 /// Tokens, wall time and stream counters of one phase (prefill or decode).

@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
-#include <numeric>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <stdexcept>
 
 namespace strata::engine {
@@ -53,8 +53,8 @@ std::optional<ExpertPopularity> read_popularity(const std::string& path, const s
   if (!j.is_object() || j.value("format", "") != "strata-rank" || j.value("version", 0) != 1)
     throw std::runtime_error(fmt::format("{}: not a strata-rank v1 file", path));
   if (j.value("model_bytes", uint64_t(0)) != std::filesystem::file_size(model_path))
-    throw std::runtime_error(fmt::format("{}: made for another model (size differs from {}); rerun strata profile", path,
-                                         model_path));
+    throw std::runtime_error(
+        fmt::format("{}: made for another model (size differs from {}); rerun strata profile", path, model_path));
   ExpertPopularity pop;
   try {
     pop.tokens = j.at("tokens").get<uint64_t>();
@@ -64,7 +64,9 @@ std::optional<ExpertPopularity> read_popularity(const std::string& path, const s
   }
   bool ok = int(pop.counts.size()) == n_layer;
   for (const auto& row : pop.counts) ok = ok && int(row.size()) == n_expert;
-  if (!ok) throw std::runtime_error(fmt::format("{}: shape differs from the model ({} layers x {} experts)", path, n_layer, n_expert));
+  if (!ok)
+    throw std::runtime_error(
+        fmt::format("{}: shape differs from the model ({} layers x {} experts)", path, n_layer, n_expert));
   return pop;
 }
 

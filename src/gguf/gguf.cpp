@@ -10,8 +10,8 @@
 
 #include <algorithm>
 #include <bit>
-#include <charconv>
 #include <cerrno>
+#include <charconv>
 #include <cstring>
 #include <limits>
 #include <span>
@@ -28,20 +28,25 @@ constexpr size_t kBufSize = size_t{1} << 16;
 // Counts are only bounded by the bytes that remain, which in a large file allows billions of
 // entries: room is reserved for at most this many before any has been read (more grow as read).
 constexpr uint64_t kMaxReserve = 4096;
-constexpr uint64_t kMinKvBytes = 8 + 4 + 1;              // key length, value type, 1-byte value
+constexpr uint64_t kMinKvBytes = 8 + 4 + 1;                  // key length, value type, 1-byte value
 constexpr uint64_t kMinTensorInfoBytes = 8 + 4 + 8 + 4 + 8;  // name length, n_dims, 1 dim, type, offset
 
-[[noreturn]] void fail(const std::string& path, const std::string& what) {
-  throw GgufError(path + ": " + what);
-}
+[[noreturn]] void fail(const std::string& path, const std::string& what) { throw GgufError(path + ": " + what); }
 
 /// Smallest on-disk size of one value of type t (strings: the length; arrays: type + count).
 uint64_t min_value_bytes(ValueType t) {
   switch (t) {
-    case ValueType::UINT8: case ValueType::INT8: case ValueType::BOOL: return 1;
-    case ValueType::UINT16: case ValueType::INT16: return 2;
-    case ValueType::UINT32: case ValueType::INT32: case ValueType::FLOAT32: return 4;
-    case ValueType::UINT64: case ValueType::INT64: case ValueType::FLOAT64: return 8;
+    case ValueType::UINT8:
+    case ValueType::INT8:
+    case ValueType::BOOL: return 1;
+    case ValueType::UINT16:
+    case ValueType::INT16: return 2;
+    case ValueType::UINT32:
+    case ValueType::INT32:
+    case ValueType::FLOAT32: return 4;
+    case ValueType::UINT64:
+    case ValueType::INT64:
+    case ValueType::FLOAT64: return 8;
     case ValueType::STRING: return 8;
     case ValueType::ARRAY: return 12;
   }
@@ -53,7 +58,9 @@ bool valid_value_type(uint32_t id) { return id <= static_cast<uint32_t>(ValueTyp
 class Fd {
  public:
   explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() { if (fd_ >= 0) ::close(fd_); }
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
   Fd(const Fd&) = delete;
   Fd& operator=(const Fd&) = delete;
   int get() const { return fd_; }
@@ -82,8 +89,8 @@ class Reader {
 
   void read(void* dst, uint64_t n, const std::string& what) {
     if (n > remaining())
-      fail(path_, fmt::format("truncated file: {} at offset {} needs {} bytes, only {} remain", what, pos_, n,
-                              remaining()));
+      fail(path_,
+           fmt::format("truncated file: {} at offset {} needs {} bytes, only {} remain", what, pos_, n, remaining()));
     auto* out = static_cast<uint8_t*>(dst);
     if (in_memory_) {
       if (n > 0) std::memcpy(out, mem_ + pos_, n);
@@ -113,17 +120,33 @@ class Reader {
     }
   }
 
-  uint8_t u8(const std::string& what) { uint8_t v; read(&v, 1, what); return v; }
-  uint16_t u16(const std::string& what) { uint16_t v; read(&v, 2, what); return v; }
-  uint32_t u32(const std::string& what) { uint32_t v; read(&v, 4, what); return v; }
-  uint64_t u64(const std::string& what) { uint64_t v; read(&v, 8, what); return v; }
+  uint8_t u8(const std::string& what) {
+    uint8_t v;
+    read(&v, 1, what);
+    return v;
+  }
+  uint16_t u16(const std::string& what) {
+    uint16_t v;
+    read(&v, 2, what);
+    return v;
+  }
+  uint32_t u32(const std::string& what) {
+    uint32_t v;
+    read(&v, 4, what);
+    return v;
+  }
+  uint64_t u64(const std::string& what) {
+    uint64_t v;
+    read(&v, 8, what);
+    return v;
+  }
 
   std::string str(const std::string& what) {
     uint64_t at = pos_;
     uint64_t len = u64("length of " + what);
     if (len > remaining())
-      fail(path_, fmt::format("bad string length {} for {} at offset {}: only {} bytes remain in the file", len,
-                              what, at, remaining()));
+      fail(path_, fmt::format("bad string length {} for {} at offset {}: only {} bytes remain in the file", len, what,
+                              at, remaining()));
     std::string s(len, '\0');
     read(s.data(), len, what);
     return s;
@@ -246,9 +269,7 @@ std::string Value::type_str() const {
   return value_type_name(type);
 }
 
-bool Value::is_integer() const {
-  return std::holds_alternative<uint64_t>(v) || std::holds_alternative<int64_t>(v);
-}
+bool Value::is_integer() const { return std::holds_alternative<uint64_t>(v) || std::holds_alternative<int64_t>(v); }
 
 int64_t Value::as_int() const {
   if (const uint64_t* u = std::get_if<uint64_t>(&v)) {
@@ -384,12 +405,12 @@ File File::parse(Reader& r, std::string path_arg, uint64_t file_size) {
         fail(path, fmt::format("tensor {} element count overflows uint64 (shape {})", tn, t.shape_str()));
     }
     if (t.ne[0] % info->block_elems != 0)
-      fail(path, fmt::format("tensor {} of type {} has ne[0] = {}, not a multiple of the block size {}", tn,
-                             info->name, t.ne[0], info->block_elems));
+      fail(path, fmt::format("tensor {} of type {} has ne[0] = {}, not a multiple of the block size {}", tn, info->name,
+                             t.ne[0], info->block_elems));
     if (__builtin_mul_overflow(t.ne[0] / info->block_elems, uint64_t{info->block_bytes}, &t.row_bytes) ||
         __builtin_mul_overflow(t.row_bytes, t.n_elements / t.ne[0], &t.n_bytes))
-      fail(path, fmt::format("tensor {} byte size overflows uint64 (type {}, shape {})", tn, info->name,
-                             t.shape_str()));
+      fail(path,
+           fmt::format("tensor {} byte size overflows uint64 (type {}, shape {})", tn, info->name, t.shape_str()));
     if (rel % f.alignment_ != 0)
       fail(path, fmt::format("tensor {} offset {} is not aligned to {} (general.alignment)", tn, rel, f.alignment_));
     f.tensor_index_.emplace(t.name, f.tensors_.size());
@@ -488,8 +509,8 @@ std::vector<std::string> File::get_string_array(const std::string& key) const {
 std::vector<int64_t> File::get_int_array(const std::string& key) const {
   const Value& v = require(*this, key);
   const Array* a = std::get_if<Array>(&v.v);
-  if (!a || a->elem_type == ValueType::BOOL || a->elem_type == ValueType::STRING ||
-      a->elem_type == ValueType::ARRAY || a->elem_type == ValueType::FLOAT32 || a->elem_type == ValueType::FLOAT64)
+  if (!a || a->elem_type == ValueType::BOOL || a->elem_type == ValueType::STRING || a->elem_type == ValueType::ARRAY ||
+      a->elem_type == ValueType::FLOAT32 || a->elem_type == ValueType::FLOAT64)
     wrong_type(*this, key, v, "an array of integers");
   std::vector<int64_t> out;
   out.reserve(a->items.size());

@@ -5,10 +5,10 @@
 
 #include <algorithm>
 #include <bit>
-#include <memory>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 
 #include "io/file.h"
@@ -27,9 +27,10 @@ Value make(ValueType t, decltype(Value::v) v) {
 /// Checks that v's alternative matches v.type (recursively); throws std::invalid_argument.
 void check_value(const std::string& key, const Value& v) {
   auto bad = [&] {
-    throw std::invalid_argument(fmt::format("gguf writer: key '{}': value of type {} holds the wrong alternative "
-                                            "or an out-of-range number",
-                                            key, value_type_name(v.type)));
+    throw std::invalid_argument(
+        fmt::format("gguf writer: key '{}': value of type {} holds the wrong alternative "
+                    "or an out-of-range number",
+                    key, value_type_name(v.type)));
   };
   auto urange = [&](uint64_t max) {
     const uint64_t* u = std::get_if<uint64_t>(&v.v);
@@ -48,9 +49,16 @@ void check_value(const std::string& key, const Value& v) {
     case ValueType::INT16: irange(INT16_MIN, INT16_MAX); break;
     case ValueType::INT32: irange(INT32_MIN, INT32_MAX); break;
     case ValueType::INT64: irange(INT64_MIN, INT64_MAX); break;
-    case ValueType::FLOAT32: case ValueType::FLOAT64: if (!std::holds_alternative<double>(v.v)) bad(); break;
-    case ValueType::BOOL: if (!std::holds_alternative<bool>(v.v)) bad(); break;
-    case ValueType::STRING: if (!std::holds_alternative<std::string>(v.v)) bad(); break;
+    case ValueType::FLOAT32:
+    case ValueType::FLOAT64:
+      if (!std::holds_alternative<double>(v.v)) bad();
+      break;
+    case ValueType::BOOL:
+      if (!std::holds_alternative<bool>(v.v)) bad();
+      break;
+    case ValueType::STRING:
+      if (!std::holds_alternative<std::string>(v.v)) bad();
+      break;
     case ValueType::ARRAY: {
       const Array* a = std::get_if<Array>(&v.v);
       if (!a) bad();
@@ -76,7 +84,10 @@ class Buf {
   void u16(uint16_t x) { bytes(&x, 2); }
   void u32(uint32_t x) { bytes(&x, 4); }
   void u64(uint64_t x) { bytes(&x, 8); }
-  void str(const std::string& s) { u64(s.size()); bytes(s.data(), s.size()); }
+  void str(const std::string& s) {
+    u64(s.size());
+    bytes(s.data(), s.size());
+  }
   void value(const Value& v) {
     switch (v.type) {
       case ValueType::UINT8: u8(static_cast<uint8_t>(std::get<uint64_t>(v.v))); break;
@@ -100,9 +111,7 @@ class Buf {
       }
     }
   }
-  void pad_to(uint64_t alignment) {
-    data.resize((data.size() + alignment - 1) / alignment * alignment, 0);
-  }
+  void pad_to(uint64_t alignment) { data.resize((data.size() + alignment - 1) / alignment * alignment, 0); }
   std::vector<uint8_t> data;
 };
 
@@ -189,7 +198,8 @@ void Writer::add_tensor(const std::string& name, GgmlType type, std::vector<uint
   check_new_tensor(name);
   uint64_t want = tensor_bytes(type, ne);
   if (data.size() != want)
-    throw std::invalid_argument(fmt::format("gguf writer: tensor '{}' needs {} bytes, got {}", name, want, data.size()));
+    throw std::invalid_argument(
+        fmt::format("gguf writer: tensor '{}' needs {} bytes, got {}", name, want, data.size()));
   tensors_.push_back(Tensor{name, type, std::move(ne), std::move(data), nullptr, want});
 }
 

@@ -41,8 +41,7 @@ int open_fd(const std::string& path, bool direct) {
 }
 
 void warn_buffered(const std::string& path) {
-  std::fprintf(stderr, "strata: warning: %s: O_DIRECT refused by the filesystem, using buffered reads\n",
-               path.c_str());
+  std::fprintf(stderr, "strata: warning: %s: O_DIRECT refused by the filesystem, using buffered reads\n", path.c_str());
 }
 
 // True if an aligned read at offset 0 fails with EINVAL (O_DIRECT accepted at open, refused
@@ -100,8 +99,8 @@ void File::read_at(uint64_t offset, size_t n, void* dst) const {
     return path_ + " (offset " + std::to_string(offset) + ", length " + std::to_string(n) + ", file size " +
            std::to_string(size_) + ")";
   };
-  if (direct_ && (offset % kDirectAlign != 0 || n % kDirectAlign != 0 ||
-                  reinterpret_cast<uintptr_t>(dst) % kDirectAlign != 0))
+  if (direct_ &&
+      (offset % kDirectAlign != 0 || n % kDirectAlign != 0 || reinterpret_cast<uintptr_t>(dst) % kDirectAlign != 0))
     throw IoError("unaligned O_DIRECT read of " + where());
   auto* out = static_cast<uint8_t*>(dst);
   size_t done = 0;

@@ -29,7 +29,8 @@ uint64_t splitmix(uint64_t& s) {
 }  // namespace
 
 ReadBwResult measure_read(const std::string& path, const ReadBwOptions& opts) {
-  if (opts.threads < 1) throw std::invalid_argument(fmt::format("ssdbw: threads must be at least 1, got {}", opts.threads));
+  if (opts.threads < 1)
+    throw std::invalid_argument(fmt::format("ssdbw: threads must be at least 1, got {}", opts.threads));
   if (opts.record_bytes == 0) throw std::invalid_argument("ssdbw: record size must be positive");
   const uint64_t rec = (uint64_t(opts.record_bytes) + kDirectAlign - 1) / kDirectAlign * kDirectAlign;
   const std::unique_ptr<File> f = File::open(path, true);
@@ -44,7 +45,8 @@ ReadBwResult measure_read(const std::string& path, const ReadBwOptions& opts) {
   std::vector<double> busy(size_t(opts.threads), 0.0);
   std::exception_ptr err;
   std::mutex err_mu;
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(opts.seconds));
+  const auto deadline =
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(opts.seconds));
   const auto t0 = Clock::now();
   std::vector<std::thread> threads;
   for (int i = 0; i < opts.threads; ++i) {

@@ -22,10 +22,10 @@ struct ReadBwResult {
   uint64_t record_bytes = 0;  ///< as read (4 KiB multiple)
   uint64_t reads = 0;
   uint64_t bytes = 0;
-  double seconds = 0;         ///< wall time of the measurement
-  double gbps = 0;            ///< bytes / seconds / 1e9
-  double mean_latency_ms = 0; ///< mean time of one read
-  bool direct = false;        ///< reads bypassed the page cache (false: the filesystem refused O_DIRECT)
+  double seconds = 0;          ///< wall time of the measurement
+  double gbps = 0;             ///< bytes / seconds / 1e9
+  double mean_latency_ms = 0;  ///< mean time of one read
+  bool direct = false;         ///< reads bypassed the page cache (false: the filesystem refused O_DIRECT)
 };
 
 /// Measures random record reads of `path` (see the file comment). Throws IoError if the file

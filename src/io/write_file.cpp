@@ -77,7 +77,7 @@ struct WriteFile::Impl {
   std::mutex mu;
   std::condition_variable work_cv, done_cv;
   std::vector<std::thread> threads;
-  int cur = -1;        // staging buffer being filled
+  int cur = -1;  // staging buffer being filled
   size_t cur_fill = 0;
 
   void io_main() {

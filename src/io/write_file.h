@@ -21,9 +21,9 @@
 namespace strata::io {
 
 struct WriteFileOptions {
-  bool direct = true;                       ///< O_DIRECT writes (buffered with drop-behind if refused)
-  size_t chunk_bytes = size_t(8) << 20;     ///< bytes per direct write (multiple of 4 KiB)
-  int queue_depth = 4;                      ///< direct writes in flight at once (IO threads)
+  bool direct = true;                    ///< O_DIRECT writes (buffered with drop-behind if refused)
+  size_t chunk_bytes = size_t(8) << 20;  ///< bytes per direct write (multiple of 4 KiB)
+  int queue_depth = 4;                   ///< direct writes in flight at once (IO threads)
   /// Buffered mode: drop written ranges from the page cache as writing proceeds, and the whole
   /// file at commit(). Off: an ordinary buffered write (small files that will be read soon).
   bool drop_behind = true;

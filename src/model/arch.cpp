@@ -115,22 +115,25 @@ ModelHParams read_keys(const gguf::File& f, const std::vector<KeySpec>* extra) {
   if (!f.has(a + "attention.value_length")) hp.head_dim_v = hp.head_dim_k;
   if (!f.has(a + "rope.dimension_count")) hp.n_rot = hp.head_dim_k;
   if (hp.head_dim_k <= 0)
-    throw ModelError(fmt::format("{}: embedding_length {} is smaller than head_count {}", f.path(), hp.n_embd, hp.n_head));
+    throw ModelError(
+        fmt::format("{}: embedding_length {} is smaller than head_count {}", f.path(), hp.n_embd, hp.n_head));
   if (!(hp.rope_freq_base > 0) || !std::isfinite(hp.rope_freq_base))
     throw ModelError(fmt::format("{}: rope.freq_base = {} must be a positive number", f.path(), hp.rope_freq_base));
   if (!(hp.rms_eps > 0) || !std::isfinite(hp.rms_eps))
     throw ModelError(fmt::format("{}: layer_norm_rms_epsilon = {} must be a positive number", f.path(), hp.rms_eps));
   if (hp.n_head % hp.n_head_kv != 0)
-    throw ModelError(fmt::format("{}: head_count {} is not a multiple of head_count_kv {}", f.path(), hp.n_head,
-                                 hp.n_head_kv));
+    throw ModelError(
+        fmt::format("{}: head_count {} is not a multiple of head_count_kv {}", f.path(), hp.n_head, hp.n_head_kv));
   if (hp.n_rot <= 0 || hp.n_rot > hp.head_dim_k || hp.n_rot % 2 != 0)
-    throw ModelError(fmt::format("{}: rope.dimension_count {} invalid for head dim {}", f.path(), hp.n_rot, hp.head_dim_k));
+    throw ModelError(
+        fmt::format("{}: rope.dimension_count {} invalid for head dim {}", f.path(), hp.n_rot, hp.head_dim_k));
   if (hp.n_expert_used > hp.n_expert)
-    throw ModelError(fmt::format("{}: expert_used_count {} exceeds expert_count {}", f.path(), hp.n_expert_used,
-                                 hp.n_expert));
+    throw ModelError(
+        fmt::format("{}: expert_used_count {} exceeds expert_count {}", f.path(), hp.n_expert_used, hp.n_expert));
   const gguf::TensorInfo* emb = f.find_tensor("token_embd.weight");
   if (!emb || emb->ne.size() != 2)
-    throw ModelError(fmt::format("{}: missing tensor 'token_embd.weight' (expected shape [{}, n_vocab])", f.path(), hp.n_embd));
+    throw ModelError(
+        fmt::format("{}: missing tensor 'token_embd.weight' (expected shape [{}, n_vocab])", f.path(), hp.n_embd));
   hp.n_vocab = int(emb->ne[1]);
   hp.tied_output = f.find_tensor("output.weight") == nullptr;
   return hp;

@@ -19,7 +19,9 @@
 #include "model/model.h"
 #include "model/weights.h"
 
-namespace strata::gguf { class Writer; }
+namespace strata::gguf {
+class Writer;
+}
 
 namespace strata::model {
 
@@ -51,11 +53,11 @@ enum class TensorInit : uint8_t { Weight, Norm, Router, Conv, SsmA, DtBias };
 
 /// One row of an architecture's tensor table.
 struct TensorSpec {
-  std::string name;              ///< full GGUF name, e.g. "blk.3.attn_q.weight"
-  std::vector<int64_t> ne;       ///< expected shape, ggml ne order (ne[0] contiguous)
+  std::string name;         ///< full GGUF name, e.g. "blk.3.attn_q.weight"
+  std::vector<int64_t> ne;  ///< expected shape, ggml ne order (ne[0] contiguous)
   TensorRole role = TensorRole::Matrix;
   TensorInit init = TensorInit::Weight;
-  std::vector<int64_t> alt_ne;   ///< a second accepted shape (e.g. [n_embd] for [n_embd, 1]); empty = none
+  std::vector<int64_t> alt_ne;  ///< a second accepted shape (e.g. [n_embd] for [n_embd, 1]); empty = none
   /// May be absent from the file (llama.cpp's TENSOR_NOT_REQUIRED, e.g. glm4moe's q/k norm and
   /// attention biases): BoundWeights skips it and maybe() returns an empty tensor. Present, its
   /// shape is checked like any other.
@@ -63,7 +65,11 @@ struct TensorSpec {
 
   TensorSpec(std::string name_, std::vector<int64_t> ne_, TensorRole role_, TensorInit init_,
              std::vector<int64_t> alt_ne_ = {}, bool optional_ = false)
-      : name(std::move(name_)), ne(std::move(ne_)), role(role_), init(init_), alt_ne(std::move(alt_ne_)),
+      : name(std::move(name_)),
+        ne(std::move(ne_)),
+        role(role_),
+        init(init_),
+        alt_ne(std::move(alt_ne_)),
         optional(optional_) {}
 };
 
@@ -146,9 +152,9 @@ std::string blk(int layer, const char* suffix);
 
 /// Defines the architecture of this file: `STRATA_ARCHITECTURE(qwen3moe) { return Architecture{...}; }`.
 /// The identifier must be the file's stem (CMake generates the registry from the file names).
-#define STRATA_ARCHITECTURE(id)                                              \
-  static ::strata::model::Architecture strata_arch_##id();                   \
-  namespace strata::model {                                                  \
-  void register_arch_##id() { register_architecture(strata_arch_##id()); }   \
-  }                                                                          \
+#define STRATA_ARCHITECTURE(id)                                            \
+  static ::strata::model::Architecture strata_arch_##id();                 \
+  namespace strata::model {                                                \
+  void register_arch_##id() { register_architecture(strata_arch_##id()); } \
+  }                                                                        \
   static ::strata::model::Architecture strata_arch_##id()

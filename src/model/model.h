@@ -73,8 +73,8 @@ struct ForwardTimes {
 
 /// Read-ahead settings of a run (DESIGN.md: next-layer prediction, static rank).
 struct ReadAheadOptions {
-  bool predict = true;   ///< --predict: next layer's router on this layer's MoE input
-  int predict_min = 1;   ///< --predict-min: queue experts predicted by at least this many tokens
+  bool predict = true;  ///< --predict: next layer's router on this layer's MoE input
+  int predict_min = 1;  ///< --predict-min: queue experts predicted by at least this many tokens
   /// Per layer, expert ids by descending popularity (`strata profile`); null or empty rows =
   /// unknown. Used for layer 0 and wherever no prediction is made.
   const std::vector<std::vector<int32_t>>* static_rank = nullptr;
@@ -163,7 +163,7 @@ class Model {
   ModelHParams hp_;
   std::vector<stream::LayerExperts> experts_;
   uint64_t dense_bytes_ = 0;
-  backend::Backend* be_ = nullptr;  ///< where the weights and the sequences' state live
+  backend::Backend* be_ = nullptr;                   ///< where the weights and the sequences' state live
   backend::Tensor tok_embd_, output_norm_, output_;  ///< set by bind_io
 
  private:

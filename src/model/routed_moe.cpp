@@ -50,14 +50,14 @@ int routed_shexp_ff(const ModelHParams& hp) {
 void validate_routed_moe(const gguf::File& f, const ModelHParams& hp) {
   const std::string& a = hp.arch;
   if (hp.n_expert <= 0 || hp.n_expert_used <= 0 || hp.n_ff_exp <= 0)
-    throw ModelError(fmt::format("{}: {} needs expert_count, expert_used_count and expert_feed_forward_length > 0",
-                                 f.path(), a));
+    throw ModelError(
+        fmt::format("{}: {} needs expert_count, expert_used_count and expert_feed_forward_length > 0", f.path(), a));
   if (hp.n_nextn >= hp.n_layer)
     throw ModelError(fmt::format("{}: key '{}.nextn_predict_layers' = {} leaves no layers of {}.block_count = {}",
                                  f.path(), a, hp.n_nextn, a, hp.n_layer));
   if (hp.n_layer_dense_lead > forward_layers(hp))
-    throw ModelError(fmt::format("{}: key '{}.leading_dense_block_count' = {} exceeds the {} forward layers",
-                                 f.path(), a, hp.n_layer_dense_lead, forward_layers(hp)));
+    throw ModelError(fmt::format("{}: key '{}.leading_dense_block_count' = {} exceeds the {} forward layers", f.path(),
+                                 a, hp.n_layer_dense_lead, forward_layers(hp)));
   if (hp.n_layer_dense_lead > 0 && hp.n_ff <= 0)
     throw ModelError(fmt::format("{}: {} has {} leading dense layers but no '{}.feed_forward_length'", f.path(), a,
                                  hp.n_layer_dense_lead, a));
@@ -67,14 +67,15 @@ void validate_routed_moe(const gguf::File& f, const ModelHParams& hp) {
                                    hp.n_expert_groups, hp.n_expert));
     if (hp.n_group_used < 1 || hp.n_group_used > hp.n_expert_groups ||
         int64_t(hp.n_group_used) * (hp.n_expert / hp.n_expert_groups) < hp.n_expert_used)
-      throw ModelError(fmt::format("{}: key '{}.expert_group_used_count' = {} is out of range for {} groups of {} "
-                                   "experts and top-{}",
-                                   f.path(), a, hp.n_group_used, hp.n_expert_groups,
-                                   hp.n_expert / hp.n_expert_groups, hp.n_expert_used));
+      throw ModelError(
+          fmt::format("{}: key '{}.expert_group_used_count' = {} is out of range for {} groups of {} "
+                      "experts and top-{}",
+                      f.path(), a, hp.n_group_used, hp.n_expert_groups, hp.n_expert / hp.n_expert_groups,
+                      hp.n_expert_used));
   }
   if (hp.expert_weights_scale < 0)
-    throw ModelError(fmt::format("{}: key '{}.expert_weights_scale' = {} is negative", f.path(), a,
-                                 hp.expert_weights_scale));
+    throw ModelError(
+        fmt::format("{}: key '{}.expert_weights_scale' = {} is negative", f.path(), a, hp.expert_weights_scale));
   (void)routed_gating(f, hp);  // an unsupported expert_gating_func fails here
   (void)routed_norm_topk(f, hp);
   refuse_rope_scaling(f, hp);

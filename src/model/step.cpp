@@ -23,13 +23,13 @@ double seconds_between(std::chrono::steady_clock::time_point a, std::chrono::ste
 /// then the layer's static rank (most popular first) fills in. Never changes results, only
 /// what is read when.
 struct Step::ReadAhead {
-  int layer = -1;                          ///< layer to read ahead for; -1 = none
-  const MoeLayer* router_of = nullptr;     ///< that layer (its router predicts); null = no prediction
+  int layer = -1;                       ///< layer to read ahead for; -1 = none
+  const MoeLayer* router_of = nullptr;  ///< that layer (its router predicts); null = no prediction
   int n_expert = 0;
   int top_k = 0;
-  int min_tokens = 1;                      ///< queue only experts predicted by >= this many tokens
-  std::span<const int32_t> static_rank;    ///< that layer's experts, most popular first (may be empty)
-  int64_t static_count = 0;                ///< how many of static_rank to queue after the predicted ones
+  int min_tokens = 1;                         ///< queue only experts predicted by >= this many tokens
+  std::span<const int32_t> static_rank;       ///< that layer's experts, most popular first (may be empty)
+  int64_t static_count = 0;                   ///< how many of static_rank to queue after the predicted ones
   std::vector<int32_t>* predicted = nullptr;  ///< out: predicted ids per token [T][top_k], for recall
 };
 
@@ -91,8 +91,8 @@ void Step::mla_attention(int layer, const backend::MlaSpec& spec, const backend:
   int64_t t0 = 0;
   for (SeqInput& s : batch_) {
     const int64_t n = int64_t(s.ids.size());
-    be_.mla_attention(spec, w, s.state->k[size_t(layer)].tensor(spec.cache_dim()), s.state->n_past,
-                      h_.rows_view(t0, n), o_.rows_view(t0, n));
+    be_.mla_attention(spec, w, s.state->k[size_t(layer)].tensor(spec.cache_dim()), s.state->n_past, h_.rows_view(t0, n),
+                      o_.rows_view(t0, n));
     t0 += n;
   }
   name(o_, "attn_out", layer);

@@ -36,13 +36,13 @@ struct ExpertPartShape {
 
 /// A routed-MoE layer: its router (resident) and the shapes of its streamed experts.
 struct MoeLayer {
-  backend::Tensor router;  ///< ffn_gate_inp: ne {n_embd, n_expert}
+  backend::Tensor router;       ///< ffn_gate_inp: ne {n_embd, n_expert}
   backend::Tensor router_bias;  ///< ffn_gate_inp.bias: F32 ne {n_expert}, added to the logits; or empty
   backend::RouterSpec spec;
   backend::FfnSpec ffn;
-  ExpertPartShape gate;    ///< ffn_gate_exps slice: ne {n_embd, n_ff_exp}
-  ExpertPartShape up;      ///< ffn_up_exps slice
-  ExpertPartShape down;    ///< ffn_down_exps slice: ne {n_ff_exp, n_embd}
+  ExpertPartShape gate;  ///< ffn_gate_exps slice: ne {n_embd, n_ff_exp}
+  ExpertPartShape up;    ///< ffn_up_exps slice
+  ExpertPartShape down;  ///< ffn_down_exps slice: ne {n_ff_exp, n_embd}
   /// Resident expert biases, F32, one row per expert (or empty): ffn_gate_exps.bias and
   /// ffn_up_exps.bias ne {n_ff_exp, n_expert}, ffn_down_exps.bias ne {n_embd, n_expert}. Row e
   /// goes with expert e's job (FfnWeights::gate_b, up_b, down_b).
@@ -106,7 +106,7 @@ class Step {
   std::unique_ptr<backend::Buffer> act_;  // x, h, o
   backend::Tensor x_, h_, o_;
   std::unique_ptr<backend::Buffer> expert_out_;  // [T * top_k] rows, grown on demand
-  std::vector<int32_t> pred_;  // the prediction for the next MoE layer, per token [T][top_k]
+  std::vector<int32_t> pred_;                    // the prediction for the next MoE layer, per token [T][top_k]
 };
 
 }  // namespace strata::model

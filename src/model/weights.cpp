@@ -21,14 +21,16 @@ static std::string shape_of(const std::vector<int64_t>& ne) {
 
 const gguf::TensorInfo& WeightLoader::expect(const std::string& name, const std::vector<int64_t>& ne) const {
   const gguf::TensorInfo* t = gguf_.find_tensor(name);
-  if (!t) throw ModelError(fmt::format("{}: missing tensor '{}' (expected shape {})", gguf_.path(), name, shape_of(ne)));
+  if (!t)
+    throw ModelError(fmt::format("{}: missing tensor '{}' (expected shape {})", gguf_.path(), name, shape_of(ne)));
   bool ok = t->ne.size() == ne.size();
   for (size_t i = 0; ok && i < ne.size(); ++i) ok = int64_t(t->ne[i]) == ne[i];
   if (!ok)
-    throw ModelError(fmt::format("{}: tensor '{}': expected shape {}, got {}", gguf_.path(), name, shape_of(ne),
-                                 t->shape_str()));
+    throw ModelError(
+        fmt::format("{}: tensor '{}': expected shape {}, got {}", gguf_.path(), name, shape_of(ne), t->shape_str()));
   if (!quant::is_supported(t->type))
-    throw ModelError(fmt::format("{}: unsupported type {} in tensor '{}'", gguf_.path(), ggml_type_name(t->type), name));
+    throw ModelError(
+        fmt::format("{}: unsupported type {} in tensor '{}'", gguf_.path(), ggml_type_name(t->type), name));
   return *t;
 }
 

@@ -23,8 +23,8 @@ class ModelError : public std::runtime_error {
 /// A resident tensor. Shape ne[] as in GGUF (ne[0] contiguous).
 struct DenseTensor {
   const gguf::TensorInfo* info = nullptr;
-  io::AlignedBuffer data;       ///< the raw bytes as stored in the file (info->n_bytes)
-  std::vector<float> f32;       ///< dequantized copy, filled only for small vectors (norms, biases)
+  io::AlignedBuffer data;  ///< the raw bytes as stored in the file (info->n_bytes)
+  std::vector<float> f32;  ///< dequantized copy, filled only for small vectors (norms, biases)
 
   /// Host view in the file type: ne[1]*ne[2]*... rows of ne[0] columns, row_bytes apart.
   backend::Tensor tensor() const;

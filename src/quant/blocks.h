@@ -135,7 +135,8 @@ static_assert(offsetof(BlockQ4_K, scales) == 4 && offsetof(BlockQ4_K, qs) == 16)
 static_assert(offsetof(BlockQ5_K, qh) == 16 && offsetof(BlockQ5_K, qs) == 48);
 static_assert(offsetof(BlockQ6_K, qh) == 128 && offsetof(BlockQ6_K, scales) == 192 && offsetof(BlockQ6_K, d) == 208);
 static_assert(offsetof(BlockIQ2_XS, scales) == 66);
-static_assert(offsetof(BlockIQ3_S, qh) == 66 && offsetof(BlockIQ3_S, signs) == 74 && offsetof(BlockIQ3_S, scales) == 106);
+static_assert(offsetof(BlockIQ3_S, qh) == 66 && offsetof(BlockIQ3_S, signs) == 74 &&
+              offsetof(BlockIQ3_S, scales) == 106);
 static_assert(offsetof(BlockIQ4_XS, scales_l) == 4 && offsetof(BlockIQ4_XS, qs) == 8);
 
 /// Block i of a row of blocks at `row`, copied out (well-defined for any alignment of the bytes).

@@ -16,9 +16,9 @@ namespace {
 
 using detail::bits_f32;
 using detail::half_to_float;
+using detail::k4_scale_min;
 using detail::load_u16;
 using detail::load_u32;
-using detail::k4_scale_min;
 using detail::q3k_scale;
 using namespace blocks;
 
@@ -264,7 +264,8 @@ void deq_mxfp4(const uint8_t* b, float* y, int64_t nb) {
 
 void dequantize_row(GgmlType t, const void* src, float* dst, int64_t n) {
   const detail::Geometry g = detail::geometry(t);
-  if (!detail::implemented(t)) throw std::runtime_error("quant::dequantize_row: unsupported type " + std::string(detail::type_name(t)));
+  if (!detail::implemented(t))
+    throw std::runtime_error("quant::dequantize_row: unsupported type " + std::string(detail::type_name(t)));
   if (n < 0 || n % g.elems != 0)
     throw std::runtime_error("quant::dequantize_row: n=" + std::to_string(n) + " is not a multiple of the " +
                              std::to_string(g.elems) + "-element block of " + std::string(detail::type_name(t)));

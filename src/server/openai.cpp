@@ -147,7 +147,8 @@ std::vector<int32_t> encode(const ModelContext& m, const std::string& text) {
 Json chat_messages(const Json& b) {
   const Json* m = field(b, "messages");
   if (!m) throw bad_request("messages", "'messages' is required", "missing_required_parameter");
-  if (!m->is_array() || m->empty()) throw bad_request("messages", "'messages' must be a non-empty array", "invalid_type");
+  if (!m->is_array() || m->empty())
+    throw bad_request("messages", "'messages' must be a non-empty array", "invalid_type");
   Json out = Json::array();
   for (size_t k = 0; k < m->size(); ++k) {
     const Json& msg = (*m)[k];
@@ -229,7 +230,8 @@ ParsedRequest parse_completion_request(const Json& b, const ModelContext& m) {
     p.gen.prompt = encode(m, (*pr)[0].get<std::string>());
   } else if (pr->is_array() && !pr->empty() && (*pr)[0].is_number()) {
     for (auto& t : *pr) {
-      if (!t.is_number_integer()) throw bad_request("prompt", "a token-id prompt must hold integers only", "invalid_type");
+      if (!t.is_number_integer())
+        throw bad_request("prompt", "a token-id prompt must hold integers only", "invalid_type");
       const int64_t id = t.get<int64_t>();
       if (id < 0 || id >= m.n_vocab)
         throw bad_request("prompt", fmt::format("token id {} is outside [0, {})", id, m.n_vocab));
@@ -400,8 +402,10 @@ Json event_chunk_json(const ResponseMeta& meta, const Event& e, size_t offset, b
 
 Json finish_chunk_json(const ResponseMeta& meta, const std::string& finish_reason) {
   Json choice = {{"index", 0}};
-  if (meta.endpoint == Endpoint::Chat) choice["delta"] = Json::object();
-  else choice["text"] = "";
+  if (meta.endpoint == Endpoint::Chat)
+    choice["delta"] = Json::object();
+  else
+    choice["text"] = "";
   choice["logprobs"] = nullptr;
   choice["finish_reason"] = finish_reason;
   return chunk_json(meta, std::move(choice));

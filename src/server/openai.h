@@ -28,7 +28,10 @@ using Json = nlohmann::ordered_json;
 struct ApiError {
   ApiError(int status_, std::string message_, std::string type_ = "invalid_request_error", std::string code_ = {},
            std::string param_ = {})
-      : status(status_), message(std::move(message_)), type(std::move(type_)), code(std::move(code_)),
+      : status(status_),
+        message(std::move(message_)),
+        type(std::move(type_)),
+        code(std::move(code_)),
         param(std::move(param_)) {}
   int status;           ///< the HTTP status (400, 401, 404, 413, 500, 503, ...)
   std::string message;  ///< for a human
@@ -66,9 +69,9 @@ bool get_bool(const Json& b, const char* name, bool dflt);
 
 /// What the schema needs of the model. The callbacks may throw as the real ones do.
 struct ModelContext {
-  int64_t n_ctx = 0;                 ///< context in tokens: max_tokens' default and limit, the prompt's limit
-  int32_t n_vocab = 0;               ///< token ids of a token-id prompt must lie in [0, n_vocab)
-  std::vector<int32_t> end_tokens;   ///< tokens that end generation unless ignore_eos
+  int64_t n_ctx = 0;                ///< context in tokens: max_tokens' default and limit, the prompt's limit
+  int32_t n_vocab = 0;              ///< token ids of a token-id prompt must lie in [0, n_vocab)
+  std::vector<int32_t> end_tokens;  ///< tokens that end generation unless ignore_eos
   /// Text to token ids, BOS as the model wants it. May throw tokenizer::TokenizerError
   /// (invalid UTF-8), which becomes a 400.
   std::function<std::vector<int32_t>(const std::string& text)> encode;

@@ -58,9 +58,8 @@ TokenLogprob token_logprob(std::span<const float> logits, int32_t id, int n) {
     std::vector<int32_t> idx(logits.size());
     std::iota(idx.begin(), idx.end(), 0);
     auto key = [&](int32_t k) { return std::isfinite(logits[size_t(k)]) ? logits[size_t(k)] : -INFINITY; };
-    std::partial_sort(idx.begin(), idx.begin() + n, idx.end(), [&](int32_t a, int32_t b) {
-      return key(a) > key(b) || (key(a) == key(b) && a < b);
-    });
+    std::partial_sort(idx.begin(), idx.begin() + n, idx.end(),
+                      [&](int32_t a, int32_t b) { return key(a) > key(b) || (key(a) == key(b) && a < b); });
     for (int k = 0; k < n; ++k) t.top.emplace_back(idx[size_t(k)], lp(idx[size_t(k)]));
   }
   return t;
@@ -175,9 +174,12 @@ void Scheduler::start(Slot& s, std::shared_ptr<Request> r) {
 
 void Scheduler::release(Slot& s, const std::string& reason, const std::string& error) {
   s.req->completion_tokens = s.generated;
-  if (reason == "cancelled") ++cancelled_;
-  else if (reason == "error") ++failed_;
-  else ++completed_;
+  if (reason == "cancelled")
+    ++cancelled_;
+  else if (reason == "error")
+    ++failed_;
+  else
+    ++completed_;
   {
     std::lock_guard lk(q_mutex_);  // before finish(): whoever waits on the request sees the slot free
     --busy_;

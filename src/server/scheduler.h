@@ -26,10 +26,10 @@ namespace strata::server {
 struct GenParams {
   std::vector<int32_t> prompt;
   engine::SamplerParams sampler;
-  int max_tokens = 0;                 ///< at most this many tokens (the context may stop it sooner)
-  std::vector<std::string> stop;      ///< stop strings: the text ends before the first match
-  int top_logprobs = -1;              ///< < 0: no logprobs; else the chosen token's and this many alternatives
-  std::vector<int32_t> end_tokens;    ///< tokens that end generation (EOS, end of turn); not output
+  int max_tokens = 0;               ///< at most this many tokens (the context may stop it sooner)
+  std::vector<std::string> stop;    ///< stop strings: the text ends before the first match
+  int top_logprobs = -1;            ///< < 0: no logprobs; else the chosen token's and this many alternatives
+  std::vector<int32_t> end_tokens;  ///< tokens that end generation (EOS, end of turn); not output
 };
 
 /// Log-probability of a sampled token and the most likely alternatives (by the model's

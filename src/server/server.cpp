@@ -1,8 +1,8 @@
 #include "server/server.h"
 
-#include <sys/socket.h>
 #include <fmt/format.h>
 #include <httplib.h>
+#include <sys/socket.h>
 
 #include <atomic>
 #include <chrono>
@@ -44,10 +44,7 @@ struct Server::Impl {
   std::map<std::pair<std::string, int>, int64_t> request_counts;
 
   Impl(engine::Engine& e, chat::ChatTemplate t, ServerOptions o)
-      : eng(e),
-        tmpl(std::move(t)),
-        opts(std::move(o)),
-        sched(e, opts.parallel, opts.queue_size) {
+      : eng(e), tmpl(std::move(t)), opts(std::move(o)), sched(e, opts.parallel, opts.queue_size) {
     if (opts.model_name.empty()) opts.model_name = std::filesystem::path(eng.gguf().path()).stem().string();
     model.n_ctx = eng.n_ctx();
     model.n_vocab = eng.tokenizer().n_vocab();
@@ -76,8 +73,7 @@ struct Server::Impl {
 
     if (!p.stream) {
       std::vector<Event> events;
-      while (!r->wait(events, std::chrono::milliseconds(1000))) {
-      }
+      while (!r->wait(events, std::chrono::milliseconds(1000))) {}
       if (openai::is_error_finish(r->finish_reason)) throw openai::generation_failed(r->error);
       const J out = openai::completion_json(meta, events, r->finish_reason, r->prompt_tokens, r->completion_tokens,
                                             logprobs, token_bytes());
@@ -148,8 +144,12 @@ struct Server::Impl {
            {"object", "model"},
            {"created", started},
            {"owned_by", "strata"},
-           {"meta", {{"architecture", hp.arch}, {"n_ctx", eng.n_ctx()}, {"n_vocab", eng.tokenizer().n_vocab()},
-                     {"expert_bytes", eng.expert_bytes()}, {"arena_bytes", eng.arena_bytes()}}}};
+           {"meta",
+            {{"architecture", hp.arch},
+             {"n_ctx", eng.n_ctx()},
+             {"n_vocab", eng.tokenizer().n_vocab()},
+             {"expert_bytes", eng.expert_bytes()},
+             {"arena_bytes", eng.arena_bytes()}}}};
     res.set_content(openai::dump({{"object", "list"}, {"data", J::array({m})}}), "application/json");
   }
 
@@ -182,7 +182,8 @@ struct Server::Impl {
         continue;
       }
       const std::string& piece = tok.token_bytes(id);
-      out.push_back({{"id", id}, {"piece", tokenizer::find_invalid_utf8(piece) ? openai::bytes_json(piece) : J(piece)}});
+      out.push_back(
+          {{"id", id}, {"piece", tokenizer::find_invalid_utf8(piece) ? openai::bytes_json(piece) : J(piece)}});
     }
     res.set_content(openai::dump({{"tokens", out}}), "application/json");
   }
@@ -190,7 +191,8 @@ struct Server::Impl {
   void detokenize(const httplib::Request& req, httplib::Response& res) {
     const J b = openai::parse_body(req.body);
     const J* t = openai::field(b, "tokens");
-    if (!t || !t->is_array()) throw openai::bad_request("tokens", "'tokens' must be an array of token ids", "invalid_type");
+    if (!t || !t->is_array())
+      throw openai::bad_request("tokens", "'tokens' must be an array of token ids", "invalid_type");
     const auto& tok = eng.tokenizer();
     tokenizer::StreamDecoder dec(tok);
     std::string text;
@@ -229,11 +231,13 @@ struct Server::Impl {
     gauge("strata_requests_processing", "Requests holding a slot.", double(c.slots_busy));
     gauge("strata_requests_queued", "Requests waiting for a slot.", double(c.queued));
     counter("strata_requests_rejected_total", "Requests turned away with 503 (queue full).", double(c.rejected));
-    counter("strata_requests_cancelled_total", "Generations stopped because the client went away.", double(c.cancelled));
+    counter("strata_requests_cancelled_total", "Generations stopped because the client went away.",
+            double(c.cancelled));
     counter("strata_requests_completed_total", "Generations finished (stop or length).", double(c.completed));
     counter("strata_prompt_tokens_total", "Prompt tokens prefilled.", double(c.prompt_tokens));
     counter("strata_generated_tokens_total", "Tokens generated.", double(c.generated_tokens));
-    gauge("strata_prefill_tokens_per_second", "Prefill throughput of the engine since start.", c.prefill.tokens_per_s());
+    gauge("strata_prefill_tokens_per_second", "Prefill throughput of the engine since start.",
+          c.prefill.tokens_per_s());
     gauge("strata_decode_tokens_per_second", "Decode throughput of the engine since start.", c.decode.tokens_per_s());
     auto phased = [&](const char* name, const char* type, const char* help, double pre, double dec) {
       metric(name, type, help);
@@ -279,8 +283,8 @@ struct Server::Impl {
   }
 
   void count(const httplib::Request& req, const httplib::Response& res) {
-    static const std::set<std::string> known = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health",
-                                                "/metrics", "/tokenize", "/detokenize"};
+    static const std::set<std::string> known = {
+        "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize"};
     const std::string ep = known.count(req.path) ? req.path : "other";
     std::lock_guard lk(count_mutex);
     ++request_counts[{ep, res.status}];
@@ -337,7 +341,8 @@ int Server::bind() {
     port = impl_->http.bind_to_any_port(o.host);
     if (port < 0) throw std::runtime_error(fmt::format("cannot bind to {} (any port)", o.host));
   } else if (!impl_->http.bind_to_port(o.host, port)) {
-    throw std::runtime_error(fmt::format("cannot bind to {}:{} (in use, or not an address of this machine?)", o.host, port));
+    throw std::runtime_error(
+        fmt::format("cannot bind to {}:{} (in use, or not an address of this machine?)", o.host, port));
   }
   return port;
 }

@@ -21,13 +21,13 @@ namespace strata::server {
 
 struct ServerOptions {
   std::string host = "127.0.0.1";
-  int port = 8080;             ///< 0 = any free port (see Server::bind)
-  std::string api_key;         ///< when set, every endpoint but /health needs "Authorization: Bearer KEY"
-  int parallel = 4;            ///< slots: requests generating at once
-  int queue_size = 64;         ///< requests waiting for a slot; beyond it: 503 with Retry-After
+  int port = 8080;                  ///< 0 = any free port (see Server::bind)
+  std::string api_key;              ///< when set, every endpoint but /health needs "Authorization: Bearer KEY"
+  int parallel = 4;                 ///< slots: requests generating at once
+  int queue_size = 64;              ///< requests waiting for a slot; beyond it: 503 with Retry-After
   size_t max_body_bytes = 1 << 20;  ///< larger request bodies: 413
-  int http_threads = 0;        ///< connection threads; 0 = parallel + queue_size + 16
-  std::string model_name;      ///< the id /v1/models reports (default: the file name without .gguf)
+  int http_threads = 0;             ///< connection threads; 0 = parallel + queue_size + 16
+  std::string model_name;           ///< the id /v1/models reports (default: the file name without .gguf)
 };
 
 class Server {

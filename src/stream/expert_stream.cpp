@@ -81,10 +81,10 @@ struct ExpertRanges {
   };
   Read read[3];
   int n_reads = 0;
-  uint64_t view_off[3];    // first byte of each part's slice within the slot
-  uint64_t slice_off[3];   // absolute start of each slice in the file
-  uint64_t slice_end[3];   // absolute end of each slice in the file
-  uint64_t slot_end = 0;   // bytes of the slot in use
+  uint64_t view_off[3];   // first byte of each part's slice within the slot
+  uint64_t slice_off[3];  // absolute start of each slice in the file
+  uint64_t slice_end[3];  // absolute end of each slice in the file
+  uint64_t slot_end = 0;  // bytes of the slot in use
 
   explicit ExpertRanges(const LayerExperts& L, int32_t e) {
     uint64_t pos = 0;
@@ -181,10 +181,10 @@ struct ExpertStream::Impl {
         const ExpertRanges r(L, job.expert);
         for (int p = 0; p < 3; ++p)
           if (L.part[p].expert_bytes > 0 && r.slice_end[p] > file->size())
-            throw io::IoError(fmt::format("{}: layer {} expert {} part {}: slice [{}, {}) runs past the end of the file "
-                                          "({} bytes)",
-                                          file->path(), job.layer, job.expert, p, r.slice_off[p], r.slice_end[p],
-                                          file->size()));
+            throw io::IoError(
+                fmt::format("{}: layer {} expert {} part {}: slice [{}, {}) runs past the end of the file "
+                            "({} bytes)",
+                            file->path(), job.layer, job.expert, p, r.slice_off[p], r.slice_end[p], file->size()));
         const ExpertRanges::Read pc = r.piece(job.index);
         uint64_t n = pc.len;
         // Buffered reads may not run past EOF; direct reads may (up to the aligned EOF).
@@ -268,10 +268,10 @@ ExpertStream::ExpertStream(const std::string& path, std::vector<LayerExperts> la
   if (!make_arena) throw std::invalid_argument("expert stream: no arena factory");
   m.arena = make_arena(n, m.slot_bytes, threads);
   if (!m.arena || m.arena->n_slots() < n || m.arena->slot_bytes() < m.slot_bytes)
-    throw std::invalid_argument(fmt::format("expert stream: the backend's arena has {} slots of {} bytes, {} of {} "
-                                            "were asked for",
-                                            m.arena ? m.arena->n_slots() : 0, m.arena ? m.arena->slot_bytes() : 0, n,
-                                            m.slot_bytes));
+    throw std::invalid_argument(
+        fmt::format("expert stream: the backend's arena has {} slots of {} bytes, {} of {} "
+                    "were asked for",
+                    m.arena ? m.arena->n_slots() : 0, m.arena ? m.arena->slot_bytes() : 0, n, m.slot_bytes));
   m.event_before_read = m.arena->place() == backend::Place::Host;
 
   Impl* impl = &m;
@@ -336,7 +336,8 @@ ExpertView ExpertStream::wait(int layer, int32_t expert) {
   SlotTable& t = *m.table;
   const int s = t.slot_of(layer, expert);
   if (s < 0 || t.pins(s) == 0)
-    throw std::logic_error(fmt::format("expert stream: wait for layer {} expert {} which is not requested", layer, expert));
+    throw std::logic_error(
+        fmt::format("expert stream: wait for layer {} expert {} which is not requested", layer, expert));
   // pinned: cannot be evicted while we wait
   auto in_flight = [&] { return t.state(s) == SlotState::Queued || t.state(s) == SlotState::Reading; };
   if (in_flight()) {

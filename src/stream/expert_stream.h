@@ -59,10 +59,10 @@ struct ExpertView {
 };
 
 struct StreamOptions {
-  size_t arena_bytes = 0;      ///< total arena size in bytes (rounded down to whole slots)
-  int io_threads = 8;          ///< IO threads issuing reads
-  bool direct = true;          ///< O_DIRECT (falls back to buffered with a warning)
-  size_t min_slots = 1;        ///< fewer slots than this: throw ArenaTooSmall
+  size_t arena_bytes = 0;  ///< total arena size in bytes (rounded down to whole slots)
+  int io_threads = 8;      ///< IO threads issuing reads
+  bool direct = true;      ///< O_DIRECT (falls back to buffered with a warning)
+  size_t min_slots = 1;    ///< fewer slots than this: throw ArenaTooSmall
   /// Fake stream (`--fake-stream`): no reads at all; a requested expert becomes resident at
   /// once in a slot holding stale bytes. Results are garbage; the time is the compute floor.
   bool fake = false;
@@ -107,7 +107,7 @@ class ExpertStream {
   /// to back (bytes; at least 4 KiB).
   static size_t slot_bytes_for(const std::vector<LayerExperts>& layers);
   size_t n_slots() const;
-  bool direct() const;        ///< whether reads bypass the page cache
+  bool direct() const;  ///< whether reads bypass the page cache
 
   /// Layer `layer` needs `experts` now: pins them and queues urgent reads for the misses.
   /// Precondition: experts are distinct, and at most n_slots() experts are pinned in all.

@@ -218,13 +218,14 @@ std::vector<LayerExperts> expert_layers_from_gguf(const gguf::File& f) {
     }
     if (found == 0) continue;
     if (found != 3)
-      throw std::runtime_error(fmt::format("{}: block {} has only {} of the 3 expert tensors (gate, up, down)",
-                                           f.path(), l, found));
+      throw std::runtime_error(
+          fmt::format("{}: block {} has only {} of the 3 expert tensors (gate, up, down)", f.path(), l, found));
     for (int p = 0; p < 3; ++p) {
       if (t[p]->ne.size() != 3 || t[p]->ne[2] != t[0]->ne[2] || t[p]->ne[2] == 0)
-        throw std::runtime_error(fmt::format("{}: {} has shape {}; expected [cols, rows, n_expert] with the same "
-                                             "n_expert as {}",
-                                             f.path(), t[p]->name, t[p]->shape_str(), t[0]->name));
+        throw std::runtime_error(
+            fmt::format("{}: {} has shape {}; expected [cols, rows, n_expert] with the same "
+                        "n_expert as {}",
+                        f.path(), t[p]->name, t[p]->shape_str(), t[0]->name));
       layers[l].part[p] = PartLayout{t[p]->offset, t[p]->ne[1] * t[p]->row_bytes};
     }
     layers[l].n_expert = int(t[0]->ne[2]);
@@ -314,9 +315,10 @@ PackResult write_pack(const std::string& gguf_path, const std::string& out_path_
         want.resize(size_t(P.expert_bytes));
         read_range(*src, P.offset(e), P.expert_bytes, bounce, want.data());
         if (std::memcmp(rec_buf.data() + G.part_off[p], want.data(), want.size()) != 0)
-          throw std::runtime_error(fmt::format("pack verification failed: {}: layer {} expert {} part {} differs "
-                                               "from {} after writing",
-                                               out->tmp_path(), l, e, p, gguf_path));
+          throw std::runtime_error(
+              fmt::format("pack verification failed: {}: layer {} expert {} part {} differs "
+                          "from {} after writing",
+                          out->tmp_path(), l, e, p, gguf_path));
       }
       ++res.verified;
     }
@@ -341,16 +343,18 @@ PackCheck check_pack(const std::string& gguf_path, const std::vector<LayerExpert
   if (size < kFixedBytes) return fail(PackStatus::Truncated, fmt::format("{}: truncated ({} bytes)", path, size));
   std::vector<uint8_t> h(kFixedBytes);
   if (!fd.read_exact(0, h.data(), h.size())) return fail(PackStatus::Unreadable, fmt::format("{}: cannot read", path));
-  if (std::memcmp(h.data(), kMagic, 8) != 0) return fail(PackStatus::BadHeader, fmt::format("{}: not a strata pack", path));
+  if (std::memcmp(h.data(), kMagic, 8) != 0)
+    return fail(PackStatus::BadHeader, fmt::format("{}: not a strata pack", path));
   if (get<uint32_t>(h, 8) != kVersion)
-    return fail(PackStatus::BadHeader, fmt::format("{}: pack version {} (this build reads {})", path,
-                                                   get<uint32_t>(h, 8), kVersion));
+    return fail(PackStatus::BadHeader,
+                fmt::format("{}: pack version {} (this build reads {})", path, get<uint32_t>(h, 8), kVersion));
   const uint64_t header_bytes = get<uint32_t>(h, 12);
   const uint32_t n_layers = get<uint32_t>(h, 48);
   if (n_layers > (1u << 20) || header_bytes % kAlign != 0 || header_bytes < kFixedBytes + kEntryBytes * n_layers + 8)
     return fail(PackStatus::BadHeader, fmt::format("{}: corrupt header", path));
   if (size < header_bytes)
-    return fail(PackStatus::Truncated, fmt::format("{}: truncated ({} bytes, header alone is {})", path, size, header_bytes));
+    return fail(PackStatus::Truncated,
+                fmt::format("{}: truncated ({} bytes, header alone is {})", path, size, header_bytes));
   h.resize(size_t(header_bytes));
   if (!fd.read_exact(0, h.data(), h.size())) return fail(PackStatus::Unreadable, fmt::format("{}: cannot read", path));
   const size_t sum_at = size_t(kFixedBytes + kEntryBytes * n_layers);
@@ -370,9 +374,9 @@ PackCheck check_pack(const std::string& gguf_path, const std::vector<LayerExpert
   if (now.size != get<uint64_t>(h, 16) || now.mtime_ns != get<int64_t>(h, 24) || now.hash != get<uint64_t>(h, 32) ||
       now.hashed_bytes != get<uint64_t>(h, 40))
     return fail(PackStatus::Stale, fmt::format("{}: stale: {} changed since the pack was written ({})", path, gguf_path,
-                                               now.size != get<uint64_t>(h, 16)    ? "size differs"
-                                               : now.hash != get<uint64_t>(h, 32)  ? "header differs"
-                                                                                   : "modification time differs"));
+                                               now.size != get<uint64_t>(h, 16)   ? "size differs"
+                                               : now.hash != get<uint64_t>(h, 32) ? "header differs"
+                                                                                  : "modification time differs"));
   if (n_layers != layers.size())
     return fail(PackStatus::Mismatch, fmt::format("{}: {} layers, the model has {}", path, n_layers, layers.size()));
 
@@ -399,8 +403,7 @@ PackCheck check_pack(const std::string& gguf_path, const std::vector<LayerExpert
                               want.part[0].expert_bytes, want.part[1].expert_bytes, want.part[2].expert_bytes));
     bool sane = L.first >= header_bytes && L.first % kAlign == 0 && L.record % kAlign == 0;
     for (int p = 0; p < 3 && sane; ++p) sane = L.part_off[p] + L.part_bytes[p] <= L.record;
-    if (sane && L.n_expert > 0)
-      sane = L.record > 0 && L.first <= total && (total - L.first) / L.record >= L.n_expert;
+    if (sane && L.n_expert > 0) sane = L.record > 0 && L.first <= total && (total - L.first) / L.record >= L.n_expert;
     if (!sane) return fail(PackStatus::BadHeader, fmt::format("{}: corrupt layer {} entry", path, l));
     g.layers.push_back(L);
   }

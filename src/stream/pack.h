@@ -26,7 +26,9 @@
 
 #include "stream/expert_stream.h"
 
-namespace strata::gguf { class File; }
+namespace strata::gguf {
+class File;
+}
 
 namespace strata::stream {
 
@@ -58,10 +60,10 @@ struct PackOptions {
 
 struct PackResult {
   std::string path;
-  uint64_t bytes = 0;          ///< pack file size
-  uint64_t records = 0;        ///< experts packed
-  uint64_t record_bytes = 0;   ///< largest record
-  uint64_t verified = 0;       ///< records re-read and compared
+  uint64_t bytes = 0;         ///< pack file size
+  uint64_t records = 0;       ///< experts packed
+  uint64_t record_bytes = 0;  ///< largest record
+  uint64_t verified = 0;      ///< records re-read and compared
   double seconds = 0;
 };
 

@@ -36,7 +36,8 @@ int64_t SlotTable::key_of(int layer, int32_t e) const {
     throw std::out_of_range(fmt::format("expert stream: layer {} out of range (0..{})", layer, n_expert_.size()));
   const int n = n_expert_[static_cast<size_t>(layer)];
   if (e < 0 || e >= n)
-    throw std::out_of_range(fmt::format("expert stream: expert {} of layer {} out of range (n_expert {})", e, layer, n));
+    throw std::out_of_range(
+        fmt::format("expert stream: expert {} of layer {} out of range (n_expert {})", e, layer, n));
   return layer_base_[static_cast<size_t>(layer)] + e;
 }
 
@@ -198,9 +199,10 @@ SlotTable::Outcome SlotTable::request(int layer, int32_t e) {
         return x.state == SlotState::Reading && x.pins == 0;
       });
       if (unpinned_reading) return Outcome::Blocked;
-      throw std::logic_error(fmt::format("expert stream: all {} slots are pinned; cannot make layer {} expert {} "
-                                         "resident (release layers, or use a larger arena)",
-                                         slots_.size(), layer, e));
+      throw std::logic_error(
+          fmt::format("expert stream: all {} slots are pinned; cannot make layer {} expert {} "
+                      "resident (release layers, or use a larger arena)",
+                      slots_.size(), layer, e));
     }
     ++st_.misses;
     evict(s);
@@ -329,7 +331,8 @@ bool SlotTable::next_piece(bool start_new, Piece& out) {
 
 bool SlotTable::piece_done(int slot, std::exception_ptr err) {
   Slot& sl = slots_[static_cast<size_t>(slot)];
-  if (sl.state != SlotState::Reading) throw std::logic_error("slot table: piece_done for a slot that is not being read");
+  if (sl.state != SlotState::Reading)
+    throw std::logic_error("slot table: piece_done for a slot that is not being read");
   if (err && !sl.err) sl.err = err;
   if (--sl.pieces_left > 0) return false;
   finish(slot);

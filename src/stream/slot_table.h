@@ -157,9 +157,9 @@ class SlotTable {
     uint64_t set_tick = 0;
     std::exception_ptr err;
     int n_pieces = 0, next_piece = 0, pieces_left = 0;  // valid while Reading
-    backend::EventPtr last_use;      // kernels may read the slot until this is done
-    uint64_t last_use_seq = 0;       // order of the release that recorded it
-    backend::EventPtr reuse_after;   // the read waits for this before writing the slot
+    backend::EventPtr last_use;                         // kernels may read the slot until this is done
+    uint64_t last_use_seq = 0;                          // order of the release that recorded it
+    backend::EventPtr reuse_after;                      // the read waits for this before writing the slot
   };
   struct Job {
     int slot;

@@ -25,8 +25,7 @@ constexpr const char* kQwen2Pattern =
 constexpr const char* kLlama3Pattern =
     R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
 // gpt2: the original GPT-2 pattern.
-constexpr const char* kGpt2Pattern =
-    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+constexpr const char* kGpt2Pattern = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 
 struct PreTokenizerDef {
   const char* name;
@@ -208,7 +207,7 @@ struct Tokenizer::Impl {
     int32_t result;
   };
   std::unordered_map<uint64_t, MergeInfo> merges;  // (left id << 32 | right id) -> merge
-  std::array<int32_t, 256> byte_token{};          // id of the single-byte token, -1 if none
+  std::array<int32_t, 256> byte_token{};           // id of the single-byte token, -1 if none
   struct Special {
     std::string text;
     int32_t id;
@@ -251,10 +250,9 @@ void Tokenizer::Impl::bpe(std::string_view piece, std::vector<int32_t>& out) con
   auto byte_id = [&](size_t i) {
     int32_t id = byte_token[static_cast<unsigned char>(piece[i])];
     if (id < 0)
-      throw TokenizerError("no token for byte 0x" +
-                           std::string(1, "0123456789abcdef"[static_cast<unsigned char>(piece[i]) >> 4]) +
-                           std::string(1, "0123456789abcdef"[static_cast<unsigned char>(piece[i]) & 15]) +
-                           " in the vocabulary");
+      throw TokenizerError(
+          "no token for byte 0x" + std::string(1, "0123456789abcdef"[static_cast<unsigned char>(piece[i]) >> 4]) +
+          std::string(1, "0123456789abcdef"[static_cast<unsigned char>(piece[i]) & 15]) + " in the vocabulary");
     return id;
   };
   if (piece.size() == 1) {
@@ -295,8 +293,8 @@ void Tokenizer::Impl::bpe(std::string_view piece, std::vector<int32_t>& out) con
   for (int32_t i = 0; i >= 0; i = syms[static_cast<size_t>(i)].next) out.push_back(syms[static_cast<size_t>(i)].id);
 }
 
-void Tokenizer::Impl::pretokenize_and_bpe(std::string_view seg, pcre2_match_data* md,
-                                          pcre2_match_context* mctx, std::vector<int32_t>& out) const {
+void Tokenizer::Impl::pretokenize_and_bpe(std::string_view seg, pcre2_match_data* md, pcre2_match_context* mctx,
+                                          std::vector<int32_t>& out) const {
   const auto* subj = reinterpret_cast<PCRE2_SPTR>(seg.data());
   const size_t len = seg.size();
   size_t gap_start = 0, search = 0;
@@ -326,22 +324,20 @@ void Tokenizer::Impl::pretokenize_and_bpe(std::string_view seg, pcre2_match_data
 
 // ---------------------------------------------------------------------------------------------
 
-Tokenizer Tokenizer::from_vocab(const std::string& model, const std::string& pre,
-                                std::vector<std::string> tokens, std::vector<int32_t> types,
-                                const std::vector<std::string>& merges, int32_t bos, int32_t eos) {
-  if (model != "gpt2")
-    throw TokenizerError("unsupported tokenizer.ggml.model '" + model + "' (supported: gpt2)");
+Tokenizer Tokenizer::from_vocab(const std::string& model, const std::string& pre, std::vector<std::string> tokens,
+                                std::vector<int32_t> types, const std::vector<std::string>& merges, int32_t bos,
+                                int32_t eos) {
+  if (model != "gpt2") throw TokenizerError("unsupported tokenizer.ggml.model '" + model + "' (supported: gpt2)");
   const std::string pre_eff = pre.empty() ? "gpt2" : pre;
   const char* pattern = nullptr;
   for (const auto& d : kPreTokenizers)
     if (pre_eff == d.name) pattern = d.pattern;
-  if (!pattern)
-    throw TokenizerError("unknown pre-tokenizer '" + pre + "' (supported: " + supported_pre_list() + ")");
+  if (!pattern) throw TokenizerError("unknown pre-tokenizer '" + pre + "' (supported: " + supported_pre_list() + ")");
   if (tokens.empty()) throw TokenizerError("tokenizer vocabulary is empty");
   if (tokens.size() > static_cast<size_t>(INT32_MAX)) throw TokenizerError("tokenizer vocabulary too large");
   if (!types.empty() && types.size() != tokens.size())
-    throw TokenizerError("tokenizer.ggml.token_type has " + std::to_string(types.size()) +
-                         " entries for " + std::to_string(tokens.size()) + " tokens");
+    throw TokenizerError("tokenizer.ggml.token_type has " + std::to_string(types.size()) + " entries for " +
+                         std::to_string(tokens.size()) + " tokens");
   const auto n_vocab = static_cast<int32_t>(tokens.size());
   for (auto [name, id] : {std::pair{"bos", bos}, std::pair{"eos", eos}})
     if (id < -1 || id >= n_vocab)
@@ -397,20 +393,19 @@ Tokenizer Tokenizer::from_vocab(const std::string& model, const std::string& pre
     if (ri == impl->token_to_id.end()) throw bad("'" + right + "' is not in the vocabulary");
     if (mi == impl->token_to_id.end()) throw bad("'" + left + right + "' is not in the vocabulary");
     // the first (lowest-rank) occurrence of a pair wins
-    impl->merges.emplace(Impl::key(li->second, ri->second),
-                         Impl::MergeInfo{static_cast<int32_t>(r), mi->second});
+    impl->merges.emplace(Impl::key(li->second, ri->second), Impl::MergeInfo{static_cast<int32_t>(r), mi->second});
   }
   impl->tokens = std::move(tokens);
 
   int errcode = 0;
   PCRE2_SIZE erroff = 0;
-  pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern), PCRE2_ZERO_TERMINATED,
-                                   PCRE2_UTF | PCRE2_UCP, &errcode, &erroff, nullptr);
+  pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern), PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP,
+                                   &errcode, &erroff, nullptr);
   if (!code) {
     PCRE2_UCHAR buf[256];
     pcre2_get_error_message(errcode, buf, sizeof buf);
-    throw TokenizerError("pre-tokenizer '" + pre_eff + "': regex compile error at " + std::to_string(erroff) +
-                         ": " + reinterpret_cast<char*>(buf));
+    throw TokenizerError("pre-tokenizer '" + pre_eff + "': regex compile error at " + std::to_string(erroff) + ": " +
+                         reinterpret_cast<char*>(buf));
   }
   impl->re.reset(code);
   pcre2_jit_compile(code, PCRE2_JIT_COMPLETE);  // best effort: falls back to the interpreter
@@ -458,8 +453,8 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool parse_special
 
   std::unique_ptr<pcre2_match_data, decltype(&pcre2_match_data_free)> md(
       pcre2_match_data_create_from_pattern(im.re.get(), nullptr), &pcre2_match_data_free);
-  std::unique_ptr<pcre2_match_context, decltype(&pcre2_match_context_free)> mctx(
-      pcre2_match_context_create(nullptr), &pcre2_match_context_free);
+  std::unique_ptr<pcre2_match_context, decltype(&pcre2_match_context_free)> mctx(pcre2_match_context_create(nullptr),
+                                                                                 &pcre2_match_context_free);
   std::unique_ptr<pcre2_jit_stack, decltype(&pcre2_jit_stack_free)> jstack(
       pcre2_jit_stack_create(32 * 1024, 8 * 1024 * 1024, nullptr), &pcre2_jit_stack_free);
   if (!md || !mctx) throw std::bad_alloc();

@@ -28,7 +28,13 @@ class TokenizerError : public std::runtime_error {
 
 /// GGUF token types (tokenizer.ggml.token_type), as in llama.cpp's llama_token_type.
 enum class TokenType : int32_t {
-  UNDEFINED = 0, NORMAL = 1, UNKNOWN = 2, CONTROL = 3, USER_DEFINED = 4, UNUSED = 5, BYTE = 6,
+  UNDEFINED = 0,
+  NORMAL = 1,
+  UNKNOWN = 2,
+  CONTROL = 3,
+  USER_DEFINED = 4,
+  UNUSED = 5,
+  BYTE = 6,
 };
 
 /// An immutable byte-level BPE tokenizer. Cheap to copy (shares its tables); thread-safe to use.
@@ -50,9 +56,9 @@ class Tokenizer {
   ///  - merges: "left right" strings in rank order; a merge without the separating space or whose
   ///    left, right or merged form is not in the vocabulary throws TokenizerError ("bad merge ...").
   ///  - bos, eos: token ids, or -1 when absent; out-of-range ids throw.
-  static Tokenizer from_vocab(const std::string& model, const std::string& pre,
-                              std::vector<std::string> tokens, std::vector<int32_t> types,
-                              const std::vector<std::string>& merges, int32_t bos, int32_t eos);
+  static Tokenizer from_vocab(const std::string& model, const std::string& pre, std::vector<std::string> tokens,
+                              std::vector<int32_t> types, const std::vector<std::string>& merges, int32_t bos,
+                              int32_t eos);
 
   /// Encodes `text` (UTF-8) into token ids. No BOS is added.
   /// User-defined tokens (type 4) found in the text always become their ids; control tokens

@@ -51,8 +51,8 @@ std::string write_edited_gguf(const std::string& src_path, const GgufEdit& ed, c
     if (!t) throw std::runtime_error("write_edited_gguf: no tensor " + from);
     w.add_tensor(name, t->type, t->ne, bytes_of(*t));
   }
-  const auto path = std::filesystem::temp_directory_path() /
-                    ("strata-edit-" + tag + "-" + std::to_string(::getpid()) + ".gguf");
+  const auto path =
+      std::filesystem::temp_directory_path() / ("strata-edit-" + tag + "-" + std::to_string(::getpid()) + ".gguf");
   w.write(path.string());
   return path.string();
 }

@@ -11,8 +11,8 @@
 namespace strata::test {
 
 struct GgufEdit {
-  std::vector<std::string> drop;        ///< tensors to leave out
-  std::string reshape;                  ///< tensor to give shape `ne` (data cut or zero-padded)
+  std::vector<std::string> drop;  ///< tensors to leave out
+  std::string reshape;            ///< tensor to give shape `ne` (data cut or zero-padded)
   std::vector<uint64_t> ne;
   /// tensors to add: (new name, name of the tensor whose bytes and type it copies); shape of the source
   std::vector<std::pair<std::string, std::string>> copies;

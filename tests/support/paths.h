@@ -29,7 +29,8 @@ inline std::string strata_binary() { return STRATA_BINARY; }
 }  // namespace strata::test
 
 /// Skip the current test, saying why, when the shared fixtures folder is absent.
-#define STRATA_REQUIRE_FIXTURES(var)                                                         \
-  std::string var = ::strata::test::shared_fixtures();                                       \
-  if (var.empty()) GTEST_SKIP() << "shared fixtures folder absent (../shared/fixtures); set " \
-                                   "STRATA_FIXTURES to run this test"
+#define STRATA_REQUIRE_FIXTURES(var)                                         \
+  std::string var = ::strata::test::shared_fixtures();                       \
+  if (var.empty())                                                           \
+  GTEST_SKIP() << "shared fixtures folder absent (../shared/fixtures); set " \
+                  "STRATA_FIXTURES to run this test"

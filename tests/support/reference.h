@@ -14,13 +14,13 @@ nlohmann::json load_json(const std::string& path);
 
 /// Largest deviations seen while comparing one model against its reference.
 struct ParityReport {
-  int positions = 0;          ///< positions compared
-  int top1_checked = 0;       ///< positions whose reference top-2 gap exceeded the threshold
+  int positions = 0;     ///< positions compared
+  int top1_checked = 0;  ///< positions whose reference top-2 gap exceeded the threshold
   int top1_mismatch = 0;
-  double max_logit_err = 0;   ///< max |ours - ref| over the reference's top-20 logits
-  double max_last_err = 0;    ///< max |ours - ref| over all logits of each case's last position
-  double max_lse_err = 0;     ///< max |logsumexp ours - ref|
-  int routes_checked = 0;     ///< (token, layer) pairs whose k-th/(k+1)-th margin exceeded 1e-4
+  double max_logit_err = 0;  ///< max |ours - ref| over the reference's top-20 logits
+  double max_last_err = 0;   ///< max |ours - ref| over all logits of each case's last position
+  double max_lse_err = 0;    ///< max |logsumexp ours - ref|
+  int routes_checked = 0;    ///< (token, layer) pairs whose k-th/(k+1)-th margin exceeded 1e-4
   int routes_mismatch = 0;
   double max_route_prob_err = 0;
 };

@@ -8,8 +8,8 @@
 #include <cmath>
 #include <cstdint>
 
-#include "backend/cpu/ops.h"
 #include "backend/cpu/kernels/simd_intrin.h"
+#include "backend/cpu/ops.h"
 
 namespace strata::cpu::detail {
 

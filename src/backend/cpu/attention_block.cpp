@@ -15,8 +15,9 @@ void add_bias(float* y, const float* b, int64_t T, int64_t n) {
 }
 }  // namespace
 
-void attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, const AttentionWeights& w, const AttentionShape& s, const float* h,
-                     int64_t n_embd, int64_t T, int64_t pos0, float* k_cache, float* v_cache, float* out) {
+void attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, const AttentionWeights& w,
+                     const AttentionShape& s, const float* h, int64_t n_embd, int64_t T, int64_t pos0, float* k_cache,
+                     float* v_cache, float* out) {
   const int64_t q_dim = int64_t(s.n_head) * s.head_dim;
   const int64_t kv_dim = int64_t(s.n_head_kv) * s.head_dim;
   std::vector<float> q(T * q_dim), k(T * kv_dim), v(T * kv_dim), att(T * q_dim);
@@ -72,8 +73,8 @@ void attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, const At
       const int64_t q_off = t * q_dim + int64_t(g) * group * s.head_dim;
       // positions [first, pos0 + t]: all of them, or the last `window`
       const int64_t first = s.window > 0 ? std::max<int64_t>(0, pos0 + t + 1 - s.window) : 0;
-      attention_one(kc, q.data() + q_off, k_cache + first * kv_dim + kv_off, v_cache + first * kv_dim + kv_off,
-                    kv_dim, pos0 + t + 1 - first, group, 1, s.head_dim, scale, att.data() + q_off, scratch.data(),
+      attention_one(kc, q.data() + q_off, k_cache + first * kv_dim + kv_off, v_cache + first * kv_dim + kv_off, kv_dim,
+                    pos0 + t + 1 - first, group, 1, s.head_dim, scale, att.data() + q_off, scratch.data(),
                     w.sinks ? w.sinks + int64_t(g) * group : nullptr);
     }
   });

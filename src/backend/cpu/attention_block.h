@@ -20,17 +20,17 @@
 namespace strata::cpu {
 
 struct AttentionWeights {
-  MatrixRef wq;               ///< attn_q: [n_head * head_dim (x2 if gated), n_embd] rows x cols
-  MatrixRef wk;               ///< attn_k: [n_head_kv * head_dim, n_embd]
-  MatrixRef wv;               ///< attn_v: [n_head_kv * head_dim, n_embd]
-  MatrixRef wo;               ///< attn_output: [n_embd, n_head * head_dim]
-  const float* q_norm = nullptr;   ///< attn_q_norm [head_dim], or null
-  const float* k_norm = nullptr;   ///< attn_k_norm [head_dim], or null
-  const float* bq = nullptr;       ///< attn_q.bias [wq.rows], or null (added before the q norm and RoPE)
-  const float* bk = nullptr;       ///< attn_k.bias [n_head_kv * head_dim], or null
-  const float* bv = nullptr;       ///< attn_v.bias [n_head_kv * head_dim], or null
-  const float* bo = nullptr;       ///< attn_output.bias [n_embd], or null
-  const float* sinks = nullptr;    ///< attn_sinks [n_head] (extra softmax logit per head), or null
+  MatrixRef wq;                   ///< attn_q: [n_head * head_dim (x2 if gated), n_embd] rows x cols
+  MatrixRef wk;                   ///< attn_k: [n_head_kv * head_dim, n_embd]
+  MatrixRef wv;                   ///< attn_v: [n_head_kv * head_dim, n_embd]
+  MatrixRef wo;                   ///< attn_output: [n_embd, n_head * head_dim]
+  const float* q_norm = nullptr;  ///< attn_q_norm [head_dim], or null
+  const float* k_norm = nullptr;  ///< attn_k_norm [head_dim], or null
+  const float* bq = nullptr;      ///< attn_q.bias [wq.rows], or null (added before the q norm and RoPE)
+  const float* bk = nullptr;      ///< attn_k.bias [n_head_kv * head_dim], or null
+  const float* bv = nullptr;      ///< attn_v.bias [n_head_kv * head_dim], or null
+  const float* bo = nullptr;      ///< attn_output.bias [n_embd], or null
+  const float* sinks = nullptr;   ///< attn_sinks [n_head] (extra softmax logit per head), or null
 };
 
 /// The layer's shape, RoPE, gating and window: backend::AttentionSpec (backend/backend.h).
@@ -40,8 +40,9 @@ using AttentionShape = backend::AttentionSpec;
 /// h: [T][n_embd] normed input; out: [T][n_embd] (overwritten).
 /// k_cache, v_cache: [n_ctx][n_head_kv * head_dim]; rows pos0..pos0+T-1 are written.
 /// Causal: token t attends to positions 0..pos0+t, or the last s.window of them when s.window > 0.
-void attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, const AttentionWeights& w, const AttentionShape& s, const float* h,
-                     int64_t n_embd, int64_t T, int64_t pos0, float* k_cache, float* v_cache, float* out);
+void attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, const AttentionWeights& w,
+                     const AttentionShape& s, const float* h, int64_t n_embd, int64_t T, int64_t pos0, float* k_cache,
+                     float* v_cache, float* out);
 
 /// Multi-head latent attention (backend::MlaSpec has the formulas) for T consecutive tokens at
 /// positions [pos0, pos0 + T). h: [T][n_embd]; cache: [n_ctx][kv_lora_rank + n_rot], rows

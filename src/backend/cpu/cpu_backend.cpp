@@ -64,8 +64,7 @@ CpuBackend::~CpuBackend() = default;
 
 backend::BackendInfo CpuBackend::info() const {
   return {"cpu", fmt::format("{} threads, {} kernels, {} activations", pool_.n_threads(),
-                             kernels::cpu_kernels_name(kc_.family),
-                             kernels::act_quant_name(kc_.act))};
+                             kernels::cpu_kernels_name(kc_.family), kernels::act_quant_name(kc_.act))};
 }
 
 std::unique_ptr<backend::Buffer> CpuBackend::alloc(backend::BufferRole role, size_t bytes) {
@@ -111,10 +110,10 @@ void CpuBackend::matmul(const Tensor& W, const Tensor& x, const Tensor& y) {
 
 void CpuBackend::attention(const backend::AttentionSpec& spec, const backend::AttentionWeights& w,
                            const backend::KvCache& kv, int64_t pos0, const Tensor& h, const Tensor& out) {
-  const AttentionWeights aw{as_matrix(w.wq),          as_matrix(w.wk),          as_matrix(w.wv),
-                            as_matrix(w.wo),          values_or_null(w.q_norm), values_or_null(w.k_norm),
-                            values_or_null(w.bq),     values_or_null(w.bk),     values_or_null(w.bv),
-                            values_or_null(w.bo),     values_or_null(w.sinks)};
+  const AttentionWeights aw{as_matrix(w.wq),      as_matrix(w.wk),          as_matrix(w.wv),
+                            as_matrix(w.wo),      values_or_null(w.q_norm), values_or_null(w.k_norm),
+                            values_or_null(w.bq), values_or_null(w.bk),     values_or_null(w.bv),
+                            values_or_null(w.bo), values_or_null(w.sinks)};
   attention_block(pool_, kc_, aw, spec, h.f(), h.cols(), h.rows(), pos0, kv.k.f(), kv.v.f(), out.f());
 }
 
@@ -135,8 +134,8 @@ void CpuBackend::mla_attention(const backend::MlaSpec& spec, const backend::MlaW
 
 void CpuBackend::gated_delta_net(const backend::GdnSpec& spec, const backend::GdnWeights& w,
                                  const backend::RecurrentState& state, const Tensor& h, const Tensor& out) {
-  const GatedDeltaNetWeights gw{as_matrix(w.wqkv), as_matrix(w.wz), as_matrix(w.wba), as_matrix(w.wout),
-                                w.conv.f(),        w.dt_bias.f(),   w.a.f(),          w.norm.f(),
+  const GatedDeltaNetWeights gw{as_matrix(w.wqkv),  as_matrix(w.wz),    as_matrix(w.wba), as_matrix(w.wout),
+                                w.conv.f(),         w.dt_bias.f(),      w.a.f(),          w.norm.f(),
                                 as_matrix(w.wbeta), as_matrix(w.walpha)};
   gated_delta_net_block(pool_, kc_, gw, spec, h.f(), h.cols(), h.rows(), state.conv.f(), state.ssm.f(), out.f());
 }

@@ -14,7 +14,7 @@ namespace strata::cpu {
 
 /// Settings of one CPU backend instance.
 struct CpuOptions {
-  int n_threads = 1;             ///< compute threads (>= 1)
+  int n_threads = 1;              ///< compute threads (>= 1)
   kernels::KernelConfig kernels;  ///< kernel family and activation mode (resolved: kernels::resolve_kernels)
 };
 
@@ -48,9 +48,8 @@ class CpuBackend final : public backend::Backend {
                  int64_t pos0, const backend::Tensor& h, const backend::Tensor& out) override;
   void mla_attention(const backend::MlaSpec& spec, const backend::MlaWeights& w, const backend::Tensor& cache,
                      int64_t pos0, const backend::Tensor& h, const backend::Tensor& out) override;
-  void gated_delta_net(const backend::GdnSpec& spec, const backend::GdnWeights& w,
-                       const backend::RecurrentState& state, const backend::Tensor& h,
-                       const backend::Tensor& out) override;
+  void gated_delta_net(const backend::GdnSpec& spec, const backend::GdnWeights& w, const backend::RecurrentState& state,
+                       const backend::Tensor& h, const backend::Tensor& out) override;
   void ffn(const backend::FfnCall& call, const backend::FfnWeights& w, const backend::Tensor& h,
            const backend::Tensor& out) override;
   void router_logits(const backend::Tensor& w, const backend::Tensor& h, std::vector<float>& logits) override;
@@ -62,7 +61,7 @@ class CpuBackend final : public backend::Backend {
  private:
   ThreadPool pool_;
   kernels::KernelConfig kc_;
-  std::vector<float> x_, g_, u_;  // expert_ffn scratch, reused across experts
+  std::vector<float> x_, g_, u_;    // expert_ffn scratch, reused across experts
   std::vector<float> ffn_scratch_;  // ffn(accumulate) without a gate: the FFN's rows before the add
 };
 

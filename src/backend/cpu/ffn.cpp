@@ -5,7 +5,8 @@
 
 namespace strata::cpu {
 
-void swiglu_ffn(ThreadPool& pool, const kernels::KernelConfig& kc, const FfnWeights& w, const float* h, int64_t n_embd, int64_t T, float* out) {
+void swiglu_ffn(ThreadPool& pool, const kernels::KernelConfig& kc, const FfnWeights& w, const float* h, int64_t n_embd,
+                int64_t T, float* out) {
   const int64_t n_ff = w.gate.rows;
   std::vector<float> g(T * n_ff), u(T * n_ff);
   matmul(pool, kc, w.gate, h, n_embd, T, g.data(), n_ff);
@@ -14,8 +15,8 @@ void swiglu_ffn(ThreadPool& pool, const kernels::KernelConfig& kc, const FfnWeig
   matmul(pool, kc, w.down, g.data(), n_ff, T, out, n_embd);
 }
 
-void add_gated_swiglu_ffn(ThreadPool& pool, const kernels::KernelConfig& kc, const FfnWeights& w, const MatrixRef& gate_inp, const float* h,
-                          int64_t n_embd, int64_t T, float* out) {
+void add_gated_swiglu_ffn(ThreadPool& pool, const kernels::KernelConfig& kc, const FfnWeights& w,
+                          const MatrixRef& gate_inp, const float* h, int64_t n_embd, int64_t T, float* out) {
   std::vector<float> y(T * n_embd), gate(T);
   swiglu_ffn(pool, kc, w, h, n_embd, T, y.data());
   matmul(pool, kc, gate_inp, h, n_embd, T, gate.data(), 1);

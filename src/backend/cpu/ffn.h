@@ -18,11 +18,12 @@ struct FfnWeights {
 
 /// SwiGLU FFN for T tokens. h: [T][n_embd]; out: [T][n_embd] (overwritten).
 /// Per-token results do not depend on T (matmul invariance).
-void swiglu_ffn(ThreadPool& pool, const kernels::KernelConfig& kc, const FfnWeights& w, const float* h, int64_t n_embd, int64_t T, float* out);
+void swiglu_ffn(ThreadPool& pool, const kernels::KernelConfig& kc, const FfnWeights& w, const float* h, int64_t n_embd,
+                int64_t T, float* out);
 
 /// Adds a sigmoid-gated FFN to `out`: out[t] += sigmoid(gate_inp . h[t]) * swiglu_ffn(h[t]).
 /// gate_inp: [1, n_embd] (one scalar gate per token), e.g. ffn_gate_inp_shexp.
-void add_gated_swiglu_ffn(ThreadPool& pool, const kernels::KernelConfig& kc, const FfnWeights& w, const MatrixRef& gate_inp, const float* h,
-                          int64_t n_embd, int64_t T, float* out);
+void add_gated_swiglu_ffn(ThreadPool& pool, const kernels::KernelConfig& kc, const FfnWeights& w,
+                          const MatrixRef& gate_inp, const float* h, int64_t n_embd, int64_t T, float* out);
 
 }  // namespace strata::cpu

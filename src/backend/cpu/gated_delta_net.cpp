@@ -53,8 +53,9 @@ void delta_rule_step(float* S, const float* q, const float* k, const float* v, f
   }
 }
 
-void gated_delta_net_block(ThreadPool& pool, const kernels::KernelConfig& kc, const GatedDeltaNetWeights& w, const GatedDeltaNetShape& s,
-                           const float* h, int64_t n_embd, int64_t T, float* conv_state, float* ssm_state, float* out) {
+void gated_delta_net_block(ThreadPool& pool, const kernels::KernelConfig& kc, const GatedDeltaNetWeights& w,
+                           const GatedDeltaNetShape& s, const float* h, int64_t n_embd, int64_t T, float* conv_state,
+                           float* ssm_state, float* out) {
   const int64_t C = s.conv_dim(), key_dim = s.key_dim(), value_dim = s.value_dim();
   const int K = s.conv_kernel, dk = s.head_k_dim, dv = s.head_v_dim, nv = s.n_v_head;
   const int r = s.n_v_head / s.n_k_head;  // value heads per key head

@@ -30,24 +30,25 @@ namespace strata::cpu {
 using GatedDeltaNetShape = backend::GdnSpec;
 
 struct GatedDeltaNetWeights {
-  MatrixRef wqkv;           ///< attn_qkv: [conv_dim, n_embd] rows x cols
-  MatrixRef wz;             ///< attn_gate: [n_v_head * dv, n_embd]
-  MatrixRef wba;            ///< ssm_ba: [2 * n_v_head, n_embd], per key head [b (r), a (r)]
-  MatrixRef wout;           ///< ssm_out: [n_embd, n_v_head * dv]
-  const float* conv = nullptr;   ///< ssm_conv1d: [conv_dim][K] (taps of a channel contiguous)
+  MatrixRef wqkv;                  ///< attn_qkv: [conv_dim, n_embd] rows x cols
+  MatrixRef wz;                    ///< attn_gate: [n_v_head * dv, n_embd]
+  MatrixRef wba;                   ///< ssm_ba: [2 * n_v_head, n_embd], per key head [b (r), a (r)]
+  MatrixRef wout;                  ///< ssm_out: [n_embd, n_v_head * dv]
+  const float* conv = nullptr;     ///< ssm_conv1d: [conv_dim][K] (taps of a channel contiguous)
   const float* dt_bias = nullptr;  ///< ssm_dt.bias: [n_v_head]
-  const float* a = nullptr;      ///< ssm_a: [n_v_head], -exp(A_log) (negative)
-  const float* norm = nullptr;   ///< ssm_norm: [dv], weight of the gated RMSNorm
-  MatrixRef wbeta{};        ///< ssm_beta: [n_v_head, n_embd] (used when wba.data is null)
-  MatrixRef walpha{};       ///< ssm_alpha: [n_v_head, n_embd] (used when wba.data is null)
+  const float* a = nullptr;        ///< ssm_a: [n_v_head], -exp(A_log) (negative)
+  const float* norm = nullptr;     ///< ssm_norm: [dv], weight of the gated RMSNorm
+  MatrixRef wbeta{};               ///< ssm_beta: [n_v_head, n_embd] (used when wba.data is null)
+  MatrixRef walpha{};              ///< ssm_alpha: [n_v_head, n_embd] (used when wba.data is null)
 };
 
 /// Runs the layer for T consecutive tokens. h: [T][n_embd] normed input; out: [T][n_embd]
 /// (overwritten). conv_state: [K-1][conv_dim], ssm_state: [n_v_head][dk][dv]: read as the
 /// state after the previous tokens (zeros for a fresh sequence) and advanced past these T.
 /// Per-token results depend only on the token and the state (not on T or thread count).
-void gated_delta_net_block(ThreadPool& pool, const kernels::KernelConfig& kc, const GatedDeltaNetWeights& w, const GatedDeltaNetShape& s,
-                           const float* h, int64_t n_embd, int64_t T, float* conv_state, float* ssm_state, float* out);
+void gated_delta_net_block(ThreadPool& pool, const kernels::KernelConfig& kc, const GatedDeltaNetWeights& w,
+                           const GatedDeltaNetShape& s, const float* h, int64_t n_embd, int64_t T, float* conv_state,
+                           float* ssm_state, float* out);
 
 /// The delta-rule step of one value head for one token, in place on S: [dk][dv].
 /// q, k: [dk] (normalized, q scaled); v: [dv]; o: [dv] output. decay = exp(g).

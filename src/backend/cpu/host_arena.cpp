@@ -15,7 +15,8 @@ constexpr size_t kAlign = 4096;
 
 HostArena::HostArena(size_t n_slots, size_t slot_bytes, int io_threads) : n_slots_(n_slots), slot_bytes_(slot_bytes) {
   if (slot_bytes == 0 || slot_bytes % kAlign != 0)
-    throw std::invalid_argument(fmt::format("host arena: slot size {} bytes is not a positive multiple of 4 KiB", slot_bytes));
+    throw std::invalid_argument(
+        fmt::format("host arena: slot size {} bytes is not a positive multiple of 4 KiB", slot_bytes));
   if (n_slots > std::numeric_limits<size_t>::max() / slot_bytes)
     throw std::invalid_argument(fmt::format("host arena: {} slots of {} bytes overflow", n_slots, slot_bytes));
   const size_t bytes = n_slots * slot_bytes;

@@ -1,8 +1,8 @@
 #include "backend/cpu/ops.h"
 
+#include <immintrin.h>
 #include <algorithm>
 #include <cmath>
-#include <immintrin.h>
 
 #include "quant/quant.h"
 
@@ -17,10 +17,11 @@ void matmul(ThreadPool& pool, const kernels::KernelConfig& kc, const MatrixRef& 
     // q8 mode: quantize the activations once (tokens split over the pool when there are many),
     // then every row block reads the same codes
     thread_local kernels::ActQ8 tl_act;
-    kernels::ActQ8& act = tl_act;  // lambdas on pool threads must see this thread's buffer
+    kernels::ActQ8& act = tl_act;       // lambdas on pool threads must see this thread's buffer
     act.resize(n_tok, W.cols, W.type);  // with W.type's lane order, made once for all row blocks
     if (n_tok * W.cols >= 32768) {
-      pool.parallel_for(n_tok, 1, [&](int64_t t0, int64_t t1) { kernels::quantize_activations(kc, x, ldx, t0, t1, act); });
+      pool.parallel_for(n_tok, 1,
+                        [&](int64_t t0, int64_t t1) { kernels::quantize_activations(kc, x, ldx, t0, t1, act); });
     } else {
       kernels::quantize_activations(kc, x, ldx, 0, n_tok, act);
     }
@@ -68,12 +69,12 @@ static inline float dot_f32(const float* a, const float* b, int n) {
   return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
 }
 
-void attention_one(const kernels::KernelConfig& kc, const float* q, const float* k_cache, const float* v_cache, int64_t kv_stride, int64_t n_pos,
-                   int n_head, int n_head_kv, int head_dim, float scale, float* out, float* scratch,
-                   const float* sinks) {
+void attention_one(const kernels::KernelConfig& kc, const float* q, const float* k_cache, const float* v_cache,
+                   int64_t kv_stride, int64_t n_pos, int n_head, int n_head_kv, int head_dim, float scale, float* out,
+                   float* scratch, const float* sinks) {
   if (kc.family == kernels::CpuKernels::Avx512) {
-    detail::attention_one_avx512(q, k_cache, v_cache, kv_stride, n_pos, n_head, n_head_kv, head_dim, scale, out, scratch,
-                                 sinks);
+    detail::attention_one_avx512(q, k_cache, v_cache, kv_stride, n_pos, n_head, n_head_kv, head_dim, scale, out,
+                                 scratch, sinks);
     return;
   }
   const int group = n_head / n_head_kv;

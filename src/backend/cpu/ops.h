@@ -61,9 +61,9 @@ void rope_apply(const backend::RopeSpec& rope, float* x, int n_heads, int head_d
 /// backend::AttentionWeights::sinks).
 /// Uses the AVX-512 version when kc.family is avx512: FMA instead of SSE multiply-add, so
 /// results differ in rounding between families, never within one.
-void attention_one(const kernels::KernelConfig& kc, const float* q, const float* k_cache, const float* v_cache, int64_t kv_stride, int64_t n_pos,
-                   int n_head, int n_head_kv, int head_dim, float scale, float* out, float* scratch,
-                   const float* sinks = nullptr);
+void attention_one(const kernels::KernelConfig& kc, const float* q, const float* k_cache, const float* v_cache,
+                   int64_t kv_stride, int64_t n_pos, int n_head, int n_head_kv, int head_dim, float scale, float* out,
+                   float* scratch, const float* sinks = nullptr);
 
 namespace detail {
 /// AVX-512 attention_one (attention_avx512.cpp); same contract.

@@ -20,8 +20,8 @@ void gather_rows(const float* src, int64_t lds, const int64_t* pairs, int top_k,
 
 /// dst row pairs[j] = src row j, `cols` floats, for j < n (pairs distinct). src rows lds apart,
 /// dst rows ldd apart.
-void scatter_rows(const float* src, int64_t lds, const int64_t* pairs, int64_t n, float* dst, int64_t ldd,
-                  int64_t cols, void* stream = nullptr);
+void scatter_rows(const float* src, int64_t lds, const int64_t* pairs, int64_t n, float* dst, int64_t ldd, int64_t cols,
+                  void* stream = nullptr);
 
 /// x[t][i] += y[t][i] for t < n_rows, i < cols (exact fp32 adds); rows ldx / ldy apart.
 void add_rows(float* x, int64_t ldx, const float* y, int64_t ldy, int64_t cols, int64_t n_rows, void* stream = nullptr);
@@ -41,7 +41,7 @@ void gated_accumulate(float* out, int64_t ldo, const float* y, int64_t ldy, cons
 /// out[t][i] = sum over k = 0..K-1, in that order, of w[t*K + k] * eo[t*K + k][i], starting
 /// from 0 (each product rounded, then added: the CPU backend's loop). eo rows lde apart, out
 /// rows ldo apart, w: T*K floats.
-void moe_combine(const float* eo, int64_t lde, const float* w, int K, int64_t T, float* out, int64_t ldo,
-                 int64_t cols, void* stream = nullptr);
+void moe_combine(const float* eo, int64_t lde, const float* w, int K, int64_t T, float* out, int64_t ldo, int64_t cols,
+                 void* stream = nullptr);
 
 }  // namespace strata::cuda

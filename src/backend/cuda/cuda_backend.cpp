@@ -54,9 +54,10 @@ void require_vram(int device, size_t bytes, const char* what) {
   size_t free_b = 0, total_b = 0;
   STRATA_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
   if (bytes > free_b)
-    throw CudaError(fmt::format("strata::cuda: {} needs {:.1f} MiB of device memory but only {:.1f} MiB of {:.1f} MiB "
-                                "are free on device {}",
-                                what, double(bytes) / kMiB, double(free_b) / kMiB, double(total_b) / kMiB, device));
+    throw CudaError(
+        fmt::format("strata::cuda: {} needs {:.1f} MiB of device memory but only {:.1f} MiB of {:.1f} MiB "
+                    "are free on device {}",
+                    what, double(bytes) / kMiB, double(free_b) / kMiB, double(total_b) / kMiB, device));
 }
 
 // A failed allocation as a CudaError naming the sizes.
@@ -64,10 +65,11 @@ void require_vram(int device, size_t bytes, const char* what) {
   (void)cudaGetLastError();
   size_t free_b = 0, total_b = 0;
   (void)cudaMemGetInfo(&free_b, &total_b);
-  throw CudaError(fmt::format("strata::cuda: cannot allocate {:.1f} MiB for {} on device {} ({}): {:.1f} MiB of "
-                              "{:.1f} MiB free",
-                              double(bytes) / kMiB, what, device, cudaGetErrorString(e), double(free_b) / kMiB,
-                              double(total_b) / kMiB));
+  throw CudaError(
+      fmt::format("strata::cuda: cannot allocate {:.1f} MiB for {} on device {} ({}): {:.1f} MiB of "
+                  "{:.1f} MiB free",
+                  double(bytes) / kMiB, what, device, cudaGetErrorString(e), double(free_b) / kMiB,
+                  double(total_b) / kMiB));
 }
 
 // Pinned host memory, or 4 KiB-aligned pageable memory with a warning when pinning fails.
@@ -79,8 +81,10 @@ uint8_t* host_alloc(size_t bytes, bool& pinned, const char* what) {
     return static_cast<uint8_t*>(p);
   }
   (void)cudaGetLastError();
-  fmt::print(stderr, "strata: warning: cannot pin {:.1f} MiB of host memory for {} ({}); using pageable memory "
-             "(slower host-to-device copies)\n", double(bytes) / kMiB, what, cudaGetErrorString(e));
+  fmt::print(stderr,
+             "strata: warning: cannot pin {:.1f} MiB of host memory for {} ({}); using pageable memory "
+             "(slower host-to-device copies)\n",
+             double(bytes) / kMiB, what, cudaGetErrorString(e));
   pinned = false;
   p = std::aligned_alloc(4096, align_up(std::max<size_t>(bytes, 1), 4096));
   if (!p) throw std::bad_alloc();
@@ -98,7 +102,8 @@ void host_free(uint8_t* p, bool pinned) noexcept {
 // A buffer of any role: device memory (activations stream-ordered), or pinned staging.
 class CudaBuffer final : public backend::Buffer {
  public:
-  CudaBuffer(std::shared_ptr<CudaContext> ctx, BufferRole role, size_t bytes) : ctx_(std::move(ctx)), role_(role), bytes_(bytes) {
+  CudaBuffer(std::shared_ptr<CudaContext> ctx, BufferRole role, size_t bytes)
+      : ctx_(std::move(ctx)), role_(role), bytes_(bytes) {
     if (bytes == 0) return;
     STRATA_CUDA_CHECK(cudaSetDevice(ctx_->device));
     if (role == BufferRole::Staging) {
@@ -107,7 +112,8 @@ class CudaBuffer final : public backend::Buffer {
     }
     const std::string what = fmt::format("a {} buffer", role_name(role));
     if (role != BufferRole::Activations) require_vram(ctx_->device, bytes, what.c_str());
-    cudaError_t e = role == BufferRole::Activations ? cudaMallocAsync(&data_, bytes, ctx_->stream) : cudaMalloc(&data_, bytes);
+    cudaError_t e =
+        role == BufferRole::Activations ? cudaMallocAsync(&data_, bytes, ctx_->stream) : cudaMalloc(&data_, bytes);
     if (e != cudaSuccess) throw_alloc_error(e, ctx_->device, bytes, what.c_str());
     if (role == BufferRole::State) STRATA_CUDA_CHECK(cudaMemsetAsync(data_, 0, bytes, ctx_->stream));
   }
@@ -162,13 +168,15 @@ class DeviceArena final : public backend::ArenaMemory {
   DeviceArena(std::shared_ptr<CudaContext> ctx, size_t n_slots, size_t slot_bytes, int io_threads)
       : ctx_(std::move(ctx)), n_slots_(n_slots), slot_bytes_(slot_bytes) {
     if (slot_bytes == 0 || slot_bytes % 4096 != 0)
-      throw std::invalid_argument(fmt::format("cuda arena: slot size {} bytes is not a positive multiple of 4 KiB", slot_bytes));
+      throw std::invalid_argument(
+          fmt::format("cuda arena: slot size {} bytes is not a positive multiple of 4 KiB", slot_bytes));
     if (io_threads < 1) throw std::invalid_argument("cuda arena: needs at least one IO thread");
     if (n_slots > SIZE_MAX / slot_bytes)
       throw std::invalid_argument(fmt::format("cuda arena: {} slots of {} bytes overflow", n_slots, slot_bytes));
     STRATA_CUDA_CHECK(cudaSetDevice(ctx_->device));
     const size_t bytes = n_slots * slot_bytes;
-    const std::string what = fmt::format("the expert arena ({} slots x {:.1f} KiB)", n_slots, double(slot_bytes) / 1024.0);
+    const std::string what =
+        fmt::format("the expert arena ({} slots x {:.1f} KiB)", n_slots, double(slot_bytes) / 1024.0);
     require_vram(ctx_->device, bytes, what.c_str());
     if (bytes > 0) {
       const cudaError_t e = cudaMalloc(&slots_, bytes);
@@ -197,7 +205,9 @@ class DeviceArena final : public backend::ArenaMemory {
                                       bytes, cudaMemcpyHostToDevice, io.stream));
     STRATA_CUDA_CHECK(cudaStreamSynchronize(io.stream));
   }
-  const uint8_t* slot_data(size_t slot) const override { return static_cast<const uint8_t*>(slots_) + slot * slot_bytes_; }
+  const uint8_t* slot_data(size_t slot) const override {
+    return static_cast<const uint8_t*>(slots_) + slot * slot_bytes_;
+  }
   Place place() const override { return Place::Device; }
 
  private:
@@ -228,7 +238,9 @@ int64_t ld(const Tensor& t) { return int64_t(t.row_bytes() / sizeof(float)); }
 
 void require_device(const Tensor& t, const char* what) {
   if (t.place != Place::Device)
-    throw CudaError(fmt::format("strata::cuda: {} is not in device memory (make it with the CUDA backend's alloc or weights)", what));
+    throw CudaError(
+        fmt::format("strata::cuda: {} is not in device memory (make it with the CUDA backend's alloc or weights)",
+                    what));
 }
 
 // Bump allocator over one scratch region.
@@ -243,7 +255,9 @@ struct Carve {
   }
 };
 template <class T>
-size_t sz(size_t n) { return align_up(n * sizeof(T), kAlign); }
+size_t sz(size_t n) {
+  return align_up(n * sizeof(T), kAlign);
+}
 
 }  // namespace
 
@@ -278,7 +292,9 @@ void CudaBackend::mem_info(size_t& free_bytes, size_t& total_bytes) const {
   STRATA_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
 }
 
-backend::BackendInfo CudaBackend::info() const { return {"cuda", fmt::format("device {}: {}", device_, device_description(device_))}; }
+backend::BackendInfo CudaBackend::info() const {
+  return {"cuda", fmt::format("device {}: {}", device_, device_description(device_))};
+}
 
 std::unique_ptr<backend::Buffer> CudaBackend::alloc(BufferRole role, size_t bytes) {
   return std::make_unique<CudaBuffer>(ctx_, role, bytes);
@@ -379,7 +395,9 @@ void CudaBackend::rms_norm(const Tensor& x, const Tensor& w, float eps, const Te
   cuda::rms_norm(x.f(), ld(x), w.f(), y.f(), ld(y), x.cols(), x.rows(), eps, stream());
 }
 
-void CudaBackend::add(const Tensor& x, const Tensor& y) { add_rows(x.f(), ld(x), y.f(), ld(y), x.cols(), x.rows(), stream()); }
+void CudaBackend::add(const Tensor& x, const Tensor& y) {
+  add_rows(x.f(), ld(x), y.f(), ld(y), x.cols(), x.rows(), stream());
+}
 
 void CudaBackend::matmul(const Tensor& W, const Tensor& x, const Tensor& y) {
   require_device(W, "matmul: the weights");
@@ -403,12 +421,14 @@ void CudaBackend::attention(const backend::AttentionSpec& s, const backend::Atte
   if (T == 0) return;
   const int64_t q_dim = int64_t(s.n_head) * s.head_dim, kv_dim = int64_t(s.n_head_kv) * s.head_dim;
   if (pos0 + T > kv.k.rows())
-    throw CudaError(fmt::format("strata::cuda: attention: positions up to {} do not fit the cache of {}", pos0 + T, kv.k.rows()));
+    throw CudaError(
+        fmt::format("strata::cuda: attention: positions up to {} do not fit the cache of {}", pos0 + T, kv.k.rows()));
   if (s.window > 0 && pos0 + T > s.window)
     throw CudaError("strata::cuda: attention: sliding-window attention is not implemented on the CUDA backend");
   if (!w.bq.empty() || !w.bk.empty() || !w.bv.empty() || !w.bo.empty() || !w.sinks.empty())
-    throw CudaError("strata::cuda: attention: projection biases and attention sinks (glm4moe, gpt-oss) are not "
-                    "implemented on the CUDA backend yet; use --backend cpu");
+    throw CudaError(
+        "strata::cuda: attention: projection biases and attention sinks (glm4moe, gpt-oss) are not "
+        "implemented on the CUDA backend yet; use --backend cpu");
   const backend::RopeSpec* rope = s.rope;
   if (rope && rope->n_rot > 0 && rope->mode != backend::RopeSpec::Mode::Neox)
     throw CudaError("strata::cuda: attention: only NEOX rotary embedding is implemented on the CUDA backend");
@@ -423,7 +443,8 @@ void CudaBackend::attention(const backend::AttentionSpec& s, const backend::Atte
   if (s.q_gate) {
     float* qg = c.take<float>(size_t(T * 2 * q_dim));
     gate = c.take<float>(size_t(T * q_dim));
-    cuda::matmul(w.wq.type, w.wq.data, w.wq.row_bytes(), w.wq.rows(), w.wq.cols(), h.f(), ldh, T, qg, 2 * q_dim, stream());
+    cuda::matmul(w.wq.type, w.wq.data, w.wq.row_bytes(), w.wq.rows(), w.wq.cols(), h.f(), ldh, T, qg, 2 * q_dim,
+                 stream());
     split_q_gate(qg, T, s.n_head, s.head_dim, q, gate, stream());
   } else {
     cuda::matmul(w.wq.type, w.wq.data, w.wq.row_bytes(), w.wq.rows(), w.wq.cols(), h.f(), ldh, T, q, q_dim, stream());
@@ -454,7 +475,8 @@ void CudaBackend::attention(const backend::AttentionSpec& s, const backend::Atte
   a.scale = s.scale != 0 ? s.scale : 1.0f / std::sqrt(float(s.head_dim));
   cuda::attention(a, stream());
   if (s.q_gate) sigmoid_mul(att, gate, T * q_dim, stream());
-  cuda::matmul(w.wo.type, w.wo.data, w.wo.row_bytes(), w.wo.rows(), w.wo.cols(), att, q_dim, T, out.f(), ld(out), stream());
+  cuda::matmul(w.wo.type, w.wo.data, w.wo.row_bytes(), w.wo.rows(), w.wo.cols(), att, q_dim, T, out.f(), ld(out),
+               stream());
 }
 
 void CudaBackend::gated_delta_net(const backend::GdnSpec& s, const backend::GdnWeights& w,
@@ -462,8 +484,9 @@ void CudaBackend::gated_delta_net(const backend::GdnSpec& s, const backend::GdnW
   const int64_t T = h.rows();
   if (T == 0) return;
   if (s.v_head_order != backend::GdnSpec::VHeadOrder::Grouped || w.wba.empty())
-    throw CudaError("strata::cuda: gated delta net: the qwen35moe layout (separate ssm_alpha/ssm_beta, tiled value "
-                    "heads) is not implemented on the CUDA backend yet; use --backend cpu");
+    throw CudaError(
+        "strata::cuda: gated delta net: the qwen35moe layout (separate ssm_alpha/ssm_beta, tiled value "
+        "heads) is not implemented on the CUDA backend yet; use --backend cpu");
   const int64_t C = s.conv_dim(), VD = s.value_dim(), nv = s.n_v_head;
   Carve c{scratch(2 * sz<float>(size_t(T * C)) + 2 * sz<float>(size_t(T * VD)) + sz<float>(size_t(T * 2 * nv)))};
   float* x = c.take<float>(size_t(T * C));
@@ -479,8 +502,8 @@ void CudaBackend::gated_delta_net(const backend::GdnSpec& s, const backend::GdnW
   mm(w.wz, h.f(), ldh, z, VD);
   mm(w.wba, h.f(), ldh, ba, 2 * nv);
   gdn_conv(x, C, T, w.conv.f(), s.conv_kernel, state.conv.f(), xc, stream());
-  gdn_recurrent(xc, C, T, ba, w.dt_bias.f(), w.a.f(), s.n_k_head, s.n_v_head, s.head_k_dim, s.head_v_dim,
-                state.ssm.f(), o, stream());
+  gdn_recurrent(xc, C, T, ba, w.dt_bias.f(), w.a.f(), s.n_k_head, s.n_v_head, s.head_k_dim, s.head_v_dim, state.ssm.f(),
+                o, stream());
   // Gated RMSNorm per value head: (rmsnorm(o) * ssm_norm) * silu(z).
   cuda::rms_norm(o, s.head_v_dim, w.norm.f(), o, s.head_v_dim, s.head_v_dim, T * nv, s.rms_eps, stream());
   swiglu(z, o, o, T * VD, stream());
@@ -502,9 +525,10 @@ void CudaBackend::swiglu_ffn(const backend::FfnWeights& w, const float* h, int64
 // The activations and biases the CUDA FFN kernels implement: SwiGLU without biases.
 static void check_ffn(const backend::FfnSpec& spec, const backend::FfnWeights& w, const char* what) {
   if (spec.act != backend::FfnSpec::Act::SwiGLU || !w.gate_b.empty() || !w.up_b.empty() || !w.down_b.empty())
-    throw CudaError(fmt::format("strata::cuda: {}: only SwiGLU without biases is implemented on the CUDA backend "
-                                "(gpt-oss needs the clamped SwiGLU and expert biases); use --backend cpu",
-                                what));
+    throw CudaError(
+        fmt::format("strata::cuda: {}: only SwiGLU without biases is implemented on the CUDA backend "
+                    "(gpt-oss needs the clamped SwiGLU and expert biases); use --backend cpu",
+                    what));
 }
 
 void CudaBackend::ffn(const backend::FfnCall& call, const backend::FfnWeights& w, const Tensor& h, const Tensor& out) {
@@ -513,8 +537,9 @@ void CudaBackend::ffn(const backend::FfnCall& call, const backend::FfnWeights& w
   check_ffn(call.spec, w, "ffn");
   if (call.scalar_gate.empty()) {
     if (call.accumulate)
-      throw CudaError("strata::cuda: ffn: an ungated shared expert (glm4moe, deepseek2) is not implemented on the "
-                      "CUDA backend yet; use --backend cpu");
+      throw CudaError(
+          "strata::cuda: ffn: an ungated shared expert (glm4moe, deepseek2) is not implemented on the "
+          "CUDA backend yet; use --backend cpu");
     swiglu_ffn(w, h.f(), ld(h), T, out.f(), ld(out), scratch(2 * sz<float>(size_t(T * F))));
     return;
   }
@@ -536,7 +561,8 @@ void CudaBackend::router_logits(const Tensor& w, const Tensor& h, std::vector<fl
   if (T == 0) return;
   float* d = Carve{scratch(sz<float>(size_t(T * n_expert)))}.take<float>(size_t(T * n_expert));
   cuda::matmul(w.type, w.data, w.row_bytes(), n_expert, w.cols(), h.f(), ld(h), T, d, n_expert, stream());
-  STRATA_CUDA_CHECK(cudaMemcpyAsync(logits.data(), d, logits.size() * sizeof(float), cudaMemcpyDeviceToHost, ctx_->stream));
+  STRATA_CUDA_CHECK(
+      cudaMemcpyAsync(logits.data(), d, logits.size() * sizeof(float), cudaMemcpyDeviceToHost, ctx_->stream));
   STRATA_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));
 }
 

@@ -75,9 +75,8 @@ class CudaBackend final : public backend::Backend {
   void matmul(const backend::Tensor& W, const backend::Tensor& x, const backend::Tensor& y) override;
   void attention(const backend::AttentionSpec& spec, const backend::AttentionWeights& w, const backend::KvCache& kv,
                  int64_t pos0, const backend::Tensor& h, const backend::Tensor& out) override;
-  void gated_delta_net(const backend::GdnSpec& spec, const backend::GdnWeights& w,
-                       const backend::RecurrentState& state, const backend::Tensor& h,
-                       const backend::Tensor& out) override;
+  void gated_delta_net(const backend::GdnSpec& spec, const backend::GdnWeights& w, const backend::RecurrentState& state,
+                       const backend::Tensor& h, const backend::Tensor& out) override;
   void ffn(const backend::FfnCall& call, const backend::FfnWeights& w, const backend::Tensor& h,
            const backend::Tensor& out) override;
   void router_logits(const backend::Tensor& w, const backend::Tensor& h, std::vector<float>& logits) override;

@@ -14,10 +14,10 @@ namespace strata::cuda::detail {
 
 }  // namespace strata::cuda::detail
 
-#define STRATA_CUDA_CHECK(expr)                                                          \
-  do {                                                                                   \
-    const cudaError_t strata_cuda_err_ = (expr);                                         \
-    if (strata_cuda_err_ != cudaSuccess)                                                 \
+#define STRATA_CUDA_CHECK(expr)                                                              \
+  do {                                                                                       \
+    const cudaError_t strata_cuda_err_ = (expr);                                             \
+    if (strata_cuda_err_ != cudaSuccess)                                                     \
       ::strata::cuda::detail::throw_cuda_error(strata_cuda_err_, #expr, __FILE__, __LINE__); \
   } while (0)
 
@@ -25,7 +25,7 @@ namespace strata::cuda::detail {
 #define STRATA_CUDA_CHECK_LAUNCH() STRATA_CUDA_CHECK(cudaGetLastError())
 
 /// Argument check on the host, before any launch.
-#define STRATA_CUDA_REQUIRE(cond, msg)                                                       \
-  do {                                                                                       \
+#define STRATA_CUDA_REQUIRE(cond, msg)                                                          \
+  do {                                                                                          \
     if (!(cond)) ::strata::cuda::detail::throw_arg_error(std::string(msg), __FILE__, __LINE__); \
   } while (0)

@@ -70,7 +70,9 @@ class DeviceBuffer {
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
   void* get() const { return p_; }
   template <class T>
-  T* as() const { return static_cast<T*>(p_); }
+  T* as() const {
+    return static_cast<T*>(p_);
+  }
   size_t bytes() const { return bytes_; }
 
  private:
@@ -155,13 +157,13 @@ struct AttentionArgs {
   const float* k = nullptr;  ///< device, cache [head_dim, n_head_kv, n_ctx], position rows kv_stride apart
   const float* v = nullptr;  ///< device, same layout as k
   int64_t kv_stride = 0;
-  float* out = nullptr;      ///< device, [head_dim, n_head, n_tok], token rows out_stride apart
+  float* out = nullptr;  ///< device, [head_dim, n_head, n_tok], token rows out_stride apart
   int64_t out_stride = 0;
-  int64_t n_tok = 0;         ///< query t is at position pos0 + t and sees cache positions [0, pos0 + t]
-  int64_t pos0 = 0;          ///< (the cache must already hold positions up to pos0 + n_tok - 1)
+  int64_t n_tok = 0;              ///< query t is at position pos0 + t and sees cache positions [0, pos0 + t]
+  int64_t pos0 = 0;               ///< (the cache must already hold positions up to pos0 + n_tok - 1)
   int n_head = 0, n_head_kv = 0;  ///< query head h reads KV head h / (n_head / n_head_kv)
-  int head_dim = 0;          ///< a multiple of 32, at most 256
-  float scale = 0;           ///< usually 1/sqrt(head_dim)
+  int head_dim = 0;               ///< a multiple of 32, at most 256
+  float scale = 0;                ///< usually 1/sqrt(head_dim)
 };
 
 /// Flash-attention style: blocks of one KV head and up to 8 query rows (token, head of the

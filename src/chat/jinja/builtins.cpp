@@ -115,9 +115,9 @@ Value range_fn(Args& a) {
 
 // ---- string / dict methods
 
-const std::set<std::string> kMethods = {"strip",  "lstrip", "rstrip",     "split", "startswith", "endswith",
-                                        "upper",  "lower",  "title",      "capitalize", "replace", "find",
-                                        "count",  "join",   "items",      "keys",  "values",     "get"};
+const std::set<std::string> kMethods = {"strip", "lstrip", "rstrip", "split",      "startswith", "endswith",
+                                        "upper", "lower",  "title",  "capitalize", "replace",    "find",
+                                        "count", "join",   "items",  "keys",       "values",     "get"};
 
 Value call_method(const Value& o, const std::string& name, Args& a, int line) {
   if (o.t == Value::T::Str) {
@@ -132,16 +132,19 @@ Value call_method(const Value& o, const std::string& name, Args& a, int line) {
     if (name == "startswith" || name == "endswith") {
       Value arg = a.take(0, "prefix");
       std::vector<std::string> cands;
-      if (arg.t == Value::T::Str) cands.push_back(arg.s);
+      if (arg.t == Value::T::Str)
+        cands.push_back(arg.s);
       else if (arg.t == Value::T::Arr)
         for (auto& e : *arg.a) {
           if (e.t != Value::T::Str) fail(line, name + "() tuple must hold strings");
           cands.push_back(e.s);
         }
-      else fail(line, fmt::format("{}() argument must be str or a tuple of str, not {}", name, type_name(arg)));
+      else
+        fail(line, fmt::format("{}() argument must be str or a tuple of str, not {}", name, type_name(arg)));
       for (auto& x : cands) {
-        const bool hit = name == "startswith" ? s.compare(0, x.size(), x) == 0
-                                              : s.size() >= x.size() && s.compare(s.size() - x.size(), x.size(), x) == 0;
+        const bool hit = name == "startswith"
+                             ? s.compare(0, x.size(), x) == 0
+                             : s.size() >= x.size() && s.compare(s.size() - x.size(), x.size(), x) == 0;
         if (hit) return Value::boolean(true);
       }
       return Value::boolean(false);
@@ -208,11 +211,12 @@ Value call_method(const Value& o, const std::string& name, Args& a, int line) {
 
 // ---- tests (`x is name`)
 
-const std::set<std::string> kTests = {"defined", "undefined", "none",     "boolean",  "true",   "false",  "string",
-                                      "number",  "integer",   "float",    "mapping",  "iterable", "sequence",
-                                      "callable", "even",     "odd",      "divisibleby", "eq",  "equalto", "==",
-                                      "ne",      "!=",        "lt",       "<",        "le",     "<=",     "gt",
-                                      ">",       "ge",        ">=",       "in",       "lower",  "upper",  "sameas"};
+const std::set<std::string> kTests = {"defined",  "undefined", "none",    "boolean", "true",        "false",
+                                      "string",   "number",    "integer", "float",   "mapping",     "iterable",
+                                      "sequence", "callable",  "even",    "odd",     "divisibleby", "eq",
+                                      "equalto",  "==",        "ne",      "!=",      "lt",          "<",
+                                      "le",       "<=",        "gt",      ">",       "ge",          ">=",
+                                      "in",       "lower",     "upper",   "sameas"};
 
 bool run_test(const std::string& name, const Value& v, Args& a, int line) {
   using T = Value::T;
@@ -252,9 +256,11 @@ bool run_test(const std::string& name, const Value& v, Args& a, int line) {
     if (v.t == T::Obj) return v.o == o.o;
     return equal(v, o);
   }
-  static const std::unordered_map<std::string, std::string> ops = {
-      {"eq", "=="}, {"equalto", "=="}, {"==", "=="}, {"ne", "!="}, {"!=", "!="}, {"lt", "<"}, {"<", "<"},
-      {"le", "<="}, {"<=", "<="},      {"gt", ">"},  {">", ">"},  {"ge", ">="}, {">=", ">="}, {"in", "in"}};
+  static const std::unordered_map<std::string, std::string> ops = {{"eq", "=="}, {"equalto", "=="}, {"==", "=="},
+                                                                   {"ne", "!="}, {"!=", "!="},      {"lt", "<"},
+                                                                   {"<", "<"},   {"le", "<="},      {"<=", "<="},
+                                                                   {"gt", ">"},  {">", ">"},        {"ge", ">="},
+                                                                   {">=", ">="}, {"in", "in"}};
   auto it = ops.find(name);
   if (it != ops.end()) return truthy(compare_op(it->second, v, a.take(0, "other"), line));
   fail(line, "unknown test '" + name + "'");
@@ -262,11 +268,12 @@ bool run_test(const std::string& name, const Value& v, Args& a, int line) {
 
 // ---- filters
 
-const std::set<std::string> kFilters = {"trim",  "length", "count",      "tojson", "upper", "lower",   "title",
-                                        "capitalize", "default", "d",    "join",   "first", "last",    "list",
-                                        "string", "int",   "float",      "abs",    "round", "replace", "items",
-                                        "dictsort", "reverse", "selectattr", "rejectattr", "select", "reject",
-                                        "map",   "indent", "safe",       "unique", "sum",   "min",     "max"};
+const std::set<std::string> kFilters = {"trim",       "length",     "count",   "tojson",   "upper",   "lower",
+                                        "title",      "capitalize", "default", "d",        "join",    "first",
+                                        "last",       "list",       "string",  "int",      "float",   "abs",
+                                        "round",      "replace",    "items",   "dictsort", "reverse", "selectattr",
+                                        "rejectattr", "select",     "reject",  "map",      "indent",  "safe",
+                                        "unique",     "sum",        "min",     "max"};
 
 Value apply_filter(const std::string& name, const Value& v, Args& a, int line) {
   using T = Value::T;
@@ -331,8 +338,7 @@ Value apply_filter(const std::string& name, const Value& v, Args& a, int line) {
         size_t used = 0;
         double d = std::stod(s, &used);
         if (used == s.size()) return Value::integer(int64_t(d));
-      } catch (const std::exception&) {
-      }
+      } catch (const std::exception&) {}
     }
     return dflt;
   }
@@ -345,8 +351,7 @@ Value apply_filter(const std::string& name, const Value& v, Args& a, int line) {
         std::string s = strip_chars(v.s, Value{}, true, true);
         double d = std::stod(s, &used);
         if (used == s.size()) return Value::number(d);
-      } catch (const std::exception&) {
-      }
+      } catch (const std::exception&) {}
     }
     return dflt;
   }
@@ -498,28 +503,29 @@ Value apply_filter(const std::string& name, const Value& v, Args& a, int line) {
 
 Object global_functions() {
   Object g;
-  g.emplace_back("raise_exception", Value::function([](Args& a) -> Value { throw RenderError(to_str(a.take(0, "message"))); }));
+  g.emplace_back("raise_exception",
+                 Value::function([](Args& a) -> Value { throw RenderError(to_str(a.take(0, "message"))); }));
   g.emplace_back("namespace", Value::function([](Args& a) {
-    Value ns = Value::object();
-    ns.is_namespace = true;
-    for (auto& [k, v] : a.kw) ns.set(k, v);
-    return ns;
-  }));
+                   Value ns = Value::object();
+                   ns.is_namespace = true;
+                   for (auto& [k, v] : a.kw) ns.set(k, v);
+                   return ns;
+                 }));
   g.emplace_back("dict", Value::function([](Args& a) {
-    Value d = Value::object();
-    for (auto& [k, v] : a.kw) d.set(k, v);
-    return d;
-  }));
+                   Value d = Value::object();
+                   for (auto& [k, v] : a.kw) d.set(k, v);
+                   return d;
+                 }));
   g.emplace_back("range", Value::function(range_fn));
   g.emplace_back("strftime_now", Value::function([](Args& a) {
-    const std::string f = to_str(a.take(0, "format"));
-    std::time_t now = std::time(nullptr);
-    std::tm tm{};
-    localtime_r(&now, &tm);
-    char buf[256];
-    const size_t n = std::strftime(buf, sizeof buf, f.c_str(), &tm);
-    return Value::str(std::string(buf, n));
-  }));
+                   const std::string f = to_str(a.take(0, "format"));
+                   std::time_t now = std::time(nullptr);
+                   std::tm tm{};
+                   localtime_r(&now, &tm);
+                   char buf[256];
+                   const size_t n = std::strftime(buf, sizeof buf, f.c_str(), &tm);
+                   return Value::str(std::string(buf, n));
+                 }));
   return g;
 }
 

@@ -12,7 +12,9 @@ namespace strata::chat::jinja {
 
 namespace {
 
-int line_of(std::string_view src, size_t pos) { return 1 + int(std::count(src.begin(), src.begin() + long(pos), '\n')); }
+int line_of(std::string_view src, size_t pos) {
+  return 1 + int(std::count(src.begin(), src.begin() + long(pos), '\n'));
+}
 
 // Position of `close` ("}}" or "%}") after `from`, skipping string literals; npos if none.
 size_t find_tag_end(std::string_view src, size_t from, std::string_view close) {
@@ -20,8 +22,10 @@ size_t find_tag_end(std::string_view src, size_t from, std::string_view close) {
   for (size_t p = from; p < src.size(); ++p) {
     const char c = src[p];
     if (quote) {
-      if (c == '\\') ++p;
-      else if (c == quote) quote = 0;
+      if (c == '\\')
+        ++p;
+      else if (c == quote)
+        quote = 0;
     } else if (c == '\'' || c == '"') {
       quote = c;
     } else if (src.compare(p, close.size(), close) == 0) {
@@ -83,8 +87,7 @@ std::vector<Segment> lex(std::string_view raw, const TemplateOptions& opts) {
       after = end + 2;
     } else {
       end = find_tag_end(src, body_begin, kind == '{' ? "}}" : "%}");
-      if (end == std::string::npos)
-        throw TemplateError(fmt::format("line {}: unclosed '{{{}' tag", line, kind));
+      if (end == std::string::npos) throw TemplateError(fmt::format("line {}: unclosed '{{{}' tag", line, kind));
       after = end + 2;
     }
     const char end_sign = end > body_begin ? src[end - 1] : 0;
@@ -141,8 +144,10 @@ std::vector<Tok> tokenize(const std::string& s, int line) {
       for (size_t k = p; k < e; ++k)
         if (s[k] != '_') num += s[k];
       Tok t{is_float ? Tok::K::Float : Tok::K::Int, num};
-      if (is_float) t.f = std::stod(num);
-      else t.i = std::stoll(num);
+      if (is_float)
+        t.f = std::stod(num);
+      else
+        t.i = std::stoll(num);
       out.push_back(t);
       p = e;
     } else if (c == '\'' || c == '"') {

@@ -58,10 +58,14 @@ class Parser {
       if (stop.count(kw)) return body;
       ++seg_;
       p_ = 1;
-      if (kw == "if") body.push_back(parse_if());
-      else if (kw == "for") body.push_back(parse_for());
-      else if (kw == "set") body.push_back(parse_set());
-      else if (kw == "macro") body.push_back(parse_macro());
+      if (kw == "if")
+        body.push_back(parse_if());
+      else if (kw == "for")
+        body.push_back(parse_for());
+      else if (kw == "set")
+        body.push_back(parse_set());
+      else if (kw == "macro")
+        body.push_back(parse_macro());
       else if (kw == "break" || kw == "continue") {
         if (loop_depth_ == 0) throw TemplateError(fmt::format("line {}: '{}' outside a loop", line_, kw));
         expect_end();
@@ -71,13 +75,13 @@ class Parser {
       } else if (kw == "elif" || kw == "else" || kw.rfind("end", 0) == 0) {
         throw TemplateError(fmt::format("line {}: unexpected '{}'", line_, kw));
       } else {
-        throw TemplateError(fmt::format("line {}: unsupported tag '{}' (supported: if, for, set, macro, break, "
-                                        "continue)",
-                                        line_, kw));
+        throw TemplateError(
+            fmt::format("line {}: unsupported tag '{}' (supported: if, for, set, macro, break, "
+                        "continue)",
+                        line_, kw));
       }
     }
-    if (!stop.empty())
-      throw TemplateError(fmt::format("unexpected end of template: missing '{}'", *stop.rbegin()));
+    if (!stop.empty()) throw TemplateError(fmt::format("unexpected end of template: missing '{}'", *stop.rbegin()));
     return body;
   }
 
@@ -221,7 +225,8 @@ class Parser {
     ++p_;
   }
   std::string expect_name() {
-    if (cur().k != Tok::K::Name) throw TemplateError(fmt::format("line {}: expected a name, found '{}'", line_, describe()));
+    if (cur().k != Tok::K::Name)
+      throw TemplateError(fmt::format("line {}: expected a name, found '{}'", line_, describe()));
     return toks_[p_++].s;
   }
   void expect_end() {
@@ -390,7 +395,8 @@ class Parser {
         p_ += 2;
         a.kw.emplace_back(k, parse_expr());
       } else {
-        if (!a.kw.empty()) throw TemplateError(fmt::format("line {}: positional argument after keyword argument", line_));
+        if (!a.kw.empty())
+          throw TemplateError(fmt::format("line {}: positional argument after keyword argument", line_));
         a.pos.push_back(parse_expr());
       }
       if (!peek_op(",")) break;
@@ -405,8 +411,10 @@ class Parser {
       if (peek_op(".")) {
         ++p_;
         std::string name;
-        if (cur().k == Tok::K::Int) name = toks_[p_++].s;
-        else name = expect_name();
+        if (cur().k == Tok::K::Int)
+          name = toks_[p_++].s;
+        else
+          name = expect_name();
         if (peek_op("(")) {
           if (!kMethods.count(name))
             throw TemplateError(fmt::format("line {}: unsupported method '{}()' (supported: {})", line_, name,
@@ -486,11 +494,13 @@ class Parser {
           ++p_;
           t->negated = true;
         }
-        if (cur().k == Tok::K::Name || (cur().k == Tok::K::Op && kTests.count(cur().s))) t->name = toks_[p_++].s;
-        else throw TemplateError(fmt::format("line {}: expected a test name after 'is'", line_));
+        if (cur().k == Tok::K::Name || (cur().k == Tok::K::Op && kTests.count(cur().s)))
+          t->name = toks_[p_++].s;
+        else
+          throw TemplateError(fmt::format("line {}: expected a test name after 'is'", line_));
         if (!kTests.count(t->name))
-          throw TemplateError(fmt::format("line {}: unsupported test '{}' (supported: {})", line_, t->name,
-                                          fmt::join(kTests, ", ")));
+          throw TemplateError(
+              fmt::format("line {}: unsupported test '{}' (supported: {})", line_, t->name, fmt::join(kTests, ", ")));
         t->obj = std::move(e);
         if (peek_op("(")) {
           t->args = parse_call_args();
@@ -532,9 +542,12 @@ class Parser {
       case Tok::K::Name: {
         ++p_;
         auto l = make<Literal>();
-        if (t.s == "true" || t.s == "True") l->v = Value::boolean(true);
-        else if (t.s == "false" || t.s == "False") l->v = Value::boolean(false);
-        else if (t.s == "none" || t.s == "None") l->v = Value::none();
+        if (t.s == "true" || t.s == "True")
+          l->v = Value::boolean(true);
+        else if (t.s == "false" || t.s == "False")
+          l->v = Value::boolean(false);
+        else if (t.s == "none" || t.s == "None")
+          l->v = Value::none();
         else {
           auto n = make<Name>();
           n->name = t.s;

@@ -57,9 +57,12 @@ Value Slice::eval(Ctx& c) const {
   std::vector<Value> items;
   std::vector<std::string> cps;
   int64_t n;
-  if (o.t == Value::T::Arr) n = int64_t(o.a->size());
-  else if (o.t == Value::T::Str) cps = code_points(o.s), n = int64_t(cps.size());
-  else fail(line, fmt::format("'{}' object is not subscriptable", type_name(o)));
+  if (o.t == Value::T::Arr)
+    n = int64_t(o.a->size());
+  else if (o.t == Value::T::Str)
+    cps = code_points(o.s), n = int64_t(cps.size());
+  else
+    fail(line, fmt::format("'{}' object is not subscriptable", type_name(o)));
   auto clamp = [&](std::optional<int64_t> v, int64_t dflt) {
     if (!v) return dflt;
     int64_t x = *v < 0 ? *v + n : *v;
@@ -70,8 +73,10 @@ Value Slice::eval(Ctx& c) const {
   Array out;
   std::string str;
   for (int64_t k = lo; s > 0 ? k < hi : k > hi; k += s) {
-    if (o.t == Value::T::Arr) out.push_back((*o.a)[size_t(k)]);
-    else str += cps[size_t(k)];
+    if (o.t == Value::T::Arr)
+      out.push_back((*o.a)[size_t(k)]);
+    else
+      str += cps[size_t(k)];
   }
   if (o.t == Value::T::Str) return Value::str(str);
   return Value::array(std::move(out));
@@ -234,7 +239,8 @@ void SetNode::render(Ctx& c, std::string& out) const {
   }
   if (!attr.empty()) {
     Value* ns = c.scope->find(target.names[0]);
-    if (!ns || !ns->is_namespace) fail(line, fmt::format("'{}' is not a namespace; cannot set '{}'", target.names[0], attr));
+    if (!ns || !ns->is_namespace)
+      fail(line, fmt::format("'{}' is not a namespace; cannot set '{}'", target.names[0], attr));
     ns->set(attr, v);
     return;
   }

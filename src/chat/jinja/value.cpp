@@ -363,7 +363,8 @@ Value compare_op(const std::string& op, const Value& l, const Value& r, int line
   if (op == "in" || op == "not in") {
     bool hit = false;
     if (r.t == Value::T::Str) {
-      if (l.t != Value::T::Str) fail(line, fmt::format("'in <string>' requires string as left operand, not {}", type_name(l)));
+      if (l.t != Value::T::Str)
+        fail(line, fmt::format("'in <string>' requires string as left operand, not {}", type_name(l)));
       hit = r.s.find(l.s) != std::string::npos;
     } else if (r.t == Value::T::Arr) {
       hit = std::any_of(r.a->begin(), r.a->end(), [&](const Value& e) { return equal(e, l); });
@@ -407,8 +408,10 @@ Value arith(const std::string& op, const Value& l, const Value& r, int line) {
     if ((l.t == T::Str || l.t == T::Arr) && (r.t == T::Int || r.t == T::Bool)) {
       Value out = l.t == T::Str ? Value::str("") : Value::array();
       for (int64_t k = 0; k < r.as_int(); ++k) {
-        if (l.t == T::Str) out.s += l.s;
-        else out.a->insert(out.a->end(), l.a->begin(), l.a->end());
+        if (l.t == T::Str)
+          out.s += l.s;
+        else
+          out.a->insert(out.a->end(), l.a->begin(), l.a->end());
       }
       return out;
     }

@@ -40,14 +40,53 @@ struct Value {
   bool is_tuple = false;      // prints as (a, b)
   bool is_namespace = false;  // namespace(): attributes can be assigned
 
-  static Value none() { Value v; v.t = T::None; return v; }
-  static Value boolean(bool x) { Value v; v.t = T::Bool; v.b = x; return v; }
-  static Value integer(int64_t x) { Value v; v.t = T::Int; v.i = x; return v; }
-  static Value number(double x) { Value v; v.t = T::Float; v.f = x; return v; }
-  static Value str(std::string x) { Value v; v.t = T::Str; v.s = std::move(x); return v; }
-  static Value array(Array x = {}) { Value v; v.t = T::Arr; v.a = std::make_shared<Array>(std::move(x)); return v; }
-  static Value object(Object x = {}) { Value v; v.t = T::Obj; v.o = std::make_shared<Object>(std::move(x)); return v; }
-  static Value function(Function fn) { Value v; v.t = T::Fn; v.fn = std::make_shared<Function>(std::move(fn)); return v; }
+  static Value none() {
+    Value v;
+    v.t = T::None;
+    return v;
+  }
+  static Value boolean(bool x) {
+    Value v;
+    v.t = T::Bool;
+    v.b = x;
+    return v;
+  }
+  static Value integer(int64_t x) {
+    Value v;
+    v.t = T::Int;
+    v.i = x;
+    return v;
+  }
+  static Value number(double x) {
+    Value v;
+    v.t = T::Float;
+    v.f = x;
+    return v;
+  }
+  static Value str(std::string x) {
+    Value v;
+    v.t = T::Str;
+    v.s = std::move(x);
+    return v;
+  }
+  static Value array(Array x = {}) {
+    Value v;
+    v.t = T::Arr;
+    v.a = std::make_shared<Array>(std::move(x));
+    return v;
+  }
+  static Value object(Object x = {}) {
+    Value v;
+    v.t = T::Obj;
+    v.o = std::make_shared<Object>(std::move(x));
+    return v;
+  }
+  static Value function(Function fn) {
+    Value v;
+    v.t = T::Fn;
+    v.fn = std::make_shared<Function>(std::move(fn));
+    return v;
+  }
 
   bool undefined() const { return t == T::Undef; }
   bool numeric() const { return t == T::Int || t == T::Float || t == T::Bool; }

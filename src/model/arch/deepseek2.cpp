@@ -86,25 +86,28 @@ void validate(const gguf::File& f, const ModelHParams& hp) {
   const std::string& a = hp.arch;
   for (int l = 0; l < forward_layers(hp); ++l)
     if (f.find_tensor(blk(l, "attn_kv_b.weight")) && !f.find_tensor(blk(l, "attn_k_b.weight")))
-      throw ModelError(fmt::format("{}: tensor '{}' (the pre-MLA layout, converted before llama.cpp split it into "
-                                   "attn_k_b and attn_v_b) is not supported: re-convert with a current "
-                                   "convert_hf_to_gguf.py",
-                                   f.path(), blk(l, "attn_kv_b.weight")));
+      throw ModelError(
+          fmt::format("{}: tensor '{}' (the pre-MLA layout, converted before llama.cpp split it into "
+                      "attn_k_b and attn_v_b) is not supported: re-convert with a current "
+                      "convert_hf_to_gguf.py",
+                      f.path(), blk(l, "attn_kv_b.weight")));
   if (hp.kv_lora_rank <= 0)
     throw ModelError(fmt::format("{}: key '{}.attention.kv_lora_rank' is missing or 0 (MLA needs it)", f.path(), a));
   if (hp.head_dim_k_mla <= 0 || hp.head_dim_v_mla <= 0)
-    throw ModelError(fmt::format("{}: keys '{}.attention.key_length_mla' and '{}.attention.value_length_mla' are "
-                                 "needed (MLA head sizes)",
-                                 f.path(), a, a));
+    throw ModelError(
+        fmt::format("{}: keys '{}.attention.key_length_mla' and '{}.attention.value_length_mla' are "
+                    "needed (MLA head sizes)",
+                    f.path(), a, a));
   if (hp.n_rot <= 0 || hp.n_rot % 2 != 0 || hp.n_rot >= hp.head_dim_k_mla)
-    throw ModelError(fmt::format("{}: key '{}.rope.dimension_count' = {} must be even and below "
-                                 "attention.key_length_mla = {}",
-                                 f.path(), a, hp.n_rot, hp.head_dim_k_mla));
+    throw ModelError(
+        fmt::format("{}: key '{}.rope.dimension_count' = {} must be even and below "
+                    "attention.key_length_mla = {}",
+                    f.path(), a, hp.n_rot, hp.head_dim_k_mla));
   if (hp.n_head_kv != 1 || hp.head_dim_k != hp.kv_lora_rank + hp.n_rot || hp.head_dim_v != hp.kv_lora_rank)
-    throw ModelError(fmt::format("{}: MLA expects head_count_kv 1, key_length = kv_lora_rank + rope dims ({}) and "
-                                 "value_length = kv_lora_rank ({}); got {}, {} and {}",
-                                 f.path(), hp.kv_lora_rank + hp.n_rot, hp.kv_lora_rank, hp.n_head_kv, hp.head_dim_k,
-                                 hp.head_dim_v));
+    throw ModelError(
+        fmt::format("{}: MLA expects head_count_kv 1, key_length = kv_lora_rank + rope dims ({}) and "
+                    "value_length = kv_lora_rank ({}); got {}, {} and {}",
+                    f.path(), hp.kv_lora_rank + hp.n_rot, hp.kv_lora_rank, hp.n_head_kv, hp.head_dim_k, hp.head_dim_v));
   validate_routed_moe(f, hp);
 }
 
@@ -127,8 +130,8 @@ class Deepseek2 final : public Model {
     // The rope dims use the interleaved layout (adjacent pairs): llama.cpp's LLAMA_ROPE_TYPE_NORM
     // for deepseek2; transformers' rope_interleave de-interleaves q_pe and k_pe alike before
     // rotate_half, the same scores.
-    rope_ = backend::RopeSpec::standard(hp_.n_rot, hp_.rope_freq_base, backend::RopeSpec::Mode::Norm,
-                                        opts.rope_freqs_bf16);
+    rope_ =
+        backend::RopeSpec::standard(hp_.n_rot, hp_.rope_freq_base, backend::RopeSpec::Mode::Norm, opts.rope_freqs_bf16);
     mla_.n_head = hp_.n_head;
     mla_.q_lora_rank = hp_.q_lora_rank;
     mla_.kv_lora_rank = hp_.kv_lora_rank;
@@ -232,8 +235,7 @@ STRATA_ARCHITECTURE(deepseek2) {
                               });
   a.tensors = tensors;
   a.validate = validate;
-  a.load = [](const strata::gguf::File& f, const ModelHParams& hp, const BoundWeights& w,
-              strata::backend::Backend& be,
+  a.load = [](const strata::gguf::File& f, const ModelHParams& hp, const BoundWeights& w, strata::backend::Backend& be,
               const LoadOptions& o) { return std::unique_ptr<Model>(new Deepseek2(f, w, be, hp, o)); };
   return a;
 }

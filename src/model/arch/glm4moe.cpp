@@ -75,8 +75,8 @@ std::vector<TensorSpec> tensors(const ModelHParams& hp) {
 
 void validate(const gguf::File& f, const ModelHParams& hp) {
   if (hp.head_dim_v != hp.head_dim_k)
-    throw ModelError(fmt::format("{}: glm4moe needs key_length == value_length, got {} and {}", f.path(),
-                                 hp.head_dim_k, hp.head_dim_v));
+    throw ModelError(fmt::format("{}: glm4moe needs key_length == value_length, got {} and {}", f.path(), hp.head_dim_k,
+                                 hp.head_dim_v));
   validate_routed_moe(f, hp);
 }
 
@@ -96,8 +96,8 @@ class Glm4Moe final : public Model {
     hp_ = hp;
     be_ = &be;
     n_fwd_ = forward_layers(hp_);
-    rope_ = backend::RopeSpec::standard(hp_.n_rot, hp_.rope_freq_base, backend::RopeSpec::Mode::Neox,
-                                        opts.rope_freqs_bf16);
+    rope_ =
+        backend::RopeSpec::standard(hp_.n_rot, hp_.rope_freq_base, backend::RopeSpec::Mode::Neox, opts.rope_freqs_bf16);
     attn_.n_head = hp_.n_head;
     attn_.n_head_kv = hp_.n_head_kv;
     attn_.head_dim = hp_.head_dim_k;
@@ -183,8 +183,7 @@ STRATA_ARCHITECTURE(glm4moe) {
   a.keys = routed_moe_keys();
   a.tensors = tensors;
   a.validate = validate;
-  a.load = [](const strata::gguf::File& f, const ModelHParams& hp, const BoundWeights& w,
-              strata::backend::Backend& be,
+  a.load = [](const strata::gguf::File& f, const ModelHParams& hp, const BoundWeights& w, strata::backend::Backend& be,
               const LoadOptions& o) { return std::unique_ptr<Model>(new Glm4Moe(f, w, be, hp, o)); };
   return a;
 }

@@ -67,18 +67,19 @@ std::vector<TensorSpec> tensors(const ModelHParams& hp) {
 
 void validate(const gguf::File& f, const ModelHParams& hp) {
   if (hp.head_dim_v != hp.head_dim_k)
-    throw ModelError(fmt::format("{}: gpt-oss needs key_length == value_length, got {} and {}", f.path(),
-                                 hp.head_dim_k, hp.head_dim_v));
+    throw ModelError(fmt::format("{}: gpt-oss needs key_length == value_length, got {} and {}", f.path(), hp.head_dim_k,
+                                 hp.head_dim_v));
   if (hp.n_expert <= 0 || hp.n_expert_used <= 0 || hp.n_ff_exp <= 0)
-    throw ModelError(fmt::format("{}: gpt-oss needs expert_count, expert_used_count and "
-                                 "expert_feed_forward_length > 0",
-                                 f.path()));
+    throw ModelError(
+        fmt::format("{}: gpt-oss needs expert_count, expert_used_count and "
+                    "expert_feed_forward_length > 0",
+                    f.path()));
   const std::string scaling = "gpt-oss.rope.scaling.type";
   if (f.has(scaling)) {
     const std::string type = f.get_string(scaling);
     if (type != "none")
-      throw ModelError(fmt::format("{}: {} = '{}' is not supported yet (gpt-oss runs with plain RoPE only)",
-                                   f.path(), scaling, type));
+      throw ModelError(fmt::format("{}: {} = '{}' is not supported yet (gpt-oss runs with plain RoPE only)", f.path(),
+                                   scaling, type));
   }
 }
 
@@ -94,8 +95,8 @@ class GptOss final : public Model {
   GptOss(const BoundWeights& w, backend::Backend& be, const ModelHParams& hp, const LoadOptions& opts) {
     hp_ = hp;
     be_ = &be;
-    rope_ = backend::RopeSpec::standard(hp_.n_rot, hp_.rope_freq_base, backend::RopeSpec::Mode::Neox,
-                                        opts.rope_freqs_bf16);
+    rope_ =
+        backend::RopeSpec::standard(hp_.n_rot, hp_.rope_freq_base, backend::RopeSpec::Mode::Neox, opts.rope_freqs_bf16);
     attn_full_ = attention_spec(&rope_);
     attn_swa_ = attn_full_;
     attn_swa_.window = hp_.n_swa;
@@ -169,6 +170,6 @@ STRATA_ARCHITECTURE(gpt_oss) {
   a.tensors = tensors;
   a.validate = validate;
   a.load = [](const strata::gguf::File&, const ModelHParams& hp, const BoundWeights& w, strata::backend::Backend& be,
-               const LoadOptions& o) { return std::unique_ptr<Model>(new GptOss(w, be, hp, o)); };
+              const LoadOptions& o) { return std::unique_ptr<Model>(new GptOss(w, be, hp, o)); };
   return a;
 }

@@ -42,8 +42,9 @@ bool is_nextn(const ModelHParams& hp, int l) { return l >= n_main(hp); }
 bool is_recurrent(const ModelHParams& hp, int l) { return !is_nextn(hp, l) && (l + 1) % interval(hp) != 0; }
 
 backend::GdnSpec gdn_spec(const ModelHParams& hp) {
-  backend::GdnSpec g{hp.ssm_group_count, hp.ssm_time_step_rank, hp.ssm_state_size,
-                     hp.ssm_inner_size / hp.ssm_time_step_rank, hp.ssm_conv_kernel, hp.rms_eps};
+  backend::GdnSpec g{hp.ssm_group_count, hp.ssm_time_step_rank,
+                     hp.ssm_state_size,  hp.ssm_inner_size / hp.ssm_time_step_rank,
+                     hp.ssm_conv_kernel, hp.rms_eps};
   g.v_head_order = backend::GdnSpec::VHeadOrder::Tiled;
   return g;
 }
@@ -133,9 +134,10 @@ void validate(const gguf::File& f, const ModelHParams& hp) {
     throw ModelError(fmt::format("{}: qwen35moe.nextn_predict_layers {} leaves no decoder block of block_count {}",
                                  f.path(), hp.n_nextn, hp.n_layer));
   if (hp.ssm_time_step_rank % hp.ssm_group_count != 0)
-    throw ModelError(fmt::format("{}: ssm.time_step_rank {} (value heads) is not a multiple of ssm.group_count {} "
-                                 "(key heads)",
-                                 f.path(), hp.ssm_time_step_rank, hp.ssm_group_count));
+    throw ModelError(
+        fmt::format("{}: ssm.time_step_rank {} (value heads) is not a multiple of ssm.group_count {} "
+                    "(key heads)",
+                    f.path(), hp.ssm_time_step_rank, hp.ssm_group_count));
   if (hp.ssm_inner_size % hp.ssm_time_step_rank != 0)
     throw ModelError(fmt::format("{}: ssm.inner_size {} is not a multiple of ssm.time_step_rank {}", f.path(),
                                  hp.ssm_inner_size, hp.ssm_time_step_rank));
@@ -143,9 +145,10 @@ void validate(const gguf::File& f, const ModelHParams& hp) {
     throw ModelError(fmt::format("{}: qwen35moe needs key_length == value_length, got {} and {}", f.path(),
                                  hp.head_dim_k, hp.head_dim_v));
   if (hp.n_expert <= 0 || hp.n_expert_used <= 0 || hp.n_ff_exp <= 0 || hp.n_ff_shexp <= 0)
-    throw ModelError(fmt::format("{}: qwen35moe needs expert_count, expert_used_count, expert_feed_forward_length "
-                                 "and expert_shared_feed_forward_length > 0",
-                                 f.path()));
+    throw ModelError(
+        fmt::format("{}: qwen35moe needs expert_count, expert_used_count, expert_feed_forward_length "
+                    "and expert_shared_feed_forward_length > 0",
+                    f.path()));
   // IMRoPE sections (t, h, w, unused 4th): pair i < n_rot/2 takes section i mod 3 while
   // i < 3 x that section; text gives every section the same position, so the values only have
   // to be well formed. llama.cpp requires the key.
@@ -159,28 +162,29 @@ void validate(const gguf::File& f, const ModelHParams& hp) {
     sum += s;
   }
   if (!ok || sum <= 0 || sum > hp.n_rot / 2)
-    throw ModelError(fmt::format("{}: key '{}' = [{}]: expected up to 4 sections >= 0 summing to 1..{} "
-                                 "(rope.dimension_count / 2)",
-                                 f.path(), key, fmt::join(sec, ", "), hp.n_rot / 2));
+    throw ModelError(
+        fmt::format("{}: key '{}' = [{}]: expected up to 4 sections >= 0 summing to 1..{} "
+                    "(rope.dimension_count / 2)",
+                    f.path(), key, fmt::join(sec, ", "), hp.n_rot / 2));
   for (int l = 0; l < n_main(hp); ++l)
     if (f.find_tensor(blk(l, "ffn_gate_up_exps.weight")))
       // llama.cpp's fused layout: per expert, n_ff gate rows then n_ff up rows. The stream reads
       // each part as one contiguous slice per expert, so gate and up would need a stride.
-      throw ModelError(fmt::format("{}: tensor '{}' (fused expert gate+up, shape [{}, {}, {}]) is not supported yet: "
-                                   "re-convert with separate ffn_gate_exps/ffn_up_exps",
-                                   f.path(), blk(l, "ffn_gate_up_exps.weight"), hp.n_embd, 2 * hp.n_ff_exp,
-                                   hp.n_expert));
+      throw ModelError(
+          fmt::format("{}: tensor '{}' (fused expert gate+up, shape [{}, {}, {}]) is not supported yet: "
+                      "re-convert with separate ffn_gate_exps/ffn_up_exps",
+                      f.path(), blk(l, "ffn_gate_up_exps.weight"), hp.n_embd, 2 * hp.n_ff_exp, hp.n_expert));
 }
 
 struct Layer {
-  bool recurrent = false;          // gated delta net (true) or gated full attention
+  bool recurrent = false;  // gated delta net (true) or gated full attention
   backend::Tensor attn_norm;
   backend::GdnWeights lin;         // when recurrent
   backend::AttentionWeights att;   // otherwise
   backend::Tensor post_attn_norm;  // before the MoE
   MoeLayer moe;
-  backend::FfnWeights shexp;       // the shared expert (resident)
-  backend::Tensor shexp_gate;      // ffn_gate_inp_shexp
+  backend::FfnWeights shexp;   // the shared expert (resident)
+  backend::Tensor shexp_gate;  // ffn_gate_inp_shexp
 };
 
 class Qwen35Moe final : public Model {
@@ -190,8 +194,8 @@ class Qwen35Moe final : public Model {
     be_ = &be;
     gdn_ = gdn_spec(hp_);
     // IMRoPE on text = NEOX partial rotary (see the top of this file).
-    rope_ = backend::RopeSpec::standard(hp_.n_rot, hp_.rope_freq_base, backend::RopeSpec::Mode::Neox,
-                                        opts.rope_freqs_bf16);
+    rope_ =
+        backend::RopeSpec::standard(hp_.n_rot, hp_.rope_freq_base, backend::RopeSpec::Mode::Neox, opts.rope_freqs_bf16);
     attn_ = attention_spec(&rope_);
     attn_.q_gate = true;
     const backend::RouterSpec router = softmax_router();

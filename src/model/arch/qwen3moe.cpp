@@ -47,9 +47,10 @@ void validate(const gguf::File& f, const ModelHParams& hp) {
     throw ModelError(fmt::format("{}: qwen3moe needs key_length == value_length, got {} and {}", f.path(),
                                  hp.head_dim_k, hp.head_dim_v));
   if (hp.n_expert <= 0 || hp.n_expert_used <= 0 || hp.n_ff_exp <= 0)
-    throw ModelError(fmt::format("{}: qwen3moe needs expert_count, expert_used_count and "
-                                 "expert_feed_forward_length > 0",
-                                 f.path()));
+    throw ModelError(
+        fmt::format("{}: qwen3moe needs expert_count, expert_used_count and "
+                    "expert_feed_forward_length > 0",
+                    f.path()));
 }
 
 struct Layer {
@@ -63,8 +64,8 @@ class Qwen3Moe final : public Model {
   Qwen3Moe(const BoundWeights& w, backend::Backend& be, const ModelHParams& hp, const LoadOptions& opts) {
     hp_ = hp;
     be_ = &be;
-    rope_ = backend::RopeSpec::standard(hp_.n_rot, hp_.rope_freq_base, backend::RopeSpec::Mode::Neox,
-                                        opts.rope_freqs_bf16);
+    rope_ =
+        backend::RopeSpec::standard(hp_.n_rot, hp_.rope_freq_base, backend::RopeSpec::Mode::Neox, opts.rope_freqs_bf16);
     attn_ = attention_spec(&rope_);
     const backend::RouterSpec router = softmax_router();
     bind_io(w);
@@ -129,6 +130,6 @@ STRATA_ARCHITECTURE(qwen3moe) {
   a.tensors = tensors;
   a.validate = validate;
   a.load = [](const strata::gguf::File&, const ModelHParams& hp, const BoundWeights& w, strata::backend::Backend& be,
-               const LoadOptions& o) { return std::unique_ptr<Model>(new Qwen3Moe(w, be, hp, o)); };
+              const LoadOptions& o) { return std::unique_ptr<Model>(new Qwen3Moe(w, be, hp, o)); };
   return a;
 }

@@ -22,8 +22,9 @@ namespace {
 bool is_recurrent(const ModelHParams& hp, int l) { return (l + 1) % hp.full_attention_interval != 0; }
 
 backend::GdnSpec gdn_spec(const ModelHParams& hp) {
-  return backend::GdnSpec{hp.ssm_group_count, hp.ssm_time_step_rank, hp.ssm_state_size,
-                          hp.ssm_inner_size / hp.ssm_time_step_rank, hp.ssm_conv_kernel, hp.rms_eps};
+  return backend::GdnSpec{hp.ssm_group_count, hp.ssm_time_step_rank,
+                          hp.ssm_state_size,  hp.ssm_inner_size / hp.ssm_time_step_rank,
+                          hp.ssm_conv_kernel, hp.rms_eps};
 }
 
 // The tensor table, in the order of llama.cpp's conversion (see models/qwen3next-tiny-bf16.gguf).
@@ -80,9 +81,10 @@ std::vector<TensorSpec> tensors(const ModelHParams& hp) {
 
 void validate(const gguf::File& f, const ModelHParams& hp) {
   if (hp.ssm_time_step_rank % hp.ssm_group_count != 0)
-    throw ModelError(fmt::format("{}: ssm.time_step_rank {} (value heads) is not a multiple of ssm.group_count {} "
-                                 "(key heads)",
-                                 f.path(), hp.ssm_time_step_rank, hp.ssm_group_count));
+    throw ModelError(
+        fmt::format("{}: ssm.time_step_rank {} (value heads) is not a multiple of ssm.group_count {} "
+                    "(key heads)",
+                    f.path(), hp.ssm_time_step_rank, hp.ssm_group_count));
   if (hp.ssm_inner_size % hp.ssm_time_step_rank != 0)
     throw ModelError(fmt::format("{}: ssm.inner_size {} is not a multiple of ssm.time_step_rank {}", f.path(),
                                  hp.ssm_inner_size, hp.ssm_time_step_rank));
@@ -90,28 +92,29 @@ void validate(const gguf::File& f, const ModelHParams& hp) {
     throw ModelError(fmt::format("{}: qwen3next needs key_length == value_length, got {} and {}", f.path(),
                                  hp.head_dim_k, hp.head_dim_v));
   if (hp.n_expert <= 0 || hp.n_expert_used <= 0 || hp.n_ff_exp <= 0 || hp.n_ff_shexp <= 0)
-    throw ModelError(fmt::format("{}: qwen3next needs expert_count, expert_used_count, expert_feed_forward_length "
-                                 "and expert_shared_feed_forward_length > 0",
-                                 f.path()));
+    throw ModelError(
+        fmt::format("{}: qwen3next needs expert_count, expert_used_count, expert_feed_forward_length "
+                    "and expert_shared_feed_forward_length > 0",
+                    f.path()));
   for (int l = 0; l < hp.n_layer; ++l)
     if (f.find_tensor(blk(l, "ffn_gate_up_exps.weight")))
       // llama.cpp's fused layout: per expert, n_ff gate rows then n_ff up rows. The stream reads
       // each part as one contiguous slice per expert, so gate and up would need a stride.
-      throw ModelError(fmt::format("{}: tensor '{}' (fused expert gate+up, shape [{}, {}, {}]) is not supported yet: "
-                                   "re-convert with separate ffn_gate_exps/ffn_up_exps",
-                                   f.path(), blk(l, "ffn_gate_up_exps.weight"), hp.n_embd, 2 * hp.n_ff_exp,
-                                   hp.n_expert));
+      throw ModelError(
+          fmt::format("{}: tensor '{}' (fused expert gate+up, shape [{}, {}, {}]) is not supported yet: "
+                      "re-convert with separate ffn_gate_exps/ffn_up_exps",
+                      f.path(), blk(l, "ffn_gate_up_exps.weight"), hp.n_embd, 2 * hp.n_ff_exp, hp.n_expert));
 }
 
 struct Layer {
-  bool recurrent = false;              // gated delta net (true) or gated full attention
+  bool recurrent = false;  // gated delta net (true) or gated full attention
   backend::Tensor attn_norm;
-  backend::GdnWeights lin;             // when recurrent
-  backend::AttentionWeights att;       // otherwise
-  backend::Tensor post_attn_norm;      // before the MoE
+  backend::GdnWeights lin;         // when recurrent
+  backend::AttentionWeights att;   // otherwise
+  backend::Tensor post_attn_norm;  // before the MoE
   MoeLayer moe;
-  backend::FfnWeights shexp;           // the shared expert (resident)
-  backend::Tensor shexp_gate;          // ffn_gate_inp_shexp
+  backend::FfnWeights shexp;   // the shared expert (resident)
+  backend::Tensor shexp_gate;  // ffn_gate_inp_shexp
 };
 
 class Qwen3Next final : public Model {
@@ -120,8 +123,8 @@ class Qwen3Next final : public Model {
     hp_ = hp;
     be_ = &be;
     gdn_ = gdn_spec(hp_);
-    rope_ = backend::RopeSpec::standard(hp_.n_rot, hp_.rope_freq_base, backend::RopeSpec::Mode::Neox,
-                                        opts.rope_freqs_bf16);
+    rope_ =
+        backend::RopeSpec::standard(hp_.n_rot, hp_.rope_freq_base, backend::RopeSpec::Mode::Neox, opts.rope_freqs_bf16);
     attn_ = attention_spec(&rope_);
     attn_.q_gate = true;
     const backend::RouterSpec router = softmax_router();

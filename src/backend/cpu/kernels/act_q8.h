@@ -23,7 +23,6 @@
 
 namespace strata::cpu::kernels::detail {
 
-
 /// Quantizes one block of 32 activations: d = amax / 127, q = nearest-even(x * (127 / amax));
 /// all zero when amax == 0. A non-finite amax gives d = NaN and q = 0, so that the NaN reaches
 /// the output instead of disappearing into integer codes.
@@ -54,7 +53,6 @@ static inline float quantize_block_q8(const float* x, int8_t* q) {
 float quantize_block_q8_avx512(const float* x, int8_t* q, int16_t* s16);
 /// AVX2 twin of quantize_block_q8 (identical codes and scale); also returns the two 16-sums.
 float quantize_block_q8_avx2(const float* x, int8_t* q, int16_t* s16);
-
 
 // Lane orders. The kernels of the 256-weight super-block types read a token's int8 codes rearranged
 // within each 256-block so that every int32 lane of vpdpbusd stays in one 32-block (one
@@ -95,17 +93,17 @@ constexpr int kQ8Prefetch = 8192;
 /// u_j with the activation codes in integers and apply fd per 32-block; fc multiplies the
 /// block's code sum (the s16 sums of ActQ8), so no per-weight offset is ever formed.
 struct B32Format {
-  int bytes;              ///< block size in bytes
-  int qs;                 ///< offset of the codes: 32 int8 (Q8_0) or 16 bytes of nibbles (element
-                          ///< j < 16 in the low nibble of byte j, j >= 16 in the high one of j-16)
-  int qh;                 ///< offset of the uint32 whose bit j is bit 4 of element j's code, or -1
-  int min;                ///< offset of the fp16 min m (fc = m), or -1 (fc = -offset * fd)
-  int offset;             ///< w_j = fd * (u_j - offset) without a min (Q8_0, IQ4_NL: 128, Q4_0: 8,
-                          ///< Q5_0: 16, MXFP4: 12; with a min 0). u_j is the raw code (Q4_0..Q5_1:
-                          ///< nibble | fifth bit << 4), values[code] + offset (IQ4_NL, MXFP4) or
-                          ///< code + 128 (Q8_0); u_j <= 255, and <= 31 unless offset is 128
-  const int8_t* values;   ///< 4-bit codes index this table (IQ4_NL, MXFP4), or null
-  bool e8m0;              ///< fd is the E8M0 byte at offset 0 halved (MXFP4), else fp16 at offset 0
+  int bytes;             ///< block size in bytes
+  int qs;                ///< offset of the codes: 32 int8 (Q8_0) or 16 bytes of nibbles (element
+                         ///< j < 16 in the low nibble of byte j, j >= 16 in the high one of j-16)
+  int qh;                ///< offset of the uint32 whose bit j is bit 4 of element j's code, or -1
+  int min;               ///< offset of the fp16 min m (fc = m), or -1 (fc = -offset * fd)
+  int offset;            ///< w_j = fd * (u_j - offset) without a min (Q8_0, IQ4_NL: 128, Q4_0: 8,
+                         ///< Q5_0: 16, MXFP4: 12; with a min 0). u_j is the raw code (Q4_0..Q5_1:
+                         ///< nibble | fifth bit << 4), values[code] + offset (IQ4_NL, MXFP4) or
+                         ///< code + 128 (Q8_0); u_j <= 255, and <= 31 unless offset is 128
+  const int8_t* values;  ///< 4-bit codes index this table (IQ4_NL, MXFP4), or null
+  bool e8m0;             ///< fd is the E8M0 byte at offset 0 halved (MXFP4), else fp16 at offset 0
   /// values != nullptr, as a constant expression (a comparison of an extern array's address
   /// with null is not one in every build mode: sanitizers make it a run-time check)
   bool table;
@@ -143,9 +141,7 @@ static void with_b32_type(GgmlType t, Fn&& fn) {
 }
 
 /// Weight types with an int8 dot product (the others keep fp32 activations in q8 mode).
-static constexpr bool has_q8_kernel(GgmlType t) {
-  return b32_format(t).bytes != 0 || has_lane_order(t);
-}
+static constexpr bool has_q8_kernel(GgmlType t) { return b32_format(t).bytes != 0 || has_lane_order(t); }
 
 /// Tokens [t0, t1) of `a` rewritten for the lane-order kernels of type t (has_lane_order(t);
 /// a.cols % 256 == 0), token-major:
@@ -269,13 +265,12 @@ static bool run_q8_blocks(const MatmulArgs& m, const ActQ8& a, K& k) {
     with_b32_type(m.type, [&](auto type) {
       rows_by_tiles<MAXT>(m, t0, t1, [&](auto tb, const uint8_t* w, int64_t t, float* y) {
         k.template b32_row<decltype(type)::value, decltype(tb)::value>(w, Tokens{a.qt(t), a.dt(t), a.st(t), a.cols},
-                                                                      t - t0, y, m.ldy);
+                                                                       t - t0, y, m.ldy);
       });
     });
   }
   return true;
 }
-
 
 /// Scalar q8 family (the definition of the arithmetic): y[t][r] for rows [row_begin, row_end).
 void matmul_q8_scalar(const MatmulArgs& m, const ActQ8& a);

@@ -21,8 +21,8 @@
 
 #include "backend/cpu/kernels/act_q8.h"
 #include "backend/cpu/kernels/kernels_impl.h"
-#include "quant/quant_tables.h"
 #include "backend/cpu/kernels/simd_intrin.h"
+#include "quant/quant_tables.h"
 
 namespace strata::cpu::kernels::detail::iq2q8 {
 namespace {  // internal linkage: compiled once per instruction set

@@ -85,13 +85,12 @@ ActQuant parse_act_quant(const std::string& s) {
   throw std::invalid_argument("unknown activation mode '" + s + "' (expected f32|q8|auto)");
 }
 
-bool has_q8_activations(const KernelConfig& k, GgmlType t) {
-  return k.act == ActQuant::Q8 && detail::has_q8_kernel(t);
-}
+bool has_q8_activations(const KernelConfig& k, GgmlType t) { return k.act == ActQuant::Q8 && detail::has_q8_kernel(t); }
 
 void ActQ8::resize(int64_t n_tok_, int64_t cols_, GgmlType for_type) {
   if (cols_ <= 0 || cols_ % 32 != 0 || n_tok_ < 0)
-    throw std::runtime_error("cpu::kernels: q8 activations need a positive multiple of 32 columns, got " + std::to_string(cols_));
+    throw std::runtime_error("cpu::kernels: q8 activations need a positive multiple of 32 columns, got " +
+                             std::to_string(cols_));
   cols = cols_;
   n_tok = n_tok_;
   const auto grow = [](auto& v, int64_t n) {
@@ -109,7 +108,8 @@ void ActQ8::resize(int64_t n_tok_, int64_t cols_, GgmlType for_type) {
 }
 
 void quantize_activations(const KernelConfig& k, const float* x, int64_t ldx, int64_t t0, int64_t t1, ActQ8& a) {
-  if (t0 < 0 || t1 > a.n_tok || t0 > t1) throw std::runtime_error("cpu::kernels::quantize_activations: token range outside the buffer");
+  if (t0 < 0 || t1 > a.n_tok || t0 > t1)
+    throw std::runtime_error("cpu::kernels::quantize_activations: token range outside the buffer");
   const CpuKernels fam = k.family;
   const int64_t nb = a.cols / 32;
   for (int64_t t = t0; t < t1; ++t) {
@@ -141,26 +141,35 @@ void quantize_activations(const KernelConfig& k, const float* x, int64_t ldx, in
 
 void matmul_q8(const KernelConfig& k, GgmlType t, const void* W, size_t row_bytes, int64_t row_begin, int64_t row_end,
                int64_t cols, const ActQ8& act, float* y, int64_t ldy) {
-  if (!has_q8_activations(k, t)) throw std::runtime_error("cpu::kernels::matmul_q8: no q8 activations for " + std::string(detail::type_name(t)));
-  if (act.cols != cols) throw std::runtime_error("cpu::kernels::matmul_q8: activations have " + std::to_string(act.cols) + " columns, W has " + std::to_string(cols));
+  if (!has_q8_activations(k, t))
+    throw std::runtime_error("cpu::kernels::matmul_q8: no q8 activations for " + std::string(detail::type_name(t)));
+  if (act.cols != cols)
+    throw std::runtime_error("cpu::kernels::matmul_q8: activations have " + std::to_string(act.cols) +
+                             " columns, W has " + std::to_string(cols));
   if (row_begin < 0 || row_end < row_begin) throw std::runtime_error("cpu::kernels::matmul_q8: bad row range");
-  if (row_bytes < quant::row_size(t, cols)) throw std::runtime_error("cpu::kernels::matmul_q8: row_bytes smaller than one row");
+  if (row_bytes < quant::row_size(t, cols))
+    throw std::runtime_error("cpu::kernels::matmul_q8: row_bytes smaller than one row");
   if (row_end == row_begin || act.n_tok == 0) return;
-  run_q8(k, {t, static_cast<const uint8_t*>(W), row_bytes, row_begin, row_end, cols, nullptr, 0, act.n_tok, y, ldy}, act);
+  run_q8(k, {t, static_cast<const uint8_t*>(W), row_bytes, row_begin, row_end, cols, nullptr, 0, act.n_tok, y, ldy},
+         act);
 }
 
 void matmul(const KernelConfig& k, GgmlType t, const void* W, size_t row_bytes, int64_t row_begin, int64_t row_end,
             int64_t cols, const float* x, int64_t ldx, int64_t n_tok, float* y, int64_t ldy) {
   const detail::Geometry g = detail::geometry(t);
-  if (!detail::implemented(t)) throw std::runtime_error("cpu::kernels::matmul: unsupported type " + std::string(detail::type_name(t)));
+  if (!detail::implemented(t))
+    throw std::runtime_error("cpu::kernels::matmul: unsupported type " + std::string(detail::type_name(t)));
   if (cols <= 0 || cols % g.elems != 0)
-    throw std::runtime_error("cpu::kernels::matmul: cols=" + std::to_string(cols) + " is not a positive multiple of the " +
-                             std::to_string(g.elems) + "-element block of " + std::string(detail::type_name(t)));
+    throw std::runtime_error("cpu::kernels::matmul: cols=" + std::to_string(cols) +
+                             " is not a positive multiple of the " + std::to_string(g.elems) + "-element block of " +
+                             std::string(detail::type_name(t)));
   if (row_begin < 0 || row_end < row_begin || n_tok < 0)
     throw std::runtime_error("cpu::kernels::matmul: bad row range or token count");
-  if (row_bytes < quant::row_size(t, cols)) throw std::runtime_error("cpu::kernels::matmul: row_bytes smaller than one row");
+  if (row_bytes < quant::row_size(t, cols))
+    throw std::runtime_error("cpu::kernels::matmul: row_bytes smaller than one row");
   if (row_end == row_begin || n_tok == 0) return;
-  const detail::MatmulArgs a{t, static_cast<const uint8_t*>(W), row_bytes, row_begin, row_end, cols, x, ldx, n_tok, y, ldy};
+  const detail::MatmulArgs a{t,  static_cast<const uint8_t*>(W), row_bytes, row_begin, row_end, cols, x, ldx, n_tok, y,
+                             ldy};
   if (has_q8_activations(k, t)) {
     thread_local ActQ8 act;
     act.resize(n_tok, cols, t);

@@ -4,8 +4,8 @@
 // 1 activation register out of 16; fused path up to 4 tokens).
 #include "backend/cpu/kernels/simd_intrin.h"
 //
-#include "backend/cpu/kernels/simd_driver.h"
 #include "backend/cpu/kernels/simd_decoders.h"
+#include "backend/cpu/kernels/simd_driver.h"
 
 namespace strata::cpu::kernels::detail {
 
@@ -25,7 +25,9 @@ struct V256 {
   static vec fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
   static vec add(vec a, vec b) { return _mm256_add_ps(a, b); }
   static float hsum(vec v) { return simd_hsum8(v); }
-  static vec load_f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static vec load_f16(const uint8_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
   static vec load_bf16(const uint8_t* p) {
     const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));

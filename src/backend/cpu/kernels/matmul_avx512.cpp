@@ -3,9 +3,9 @@
 // (row, token) pair; panel micro-kernel 3 rows x 4 tokens; fused path up to 4 tokens).
 #include "backend/cpu/kernels/simd_intrin.h"
 //
-#include "backend/cpu/kernels/simd_driver.h"
-#include "backend/cpu/kernels/simd_decoders.h"
 #include "backend/cpu/kernels/act_q8.h"
+#include "backend/cpu/kernels/simd_decoders.h"
+#include "backend/cpu/kernels/simd_driver.h"
 
 namespace strata::cpu::kernels::detail {
 
@@ -16,15 +16,15 @@ struct V512 {
   static constexpr int W = 16, RB = 3, TB = 4, FUSED_MAX = 4;
   static vec zero() { return _mm512_setzero_ps(); }
   static vec loadu(const float* p) { return _mm512_loadu_ps(p); }
-  static vec loadu_n(const float* p, int n) {
-    return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1u), p);
-  }
+  static vec loadu_n(const float* p, int n) { return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1u), p); }
   static void store(float* p, vec v) { _mm512_store_ps(p, v); }
   static void storeu(float* p, vec v) { _mm512_storeu_ps(p, v); }
   static vec fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
   static vec add(vec a, vec b) { return _mm512_add_ps(a, b); }
   static float hsum(vec v) { return simd_hsum16(v); }
-  static vec load_f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static vec load_f16(const uint8_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
   static vec load_bf16(const uint8_t* p) {
     const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
@@ -156,11 +156,11 @@ inline void q4_k_scales(const uint8_t* b, float* dm) {
   const uint32_t sc_lo = u[0] & 0x3f3f3f3fu, m_lo = u[1] & 0x3f3f3f3fu;
   const uint32_t sc_hi = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
   const uint32_t m_hi = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
-  const __m128i v = _mm_setr_epi32(static_cast<int>(sc_lo), static_cast<int>(sc_hi), static_cast<int>(m_lo),
-                                   static_cast<int>(m_hi));
+  const __m128i v =
+      _mm_setr_epi32(static_cast<int>(sc_lo), static_cast<int>(sc_hi), static_cast<int>(m_lo), static_cast<int>(m_hi));
   const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
-  const __m512 dd = _mm512_insertf32x8(_mm512_set1_ps(_cvtsh_ss(load_u16(b))),
-                                       _mm256_set1_ps(_cvtsh_ss(load_u16(b + 2))), 1);
+  const __m512 dd =
+      _mm512_insertf32x8(_mm512_set1_ps(_cvtsh_ss(load_u16(b))), _mm256_set1_ps(_cvtsh_ss(load_u16(b + 2))), 1);
   _mm512_store_ps(dm, _mm512_mul_ps(dd, f));
 }
 
@@ -174,8 +174,8 @@ void lut_q4_k(const uint8_t* b, S& out, int64_t n) {
     const uint8_t* qs = b + 16;
 #pragma GCC unroll 16
     for (int p = 0; p < 4; ++p) {  // sub-blocks 2p (low nibbles) and 2p+1 (high nibbles)
-      const __m512 t0 = _mm512_sub_ps(opaque(_mm512_mul_ps(iota16(), _mm512_set1_ps(dm[2 * p]))),
-                                      _mm512_set1_ps(dm[8 + 2 * p]));
+      const __m512 t0 =
+          _mm512_sub_ps(opaque(_mm512_mul_ps(iota16(), _mm512_set1_ps(dm[2 * p]))), _mm512_set1_ps(dm[8 + 2 * p]));
       const __m512 t1 = _mm512_sub_ps(opaque(_mm512_mul_ps(iota16(), _mm512_set1_ps(dm[2 * p + 1]))),
                                       _mm512_set1_ps(dm[8 + 2 * p + 1]));
       const __m512i q0 = idx16(simd::ld16(qs + 32 * p)), q1 = idx16(simd::ld16(qs + 32 * p + 16));

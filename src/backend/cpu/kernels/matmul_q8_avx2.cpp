@@ -57,9 +57,9 @@ inline __m256i b32_codes(const uint8_t* b, __m256i table) {
     __m256i v = _mm256_and_si256(_mm256_srlv_epi64(v2, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0f));
     if constexpr (F.qh >= 0) {
       // bit j of qh -> 16 in byte j: byte j of a broadcast takes byte j/8 of qh, tests bit j%8
-      const __m256i hb = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(load_u32(b + F.qh))),
-                                             _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL,
-                                                                0x0303030303030303LL));
+      const __m256i hb =
+          _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(load_u32(b + F.qh))),
+                              _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
       const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
       v = _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, bit), bit), _mm256_set1_epi8(16)));
     }
@@ -98,8 +98,9 @@ inline void b32_group(const uint8_t* wg, int nv, const Tokens& tk, const int32_t
     for (int t = 0; t < TB; ++t) {
       const __m256i qx = load256(tk.q + t * tk.cols + 32 * (g + b));
       // offset 128: sum(u x) = sum(w x) + 128 * (the lane's code sum, x128 of the token)
-      const __m256i s = F.offset == 128 ? _mm256_add_epi32(dot_signed(u, qx), load256(x128 + t * (tk.cols / 4) + 8 * (g + b)))
-                                        : dot_acc(_mm256_setzero_si256(), u, qx);
+      const __m256i s = F.offset == 128
+                            ? _mm256_add_epi32(dot_signed(u, qx), load256(x128 + t * (tk.cols / 4) + 8 * (g + b)))
+                            : dot_acc(_mm256_setzero_si256(), u, qx);
       __m256& a = acc[t][(b / 2) & 1][b & 1];
       a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(&f[t][b]), a);
     }
@@ -123,7 +124,8 @@ void row_b32(const uint8_t* w, const Tokens& tk, const int32_t* x128, float* y, 
   int64_t g = 0;
   for (; g + 8 <= nb; g += 8) {
     const uint8_t* wg = w + F.bytes * g;
-    for (int o = 0; o < F.bytes * 8; o += 64) _mm_prefetch(reinterpret_cast<const char*>(wg) + kPrefetch + o, _MM_HINT_T0);
+    for (int o = 0; o < F.bytes * 8; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(wg) + kPrefetch + o, _MM_HINT_T0);
     b32_group<T, TB, true>(wg, 8, tk, x128, g, table, acc, corr);
   }
   if (g < nb) b32_group<T, TB, false>(w + F.bytes * g, static_cast<int>(nb - g), tk, x128, g, table, acc, corr);
@@ -162,7 +164,7 @@ void row_q4_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
   for (int t = 0; t < TB; ++t) acc[t][0] = acc[t][1] = accm[t] = _mm256_setzero_ps();
   const __m256i nib = _mm256_set1_epi8(0x0f), shift = _mm256_setr_epi64x(0, 4, 0, 4), bit4 = _mm256_set1_epi8(0x10);
   const __m256i up = _mm256_setr_epi64x(4, 3, 2, 1), down = _mm256_setr_epi64x(0, 1, 2, 3);  // bit s -> bit 4
-  const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);  // sub-block L/2
+  const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);       // sub-block L/2
   const int64_t nsb = tk.cols / 256;
   for (int64_t i = 0; i < nsb; ++i, w += kBytes) {
     for (int o = 0; o < kBytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + o, _MM_HINT_T0);
@@ -172,8 +174,9 @@ void row_q4_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
     i8x16_ps(_mm_shuffle_epi8(_mm_cvtsi64_si128(static_cast<long long>(sc)), pairs), false, scf);
     const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(w)));
     const __m256 dsc[2] = {_mm256_mul_ps(d, scf[0]), _mm256_mul_ps(d, scf[1])};
-    const __m256 dm = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(load_u16(w + 2))),
-                                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(m)))));
+    const __m256 dm =
+        _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(load_u16(w + 2))),
+                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(m)))));
     const uint8_t* qs = w + kQs;
     __m256i sum[TB][2];
     for (int t = 0; t < TB; ++t) sum[t][0] = sum[t][1] = _mm256_setzero_si256();
@@ -203,8 +206,8 @@ void row_q4_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
     for (int t = 0; t < TB; ++t) {
       const float* dxl = tk.dxl + t * (tk.cols / 16) + 16 * i;
       for (int half = 0; half < 2; ++half)
-        acc[t][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t][half]), _mm256_mul_ps(dsc[half], _mm256_loadu_ps(dxl + 8 * half)),
-                                       acc[t][half]);
+        acc[t][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t][half]),
+                                       _mm256_mul_ps(dsc[half], _mm256_loadu_ps(dxl + 8 * half)), acc[t][half]);
       accm[t] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(tk.xs + t * (tk.cols / 32) + 8 * i), accm[t]);
     }
   }
@@ -215,7 +218,8 @@ void row_q4_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
 /// acc + float(sc * (sum - (s16 << OFF))) * (d * dxl) (group_lanes_fma of the AVX-512 family).
 template <int OFF>
 inline __m256 group_lanes_fma(__m256 acc, __m256i sum, __m256 sc, __m256 d, const LaneTokens& tk, int64_t i, int half) {
-  const __m256i s16 = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tk.s16 + 16 * i + 8 * half)));
+  const __m256i s16 =
+      _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tk.s16 + 16 * i + 8 * half)));
   const __m256 S = _mm256_mul_ps(sc, _mm256_cvtepi32_ps(_mm256_sub_epi32(sum, _mm256_slli_epi32(s16, OFF))));
   return _mm256_fmadd_ps(S, _mm256_mul_ps(d, _mm256_loadu_ps(tk.dxl + 16 * i + 8 * half)), acc);
 }
@@ -229,7 +233,7 @@ template <int TB>
 void row_q6_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
   __m256 acc[TB][2];
   for (int t = 0; t < TB; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-  const __m256i nib = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);                      // r = (L%8)/2 >= 2: high nibble
+  const __m256i nib = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);  // r = (L%8)/2 >= 2: high nibble
   const __m256i up = _mm256_setr_epi32(4, 4, 2, 2, 0, 0, 32, 32), dn = _mm256_setr_epi32(32, 32, 32, 32, 32, 32, 2, 2);
   const __m256i lo4 = _mm256_set1_epi8(0x0f), hi2 = _mm256_set1_epi8(0x30);
   const int64_t nsb = tk.cols / 256;
@@ -271,7 +275,8 @@ void row_iq4_xs(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
   __m256 acc[TB][2];
   for (int t = 0; t < TB; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
   const __m256i nib = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4), lo4 = _mm256_set1_epi8(0x0f);
-  const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tables::kvalues_iq4nl)));
+  const __m256i kv =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tables::kvalues_iq4nl)));
   const int64_t nsb = tk.cols / 256;
   for (int64_t i = 0; i < nsb; ++i, w += 136) {
     for (int o = 0; o < 136; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + o, _MM_HINT_T0);
@@ -283,7 +288,8 @@ void row_iq4_xs(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
       const __m256i g = _mm256_add_epi32(_mm256_set1_epi32(4 * n), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
       const __m256i l4 = _mm256_and_si256(_mm256_srlv_epi32(lo, _mm256_slli_epi32(g, 2)), _mm256_set1_epi32(0xf));
       const __m256i h2 = _mm256_and_si256(_mm256_srlv_epi32(hi, _mm256_add_epi32(g, g)), _mm256_set1_epi32(3));
-      sc[n] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(l4, _mm256_slli_epi32(h2, 4)), _mm256_set1_epi32(32)));
+      sc[n] =
+          _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(l4, _mm256_slli_epi32(h2, 4)), _mm256_set1_epi32(32)));
     }
     const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(w)));
     __m256i sum[TB][2];
@@ -295,12 +301,14 @@ void row_iq4_xs(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
       for (int n = 0; n < 2; ++n) {
         // lanes 0-3 from the first 32 bytes of the half (groups 0-1), lanes 4-7 from the second
         const __m256i a = _mm256_permutevar8x32_epi32(load256(w + 8 + 64 * n), ix);
-        const __m256i b = _mm256_permutevar8x32_epi32(load256(w + 8 + 64 * n + 32), _mm256_setr_epi32(0, 0, 0, 0, k, k, 4 + k, 4 + k));
+        const __m256i b = _mm256_permutevar8x32_epi32(load256(w + 8 + 64 * n + 32),
+                                                      _mm256_setr_epi32(0, 0, 0, 0, k, k, 4 + k, 4 + k));
         const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_blend_epi32(a, b, 0xf0), nib), lo4);
         const __m256i u = _mm256_shuffle_epi8(kv, q);
 #pragma GCC unroll 4
         for (int t = 0; t < TB; ++t)
-          sum[t][n] = _mm256_add_epi32(sum[t][n], dot_signed(u, load256(tk.q + t * tk.cols + 256 * i + 64 * k + 32 * n)));
+          sum[t][n] =
+              _mm256_add_epi32(sum[t][n], dot_signed(u, load256(tk.q + t * tk.cols + 256 * i + 64 * k + 32 * n)));
       }
     }
 #pragma GCC unroll 4
@@ -308,7 +316,8 @@ void row_iq4_xs(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
       for (int n = 0; n < 2; ++n) {
         // sum(kv x) is the definition's sum((kv + 128) x) - 128 * the group's code sum
         const __m256 S = _mm256_mul_ps(sc[n], _mm256_cvtepi32_ps(sum[t][n]));
-        acc[t][n] = _mm256_fmadd_ps(S, _mm256_mul_ps(d, _mm256_loadu_ps(tk.dxl + t * (tk.cols / 16) + 16 * i + 8 * n)), acc[t][n]);
+        acc[t][n] = _mm256_fmadd_ps(S, _mm256_mul_ps(d, _mm256_loadu_ps(tk.dxl + t * (tk.cols / 16) + 16 * i + 8 * n)),
+                                    acc[t][n]);
       }
   }
   for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum8(_mm256_add_ps(acc[t][0], acc[t][1]));
@@ -359,7 +368,8 @@ void row_q2_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
         const __m256 x = _mm256_loadu_ps(tk.dxl + t * (tk.cols / 16) + 16 * i + 8 * n);
         const __m256i s16 = _mm256_cvtepi16_epi32(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(tk.s16 + t * (tk.cols / 16) + 16 * i + 8 * n)));
-        acc[t][n] = _mm256_fmadd_ps(_mm256_mul_ps(sc[n], _mm256_cvtepi32_ps(sum[t][n])), _mm256_mul_ps(d, x), acc[t][n]);
+        acc[t][n] =
+            _mm256_fmadd_ps(_mm256_mul_ps(sc[n], _mm256_cvtepi32_ps(sum[t][n])), _mm256_mul_ps(d, x), acc[t][n]);
         accm[t][n] = _mm256_fmadd_ps(_mm256_mul_ps(mn[n], _mm256_cvtepi32_ps(s16)), _mm256_mul_ps(dmin, x), accm[t][n]);
       }
   }
@@ -378,23 +388,25 @@ void row_q3_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
   const __m256i up[2] = {_mm256_setr_epi32(2, 2, 1, 1, 0, 0, 32, 32), _mm256_set1_epi32(32)};
   const __m256i dn[2] = {_mm256_setr_epi32(32, 32, 32, 32, 32, 32, 1, 1), _mm256_setr_epi32(2, 2, 3, 3, 4, 4, 5, 5)};
   // six-bit scale of group L: low 4 bits of byte L%8 >> 4(L/8), high 2 of byte 8 + L%4 >> 2(L/4)
-  const __m256i lo_byte = _mm256_setr_epi32(0x80808000, 0x80808001, 0x80808002, 0x80808003, 0x80808004, 0x80808005,
-                                            0x80808006, 0x80808007);
-  const __m256i hi_byte = _mm256_setr_epi32(0x80808008, 0x80808009, 0x8080800a, 0x8080800b, 0x80808008, 0x80808009,
-                                            0x8080800a, 0x8080800b);
+  const __m256i lo_byte =
+      _mm256_setr_epi32(0x80808000, 0x80808001, 0x80808002, 0x80808003, 0x80808004, 0x80808005, 0x80808006, 0x80808007);
+  const __m256i hi_byte =
+      _mm256_setr_epi32(0x80808008, 0x80808009, 0x8080800a, 0x8080800b, 0x80808008, 0x80808009, 0x8080800a, 0x8080800b);
   const __m256i hi_shift[2] = {_mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2), _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6)};
   const __m256i bit2 = _mm256_set1_epi8(4);
   const int64_t nsb = tk.cols / 256;
   for (int64_t i = 0; i < nsb; ++i, w += 110) {
     for (int o = 0; o < 110; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + o, _MM_HINT_T0);
-    const __m256i sb = _mm256_broadcastsi128_si256(
-        _mm_insert_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 96)), static_cast<int>(load_u32(w + 104)), 2));
+    const __m256i sb =
+        _mm256_broadcastsi128_si256(_mm_insert_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 96)),
+                                                     static_cast<int>(load_u32(w + 104)), 2));
     const __m256i lo = _mm256_shuffle_epi8(sb, lo_byte), hi = _mm256_shuffle_epi8(sb, hi_byte);
     __m256 sc[2];
     for (int n = 0; n < 2; ++n) {
       const __m256i l4 = _mm256_and_si256(_mm256_srli_epi32(lo, 4 * n), _mm256_set1_epi32(0xf));
       const __m256i h2 = _mm256_and_si256(_mm256_srlv_epi32(hi, hi_shift[n]), _mm256_set1_epi32(3));
-      sc[n] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(l4, _mm256_slli_epi32(h2, 4)), _mm256_set1_epi32(32)));
+      sc[n] =
+          _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(l4, _mm256_slli_epi32(h2, 4)), _mm256_set1_epi32(32)));
     }
     const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(w + 108)));
     const __m256i hm = load256(w);
@@ -406,7 +418,8 @@ void row_q3_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
       const __m256i h = _mm256_permutevar8x32_epi32(hm, ix);
 #pragma GCC unroll 2
       for (int n = 0; n < 2; ++n) {
-        const __m256i hb = _mm256_and_si256(_mm256_or_si256(_mm256_sllv_epi32(h, up[n]), _mm256_srlv_epi32(h, dn[n])), bit2);
+        const __m256i hb =
+            _mm256_and_si256(_mm256_or_si256(_mm256_sllv_epi32(h, up[n]), _mm256_srlv_epi32(h, dn[n])), bit2);
         const __m256i u = _mm256_or_si256(q2_planes(w + 32, n, ix), hb);
 #pragma GCC unroll 2
         for (int t = 0; t < TB; ++t)
@@ -430,7 +443,9 @@ inline __m256i nibble_masks(__m256i v) {
 }
 
 /// x with the bytes under mask m (0xff) negated.
-inline __m256i negate_where(__m256i x, __m256i m) { return _mm256_sign_epi8(x, _mm256_or_si256(m, _mm256_set1_epi8(1))); }
+inline __m256i negate_where(__m256i x, __m256i m) {
+  return _mm256_sign_epi8(x, _mm256_or_si256(m, _mm256_set1_epi8(1)));
+}
 
 /// IQ3_S in Q6_K's lane order: in chunk k lane L's grid entry is 4L + k, byte k of qs dword L
 /// with its 9th bit, bit 4(L%8) + k of qh word L/8, gathered by one vpgatherdd per 8 lanes; the
@@ -459,7 +474,8 @@ void row_iq3_s(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
     for (int n = 0; n < 2; ++n) {
       qs[n] = load256(w + 2 + 32 * n);
       qh[n] = _mm256_set1_epi32(static_cast<int>(load_u32(w + 66 + 4 * n)));
-      sg[n] = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 74 + 16 * n)));  // word L in lane L
+      sg[n] = _mm256_cvtepu16_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 74 + 16 * n)));  // word L in lane L
     }
     __m256i sum[TB][2];
     for (int t = 0; t < TB; ++t) sum[t][0] = sum[t][1] = _mm256_setzero_si256();
@@ -467,7 +483,8 @@ void row_iq3_s(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
     for (int k = 0; k < 4; ++k) {
 #pragma GCC unroll 2
       for (int n = 0; n < 2; ++n) {
-        const __m256i hb = _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(qh[n], _mm256_add_epi32(hshift, _mm256_set1_epi32(k))), one), 8);
+        const __m256i hb = _mm256_slli_epi32(
+            _mm256_and_si256(_mm256_srlv_epi32(qh[n], _mm256_add_epi32(hshift, _mm256_set1_epi32(k))), one), 8);
         const __m256i ix = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(qs[n], 8 * k), lo8), hb);
         const __m256i g = _mm256_i32gather_epi32(grid, ix, 4);
         const __m256i neg = nibble_masks(_mm256_srli_epi32(sg[n], 4 * k));
@@ -499,8 +516,8 @@ void row_iq2_xs(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
   __m256 acc[TB][2];
   for (int t = 0; t < TB; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
   const __m256i m511 = _mm256_set1_epi64x(511), one = _mm256_set1_epi16(1);
-  const __m256i rep = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8, 0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8,
-                                       8, 8, 8, 8);
+  const __m256i rep =
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8, 0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8);
   const __m256i bits = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
   const long long* grid = reinterpret_cast<const long long*>(tables::iq2xs_grid);
   const int64_t nsb = tk.cols / 256;
@@ -533,7 +550,8 @@ void row_iq2_xs(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
 #pragma GCC unroll 2
       for (int n = 0; n < 2; ++n) {
         const __m256i wq = _mm256_i64gather_epi64(grid, _mm256_and_si256(_mm256_srli_epi64(codes[n], 16 * k), m511), 8);
-        const __m256i neg = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_srli_epi64(sb[n], 16 * k), rep), bits), bits);
+        const __m256i neg =
+            _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_srli_epi64(sb[n], 16 * k), rep), bits), bits);
 #pragma GCC unroll 2
         for (int t = 0; t < TB; ++t) {
           const __m256i qx = load256(tk.q + t * tk.cols + 256 * i + 64 * k + 32 * n);
@@ -581,7 +599,8 @@ float quantize_block_q8_avx2(const float* x, int8_t* q, int16_t* s16) {
   for (int c = 0; c < 4; ++c) qi[c] = _mm256_cvtps_epi32(_mm256_mul_ps(v[c], _mm256_set1_ps(id)));
   // packs interleave 128-bit lanes: [0-3 8-11 4-7 12-15] per 16-bit pack, fixed by one dword permute
   const __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]), p16b = _mm256_packs_epi32(qi[2], qi[3]);
-  const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  const __m256i p8 =
+      _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), p8);
   for (int h = 0; h < 2; ++h) {
     const __m256i s = _mm256_add_epi32(qi[2 * h], qi[2 * h + 1]);
@@ -604,14 +623,22 @@ struct Avx2Q8 {
   template <GgmlType T, int TB>
   void lane_row(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) const {
     using G = GgmlType;
-    if constexpr (T == G::Q4_K) row_q4_k<TB, false>(w, tk, y, ldy);
-    else if constexpr (T == G::Q5_K) row_q4_k<TB, true>(w, tk, y, ldy);
-    else if constexpr (T == G::Q6_K) row_q6_k<TB>(w, tk, y, ldy);
-    else if constexpr (T == G::IQ4_XS) row_iq4_xs<TB>(w, tk, y, ldy);
-    else if constexpr (T == G::Q2_K) row_q2_k<TB>(w, tk, y, ldy);
-    else if constexpr (T == G::Q3_K) row_q3_k<TB>(w, tk, y, ldy);
-    else if constexpr (T == G::IQ3_S) row_iq3_s<TB>(w, tk, y, ldy);
-    else row_iq2_xs<TB>(w, tk, y, ldy);  // IQ2_XS: with_lane_type lists exactly these
+    if constexpr (T == G::Q4_K)
+      row_q4_k<TB, false>(w, tk, y, ldy);
+    else if constexpr (T == G::Q5_K)
+      row_q4_k<TB, true>(w, tk, y, ldy);
+    else if constexpr (T == G::Q6_K)
+      row_q6_k<TB>(w, tk, y, ldy);
+    else if constexpr (T == G::IQ4_XS)
+      row_iq4_xs<TB>(w, tk, y, ldy);
+    else if constexpr (T == G::Q2_K)
+      row_q2_k<TB>(w, tk, y, ldy);
+    else if constexpr (T == G::Q3_K)
+      row_q3_k<TB>(w, tk, y, ldy);
+    else if constexpr (T == G::IQ3_S)
+      row_iq3_s<TB>(w, tk, y, ldy);
+    else
+      row_iq2_xs<TB>(w, tk, y, ldy);  // IQ2_XS: with_lane_type lists exactly these
   }
   bool lane_block(const MatmulArgs&, int64_t, int64_t, const LaneTokens&) const { return false; }
 

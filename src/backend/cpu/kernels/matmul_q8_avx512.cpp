@@ -26,7 +26,6 @@ namespace {
 constexpr int kPrefetch = kQ8Prefetch;
 using b32::b32_factors;
 
-
 /// acc + per int32 lane the sum of its 4 products u * s (u unsigned, s signed bytes):
 /// vpdpbusd, or vpmaddubsw + vpmaddwd (the same integers while no pair sum saturates).
 template <bool VNNI>
@@ -38,8 +37,7 @@ inline __m512i dot_acc(__m512i acc, __m512i u, __m512i s) {
 /// vpermps indices that spread lanes 2c and 2c+1 of an 8-float vector over the two halves of
 /// a zmm (lanes 0-7 and 8-15), for c = 0..3: one per-block factor per 8 int32 lanes.
 inline void pair_lanes(__m512i (&idx)[4]) {
-  for (int c = 0; c < 4; ++c)
-    idx[c] = _mm512_inserti64x4(_mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1);
+  for (int c = 0; c < 4; ++c) idx[c] = _mm512_inserti64x4(_mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1);
 }
 
 /// The codes u_j (b32_format) of two consecutive blocks of a 32-weight block type as unsigned
@@ -51,14 +49,15 @@ inline __m512i b32_pair(const uint8_t* b, bool two, __m512i table) {
   constexpr B32Format F = b32_format(T);
   const uint8_t* b1 = two ? b + F.bytes : b;
   if constexpr (F.qs + 32 == F.bytes) {  // Q8_0: int8 codes, + 128
-    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + F.qs))),
-                                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + F.qs)), 1);
+    const __m512i v =
+        _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + F.qs))),
+                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + F.qs)), 1);
     return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
   } else {
     // [qs, qs, qs', qs'] -> low nibbles in 128-bit lanes 0 and 2 (elements 0-15), high in 1 and 3
-    const __m512i v2 = _mm512_mask_broadcast_i32x4(
-        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + F.qs))), 0xff00,
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + F.qs)));
+    const __m512i v2 =
+        _mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + F.qs))),
+                                    0xff00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + F.qs)));
     __m512i v = _mm512_and_si512(_mm512_mask_srli_epi16(v2, 0xff00ff00u, v2, 4), _mm512_set1_epi8(0x0f));
     if constexpr (F.qh >= 0) {
       const uint64_t h = load_u32(b + F.qh) | (static_cast<uint64_t>(load_u32(b1 + F.qh)) << 32);
@@ -88,8 +87,8 @@ inline __m512i dot_b32(__m512i u, __m512i qx) {
 
 /// One group of (up to) 8 blocks of a 32-weight block type against TB tokens; FULL: all 8 valid.
 template <GgmlType T, int TB, bool VNNI, bool FULL>
-inline void b32_group(const uint8_t* wg, int nv, const Tokens& tk, int64_t g, __m512i table, __m512* acc0,
-                      __m512* acc1, __m256* corr) {
+inline void b32_group(const uint8_t* wg, int nv, const Tokens& tk, int64_t g, __m512i table, __m512* acc0, __m512* acc1,
+                      __m256* corr) {
   constexpr B32Format F = b32_format(T);
   __m512i idx[4];
   pair_lanes(idx);
@@ -143,7 +142,8 @@ void row_b32(const uint8_t* w, const Tokens& tk, float* y, int64_t ldy) {
   int64_t g = 0;
   for (; g + 8 <= nb; g += 8) {
     const uint8_t* wg = w + F.bytes * g;
-    for (int o = 0; o < F.bytes * 8; o += 64) _mm_prefetch(reinterpret_cast<const char*>(wg) + kPrefetch + o, _MM_HINT_T0);
+    for (int o = 0; o < F.bytes * 8; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(wg) + kPrefetch + o, _MM_HINT_T0);
     b32_group<T, TB, VNNI, true>(wg, 8, tk, g, table, acc0, acc1, corr);
   }
   if (g < nb) b32_group<T, TB, VNNI, false>(w + F.bytes * g, static_cast<int>(nb - g), tk, g, table, acc0, acc1, corr);
@@ -175,9 +175,11 @@ void row_q4_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
     uint64_t sc, m;
     k4_scales_packed(w + 4, sc, m);
     const __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(load_u16(w))),
-                                     _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_cvtsi64_si128(static_cast<long long>(sc)), pairs))));
-    const __m256 dm = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(load_u16(w + 2))),
-                                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(m)))));
+                                     _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                         _mm_shuffle_epi8(_mm_cvtsi64_si128(static_cast<long long>(sc)), pairs))));
+    const __m256 dm =
+        _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(load_u16(w + 2))),
+                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(m)))));
     const __m512i qa = _mm512_loadu_si512(w + kQs), qb = _mm512_loadu_si512(w + kQs + 64);
     __m512i sum[TB];
     for (int t = 0; t < TB; ++t) sum[t] = _mm512_setzero_si512();
@@ -194,7 +196,8 @@ void row_q4_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
         wq = _mm512_and_si512(_mm512_srlv_epi64(v, shift), nib);
       }
 #pragma GCC unroll 4
-      for (int t = 0; t < TB; ++t) sum[t] = dot_acc<VNNI>(sum[t], wq, _mm512_loadu_si512(tk.q + t * tk.cols + 256 * i + 64 * k));
+      for (int t = 0; t < TB; ++t)
+        sum[t] = dot_acc<VNNI>(sum[t], wq, _mm512_loadu_si512(tk.q + t * tk.cols + 256 * i + 64 * k));
     }
 #pragma GCC unroll 4
     for (int t = 0; t < TB; ++t) {
@@ -255,17 +258,20 @@ void row_q6_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
   for (int64_t i = 0; i < nsb; ++i, w += 210) {
     for (int o = 0; o < 210; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + o, _MM_HINT_T0);
     const __m512i qla = _mm512_loadu_si512(w), qlb = _mm512_loadu_si512(w + 64), qh = _mm512_loadu_si512(w + 128);
-    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192))));
+    const __m512 sc =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192))));
     const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(w + 208)));
     __m512i sum[TB];
     for (int t = 0; t < TB; ++t) sum[t] = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int k = 0; k < 4; ++k) {
       const __m512i l = _mm512_srlv_epi32(_mm512_permutex2var_epi32(qla, _mm512_loadu_si512(idx.ql[k]), qlb), nib);
-      const __m512i hbits = _mm512_and_si512(_mm512_rolv_epi32(_mm512_permutexvar_epi32(_mm512_loadu_si512(idx.qh[k]), qh), rot), hi2);
+      const __m512i hbits =
+          _mm512_and_si512(_mm512_rolv_epi32(_mm512_permutexvar_epi32(_mm512_loadu_si512(idx.qh[k]), qh), rot), hi2);
       const __m512i q6 = _mm512_ternarylogic_epi32(l, lo4, hbits, 0xea);  // (l & 0x0f) | hbits
 #pragma GCC unroll 4
-      for (int t = 0; t < TB; ++t) sum[t] = dot_acc<VNNI>(sum[t], q6, _mm512_loadu_si512(tk.q + t * tk.cols + 256 * i + 64 * k));
+      for (int t = 0; t < TB; ++t)
+        sum[t] = dot_acc<VNNI>(sum[t], q6, _mm512_loadu_si512(tk.q + t * tk.cols + 256 * i + 64 * k));
     }
 #pragma GCC unroll 4
     for (int t = 0; t < TB; ++t) acc[t] = group_lanes_fma<5>(acc[t], sum[t], sc, d, tk.from(t), i);
@@ -303,14 +309,18 @@ void row_q2_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
     for (int t = 0; t < TB; ++t) sum[t] = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int k = 0; k < 4; ++k) {
-      const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(_mm512_loadu_si512(idx.qs[k]), qs), shift), three);
+      const __m512i q =
+          _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(_mm512_loadu_si512(idx.qs[k]), qs), shift),
+                           three);
 #pragma GCC unroll 4
-      for (int t = 0; t < TB; ++t) sum[t] = dot_acc<VNNI>(sum[t], q, _mm512_loadu_si512(tk.q + t * tk.cols + 256 * i + 64 * k));
+      for (int t = 0; t < TB; ++t)
+        sum[t] = dot_acc<VNNI>(sum[t], q, _mm512_loadu_si512(tk.q + t * tk.cols + 256 * i + 64 * k));
     }
 #pragma GCC unroll 4
     for (int t = 0; t < TB; ++t) {
       const __m512 x = _mm512_loadu_ps(tk.dxl + t * (tk.cols / 16) + 16 * i);
-      const __m512i s16 = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tk.s16 + t * (tk.cols / 16) + 16 * i)));
+      const __m512i s16 = _mm512_cvtepi16_epi32(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tk.s16 + t * (tk.cols / 16) + 16 * i)));
       acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(sc, _mm512_cvtepi32_ps(sum[t])), _mm512_mul_ps(d, x), acc[t]);
       accm[t] = _mm512_fmadd_ps(_mm512_mul_ps(mn, _mm512_cvtepi32_ps(s16)), _mm512_mul_ps(dmin, x), accm[t]);
     }
@@ -353,11 +363,17 @@ void row_q3_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
   for (int64_t i = 0; i < nsb; ++i, w += 110) {
     for (int o = 0; o < 110; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + o, _MM_HINT_T0);
     // the 12 scale bytes (read as 8 + 4: a 16-byte load would pass the block's end)
-    const __m512i s16b = _mm512_broadcast_i32x4(
-        _mm_insert_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 96)), static_cast<int>(load_u32(w + 104)), 2));
-    const __m512i lo = _mm512_and_si512(_mm512_srlv_epi32(_mm512_shuffle_epi8(s16b, _mm512_loadu_si512(idx.lo_byte)), _mm512_loadu_si512(idx.lo_shift)), _mm512_set1_epi32(0xf));
-    const __m512i hi = _mm512_and_si512(_mm512_srlv_epi32(_mm512_shuffle_epi8(s16b, _mm512_loadu_si512(idx.hi_byte)), _mm512_loadu_si512(idx.hi_shift)), _mm512_set1_epi32(3));
-    const __m512 sc = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi32(32)));
+    const __m512i s16b =
+        _mm512_broadcast_i32x4(_mm_insert_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 96)),
+                                                static_cast<int>(load_u32(w + 104)), 2));
+    const __m512i lo = _mm512_and_si512(_mm512_srlv_epi32(_mm512_shuffle_epi8(s16b, _mm512_loadu_si512(idx.lo_byte)),
+                                                          _mm512_loadu_si512(idx.lo_shift)),
+                                        _mm512_set1_epi32(0xf));
+    const __m512i hi = _mm512_and_si512(_mm512_srlv_epi32(_mm512_shuffle_epi8(s16b, _mm512_loadu_si512(idx.hi_byte)),
+                                                          _mm512_loadu_si512(idx.hi_shift)),
+                                        _mm512_set1_epi32(3));
+    const __m512 sc =
+        _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi32(32)));
     const __m512i hm = _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
     const __m512i qs = _mm512_loadu_si512(w + 32);
     const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(w + 108)));
@@ -365,11 +381,15 @@ void row_q3_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
     for (int t = 0; t < TB; ++t) sum[t] = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int k = 0; k < 4; ++k) {
-      const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(_mm512_loadu_si512(idx.qs[k]), qs), shift), three);
-      const __m512i h = _mm512_and_si512(_mm512_rolv_epi32(_mm512_permutexvar_epi32(_mm512_loadu_si512(idx.hm[k]), hm), rot), bit2);
+      const __m512i q =
+          _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(_mm512_loadu_si512(idx.qs[k]), qs), shift),
+                           three);
+      const __m512i h =
+          _mm512_and_si512(_mm512_rolv_epi32(_mm512_permutexvar_epi32(_mm512_loadu_si512(idx.hm[k]), hm), rot), bit2);
       const __m512i u = _mm512_or_si512(q, h);
 #pragma GCC unroll 4
-      for (int t = 0; t < TB; ++t) sum[t] = dot_acc<VNNI>(sum[t], u, _mm512_loadu_si512(tk.q + t * tk.cols + 256 * i + 64 * k));
+      for (int t = 0; t < TB; ++t)
+        sum[t] = dot_acc<VNNI>(sum[t], u, _mm512_loadu_si512(tk.q + t * tk.cols + 256 * i + 64 * k));
     }
 #pragma GCC unroll 4
     for (int t = 0; t < TB; ++t) acc[t] = group_lanes_fma<2>(acc[t], sum[t], sc, d, tk.from(t), i);
@@ -405,8 +425,9 @@ void row_iq4_xs(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
     // six-bit scale of block L/2 minus 32: nibble of scales_l | 2 bits of scales_h << 4
     const __m512i sh2 = _mm512_srlv_epi32(_mm512_set1_epi32(load_u16(w + 2)),
                                           _mm512_setr_epi32(0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14));
-    const __m512i ls = _mm512_ternarylogic_epi32(lane_nibbles(load_u32(w + 4)), _mm512_set1_epi32(0x0f),
-                                                 _mm512_and_si512(_mm512_slli_epi32(sh2, 4), _mm512_set1_epi32(0x30)), 0xea);
+    const __m512i ls =
+        _mm512_ternarylogic_epi32(lane_nibbles(load_u32(w + 4)), _mm512_set1_epi32(0x0f),
+                                  _mm512_and_si512(_mm512_slli_epi32(sh2, 4), _mm512_set1_epi32(0x30)), 0xea);
     const __m512 sc = _mm512_cvtepi32_ps(_mm512_sub_epi32(ls, _mm512_set1_epi32(32)));
     const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(w)));
     const __m512i qa = _mm512_loadu_si512(w + 8), qb = _mm512_loadu_si512(w + 72);
@@ -414,7 +435,9 @@ void row_iq4_xs(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
     for (int t = 0; t < TB; ++t) sum[t] = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int k = 0; k < 4; ++k) {
-      const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutex2var_epi32(qa, _mm512_loadu_si512(idx.qs[k]), qb), nib), lo4);
+      const __m512i q =
+          _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutex2var_epi32(qa, _mm512_loadu_si512(idx.qs[k]), qb), nib),
+                           lo4);
       const __m512i wq = _mm512_shuffle_epi8(kv, q);
 #pragma GCC unroll 4
       for (int t = 0; t < TB; ++t) {
@@ -452,7 +475,8 @@ void row_iq3_s(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
     const __m512i qs = _mm512_loadu_si512(w + 2);
     uint32_t qh[2];
     std::memcpy(qh, w + 66, 8);
-    const __m512i hv = _mm512_inserti64x4(_mm512_set1_epi32(static_cast<int>(qh[0])), _mm256_set1_epi32(static_cast<int>(qh[1])), 1);
+    const __m512i hv =
+        _mm512_inserti64x4(_mm512_set1_epi32(static_cast<int>(qh[0])), _mm256_set1_epi32(static_cast<int>(qh[1])), 1);
     uint64_t sg[4];
     std::memcpy(sg, w + 74, 32);
     const __m512i nib = lane_nibbles(load_u32(w + 106));
@@ -462,8 +486,10 @@ void row_iq3_s(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
     for (int t = 0; t < TB; ++t) sum[t] = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int k = 0; k < 4; ++k) {
-      const __m512i hb = _mm512_and_si512(_mm512_rorv_epi32(hv, _mm512_loadu_si512(rot[static_cast<size_t>(k)].data())), bit8);
-      const __m512i ix = _mm512_ternarylogic_epi32(_mm512_srli_epi32(qs, 8 * k), lo8, hb, 0xea);  // (qs >> 8k & 0xff) | hb
+      const __m512i hb =
+          _mm512_and_si512(_mm512_rorv_epi32(hv, _mm512_loadu_si512(rot[static_cast<size_t>(k)].data())), bit8);
+      const __m512i ix =
+          _mm512_ternarylogic_epi32(_mm512_srli_epi32(qs, 8 * k), lo8, hb, 0xea);  // (qs >> 8k & 0xff) | hb
       const __m512i g = _mm512_i32gather_epi32(ix, grid, 4);
       // lane L = 16-bit word L of the signs: its nibble k to mask bits 4L..4L+3
       const uint64_t nib = 0x000F000F000F000FULL << (4 * k);
@@ -496,13 +522,20 @@ struct Avx512Q8 {
   template <GgmlType T, int TB>
   void lane_row(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) const {
     using G = GgmlType;
-    if constexpr (T == G::Q4_K) row_q4_k<TB, VNNI, false>(w, tk, y, ldy);
-    else if constexpr (T == G::Q5_K) row_q4_k<TB, VNNI, true>(w, tk, y, ldy);
-    else if constexpr (T == G::Q2_K) row_q2_k<TB, VNNI>(w, tk, y, ldy);
-    else if constexpr (T == G::Q3_K) row_q3_k<TB, VNNI>(w, tk, y, ldy);
-    else if constexpr (T == G::IQ3_S) row_iq3_s<TB, VNNI>(w, tk, y, ldy);
-    else if constexpr (T == G::IQ4_XS) row_iq4_xs<TB, VNNI>(w, tk, y, ldy);
-    else if constexpr (T == G::Q6_K) row_q6_k<TB, VNNI>(w, tk, y, ldy);
+    if constexpr (T == G::Q4_K)
+      row_q4_k<TB, VNNI, false>(w, tk, y, ldy);
+    else if constexpr (T == G::Q5_K)
+      row_q4_k<TB, VNNI, true>(w, tk, y, ldy);
+    else if constexpr (T == G::Q2_K)
+      row_q2_k<TB, VNNI>(w, tk, y, ldy);
+    else if constexpr (T == G::Q3_K)
+      row_q3_k<TB, VNNI>(w, tk, y, ldy);
+    else if constexpr (T == G::IQ3_S)
+      row_iq3_s<TB, VNNI>(w, tk, y, ldy);
+    else if constexpr (T == G::IQ4_XS)
+      row_iq4_xs<TB, VNNI>(w, tk, y, ldy);
+    else if constexpr (T == G::Q6_K)
+      row_q6_k<TB, VNNI>(w, tk, y, ldy);
     // IQ2_XS never comes here: lane_block takes it
   }
   bool lane_block(const MatmulArgs& m, int64_t t0, int64_t t1, const LaneTokens& tk) const {
@@ -548,8 +581,7 @@ float quantize_block_q8_avx512(const float* x, int8_t* q, int16_t* s16) {
 
 Q8Isa best_q8_isa() {
   if (!__builtin_cpu_supports("avx512vnni")) return Q8Isa::Avx512;
-  if (__builtin_cpu_supports("gfni") && __builtin_cpu_supports("avx512vbmi"))
-    return Q8Isa::Avx512Icl;
+  if (__builtin_cpu_supports("gfni") && __builtin_cpu_supports("avx512vbmi")) return Q8Isa::Avx512Icl;
   return Q8Isa::Avx512Vnni;
 }
 

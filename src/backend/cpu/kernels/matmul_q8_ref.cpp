@@ -174,7 +174,8 @@ float dot_q3_k(const uint8_t* w, int64_t cols, const int8_t* qx, const float* dx
       for (int k = 0; k < 4; ++k) {
         for (int j = 0; j < 4; ++j) {
           const int e = q6k_lane_element(k, L, j);
-          const int u = ((qs[32 * (e / 128) + e % 32] >> (2 * ((e / 32) % 4))) & 3) | (((hm[e % 32] >> (e / 32)) & 1) << 2);
+          const int u =
+              ((qs[32 * (e / 128) + e % 32] >> (2 * ((e / 32) % 4))) & 3) | (((hm[e % 32] >> (e / 32)) & 1) << 2);
           t += u * qx[256 * i + e];
         }
       }

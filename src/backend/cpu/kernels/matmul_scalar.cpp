@@ -4,8 +4,8 @@
 // against, and trivially satisfies the invariance contract (one output, one fixed loop).
 #include <vector>
 
-#include "quant/quant.h"
 #include "backend/cpu/kernels/kernels_impl.h"
+#include "quant/quant.h"
 
 namespace strata::cpu::kernels::detail {
 

@@ -22,8 +22,8 @@
 #include "backend/cpu/kernels/act_q8.h"
 #include "backend/cpu/kernels/kernels_impl.h"
 #include "backend/cpu/kernels/simd_driver.h"
-#include "quant/quant_tables.h"
 #include "backend/cpu/kernels/simd_intrin.h"
+#include "quant/quant_tables.h"
 
 namespace strata::cpu::kernels::detail::simd {
 namespace {  // internal linkage: compiled once per instruction set

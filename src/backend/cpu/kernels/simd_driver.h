@@ -206,8 +206,7 @@ void panel(const float* w, int64_t ldw, int64_t np, int64_t r0, int64_t tb, int6
       for (int64_t i = 0; i < np; i += RB) {
         const int64_t nr = std::min<int64_t>(RB, np - i);
         table.fn[nr - 1][nt - 1](w + i * ldw + kc, ldw, a.x + t * a.ldx + kc, a.ldx, len,
-                                 acc + (i * kTT + (t - tb)) * 2 * W, kTT, first, last, a.y + t * a.ldy + r0 + i,
-                                 a.ldy);
+                                 acc + (i * kTT + (t - tb)) * 2 * W, kTT, first, last, a.y + t * a.ldy + r0 + i, a.ldy);
       }
     }
   }
