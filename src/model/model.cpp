@@ -111,6 +111,15 @@ std::unique_ptr<Model> load_model(const gguf::File& gguf, backend::Backend& be, 
     if (t.layer() >= hp.n_layer)
       throw ModelError(fmt::format("{}: tensor '{}' belongs to layer {}, but {}.block_count says {} layers",
                                    gguf.path(), t.name, t.layer(), hp.arch, hp.n_layer));
+  // llama.cpp's fused expert layout (per expert, n_ff gate rows then n_ff up rows) would need a
+  // strided read per part; the stream reads each part as one contiguous slice, so no
+  // architecture takes it yet.
+  for (int l = 0; l < hp.n_layer; ++l)
+    if (gguf.find_tensor(blk(l, "ffn_gate_up_exps.weight")))
+      throw ModelError(
+          fmt::format("{}: tensor '{}' (fused expert gate+up, shape [{}, {}, {}]) is not supported yet: "
+                      "re-convert with separate ffn_gate_exps/ffn_up_exps",
+                      gguf.path(), blk(l, "ffn_gate_up_exps.weight"), hp.n_embd, 2 * hp.n_ff_exp, hp.n_expert));
   auto w = std::make_unique<const BoundWeights>(gguf, a.tensors(hp), be);
   std::unique_ptr<Model> m = a.load(gguf, hp, *w, be, opts);
   m->weights_ = std::move(w);

@@ -166,14 +166,6 @@ void validate(const gguf::File& f, const ModelHParams& hp) {
         fmt::format("{}: key '{}' = [{}]: expected up to 4 sections >= 0 summing to 1..{} "
                     "(rope.dimension_count / 2)",
                     f.path(), key, fmt::join(sec, ", "), hp.n_rot / 2));
-  for (int l = 0; l < n_main(hp); ++l)
-    if (f.find_tensor(blk(l, "ffn_gate_up_exps.weight")))
-      // llama.cpp's fused layout: per expert, n_ff gate rows then n_ff up rows. The stream reads
-      // each part as one contiguous slice per expert, so gate and up would need a stride.
-      throw ModelError(
-          fmt::format("{}: tensor '{}' (fused expert gate+up, shape [{}, {}, {}]) is not supported yet: "
-                      "re-convert with separate ffn_gate_exps/ffn_up_exps",
-                      f.path(), blk(l, "ffn_gate_up_exps.weight"), hp.n_embd, 2 * hp.n_ff_exp, hp.n_expert));
 }
 
 struct Layer {

@@ -96,14 +96,6 @@ void validate(const gguf::File& f, const ModelHParams& hp) {
         fmt::format("{}: qwen3next needs expert_count, expert_used_count, expert_feed_forward_length "
                     "and expert_shared_feed_forward_length > 0",
                     f.path()));
-  for (int l = 0; l < hp.n_layer; ++l)
-    if (f.find_tensor(blk(l, "ffn_gate_up_exps.weight")))
-      // llama.cpp's fused layout: per expert, n_ff gate rows then n_ff up rows. The stream reads
-      // each part as one contiguous slice per expert, so gate and up would need a stride.
-      throw ModelError(
-          fmt::format("{}: tensor '{}' (fused expert gate+up, shape [{}, {}, {}]) is not supported yet: "
-                      "re-convert with separate ffn_gate_exps/ffn_up_exps",
-                      f.path(), blk(l, "ffn_gate_up_exps.weight"), hp.n_embd, 2 * hp.n_ff_exp, hp.n_expert));
 }
 
 struct Layer {
