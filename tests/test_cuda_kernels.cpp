@@ -332,52 +332,54 @@ TEST(CudaKernels, MmaMatmulMatchesReference) {
 TEST(CudaKernels, GroupedMatmulEqualsPerJob) {
   REQUIRE_CUDA_DEVICE();
   std::mt19937 rng(13);
-  const int64_t sizes[] = {1, 5, 37, 64, 65, 130, 2, 300};
-  const int nj = int(std::size(sizes));
-  for (GgmlType t : kMmaTypes) {
-    SCOPED_TRACE(strata::ggml_type_name(t));
-    const int64_t rows = 96, cols = 512;
-    const size_t rb = quant::row_size(t, cols);
-    std::vector<cuda::DeviceBuffer> wg, wu;
-    for (int i = 0; i < nj; ++i) {
-      wg.push_back(upload(random_rows(t, rows, cols, rng)));
-      wu.push_back(upload(random_rows(t, rows, cols, rng)));
-    }
-    int64_t total = 0;
-    for (int64_t n : sizes) total += n;
-    const auto x = random_floats(size_t(total * cols), rng);
-    auto dx = upload(x);
-    for (bool pair : {false, true}) {
-      std::vector<cuda::GroupedMatmulJob> jobs(static_cast<size_t>(nj));
-      int64_t row0 = 0;
+  // a prefill-like group (the 32/64-token tiles) and a decode-like one (all <= 8: the small kernel)
+  const std::vector<int64_t> size_sets[] = {{1, 5, 37, 64, 65, 130, 2, 300}, {1, 3, 8, 2, 1}};
+  for (const auto& sizes : size_sets)
+    for (GgmlType t : kMmaTypes) {
+      const int nj = int(sizes.size());
+      SCOPED_TRACE(strata::ggml_type_name(t) + " jobs=" + std::to_string(nj));
+      const int64_t rows = 96, cols = 1280;  // 2.5 chunks of 512
+      const size_t rb = quant::row_size(t, cols);
+      std::vector<cuda::DeviceBuffer> wg, wu;
       for (int i = 0; i < nj; ++i) {
-        jobs[size_t(i)].w = wg[size_t(i)].get(), jobs[size_t(i)].w2 = wu[size_t(i)].get();
-        jobs[size_t(i)].row0 = row0, jobs[size_t(i)].n_tok = sizes[i];
-        row0 += sizes[i];
+        wg.push_back(upload(random_rows(t, rows, cols, rng)));
+        wu.push_back(upload(random_rows(t, rows, cols, rng)));
       }
-      const cuda::GroupedMatmulPlan plan = cuda::plan_grouped(jobs.data(), nj, rows, pair);
-      auto djobs = upload(jobs);
-      std::vector<float> poison(size_t(total * rows), std::nanf(""));
-      auto dy = upload(poison);
-      cuda::grouped_matmul(plan, t, djobs.as<cuda::GroupedMatmulJob>(), nj, rb, rows, cols, dx.as<float>(), cols,
-                           dy.as<float>(), rows, pair);
-      const auto y = download<float>(dy, size_t(total * rows));
-      int64_t mismatches = 0;
-      for (int i = 0; i < nj; ++i) {
-        const int64_t n = sizes[i], r0 = jobs[size_t(i)].row0;
-        cuda::DeviceBuffer g(size_t(n * rows) * 4), u(size_t(n * rows) * 4);
-        const float* xi = dx.as<float>() + r0 * cols;
-        cuda::matmul(t, wg[size_t(i)].get(), rb, rows, cols, xi, cols, n, g.as<float>(), rows);
-        if (pair) {
-          cuda::matmul(t, wu[size_t(i)].get(), rb, rows, cols, xi, cols, n, u.as<float>(), rows);
-          cuda::swiglu(g.as<float>(), u.as<float>(), g.as<float>(), n * rows);
+      int64_t total = 0;
+      for (int64_t n : sizes) total += n;
+      const auto x = random_floats(size_t(total * cols), rng);
+      auto dx = upload(x);
+      for (bool pair : {false, true}) {
+        std::vector<cuda::GroupedMatmulJob> jobs(static_cast<size_t>(nj));
+        int64_t row0 = 0;
+        for (int i = 0; i < nj; ++i) {
+          jobs[size_t(i)].w = wg[size_t(i)].get(), jobs[size_t(i)].w2 = wu[size_t(i)].get();
+          jobs[size_t(i)].row0 = row0, jobs[size_t(i)].n_tok = sizes[i];
+          row0 += sizes[i];
         }
-        const auto yi = download<float>(g, size_t(n * rows));
-        for (int64_t k = 0; k < n * rows; ++k) mismatches += !bits_equal(yi[size_t(k)], y[size_t(r0 * rows + k)]);
+        const cuda::GroupedMatmulPlan plan = cuda::plan_grouped(jobs.data(), nj, rows, cols, pair);
+        auto djobs = upload(jobs);
+        std::vector<float> poison(size_t(total * rows), std::nanf(""));
+        auto dy = upload(poison);
+        cuda::grouped_matmul(plan, t, djobs.as<cuda::GroupedMatmulJob>(), nj, rb, rows, cols, dx.as<float>(), cols,
+                             dy.as<float>(), rows, pair);
+        const auto y = download<float>(dy, size_t(total * rows));
+        int64_t mismatches = 0;
+        for (int i = 0; i < nj; ++i) {
+          const int64_t n = sizes[i], r0 = jobs[size_t(i)].row0;
+          cuda::DeviceBuffer g(size_t(n * rows) * 4), u(size_t(n * rows) * 4);
+          const float* xi = dx.as<float>() + r0 * cols;
+          cuda::matmul(t, wg[size_t(i)].get(), rb, rows, cols, xi, cols, n, g.as<float>(), rows);
+          if (pair) {
+            cuda::matmul(t, wu[size_t(i)].get(), rb, rows, cols, xi, cols, n, u.as<float>(), rows);
+            cuda::swiglu(g.as<float>(), u.as<float>(), g.as<float>(), n * rows);
+          }
+          const auto yi = download<float>(g, size_t(n * rows));
+          for (int64_t k = 0; k < n * rows; ++k) mismatches += !bits_equal(yi[size_t(k)], y[size_t(r0 * rows + k)]);
+        }
+        EXPECT_EQ(mismatches, 0) << (pair ? "swiglu pair" : "plain");
       }
-      EXPECT_EQ(mismatches, 0) << (pair ? "swiglu pair" : "plain");
     }
-  }
 }
 
 // RMSNorm: cpu::rms_norm differs only in the order of the double sum of squares, so the scale

@@ -639,7 +639,8 @@ void CudaBackend::flush_experts() {
     gu[size_t(i)].n_tok = dn[size_t(i)].n_tok = int64_t(j.pairs.size());
     pairs.insert(pairs.end(), j.pairs.begin(), j.pairs.end());
   }
-  const GroupedMatmulPlan pgu = plan_grouped(gu.data(), nj, g.F, true), pdn = plan_grouped(dn.data(), nj, g.E, false);
+  const GroupedMatmulPlan pgu = plan_grouped(gu.data(), nj, g.F, g.E, true),
+                          pdn = plan_grouped(dn.data(), nj, g.E, g.F, false);
   const int64_t N = int64_t(pairs.size());
   Carve c{scratch(sz<int64_t>(size_t(N)) + 2 * sz<GroupedMatmulJob>(size_t(nj)) + 2 * sz<float>(size_t(N * g.E)) +
                   sz<float>(size_t(N * g.F)))};

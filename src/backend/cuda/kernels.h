@@ -120,8 +120,11 @@ bool has_mma(GgmlType t, int64_t cols);
 /// acc = fma(dl, s, fma(-ml, sum_x, acc)) with sum_x the group's x summed in fp32 (8-column
 /// partials in order, then the four partials in order); BF16 acc = acc + s. The tensor cores'
 /// internal sum order is fixed by the hardware per element, so the result depends only on that
-/// element's row and token: bit-identical for any n_tok, tile and batch position. Blocks of 64
-/// rows x 8, 32 or 64 tokens (by n_tok), 4 warps. Error: per group ~(16 + 2) * 2^-24 of its
+/// element's row and token: bit-identical for any n_tok, tile and batch position. The columns
+/// are cut into fixed chunks of 512: each chunk's fold starts from 0 and the chunk sums are
+/// added in chunk order (a K split fixed by cols alone). Blocks of 4 warps: 64 rows x 32 or 64
+/// tokens, one warp per 16 rows walking all chunks; for <= 8 tokens, 16 rows x 8 tokens with
+/// the chunks spread over the warps (the same sums, so the same bits). Error: per group ~(16 + 2) * 2^-24 of its
 /// sum |w x| (the tensor cores' fp32 sums), plus the fp32 fold; bound used by the tests:
 /// |y - sum| <= (cols/16 + 8) * 2^-23 * sum_k |w_k x_k|.
 /// Requirements (CudaError otherwise): is_supported(type); cols a multiple of the block size
@@ -145,11 +148,11 @@ struct GroupedMatmulPlan {
   int tile_tokens = 0;
   int64_t blocks = 0;
 };
-/// Fills jobs[i].block0 (host memory) for `rows` weight rows and returns the plan; the tile is
+/// Fills jobs[i].block0 (host memory) for `rows` x `cols` weights and returns the plan; the tile is
 /// chosen from the largest n_tok, at most 32 for a swiglu_pair (register budget); it does not
 /// change any result. Throws CudaError on n_jobs < 1, a job with n_tok < 1, or more than
 /// 2^31 - 1 blocks.
-GroupedMatmulPlan plan_grouped(GroupedMatmulJob* jobs, int n_jobs, int64_t rows, bool swiglu_pair);
+GroupedMatmulPlan plan_grouped(GroupedMatmulJob* jobs, int n_jobs, int64_t rows, int64_t cols, bool swiglu_pair);
 
 /// Every job's matmul in one launch, with MatmulPath::Mma's arithmetic (bit-identical with
 /// matmul(..., Mma) on each job's rows alone): y[row0 + t][r] = sum_k w[r][k] x[row0 + t][k] for
