@@ -514,7 +514,7 @@ TEST(CudaKernels, AttentionMatchesReferenceAndDecodeEqualsPrefill) {
   for (Shape sh : {Shape{8, 2, 64}, Shape{16, 2, 128}, Shape{4, 4, 256}, Shape{6, 1, 96}}) {
     SCOPED_TRACE("heads " + std::to_string(sh.n_head) + "/" + std::to_string(sh.n_head_kv) + " dim " +
                  std::to_string(sh.head_dim));
-    const int64_t pos0 = 17, n_tok = 300, n_ctx = pos0 + n_tok;
+    const int64_t pos0 = 417, n_tok = 300, n_ctx = pos0 + n_tok;  // positions 417..716: three 256-segments
     cuda::AttentionArgs a;
     a.n_head = sh.n_head, a.n_head_kv = sh.n_head_kv, a.head_dim = sh.head_dim;
     a.q_stride = a.out_stride = int64_t(sh.n_head) * sh.head_dim;
@@ -530,7 +530,8 @@ TEST(CudaKernels, AttentionMatchesReferenceAndDecodeEqualsPrefill) {
     cuda::attention(a);
     const auto out = download<float>(dout, size_t(n_tok * a.out_stride));
     // |v| <= 1: the output error of fp32 online softmax is a few ulp per weight plus the fp32
-    // sums over <= 317 positions, ~ (317/32 + 40) * 2^-24 on this data; allow 2e-6 absolute.
+    // sums over <= 717 positions and 3 segment folds, ~ (717/32 + 50) * 2^-24 on this data;
+    // allow 4e-6 absolute.
     double worst = 0;
     std::vector<double> ref;
     for (int64_t t : {int64_t(0), int64_t(1), int64_t(31), int64_t(150), n_tok - 1}) {
@@ -538,8 +539,8 @@ TEST(CudaKernels, AttentionMatchesReferenceAndDecodeEqualsPrefill) {
       for (size_t i = 0; i < ref.size(); ++i) worst = std::max(worst, std::fabs(out[t * a.out_stride + i] - ref[i]));
     }
     std::printf("attention %d/%d heads, dim %d: max |err| %.3g\n", sh.n_head, sh.n_head_kv, sh.head_dim, worst);
-    EXPECT_LE(worst, 2e-6);
-    // decode: one query at a time
+    EXPECT_LE(worst, 4e-6);
+    // decode: one query at a time (segments in parallel + fold)
     int64_t mismatches = 0;
     cuda::DeviceBuffer d1(size_t(a.out_stride) * 4);
     for (int64_t t : {int64_t(0), int64_t(5), int64_t(32), int64_t(150), n_tok - 1}) {
@@ -549,7 +550,7 @@ TEST(CudaKernels, AttentionMatchesReferenceAndDecodeEqualsPrefill) {
       const auto o1 = download<float>(d1, size_t(a.out_stride));
       for (int64_t i = 0; i < a.out_stride; ++i) mismatches += !bits_equal(o1[i], out[t * a.out_stride + i]);
     }
-    // prefill in chunks of 100 (positions 17.., 117.., 217..)
+    // prefill in chunks of 100 (positions 417.., 517.., 617..)
     cuda::DeviceBuffer dc(size_t(n_tok * a.out_stride) * 4);
     for (int64_t c0 = 0; c0 < n_tok; c0 += 100) {
       cuda::AttentionArgs b = a;

@@ -223,8 +223,12 @@ struct AttentionArgs {
 /// group), KV in tiles of 32 positions through shared memory, online softmax. Per query row
 /// the arithmetic is fixed by its position alone: score = (sequential fp32 FMA over head_dim)
 /// * scale; per tile m' = max(m, tile max), c = expf(m - m'), l = l*c + (butterfly sum of
-/// expf(s - m')), o = o*c then FMA of the tile's p·v in position order; out = o / l. So decode
-/// (n_tok = 1) and prefill give the same bits for the same position, whatever the chunk.
+/// expf(s - m')), o = o*c then FMA of the tile's p·v in position order. The cache is cut into
+/// fixed segments of 256 positions: each segment's (m, l, o) starts fresh (m = -inf, l = o = 0)
+/// and the segments are folded in position order (M' = max(M, m), L = L e^(M-M') + l e^(m-M'),
+/// O likewise); out = O / L. With few blocks (decode) the segments run in parallel and a second
+/// kernel folds them; otherwise one pass folds as it goes: the same operations either way. So
+/// decode (n_tok = 1) and prefill give the same bits for the same position, whatever the chunk.
 /// Errors: bad shapes (head_dim, divisibility, n_tok <= 0) throw CudaError.
 void attention(const AttentionArgs& a, void* stream = nullptr);
 
