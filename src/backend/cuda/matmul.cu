@@ -330,10 +330,15 @@ constexpr int kPieces = 3;  // x = hi + mid + lo, each bf16: exact for normal fp
 constexpr int kChunk = 512;  // columns per chunk: chunk sums start from 0 and are added in chunk order
 constexpr int kSmallMaxChunks = 24;  // mma_small's shared partials: up to 24 * 2 * 512 B
 
-__device__ __forceinline__ uint32_t bf16_bits(float v) {
-  return uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(v)));
+/// Two floats as a bf16 pair, a in the low half (one cvt.rn.bf16x2.f32).
+__device__ __forceinline__ uint32_t pack2(float a, float b) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&v);
 }
-__device__ __forceinline__ uint32_t pack2(float a, float b) { return bf16_bits(a) | (bf16_bits(b) << 16); }
+/// The signed byte j of v as a float, exactly: 2^23 + 128 + q has q + 128 in its low mantissa bits.
+__device__ __forceinline__ float s8_float(uint64_t v, int j) {
+  return __fsub_rn(__uint_as_float(0x4B000000u | uint32_t((byte_of(v, j) ^ 0x80))), 8388736.0f);
+}
 
 /// Columns [k0 + 16 hf, k0 + 16 hf + 16) of a weight row as 16 exact bf16 integer codes (or, for
 /// BF16, the weights), packed in pairs, and the step's scales: Q8_0 s0 = d; Q4_K s0 = dl, s1 = ml
@@ -352,8 +357,8 @@ __device__ __forceinline__ void stage_row(const uint8_t* __restrict__ row, int k
     const uint64_t v0 = ld8<2>(b + 2 + 16 * hf), v1 = ld8<2>(b + 10 + 16 * hf);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      q[j] = pack2(float(int8_t(byte_of(v0, 2 * j))), float(int8_t(byte_of(v0, 2 * j + 1))));
-      q[4 + j] = pack2(float(int8_t(byte_of(v1, 2 * j))), float(int8_t(byte_of(v1, 2 * j + 1))));
+      q[j] = pack2(s8_float(v0, 2 * j), s8_float(v0, 2 * j + 1));
+      q[4 + j] = pack2(s8_float(v1, 2 * j), s8_float(v1, 2 * j + 1));
     }
   } else if constexpr (T == G::Q4_K) {
     const uint8_t* b = row + size_t(k0 / 256) * 144;
