@@ -930,7 +930,7 @@ TEST(QuantQ8, ModeSelection) {
   }
   if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
       !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512dq"))
-    GTEST_SKIP() << "no AVX-512 on this CPU: auto is f32 in every family here";
+    GTEST_SKIP() << "no AVX-512 on this CPU: the avx512 family cannot be resolved here (scalar and avx2 checked above)";
   EXPECT_EQ(config(k::CpuKernels::Avx512, k::ActQuant::Auto).act, k::ActQuant::Q8);
   const k::KernelConfig q8 = config(k::CpuKernels::Avx512, k::ActQuant::Q8);
   EXPECT_TRUE(k::has_q8_activations(q8, GgmlType::Q4_K));
