@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "model/model.h"
+#include "model/rope_scaling.h"
 
 namespace strata::model {
 
@@ -78,7 +79,7 @@ void validate_routed_moe(const gguf::File& f, const ModelHParams& hp) {
         fmt::format("{}: key '{}.expert_weights_scale' = {} is negative", f.path(), a, hp.expert_weights_scale));
   (void)routed_gating(f, hp);  // an unsupported expert_gating_func fails here
   (void)routed_norm_topk(f, hp);
-  refuse_rope_scaling(f, hp);
+  validate_rope_scaling(f, hp);
 }
 
 backend::RouterSpec routed_router_spec(const gguf::File& f, const ModelHParams& hp, const BoundWeights& w,
@@ -97,15 +98,6 @@ backend::RouterSpec routed_router_spec(const gguf::File& f, const ModelHParams& 
     be.download(r.selection_bias.data(), b, r.selection_bias.size() * sizeof(float));
   }
   return r;
-}
-
-void refuse_rope_scaling(const gguf::File& f, const ModelHParams& hp) {
-  const std::string key = hp.arch + ".rope.scaling.type";
-  if (!f.has(key)) return;
-  const std::string t = f.get_string(key);
-  if (t != "none")
-    throw ModelError(fmt::format("{}: key '{}' = '{}' is not supported yet (RoPE scaling is not implemented for {})",
-                                 f.path(), key, t, hp.arch));
 }
 
 }  // namespace strata::model

@@ -35,7 +35,8 @@ int routed_shexp_ff(const ModelHParams& hp);
 
 /// Checks of these keys (ModelError naming them): experts, top-k and expert FFN present;
 /// leading dense layers fewer than the forward layers and needing feed_forward_length; groups
-/// dividing the experts with enough experts in the used groups; nextn layers fewer than blocks.
+/// dividing the experts with enough experts in the used groups; nextn layers fewer than blocks;
+/// the rope.scaling keys (validate_rope_scaling).
 void validate_routed_moe(const gguf::File& f, const ModelHParams& hp);
 
 /// Layer `layer`'s router spec: gating, top-k, norm, groups, scale, and the selection bias
@@ -45,9 +46,5 @@ backend::RouterSpec routed_router_spec(const gguf::File& f, const ModelHParams& 
 
 /// Forward layers: block_count minus the NextN/MTP blocks at the end.
 inline int forward_layers(const ModelHParams& hp) { return hp.n_layer - hp.n_nextn; }
-
-/// Refuses RoPE scaling the forward pass does not implement (rope.scaling.type other than
-/// "none"), naming the key and value.
-void refuse_rope_scaling(const gguf::File& f, const ModelHParams& hp);
 
 }  // namespace strata::model

@@ -16,9 +16,12 @@
 // References: transformers modeling_deepseek_v3.py (DeepseekV3Attention with rope_interleave,
 // DeepseekV3TopkRouter, DeepseekV3MoE); llama.cpp src/models/deepseek2.cpp, llama-model.cpp and
 // convert_hf_to_gguf.py (DeepseekV2Model) for names and keys.
+#include <cmath>
+
 #include <fmt/format.h>
 
 #include "model/arch.h"
+#include "model/rope_scaling.h"
 #include "model/routed_moe.h"
 #include "model/step.h"
 
@@ -130,8 +133,10 @@ class Deepseek2 final : public Model {
     // The rope dims use the interleaved layout (adjacent pairs): llama.cpp's LLAMA_ROPE_TYPE_NORM
     // for deepseek2; transformers' rope_interleave de-interleaves q_pe and k_pe alike before
     // rotate_half, the same scores.
-    rope_ =
-        backend::RopeSpec::standard(hp_.n_rot, hp_.rope_freq_base, backend::RopeSpec::Mode::Norm, opts.rope_freqs_bf16);
+    // YaRN (DeepSeek V2/V3 files): the q.k scale also takes mscale^2 (model/rope_scaling.h).
+    const ScaledRope sr = scaled_rope(f, hp_, hp_.n_rot, backend::RopeSpec::Mode::Norm, YarnFlavour::Deepseek2, true,
+                                      opts.rope_freqs_bf16);
+    rope_ = sr.rope;
     mla_.n_head = hp_.n_head;
     mla_.q_lora_rank = hp_.q_lora_rank;
     mla_.kv_lora_rank = hp_.kv_lora_rank;
@@ -140,6 +145,7 @@ class Deepseek2 final : public Model {
     mla_.v_dim = hp_.head_dim_v_mla;
     mla_.rms_eps = hp_.rms_eps;
     mla_.rope = &rope_;
+    if (sr.kq_factor != 1.0) mla_.scale = float(sr.kq_factor / std::sqrt(double(mla_.n_nope + mla_.n_rot)));
     bind_io(w);
     layers_.resize(size_t(n_fwd_));
     experts_.resize(size_t(hp_.n_layer));  // dense and NextN layers: n_expert = 0

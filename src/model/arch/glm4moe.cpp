@@ -16,6 +16,7 @@
 #include <fmt/format.h>
 
 #include "model/arch.h"
+#include "model/rope_scaling.h"
 #include "model/routed_moe.h"
 #include "model/step.h"
 
@@ -97,7 +98,8 @@ class Glm4Moe final : public Model {
     be_ = &be;
     n_fwd_ = forward_layers(hp_);
     rope_ =
-        backend::RopeSpec::standard(hp_.n_rot, hp_.rope_freq_base, backend::RopeSpec::Mode::Neox, opts.rope_freqs_bf16);
+        scaled_rope(f, hp_, hp_.n_rot, backend::RopeSpec::Mode::Neox, YarnFlavour::Standard, true, opts.rope_freqs_bf16)
+            .rope;
     attn_.n_head = hp_.n_head;
     attn_.n_head_kv = hp_.n_head_kv;
     attn_.head_dim = hp_.head_dim_k;

@@ -14,15 +14,15 @@
 // gate_up_proj is split into ffn_gate_exps (even columns) and ffn_up_exps (odd ones); the
 // pre-MoE norm is called post_attention_norm (HF post_attention_layernorm).
 //
-// RoPE: plain (rope.freq_base). Released gpt-oss files use YaRN (rope.scaling.type = yarn,
-// factor 32, original_context_length 4096): that needs the YaRN inverse frequencies (NTK-by-parts
-// ramp between beta_fast 32 and beta_slow 1, arXiv:2309.00071) and the attention factor
-// 0.1 ln(factor) + 1 on cos/sin (transformers _compute_yarn_parameters; llama.cpp's
-// rope_yarn with ext_factor 1). Until RopeSpec has them, such a file is refused (validate)
-// rather than run with wrong positions.
+// RoPE: rope.freq_base, with YaRN where the file says so (released gpt-oss: rope.scaling.type =
+// yarn, factor 32, original_context_length 4096, beta 32/1): NTK-by-parts inverse frequencies
+// without truncating the correction range (transformers GptOssConfig truncate = false, as
+// OpenAI's reference; llama.cpp floors/ceils it) and cos/sin times 0.1 ln(factor) + 1
+// (model/rope_scaling.h).
 #include <fmt/format.h>
 
 #include "model/arch.h"
+#include "model/rope_scaling.h"
 #include "model/step.h"
 
 namespace strata::model {
@@ -74,13 +74,7 @@ void validate(const gguf::File& f, const ModelHParams& hp) {
         fmt::format("{}: gpt-oss needs expert_count, expert_used_count and "
                     "expert_feed_forward_length > 0",
                     f.path()));
-  const std::string scaling = "gpt-oss.rope.scaling.type";
-  if (f.has(scaling)) {
-    const std::string type = f.get_string(scaling);
-    if (type != "none")
-      throw ModelError(fmt::format("{}: {} = '{}' is not supported yet (gpt-oss runs with plain RoPE only)", f.path(),
-                                   scaling, type));
-  }
+  validate_rope_scaling(f, hp);
 }
 
 struct Layer {
@@ -92,11 +86,13 @@ struct Layer {
 
 class GptOss final : public Model {
  public:
-  GptOss(const BoundWeights& w, backend::Backend& be, const ModelHParams& hp, const LoadOptions& opts) {
+  GptOss(const gguf::File& f, const BoundWeights& w, backend::Backend& be, const ModelHParams& hp,
+         const LoadOptions& opts) {
     hp_ = hp;
     be_ = &be;
-    rope_ =
-        backend::RopeSpec::standard(hp_.n_rot, hp_.rope_freq_base, backend::RopeSpec::Mode::Neox, opts.rope_freqs_bf16);
+    rope_ = scaled_rope(f, hp_, hp_.n_rot, backend::RopeSpec::Mode::Neox, YarnFlavour::Standard, false,
+                        opts.rope_freqs_bf16)
+                .rope;
     attn_full_ = attention_spec(&rope_);
     attn_swa_ = attn_full_;
     attn_swa_.window = hp_.n_swa;
@@ -169,7 +165,7 @@ STRATA_ARCHITECTURE(gpt_oss) {
   a.keys = {{"attention.sliding_window", &ModelHParams::n_swa, KeySpec::Need::Required}};
   a.tensors = tensors;
   a.validate = validate;
-  a.load = [](const strata::gguf::File&, const ModelHParams& hp, const BoundWeights& w, strata::backend::Backend& be,
-              const LoadOptions& o) { return std::unique_ptr<Model>(new GptOss(w, be, hp, o)); };
+  a.load = [](const strata::gguf::File& f, const ModelHParams& hp, const BoundWeights& w, strata::backend::Backend& be,
+              const LoadOptions& o) { return std::unique_ptr<Model>(new GptOss(f, w, be, hp, o)); };
   return a;
 }

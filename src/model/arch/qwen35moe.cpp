@@ -29,6 +29,7 @@
 #include <fmt/ranges.h>
 
 #include "model/arch.h"
+#include "model/rope_scaling.h"
 #include "model/step.h"
 
 namespace strata::model {
@@ -130,6 +131,7 @@ std::vector<TensorSpec> tensors(const ModelHParams& hp) {
 }
 
 void validate(const gguf::File& f, const ModelHParams& hp) {
+  validate_rope_scaling(f, hp);
   if (hp.n_nextn >= hp.n_layer)
     throw ModelError(fmt::format("{}: qwen35moe.nextn_predict_layers {} leaves no decoder block of block_count {}",
                                  f.path(), hp.n_nextn, hp.n_layer));
@@ -181,13 +183,15 @@ struct Layer {
 
 class Qwen35Moe final : public Model {
  public:
-  Qwen35Moe(const BoundWeights& w, backend::Backend& be, const ModelHParams& hp, const LoadOptions& opts) {
+  Qwen35Moe(const gguf::File& f, const BoundWeights& w, backend::Backend& be, const ModelHParams& hp,
+            const LoadOptions& opts) {
     hp_ = hp;
     be_ = &be;
     gdn_ = gdn_spec(hp_);
     // IMRoPE on text = NEOX partial rotary (see the top of this file).
     rope_ =
-        backend::RopeSpec::standard(hp_.n_rot, hp_.rope_freq_base, backend::RopeSpec::Mode::Neox, opts.rope_freqs_bf16);
+        scaled_rope(f, hp_, hp_.n_rot, backend::RopeSpec::Mode::Neox, YarnFlavour::Standard, true, opts.rope_freqs_bf16)
+            .rope;
     attn_ = attention_spec(&rope_);
     attn_.q_gate = true;
     const backend::RouterSpec router = softmax_router();
@@ -295,7 +299,7 @@ STRATA_ARCHITECTURE(qwen35moe) {
   };
   a.tensors = tensors;
   a.validate = validate;
-  a.load = [](const strata::gguf::File&, const ModelHParams& hp, const BoundWeights& w, strata::backend::Backend& be,
-              const LoadOptions& o) { return std::unique_ptr<Model>(new Qwen35Moe(w, be, hp, o)); };
+  a.load = [](const strata::gguf::File& f, const ModelHParams& hp, const BoundWeights& w, strata::backend::Backend& be,
+              const LoadOptions& o) { return std::unique_ptr<Model>(new Qwen35Moe(f, w, be, hp, o)); };
   return a;
 }

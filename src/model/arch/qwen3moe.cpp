@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include "model/arch.h"
+#include "model/rope_scaling.h"
 #include "model/step.h"
 
 namespace strata::model {
@@ -43,6 +44,7 @@ std::vector<TensorSpec> tensors(const ModelHParams& hp) {
 }
 
 void validate(const gguf::File& f, const ModelHParams& hp) {
+  validate_rope_scaling(f, hp);
   if (hp.head_dim_v != hp.head_dim_k)
     throw ModelError(fmt::format("{}: qwen3moe needs key_length == value_length, got {} and {}", f.path(),
                                  hp.head_dim_k, hp.head_dim_v));
@@ -61,11 +63,13 @@ struct Layer {
 
 class Qwen3Moe final : public Model {
  public:
-  Qwen3Moe(const BoundWeights& w, backend::Backend& be, const ModelHParams& hp, const LoadOptions& opts) {
+  Qwen3Moe(const gguf::File& f, const BoundWeights& w, backend::Backend& be, const ModelHParams& hp,
+           const LoadOptions& opts) {
     hp_ = hp;
     be_ = &be;
     rope_ =
-        backend::RopeSpec::standard(hp_.n_rot, hp_.rope_freq_base, backend::RopeSpec::Mode::Neox, opts.rope_freqs_bf16);
+        scaled_rope(f, hp_, hp_.n_rot, backend::RopeSpec::Mode::Neox, YarnFlavour::Standard, true, opts.rope_freqs_bf16)
+            .rope;
     attn_ = attention_spec(&rope_);
     const backend::RouterSpec router = softmax_router();
     bind_io(w);
@@ -129,7 +133,7 @@ STRATA_ARCHITECTURE(qwen3moe) {
   a.matches = [](const strata::gguf::File& f) { return f.get_string("general.architecture") == "qwen3moe"; };
   a.tensors = tensors;
   a.validate = validate;
-  a.load = [](const strata::gguf::File&, const ModelHParams& hp, const BoundWeights& w, strata::backend::Backend& be,
-              const LoadOptions& o) { return std::unique_ptr<Model>(new Qwen3Moe(w, be, hp, o)); };
+  a.load = [](const strata::gguf::File& f, const ModelHParams& hp, const BoundWeights& w, strata::backend::Backend& be,
+              const LoadOptions& o) { return std::unique_ptr<Model>(new Qwen3Moe(f, w, be, hp, o)); };
   return a;
 }

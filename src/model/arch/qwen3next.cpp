@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "model/arch.h"
+#include "model/rope_scaling.h"
 #include "model/step.h"
 
 namespace strata::model {
@@ -80,6 +81,7 @@ std::vector<TensorSpec> tensors(const ModelHParams& hp) {
 }
 
 void validate(const gguf::File& f, const ModelHParams& hp) {
+  validate_rope_scaling(f, hp);
   if (hp.ssm_time_step_rank % hp.ssm_group_count != 0)
     throw ModelError(
         fmt::format("{}: ssm.time_step_rank {} (value heads) is not a multiple of ssm.group_count {} "
@@ -111,12 +113,14 @@ struct Layer {
 
 class Qwen3Next final : public Model {
  public:
-  Qwen3Next(const BoundWeights& w, backend::Backend& be, const ModelHParams& hp, const LoadOptions& opts) {
+  Qwen3Next(const gguf::File& f, const BoundWeights& w, backend::Backend& be, const ModelHParams& hp,
+            const LoadOptions& opts) {
     hp_ = hp;
     be_ = &be;
     gdn_ = gdn_spec(hp_);
     rope_ =
-        backend::RopeSpec::standard(hp_.n_rot, hp_.rope_freq_base, backend::RopeSpec::Mode::Neox, opts.rope_freqs_bf16);
+        scaled_rope(f, hp_, hp_.n_rot, backend::RopeSpec::Mode::Neox, YarnFlavour::Standard, true, opts.rope_freqs_bf16)
+            .rope;
     attn_ = attention_spec(&rope_);
     attn_.q_gate = true;
     const backend::RouterSpec router = softmax_router();
@@ -212,7 +216,7 @@ STRATA_ARCHITECTURE(qwen3next) {
   };
   a.tensors = tensors;
   a.validate = validate;
-  a.load = [](const strata::gguf::File&, const ModelHParams& hp, const BoundWeights& w, strata::backend::Backend& be,
-              const LoadOptions& o) { return std::unique_ptr<Model>(new Qwen3Next(w, be, hp, o)); };
+  a.load = [](const strata::gguf::File& f, const ModelHParams& hp, const BoundWeights& w, strata::backend::Backend& be,
+              const LoadOptions& o) { return std::unique_ptr<Model>(new Qwen3Next(f, w, be, hp, o)); };
   return a;
 }
