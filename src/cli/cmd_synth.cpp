@@ -148,6 +148,15 @@ std::vector<SynthShape> known_shapes() {
     s.extra_kv = {{"rope.dimension_sections", gguf::make_i32_array({11, 11, 10, 0})}};
     v.push_back(s);
   }
+  // mistralai/Mixtral-8x7B-v0.1: hidden 4096, 32 layers, 32 heads / 8 kv of 128, 8 experts of
+  // 14336 top-2, vocab 32000, rope_theta 1e6, rms_norm_eps 1e-5, context 32768 ("llama" in GGUF;
+  // the experts' width is feed_forward_length).
+  v.push_back(
+      {"mixtral-8x7b", "Mixtral 8x7B", shape_hp("llama", 32, 4096, 32, 8, 128, 8, 2, 14336, 0, 32000, 32768, 1e6)});
+  v.back().hp.rms_eps = 1e-5f;
+  // A tiny Mixtral-layout model for the reference test (tests/test_mixtral.cpp), not a real model.
+  v.push_back(
+      {"mixtral-tiny", "Mixtral tiny (test shape)", shape_hp("llama", 2, 64, 4, 2, 16, 4, 2, 32, 0, 8192, 4096, 1e4)});
   {
     SynthShape s{"qwen3moe-code", "Qwen3Moe Code",  // the shipped trained model (models/qwen3moe-code-Q8_0.gguf)
                  shape_hp("qwen3moe", 8, 256, 4, 2, 64, 64, 8, 512, 64, 8192, 4096, 1e6)};
