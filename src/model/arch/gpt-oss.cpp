@@ -77,14 +77,7 @@ void validate(const gguf::File& f, const ModelHParams& hp) {
   validate_rope_scaling(f, hp);
 }
 
-struct Layer {
-  backend::Tensor attn_norm, ffn_norm;
-  backend::AttentionWeights attn;
-  bool sliding = false;  ///< attends to the last n_swa positions only
-  MoeLayer moe;
-};
-
-class GptOss final : public Model {
+class GptOss final : public AttnMoeModel {
  public:
   GptOss(const gguf::File& f, const BoundWeights& w, backend::Backend& be, const ModelHParams& hp,
          const LoadOptions& opts) {
@@ -100,16 +93,17 @@ class GptOss final : public Model {
     router.gating = backend::RouterSpec::Gating::SoftmaxTopK;
     router.n_expert = hp_.n_expert;
     router.top_k = hp_.n_expert_used;
-    router.norm_topk = false;  // the k weights are a softmax already
+    router.norm_topk = false;           // the k weights are a softmax already
+    ffn_norm_name_ = "attn_post_norm";  // llama.cpp's name of the pre-MoE norm here
     bind_io(w);
     layers_.resize(size_t(hp_.n_layer));
     experts_.resize(size_t(hp_.n_layer));
     for (int l = 0; l < hp_.n_layer; ++l) {
       auto b = [&](const char* n) { return w.get(blk(l, n)); };
-      Layer& L = layers_[size_t(l)];
+      AttnMoeLayer& L = layers_[size_t(l)];
       L.attn_norm = b("attn_norm.weight");
       L.attn = bind_attention(w, l);
-      L.sliding = l % 2 == 0;
+      L.spec = l % 2 == 0 ? &attn_swa_ : &attn_full_;  // even layers slide
       L.ffn_norm = b("post_attention_norm.weight");
       L.moe = bind_moe(w, l, router);
       L.moe.ffn.act = backend::FfnSpec::Act::SwiGluOai;
@@ -117,39 +111,7 @@ class GptOss final : public Model {
     dense_bytes_ = w.dense_bytes();
   }
 
-  SequenceState new_state(int64_t n_ctx) const override {
-    SequenceState st;
-    st.n_ctx = n_ctx;
-    const int64_t kv_dim = int64_t(hp_.n_head_kv) * hp_.head_dim_k;
-    for (int l = 0; l < hp_.n_layer; ++l) {
-      st.k.emplace_back(*be_, n_ctx * kv_dim);
-      st.v.emplace_back(*be_, n_ctx * kv_dim);
-    }
-    return st;
-  }
-
-  uint64_t state_bytes(int64_t n_ctx) const override {
-    return uint64_t(2) * hp_.n_layer * n_ctx * hp_.n_head_kv * hp_.head_dim_k * sizeof(float);
-  }
-
-  void forward(ForwardContext& ctx, std::span<SeqInput> batch) override {
-    Step s(ctx, *this, batch);
-    s.embed(tok_embd_);
-    s.read_ahead_first(layers_[0].moe, layers_[0].ffn_norm);
-    for (int l = 0; l < hp_.n_layer; ++l) {
-      const Layer& L = layers_[size_t(l)];
-      s.norm(L.attn_norm, "attn_norm", l);
-      s.attention(l, L.sliding ? attn_swa_ : attn_full_, L.attn);
-      s.residual("ffn_inp", l);
-      s.norm(L.ffn_norm, "attn_post_norm", l);
-      s.moe(l, L.moe, l + 1 < hp_.n_layer ? &layers_[size_t(l + 1)].moe : nullptr);
-      s.residual("l_out", l);
-    }
-    s.output(output_norm_, output_);
-  }
-
  private:
-  std::vector<Layer> layers_;
   backend::RopeSpec rope_;
   backend::AttentionSpec attn_full_, attn_swa_;
 };

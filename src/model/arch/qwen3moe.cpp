@@ -55,13 +55,7 @@ void validate(const gguf::File& f, const ModelHParams& hp) {
                     f.path()));
 }
 
-struct Layer {
-  backend::Tensor attn_norm, ffn_norm;
-  backend::AttentionWeights attn;
-  MoeLayer moe;
-};
-
-class Qwen3Moe final : public Model {
+class Qwen3Moe final : public AttnMoeModel {
  public:
   Qwen3Moe(const gguf::File& f, const BoundWeights& w, backend::Backend& be, const ModelHParams& hp,
            const LoadOptions& opts) {
@@ -77,48 +71,17 @@ class Qwen3Moe final : public Model {
     experts_.resize(size_t(hp_.n_layer));
     for (int l = 0; l < hp_.n_layer; ++l) {
       auto b = [&](const char* n) { return w.get(blk(l, n)); };
-      Layer& L = layers_[size_t(l)];
+      AttnMoeLayer& L = layers_[size_t(l)];
       L.attn_norm = b("attn_norm.weight");
       L.attn = bind_attention(w, l);
+      L.spec = &attn_;
       L.ffn_norm = b("ffn_norm.weight");
       L.moe = bind_moe(w, l, router);
     }
     dense_bytes_ = w.dense_bytes();
   }
 
-  SequenceState new_state(int64_t n_ctx) const override {
-    SequenceState st;
-    st.n_ctx = n_ctx;
-    const int64_t kv_dim = int64_t(hp_.n_head_kv) * hp_.head_dim_k;
-    for (int l = 0; l < hp_.n_layer; ++l) {
-      st.k.emplace_back(*be_, n_ctx * kv_dim);
-      st.v.emplace_back(*be_, n_ctx * kv_dim);
-    }
-    return st;
-  }
-
-  uint64_t state_bytes(int64_t n_ctx) const override {
-    return uint64_t(2) * hp_.n_layer * n_ctx * hp_.n_head_kv * hp_.head_dim_k * sizeof(float);
-  }
-
-  void forward(ForwardContext& ctx, std::span<SeqInput> batch) override {
-    Step s(ctx, *this, batch);
-    s.embed(tok_embd_);
-    s.read_ahead_first(layers_[0].moe, layers_[0].ffn_norm);  // layer 0's experts load during attention
-    for (int l = 0; l < hp_.n_layer; ++l) {
-      const Layer& L = layers_[size_t(l)];
-      s.norm(L.attn_norm, "attn_norm", l);
-      s.attention(l, attn_, L.attn);
-      s.residual("ffn_inp", l);
-      s.norm(L.ffn_norm, "ffn_norm", l);
-      s.moe(l, L.moe, l + 1 < hp_.n_layer ? &layers_[size_t(l + 1)].moe : nullptr);
-      s.residual("l_out", l);
-    }
-    s.output(output_norm_, output_);
-  }
-
  private:
-  std::vector<Layer> layers_;
   backend::RopeSpec rope_;
   backend::AttentionSpec attn_;
 };
