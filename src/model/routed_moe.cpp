@@ -82,6 +82,35 @@ void validate_routed_moe(const gguf::File& f, const ModelHParams& hp) {
   validate_rope_scaling(f, hp);
 }
 
+void add_routed_ffn_tensors(std::vector<TensorSpec>& t, const ModelHParams& hp, int l) {
+  const int64_t E = hp.n_embd, X = hp.n_expert, F = hp.n_ff_exp, FS = routed_shexp_ff(hp), FD = hp.n_ff;
+  using R = TensorRole;
+  using I = TensorInit;
+  const bool opt = true;
+  auto b = [&](const char* n) { return blk(l, n); };
+  if (l < hp.n_layer_dense_lead) {
+    t.insert(t.end(), {
+                          {b("ffn_down.weight"), {FD, E}, R::Matrix, I::Weight},
+                          {b("ffn_gate.weight"), {E, FD}, R::Matrix, I::Weight},
+                          {b("ffn_up.weight"), {E, FD}, R::Matrix, I::Weight},
+                      });
+  } else {
+    t.insert(t.end(), {
+                          {b("ffn_down_exps.weight"), {F, E, X}, R::Expert, I::Weight},
+                          {b("ffn_gate_exps.weight"), {E, F, X}, R::Expert, I::Weight},
+                          {b("ffn_up_exps.weight"), {E, F, X}, R::Expert, I::Weight},
+                          {b("exp_probs_b.bias"), {X}, R::Vector, I::Norm, {}, opt},
+                          {b("ffn_gate_inp.weight"), {E, X}, R::Matrix, I::Router},
+                      });
+    if (hp.n_expert_shared > 0)
+      t.insert(t.end(), {
+                            {b("ffn_down_shexp.weight"), {FS, E}, R::Matrix, I::Weight},
+                            {b("ffn_gate_shexp.weight"), {E, FS}, R::Matrix, I::Weight},
+                            {b("ffn_up_shexp.weight"), {E, FS}, R::Matrix, I::Weight},
+                        });
+  }
+}
+
 backend::RouterSpec routed_router_spec(const gguf::File& f, const ModelHParams& hp, const BoundWeights& w,
                                        backend::Backend& be, int layer) {
   backend::RouterSpec r;

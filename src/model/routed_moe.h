@@ -39,6 +39,13 @@ int routed_shexp_ff(const ModelHParams& hp);
 /// the rope.scaling keys (validate_rope_scaling).
 void validate_routed_moe(const gguf::File& f, const ModelHParams& hp);
 
+/// Appends layer `l`'s feed-forward tensors, in llama.cpp's order: a leading dense layer's
+/// ffn_{down,gate,up} (width feed_forward_length), else the routed experts ffn_{down,gate,up}_exps
+/// (Expert, width expert_feed_forward_length), the optional selection bias exp_probs_b.bias, the
+/// router ffn_gate_inp and, with expert_shared_count > 0, the shared experts ffn_*_shexp (width
+/// routed_shexp_ff). Shared by deepseek2 and glm4moe.
+void add_routed_ffn_tensors(std::vector<TensorSpec>& t, const ModelHParams& hp, int l);
+
 /// Layer `layer`'s router spec: gating, top-k, norm, groups, scale, and the selection bias
 /// blk.N.exp_probs_b.bias (if the table bound it) downloaded to the host.
 backend::RouterSpec routed_router_spec(const gguf::File& f, const ModelHParams& hp, const BoundWeights& w,
