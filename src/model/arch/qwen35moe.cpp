@@ -29,6 +29,7 @@
 #include <fmt/ranges.h>
 
 #include "model/arch.h"
+#include "model/qwen_hybrid.h"
 #include "model/rope_scaling.h"
 #include "model/step.h"
 
@@ -104,27 +105,8 @@ std::vector<TensorSpec> tensors(const ModelHParams& hp) {
                             {b("ssm_norm.weight"), {g.head_v_dim}, R::Vector, I::Norm},
                             {b("ssm_out.weight"), {g.value_dim(), E}, R::Matrix, I::Weight},
                         });
-    t.insert(t.end(), {
-                          {b("ffn_down_exps.weight"), {F, E, X}, R::Expert, I::Weight},
-                          {b("ffn_gate_exps.weight"), {E, F, X}, R::Expert, I::Weight},
-                          {b("ffn_up_exps.weight"), {E, F, X}, R::Expert, I::Weight},
-                          {b("ffn_gate_inp.weight"), {E, X}, R::Matrix, I::Router},
-                          {b("ffn_down_shexp.weight"), {FS, E}, R::Matrix, I::Weight},
-                          {b("ffn_gate_shexp.weight"), {E, FS}, R::Matrix, I::Weight},
-                          {b("ffn_up_shexp.weight"), {E, FS}, R::Matrix, I::Weight},
-                          // the converter writes [n_embd, 1]; llama.cpp also takes [n_embd]
-                          {b("ffn_gate_inp_shexp.weight"), {E, 1}, R::Matrix, I::Router, {E}},
-                          {b("post_attention_norm.weight"), {E}, R::Vector, I::Norm},
-                      });
-    if (!rec)
-      t.insert(t.end(), {
-                            {b("attn_k_norm.weight"), {hd}, R::Vector, I::Norm},
-                            {b("attn_k.weight"), {E, kv}, R::Matrix, I::Weight},
-                            {b("attn_output.weight"), {q, E}, R::Matrix, I::Weight},
-                            {b("attn_q_norm.weight"), {hd}, R::Vector, I::Norm},
-                            {b("attn_q.weight"), {E, 2 * q}, R::Matrix, I::Weight},  // query and gate per head
-                            {b("attn_v.weight"), {E, kv}, R::Matrix, I::Weight},
-                        });
+    add_shared_expert_moe_tensors(t, hp, l);
+    if (!rec) add_gated_attention_tensors(t, hp, l);
   }
   t.push_back({"output_norm.weight", {E}, R::Vector, I::Norm});
   return t;
