@@ -210,7 +210,7 @@ TEST(Deepseek2Errors, MalformedFilesAreNamed) {
   EXPECT_THAT(test::edited_load_error(m, k1, "ds-k1"),
               HasSubstr("key 'deepseek2.expert_group_used_count' = 5 is out of range"));
   test::GgufEdit k2;
-  k2.set_kv = {{"deepseek2.rope.scaling.type", gguf::make_string("yarn")}};
+  k2.set_kv = {{"deepseek2.rope.scaling.type", gguf::make_string("linear")}};
   EXPECT_THAT(test::edited_load_error(m, k2, "ds-k2"),
-              HasSubstr("key 'deepseek2.rope.scaling.type' = 'yarn' is not supported yet"));
+              HasSubstr("key 'deepseek2.rope.scaling.type' = 'linear' is not supported"));
 }

@@ -276,13 +276,13 @@ TEST(GptOssErrors, ReshapedTensorIsNamedWithBothShapes) {
               HasSubstr("tensor 'blk.2.attn_sinks.weight': expected shape [4], got [8]"));
 }
 
-TEST(GptOssErrors, MissingSlidingWindowAndYarnAreRefused) {
+// YaRN itself is tested in test_yarn.cpp; a yarn file without its factor is an error.
+TEST(GptOssErrors, MissingSlidingWindowAndYarnFactorAreRefused) {
   STRATA_REQUIRE_FIXTURES(fx);
   EXPECT_THAT(load_error(fx, {.drop_key = "gpt-oss.attention.sliding_window"}, "no-swa"),
               HasSubstr("gpt-oss.attention.sliding_window"));
   const std::string yarn = load_error(fx, {.key = "gpt-oss.rope.scaling.type", .value = "yarn"}, "yarn");
-  EXPECT_THAT(yarn, HasSubstr("gpt-oss.rope.scaling.type = 'yarn'"));
-  EXPECT_THAT(yarn, HasSubstr("not supported yet"));
+  EXPECT_THAT(yarn, HasSubstr("rope.scaling.type = yarn needs key 'gpt-oss.rope.scaling.factor'"));
 }
 
 TEST(GptOssBlocks, ClampedSwiGluExpertWithBiases) {

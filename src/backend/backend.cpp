@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numbers>
 #include <numeric>
 #include <stdexcept>
 #include <vector>
+
+#include <fmt/format.h>
 
 #include "gguf/ggml_types.h"
 #include "quant/quant.h"
@@ -46,6 +49,38 @@ RopeSpec RopeSpec::standard(int n_rot, double base, Mode mode, bool round_to_bf1
   for (int i = 0; i < n_rot / 2; ++i) {
     r.inv_freq[size_t(i)] = std::pow(base, -2.0 * i / n_rot);
     if (round_to_bf16) r.inv_freq[size_t(i)] = quant::bf16_to_fp32(quant::fp32_to_bf16(float(r.inv_freq[size_t(i)])));
+  }
+  return r;
+}
+
+RopeSpec RopeSpec::yarn(int n_rot, double base, Mode mode, double factor, double orig_ctx, double beta_fast,
+                        double beta_slow, bool truncate, double attn_factor) {
+  if (n_rot < 2 || n_rot % 2 != 0)
+    throw std::invalid_argument(fmt::format("RopeSpec::yarn: n_rot {} must be even and >= 2", n_rot));
+  if (!(base > 1)) throw std::invalid_argument(fmt::format("RopeSpec::yarn: freq_base {} must be > 1", base));
+  if (!(factor >= 1)) throw std::invalid_argument(fmt::format("RopeSpec::yarn: factor {} must be >= 1", factor));
+  if (!(orig_ctx >= 1))
+    throw std::invalid_argument(fmt::format("RopeSpec::yarn: original context {} must be >= 1", orig_ctx));
+  if (!(beta_fast > 0) || !(beta_slow > 0))
+    throw std::invalid_argument(
+        fmt::format("RopeSpec::yarn: beta_fast {} and beta_slow {} must be > 0", beta_fast, beta_slow));
+  RopeSpec r = standard(n_rot, base, mode);
+  r.attn_factor = attn_factor;
+  const double d = n_rot;
+  const auto corr = [&](double b) {
+    return d * std::log(orig_ctx / (2 * std::numbers::pi * b)) / (2 * std::log(base));
+  };
+  double lo = corr(beta_fast), hi = corr(beta_slow);
+  if (truncate) {
+    lo = std::floor(lo);
+    hi = std::ceil(hi);
+  }
+  lo = std::max(lo, 0.0);
+  hi = std::min(hi, d - 1);
+  for (int i = 0; i < n_rot / 2; ++i) {
+    const double ramp = 1 - std::clamp((i - lo) / std::max(hi - lo, 0.001), 0.0, 1.0);
+    const double p = r.inv_freq[size_t(i)];
+    r.inv_freq[size_t(i)] = p / factor * (1 - ramp) + p * ramp;
   }
   return r;
 }

@@ -134,11 +134,29 @@ struct RopeSpec {
   Mode mode = Mode::Neox;
   int n_rot = 0;                 ///< rotated dimensions per head (<= head_dim, even); 0 = NoPE
   std::vector<double> inv_freq;  ///< [n_rot / 2], radians per token
+  /// Factor on cos and sin of every rotated pair (YaRN's "attention factor" / mscale: it scales
+  /// the rotated q and k dims, so their part of q.k by its square); 1 = a pure rotation.
+  double attn_factor = 1.0;
 
   /// The plain table inv_freq[i] = base^(-2i/n_rot). round_to_bf16 rounds each to bfloat16,
   /// which is what transformers computes for a checkpoint loaded in bf16 (its inv_freq buffer
   /// is cast with the model): only for parity tests against such references.
   static RopeSpec standard(int n_rot, double base, Mode mode = Mode::Neox, bool round_to_bf16 = false);
+
+  /// YaRN's NTK-by-parts frequencies (Peng et al. 2023, arXiv:2309.00071, sec. 3.2). With
+  /// f = `factor`, L = `orig_ctx`, d = n_rot and the plain table p_i = base^(-2i/d):
+  ///   corr(b)  = d ln(L / (2 pi b)) / (2 ln base)   (the pair index that turns b times in L)
+  ///   lo, hi   = corr(beta_fast), corr(beta_slow); floor(lo), ceil(hi) when `truncate`;
+  ///              then lo = max(lo, 0), hi = min(hi, d - 1)
+  ///   ramp_i   = 1 - clamp((i - lo) / max(hi - lo, 0.001), 0, 1)   (1: extrapolate, 0: interpolate)
+  ///   inv_freq_i = p_i / f * (1 - ramp_i) + p_i * ramp_i
+  /// and attn_factor = `attn_factor` (the caller's mscale; see model/rope_scaling.h). Matches
+  /// transformers' _compute_yarn_parameters (its `truncate` option) and ggml's
+  /// ggml_rope_yarn_corr_dims + rope_yarn with ext_factor 1 (which always truncates).
+  /// Throws std::invalid_argument for factor < 1, orig_ctx < 1, n_rot odd or < 2, base <= 1,
+  /// or beta_fast <= 0 / beta_slow <= 0.
+  static RopeSpec yarn(int n_rot, double base, Mode mode, double factor, double orig_ctx, double beta_fast,
+                       double beta_slow, bool truncate, double attn_factor);
 };
 
 /// Grouped-query self-attention of one layer (Vaswani et al. 2017; GQA: Ainslie et al. 2023).

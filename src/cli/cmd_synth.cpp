@@ -46,11 +46,16 @@ namespace fs = std::filesystem;
 struct SynthShape {
   std::string like, name;
   model::ModelHParams hp;
+  /// Keys beyond the key table (suffixes of "<arch>."): bool and array keys, RoPE scaling.
+  std::vector<std::pair<std::string, gguf::Value>> extra_kv = {};
+  /// Optional table tensors the real file does not have (suffixes of "blk.N."), e.g. q/k norms.
+  std::vector<std::string> omit = {};
 };
 
-model::ModelHParams qwen_hp(const char* arch, int n_layer, int n_embd, int n_head, int n_head_kv, int head_dim,
-                            int n_expert, int n_expert_used, int n_ff, int n_ff_exp, int64_t n_vocab, int64_t n_ctx,
-                            double rope_base) {
+// The keys most shapes share; the shapes below set the rest.
+model::ModelHParams shape_hp(const char* arch, int n_layer, int n_embd, int n_head, int n_head_kv, int head_dim,
+                             int n_expert, int n_expert_used, int n_ff, int n_ff_exp, int64_t n_vocab, int64_t n_ctx,
+                             double rope_base) {
   model::ModelHParams h;
   h.arch = arch;
   h.n_layer = n_layer, h.n_embd = n_embd, h.n_head = n_head, h.n_head_kv = n_head_kv;
@@ -64,12 +69,12 @@ model::ModelHParams qwen_hp(const char* arch, int n_layer, int n_embd, int n_hea
 std::vector<SynthShape> known_shapes() {
   std::vector<SynthShape> v;
   v.push_back({"qwen3moe-30b-a3b", "Qwen3 30B A3B",  // Qwen/Qwen3-30B-A3B
-               qwen_hp("qwen3moe", 48, 2048, 32, 4, 128, 128, 8, 6144, 768, 151936, 40960, 1e6)});
+               shape_hp("qwen3moe", 48, 2048, 32, 4, 128, 128, 8, 6144, 768, 151936, 40960, 1e6)});
   v.push_back({"qwen3moe-235b-a22b", "Qwen3 235B A22B",  // Qwen/Qwen3-235B-A22B
-               qwen_hp("qwen3moe", 94, 4096, 64, 4, 128, 128, 8, 12288, 1536, 151936, 40960, 1e6)});
+               shape_hp("qwen3moe", 94, 4096, 64, 4, 128, 128, 8, 12288, 1536, 151936, 40960, 1e6)});
   {
     SynthShape s{"qwen3-next-80b-a3b", "Qwen3 Next 80B A3B",  // Qwen/Qwen3-Next-80B-A3B-Instruct
-                 qwen_hp("qwen3next", 48, 2048, 16, 2, 256, 512, 10, 5120, 512, 151936, 262144, 1e7)};
+                 shape_hp("qwen3next", 48, 2048, 16, 2, 256, 512, 10, 5120, 512, 151936, 262144, 1e7)};
     model::ModelHParams& h = s.hp;
     h.n_ff_shexp = 512;
     h.n_rot = 64;  // partial_rotary_factor 0.25 of head_dim 256
@@ -77,9 +82,84 @@ std::vector<SynthShape> known_shapes() {
     h.ssm_inner_size = 32 * 128, h.full_attention_interval = 4;
     v.push_back(s);
   }
+  // The families of issue 14. Sources: each model's config.json on Hugging Face (the repository
+  // named), converted to GGUF keys as llama.cpp's convert_hf_to_gguf.py writes them. No NextN/MTP
+  // blocks (nextn_predict_layers 0): strata skips them in a real file anyway.
+  {
+    // openai/gpt-oss-120b: hidden 2880, 36 layers, 64 heads / 8 kv of 64, 128 experts top-4 of
+    // width 2880, sliding window 128 on even layers, rope_theta 150000, YaRN factor 32 over 4096
+    // (beta 32/1), vocab 201088, context 131072, rms_norm_eps 1e-5. Real file: MXFP4 experts.
+    SynthShape s{"gpt-oss-120b", "gpt-oss 120b",
+                 shape_hp("gpt-oss", 36, 2880, 64, 8, 64, 128, 4, 2880, 2880, 201088, 131072, 150000)};
+    s.hp.n_swa = 128;
+    s.hp.rms_eps = 1e-5f;
+    s.extra_kv = {{"rope.scaling.type", gguf::make_string("yarn")},
+                  {"rope.scaling.factor", gguf::make_f32(32)},
+                  {"rope.scaling.original_context_length", gguf::make_u32(4096)}};
+    v.push_back(s);
+  }
+  {
+    // deepseek-ai/DeepSeek-V3: hidden 7168, 61 layers (first 3 dense, intermediate 18432), 128
+    // heads, MLA q_lora 1536 / kv_lora 512, qk_nope 128 + qk_rope 64, v 128; 256 experts of 2048
+    // top-8, 1 shared, sigmoid scoring with selection bias (noaux_tc), 8 groups / 4 used,
+    // routed_scaling_factor 2.5, norm_topk_prob; rope_theta 10000, YaRN factor 40 over 4096,
+    // mscale = mscale_all_dim = 1 (yarn_log_multiplier 0.1); vocab 129280, context 163840.
+    SynthShape s{"deepseek-v3", "DeepSeek V3",
+                 shape_hp("deepseek2", 61, 7168, 128, 1, 576, 256, 8, 18432, 2048, 129280, 163840, 10000)};
+    model::ModelHParams& h = s.hp;
+    h.head_dim_v = 512, h.n_rot = 64;  // MLA in llama.cpp's form: key = kv_lora + rope, value = kv_lora
+    h.q_lora_rank = 1536, h.kv_lora_rank = 512, h.head_dim_k_mla = 192, h.head_dim_v_mla = 128;
+    h.n_expert_shared = 1, h.n_layer_dense_lead = 3, h.n_expert_groups = 8, h.n_group_used = 4;
+    h.expert_gating_func = 2, h.expert_weights_scale = 2.5f;
+    s.extra_kv = {{"expert_weights_norm", gguf::make_bool(true)},
+                  {"rope.scaling.type", gguf::make_string("yarn")},
+                  {"rope.scaling.factor", gguf::make_f32(40)},
+                  {"rope.scaling.original_context_length", gguf::make_u32(4096)},
+                  {"rope.scaling.yarn_log_multiplier", gguf::make_f32(0.1f)}};
+    v.push_back(s);
+  }
+  {
+    // zai-org/GLM-4.5-Air: hidden 4096, 46 layers (first 1 dense, intermediate 10944), 96 heads /
+    // 8 kv of 128, partial rotary 0.5 (64 dims), attention biases, no q/k norm; 128 experts of
+    // 1408 top-8, 1 shared, sigmoid with selection bias, 1 group, routed_scaling_factor 1,
+    // norm_topk_prob; rope_theta 1e6, vocab 151552, context 131072, rms_norm_eps 1e-5.
+    SynthShape s{"glm-4.5-air", "GLM 4.5 Air",
+                 shape_hp("glm4moe", 46, 4096, 96, 8, 128, 128, 8, 10944, 1408, 151552, 131072, 1e6)};
+    model::ModelHParams& h = s.hp;
+    h.n_rot = 64, h.rms_eps = 1e-5f;
+    h.n_expert_shared = 1, h.n_layer_dense_lead = 1, h.n_expert_groups = 1, h.n_group_used = 1;
+    h.expert_gating_func = 2, h.expert_weights_scale = 1.0f;
+    s.extra_kv = {{"expert_weights_norm", gguf::make_bool(true)}};
+    s.omit = {"attn_q_norm.weight", "attn_k_norm.weight"};
+    v.push_back(s);
+  }
+  {
+    // Qwen/Qwen3.5-122B-A10B (text model): 48 layers, every 4th gated full attention (12 of 48),
+    // the rest gated delta net; 256 experts top-8 plus 1 shared expert, vocab 248320, context
+    // 262144 (these from the model card). From its config.json: hidden 3072, 32 heads / 2 kv of
+    // 256, partial rotary 0.25 (64 dims, IMRoPE sections 11/11/10), rope_theta 1e7, expert and
+    // shared-expert width 1024, delta net 16 key heads / 64 value heads of 128, conv kernel 4.
+    SynthShape s{"qwen3.5-122b-a10b", "Qwen3.5 122B A10B",
+                 shape_hp("qwen35moe", 48, 3072, 32, 2, 256, 256, 8, 0, 1024, 248320, 262144, 1e7)};
+    model::ModelHParams& h = s.hp;
+    h.n_ff_shexp = 1024, h.n_rot = 64;
+    h.ssm_conv_kernel = 4, h.ssm_state_size = 128, h.ssm_group_count = 16, h.ssm_time_step_rank = 64;
+    h.ssm_inner_size = 64 * 128, h.full_attention_interval = 4;
+    s.extra_kv = {{"rope.dimension_sections", gguf::make_i32_array({11, 11, 10, 0})}};
+    v.push_back(s);
+  }
+  // mistralai/Mixtral-8x7B-v0.1: hidden 4096, 32 layers, 32 heads / 8 kv of 128, 8 experts of
+  // 14336 top-2, vocab 32000, rope_theta 1e6, rms_norm_eps 1e-5, context 32768 ("llama" in GGUF;
+  // the experts' width is feed_forward_length).
+  v.push_back(
+      {"mixtral-8x7b", "Mixtral 8x7B", shape_hp("llama", 32, 4096, 32, 8, 128, 8, 2, 14336, 0, 32000, 32768, 1e6)});
+  v.back().hp.rms_eps = 1e-5f;
+  // A tiny Mixtral-layout model for the reference test (tests/test_mixtral.cpp), not a real model.
+  v.push_back(
+      {"mixtral-tiny", "Mixtral tiny (test shape)", shape_hp("llama", 2, 64, 4, 2, 16, 4, 2, 32, 0, 8192, 4096, 1e4)});
   {
     SynthShape s{"qwen3moe-code", "Qwen3Moe Code",  // the shipped trained model (models/qwen3moe-code-Q8_0.gguf)
-                 qwen_hp("qwen3moe", 8, 256, 4, 2, 64, 64, 8, 512, 64, 8192, 4096, 1e6)};
+                 shape_hp("qwen3moe", 8, 256, 4, 2, 64, 64, 8, 512, 64, 8192, 4096, 1e6)};
     s.hp.tied_output = true;
     v.push_back(s);
   }
@@ -395,8 +475,14 @@ Plan make_plan(const SynthShape& s, GgmlType expert_type, GgmlType dense_type) {
   if (!arch) throw std::logic_error("synth: no architecture " + s.hp.arch);
   Plan plan;
   std::map<int, uint64_t> record;  // per layer: one expert's gate + up + down bytes
+  auto omitted = [&](const model::TensorSpec& t) {
+    if (!t.optional) return false;
+    for (const std::string& suf : s.omit)
+      if (t.name.size() > suf.size() && t.name.compare(t.name.size() - suf.size(), suf.size(), suf) == 0) return true;
+    return false;
+  };
   for (const model::TensorSpec& t : arch->tensors(s.hp)) {
-    if (t.role == model::TensorRole::Skip) continue;
+    if (t.role == model::TensorRole::Skip || omitted(t)) continue;
     std::vector<uint64_t> ne(t.ne.begin(), t.ne.end());
     const bool weight = t.init == Kind::Weight && t.role != model::TensorRole::Vector;
     const GgmlType want = t.role == model::TensorRole::Expert ? expert_type : dense_type;
@@ -491,6 +577,7 @@ void run_synth(const SynthFlags& f) {
   const bool overridden = f.layers > 0 || f.experts > 0 || f.expert_used > 0;
   w.add_string("general.name", fmt::format("{}{} (strata synth, random weights)", s.name, overridden ? " shaped" : ""));
   model::write_hparams(w, hp, *model::find_architecture(hp.arch));
+  for (const auto& [suffix, value] : s.extra_kv) w.add_kv(hp.arch + "." + suffix, value);
   w.add_u32("general.file_type", llama_file_type(expert_type));
   w.add_u32("general.quantization_version", 2);
   w.add_string("strata.synth.like", s.like);

@@ -145,6 +145,9 @@ ModelHParams read_common_hparams(const gguf::File& f) { return read_keys(f, null
 
 ModelHParams read_hparams(const gguf::File& f, const Architecture& a) {
   ModelHParams hp = read_keys(f, &a.keys);
+  // llama (Mixtral): the experts' width is feed_forward_length (llama.cpp shapes ffn_*_exps with
+  // n_ff; its converter writes no expert_feed_forward_length for this architecture).
+  if (a.name == "llama" && hp.n_ff_exp == 0) hp.n_ff_exp = hp.n_ff;
   if (a.validate) a.validate(f, hp);
   return hp;
 }

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "model/model.h"
+#include "model/rope_scaling.h"
 
 namespace strata::model {
 
@@ -78,7 +79,36 @@ void validate_routed_moe(const gguf::File& f, const ModelHParams& hp) {
         fmt::format("{}: key '{}.expert_weights_scale' = {} is negative", f.path(), a, hp.expert_weights_scale));
   (void)routed_gating(f, hp);  // an unsupported expert_gating_func fails here
   (void)routed_norm_topk(f, hp);
-  refuse_rope_scaling(f, hp);
+  validate_rope_scaling(f, hp);
+}
+
+void add_routed_ffn_tensors(std::vector<TensorSpec>& t, const ModelHParams& hp, int l) {
+  const int64_t E = hp.n_embd, X = hp.n_expert, F = hp.n_ff_exp, FS = routed_shexp_ff(hp), FD = hp.n_ff;
+  using R = TensorRole;
+  using I = TensorInit;
+  const bool opt = true;
+  auto b = [&](const char* n) { return blk(l, n); };
+  if (l < hp.n_layer_dense_lead) {
+    t.insert(t.end(), {
+                          {b("ffn_down.weight"), {FD, E}, R::Matrix, I::Weight},
+                          {b("ffn_gate.weight"), {E, FD}, R::Matrix, I::Weight},
+                          {b("ffn_up.weight"), {E, FD}, R::Matrix, I::Weight},
+                      });
+  } else {
+    t.insert(t.end(), {
+                          {b("ffn_down_exps.weight"), {F, E, X}, R::Expert, I::Weight},
+                          {b("ffn_gate_exps.weight"), {E, F, X}, R::Expert, I::Weight},
+                          {b("ffn_up_exps.weight"), {E, F, X}, R::Expert, I::Weight},
+                          {b("exp_probs_b.bias"), {X}, R::Vector, I::Norm, {}, opt},
+                          {b("ffn_gate_inp.weight"), {E, X}, R::Matrix, I::Router},
+                      });
+    if (hp.n_expert_shared > 0)
+      t.insert(t.end(), {
+                            {b("ffn_down_shexp.weight"), {FS, E}, R::Matrix, I::Weight},
+                            {b("ffn_gate_shexp.weight"), {E, FS}, R::Matrix, I::Weight},
+                            {b("ffn_up_shexp.weight"), {E, FS}, R::Matrix, I::Weight},
+                        });
+  }
 }
 
 backend::RouterSpec routed_router_spec(const gguf::File& f, const ModelHParams& hp, const BoundWeights& w,
@@ -97,15 +127,6 @@ backend::RouterSpec routed_router_spec(const gguf::File& f, const ModelHParams& 
     be.download(r.selection_bias.data(), b, r.selection_bias.size() * sizeof(float));
   }
   return r;
-}
-
-void refuse_rope_scaling(const gguf::File& f, const ModelHParams& hp) {
-  const std::string key = hp.arch + ".rope.scaling.type";
-  if (!f.has(key)) return;
-  const std::string t = f.get_string(key);
-  if (t != "none")
-    throw ModelError(fmt::format("{}: key '{}' = '{}' is not supported yet (RoPE scaling is not implemented for {})",
-                                 f.path(), key, t, hp.arch));
 }
 
 }  // namespace strata::model

@@ -35,8 +35,16 @@ int routed_shexp_ff(const ModelHParams& hp);
 
 /// Checks of these keys (ModelError naming them): experts, top-k and expert FFN present;
 /// leading dense layers fewer than the forward layers and needing feed_forward_length; groups
-/// dividing the experts with enough experts in the used groups; nextn layers fewer than blocks.
+/// dividing the experts with enough experts in the used groups; nextn layers fewer than blocks;
+/// the rope.scaling keys (validate_rope_scaling).
 void validate_routed_moe(const gguf::File& f, const ModelHParams& hp);
+
+/// Appends layer `l`'s feed-forward tensors, in llama.cpp's order: a leading dense layer's
+/// ffn_{down,gate,up} (width feed_forward_length), else the routed experts ffn_{down,gate,up}_exps
+/// (Expert, width expert_feed_forward_length), the optional selection bias exp_probs_b.bias, the
+/// router ffn_gate_inp and, with expert_shared_count > 0, the shared experts ffn_*_shexp (width
+/// routed_shexp_ff). Shared by deepseek2 and glm4moe.
+void add_routed_ffn_tensors(std::vector<TensorSpec>& t, const ModelHParams& hp, int l);
 
 /// Layer `layer`'s router spec: gating, top-k, norm, groups, scale, and the selection bias
 /// blk.N.exp_probs_b.bias (if the table bound it) downloaded to the host.
@@ -45,9 +53,5 @@ backend::RouterSpec routed_router_spec(const gguf::File& f, const ModelHParams& 
 
 /// Forward layers: block_count minus the NextN/MTP blocks at the end.
 inline int forward_layers(const ModelHParams& hp) { return hp.n_layer - hp.n_nextn; }
-
-/// Refuses RoPE scaling the forward pass does not implement (rope.scaling.type other than
-/// "none"), naming the key and value.
-void refuse_rope_scaling(const gguf::File& f, const ModelHParams& hp);
 
 }  // namespace strata::model

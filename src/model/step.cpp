@@ -321,4 +321,36 @@ void Step::output(const Tensor& norm, const Tensor& head) {
   }
 }
 
+SequenceState AttnMoeModel::new_state(int64_t n_ctx) const {
+  SequenceState st;
+  st.n_ctx = n_ctx;
+  const int64_t kv_dim = int64_t(hp_.n_head_kv) * hp_.head_dim_k;
+  for (int l = 0; l < hp_.n_layer; ++l) {
+    st.k.emplace_back(*be_, n_ctx * kv_dim);
+    st.v.emplace_back(*be_, n_ctx * kv_dim);
+  }
+  return st;
+}
+
+uint64_t AttnMoeModel::state_bytes(int64_t n_ctx) const {
+  return uint64_t(2) * hp_.n_layer * n_ctx * hp_.n_head_kv * hp_.head_dim_k * sizeof(float);
+}
+
+void AttnMoeModel::forward(ForwardContext& ctx, std::span<SeqInput> batch) {
+  Step s(ctx, *this, batch);
+  s.embed(tok_embd_);
+  s.read_ahead_first(layers_[0].moe, layers_[0].ffn_norm);  // layer 0's experts load during attention
+  const int n = int(layers_.size());
+  for (int l = 0; l < n; ++l) {
+    const AttnMoeLayer& L = layers_[size_t(l)];
+    s.norm(L.attn_norm, "attn_norm", l);
+    s.attention(l, *L.spec, L.attn);
+    s.residual("ffn_inp", l);
+    s.norm(L.ffn_norm, ffn_norm_name_, l);
+    s.moe(l, L.moe, l + 1 < n ? &layers_[size_t(l + 1)].moe : nullptr);
+    s.residual("l_out", l);
+  }
+  s.output(output_norm_, output_);
+}
+
 }  // namespace strata::model

@@ -109,4 +109,28 @@ class Step {
   std::vector<int32_t> pred_;                    // the prediction for the next MoE layer, per token [T][top_k]
 };
 
+/// One layer of the plain attention + routed-MoE decoder (qwen3moe, gpt-oss, Mixtral):
+///   x += attention(RMSNorm(x) * attn_norm);  x += MoE(RMSNorm(x) * ffn_norm)
+struct AttnMoeLayer {
+  backend::Tensor attn_norm, ffn_norm;
+  backend::AttentionWeights attn;
+  const backend::AttentionSpec* spec = nullptr;  ///< owned by the model (sliding or full, ...)
+  MoeLayer moe;
+};
+
+/// A model made only of AttnMoeLayers with a KV cache per layer (K and V rows of
+/// n_head_kv * head_dim_k floats): the state and the forward loop its architectures share.
+/// The architecture's constructor fills layers_ (and experts_, via bind_moe) and may rename the
+/// pre-MoE norm for --dump (ffn_norm_name_, llama.cpp's callback name).
+class AttnMoeModel : public Model {
+ public:
+  SequenceState new_state(int64_t n_ctx) const override;
+  uint64_t state_bytes(int64_t n_ctx) const override;
+  void forward(ForwardContext& ctx, std::span<SeqInput> batch) override;
+
+ protected:
+  std::vector<AttnMoeLayer> layers_;
+  const char* ffn_norm_name_ = "ffn_norm";
+};
+
 }  // namespace strata::model

@@ -47,7 +47,7 @@ void rope_apply(const backend::RopeSpec& rope, float* x, int n_heads, int head_d
   const bool neox = rope.mode == backend::RopeSpec::Mode::Neox;
   for (int i = 0; i < half; ++i) {
     const double theta = double(pos) * rope.inv_freq[i];
-    const float c = float(std::cos(theta)), s = float(std::sin(theta));
+    const float c = float(std::cos(theta) * rope.attn_factor), s = float(std::sin(theta) * rope.attn_factor);
     const int i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
     for (int h = 0; h < n_heads; ++h) {
       float* xh = x + int64_t(h) * head_dim;

@@ -48,7 +48,8 @@ inline float swiglu_oai(float g, float u, float alpha, float limit) {
 /// Rotary position embedding (Su et al. 2021, "RoFormer") of x: [n_heads][head_dim] (head_dim
 /// contiguous) in place for position `pos` (tokens), the first rope.n_rot dims of each head:
 /// Neox mode rotates pairs (i, i + n_rot/2) (GPT-NeoX, transformers' rotate_half), Norm mode
-/// adjacent pairs (2i, 2i+1). Angle pos * inv_freq[i] in double, cos/sin rounded to float.
+/// adjacent pairs (2i, 2i+1). Angle pos * inv_freq[i] in double, cos/sin times rope.attn_factor
+/// (YaRN; 1 otherwise) in double, rounded to float.
 void rope_apply(const backend::RopeSpec& rope, float* x, int n_heads, int head_dim, int64_t pos);
 
 /// Causal GQA attention for one query token against a KV cache.

@@ -449,6 +449,10 @@ void CudaBackend::attention(const backend::AttentionSpec& s, const backend::Atte
   const backend::RopeSpec* rope = s.rope;
   if (rope && rope->n_rot > 0 && rope->mode != backend::RopeSpec::Mode::Neox)
     throw CudaError("strata::cuda: attention: only NEOX rotary embedding is implemented on the CUDA backend");
+  if (rope && rope->n_rot > 0 && rope->attn_factor != 1.0)
+    throw CudaError(
+        "strata::cuda: attention: YaRN's attention factor on cos/sin (rope.scaling.type = yarn) is not "
+        "implemented on the CUDA backend yet; use --backend cpu");
 
   Carve c{scratch(sz<float>(size_t(T * q_dim)) * (s.q_gate ? 4 : 2) + sz<int32_t>(size_t(T)))};
   float* q = c.take<float>(size_t(T * q_dim));

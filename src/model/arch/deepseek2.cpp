@@ -16,9 +16,12 @@
 // References: transformers modeling_deepseek_v3.py (DeepseekV3Attention with rope_interleave,
 // DeepseekV3TopkRouter, DeepseekV3MoE); llama.cpp src/models/deepseek2.cpp, llama-model.cpp and
 // convert_hf_to_gguf.py (DeepseekV2Model) for names and keys.
+#include <cmath>
+
 #include <fmt/format.h>
 
 #include "model/arch.h"
+#include "model/rope_scaling.h"
 #include "model/routed_moe.h"
 #include "model/step.h"
 
@@ -28,39 +31,18 @@ namespace {
 int n_nope(const ModelHParams& hp) { return hp.head_dim_k_mla - hp.n_rot; }
 
 std::vector<TensorSpec> tensors(const ModelHParams& hp) {
-  const int64_t E = hp.n_embd, V = hp.n_vocab, X = hp.n_expert, F = hp.n_ff_exp, FS = routed_shexp_ff(hp);
-  const int64_t FD = hp.n_ff, H = hp.n_head, QL = hp.q_lora_rank, KL = hp.kv_lora_rank, P = hp.n_rot;
+  const int64_t E = hp.n_embd, V = hp.n_vocab;
+  const int64_t H = hp.n_head, QL = hp.q_lora_rank, KL = hp.kv_lora_rank, P = hp.n_rot;
   const int64_t N = n_nope(hp), Vd = hp.head_dim_v_mla, qk = N + P;
   using R = TensorRole;
   using I = TensorInit;
-  const bool opt = true;
   std::vector<TensorSpec> t;
   if (!hp.tied_output) t.push_back({"output.weight", {E, V}, R::Matrix, I::Weight});
   t.push_back({"token_embd.weight", {E, V}, R::Matrix, I::Weight});
   for (int l = 0; l < forward_layers(hp); ++l) {
     auto b = [&](const char* n) { return blk(l, n); };
     t.push_back({b("attn_norm.weight"), {E}, R::Vector, I::Norm});
-    if (l < hp.n_layer_dense_lead) {
-      t.insert(t.end(), {
-                            {b("ffn_down.weight"), {FD, E}, R::Matrix, I::Weight},
-                            {b("ffn_gate.weight"), {E, FD}, R::Matrix, I::Weight},
-                            {b("ffn_up.weight"), {E, FD}, R::Matrix, I::Weight},
-                        });
-    } else {
-      t.insert(t.end(), {
-                            {b("ffn_down_exps.weight"), {F, E, X}, R::Expert, I::Weight},
-                            {b("ffn_gate_exps.weight"), {E, F, X}, R::Expert, I::Weight},
-                            {b("ffn_up_exps.weight"), {E, F, X}, R::Expert, I::Weight},
-                            {b("exp_probs_b.bias"), {X}, R::Vector, I::Norm, {}, opt},
-                            {b("ffn_gate_inp.weight"), {E, X}, R::Matrix, I::Router},
-                        });
-      if (hp.n_expert_shared > 0)
-        t.insert(t.end(), {
-                              {b("ffn_down_shexp.weight"), {FS, E}, R::Matrix, I::Weight},
-                              {b("ffn_gate_shexp.weight"), {E, FS}, R::Matrix, I::Weight},
-                              {b("ffn_up_shexp.weight"), {E, FS}, R::Matrix, I::Weight},
-                          });
-    }
+    add_routed_ffn_tensors(t, hp, l);
     t.insert(t.end(), {
                           {b("ffn_norm.weight"), {E}, R::Vector, I::Norm},
                           {b("attn_kv_a_norm.weight"), {KL}, R::Vector, I::Norm},
@@ -130,8 +112,10 @@ class Deepseek2 final : public Model {
     // The rope dims use the interleaved layout (adjacent pairs): llama.cpp's LLAMA_ROPE_TYPE_NORM
     // for deepseek2; transformers' rope_interleave de-interleaves q_pe and k_pe alike before
     // rotate_half, the same scores.
-    rope_ =
-        backend::RopeSpec::standard(hp_.n_rot, hp_.rope_freq_base, backend::RopeSpec::Mode::Norm, opts.rope_freqs_bf16);
+    // YaRN (DeepSeek V2/V3 files): the q.k scale also takes mscale^2 (model/rope_scaling.h).
+    const ScaledRope sr = scaled_rope(f, hp_, hp_.n_rot, backend::RopeSpec::Mode::Norm, YarnFlavour::Deepseek2, true,
+                                      opts.rope_freqs_bf16);
+    rope_ = sr.rope;
     mla_.n_head = hp_.n_head;
     mla_.q_lora_rank = hp_.q_lora_rank;
     mla_.kv_lora_rank = hp_.kv_lora_rank;
@@ -140,6 +124,7 @@ class Deepseek2 final : public Model {
     mla_.v_dim = hp_.head_dim_v_mla;
     mla_.rms_eps = hp_.rms_eps;
     mla_.rope = &rope_;
+    if (sr.kq_factor != 1.0) mla_.scale = float(sr.kq_factor / std::sqrt(double(mla_.n_nope + mla_.n_rot)));
     bind_io(w);
     layers_.resize(size_t(n_fwd_));
     experts_.resize(size_t(hp_.n_layer));  // dense and NextN layers: n_expert = 0

@@ -16,6 +16,7 @@
 #include <fmt/format.h>
 
 #include "model/arch.h"
+#include "model/rope_scaling.h"
 #include "model/routed_moe.h"
 #include "model/step.h"
 
@@ -23,8 +24,7 @@ namespace strata::model {
 namespace {
 
 std::vector<TensorSpec> tensors(const ModelHParams& hp) {
-  const int64_t E = hp.n_embd, V = hp.n_vocab, X = hp.n_expert, F = hp.n_ff_exp, FS = routed_shexp_ff(hp);
-  const int64_t FD = hp.n_ff, hd = hp.head_dim_k;
+  const int64_t E = hp.n_embd, V = hp.n_vocab, hd = hp.head_dim_k;
   const int64_t q = int64_t(hp.n_head) * hd, kv = int64_t(hp.n_head_kv) * hd;
   using R = TensorRole;
   using I = TensorInit;
@@ -35,27 +35,7 @@ std::vector<TensorSpec> tensors(const ModelHParams& hp) {
   for (int l = 0; l < forward_layers(hp); ++l) {
     auto b = [&](const char* n) { return blk(l, n); };
     t.push_back({b("attn_norm.weight"), {E}, R::Vector, I::Norm});
-    if (l < hp.n_layer_dense_lead) {
-      t.insert(t.end(), {
-                            {b("ffn_down.weight"), {FD, E}, R::Matrix, I::Weight},
-                            {b("ffn_gate.weight"), {E, FD}, R::Matrix, I::Weight},
-                            {b("ffn_up.weight"), {E, FD}, R::Matrix, I::Weight},
-                        });
-    } else {
-      t.insert(t.end(), {
-                            {b("ffn_down_exps.weight"), {F, E, X}, R::Expert, I::Weight},
-                            {b("ffn_gate_exps.weight"), {E, F, X}, R::Expert, I::Weight},
-                            {b("ffn_up_exps.weight"), {E, F, X}, R::Expert, I::Weight},
-                            {b("exp_probs_b.bias"), {X}, R::Vector, I::Norm, {}, opt},
-                            {b("ffn_gate_inp.weight"), {E, X}, R::Matrix, I::Router},
-                        });
-      if (hp.n_expert_shared > 0)
-        t.insert(t.end(), {
-                              {b("ffn_down_shexp.weight"), {FS, E}, R::Matrix, I::Weight},
-                              {b("ffn_gate_shexp.weight"), {E, FS}, R::Matrix, I::Weight},
-                              {b("ffn_up_shexp.weight"), {E, FS}, R::Matrix, I::Weight},
-                          });
-    }
+    add_routed_ffn_tensors(t, hp, l);
     t.insert(t.end(), {
                           {b("post_attention_norm.weight"), {E}, R::Vector, I::Norm},
                           {b("attn_k_norm.weight"), {hd}, R::Vector, I::Norm, {}, opt},
@@ -97,7 +77,8 @@ class Glm4Moe final : public Model {
     be_ = &be;
     n_fwd_ = forward_layers(hp_);
     rope_ =
-        backend::RopeSpec::standard(hp_.n_rot, hp_.rope_freq_base, backend::RopeSpec::Mode::Neox, opts.rope_freqs_bf16);
+        scaled_rope(f, hp_, hp_.n_rot, backend::RopeSpec::Mode::Neox, YarnFlavour::Standard, true, opts.rope_freqs_bf16)
+            .rope;
     attn_.n_head = hp_.n_head;
     attn_.n_head_kv = hp_.n_head_kv;
     attn_.head_dim = hp_.head_dim_k;

@@ -14,15 +14,15 @@
 // gate_up_proj is split into ffn_gate_exps (even columns) and ffn_up_exps (odd ones); the
 // pre-MoE norm is called post_attention_norm (HF post_attention_layernorm).
 //
-// RoPE: plain (rope.freq_base). Released gpt-oss files use YaRN (rope.scaling.type = yarn,
-// factor 32, original_context_length 4096): that needs the YaRN inverse frequencies (NTK-by-parts
-// ramp between beta_fast 32 and beta_slow 1, arXiv:2309.00071) and the attention factor
-// 0.1 ln(factor) + 1 on cos/sin (transformers _compute_yarn_parameters; llama.cpp's
-// rope_yarn with ext_factor 1). Until RopeSpec has them, such a file is refused (validate)
-// rather than run with wrong positions.
+// RoPE: rope.freq_base, with YaRN where the file says so (released gpt-oss: rope.scaling.type =
+// yarn, factor 32, original_context_length 4096, beta 32/1): NTK-by-parts inverse frequencies
+// without truncating the correction range (transformers GptOssConfig truncate = false, as
+// OpenAI's reference; llama.cpp floors/ceils it) and cos/sin times 0.1 ln(factor) + 1
+// (model/rope_scaling.h).
 #include <fmt/format.h>
 
 #include "model/arch.h"
+#include "model/rope_scaling.h"
 #include "model/step.h"
 
 namespace strata::model {
@@ -74,29 +74,18 @@ void validate(const gguf::File& f, const ModelHParams& hp) {
         fmt::format("{}: gpt-oss needs expert_count, expert_used_count and "
                     "expert_feed_forward_length > 0",
                     f.path()));
-  const std::string scaling = "gpt-oss.rope.scaling.type";
-  if (f.has(scaling)) {
-    const std::string type = f.get_string(scaling);
-    if (type != "none")
-      throw ModelError(fmt::format("{}: {} = '{}' is not supported yet (gpt-oss runs with plain RoPE only)", f.path(),
-                                   scaling, type));
-  }
+  validate_rope_scaling(f, hp);
 }
 
-struct Layer {
-  backend::Tensor attn_norm, ffn_norm;
-  backend::AttentionWeights attn;
-  bool sliding = false;  ///< attends to the last n_swa positions only
-  MoeLayer moe;
-};
-
-class GptOss final : public Model {
+class GptOss final : public AttnMoeModel {
  public:
-  GptOss(const BoundWeights& w, backend::Backend& be, const ModelHParams& hp, const LoadOptions& opts) {
+  GptOss(const gguf::File& f, const BoundWeights& w, backend::Backend& be, const ModelHParams& hp,
+         const LoadOptions& opts) {
     hp_ = hp;
     be_ = &be;
-    rope_ =
-        backend::RopeSpec::standard(hp_.n_rot, hp_.rope_freq_base, backend::RopeSpec::Mode::Neox, opts.rope_freqs_bf16);
+    rope_ = scaled_rope(f, hp_, hp_.n_rot, backend::RopeSpec::Mode::Neox, YarnFlavour::Standard, false,
+                        opts.rope_freqs_bf16)
+                .rope;
     attn_full_ = attention_spec(&rope_);
     attn_swa_ = attn_full_;
     attn_swa_.window = hp_.n_swa;
@@ -104,16 +93,17 @@ class GptOss final : public Model {
     router.gating = backend::RouterSpec::Gating::SoftmaxTopK;
     router.n_expert = hp_.n_expert;
     router.top_k = hp_.n_expert_used;
-    router.norm_topk = false;  // the k weights are a softmax already
+    router.norm_topk = false;           // the k weights are a softmax already
+    ffn_norm_name_ = "attn_post_norm";  // llama.cpp's name of the pre-MoE norm here
     bind_io(w);
     layers_.resize(size_t(hp_.n_layer));
     experts_.resize(size_t(hp_.n_layer));
     for (int l = 0; l < hp_.n_layer; ++l) {
       auto b = [&](const char* n) { return w.get(blk(l, n)); };
-      Layer& L = layers_[size_t(l)];
+      AttnMoeLayer& L = layers_[size_t(l)];
       L.attn_norm = b("attn_norm.weight");
       L.attn = bind_attention(w, l);
-      L.sliding = l % 2 == 0;
+      L.spec = l % 2 == 0 ? &attn_swa_ : &attn_full_;  // even layers slide
       L.ffn_norm = b("post_attention_norm.weight");
       L.moe = bind_moe(w, l, router);
       L.moe.ffn.act = backend::FfnSpec::Act::SwiGluOai;
@@ -121,39 +111,7 @@ class GptOss final : public Model {
     dense_bytes_ = w.dense_bytes();
   }
 
-  SequenceState new_state(int64_t n_ctx) const override {
-    SequenceState st;
-    st.n_ctx = n_ctx;
-    const int64_t kv_dim = int64_t(hp_.n_head_kv) * hp_.head_dim_k;
-    for (int l = 0; l < hp_.n_layer; ++l) {
-      st.k.emplace_back(*be_, n_ctx * kv_dim);
-      st.v.emplace_back(*be_, n_ctx * kv_dim);
-    }
-    return st;
-  }
-
-  uint64_t state_bytes(int64_t n_ctx) const override {
-    return uint64_t(2) * hp_.n_layer * n_ctx * hp_.n_head_kv * hp_.head_dim_k * sizeof(float);
-  }
-
-  void forward(ForwardContext& ctx, std::span<SeqInput> batch) override {
-    Step s(ctx, *this, batch);
-    s.embed(tok_embd_);
-    s.read_ahead_first(layers_[0].moe, layers_[0].ffn_norm);
-    for (int l = 0; l < hp_.n_layer; ++l) {
-      const Layer& L = layers_[size_t(l)];
-      s.norm(L.attn_norm, "attn_norm", l);
-      s.attention(l, L.sliding ? attn_swa_ : attn_full_, L.attn);
-      s.residual("ffn_inp", l);
-      s.norm(L.ffn_norm, "attn_post_norm", l);
-      s.moe(l, L.moe, l + 1 < hp_.n_layer ? &layers_[size_t(l + 1)].moe : nullptr);
-      s.residual("l_out", l);
-    }
-    s.output(output_norm_, output_);
-  }
-
  private:
-  std::vector<Layer> layers_;
   backend::RopeSpec rope_;
   backend::AttentionSpec attn_full_, attn_swa_;
 };
@@ -169,7 +127,7 @@ STRATA_ARCHITECTURE(gpt_oss) {
   a.keys = {{"attention.sliding_window", &ModelHParams::n_swa, KeySpec::Need::Required}};
   a.tensors = tensors;
   a.validate = validate;
-  a.load = [](const strata::gguf::File&, const ModelHParams& hp, const BoundWeights& w, strata::backend::Backend& be,
-              const LoadOptions& o) { return std::unique_ptr<Model>(new GptOss(w, be, hp, o)); };
+  a.load = [](const strata::gguf::File& f, const ModelHParams& hp, const BoundWeights& w, strata::backend::Backend& be,
+              const LoadOptions& o) { return std::unique_ptr<Model>(new GptOss(f, w, be, hp, o)); };
   return a;
 }

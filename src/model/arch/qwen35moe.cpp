@@ -29,6 +29,8 @@
 #include <fmt/ranges.h>
 
 #include "model/arch.h"
+#include "model/qwen_hybrid.h"
+#include "model/rope_scaling.h"
 #include "model/step.h"
 
 namespace strata::model {
@@ -103,33 +105,15 @@ std::vector<TensorSpec> tensors(const ModelHParams& hp) {
                             {b("ssm_norm.weight"), {g.head_v_dim}, R::Vector, I::Norm},
                             {b("ssm_out.weight"), {g.value_dim(), E}, R::Matrix, I::Weight},
                         });
-    t.insert(t.end(), {
-                          {b("ffn_down_exps.weight"), {F, E, X}, R::Expert, I::Weight},
-                          {b("ffn_gate_exps.weight"), {E, F, X}, R::Expert, I::Weight},
-                          {b("ffn_up_exps.weight"), {E, F, X}, R::Expert, I::Weight},
-                          {b("ffn_gate_inp.weight"), {E, X}, R::Matrix, I::Router},
-                          {b("ffn_down_shexp.weight"), {FS, E}, R::Matrix, I::Weight},
-                          {b("ffn_gate_shexp.weight"), {E, FS}, R::Matrix, I::Weight},
-                          {b("ffn_up_shexp.weight"), {E, FS}, R::Matrix, I::Weight},
-                          // the converter writes [n_embd, 1]; llama.cpp also takes [n_embd]
-                          {b("ffn_gate_inp_shexp.weight"), {E, 1}, R::Matrix, I::Router, {E}},
-                          {b("post_attention_norm.weight"), {E}, R::Vector, I::Norm},
-                      });
-    if (!rec)
-      t.insert(t.end(), {
-                            {b("attn_k_norm.weight"), {hd}, R::Vector, I::Norm},
-                            {b("attn_k.weight"), {E, kv}, R::Matrix, I::Weight},
-                            {b("attn_output.weight"), {q, E}, R::Matrix, I::Weight},
-                            {b("attn_q_norm.weight"), {hd}, R::Vector, I::Norm},
-                            {b("attn_q.weight"), {E, 2 * q}, R::Matrix, I::Weight},  // query and gate per head
-                            {b("attn_v.weight"), {E, kv}, R::Matrix, I::Weight},
-                        });
+    add_shared_expert_moe_tensors(t, hp, l);
+    if (!rec) add_gated_attention_tensors(t, hp, l);
   }
   t.push_back({"output_norm.weight", {E}, R::Vector, I::Norm});
   return t;
 }
 
 void validate(const gguf::File& f, const ModelHParams& hp) {
+  validate_rope_scaling(f, hp);
   if (hp.n_nextn >= hp.n_layer)
     throw ModelError(fmt::format("{}: qwen35moe.nextn_predict_layers {} leaves no decoder block of block_count {}",
                                  f.path(), hp.n_nextn, hp.n_layer));
@@ -181,13 +165,15 @@ struct Layer {
 
 class Qwen35Moe final : public Model {
  public:
-  Qwen35Moe(const BoundWeights& w, backend::Backend& be, const ModelHParams& hp, const LoadOptions& opts) {
+  Qwen35Moe(const gguf::File& f, const BoundWeights& w, backend::Backend& be, const ModelHParams& hp,
+            const LoadOptions& opts) {
     hp_ = hp;
     be_ = &be;
     gdn_ = gdn_spec(hp_);
     // IMRoPE on text = NEOX partial rotary (see the top of this file).
     rope_ =
-        backend::RopeSpec::standard(hp_.n_rot, hp_.rope_freq_base, backend::RopeSpec::Mode::Neox, opts.rope_freqs_bf16);
+        scaled_rope(f, hp_, hp_.n_rot, backend::RopeSpec::Mode::Neox, YarnFlavour::Standard, true, opts.rope_freqs_bf16)
+            .rope;
     attn_ = attention_spec(&rope_);
     attn_.q_gate = true;
     const backend::RouterSpec router = softmax_router();
@@ -295,7 +281,7 @@ STRATA_ARCHITECTURE(qwen35moe) {
   };
   a.tensors = tensors;
   a.validate = validate;
-  a.load = [](const strata::gguf::File&, const ModelHParams& hp, const BoundWeights& w, strata::backend::Backend& be,
-              const LoadOptions& o) { return std::unique_ptr<Model>(new Qwen35Moe(w, be, hp, o)); };
+  a.load = [](const strata::gguf::File& f, const ModelHParams& hp, const BoundWeights& w, strata::backend::Backend& be,
+              const LoadOptions& o) { return std::unique_ptr<Model>(new Qwen35Moe(f, w, be, hp, o)); };
   return a;
 }

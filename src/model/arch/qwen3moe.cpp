@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include "model/arch.h"
+#include "model/rope_scaling.h"
 #include "model/step.h"
 
 namespace strata::model {
@@ -43,6 +44,7 @@ std::vector<TensorSpec> tensors(const ModelHParams& hp) {
 }
 
 void validate(const gguf::File& f, const ModelHParams& hp) {
+  validate_rope_scaling(f, hp);
   if (hp.head_dim_v != hp.head_dim_k)
     throw ModelError(fmt::format("{}: qwen3moe needs key_length == value_length, got {} and {}", f.path(),
                                  hp.head_dim_k, hp.head_dim_v));
@@ -53,19 +55,15 @@ void validate(const gguf::File& f, const ModelHParams& hp) {
                     f.path()));
 }
 
-struct Layer {
-  backend::Tensor attn_norm, ffn_norm;
-  backend::AttentionWeights attn;
-  MoeLayer moe;
-};
-
-class Qwen3Moe final : public Model {
+class Qwen3Moe final : public AttnMoeModel {
  public:
-  Qwen3Moe(const BoundWeights& w, backend::Backend& be, const ModelHParams& hp, const LoadOptions& opts) {
+  Qwen3Moe(const gguf::File& f, const BoundWeights& w, backend::Backend& be, const ModelHParams& hp,
+           const LoadOptions& opts) {
     hp_ = hp;
     be_ = &be;
     rope_ =
-        backend::RopeSpec::standard(hp_.n_rot, hp_.rope_freq_base, backend::RopeSpec::Mode::Neox, opts.rope_freqs_bf16);
+        scaled_rope(f, hp_, hp_.n_rot, backend::RopeSpec::Mode::Neox, YarnFlavour::Standard, true, opts.rope_freqs_bf16)
+            .rope;
     attn_ = attention_spec(&rope_);
     const backend::RouterSpec router = softmax_router();
     bind_io(w);
@@ -73,48 +71,17 @@ class Qwen3Moe final : public Model {
     experts_.resize(size_t(hp_.n_layer));
     for (int l = 0; l < hp_.n_layer; ++l) {
       auto b = [&](const char* n) { return w.get(blk(l, n)); };
-      Layer& L = layers_[size_t(l)];
+      AttnMoeLayer& L = layers_[size_t(l)];
       L.attn_norm = b("attn_norm.weight");
       L.attn = bind_attention(w, l);
+      L.spec = &attn_;
       L.ffn_norm = b("ffn_norm.weight");
       L.moe = bind_moe(w, l, router);
     }
     dense_bytes_ = w.dense_bytes();
   }
 
-  SequenceState new_state(int64_t n_ctx) const override {
-    SequenceState st;
-    st.n_ctx = n_ctx;
-    const int64_t kv_dim = int64_t(hp_.n_head_kv) * hp_.head_dim_k;
-    for (int l = 0; l < hp_.n_layer; ++l) {
-      st.k.emplace_back(*be_, n_ctx * kv_dim);
-      st.v.emplace_back(*be_, n_ctx * kv_dim);
-    }
-    return st;
-  }
-
-  uint64_t state_bytes(int64_t n_ctx) const override {
-    return uint64_t(2) * hp_.n_layer * n_ctx * hp_.n_head_kv * hp_.head_dim_k * sizeof(float);
-  }
-
-  void forward(ForwardContext& ctx, std::span<SeqInput> batch) override {
-    Step s(ctx, *this, batch);
-    s.embed(tok_embd_);
-    s.read_ahead_first(layers_[0].moe, layers_[0].ffn_norm);  // layer 0's experts load during attention
-    for (int l = 0; l < hp_.n_layer; ++l) {
-      const Layer& L = layers_[size_t(l)];
-      s.norm(L.attn_norm, "attn_norm", l);
-      s.attention(l, attn_, L.attn);
-      s.residual("ffn_inp", l);
-      s.norm(L.ffn_norm, "ffn_norm", l);
-      s.moe(l, L.moe, l + 1 < hp_.n_layer ? &layers_[size_t(l + 1)].moe : nullptr);
-      s.residual("l_out", l);
-    }
-    s.output(output_norm_, output_);
-  }
-
  private:
-  std::vector<Layer> layers_;
   backend::RopeSpec rope_;
   backend::AttentionSpec attn_;
 };
@@ -129,7 +96,7 @@ STRATA_ARCHITECTURE(qwen3moe) {
   a.matches = [](const strata::gguf::File& f) { return f.get_string("general.architecture") == "qwen3moe"; };
   a.tensors = tensors;
   a.validate = validate;
-  a.load = [](const strata::gguf::File&, const ModelHParams& hp, const BoundWeights& w, strata::backend::Backend& be,
-              const LoadOptions& o) { return std::unique_ptr<Model>(new Qwen3Moe(w, be, hp, o)); };
+  a.load = [](const strata::gguf::File& f, const ModelHParams& hp, const BoundWeights& w, strata::backend::Backend& be,
+              const LoadOptions& o) { return std::unique_ptr<Model>(new Qwen3Moe(f, w, be, hp, o)); };
   return a;
 }

@@ -14,6 +14,8 @@
 #include <fmt/format.h>
 
 #include "model/arch.h"
+#include "model/qwen_hybrid.h"
+#include "model/rope_scaling.h"
 #include "model/step.h"
 
 namespace strata::model {
@@ -29,8 +31,7 @@ backend::GdnSpec gdn_spec(const ModelHParams& hp) {
 
 // The tensor table, in the order of llama.cpp's conversion (see models/qwen3next-tiny-bf16.gguf).
 std::vector<TensorSpec> tensors(const ModelHParams& hp) {
-  const int64_t E = hp.n_embd, V = hp.n_vocab, X = hp.n_expert, F = hp.n_ff_exp, FS = hp.n_ff_shexp;
-  const int64_t hd = hp.head_dim_k, q = int64_t(hp.n_head) * hd, kv = int64_t(hp.n_head_kv) * hd;
+  const int64_t E = hp.n_embd, V = hp.n_vocab;
   const backend::GdnSpec g = gdn_spec(hp);
   const int64_t nv = hp.ssm_time_step_rank;
   using R = TensorRole;
@@ -53,33 +54,15 @@ std::vector<TensorSpec> tensors(const ModelHParams& hp) {
                             {b("ssm_norm.weight"), {g.head_v_dim}, R::Vector, I::Norm},
                             {b("ssm_out.weight"), {g.value_dim(), E}, R::Matrix, I::Weight},
                         });
-    t.insert(t.end(), {
-                          {b("ffn_down_exps.weight"), {F, E, X}, R::Expert, I::Weight},
-                          {b("ffn_gate_exps.weight"), {E, F, X}, R::Expert, I::Weight},
-                          {b("ffn_up_exps.weight"), {E, F, X}, R::Expert, I::Weight},
-                          {b("ffn_gate_inp.weight"), {E, X}, R::Matrix, I::Router},
-                          {b("ffn_down_shexp.weight"), {FS, E}, R::Matrix, I::Weight},
-                          {b("ffn_gate_shexp.weight"), {E, FS}, R::Matrix, I::Weight},
-                          {b("ffn_up_shexp.weight"), {E, FS}, R::Matrix, I::Weight},
-                          // the converter writes [n_embd, 1]; llama.cpp also takes [n_embd]
-                          {b("ffn_gate_inp_shexp.weight"), {E, 1}, R::Matrix, I::Router, {E}},
-                          {b("post_attention_norm.weight"), {E}, R::Vector, I::Norm},
-                      });
-    if (!rec)
-      t.insert(t.end(), {
-                            {b("attn_k_norm.weight"), {hd}, R::Vector, I::Norm},
-                            {b("attn_k.weight"), {E, kv}, R::Matrix, I::Weight},
-                            {b("attn_output.weight"), {q, E}, R::Matrix, I::Weight},
-                            {b("attn_q_norm.weight"), {hd}, R::Vector, I::Norm},
-                            {b("attn_q.weight"), {E, 2 * q}, R::Matrix, I::Weight},  // query and gate per head
-                            {b("attn_v.weight"), {E, kv}, R::Matrix, I::Weight},
-                        });
+    add_shared_expert_moe_tensors(t, hp, l);
+    if (!rec) add_gated_attention_tensors(t, hp, l);
   }
   t.push_back({"output_norm.weight", {E}, R::Vector, I::Norm});
   return t;
 }
 
 void validate(const gguf::File& f, const ModelHParams& hp) {
+  validate_rope_scaling(f, hp);
   if (hp.ssm_time_step_rank % hp.ssm_group_count != 0)
     throw ModelError(
         fmt::format("{}: ssm.time_step_rank {} (value heads) is not a multiple of ssm.group_count {} "
@@ -111,12 +94,14 @@ struct Layer {
 
 class Qwen3Next final : public Model {
  public:
-  Qwen3Next(const BoundWeights& w, backend::Backend& be, const ModelHParams& hp, const LoadOptions& opts) {
+  Qwen3Next(const gguf::File& f, const BoundWeights& w, backend::Backend& be, const ModelHParams& hp,
+            const LoadOptions& opts) {
     hp_ = hp;
     be_ = &be;
     gdn_ = gdn_spec(hp_);
     rope_ =
-        backend::RopeSpec::standard(hp_.n_rot, hp_.rope_freq_base, backend::RopeSpec::Mode::Neox, opts.rope_freqs_bf16);
+        scaled_rope(f, hp_, hp_.n_rot, backend::RopeSpec::Mode::Neox, YarnFlavour::Standard, true, opts.rope_freqs_bf16)
+            .rope;
     attn_ = attention_spec(&rope_);
     attn_.q_gate = true;
     const backend::RouterSpec router = softmax_router();
@@ -212,7 +197,7 @@ STRATA_ARCHITECTURE(qwen3next) {
   };
   a.tensors = tensors;
   a.validate = validate;
-  a.load = [](const strata::gguf::File&, const ModelHParams& hp, const BoundWeights& w, strata::backend::Backend& be,
-              const LoadOptions& o) { return std::unique_ptr<Model>(new Qwen3Next(w, be, hp, o)); };
+  a.load = [](const strata::gguf::File& f, const ModelHParams& hp, const BoundWeights& w, strata::backend::Backend& be,
+              const LoadOptions& o) { return std::unique_ptr<Model>(new Qwen3Next(f, w, be, hp, o)); };
   return a;
 }
