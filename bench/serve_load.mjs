@@ -159,7 +159,7 @@ if (PREFIX_TOKENS > 0) {
   const m = await (await fetch(`${srv.url}/metrics`)).text();
   await srv.stop();
   const med = (xs) => xs.sort((a, b) => a - b)[Math.floor(xs.length / 2)];
-  const reused = m.match(/strata_prefix_cache_tokens_reused_total (\S+)/)[1];
+  const reused = m.match(/^strata_prefix_cache_tokens_reused_total (\S+)$/m)[1];
   console.log(`\nprefix cache: system prompt of ${sysTokens} tokens, ${PREFIX_REPEAT} repetitions; ` +
     `time to first token median cold ${med(cold).toFixed(0)} ms (${cold.map((x) => x.toFixed(0)).join(', ')}), ` +
     `cached ${med(cached).toFixed(0)} ms (${cached.map((x) => x.toFixed(0)).join(', ')}); tokens reused ${reused}`);
