@@ -1,15 +1,22 @@
 #!/usr/bin/env node
-// Load generator for `strata serve`: requests/s and tokens/s at several client concurrencies,
-// plus llama.cpp-style sequential use (a --parallel 1 server, one request at a time).
+// Load generator for `strata serve`: requests/s, generated tokens/s and expert reads per
+// generated token at several client concurrencies, continuous batching against the former
+// interleaving (--no-cont-batching), side by side in one run; and the prefix cache's time to
+// first token for a long shared system prompt, cold against cached.
 // Starts its own servers on free loopback ports; uses only Node's built-in fetch.
 //
 //   node bench/serve_load.mjs [--binary build/strata] [--model models/qwen3moe-code-Q8_0.gguf]
-//        [--parallel 4] [--clients 1,4,16] [--requests 48] [--max-tokens 64] [--threads 0] [--repeat 3]
+//        [--arena-mb 8] [--parallel 32] [--clients 1,4,16,32] [--requests 64] [--max-tokens 32]
+//        [--threads 0] [--repeat 1] [--ctx-size 512] [--modes batched,interleaved]
+//        [--prefix-tokens 2000] [--prefix-repeat 3] [--extra "more serve flags"]
 //
-// Each setting is measured --repeat times and the run with the median tokens/s is reported
-// (the development machines are shared, so single runs are noisy).
+// Each setting is measured --repeat times and the run with the median tokens/s is reported.
 // Every request is a streamed greedy text completion with ignore_eos, so each one produces
-// exactly --max-tokens tokens; prompts rotate over a few short code prompts.
+// exactly --max-tokens tokens; prompts rotate over a few short code prompts. Expert reads come
+// from /metrics before and after each measurement (both phases, since a step that holds a
+// prompt chunk counts as prefill): experts the compute needed per generated token (the union of
+// each layer's experts over the batch, summed over layers and steps) and expert bytes read from
+// disk per generated token. --prefix-tokens 0 skips the prefix-cache part.
 import { spawn } from 'node:child_process';
 
 const args = Object.fromEntries(
@@ -17,18 +24,23 @@ const args = Object.fromEntries(
 );
 const BINARY = args.binary ?? 'build/strata';
 const MODEL = args.model ?? 'models/qwen3moe-code-Q8_0.gguf';
-const PARALLEL = Number(args.parallel ?? 4);
-const CLIENTS = (args.clients ?? '1,4,16').split(',').map(Number);
-const REQUESTS = Number(args.requests ?? 48);
-const MAX_TOKENS = Number(args['max-tokens'] ?? 64);
+const ARENA = args['arena-mb'] ?? '8';
+const PARALLEL = Number(args.parallel ?? 32);
+const CLIENTS = (args.clients ?? '1,4,16,32').split(',').map(Number);
+const REQUESTS = Number(args.requests ?? 64);
+const MAX_TOKENS = Number(args['max-tokens'] ?? 32);
 const THREADS = args.threads ?? '0';
-const REPEAT = Number(args.repeat ?? 3);
+const REPEAT = Number(args.repeat ?? 1);
+const CTX = args['ctx-size'] ?? '512';
+const MODES = (args.modes ?? 'batched,interleaved').split(',');
+const PREFIX_TOKENS = Number(args['prefix-tokens'] ?? 2000);
+const PREFIX_REPEAT = Number(args['prefix-repeat'] ?? 3);
+const EXTRA = (args.extra ?? '').split(' ').filter((x) => x);
 const PROMPTS = ['def read_lines(path):', 'class Stack:\n    def __init__(self):', 'import os\n\ndef walk(root):', 'def fib(n):'];
 
-async function startServer(parallel) {
-  const proc = spawn(BINARY, ['serve', '-m', MODEL, '--port', '0', '--parallel', String(parallel), '-t', THREADS], {
-    stdio: ['ignore', 'ignore', 'pipe'],
-  });
+async function startServer(flags) {
+  const argv = ['serve', '-m', MODEL, '--port', '0', '-t', THREADS, '--arena-mb', ARENA, ...flags, ...EXTRA];
+  const proc = spawn(BINARY, argv, { stdio: ['ignore', 'ignore', 'pipe'] });
   let log = '';
   const url = await new Promise((resolve, reject) => {
     proc.stderr.on('data', (d) => {
@@ -38,16 +50,28 @@ async function startServer(parallel) {
     });
     proc.on('exit', (c) => reject(new Error(`server exited ${c}: ${log}`)));
   });
-  return { url, stop: () => new Promise((r) => { proc.once('exit', r); proc.kill('SIGTERM'); }) };
+  const banner = log.match(/listening on [^\n]*/)[0];
+  return { url, banner, stop: () => new Promise((r) => { proc.once('exit', r); proc.kill('SIGTERM'); }) };
 }
 
-async function oneRequest(url, k) {
+async function scrape(url) {
+  const text = await (await fetch(`${url}/metrics`)).text();
+  const sum = (name) =>
+    text.split('\n').filter((l) => l.startsWith(name + '{') || l.startsWith(name + ' '))
+      .reduce((a, l) => a + Number(l.split(' ').pop()), 0);
+  return {
+    needed: sum('strata_experts_needed_total'), bytes: sum('strata_bytes_read_total'),
+    generated: sum('strata_generated_tokens_total'), steps: sum('strata_batch_steps_total'),
+  };
+}
+
+async function oneRequest(url, prompt, maxTokens) {
   const t0 = performance.now();
   const res = await fetch(`${url}/v1/completions`, {
     method: 'POST',
     headers: { 'Content-Type': 'application/json' },
     body: JSON.stringify({
-      prompt: PROMPTS[k % PROMPTS.length], max_tokens: MAX_TOKENS, temperature: 0, ignore_eos: true,
+      prompt, max_tokens: maxTokens, temperature: 0, ignore_eos: true,
       stream: true, stream_options: { include_usage: true },
     }),
   });
@@ -55,12 +79,12 @@ async function oneRequest(url, k) {
   let ttft = null, tokens = 0, buf = '';
   const dec = new TextDecoder();
   for await (const chunk of res.body) {
-    if (ttft === null) ttft = performance.now() - t0;
     buf += dec.decode(chunk, { stream: true });
     for (let i; (i = buf.indexOf('\n\n')) >= 0; buf = buf.slice(i + 2)) {
       const line = buf.slice(0, i);
       if (!line.startsWith('data: ') || line === 'data: [DONE]') continue;
       const j = JSON.parse(line.slice(6));
+      if (ttft === null && j.choices?.length) ttft = performance.now() - t0;
       if (j.usage) tokens = j.usage.completion_tokens;
     }
   }
@@ -75,36 +99,68 @@ async function measure(url, clients) {
 }
 
 async function measureOnce(url, clients) {
-  await oneRequest(url, 0); // warm-up: experts in the arena, pages touched
+  await oneRequest(url, PROMPTS[0], MAX_TOKENS); // warm-up: experts in the arena, pages touched
+  const m0 = await scrape(url);
   let next = 0;
   const done = [];
   const t0 = performance.now();
   await Promise.all(
     Array.from({ length: clients }, async () => {
-      while (next < REQUESTS) done.push(await oneRequest(url, next++));
+      while (next < REQUESTS) {
+        const k = next++;
+        done.push(await oneRequest(url, PROMPTS[k % PROMPTS.length], MAX_TOKENS));
+      }
     }),
   );
   const s = (performance.now() - t0) / 1000;
+  const m1 = await scrape(url);
   const tokens = done.reduce((a, r) => a + r.tokens, 0);
   const lat = done.map((r) => r.ms).sort((a, b) => a - b);
   const ttft = done.map((r) => r.ttft).sort((a, b) => a - b);
   const pct = (xs, p) => xs[Math.min(xs.length - 1, Math.floor(p * xs.length))];
-  return { clients, requests: done.length, s, rps: done.length / s, tps: tokens / s, p50: pct(lat, 0.5), p95: pct(lat, 0.95), ttft50: pct(ttft, 0.5) };
+  const gen = m1.generated - m0.generated;
+  return {
+    clients, requests: done.length, s, rps: done.length / s, tps: tokens / s, p50: pct(lat, 0.5), ttft50: pct(ttft, 0.5),
+    needed: (m1.needed - m0.needed) / gen, mib: (m1.bytes - m0.bytes) / gen / 2 ** 20, steps: m1.steps - m0.steps,
+  };
 }
 
+console.log(`${MODEL}, --arena-mb ${ARENA}, -t ${THREADS}, --parallel ${PARALLEL}, --ctx-size ${CTX}; ` +
+  `${REQUESTS} requests x ${MAX_TOKENS} generated tokens each, streamed greedy completions, median of ${REPEAT}\n`);
 const rows = [];
-{
-  const srv = await startServer(PARALLEL);
-  for (const c of CLIENTS) rows.push({ mode: `--parallel ${PARALLEL}, ${c} concurrent client${c > 1 ? 's' : ''}`, ...(await measure(srv.url, c)) });
+for (const mode of MODES) {
+  const flags = ['--parallel', String(PARALLEL), '--ctx-size', CTX, '--cache-ram', '0'];
+  if (mode === 'interleaved') flags.push('--no-cont-batching');
+  const srv = await startServer(flags);
+  console.log(srv.banner);
+  for (const c of CLIENTS) rows.push({ mode, ...(await measure(srv.url, c)) });
   await srv.stop();
 }
-{
-  const srv = await startServer(1);
-  rows.push({ mode: 'sequential (--parallel 1, one request at a time)', ...(await measure(srv.url, 1)) });
-  await srv.stop();
-}
-console.log(`${REQUESTS} requests x ${MAX_TOKENS} generated tokens each, streamed greedy completions, ${MODEL}, -t ${THREADS}, median of ${REPEAT}\n`);
-console.log('| setting | requests/s | generated tokens/s (range) | latency p50 (ms) | latency p95 (ms) | time to first token p50 (ms) |');
-console.log('|---|---:|---:|---:|---:|---:|');
+console.log('\n| scheduling | clients | requests/s | generated tokens/s (range) | latency p50 (ms) | time to first token p50 (ms) | forward steps | experts needed / token | expert MiB read / token |');
+console.log('|---|---:|---:|---:|---:|---:|---:|---:|---:|');
 for (const r of rows)
-  console.log(`| ${r.mode} | ${r.rps.toFixed(2)} | ${r.tps.toFixed(1)} (${r.range}) | ${r.p50.toFixed(0)} | ${r.p95.toFixed(0)} | ${r.ttft50.toFixed(0)} |`);
+  console.log(`| ${r.mode} | ${r.clients} | ${r.rps.toFixed(2)} | ${r.tps.toFixed(1)} (${r.range}) | ${r.p50.toFixed(0)} | ${r.ttft50.toFixed(0)} | ${r.steps} | ${r.needed.toFixed(1)} | ${r.mib.toFixed(2)} |`);
+
+if (PREFIX_TOKENS > 0) {
+  // A system prompt of about PREFIX_TOKENS tokens (a code file), new for every repetition (so the
+  // first request is cold), then a second request with the same system prompt and another ask.
+  const srv = await startServer(['--parallel', '2', '--ctx-size', String(PREFIX_TOKENS + 512)]);
+  const tok = async (text) =>
+    (await (await fetch(`${srv.url}/tokenize`, { method: 'POST', headers: { 'Content-Type': 'application/json' }, body: JSON.stringify({ content: text }) })).json()).tokens.length;
+  const cold = [], cached = [];
+  let sysTokens = 0;
+  for (let k = 0; k < PREFIX_REPEAT; k++) {
+    let sys = `# session ${k}: a helper module\n`;
+    for (let i = 0; (sysTokens = await tok(sys)) < PREFIX_TOKENS; i += 8)
+      for (let j = i; j < i + 8; j++) sys += `def helper_${k}_${j}(x, y):\n    return (x * ${j} + y) % ${k + 7}\n\n`;
+    cold.push((await oneRequest(srv.url, sys + 'def read_lines(path):', 8)).ttft);
+    cached.push((await oneRequest(srv.url, sys + 'class Stack:', 8)).ttft);
+  }
+  const m = await (await fetch(`${srv.url}/metrics`)).text();
+  await srv.stop();
+  const med = (xs) => xs.sort((a, b) => a - b)[Math.floor(xs.length / 2)];
+  const reused = m.match(/^strata_prefix_cache_tokens_reused_total (\S+)$/m)[1];
+  console.log(`\nprefix cache: system prompt of ${sysTokens} tokens, ${PREFIX_REPEAT} repetitions; ` +
+    `time to first token median cold ${med(cold).toFixed(0)} ms (${cold.map((x) => x.toFixed(0)).join(', ')}), ` +
+    `cached ${med(cached).toFixed(0)} ms (${cached.map((x) => x.toFixed(0)).join(', ')}); tokens reused ${reused}`);
+}

@@ -21,6 +21,9 @@ struct ServeFlags {
   server::ServerOptions server;
   std::string chat_template_file;
   int64_t max_body_kb = 1024;
+  int64_t cache_ram_mb = 1024;
+  double shutdown_grace_s = 5;
+  bool no_cont_batching = false;
 };
 }  // namespace
 
@@ -65,6 +68,30 @@ void register_serve(CLI::App& root) {
       ->check(at_least(1));
   app->add_option("--http-threads", s.http_threads, "connection threads (0 = parallel + queue-size + 16)")
       ->capture_default_str();
+  auto& sc = s.scheduling;
+  app->add_option("--batch-tokens", sc.batch_tokens,
+                  "most tokens per forward step: the next token of every generating request plus prompt chunks "
+                  "of new ones (0 = --prompt-chunk, the most the arena is sized for)")
+      ->capture_default_str()
+      ->check(at_least(0));
+  app->add_flag("--no-cont-batching", f->no_cont_batching,
+                "no continuous batching: interleave the slots, one forward per slot per turn (for comparison)");
+  app->add_option("--cache-ram", f->cache_ram_mb,
+                  "prefix cache size in MiB (host RAM for KV/recurrent-state snapshots of earlier prompts; 0 = off)")
+      ->capture_default_str()
+      ->check(at_least(0));
+  app->add_option("--request-timeout", sc.request_timeout_s,
+                  "seconds after which a request ends with finish_reason \"length\" (0 = never)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app->add_option("-n,--n-predict", s.n_predict,
+                  "max_tokens of requests that leave it unset (-1 = up to the end of the context)")
+      ->capture_default_str()
+      ->check(CLI::Range(-1, 1 << 30));
+  app->add_option("--shutdown-grace", f->shutdown_grace_s,
+                  "on SIGINT/SIGTERM, seconds running requests get to finish before they are cancelled")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   app->add_option("--alias", s.model_name, "model id reported by /v1/models (default: the file name)");
   app->add_option("--chat-template-file", f->chat_template_file, "Jinja chat template to use instead of the model's")
       ->check(CLI::ExistingFile);
@@ -74,25 +101,37 @@ void register_serve(CLI::App& root) {
     sigemptyset(&sigs);
     sigaddset(&sigs, SIGINT);
     sigaddset(&sigs, SIGTERM);
+    sigaddset(&sigs, SIGUSR1);
     pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
 
     engine::Engine eng(f->engine.model, f->engine.resolve());
     chat::ChatTemplate tmpl = load_chat_template(eng, f->chat_template_file);
     server::ServerOptions opts = f->server;
     opts.max_body_bytes = size_t(f->max_body_kb) * 1024;
+    opts.scheduling.cache_bytes = uint64_t(f->cache_ram_mb) << 20;
+    opts.scheduling.batching = !f->no_cont_batching;
     server::Server srv(eng, std::move(tmpl), opts);
     const int port = srv.bind();
     fmt::print(stderr,
-               "strata serve: listening on http://{}:{} ({}, {} slots of {} tokens, queue {}, arena {} in {} slots)\n",
+               "strata serve: listening on http://{}:{} ({}, {} slots of {} tokens, queue {}, arena {} in {} slots, "
+               "{}, prefix cache {})\n",
                opts.host, port, f->engine.model, opts.parallel, eng.n_ctx(), opts.queue_size,
-               human_bytes(double(eng.arena_bytes())), eng.stream().n_slots());
+               human_bytes(double(eng.arena_bytes())), eng.stream().n_slots(),
+               opts.scheduling.batching ? fmt::format("continuous batching of up to {} tokens",
+                                                      opts.scheduling.batch_tokens > 0 ? opts.scheduling.batch_tokens
+                                                                                       : eng.options().prompt_chunk)
+                                        : std::string("interleaved slots"),
+               f->cache_ram_mb > 0 ? human_bytes(double(uint64_t(f->cache_ram_mb) << 20)) : std::string("off"));
     std::thread waiter([&] {
       int sig = 0;
       sigwait(&sigs, &sig);
-      srv.stop();
+      if (sig != SIGINT && sig != SIGTERM) return;  // listen ended by itself
+      fmt::print(stderr, "strata serve: stopping (running requests get {} s to finish)\n", f->shutdown_grace_s);
+      const int64_t cancelled = srv.shutdown(std::chrono::milliseconds(int64_t(f->shutdown_grace_s * 1000)));
+      if (cancelled > 0) fmt::print(stderr, "strata serve: cancelled {} unfinished requests\n", cancelled);
     });
     srv.listen();
-    pthread_kill(waiter.native_handle(), SIGTERM);  // wake the waiter if listen ended by itself
+    pthread_kill(waiter.native_handle(), SIGUSR1);  // wake the waiter if listen ended by itself
     waiter.join();
     fmt::print(stderr, "strata serve: stopped\n");
   });

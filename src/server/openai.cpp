@@ -104,7 +104,8 @@ ParsedRequest parse_common(const Json& b, const ModelContext& m, bool chat) {
       throw bad_request(pen, fmt::format("'{}' is not supported by this server", pen), "unsupported");
   if (get_int(b, "n", 1, 1, 128) != 1) throw bad_request("n", "only n = 1 is supported", "unsupported");
   const char* mt = field(b, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
-  p.gen.max_tokens = int(get_int(b, mt, n_ctx, 1, n_ctx));
+  const int64_t dflt = m.default_max_tokens > 0 ? std::min(m.default_max_tokens, n_ctx) : n_ctx;
+  p.gen.max_tokens = int(get_int(b, mt, dflt, 1, n_ctx));
   p.stream = get_bool(b, "stream", false);
   if (const Json* so = field(b, "stream_options")) {
     if (!so->is_object()) throw bad_request("stream_options", "'stream_options' must be an object", "invalid_type");

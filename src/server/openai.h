@@ -69,7 +69,8 @@ bool get_bool(const Json& b, const char* name, bool dflt);
 
 /// What the schema needs of the model. The callbacks may throw as the real ones do.
 struct ModelContext {
-  int64_t n_ctx = 0;                ///< context in tokens: max_tokens' default and limit, the prompt's limit
+  int64_t n_ctx = 0;                ///< context in tokens: max_tokens' limit, the prompt's limit
+  int64_t default_max_tokens = 0;   ///< max_tokens when the request leaves it unset (<= 0: n_ctx), capped at n_ctx
   int32_t n_vocab = 0;              ///< token ids of a token-id prompt must lie in [0, n_vocab)
   std::vector<int32_t> end_tokens;  ///< tokens that end generation unless ignore_eos
   /// Text to token ids, BOS as the model wants it. May throw tokenizer::TokenizerError

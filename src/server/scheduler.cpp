@@ -76,7 +76,45 @@ size_t partial_stop_suffix(std::string_view text, const std::vector<std::string>
   return best;
 }
 
+void Histogram::observe(double v) {
+  size_t b = 0;
+  while (b < bounds_.size() && v > bounds_[b]) ++b;
+  ++counts_[b];
+  sum_ += v;
+  ++count_;
+}
+
+void Histogram::write(std::string& out, const std::string& name, const std::string& help, const std::string& labels,
+                      bool header) const {
+  if (header) out += fmt::format("# HELP {} {}\n# TYPE {} histogram\n", name, help, name);
+  const std::string sep = labels.empty() ? "" : ",";
+  int64_t cum = 0;
+  for (size_t b = 0; b <= bounds_.size(); ++b) {
+    cum += counts_[b];
+    const std::string le = b < bounds_.size() ? fmt::format("{}", bounds_[b]) : "+Inf";
+    out += fmt::format("{}_bucket{{{}{}le=\"{}\"}} {}\n", name, labels, sep, le, cum);
+  }
+  const std::string braces = labels.empty() ? "" : "{" + labels + "}";
+  out += fmt::format("{}_sum{} {}\n{}_count{} {}\n", name, braces, sum_, name, braces, count_);
+}
+
+namespace {
+using Clock = std::chrono::steady_clock;
+double seconds_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+const std::vector<double> kSecondsBuckets = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120};
+const std::vector<double> kRateBuckets = {1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000};
+std::vector<double> powers_of_two(int64_t top) {
+  std::vector<double> b;
+  for (int64_t x = 1; x < top; x *= 2) b.push_back(double(x));
+  b.push_back(double(top));
+  return b;
+}
+}  // namespace
+
 struct Scheduler::Slot {
+  int index = 0;
   std::shared_ptr<Request> req;
   model::SequenceState st;
   std::optional<engine::Sampler> sampler;
@@ -85,17 +123,52 @@ struct Scheduler::Slot {
   std::vector<int32_t> history;
   size_t prefilled = 0;
   int generated = 0;
-  std::string pending;  // decoded text not yet released (a possible stop-string prefix)
+  std::string pending;      // decoded text not yet released (a possible stop-string prefix)
+  bool has_logits = false;  // logits of the last token run are ready to sample
+  int32_t feed[1] = {-1};   // the sampled token to run next (-1: none)
+  size_t checkpoint = 0;    // prompt position to store in the prefix cache (0: none)
+  uint64_t order = 0;       // admission order
+  Clock::time_point started, first_token;
+  int64_t served = 0, tokens = 0;  // per-slot counters (under metrics_mutex_)
 };
 
 Scheduler::Scheduler(engine::Engine& eng, int n_slots, int queue_size)
-    : eng_(eng), queue_size_(size_t(std::max(0, queue_size))) {
-  if (n_slots < 1) throw std::invalid_argument("--parallel must be at least 1");
-  for (int k = 0; k < n_slots; ++k) {
+    : Scheduler(eng, [&] {
+        SchedulerOptions o;
+        o.n_slots = n_slots;
+        o.queue_size = queue_size;
+        return o;
+      }()) {}
+
+Scheduler::Scheduler(engine::Engine& eng, const SchedulerOptions& opts)
+    : opts_(opts),
+      eng_(eng),
+      queue_s_(kSecondsBuckets),
+      ttft_s_(kSecondsBuckets),
+      decode_tps_(kRateBuckets),
+      step_seqs_(powers_of_two(std::max(1, opts.n_slots))),
+      step_tokens_(powers_of_two(std::max(1, eng.options().prompt_chunk))),
+      queue_size_(size_t(std::max(0, opts.queue_size))) {
+  if (opts_.n_slots < 1) throw std::invalid_argument("--parallel must be at least 1");
+  const int chunk = std::max(1, eng_.options().prompt_chunk);
+  if (opts_.batch_tokens < 0 || opts_.batch_tokens > chunk)
+    throw std::invalid_argument(fmt::format(
+        "--batch-tokens {} is outside [1, {}] (the arena is sized for one --prompt-chunk of {} tokens; raise "
+        "--prompt-chunk for larger batches)",
+        opts_.batch_tokens, chunk, chunk));
+  if (opts_.batch_tokens == 0) opts_.batch_tokens = chunk;
+  step_tokens_ = Histogram(powers_of_two(opts_.batch_tokens));
+  for (int k = 0; k < opts_.n_slots; ++k) {
     auto s = std::make_unique<Slot>();
+    s->index = k;
     s->st = eng_.new_sequence();
     slots_.push_back(std::move(s));
   }
+  bool recurrent = false;
+  for (auto& b : slots_[0]->st.conv) recurrent = recurrent || !b.empty();
+  for (auto& b : slots_[0]->st.ssm) recurrent = recurrent || !b.empty();
+  cache_ = std::make_unique<PrefixCache>(eng_.backend(), opts_.cache_bytes, recurrent,
+                                         size_t(std::max(1, opts_.cache_min_tokens)));
   snapshot_stats();
   thread_ = std::thread([this] { loop(); });
 }
@@ -111,18 +184,41 @@ void Scheduler::stop() {
   q_cv_.notify_all();
   if (thread_.joinable()) thread_.join();
   std::lock_guard lk(q_mutex_);
-  for (auto& r : queue_) r->finish("cancelled");
+  for (auto& r : queue_) {
+    ++cancelled_;
+    r->finish("cancelled");
+  }
   queue_.clear();
+}
+
+int64_t Scheduler::drain(std::chrono::milliseconds grace) {
+  const int64_t before = cancelled_;
+  {
+    std::lock_guard lk(q_mutex_);
+    draining_ = true;
+  }
+  const auto deadline = Clock::now() + grace;
+  for (;;) {
+    {
+      std::lock_guard lk(q_mutex_);
+      if (busy_ == 0 && queue_.empty()) break;
+    }
+    if (Clock::now() >= deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  stop();
+  return cancelled_ - before;
 }
 
 bool Scheduler::submit(const std::shared_ptr<Request>& r) {
   {
     std::lock_guard lk(q_mutex_);
     const size_t free_slots = slots_.size() - size_t(busy_);
-    if (stop_ || queue_.size() >= queue_size_ + free_slots) {
+    if (stop_ || draining_ || queue_.size() >= queue_size_ + free_slots) {
       ++rejected_;
       return false;
     }
+    r->submitted = Clock::now();
     queue_.push_back(r);
   }
   q_cv_.notify_all();
@@ -143,12 +239,50 @@ SchedulerCounters Scheduler::counters() {
   c.cancelled = cancelled_;
   c.completed = completed_;
   c.failed = failed_;
+  c.timed_out = timed_out_;
   c.prompt_tokens = prompt_tokens_;
   c.generated_tokens = generated_tokens_;
+  c.steps = steps_;
+  c.cache = cache_->stats();
   std::lock_guard lk(stats_mutex_);
   c.prefill = prefill_stats_;
   c.decode = decode_stats_;
   return c;
+}
+
+void Scheduler::write_metrics(std::string& out) {
+  const SchedulerCounters c = counters();
+  auto one = [&](const char* name, const char* type, const char* help, double v) {
+    out += fmt::format("# HELP {} {}\n# TYPE {} {}\n{} {}\n", name, help, name, type, name, v);
+  };
+  one("strata_requests_timed_out_total", "counter", "Generations ended by --request-timeout.", double(c.timed_out));
+  one("strata_batch_steps_total", "counter", "Forward calls of the scheduler (one per step).", double(c.steps));
+  one("strata_prefix_cache_lookups_total", "counter", "Requests that looked up the prefix cache.",
+      double(c.cache.lookups));
+  one("strata_prefix_cache_hits_total", "counter", "Requests that reused a cached prefix.", double(c.cache.hits));
+  one("strata_prefix_cache_tokens_reused_total", "counter", "Prompt tokens restored from the prefix cache.",
+      double(c.cache.tokens_reused));
+  one("strata_prefix_cache_inserts_total", "counter", "Snapshots stored in the prefix cache.", double(c.cache.inserts));
+  one("strata_prefix_cache_evictions_total", "counter", "Snapshots evicted (least recently used, or subsumed).",
+      double(c.cache.evictions));
+  one("strata_prefix_cache_entries", "gauge", "Snapshots held by the prefix cache.", double(c.cache.entries));
+  one("strata_prefix_cache_bytes", "gauge", "Bytes held by the prefix cache.", double(c.cache.bytes));
+  one("strata_prefix_cache_capacity_bytes", "gauge", "Bound of the prefix cache (--cache-ram).",
+      double(c.cache.capacity_bytes));
+  std::lock_guard lk(metrics_mutex_);
+  queue_s_.write(out, "strata_queue_seconds", "Seconds from submission to a slot, per request.");
+  ttft_s_.write(out, "strata_time_to_first_token_seconds", "Seconds from submission to the first token, per request.");
+  decode_tps_.write(out, "strata_request_decode_tokens_per_second",
+                    "Generated tokens per second after the first token, per request of two or more tokens.");
+  step_seqs_.write(out, "strata_batch_sequences", "Sequences per forward step.");
+  step_tokens_.write(out, "strata_batch_tokens", "Tokens per forward step.");
+  out += "# HELP strata_slot_requests_total Requests each slot served.\n# TYPE strata_slot_requests_total counter\n";
+  for (auto& s : slots_) out += fmt::format("strata_slot_requests_total{{slot=\"{}\"}} {}\n", s->index, s->served);
+  out +=
+      "# HELP strata_slot_generated_tokens_total Tokens each slot generated.\n"
+      "# TYPE strata_slot_generated_tokens_total counter\n";
+  for (auto& s : slots_)
+    out += fmt::format("strata_slot_generated_tokens_total{{slot=\"{}\"}} {}\n", s->index, s->tokens);
 }
 
 void Scheduler::snapshot_stats() {
@@ -165,10 +299,23 @@ void Scheduler::start(Slot& s, std::shared_ptr<Request> r) {
   s.sampler.emplace(s.req->params.sampler);
   s.dec.emplace(eng_.tokenizer());
   s.history = s.req->params.prompt;
-  s.prefilled = 0;
   s.generated = 0;
   s.pending.clear();
+  s.has_logits = false;
+  s.feed[0] = -1;
+  s.order = order_++;
+  s.started = Clock::now();
   s.req->prompt_tokens = int(s.req->params.prompt.size());
+  {
+    std::lock_guard lk(engine_mutex_);
+    const PrefixCache::Match m = cache_->restore(s.req->params.prompt, s.st);
+    s.prefilled = m.reused;
+    s.checkpoint = m.checkpoint;
+  }
+  {
+    std::lock_guard lk(metrics_mutex_);
+    queue_s_.observe(seconds_between(s.req->submitted, s.started));
+  }
   ++admitted_;
 }
 
@@ -180,6 +327,20 @@ void Scheduler::release(Slot& s, const std::string& reason, const std::string& e
     ++failed_;
   else
     ++completed_;
+  if (reason != "error") {
+    // The state holds history[0, n_past): worth keeping for a request that continues it.
+    std::lock_guard lk(engine_mutex_);
+    cache_->insert(std::span<const int32_t>(s.history).first(size_t(s.st.n_past)), s.st);
+  }
+  {
+    std::lock_guard lk(metrics_mutex_);
+    ++s.served;
+    s.tokens += s.generated;
+    if (s.generated >= 2) {
+      const double dt = seconds_between(s.first_token, Clock::now());
+      if (dt > 0) decode_tps_.observe(double(s.generated - 1) / dt);
+    }
+  }
   {
     std::lock_guard lk(q_mutex_);  // before finish(): whoever waits on the request sees the slot free
     --busy_;
@@ -188,6 +349,8 @@ void Scheduler::release(Slot& s, const std::string& reason, const std::string& e
   s.req.reset();
   s.sampler.reset();
   s.dec.reset();
+  s.has_logits = false;
+  s.feed[0] = -1;
   std::vector<int32_t>().swap(s.history);
 }
 
@@ -208,47 +371,134 @@ bool Scheduler::emit(Slot& s, std::string piece, std::optional<TokenLogprob> tok
   return false;
 }
 
-void Scheduler::step(Slot& s) {
-  Request& r = *s.req;
-  if (r.cancelled()) return release(s, "cancelled");
-  const GenParams& p = r.params;
+bool Scheduler::sample(Slot& s) {
+  const GenParams& p = s.req->params;
+  s.has_logits = false;
+  const int32_t id = s.sampler->sample(s.logits, s.history);
+  s.history.push_back(id);
+  if (s.generated == 0) {
+    s.first_token = Clock::now();
+    std::lock_guard lk(metrics_mutex_);
+    ttft_s_.observe(seconds_between(s.req->submitted, s.first_token));
+  }
+  if (std::find(p.end_tokens.begin(), p.end_tokens.end(), id) != p.end_tokens.end()) {
+    emit(s, s.dec->flush(), std::nullopt, true);
+    release(s, "stop");
+    return false;
+  }
+  ++s.generated;
+  ++generated_tokens_;
+  std::optional<TokenLogprob> lp;
+  if (p.top_logprobs >= 0) lp = token_logprob(s.logits, id, p.top_logprobs);
+  if (emit(s, s.dec->push(id), std::move(lp), false)) {
+    release(s, "stop");
+    return false;
+  }
+  if (s.generated >= p.max_tokens || s.st.n_past >= s.st.n_ctx) {
+    release(s, emit(s, s.dec->flush(), std::nullopt, true) ? "stop" : "length");
+    return false;
+  }
+  s.feed[0] = id;
+  return true;
+}
+
+void Scheduler::step(const std::vector<Slot*>& cand, int budget) {
+  const auto now = Clock::now();
+  std::vector<Slot*> live;
+  for (Slot* s : cand) {
+    if (!s->req) continue;
+    if (s->req->cancelled()) {
+      release(*s, "cancelled");
+      continue;
+    }
+    if (opts_.request_timeout_s > 0 && seconds_between(s->req->submitted, now) > opts_.request_timeout_s) {
+      ++timed_out_;
+      emit(*s, s->dec->flush(), std::nullopt, true);
+      release(*s, "length");
+      continue;
+    }
+    try {
+      if (s->has_logits && !sample(*s)) continue;
+    } catch (const std::exception& e) {
+      release(*s, "error", e.what());
+      continue;
+    }
+    live.push_back(s);
+  }
+  // The batch: one token for each generating slot, then prompt chunks first come first served.
+  struct Part {
+    Slot* s;
+    size_t n;  // prompt tokens (0: a decode token)
+  };
+  std::vector<Part> parts;
+  for (Slot* s : live)
+    if (s->feed[0] >= 0 && budget > 0) {
+      parts.push_back({s, 0});
+      --budget;
+    }
+  std::vector<Slot*> filling;
+  for (Slot* s : live)
+    if (s->prefilled < s->req->params.prompt.size()) filling.push_back(s);
+  std::sort(filling.begin(), filling.end(), [](Slot* a, Slot* b) { return a->order < b->order; });
+  for (Slot* s : filling) {
+    if (budget <= 0) break;
+    const size_t end = s->checkpoint > s->prefilled ? s->checkpoint : s->req->params.prompt.size();
+    const size_t n = std::min(end - s->prefilled, size_t(budget));
+    parts.push_back({s, n});
+    budget -= int(n);
+  }
+  if (parts.empty()) return;
+  std::vector<model::SeqInput> batch;
+  std::vector<Part> ok;
+  for (const Part& pt : parts) {
+    Slot& s = *pt.s;
+    const bool last = pt.n > 0 && s.prefilled + pt.n == s.req->params.prompt.size();
+    model::SeqInput in{&s.st,
+                       pt.n ? std::span<const int32_t>(s.req->params.prompt).subspan(s.prefilled, pt.n)
+                            : std::span<const int32_t>(s.feed, 1),
+                       pt.n == 0 || last ? model::LogitsMode::Last : model::LogitsMode::None, &s.logits};
+    try {
+      eng_.check_ids(s.st, in.ids);
+    } catch (const std::exception& e) {
+      release(s, "error", e.what());
+      continue;
+    }
+    batch.push_back(in);
+    ok.push_back(pt);
+  }
+  if (batch.empty()) return;
   try {
-    if (s.prefilled < p.prompt.size()) {
-      const size_t n = std::min(p.prompt.size() - s.prefilled, size_t(std::max(1, eng_.options().prompt_chunk)));
-      const bool last = s.prefilled + n == p.prompt.size();
-      std::lock_guard lk(engine_mutex_);
-      eng_.prefill(s.st, std::span<const int32_t>(p.prompt).subspan(s.prefilled, n),
-                   last ? model::LogitsMode::Last : model::LogitsMode::None, s.logits);
-      snapshot_stats();
-      s.prefilled += n;
-      prompt_tokens_ += int64_t(n);
-      return;
-    }
-    const int32_t id = s.sampler->sample(s.logits, s.history);
-    s.history.push_back(id);
-    if (std::find(p.end_tokens.begin(), p.end_tokens.end(), id) != p.end_tokens.end()) {
-      emit(s, s.dec->flush(), std::nullopt, true);
-      return release(s, "stop");
-    }
-    ++s.generated;
-    ++generated_tokens_;
-    std::optional<TokenLogprob> lp;
-    if (p.top_logprobs >= 0) lp = token_logprob(s.logits, id, p.top_logprobs);
-    if (emit(s, s.dec->push(id), std::move(lp), false)) return release(s, "stop");
-    if (s.generated >= p.max_tokens || s.st.n_past >= s.st.n_ctx) {
-      if (emit(s, s.dec->flush(), std::nullopt, true)) return release(s, "stop");
-      return release(s, "length");
-    }
     std::lock_guard lk(engine_mutex_);
-    eng_.decode(s.st, id, s.logits);
+    eng_.forward_batch(batch);
     snapshot_stats();
   } catch (const std::exception& e) {
-    release(s, "error", e.what());
+    for (const Part& pt : ok) release(*pt.s, "error", e.what());
+    return;
   }
+  ++steps_;
+  int tokens = 0;
+  for (const Part& pt : ok) {
+    Slot& s = *pt.s;
+    tokens += pt.n ? int(pt.n) : 1;
+    if (pt.n == 0) {
+      s.feed[0] = -1;
+      s.has_logits = true;
+      continue;
+    }
+    s.prefilled += pt.n;
+    prompt_tokens_ += int64_t(pt.n);
+    if (s.prefilled == s.req->params.prompt.size()) s.has_logits = true;
+    if (s.prefilled == s.checkpoint) {
+      std::lock_guard lk(engine_mutex_);
+      cache_->insert(std::span<const int32_t>(s.req->params.prompt).first(s.prefilled), s.st);
+    }
+  }
+  std::lock_guard lk(metrics_mutex_);
+  step_seqs_.observe(double(ok.size()));
+  step_tokens_.observe(double(tokens));
 }
 
 void Scheduler::loop() {
-  size_t next = 0;
   for (;;) {
     {
       std::unique_lock lk(q_mutex_);
@@ -269,12 +519,17 @@ void Scheduler::loop() {
         lk.lock();
       }
     }
-    // One step for each busy slot, starting after the one that went first last time.
-    for (size_t k = 0; k < slots_.size(); ++k) {
-      Slot& s = *slots_[(next + k) % slots_.size()];
-      if (s.req) step(s);
+    const size_t n = slots_.size();
+    if (opts_.batching) {
+      // Every busy slot in one forward; the rotation decides who waits when the budget is short.
+      std::vector<Slot*> all;
+      for (size_t k = 0; k < n; ++k) all.push_back(slots_[(rr_ + k) % n].get());
+      step(all, opts_.batch_tokens);
+    } else {
+      // One forward per busy slot, starting after the one that went first last time.
+      for (size_t k = 0; k < n; ++k) step({slots_[(rr_ + k) % n].get()}, opts_.batch_tokens);
     }
-    next = (next + 1) % slots_.size();
+    rr_ = (rr_ + 1) % n;
   }
   for (auto& s : slots_)
     if (s->req) release(*s, "cancelled");

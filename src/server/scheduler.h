@@ -1,9 +1,18 @@
 #pragma once
 // Request scheduling for `strata serve`. The Engine is not thread-safe: one scheduler thread
-// owns it (under a mutex, which /metrics also takes for a moment) and interleaves the active
-// requests token by token: round robin over the slots, one prompt chunk or one decode step
-// each. --parallel N slots each hold a model::SequenceState; requests beyond N wait in a
+// owns it. --parallel N slots each hold a model::SequenceState; requests beyond N wait in a
 // bounded queue, and a full queue turns new requests away (the server answers 503).
+//
+// Continuous batching (the default): every step is one Engine::forward_batch over all busy
+// slots, the next token of each generating request plus prompt chunks of new ones, at most
+// --batch-tokens tokens in all (decode tokens first, then prompt chunks first come first
+// served). The batch shares each layer's expert reads, and each sequence's results are
+// bit-identical to running it alone (batch invariance; tests/test_server.cpp).
+// --no-cont-batching keeps the former interleaving (round robin, one forward per slot per turn:
+// one prompt chunk or one decode step), for comparison.
+//
+// The prefix cache (prefix_cache.h) restores a request's longest cached prompt prefix into its
+// slot before prefill, and stores each finished request's state.
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -19,6 +28,7 @@
 
 #include "engine/engine.h"
 #include "engine/sampler.h"
+#include "server/prefix_cache.h"
 
 namespace strata::server {
 
@@ -52,6 +62,9 @@ class Request {
  public:
   explicit Request(GenParams p) : params(std::move(p)) {}
   const GenParams params;
+  /// When Scheduler::submit accepted it (queue time, time to first token and the request
+  /// timeout count from here).
+  std::chrono::steady_clock::time_point submitted;
 
   // ---- handler side
   /// Moves pending events into `out` (appending); waits up to `timeout` when there are none.
@@ -62,7 +75,7 @@ class Request {
   bool cancelled() const { return cancelled_; }
 
   // ---- results, valid once wait() returned true
-  std::string finish_reason;  ///< "stop", "length", "cancelled" or "error"
+  std::string finish_reason;  ///< "stop", "length" (also after the request timeout), "cancelled" or "error"
   std::string error;          ///< message when finish_reason == "error"
   int prompt_tokens = 0, completion_tokens = 0;
 
@@ -81,15 +94,52 @@ class Request {
 /// Counters of the scheduler, for /metrics and /health.
 struct SchedulerCounters {
   int64_t slots = 0, slots_busy = 0, queued = 0, queue_capacity = 0;
-  int64_t admitted = 0, rejected = 0, cancelled = 0, completed = 0, failed = 0;
+  int64_t admitted = 0, rejected = 0, cancelled = 0, completed = 0, failed = 0, timed_out = 0;
   int64_t prompt_tokens = 0, generated_tokens = 0;
+  int64_t steps = 0;                   ///< forward calls the scheduler made
   engine::PhaseStats prefill, decode;  ///< the engine's, since start
+  PrefixCacheStats cache;
+};
+
+/// A Prometheus histogram: cumulative buckets with upper bounds `bounds` (ascending) and +Inf,
+/// the sum and the count of observations. Not thread-safe (the scheduler guards its own).
+class Histogram {
+ public:
+  explicit Histogram(std::vector<double> bounds) : bounds_(std::move(bounds)), counts_(bounds_.size() + 1) {}
+  void observe(double v);
+  /// Appends the `# HELP`/`# TYPE` lines and `name_bucket{le=...}`, `name_sum`, `name_count`
+  /// (with `labels`, e.g. `slot="0"`, inside the braces when not empty).
+  void write(std::string& out, const std::string& name, const std::string& help, const std::string& labels = {},
+             bool header = true) const;
+  int64_t count() const { return count_; }
+
+ private:
+  std::vector<double> bounds_;
+  std::vector<int64_t> counts_;  // per bucket, not cumulative; the last is +Inf
+  double sum_ = 0;
+  int64_t count_ = 0;
+};
+
+/// How the scheduler runs (`strata serve` flags).
+struct SchedulerOptions {
+  int n_slots = 4;       ///< --parallel: slots (sequences of the engine's n_ctx tokens each)
+  int queue_size = 64;   ///< --queue-size: requests waiting for a slot
+  int batch_tokens = 0;  ///< --batch-tokens: most tokens per forward step; 0 = the engine's prompt chunk
+  bool batching = true;  ///< false (--no-cont-batching): the former round-robin interleaving
+  uint64_t cache_bytes = uint64_t(1024) << 20;  ///< --cache-ram (MiB): prefix cache bound; 0 = no cache
+  int cache_min_tokens = 32;                    ///< shortest prefix the cache stores (tokens)
+  double request_timeout_s =
+      600;  ///< --request-timeout: a request ends ("length") this long after submission; 0 = never
 };
 
 class Scheduler {
  public:
-  /// Starts the scheduler thread with `n_slots` sequences (each of eng.n_ctx() tokens,
-  /// allocated now and reused) and room for `queue_size` waiting requests.
+  /// Starts the scheduler thread with opts.n_slots sequences (each of eng.n_ctx() tokens,
+  /// allocated now and reused) and room for opts.queue_size waiting requests. Throws
+  /// std::invalid_argument for n_slots < 1 or batch_tokens outside [0, prompt chunk] (the arena
+  /// is sized for one prompt chunk: a larger batch could need more experts than it holds).
+  Scheduler(engine::Engine& eng, const SchedulerOptions& opts);
+  /// The defaults with `n_slots` and `queue_size`.
   Scheduler(engine::Engine& eng, int n_slots, int queue_size);
   ~Scheduler();
   Scheduler(const Scheduler&) = delete;
@@ -99,12 +149,24 @@ class Scheduler {
   bool submit(const std::shared_ptr<Request>& r);
   /// Stops the thread; requests still running or queued finish as "cancelled".
   void stop();
+  /// Graceful shutdown: refuses new requests, lets running and queued ones finish for up to
+  /// `grace` and then stops (the rest finish as "cancelled"). Returns the requests cancelled.
+  int64_t drain(std::chrono::milliseconds grace);
   SchedulerCounters counters();
+  /// Appends the scheduler's histograms (queue time, time to first token, decode tokens/s per
+  /// request, sequences and tokens per step), per-slot counters and prefix-cache counters in
+  /// Prometheus text format.
+  void write_metrics(std::string& out);
+  const SchedulerOptions& options() const { return opts_; }
 
  private:
   struct Slot;
   void loop();
-  void step(Slot& s);
+  // One forward over `cand` (busy slots): samples the slots whose logits are ready, then runs
+  // their next tokens and prompt chunks within the token budget.
+  void step(const std::vector<Slot*>& cand, int budget);
+  // Samples s's next token from its logits; false when the request ended (slot released).
+  bool sample(Slot& s);
   void start(Slot& s, std::shared_ptr<Request> r);
   void release(Slot& s, const std::string& reason, const std::string& error = {});
   // Emits text released so far (holding back possible stop-string prefixes); true if a stop matched.
@@ -114,7 +176,14 @@ class Scheduler {
   // /metrics never waits for a long prefill chunk.
   void snapshot_stats();
 
+  SchedulerOptions opts_;
   engine::Engine& eng_;
+  std::unique_ptr<PrefixCache> cache_;
+  std::mutex metrics_mutex_;  // the histograms and per-slot counters
+  Histogram queue_s_, ttft_s_, decode_tps_, step_seqs_, step_tokens_;
+  uint64_t order_ = 0;       // admission counter (prefill is first come first served)
+  size_t rr_ = 0;            // round-robin start (interleaving; decode tokens beyond the budget)
+  bool draining_ = false;    // under q_mutex_: submit refuses
   std::mutex engine_mutex_;  // the engine: taken by the scheduler thread for each step
   std::mutex stats_mutex_;
   engine::PhaseStats prefill_stats_, decode_stats_;
@@ -125,8 +194,8 @@ class Scheduler {
   size_t queue_size_;
   int64_t busy_ = 0;
   bool stop_ = false;
-  std::atomic<int64_t> admitted_{0}, rejected_{0}, cancelled_{0}, completed_{0}, failed_{0}, prompt_tokens_{0},
-      generated_tokens_{0};
+  std::atomic<int64_t> admitted_{0}, rejected_{0}, cancelled_{0}, completed_{0}, failed_{0}, timed_out_{0},
+      prompt_tokens_{0}, generated_tokens_{0}, steps_{0};
   std::thread thread_;
 };
 

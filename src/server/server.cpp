@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "server/client_watch.h"
 #include "server/openai.h"
 #include "server/scheduler.h"
 #include "tokenizer/tokenizer.h"
@@ -44,9 +45,10 @@ struct Server::Impl {
   std::map<std::pair<std::string, int>, int64_t> request_counts;
 
   Impl(engine::Engine& e, chat::ChatTemplate t, ServerOptions o)
-      : eng(e), tmpl(std::move(t)), opts(std::move(o)), sched(e, opts.parallel, opts.queue_size) {
+      : eng(e), tmpl(std::move(t)), opts(std::move(o)), sched(e, scheduler_options(opts)) {
     if (opts.model_name.empty()) opts.model_name = std::filesystem::path(eng.gguf().path()).stem().string();
     model.n_ctx = eng.n_ctx();
+    model.default_max_tokens = opts.n_predict;
     model.n_vocab = eng.tokenizer().n_vocab();
     model.end_tokens = chat::end_of_generation_tokens(eng.tokenizer());
     model.encode = [this](const std::string& text) { return eng.tokenizer().encode(text, true); };
@@ -58,6 +60,13 @@ struct Server::Impl {
     return [this](int32_t id) { return eng.tokenizer().token_bytes(id); };
   }
 
+  static SchedulerOptions scheduler_options(const ServerOptions& o) {
+    SchedulerOptions s = o.scheduling;
+    s.n_slots = o.parallel;
+    s.queue_size = o.queue_size;
+    return s;
+  }
+
   std::shared_ptr<Request> submit(GenParams gen) {
     auto r = std::make_shared<Request>(std::move(gen));
     if (!sched.submit(r)) throw openai::server_busy(opts.parallel, opts.queue_size);
@@ -65,7 +74,8 @@ struct Server::Impl {
   }
 
   // Runs `p` and answers with one JSON object, or with Server-Sent Events when it streams.
-  void generate(httplib::Response& res, openai::ParsedRequest p, openai::Endpoint endpoint) {
+  void generate(const httplib::Request& req, httplib::Response& res, openai::ParsedRequest p,
+                openai::Endpoint endpoint) {
     auto r = submit(std::move(p.gen));
     const openai::ResponseMeta meta{endpoint, openai::new_response_id(endpoint), int64_t(std::time(nullptr)),
                                     opts.model_name};
@@ -73,7 +83,10 @@ struct Server::Impl {
 
     if (!p.stream) {
       std::vector<Event> events;
-      while (!r->wait(events, std::chrono::milliseconds(1000))) {}
+      // Nothing is written until the end, so a client that hangs up is noticed by watching its socket.
+      const ClientWatch watch(req.local_port, req.remote_addr, req.remote_port);
+      while (!r->wait(events, std::chrono::milliseconds(100)))
+        if (watch.gone()) r->cancel();
       if (openai::is_error_finish(r->finish_reason)) throw openai::generation_failed(r->error);
       const J out = openai::completion_json(meta, events, r->finish_reason, r->prompt_tokens, r->completion_tokens,
                                             logprobs, token_bytes());
@@ -130,12 +143,12 @@ struct Server::Impl {
 
   void chat_completions(const httplib::Request& req, httplib::Response& res) {
     const J b = openai::parse_body(req.body);
-    generate(res, openai::parse_chat_request(b, model), openai::Endpoint::Chat);
+    generate(req, res, openai::parse_chat_request(b, model), openai::Endpoint::Chat);
   }
 
   void completions(const httplib::Request& req, httplib::Response& res) {
     const J b = openai::parse_body(req.body);
-    generate(res, openai::parse_completion_request(b, model), openai::Endpoint::Completion);
+    generate(req, res, openai::parse_completion_request(b, model), openai::Endpoint::Completion);
   }
 
   void models(const httplib::Request&, httplib::Response& res) {
@@ -263,6 +276,7 @@ struct Server::Impl {
     phased("strata_exposed_wait_seconds_total", "counter", "Seconds the compute blocked on expert reads.",
            ps.exposed_wait_s, ds.exposed_wait_s);
     gauge("strata_arena_bytes", "Bytes of the expert arena.", double(eng.arena_bytes()));
+    sched.write_metrics(out);
     res.set_content(out, "text/plain; version=0.0.4");
   }
 
@@ -352,6 +366,14 @@ void Server::listen() { impl_->http.listen_after_bind(); }
 void Server::stop() {
   impl_->http.stop();
   impl_->sched.stop();
+}
+
+int64_t Server::shutdown(std::chrono::milliseconds grace) {
+  // Refuse new generations (503) while the running ones finish; then stop listening. Handlers
+  // still waiting return once their request has finished or been cancelled.
+  const int64_t cancelled = impl_->sched.drain(grace);
+  impl_->http.stop();
+  return cancelled;
 }
 
 }  // namespace strata::server

@@ -10,12 +10,15 @@
 // Endpoints: POST /v1/chat/completions, POST /v1/completions (streaming and not),
 // GET /v1/models, GET /health, GET /metrics (Prometheus), POST /tokenize, POST /detokenize.
 // Errors are OpenAI-style: {"error": {"message", "type", "code", "param"}} with the HTTP status.
+#include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 
 #include "chat/chat_template.h"
 #include "engine/engine.h"
+#include "server/scheduler.h"
 
 namespace strata::server {
 
@@ -28,6 +31,10 @@ struct ServerOptions {
   size_t max_body_bytes = 1 << 20;  ///< larger request bodies: 413
   int http_threads = 0;             ///< connection threads; 0 = parallel + queue_size + 16
   std::string model_name;           ///< the id /v1/models reports (default: the file name without .gguf)
+  /// Batching, prefix cache and request timeout (n_slots and queue_size come from the two above).
+  SchedulerOptions scheduling;
+  /// max_tokens of a request that leaves it unset (-n, --n-predict), capped by the context; <= 0 = the context.
+  int n_predict = 2048;
 };
 
 class Server {
@@ -42,8 +49,11 @@ class Server {
   int bind();
   /// Serves until stop(); call bind() first.
   void listen();
-  /// Stops listening and the scheduler; safe from another thread.
+  /// Stops listening and the scheduler at once (running requests end "cancelled"); safe from another thread.
   void stop();
+  /// Graceful stop: new generation requests get 503, running and queued ones have `grace` to
+  /// finish (then they are cancelled), then listening stops. Returns the requests cancelled.
+  int64_t shutdown(std::chrono::milliseconds grace);
 
  private:
   struct Impl;

@@ -1,0 +1,89 @@
+// Operations of `strata serve`: a non-streaming request whose client hangs up stops generating
+// (its slot is freed and counted as cancelled), an unset max_tokens is capped by -n, /metrics
+// carries the scheduler's histograms and prefix-cache counters, and SIGTERM is a graceful
+// shutdown (running requests finish within --shutdown-grace or are cancelled; exit status 0).
+import { test } from 'node:test';
+import assert from 'node:assert/strict';
+import { post, readSSE, requireSetup, startServer } from './harness.mjs';
+
+requireSetup();
+
+const metric = (text, name) => {
+  const line = text.split('\n').find((l) => l.startsWith(name + ' '));
+  return line === undefined ? undefined : Number(line.split(' ').pop());
+};
+const metrics = async (url) => (await fetch(`${url}/metrics`)).text();
+
+test('a hung-up non-streaming request stops; unset max_tokens is capped by -n', async () => {
+  const srv = await startServer(['--ctx-size', '4096', '--parallel', '1', '-n', '7']);
+  try {
+    // -n 7: a request without max_tokens generates 7 tokens.
+    const r = await post(`${srv.url}/v1/completions`, { prompt: 'def f(x):', temperature: 0, ignore_eos: true });
+    assert.equal(r.status, 200, r.text);
+    assert.equal(r.body.usage.completion_tokens, 7);
+    assert.equal(r.body.choices[0].finish_reason, 'length');
+    // A long non-streaming request, abandoned after 300 ms: the server notices and frees the slot.
+    const ac = new AbortController();
+    const pending = fetch(`${srv.url}/v1/completions`, {
+      method: 'POST', signal: ac.signal, headers: { 'Content-Type': 'application/json' },
+      body: JSON.stringify({ prompt: 'def main():', max_tokens: 4000, temperature: 0, ignore_eos: true }),
+    }).catch((e) => e);
+    await new Promise((res) => setTimeout(res, 300));
+    assert.equal(metric(await metrics(srv.url), 'strata_requests_processing'), 1);
+    ac.abort();
+    await pending;
+    const t0 = Date.now();
+    let m = await metrics(srv.url);
+    while (metric(m, 'strata_requests_processing') !== 0 && Date.now() - t0 < 5000) {
+      await new Promise((res) => setTimeout(res, 50));
+      m = await metrics(srv.url);
+    }
+    assert.equal(metric(m, 'strata_requests_processing'), 0, 'slot freed within 5 s');
+    assert.equal(metric(m, 'strata_requests_cancelled_total'), 1);
+    assert.ok(metric(m, 'strata_generated_tokens_total') < 7 + 4000);
+    // The scheduler's histograms and prefix-cache counters.
+    assert.equal(metric(m, 'strata_time_to_first_token_seconds_count'), 2);
+    assert.equal(metric(m, 'strata_queue_seconds_count'), 2);
+    assert.ok(metric(m, 'strata_batch_sequences_count') > 0);
+    assert.ok(metric(m, 'strata_prefix_cache_lookups_total') >= 2);
+    assert.ok(m.includes('strata_slot_requests_total{slot="0"} 2'), m);
+  } finally {
+    assert.equal(await srv.stop(), 0);
+  }
+});
+
+test('SIGTERM lets a running stream finish, refuses new work, exits 0', async () => {
+  const srv = await startServer(['--ctx-size', '512', '--parallel', '2', '--shutdown-grace', '20']);
+  const res = await fetch(`${srv.url}/v1/completions`, {
+    method: 'POST', headers: { 'Content-Type': 'application/json' },
+    body: JSON.stringify({ prompt: 'def main():', max_tokens: 48, temperature: 0, ignore_eos: true, stream: true }),
+  });
+  let tokens = 0, finish = null, stopped = null;
+  await readSSE(res, async (j) => {
+    if (j.choices?.[0]?.finish_reason) finish = j.choices[0].finish_reason;
+    if (j.choices?.[0]?.text !== undefined) tokens++;
+    if (tokens === 2 && !stopped) {
+      stopped = srv.stop(); // SIGTERM while the stream runs
+      await new Promise((r) => setTimeout(r, 200));
+      const late = await fetch(`${srv.url}/v1/completions`, {
+        method: 'POST', headers: { 'Content-Type': 'application/json' },
+        body: JSON.stringify({ prompt: 'x', max_tokens: 2 }),
+      }).then((r) => r.status, () => 'refused');
+      assert.ok(late === 503 || late === 'refused', `new request during shutdown: ${late}`);
+    }
+  });
+  assert.equal(finish, 'length');
+  assert.equal(await stopped, 0);
+  assert.match(srv.log(), /stopping/);
+});
+
+test('SIGTERM cancels what does not finish within --shutdown-grace', async () => {
+  const srv = await startServer(['--ctx-size', '4096', '--parallel', '1', '--shutdown-grace', '0.5']);
+  const pending = post(`${srv.url}/v1/completions`, { prompt: 'def main():', max_tokens: 4000, temperature: 0, ignore_eos: true });
+  await new Promise((r) => setTimeout(r, 300));
+  const t0 = Date.now();
+  assert.equal(await srv.stop(), 0);
+  assert.ok(Date.now() - t0 < 8000, `stopped in ${Date.now() - t0} ms`);
+  assert.match(srv.log(), /cancelled 1 unfinished request/);
+  await pending.catch(() => {});
+});
