@@ -88,6 +88,16 @@ struct PredictionStats {
   std::vector<uint64_t> predicted;  ///< [n_layer] of those, predicted
 };
 
+/// Cache-conditional routing (--moce-bonus) counters, in (layer, expert) lookups as StreamStats.
+struct MoceStats {
+  /// (token, k) picks where the bonus chose a resident expert the exact routing did not pick.
+  uint64_t substituted = 0;
+  /// Experts a layer's exact routing needed that were not resident when it routed and that the
+  /// bonus routing did not need: urgent reads saved (an upper bound: one of them might have been
+  /// in flight as a read-ahead and counted a hit).
+  uint64_t misses_avoided = 0;
+};
+
 class Dumper;
 class BoundWeights;
 struct MoeLayer;
@@ -101,6 +111,10 @@ struct ForwardContext {
   ReadAheadOptions ahead;
   PredictionStats* prediction = nullptr;  ///< when set, recall is accumulated here
   Dumper* dump = nullptr;                 ///< when set, named intermediates are written (--dump)
+  /// MoCE: the residency bonus of this call's selection (backend::ResidencyBonus; 0 = exact
+  /// routing) and where its counters go (may be null).
+  float moce_bonus = 0;
+  MoceStats* moce = nullptr;
 };
 
 /// Which positions of a forward call produce logits.

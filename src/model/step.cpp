@@ -200,6 +200,23 @@ void Step::score_prediction(int layer, const backend::Routing& r, const std::vec
     }
 }
 
+void Step::count_moce(const backend::Routing& r, const backend::Routing& exact, std::span<const uint8_t> resident,
+                      MoceStats& out) {
+  const size_t K = size_t(r.top_k), T = r.ids.size() / std::max<size_t>(1, K);
+  std::vector<uint8_t> need_r(resident.size(), 0), need_x(resident.size(), 0);
+  for (size_t t = 0; t < T; ++t)
+    for (size_t k = 0; k < K; ++k) {
+      const int32_t e = r.ids[t * K + k];
+      need_r[size_t(e)] = 1;
+      need_x[size_t(exact.ids[t * K + k])] = 1;
+      bool in_exact = false;
+      for (size_t j = 0; j < K; ++j) in_exact = in_exact || exact.ids[t * K + j] == e;
+      if (!in_exact) ++out.substituted;
+    }
+  for (size_t e = 0; e < resident.size(); ++e)
+    if (need_x[e] && !need_r[e] && !resident[e]) ++out.misses_avoided;
+}
+
 void Step::record_routing(int layer, const backend::Routing& r) {
   RoutingTrace* trace = ctx_.trace;
   if (!trace) return;
@@ -225,7 +242,20 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
   std::vector<float> logits;
   router_logits(w, h_, logits);
   backend::Routing r;
-  backend::select_experts(w.spec, logits.data(), T_, r);
+  // With MoCE, `exact` is the routing without the bonus: the prediction is scored against it,
+  // so residency the bonus created is never taken as evidence that the prediction was right.
+  backend::Routing exact;
+  const bool moce = ctx_.moce_bonus > 0;
+  if (moce) {
+    std::vector<uint8_t> resident(size_t(w.spec.n_expert));
+    for (int e = 0; e < w.spec.n_expert; ++e) resident[size_t(e)] = stream.resident(layer, e) ? 1 : 0;
+    std::vector<float> copy = logits;
+    backend::select_experts(w.spec, copy.data(), T_, exact);
+    backend::select_experts(w.spec, logits.data(), T_, r, backend::ResidencyBonus{ctx_.moce_bonus, resident});
+    if (ctx_.moce) count_moce(r, exact, resident, *ctx_.moce);
+  } else {
+    backend::select_experts(w.spec, logits.data(), T_, r);
+  }
 
   // Group the chunk's (token, k) pairs by expert: each resident expert is applied to all its
   // tokens at once.
@@ -286,7 +316,7 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
   // Weighted sum per token in top-k order.
   be_.moe_combine(r, expert_out, o_);
   name(o_, "ffn_moe_out", layer);
-  score_prediction(layer, r, pred_);
+  score_prediction(layer, moce ? exact : r, pred_);
   record_routing(layer, r);
   pred_.swap(pred_next);
 }
