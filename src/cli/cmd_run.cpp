@@ -164,6 +164,7 @@ void register_run(CLI::App& root) {
                        : fmt::format("raise -c/--ctx-size, up to {}", train > 0 ? train : st.n_ctx));
       }
       print_stats(eng);
+      print_profile(eng);
     }
     if (g_interrupted) throw CLI::RuntimeError(130);  // the shell's exit status for SIGINT
   });

@@ -73,6 +73,9 @@ void EngineFlags::add(CLI::App& app) {
                  "calibration text for --moce-kld-budget (its first 128 tokens; default: 64 tokens of the model's "
                  "own greedy text after a fixed prompt)")
       ->check(CLI::ExistingFile);
+  app.add_flag("--profile", opts.profile,
+               "after the run, print the time of each forward stage (attention, gated delta net, router, expert "
+               "matmuls, expert wait, read-ahead, ...) for prefill and decode; host-side times (asynchronous on cuda)");
   app.add_option("--dump-filter", opts.dump_filter,
                  "with --dump: only tensors whose whole name matches this ECMAScript regex, e.g. 'ffn_moe_out-.*'");
 }
@@ -214,6 +217,29 @@ std::vector<int32_t> PromptFlags::tokens(const tokenizer::Tokenizer& tok) const 
     return tok.encode(ss.str());
   }
   return tok.encode(text);
+}
+
+void print_profile(engine::Engine& e) {
+  if (!e.options().profile) return;
+  fmt::print(stderr, "\nprofile (host wall time per stage{})\n",
+             e.backend_info().name == "cpu" ? "; the CPU backend is synchronous, so this is compute"
+                                            : "; the GPU runs asynchronously: a stage's time is issuing its calls "
+                                              "plus waits in the downloads that synchronize");
+  fmt::print(stderr, "{:<16} {:>10} {:>7} {:>9} {:>10} {:>7} {:>9}\n", "stage", "prefill s", "%", "calls", "decode s",
+             "%", "calls");
+  const engine::PhaseStats &pf = e.prefill_stats(), &dc = e.decode_stats();
+  double sum_p = 0, sum_d = 0;
+  auto pct = [](double s, double total) { return total > 0 ? 100.0 * s / total : 0.0; };
+  for (int s = 0; s < model::StageProfile::kCount; ++s) {
+    const double a = pf.profile.seconds[s], b = dc.profile.seconds[s];
+    sum_p += a;
+    sum_d += b;
+    if (pf.profile.calls[s] == 0 && dc.profile.calls[s] == 0) continue;
+    fmt::print(stderr, "{:<16} {:>10.4f} {:>6.1f}% {:>9} {:>10.4f} {:>6.1f}% {:>9}\n", model::StageProfile::name(s), a,
+               pct(a, pf.seconds), pf.profile.calls[s], b, pct(b, dc.seconds), dc.profile.calls[s]);
+  }
+  fmt::print(stderr, "{:<16} {:>10.4f} {:>6.1f}% {:>9} {:>10.4f} {:>6.1f}%\n", "other (engine)", pf.seconds - sum_p,
+             pct(pf.seconds - sum_p, pf.seconds), "", dc.seconds - sum_d, pct(dc.seconds - sum_d, dc.seconds));
 }
 
 std::string human_bytes(double b) {

@@ -92,6 +92,10 @@ nlohmann::json arena_json(engine::Engine& e);
 /// One human-readable summary block (to stderr) of prefill, decode and the stream.
 void print_stats(engine::Engine& e);
 
+/// With --profile: seconds per forward stage of prefill and decode, and their share of the
+/// phase's wall time (to stderr); the CUDA backend's note that its times are host-side.
+void print_profile(engine::Engine& e);
+
 /// Human-readable byte count ("3.2 MiB").
 std::string human_bytes(double bytes);
 

@@ -303,6 +303,7 @@ void Engine::run(model::SequenceState& st, std::span<const int32_t> ids, model::
   ctx.prediction = &phase.prediction;
   ctx.moce_bonus = (&phase == &decode_ || opts_.moce_prefill) ? opts_.moce_bonus : 0.0f;
   ctx.moce = &phase.moce;
+  ctx.profile = opts_.profile ? &phase.profile : nullptr;
   const int64_t n = int64_t(ids.size()), V = model_->hparams().n_vocab;
   if (mode == model::LogitsMode::All) logits.assign(size_t(n) * V, 0.0f);
   std::vector<float> chunk_logits;
@@ -366,6 +367,7 @@ void Engine::forward_batch(std::span<model::SeqInput> batch, model::RoutingTrace
   ctx.ahead.static_rank = static_rank_.empty() ? nullptr : &static_rank_;
   ctx.moce_bonus = (all_single || opts_.moce_prefill) ? opts_.moce_bonus : 0.0f;
   ctx.moce = &phase.moce;
+  ctx.profile = opts_.profile ? &phase.profile : nullptr;
   model_->forward(ctx, batch);
   for (const model::SeqInput& s : batch)
     if (s.mode != model::LogitsMode::None)

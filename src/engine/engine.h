@@ -58,6 +58,7 @@ struct EngineOptions {
   /// then depend on what is resident (arena size, IO timing). --moce-prefill: in prefill too.
   float moce_bonus = 0;
   bool moce_prefill = false;
+  bool profile = false;  ///< --profile: time per forward stage into PhaseStats::profile
 };
 
 /// Tokens, wall time and stream counters of one phase (prefill or decode).
@@ -66,7 +67,8 @@ struct PhaseStats {
   double seconds = 0;
   stream::StreamStats stream;
   model::PredictionStats prediction;
-  model::MoceStats moce;  ///< --moce-bonus counters
+  model::MoceStats moce;        ///< --moce-bonus counters
+  model::StageProfile profile;  ///< --profile: seconds per forward stage
   double tokens_per_s() const { return seconds > 0 ? double(tokens) / seconds : 0.0; }
 };
 
