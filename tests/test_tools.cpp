@@ -14,8 +14,10 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <set>
+#include <thread>
 
 #include "engine/engine.h"
 #include "gguf/gguf.h"
@@ -662,4 +664,113 @@ TEST(GgufWriter, StreamedTensorsEqualInMemoryOnes) {
   EXPECT_THROW(bad.write(scratch().path("bad.gguf"), o), std::runtime_error);
   EXPECT_FALSE(fs::exists(scratch().path("bad.gguf")));
   EXPECT_FALSE(fs::exists(scratch().path("bad.gguf.tmp")));
+}
+
+// ---- CLI habits of llama.cpp users (issue 16, "Found when strata was tried") ----
+
+namespace {
+std::string shipped() { return "-m " + test::shipped_model() + " -t 2"; }
+}  // namespace
+
+TEST(CliHabits, LlamaCppSpellingsAreRefusedNamingTheStrataEquivalent) {
+  const std::vector<std::pair<std::string, std::string>> cases = {{"-ngl 99", "--backend cuda"},
+                                                                  {"--n-gpu-layers 99", "--backend cuda"},
+                                                                  {"--n-gpu-layers=99", "--backend cuda"},
+                                                                  {"-tb 2", "-t/--threads"},
+                                                                  {"-b 512", "--prompt-chunk"},
+                                                                  {"-ub 512", "--prompt-chunk"},
+                                                                  {"-fa", "drop the flag"},
+                                                                  {"-cnv", "strata chat"},
+                                                                  {"-mg 1", "--device N"},
+                                                                  {"-ctk q8_0", "fp32"}};
+  for (const auto& [flag, advice] : cases) {
+    const CmdResult r = run_strata("run " + shipped() + " -p hi -n 1 " + flag);
+    EXPECT_EQ(r.rc, 1) << flag << "\n" << r.out;
+    EXPECT_THAT(r.out, HasSubstr("llama.cpp flag strata does not take")) << flag;
+    EXPECT_THAT(r.out, HasSubstr(advice)) << flag;
+    EXPECT_THAT(r.out, ::testing::Not(HasSubstr("must be an integer"))) << flag;
+  }
+  // The same letters inside the prompt text are text.
+  const CmdResult ok = run_strata("run " + shipped() + " -p -ngl -n 1 --temp 0");
+  EXPECT_EQ(ok.rc, 0) << ok.out;
+}
+
+TEST(CliHabits, SeedMinusOneIsRandomAndPrintedAFixedSeedRepeats) {
+  auto seed_of = [](const std::string& out) -> std::string {
+    const size_t at = out.find("strata: seed ");
+    if (at == std::string::npos) return "";
+    return out.substr(at + 13, out.find(' ', at + 13) - (at + 13));
+  };
+  const std::string args = "run " + shipped() + " -p 'def f(x):' -n 4 --temp 1";
+  const CmdResult a = run_strata(args + " --seed -1"), b = run_strata(args + " -s -1"), c = run_strata(args);
+  ASSERT_EQ(a.rc, 0) << a.out;
+  ASSERT_EQ(b.rc, 0) << b.out;
+  EXPECT_THAT(a.out, HasSubstr("(random)"));
+  EXPECT_FALSE(seed_of(a.out).empty());
+  EXPECT_NE(seed_of(a.out), seed_of(b.out));  // two draws of a 64-bit seed
+  EXPECT_FALSE(seed_of(c.out).empty()) << "the default is random too";
+  // A fixed seed: no random line, the same tokens twice.
+  const CmdResult f1 = run_strata(args + " --seed 42 --json"), f2 = run_strata(args + " --seed 42 --json");
+  ASSERT_EQ(f1.rc, 0) << f1.out;
+  EXPECT_THAT(f1.out, ::testing::Not(HasSubstr("(random)")));
+  EXPECT_EQ(nlohmann::json::parse(f1.out)["ids"], nlohmann::json::parse(f2.out)["ids"]);
+  const CmdResult bad = run_strata(args + " --seed -2");
+  EXPECT_NE(bad.rc, 0);
+  EXPECT_THAT(bad.out, HasSubstr("--seed"));
+}
+
+TEST(CliHabits, NMinusOneGeneratesUntilTheContextIsFull) {
+  const CmdResult r = run_strata("run " + shipped() + " -c 48 -p 'def f(x):' -n -1 --temp 0 --ignore-eos --json");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out.substr(r.out.find('{')));
+  // Each generated token but the last is fed back: prompt + generated - 1 = the context.
+  EXPECT_EQ(j["prompt_ids"].size() + j["ids"].size() - 1, 48u);
+  const CmdResult bad = run_strata("run " + shipped() + " -p hi -n -2");
+  EXPECT_NE(bad.rc, 0);
+  EXPECT_THAT(bad.out, HasSubstr("-n"));
+}
+
+TEST(CliHabits, ThreadsBeyondTheCoresWarn) {
+  const unsigned hw = std::thread::hardware_concurrency();
+  if (hw == 0) GTEST_SKIP() << "hardware thread count unknown";
+  const CmdResult over =
+      run_strata("run -m " + test::shipped_model() + " -t " + std::to_string(hw + 1) + " -p hi -n 1 --temp 0");
+  EXPECT_EQ(over.rc, 0) << over.out;
+  EXPECT_THAT(over.out, HasSubstr("warning: -t " + std::to_string(hw + 1) + " is more than the"));
+  const CmdResult fine =
+      run_strata("run -m " + test::shipped_model() + " -t " + std::to_string(hw) + " -p hi -n 1 --temp 0");
+  EXPECT_THAT(fine.out, ::testing::Not(HasSubstr("warning: -t")));
+}
+
+TEST(CliHabits, ContextErrorAdvisesOnlyWhatCanBeDone) {
+  // 4096 is the shipped model's training context: -c cannot go higher, so only a shorter prompt helps.
+  std::string ids = "1";
+  for (int i = 1; i < 4100; ++i) ids += ",1";
+  const CmdResult full = run_strata("run " + shipped() + " -c 4096 -n 1 --prompt-ids " + ids);
+  EXPECT_NE(full.rc, 0);
+  EXPECT_THAT(full.out, HasSubstr("training context is 4096"));
+  EXPECT_THAT(full.out, HasSubstr("shorten the input"));
+  EXPECT_THAT(full.out, ::testing::Not(HasSubstr("raise")));
+  const CmdResult small = run_strata("run " + shipped() + " -c 16 -n 1 --prompt-ids " + ids.substr(0, 2 * 20 - 1));
+  EXPECT_NE(small.rc, 0);
+  EXPECT_THAT(small.out, HasSubstr("raise -c/--ctx-size to 20 or more (the model allows up to 4096)"));
+}
+
+TEST(CliHabits, InterruptedRunPrintsItsStats) {
+  // SIGINT during a long generation: the run stops at the next token, prints its counters and
+  // exits with 130 (the shell's status for SIGINT).
+  const std::string cmd = "sh -c '" + test::strata_binary() + " run -m " + test::shipped_model() +
+                          " -t 2 -p hi -n -1 --ignore-eos --temp 0 -c 4096 >/dev/null & pid=$!; sleep 2; kill -INT "
+                          "$pid; wait $pid; echo rc=$?' 2>&1";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string out;
+  std::array<char, 4096> buf{};
+  size_t n;
+  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
+  ::pclose(p);
+  EXPECT_THAT(out, HasSubstr("strata: interrupted after"));
+  EXPECT_THAT(out, HasSubstr("decode "));
+  EXPECT_THAT(out, HasSubstr("tok/s"));
+  EXPECT_THAT(out, HasSubstr("rc=130"));
 }

@@ -105,17 +105,21 @@ namespace {
 
 // Gating::SoftmaxTopK: the top_k largest raw logits (ties: lower id first), then a softmax
 // over those k values only (max-subtracted, sum in double, as softmax() above).
-void select_softmax_topk(const RouterSpec& spec, float* logits, int64_t T, Routing& r) {
+// `sel` (null: the logits themselves) orders the experts; the weights use the original logits.
+void select_softmax_topk(const RouterSpec& spec, float* logits, const float* sel, int64_t T, Routing& r) {
   const int n_expert = spec.n_expert, top_k = spec.top_k;
   std::vector<int32_t> order(n_expert);
   std::vector<float> e(size_t(top_k) + 1);
   for (int64_t t = 0; t < T; ++t) {
     const float* l = logits + t * n_expert;
+    const float* o = sel ? sel + t * n_expert : l;
     std::iota(order.begin(), order.end(), 0);
     const int n_sorted = std::min(top_k + 1, n_expert);
     std::partial_sort(order.begin(), order.begin() + n_sorted, order.end(),
-                      [&](int32_t a, int32_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
-    const float mx = l[order[0]];
+                      [&](int32_t a, int32_t b) { return o[a] > o[b] || (o[a] == o[b] && a < b); });
+    // The largest original logit among the chosen (without a bonus: the first).
+    float mx = l[order[0]];
+    for (int k = 1; k < top_k; ++k) mx = std::max(mx, l[order[k]]);
     double sum = 0;
     for (int k = 0; k < n_sorted; ++k) {
       e[size_t(k)] = std::exp(l[order[k]] - mx);
@@ -141,7 +145,11 @@ void Backend::router_logits_biased(const Tensor& w, const Tensor& bias, const Te
   for (size_t i = 0; i < logits.size(); ++i) logits[i] += b[i % size_t(n_expert)];
 }
 
-void select_experts(const RouterSpec& spec, float* logits, int64_t T, Routing& r) {
+namespace {
+
+// The shared selection; `sel` ([T][n_expert] logits with the residency bonus, or null) replaces
+// the logits for choosing the experts only.
+void select_impl(const RouterSpec& spec, float* logits, const float* sel, int64_t T, Routing& r) {
   const int n_expert = spec.n_expert, top_k = spec.top_k;
   if (spec.gating != RouterSpec::Gating::Softmax && spec.gating != RouterSpec::Gating::Sigmoid &&
       spec.gating != RouterSpec::Gating::SoftmaxTopK)
@@ -162,11 +170,11 @@ void select_experts(const RouterSpec& spec, float* logits, int64_t T, Routing& r
   r.weights.assign(T * top_k, 0.0f);
   r.next_prob.assign(T, 0.0f);
   if (spec.gating == RouterSpec::Gating::SoftmaxTopK) {
-    select_softmax_topk(spec, logits, T, r);
+    select_softmax_topk(spec, logits, sel, T, r);
     return;
   }
   std::vector<int32_t> order(n_expert), gorder;
-  std::vector<float> score_buf, gscore;
+  std::vector<float> score_buf, gscore, sel_buf;
   if (grouped) {
     gorder.resize(size_t(spec.n_group));
     gscore.resize(size_t(spec.n_group));
@@ -178,11 +186,20 @@ void select_experts(const RouterSpec& spec, float* logits, int64_t T, Routing& r
     } else {
       for (int i = 0; i < n_expert; ++i) p[i] = 1.0f / (1.0f + std::exp(-p[i]));
     }
-    // Selection scores: the probabilities, plus the selection bias.
+    // Selection scores: the probabilities (of the bonus logits, with MoCE), plus the selection bias.
     const float* s = p;
+    if (sel) {
+      sel_buf.assign(sel + t * n_expert, sel + (t + 1) * n_expert);
+      if (spec.gating == RouterSpec::Gating::Softmax) {
+        softmax(sel_buf.data(), n_expert);
+      } else {
+        for (float& v : sel_buf) v = 1.0f / (1.0f + std::exp(-v));
+      }
+      s = sel_buf.data();
+    }
     if (biased) {
       score_buf.resize(size_t(n_expert));
-      for (int i = 0; i < n_expert; ++i) score_buf[size_t(i)] = p[i] + spec.selection_bias[size_t(i)];
+      for (int i = 0; i < n_expert; ++i) score_buf[size_t(i)] = s[i] + spec.selection_bias[size_t(i)];
       s = score_buf.data();
     }
     auto better = [&](int32_t a, int32_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); };
@@ -225,6 +242,33 @@ void select_experts(const RouterSpec& spec, float* logits, int64_t T, Routing& r
       r.weights[t * top_k + k] = w;
     }
   }
+}
+
+}  // namespace
+
+void select_experts(const RouterSpec& spec, float* logits, int64_t T, Routing& r) {
+  select_impl(spec, logits, nullptr, T, r);
+}
+
+void select_experts(const RouterSpec& spec, float* logits, int64_t T, Routing& r, const ResidencyBonus& bonus) {
+  if (!std::isfinite(bonus.bonus) || bonus.bonus < 0)
+    throw std::invalid_argument("select_experts: the residency bonus must be finite and >= 0");
+  if (bonus.bonus == 0) {
+    select_impl(spec, logits, nullptr, T, r);
+    return;
+  }
+  if (int64_t(bonus.resident.size()) != spec.n_expert)
+    throw std::invalid_argument("select_experts: the residency mask must have n_expert entries");
+  const int n_expert = spec.n_expert;
+  std::vector<float> sel(logits, logits + T * n_expert);
+  for (int64_t t = 0; t < T; ++t) {
+    float* l = sel.data() + t * n_expert;
+    const auto [lo, hi] = std::minmax_element(l, l + n_expert);
+    const float add = bonus.bonus * (*hi - *lo);
+    for (int e = 0; e < n_expert; ++e)
+      if (bonus.resident[size_t(e)]) l[e] += add;
+  }
+  select_impl(spec, logits, sel.data(), T, r);
 }
 
 void Backend::mla_attention(const MlaSpec&, const MlaWeights&, const Tensor&, int64_t, const Tensor&, const Tensor&) {

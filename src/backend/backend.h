@@ -380,6 +380,28 @@ void softmax(float* x, int64_t n);
 /// std::invalid_argument for a spec it cannot apply.
 void select_experts(const RouterSpec& spec, float* logits, int64_t T, Routing& out);
 
+/// Cache-conditional routing (MoCE; Skliar et al., "Mixture of Cache-Conditional Experts",
+/// arXiv:2412.00099): experts already resident in the arena get a bonus in the *selection*
+/// only. For token t with router logits l (ne {n_expert, T}, n_expert contiguous, before any
+/// gating), the selection uses
+///     l'[e] = l[e] + bonus * (max_e l - min_e l) * resident[e]
+/// through the family's own gating, selection bias and group limit (RouterSpec steps 1-4),
+/// while probs and weights come from the original l of the chosen experts, normalized as the
+/// family does (step 5; SoftmaxTopK: softmax over the chosen experts' original logits). The
+/// bonus is on the logits (the router's common pre-activation score for softmax, sigmoid and
+/// softmax-top-k gating, as the paper's cache prior is) and in units of the token's logit range,
+/// so 0.5 means the same on every family: a resident expert beats a non-resident one whose logit
+/// is less than half the range higher; >= 1 puts every resident expert ahead of every other.
+struct ResidencyBonus {
+  float bonus = 0;                    ///< B >= 0, in units of the token's logit range; 0 = exact routing
+  std::span<const uint8_t> resident;  ///< [n_expert]: 1 = in the arena now
+};
+
+/// select_experts with a residency bonus (see ResidencyBonus): identical to the plain form when
+/// bonus.bonus == 0. Throws std::invalid_argument as the plain form does, and for a residency
+/// span that is not n_expert long or a bonus that is negative or not finite.
+void select_experts(const RouterSpec& spec, float* logits, int64_t T, Routing& out, const ResidencyBonus& bonus);
+
 /// One resident expert applied to the tokens routed to it.
 struct ExpertJob {
   int32_t expert = -1;

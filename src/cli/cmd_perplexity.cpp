@@ -20,6 +20,7 @@ struct PerplexityFlags {
   bool kld = false;
   int top_k = 256;
   bool json = false;
+  bool decode = false;
 };
 
 constexpr int kDefaultChunk = 512;
@@ -36,7 +37,9 @@ std::string settings_of(const engine::Engine& eng) {
   const auto& o = eng.options();
   return fmt::format("act-quant {}, cpu-kernels {}, arena {}, prompt-chunk {}, io-threads {}, predict {}",
                      eng.act_quant(), eng.cpu_kernels(), human_bytes(double(eng.arena_bytes())), o.prompt_chunk,
-                     o.io_threads, o.predict ? "on" : "off");
+                     o.io_threads, o.predict ? "on" : "off") +
+         (o.moce_bonus > 0 ? fmt::format(", moce-bonus {}{}", o.moce_bonus, o.moce_prefill ? " (prefill too)" : "")
+                           : std::string());
 }
 
 nlohmann::json me_json(const quality::MeanError& m) { return {{"value", m.mean}, {"error", m.error}}; }
@@ -62,6 +65,9 @@ void register_perplexity(CLI::App& root) {
       ->capture_default_str()
       ->check(at_least(1));
   app->add_flag("--json", f->json, "print one JSON object instead of text");
+  app->add_flag("--decode", f->decode,
+                "feed each chunk one token at a time through decode (teacher forcing on the decode path, where "
+                "--moce-bonus applies without --moce-prefill); without a bonus the results equal the prefill's");
   app->callback([f] {
     if (f->kld && f->kld_base.empty()) throw std::invalid_argument("--kl-divergence needs --kl-divergence-base FILE");
     engine::EngineOptions opts = f->engine.resolve();
@@ -78,6 +84,7 @@ void register_perplexity(CLI::App& root) {
     }
     const int n_ctx = int(opts.n_ctx);
     engine::Engine eng(f->engine.model, opts);
+    f->engine.calibrate_moce(eng);
     const int V = eng.hparams().n_vocab;
     std::vector<int32_t> tokens = f->prompt.tokens(eng.tokenizer());
     const quality::ChunkPlan plan = quality::plan_chunks(tokens.size(), n_ctx);
@@ -124,7 +131,16 @@ void register_perplexity(CLI::App& root) {
       std::vector<int32_t> ids(tokens.begin() + ptrdiff_t(c) * n_ctx, tokens.begin() + ptrdiff_t(c + 1) * n_ctx);
       if (bos) ids[0] = eng.tokenizer().bos_id();
       model::SequenceState st = eng.new_sequence();
-      eng.prefill(st, ids, model::LogitsMode::All, logits);
+      if (f->decode) {
+        logits.resize(ids.size() * size_t(V));
+        std::vector<float> one;
+        for (size_t i = 0; i < ids.size(); ++i) {
+          eng.decode(st, ids[i], one);
+          std::copy(one.begin(), one.end(), logits.begin() + ptrdiff_t(i * size_t(V)));
+        }
+      } else {
+        eng.prefill(st, ids, model::LogitsMode::All, logits);
+      }
       for (int j = plan.first; j < n_ctx - 1; ++j) {
         const float* row = logits.data() + size_t(j) * size_t(V);
         const int32_t next = tokens[size_t(c) * size_t(n_ctx) + size_t(j) + 1];

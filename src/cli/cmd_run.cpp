@@ -1,8 +1,14 @@
 // strata run: generate text, streaming experts through the arena, then print the counters.
 #include <fmt/format.h>
 
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
+#include <span>
 
 #include "cli/commands.h"
 #include "cli/common.h"
@@ -18,7 +24,12 @@ struct RunFlags {
   engine::SamplerParams sp;
   bool json = false;
   bool ignore_eos = false;
+  int64_t seed = -1;
 };
+
+// Set by SIGINT: generation stops at the next token or prompt chunk and the stats are printed.
+volatile std::sig_atomic_t g_interrupted = 0;
+void on_sigint(int) { g_interrupted = 1; }
 }  // namespace
 
 void register_run(CLI::App& root) {
@@ -26,7 +37,10 @@ void register_run(CLI::App& root) {
   CLI::App* app = root.add_subcommand("run", "generate text from a prompt");
   f->engine.add(*app);
   f->prompt.add(*app);
-  app->add_option("-n,--n-predict", f->n_predict, "tokens to generate")->capture_default_str()->check(at_least(0));
+  app->add_option("-n,--n-predict", f->n_predict,
+                  "tokens to generate (-1 = until the end-of-text token or a full context, as in chat)")
+      ->capture_default_str()
+      ->check(at_least(-1));
   app->add_option("--temp", f->sp.temp, "temperature (0 = greedy)")->capture_default_str();
   app->add_option("--top-k", f->sp.top_k, "top-k sampling (0 = off)")->capture_default_str();
   app->add_option("--top-p", f->sp.top_p, "top-p sampling (1 = off)")->capture_default_str();
@@ -35,7 +49,7 @@ void register_run(CLI::App& root) {
   app->add_option("--repeat-last-n", f->sp.repeat_last_n,
                   "tokens the repetition penalty looks back (0 = off, -1 = the whole context)")
       ->capture_default_str();
-  app->add_option("-s,--seed", f->sp.seed, "sampling seed (default: random)");
+  add_seed_option(*app, f->seed);
   app->add_flag("--ignore-eos", f->ignore_eos, "keep generating after the end-of-text token");
   app->add_flag("--json", f->json, "print one JSON object (prompt_ids, ids, text, stats) instead of streaming text");
   app->callback([f] {
@@ -49,7 +63,9 @@ void register_run(CLI::App& root) {
     if (sp.top_k < 0) throw std::invalid_argument(fmt::format("--top-k must be >= 0 (0 = off), got {}", sp.top_k));
     if (!(sp.repeat_penalty > 0) || !std::isfinite(sp.repeat_penalty))
       throw std::invalid_argument(fmt::format("--repeat-penalty must be > 0 (1 = off), got {}", sp.repeat_penalty));
+    f->sp.seed = resolve_seed(f->seed);
     engine::Engine eng(f->engine.model, f->engine.resolve());
+    f->engine.calibrate_moce(eng);
     const std::vector<int32_t> prompt = f->prompt.tokens(eng.tokenizer());
     if (!f->json)
       fmt::print(stderr,
@@ -61,6 +77,7 @@ void register_run(CLI::App& root) {
                  eng.act_quant(), eng.backend_info().name, eng.backend_info().device);
 
     engine::Sampler sampler(f->sp);
+    if (f->seed == -1 && f->sp.temp > 0 && !f->json) fmt::print(stderr, "strata: seed {} (random)\n", sampler.seed());
     model::SequenceState st = eng.new_sequence();
     std::vector<float> logits;
     std::vector<int32_t> history = prompt, generated;
@@ -77,9 +94,32 @@ void register_run(CLI::App& root) {
       std::fflush(stdout);
     }
     tokenizer::StreamDecoder out(eng.tokenizer());
-    eng.prefill(st, prompt, model::LogitsMode::Last, logits);
+    // SIGINT stops at the next prompt chunk or token and still prints the stats.
+    g_interrupted = 0;
+    const auto old_handler = std::signal(SIGINT, on_sigint);
+    struct Restore {
+      void (*h)(int);
+      ~Restore() { std::signal(SIGINT, h); }
+    } restore{old_handler};
+    // The prompt in the engine's own chunks (the same forward calls prefill makes), with progress
+    // on a terminal.
+    const bool progress = !f->json && ::isatty(STDERR_FILENO) == 1;
+    const size_t chunk = size_t(std::max(1, eng.options().prompt_chunk));
+    const auto t_prefill = std::chrono::steady_clock::now();
+    for (size_t c0 = 0; c0 < prompt.size() && !g_interrupted; c0 += chunk) {
+      const size_t c1 = std::min(prompt.size(), c0 + chunk);
+      eng.prefill(st, std::span<const int32_t>(prompt).subspan(c0, c1 - c0),
+                  c1 == prompt.size() ? model::LogitsMode::Last : model::LogitsMode::None, logits);
+      if (progress && prompt.size() > chunk) {
+        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_prefill).count();
+        fmt::print(stderr, "\r\33[Kprefill {} / {} tokens, {:.1f} tok/s", c1, prompt.size(),
+                   s > 0 ? double(c1) / s : 0.0);
+        if (c1 == prompt.size()) fmt::print(stderr, "\n");
+        std::fflush(stderr);
+      }
+    }
     bool out_of_context = false;
-    for (int i = 0; i < f->n_predict; ++i) {
+    for (int i = 0; (f->n_predict < 0 || i < f->n_predict) && !g_interrupted; ++i) {
       const int32_t id = sampler.sample(logits, history);
       generated.push_back(id);
       history.push_back(id);
@@ -112,11 +152,21 @@ void register_run(CLI::App& root) {
       std::fwrite(rest.data(), 1, rest.size(), stdout);
       std::fputc('\n', stdout);
       std::fflush(stdout);
-      if (out_of_context)
-        fmt::print(stderr, "strata: stopped after {} tokens: the context of {} tokens is full (raise -c/--ctx-size)\n",
-                   generated.size(), st.n_ctx);
+      if (g_interrupted)
+        fmt::print(stderr, "strata: interrupted after {} prompt and {} generated tokens\n", eng.prefill_stats().tokens,
+                   generated.size());
+      if (out_of_context) {
+        const int64_t train = eng.hparams().n_ctx_train;
+        fmt::print(stderr, "strata: stopped after {} tokens: the context of {} tokens is full ({})\n", generated.size(),
+                   st.n_ctx,
+                   train > 0 && st.n_ctx >= train
+                       ? fmt::format("the model's training context, the most -c/--ctx-size allows")
+                       : fmt::format("raise -c/--ctx-size, up to {}", train > 0 ? train : st.n_ctx));
+      }
       print_stats(eng);
+      print_profile(eng);
     }
+    if (g_interrupted) throw CLI::RuntimeError(130);  // the shell's exit status for SIGINT
   });
 }
 

@@ -1,10 +1,14 @@
 #include "cli/common.h"
 
+#include "engine/quality.h"
+
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 
 namespace strata::cli {
 
@@ -53,11 +57,87 @@ void EngineFlags::add(CLI::App& app) {
   app.add_option("--dump", opts.dump_dir,
                  "write the named intermediates of every forward call (attn_norm-3, ffn_moe_out-7, result_output, "
                  "...) to DIR as raw fp32 files with an index.tsv, to compare two runs tensor by tensor");
+  app.add_option("--moce-bonus", opts.moce_bonus,
+                 "cache-conditional routing (MoCE, arXiv:2412.00099): add B x the token's router-logit range to the "
+                 "logits of experts resident in the arena before top-k selection (weights from the original logits); "
+                 "0 = exact routing. With B > 0 results depend on what is resident, so they are NOT deterministic "
+                 "across arena sizes, prompt chunks or IO timing; applies to decode only unless --moce-prefill")
+      ->capture_default_str();
+  app.add_flag("--moce-prefill", opts.moce_prefill, "apply --moce-bonus to prefill (prompt) tokens too");
+  app.add_option("--moce-kld-budget", moce_kld_budget,
+                 "choose --moce-bonus automatically: the largest of the grid 0.05 .. 1 whose teacher-forced mean KLD "
+                 "(nats, decode path, against bonus 0) on the calibration text is at most this; prints the grid and "
+                 "the choice, then runs with it")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--moce-calibrate", moce_calibrate,
+                 "calibration text for --moce-kld-budget (its first 128 tokens; default: 64 tokens of the model's "
+                 "own greedy text after a fixed prompt)")
+      ->check(CLI::ExistingFile);
+  app.add_flag("--profile", opts.profile,
+               "after the run, print the time of each forward stage (attention, gated delta net, router, expert "
+               "matmuls, expert wait, read-ahead, ...) for prefill and decode; host-side times (asynchronous on cuda)");
   app.add_option("--dump-filter", opts.dump_filter,
                  "with --dump: only tensors whose whole name matches this ECMAScript regex, e.g. 'ffn_moe_out-.*'");
 }
 
+std::string threads_warning(int n_threads) {
+  const unsigned hw = std::thread::hardware_concurrency();
+  if (hw == 0 || n_threads <= int(hw)) return "";
+  return fmt::format(
+      "strata: warning: -t {} is more than the {} hardware threads of this machine; compute threads beyond them "
+      "only take turns (use -t {} or 0 = all)",
+      n_threads, hw, hw);
+}
+
+void add_seed_option(CLI::App& app, int64_t& seed) {
+  app.add_option("-s,--seed", seed, "sampling seed (-1 = random, printed when sampling; default -1)")
+      ->check(at_least(-1));
+}
+
+uint64_t resolve_seed(int64_t seed) {
+  if (seed < -1) throw std::invalid_argument(fmt::format("--seed must be >= -1 (-1 = random), got {}", seed));
+  return seed == -1 ? uint64_t(0xFFFFFFFF) : uint64_t(seed);
+}
+
+std::string llama_cpp_flag_error(int argc, const char* const* argv) {
+  struct Known {
+    const char* names[3];
+    const char* advice;
+  };
+  static const Known known[] = {
+      {{"-ngl", "--n-gpu-layers", "--gpu-layers"},
+       "strata does not offload a number of layers: --backend cuda puts every dense weight on the GPU and streams the "
+       "experts into a VRAM arena (--arena-mb); --backend cpu keeps everything on the CPU"},
+      {{"-tb", "--threads-batch", nullptr}, "strata uses one thread count for prefill and decode: -t/--threads N"},
+      {{"-b", "--batch-size", nullptr}, "the prompt is processed in chunks of --prompt-chunk N tokens"},
+      {{"-ub", "--ubatch-size", nullptr}, "the prompt is processed in chunks of --prompt-chunk N tokens"},
+      {{"-fa", "--flash-attn", nullptr}, "strata's attention needs no switch: drop the flag"},
+      {{"-cnv", "--conversation", nullptr}, "for a conversation use `strata chat -m MODEL`"},
+      {{"-mg", "--main-gpu", nullptr}, "choose the GPU with --device N (with --backend cuda)"},
+      {{"-ctk", "--cache-type-k", nullptr}, "the KV cache is fp32 in strata: drop the flag"},
+      {{"-ctv", "--cache-type-v", nullptr}, "the KV cache is fp32 in strata: drop the flag"},
+      {{"--no-mmap", "--mlock", nullptr},
+       "strata reads experts from disk through its arena (--arena-mb) and keeps dense weights resident: drop it"},
+      {{"-ot", "--override-tensor", nullptr},
+       "strata streams every routed expert through its arena (--arena-mb): there is no per-tensor placement"},
+  };
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if ((a == "-p" || a == "--prompt") && i + 1 < argc) {
+      ++i;  // the prompt text
+      continue;
+    }
+    const std::string name = a.substr(0, a.find('='));
+    for (const Known& k : known)
+      for (const char* n : k.names)
+        if (n && name == n) return fmt::format("{} is a llama.cpp flag strata does not take: {}", name, k.advice);
+  }
+  return "";
+}
+
 engine::EngineOptions EngineFlags::resolve() const {
+  const std::string tw = threads_warning(opts.n_threads);
+  if (!tw.empty()) fmt::print(stderr, "{}\n", tw);
   engine::EngineOptions o = opts;
   o.kernels = cpu::kernels::parse_cpu_kernels(cpu_kernels);
   o.act_quant = cpu::kernels::parse_act_quant(act_quant);
@@ -65,6 +145,34 @@ engine::EngineOptions EngineFlags::resolve() const {
   o.use_pack = !no_pack;
   o.predict = predict == "on";
   return o;
+}
+
+void EngineFlags::calibrate_moce(engine::Engine& eng) const {
+  if (moce_kld_budget <= 0) {
+    if (!moce_calibrate.empty()) throw std::invalid_argument("--moce-calibrate needs --moce-kld-budget X");
+    return;
+  }
+  std::vector<int32_t> cal;
+  const size_t cap = size_t(std::min<int64_t>(128, eng.n_ctx()));
+  if (!moce_calibrate.empty()) {
+    std::ifstream in(moce_calibrate, std::ios::binary);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    if (!in) throw std::invalid_argument(fmt::format("cannot read the calibration file '{}'", moce_calibrate));
+    cal = eng.tokenizer().encode(ss.str());
+    if (cal.size() < 8)
+      throw std::invalid_argument(
+          fmt::format("the calibration file '{}' has {} tokens: give at least 8", moce_calibrate, cal.size()));
+    if (cal.size() > cap) cal.resize(cap);
+  } else {
+    cal = quality::moce_builtin_sample(eng, int(std::min<size_t>(64, cap)));
+  }
+  const quality::MoceCalibration c = quality::calibrate_moce(eng, cal, moce_kld_budget);
+  fmt::print(stderr, "moce calibration on {} tokens ({}), teacher-forced decode, KLD vs bonus 0:", cal.size(),
+             moce_calibrate.empty() ? "the model's greedy text" : moce_calibrate);
+  for (const auto& g : c.grid) fmt::print(stderr, " {}:{:.5f}", g.bonus, g.kld);
+  fmt::print(stderr, "\nmoce calibration: chose --moce-bonus {} (KLD {:.6f} <= budget {})\n", c.bonus, c.kld,
+             moce_kld_budget);
 }
 
 void PromptFlags::add(CLI::App& app) {
@@ -111,6 +219,29 @@ std::vector<int32_t> PromptFlags::tokens(const tokenizer::Tokenizer& tok) const 
   return tok.encode(text);
 }
 
+void print_profile(engine::Engine& e) {
+  if (!e.options().profile) return;
+  fmt::print(stderr, "\nprofile (host wall time per stage{})\n",
+             e.backend_info().name == "cpu" ? "; the CPU backend is synchronous, so this is compute"
+                                            : "; the GPU runs asynchronously: a stage's time is issuing its calls "
+                                              "plus waits in the downloads that synchronize");
+  fmt::print(stderr, "{:<16} {:>10} {:>7} {:>9} {:>10} {:>7} {:>9}\n", "stage", "prefill s", "%", "calls", "decode s",
+             "%", "calls");
+  const engine::PhaseStats &pf = e.prefill_stats(), &dc = e.decode_stats();
+  double sum_p = 0, sum_d = 0;
+  auto pct = [](double s, double total) { return total > 0 ? 100.0 * s / total : 0.0; };
+  for (int s = 0; s < model::StageProfile::kCount; ++s) {
+    const double a = pf.profile.seconds[s], b = dc.profile.seconds[s];
+    sum_p += a;
+    sum_d += b;
+    if (pf.profile.calls[s] == 0 && dc.profile.calls[s] == 0) continue;
+    fmt::print(stderr, "{:<16} {:>10.4f} {:>6.1f}% {:>9} {:>10.4f} {:>6.1f}% {:>9}\n", model::StageProfile::name(s), a,
+               pct(a, pf.seconds), pf.profile.calls[s], b, pct(b, dc.seconds), dc.profile.calls[s]);
+  }
+  fmt::print(stderr, "{:<16} {:>10.4f} {:>6.1f}% {:>9} {:>10.4f} {:>6.1f}%\n", "other (engine)", pf.seconds - sum_p,
+             pct(pf.seconds - sum_p, pf.seconds), "", dc.seconds - sum_d, pct(dc.seconds - sum_d, dc.seconds));
+}
+
 std::string human_bytes(double b) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   int u = 0;
@@ -150,7 +281,9 @@ nlohmann::json phase_json(const engine::PhaseStats& p) {
           {"wasted", p.stream.wasted},
           {"reads", p.stream.reads},
           {"bytes_read", p.stream.bytes_read},
-          {"exposed_wait_s", p.stream.exposed_wait_s}};
+          {"exposed_wait_s", p.stream.exposed_wait_s},
+          {"moce_substituted", p.moce.substituted},
+          {"moce_misses_avoided", p.moce.misses_avoided}};
 }
 
 nlohmann::json arena_json(engine::Engine& e) {
@@ -176,6 +309,9 @@ void print_stats(engine::Engine& e) {
                "ahead {} wasted {} | read {} | exposed wait {:.3f} s | recall {:.1f} %\n",
                name, p.tokens, p.seconds, p.tokens_per_s(), s.needed, s.hits, hit_rate, s.misses, s.streamed_ahead,
                s.wasted, human_bytes(double(s.bytes_read)), s.exposed_wait_s, 100.0 * overall_recall(p.prediction));
+    if (p.moce.substituted || p.moce.misses_avoided)
+      fmt::print(stderr, "{:<8} moce: {} experts substituted, {} misses avoided\n", "", p.moce.substituted,
+                 p.moce.misses_avoided);
   };
   fmt::print(stderr, "\n");
   line("prefill", e.prefill_stats());
@@ -188,6 +324,9 @@ void print_stats(engine::Engine& e) {
       e.stream().n_slots(), human_bytes(double(e.stream().slot_bytes())), human_bytes(double(e.arena_bytes())),
       100.0 * double(e.stream().n_slots()) / double(std::max<uint64_t>(1, total_experts)), total_experts,
       human_bytes(double(e.expert_bytes())), e.stream().direct() ? "O_DIRECT" : "buffered", e.options().n_threads);
+  if (e.options().moce_bonus > 0)
+    fmt::print(stderr, "moce     bonus {} on {} (results depend on residency)\n", e.options().moce_bonus,
+               e.options().moce_prefill ? "prefill and decode" : "decode");
 }
 
 }  // namespace strata::cli

@@ -20,7 +20,13 @@ struct EngineFlags {
   bool no_direct_io = false;
   bool no_pack = false;
   std::string predict = "on";
+  double moce_kld_budget = 0;  ///< --moce-kld-budget (nats; 0 = no calibration)
+  std::string moce_calibrate;  ///< --moce-calibrate FILE ("" = the built-in greedy sample)
   void add(CLI::App& app);
+  /// With --moce-kld-budget: picks the bonus (quality::calibrate_moce) on the calibration text,
+  /// prints the grid and the choice to stderr and leaves `eng` at it; else does nothing. Throws
+  /// std::invalid_argument for an unreadable or too short file, EngineError as decode does.
+  void calibrate_moce(engine::Engine& eng) const;
   /// The options with string flags resolved. Throws std::invalid_argument on bad values.
   engine::EngineOptions resolve() const;
 };
@@ -56,6 +62,22 @@ inline CLI::Validator at_least(long long lo) {
       "INT>=" + std::to_string(lo));
 }
 
+/// -s/--seed as llama.cpp spells it: an integer >= -1 into `seed`, -1 (the default) = random.
+void add_seed_option(CLI::App& app, int64_t& seed);
+/// The sampler's seed for a --seed value: -1 -> engine::SamplerParams' random marker
+/// (0xFFFFFFFF), else the value. Throws std::invalid_argument below -1.
+uint64_t resolve_seed(int64_t seed);
+
+/// llama.cpp flags strata does not take under that name (-ngl, --n-gpu-layers, -tb, -fa, -b,
+/// -ub, -cnv, -mg, -ctk, ...): for argv[1..argc) returns the error naming the strata equivalent
+/// for the first one found (arguments right after -p/--prompt are text and skipped), or "".
+/// CLI11 would otherwise read "-ngl 99" as "-n gl 99".
+std::string llama_cpp_flag_error(int argc, const char* const* argv);
+
+/// A warning when `n_threads` exceeds the hardware threads (empty when it does not, or when
+/// the count is unknown).
+std::string threads_warning(int n_threads);
+
 /// Parses "1,2,3" (spaces allowed). Throws std::invalid_argument.
 std::vector<int32_t> parse_id_list(const std::string& s);
 
@@ -69,6 +91,10 @@ nlohmann::json phase_json(const engine::PhaseStats& p);
 nlohmann::json arena_json(engine::Engine& e);
 /// One human-readable summary block (to stderr) of prefill, decode and the stream.
 void print_stats(engine::Engine& e);
+
+/// With --profile: seconds per forward stage of prefill and decode, and their share of the
+/// phase's wall time (to stderr); the CUDA backend's note that its times are host-side.
+void print_profile(engine::Engine& e);
 
 /// Human-readable byte count ("3.2 MiB").
 std::string human_bytes(double bytes);

@@ -4,6 +4,7 @@
 #include <exception>
 
 #include "cli/commands.h"
+#include "cli/common.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"strata: run Mixture-of-Experts GGUF models larger than memory, streaming experts from disk"};
@@ -22,6 +23,11 @@ int main(int argc, char** argv) {
   strata::cli::register_pack(app);
   strata::cli::register_perplexity(app);
   strata::cli::register_route_parity(app);
+  // llama.cpp spellings CLI11 would misread ("-ngl 99" as "-n gl"): refused, naming strata's flag.
+  if (const std::string err = strata::cli::llama_cpp_flag_error(argc, argv); !err.empty()) {
+    fmt::print(stderr, "strata: error: {}\n", err);
+    return 1;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -214,6 +214,7 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
   so.direct = opts_.direct_io;
   so.min_slots = std::max<uint64_t>(1, min_slots);
   so.fake = opts_.fake_stream;
+  set_moce_bonus(opts_.moce_bonus);
   if (opts_.predict_min < 1)
     throw EngineError(fmt::format("--predict-min must be at least 1, got {}", opts_.predict_min));
 
@@ -263,6 +264,12 @@ void Engine::reset_stats() {
   times_ = {};
 }
 
+void Engine::set_moce_bonus(float bonus) {
+  if (!std::isfinite(bonus) || bonus < 0)
+    throw EngineError(fmt::format("--moce-bonus must be a finite number >= 0 (0 = exact routing), got {}", bonus));
+  opts_.moce_bonus = bonus;
+}
+
 void Engine::check_ids(const model::SequenceState& st, std::span<const int32_t> ids) const {
   if (ids.empty()) throw EngineError("empty prompt: give at least one token");
   const int n_vocab = model_->hparams().n_vocab;
@@ -270,9 +277,18 @@ void Engine::check_ids(const model::SequenceState& st, std::span<const int32_t> 
     if (ids[i] < 0 || ids[i] >= n_vocab)
       throw EngineError(
           fmt::format("token id {} at position {} is out of the vocabulary (0..{})", ids[i], i, n_vocab - 1));
-  if (st.n_past + int64_t(ids.size()) > st.n_ctx)
-    throw EngineError(fmt::format("{} tokens after {} past tokens exceed the context of {} tokens (raise --ctx-size)",
-                                  ids.size(), st.n_past, st.n_ctx));
+  if (st.n_past + int64_t(ids.size()) > st.n_ctx) {
+    // Advise only what can be done: -c is capped by the model's training context.
+    const int64_t train = model_->hparams().n_ctx_train, need = st.n_past + int64_t(ids.size());
+    const std::string advice =
+        train > 0 && need > train
+            ? fmt::format("the model's training context is {} tokens, the most -c/--ctx-size allows: shorten the input",
+                          train)
+            : fmt::format("raise -c/--ctx-size to {} or more{}", need,
+                          train > 0 ? fmt::format(" (the model allows up to {})", train) : std::string());
+    throw EngineError(fmt::format("{} tokens after {} past tokens exceed the context of {} tokens ({})", ids.size(),
+                                  st.n_past, st.n_ctx, advice));
+  }
 }
 
 void Engine::run(model::SequenceState& st, std::span<const int32_t> ids, model::LogitsMode mode,
@@ -285,6 +301,9 @@ void Engine::run(model::SequenceState& st, std::span<const int32_t> ids, model::
   ctx.ahead.predict_min = opts_.predict_min;
   ctx.ahead.static_rank = static_rank_.empty() ? nullptr : &static_rank_;
   ctx.prediction = &phase.prediction;
+  ctx.moce_bonus = (&phase == &decode_ || opts_.moce_prefill) ? opts_.moce_bonus : 0.0f;
+  ctx.moce = &phase.moce;
+  ctx.profile = opts_.profile ? &phase.profile : nullptr;
   const int64_t n = int64_t(ids.size()), V = model_->hparams().n_vocab;
   if (mode == model::LogitsMode::All) logits.assign(size_t(n) * V, 0.0f);
   std::vector<float> chunk_logits;
@@ -346,6 +365,9 @@ void Engine::forward_batch(std::span<model::SeqInput> batch, model::RoutingTrace
   ctx.ahead.predict = opts_.predict;
   ctx.ahead.predict_min = opts_.predict_min;
   ctx.ahead.static_rank = static_rank_.empty() ? nullptr : &static_rank_;
+  ctx.moce_bonus = (all_single || opts_.moce_prefill) ? opts_.moce_bonus : 0.0f;
+  ctx.moce = &phase.moce;
+  ctx.profile = opts_.profile ? &phase.profile : nullptr;
   model_->forward(ctx, batch);
   for (const model::SeqInput& s : batch)
     if (s.mode != model::LogitsMode::None)

@@ -54,6 +54,11 @@ struct EngineOptions {
   /// --dump DIR: write the named intermediates of every forward call there (model/dump.h); "" = off.
   std::string dump_dir;
   std::string dump_filter;  ///< --dump-filter REGEX: only names matching it (whole name); "" = all
+  /// --moce-bonus: cache-conditional routing (backend::ResidencyBonus); 0 = exact routing. Results
+  /// then depend on what is resident (arena size, IO timing). --moce-prefill: in prefill too.
+  float moce_bonus = 0;
+  bool moce_prefill = false;
+  bool profile = false;  ///< --profile: time per forward stage into PhaseStats::profile
 };
 
 /// Tokens, wall time and stream counters of one phase (prefill or decode).
@@ -62,6 +67,8 @@ struct PhaseStats {
   double seconds = 0;
   stream::StreamStats stream;
   model::PredictionStats prediction;
+  model::MoceStats moce;        ///< --moce-bonus counters
+  model::StageProfile profile;  ///< --profile: seconds per forward stage
   double tokens_per_s() const { return seconds > 0 ? double(tokens) / seconds : 0.0; }
 };
 
@@ -124,6 +131,8 @@ class Engine {
   const std::vector<std::vector<int32_t>>& static_rank() const { return static_rank_; }
   const std::string& static_rank_path() const { return static_rank_path_; }
   void reset_stats();
+  /// Changes the MoCE bonus for later calls (calibration); throws EngineError unless finite and >= 0.
+  void set_moce_bonus(float bonus);
   /// Throws EngineError unless `ids` can be fed to `st`: not empty, every id in the vocabulary,
   /// and room in its context (prefill and decode call it; front ends may call it first).
   void check_ids(const model::SequenceState& st, std::span<const int32_t> ids) const;

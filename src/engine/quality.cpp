@@ -373,4 +373,85 @@ KldBase read_kld_base(const std::string& path) {
   return base;
 }
 
+double mean_kld_rows(std::span<const float> p_log, std::span<const float> q_log, int n_vocab) {
+  if (n_vocab <= 0 || p_log.size() != q_log.size() || p_log.size() % size_t(n_vocab) != 0)
+    throw std::invalid_argument("mean_kld_rows: the two sets of rows differ in size or are not whole rows");
+  const size_t n = p_log.size() / size_t(n_vocab);
+  if (n == 0) return 0;
+  double total = 0;
+  for (size_t r = 0; r < n; ++r) {
+    const float* p = p_log.data() + r * size_t(n_vocab);
+    const float* q = q_log.data() + r * size_t(n_vocab);
+    double k = 0;
+    for (int i = 0; i < n_vocab; ++i) k += std::exp(double(p[i])) * (double(p[i]) - double(q[i]));
+    total += std::max(0.0, k);
+  }
+  return total / double(n);
+}
+
+namespace {
+// Empty arena and counters, so every calibration run starts from the same state.
+void cold(engine::Engine& eng) {
+  eng.stream().cancel_prefetch();
+  eng.stream().wait_idle();
+  eng.stream().clear();
+  eng.reset_stats();
+}
+}  // namespace
+
+std::vector<float> teacher_forced_logprobs(engine::Engine& eng, std::span<const int32_t> tokens) {
+  cold(eng);
+  const int V = eng.hparams().n_vocab;
+  std::vector<float> out(tokens.size() * size_t(V)), logits;
+  model::SequenceState st = eng.new_sequence();
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    eng.decode(st, tokens[i], logits);
+    const double lse = log_sum_exp(logits.data(), V);
+    for (int j = 0; j < V; ++j) out[i * size_t(V) + size_t(j)] = log_prob(logits[size_t(j)], lse);
+  }
+  return out;
+}
+
+std::vector<int32_t> moce_builtin_sample(engine::Engine& eng, int n) {
+  const float keep = eng.options().moce_bonus;
+  eng.set_moce_bonus(0);
+  cold(eng);
+  std::vector<int32_t> ids = eng.tokenizer().encode(kMoceCalibrationPrompt);
+  if (ids.empty()) ids.push_back(0);
+  const size_t cap = size_t(std::max<int64_t>(2, eng.n_ctx()));
+  model::SequenceState st = eng.new_sequence();
+  std::vector<float> logits;
+  eng.prefill(st, ids, model::LogitsMode::Last, logits);
+  while (ids.size() < cap && int(ids.size()) < n) {
+    const int32_t next = int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    ids.push_back(next);
+    if (ids.size() >= cap || int(ids.size()) >= n) break;
+    eng.decode(st, next, logits);
+  }
+  eng.set_moce_bonus(keep);
+  return ids;
+}
+
+MoceCalibration calibrate_moce(engine::Engine& eng, std::span<const int32_t> tokens, double budget) {
+  if (!(budget > 0) || !std::isfinite(budget))
+    throw std::invalid_argument(fmt::format("--moce-kld-budget must be a finite KLD > 0 in nats, got {}", budget));
+  const int V = eng.hparams().n_vocab;
+  eng.set_moce_bonus(0);
+  const std::vector<float> ref = teacher_forced_logprobs(eng, tokens);
+  MoceCalibration cal;
+  for (float b : kMoceGrid) {
+    eng.set_moce_bonus(b);
+    const std::vector<float> q = teacher_forced_logprobs(eng, tokens);
+    const double kld = mean_kld_rows(ref, q, V);
+    cal.grid.push_back({b, kld, eng.decode_stats().stream.misses});
+    if (kld <= budget && b > cal.bonus) {
+      cal.bonus = b;
+      cal.kld = kld;
+    }
+  }
+  eng.set_moce_bonus(cal.bonus);
+  cold(eng);
+  return cal;
+}
+
 }  // namespace strata::quality

@@ -1,8 +1,9 @@
 #pragma once
 // Quality measurements of a run against the text or against a reference run: perplexity,
 // KL divergence from a compact reference file, and the statistics printed with them
-// (`strata perplexity`, docs/tools.md). No engine state here: plain functions over logits, so
-// every formula can be checked on hand-computed inputs (tests/test_quality.cpp).
+// (`strata perplexity`, docs/tools.md). Plain functions over logits, so every formula can be
+// checked on hand-computed inputs (tests/test_quality.cpp); only the MoCE calibration at the
+// end drives an engine.
 //
 // Conventions (llama.cpp's tools/perplexity/perplexity.cpp, so numbers are comparable):
 //  - the text's tokens are cut into n_chunk = n_tokens / n_ctx chunks of n_ctx tokens (the
@@ -18,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/engine.h"
 #include "tokenizer/tokenizer.h"
 
 namespace strata::quality {
@@ -161,5 +163,41 @@ uint64_t fnv1a(const void* data, size_t n, uint64_t h = 1469598103934665603ull);
 /// A tokenizer's identity: FNV-1a over the pre-tokenizer name, then every token's bytes and
 /// type in id order. Two tokenizers that can encode a text differently hash differently.
 uint64_t tokenizer_hash(const tokenizer::Tokenizer& tok);
+
+// ---- MoCE calibration (--moce-kld-budget; docs/tools.md, "MoCE") ----
+
+/// The prompt of the built-in calibration sample (the model's own greedy text after it).
+inline constexpr const char* kMoceCalibrationPrompt = "def fibonacci(n):";
+
+/// Exact mean KL(p || q) in nats over rows of log-probabilities p_log, q_log ([n][n_vocab],
+/// n_vocab contiguous; both log-softmax). Throws std::invalid_argument on mismatched sizes.
+double mean_kld_rows(std::span<const float> p_log, std::span<const float> q_log, int n_vocab);
+
+/// A grid point of the calibration: the bonus and its teacher-forced mean KLD vs bonus 0.
+struct MoceGridPoint {
+  float bonus = 0;
+  double kld = 0;
+  uint64_t misses = 0;  ///< decode misses of the run
+};
+struct MoceCalibration {
+  float bonus = 0;  ///< the largest grid bonus whose KLD <= budget (0 if none)
+  double kld = 0;   ///< its KLD (0 for bonus 0)
+  std::vector<MoceGridPoint> grid;
+};
+
+/// Log-softmax rows of `tokens` fed one at a time through Engine::decode on a fresh sequence
+/// (teacher forcing), at the engine's current bonus, from an empty arena ([n][n_vocab]).
+/// Throws EngineError as decode does (e.g. more tokens than the context).
+std::vector<float> teacher_forced_logprobs(engine::Engine& eng, std::span<const int32_t> tokens);
+
+/// `n` greedy tokens after kMoceCalibrationPrompt at bonus 0 (prompt included, at most the context).
+std::vector<int32_t> moce_builtin_sample(engine::Engine& eng, int n);
+
+/// Grid search (the grid is kMoceGrid, ascending): every point's teacher-forced mean KLD against
+/// bonus 0 over `tokens`; chooses the largest bonus whose KLD <= budget. Leaves the engine at
+/// the chosen bonus, its arena empty and its counters reset. Throws std::invalid_argument for a
+/// budget that is not > 0 and finite, EngineError as decode does.
+MoceCalibration calibrate_moce(engine::Engine& eng, std::span<const int32_t> tokens, double budget);
+inline constexpr float kMoceGrid[] = {0.05f, 0.1f, 0.15f, 0.25f, 0.35f, 0.5f, 0.65f, 0.85f, 1.0f};
 
 }  // namespace strata::quality

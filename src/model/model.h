@@ -88,6 +88,49 @@ struct PredictionStats {
   std::vector<uint64_t> predicted;  ///< [n_layer] of those, predicted
 };
 
+/// Cache-conditional routing (--moce-bonus) counters, in (layer, expert) lookups as StreamStats.
+struct MoceStats {
+  /// (token, k) picks where the bonus chose a resident expert the exact routing did not pick.
+  uint64_t substituted = 0;
+  /// Experts a layer's exact routing needed that were not resident when it routed and that the
+  /// bonus routing did not need: urgent reads saved (an upper bound: one of them might have been
+  /// in flight as a read-ahead and counted a hit).
+  uint64_t misses_avoided = 0;
+};
+
+/// --profile: host wall time per named stage of the forward pass (model::Step), summed over
+/// calls (seconds). On the CPU backend every call is synchronous, so this is the stage's compute;
+/// on an asynchronous backend (CUDA) it is the time to issue the calls, plus any synchronization
+/// inside them (downloads of router logits and outputs wait for the queue).
+struct StageProfile {
+  enum Stage {
+    Embed,
+    Norm,
+    Attention,      ///< GQA attention layers (q/k/v/o matmuls, RoPE, softmax over the cache)
+    MlaAttention,   ///< multi-head latent attention layers (deepseek2)
+    GatedDeltaNet,  ///< linear-attention layers (qwen3next, qwen35moe)
+    DenseFfn,       ///< dense FFN and shared experts
+    Router,         ///< router logits to the host and top-k selection (with MoCE: both routings)
+    StreamRequest,  ///< ExpertStream::request: pins, queues the misses (blocks only if every slot is busy)
+    ReadAhead,      ///< the next layer's prediction (its router) and the prefetch queueing
+    ExpertMatmuls,  ///< the routed experts' FFNs, without the waits
+    ExpertWait,     ///< blocked in ExpertStream::wait for a read to land (exposed wait)
+    MoeCombine,     ///< release and the weighted sum in top-k order
+    Residual,
+    OutputHead,  ///< final norm, output matmul, logits download
+    kCount
+  };
+  static const char* name(int s) {
+    static const char* const names[kCount] = {"embed",           "norm",           "attention",   "mla attention",
+                                              "gated delta net", "dense ffn",      "router",      "stream request",
+                                              "read-ahead",      "expert matmuls", "expert wait", "moe combine",
+                                              "residual",        "output head"};
+    return s >= 0 && s < kCount ? names[s] : "?";
+  }
+  double seconds[kCount] = {};
+  uint64_t calls[kCount] = {};
+};
+
 class Dumper;
 class BoundWeights;
 struct MoeLayer;
@@ -101,6 +144,11 @@ struct ForwardContext {
   ReadAheadOptions ahead;
   PredictionStats* prediction = nullptr;  ///< when set, recall is accumulated here
   Dumper* dump = nullptr;                 ///< when set, named intermediates are written (--dump)
+  /// MoCE: the residency bonus of this call's selection (backend::ResidencyBonus; 0 = exact
+  /// routing) and where its counters go (may be null).
+  float moce_bonus = 0;
+  MoceStats* moce = nullptr;
+  StageProfile* profile = nullptr;  ///< when set (--profile), each stage's host time is added here
 };
 
 /// Which positions of a forward call produce logits.

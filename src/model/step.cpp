@@ -16,6 +16,23 @@ namespace {
 double seconds_between(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
+// Adds the scope's wall time to one stage of the profile (if any).
+class StageTimer {
+ public:
+  StageTimer(StageProfile* p, StageProfile::Stage s) : p_(p), s_(s) {
+    if (p_) t0_ = std::chrono::steady_clock::now();
+  }
+  ~StageTimer() {
+    if (!p_) return;
+    p_->seconds[s_] += seconds_between(t0_, std::chrono::steady_clock::now());
+    ++p_->calls[s_];
+  }
+
+ private:
+  StageProfile* p_;
+  StageProfile::Stage s_;
+  std::chrono::steady_clock::time_point t0_;
+};
 }  // namespace
 
 /// Read-ahead for a later layer, issued from this layer: that layer's router applied to this
@@ -58,6 +75,7 @@ void Step::name(const Tensor& t, std::string_view base, int layer) {
 }
 
 void Step::embed(const Tensor& table) {
+  StageTimer timer_(ctx_.profile, StageProfile::Embed);
   std::vector<int32_t> ids;
   ids.reserve(size_t(T_));
   for (const SeqInput& s : batch_) ids.insert(ids.end(), s.ids.begin(), s.ids.end());
@@ -66,16 +84,19 @@ void Step::embed(const Tensor& table) {
 }
 
 void Step::norm(const Tensor& w, const char* nm, int layer) {
+  StageTimer timer_(ctx_.profile, StageProfile::Norm);
   be_.rms_norm(x_, w, model_.hparams().rms_eps, h_);
   name(h_, nm, layer);
 }
 
 void Step::residual(const char* nm, int layer) {
+  StageTimer timer_(ctx_.profile, StageProfile::Residual);
   be_.add(x_, o_);
   name(x_, nm, layer);
 }
 
 void Step::attention(int layer, const backend::AttentionSpec& spec, const backend::AttentionWeights& w) {
+  StageTimer timer_(ctx_.profile, StageProfile::Attention);
   const int64_t kv_dim = int64_t(spec.n_head_kv) * spec.head_dim;
   int64_t t0 = 0;
   for (SeqInput& s : batch_) {
@@ -88,6 +109,7 @@ void Step::attention(int layer, const backend::AttentionSpec& spec, const backen
 }
 
 void Step::mla_attention(int layer, const backend::MlaSpec& spec, const backend::MlaWeights& w) {
+  StageTimer timer_(ctx_.profile, StageProfile::MlaAttention);
   int64_t t0 = 0;
   for (SeqInput& s : batch_) {
     const int64_t n = int64_t(s.ids.size());
@@ -99,6 +121,7 @@ void Step::mla_attention(int layer, const backend::MlaSpec& spec, const backend:
 }
 
 void Step::gated_delta_net(int layer, const backend::GdnSpec& spec, const backend::GdnWeights& w) {
+  StageTimer timer_(ctx_.profile, StageProfile::GatedDeltaNet);
   int64_t t0 = 0;
   for (SeqInput& s : batch_) {
     const int64_t n = int64_t(s.ids.size());
@@ -111,6 +134,7 @@ void Step::gated_delta_net(int layer, const backend::GdnSpec& spec, const backen
 }
 
 void Step::ffn(const backend::FfnCall& call, const backend::FfnWeights& w, const char* nm, int layer) {
+  StageTimer timer_(ctx_.profile, StageProfile::DenseFfn);
   be_.ffn(call, w, h_, o_);
   name(o_, nm, layer);
 }
@@ -176,6 +200,7 @@ void Step::router_logits(const MoeLayer& m, const Tensor& h, std::vector<float>&
 }
 
 void Step::read_ahead_first(const MoeLayer& first, const Tensor& norm0, int layer) {
+  StageTimer timer_(ctx_.profile, StageProfile::ReadAhead);
   be_.rms_norm(x_, norm0, model_.hparams().rms_eps, h_);
   pred_.clear();
   read_ahead(plan_read_ahead(layer, &first, &pred_), h_);
@@ -200,6 +225,23 @@ void Step::score_prediction(int layer, const backend::Routing& r, const std::vec
     }
 }
 
+void Step::count_moce(const backend::Routing& r, const backend::Routing& exact, std::span<const uint8_t> resident,
+                      MoceStats& out) {
+  const size_t K = size_t(r.top_k), T = r.ids.size() / std::max<size_t>(1, K);
+  std::vector<uint8_t> need_r(resident.size(), 0), need_x(resident.size(), 0);
+  for (size_t t = 0; t < T; ++t)
+    for (size_t k = 0; k < K; ++k) {
+      const int32_t e = r.ids[t * K + k];
+      need_r[size_t(e)] = 1;
+      need_x[size_t(exact.ids[t * K + k])] = 1;
+      bool in_exact = false;
+      for (size_t j = 0; j < K; ++j) in_exact = in_exact || exact.ids[t * K + j] == e;
+      if (!in_exact) ++out.substituted;
+    }
+  for (size_t e = 0; e < resident.size(); ++e)
+    if (need_x[e] && !need_r[e] && !resident[e]) ++out.misses_avoided;
+}
+
 void Step::record_routing(int layer, const backend::Routing& r) {
   RoutingTrace* trace = ctx_.trace;
   if (!trace) return;
@@ -222,10 +264,29 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
   const ReadAhead ra = plan_read_ahead(layer + 1, next, &pred_next);
 
   // Router and top-k selection; the ids come to the host.
+  auto profile_from = [&](StageProfile::Stage st, std::chrono::steady_clock::time_point t0) {
+    if (!ctx_.profile) return;
+    ctx_.profile->seconds[st] += seconds_between(t0, std::chrono::steady_clock::now());
+    ++ctx_.profile->calls[st];
+  };
+  auto t_stage = std::chrono::steady_clock::now();
   std::vector<float> logits;
   router_logits(w, h_, logits);
   backend::Routing r;
-  backend::select_experts(w.spec, logits.data(), T_, r);
+  // With MoCE, `exact` is the routing without the bonus: the prediction is scored against it,
+  // so residency the bonus created is never taken as evidence that the prediction was right.
+  backend::Routing exact;
+  const bool moce = ctx_.moce_bonus > 0;
+  if (moce) {
+    std::vector<uint8_t> resident(size_t(w.spec.n_expert));
+    for (int e = 0; e < w.spec.n_expert; ++e) resident[size_t(e)] = stream.resident(layer, e) ? 1 : 0;
+    std::vector<float> copy = logits;
+    backend::select_experts(w.spec, copy.data(), T_, exact);
+    backend::select_experts(w.spec, logits.data(), T_, r, backend::ResidencyBonus{ctx_.moce_bonus, resident});
+    if (ctx_.moce) count_moce(r, exact, resident, *ctx_.moce);
+  } else {
+    backend::select_experts(w.spec, logits.data(), T_, r);
+  }
 
   // Group the chunk's (token, k) pairs by expert: each resident expert is applied to all its
   // tokens at once.
@@ -235,10 +296,15 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
   for (int e = 0; e < w.spec.n_expert; ++e)
     if (!pairs[size_t(e)].empty()) needed.push_back(e);
 
+  profile_from(StageProfile::Router, t_stage);
   // The cut: ask for every expert this layer needs; misses become urgent reads.
+  t_stage = std::chrono::steady_clock::now();
   stream.request(layer, needed);
+  profile_from(StageProfile::StreamRequest, t_stage);
   // While this layer computes, the IO threads read ahead for the next one.
+  t_stage = std::chrono::steady_clock::now();
   read_ahead(ra, h_);
+  profile_from(StageProfile::ReadAhead, t_stage);
 
   // Expert outputs per (token, k), summed afterwards in k order for batch invariance.
   const size_t out_bytes = size_t(T_ * K * E_) * sizeof(float);
@@ -280,18 +346,28 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
     for (int32_t e : ready) run_expert(e);
   }
   // The slots may be reused once the expert kernels queued so far have read them.
+  if (ctx_.profile) {
+    ctx_.profile->seconds[StageProfile::ExpertMatmuls] +=
+        seconds_between(t_start, std::chrono::steady_clock::now()) - waited;
+    ctx_.profile->seconds[StageProfile::ExpertWait] += waited;
+    ++ctx_.profile->calls[StageProfile::ExpertMatmuls];
+    ++ctx_.profile->calls[StageProfile::ExpertWait];
+  }
+  t_stage = std::chrono::steady_clock::now();
   stream.release(layer, be_.record());
   if (ctx_.times) ctx_.times->expert_s += seconds_between(t_start, std::chrono::steady_clock::now()) - waited;
 
   // Weighted sum per token in top-k order.
   be_.moe_combine(r, expert_out, o_);
+  profile_from(StageProfile::MoeCombine, t_stage);
   name(o_, "ffn_moe_out", layer);
-  score_prediction(layer, r, pred_);
+  score_prediction(layer, moce ? exact : r, pred_);
   record_routing(layer, r);
   pred_.swap(pred_next);
 }
 
 void Step::output(const Tensor& norm, const Tensor& head) {
+  StageTimer timer_(ctx_.profile, StageProfile::OutputHead);
   for (SeqInput& s : batch_) s.state->n_past += int64_t(s.ids.size());
   // The rows that produce logits, normed into h back to back.
   const float eps = model_.hparams().rms_eps;

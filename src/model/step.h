@@ -97,6 +97,9 @@ class Step {
   /// `m`'s router logits on h (plus its bias, if it has one).
   void router_logits(const MoeLayer& m, const backend::Tensor& h, std::vector<float>& logits);
   void record_routing(int layer, const backend::Routing& r);
+  /// MoCE counters of one layer: `r` (with the bonus) against `exact`, `resident` as it routed.
+  static void count_moce(const backend::Routing& r, const backend::Routing& exact, std::span<const uint8_t> resident,
+                         MoceStats& out);
 
   ForwardContext& ctx_;
   backend::Backend& be_;
