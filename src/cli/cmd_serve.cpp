@@ -63,8 +63,16 @@ void register_serve(CLI::App& root) {
   app->add_option("--max-body-kb", f->max_body_kb, "largest request body in KiB (larger: 413)")
       ->capture_default_str()
       ->check(at_least(1));
-  app->add_option("--http-threads", s.http_threads, "connection threads (0 = parallel + queue-size + 16)")
-      ->capture_default_str();
+  app->add_option("--max-connections,--http-threads", s.http_threads,
+                  "connections served at once, a thread each (more wait for a free one; 0 = max(256, parallel + "
+                  "queue-size + 64))")
+      ->capture_default_str()
+      ->check(at_least(0));
+  app->add_option("--timeout", s.read_timeout_s,
+                  "seconds a connection may send nothing (an unfinished request, an idle keep-alive) before it "
+                  "is closed")
+      ->capture_default_str()
+      ->check(at_least(1));
   app->add_option("--alias", s.model_name, "model id reported by /v1/models (default: the file name)");
   app->add_option("--chat-template-file", f->chat_template_file, "Jinja chat template to use instead of the model's")
       ->check(CLI::ExistingFile);

@@ -26,8 +26,9 @@ struct ServerOptions {
   int parallel = 4;                 ///< slots: requests generating at once
   int queue_size = 64;              ///< requests waiting for a slot; beyond it: 503 with Retry-After
   size_t max_body_bytes = 1 << 20;  ///< larger request bodies: 413
-  int http_threads = 0;             ///< connection threads; 0 = parallel + queue_size + 16
-  std::string model_name;           ///< the id /v1/models reports (default: the file name without .gguf)
+  int http_threads = 0;     ///< most connection threads (--max-connections); 0 = max(256, parallel + queue_size + 64)
+  int read_timeout_s = 10;  ///< a connection that sends nothing for this long is closed (--timeout)
+  std::string model_name;   ///< the id /v1/models reports (default: the file name without .gguf)
 };
 
 class Server {
