@@ -8,6 +8,7 @@
 #include <cctype>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <ctime>
 #include <deque>
 #include <filesystem>
@@ -396,26 +397,33 @@ struct Server::Impl {
   // application/x-www-form-urlencoded (curl -d) at 8 KiB whatever set_payload_max_length says.
   void post(const std::string& path, Handler h) {
     routes[path].insert("POST");
-    http.Post(path,
-              [this, h](const httplib::Request& req, httplib::Response& res, const httplib::ContentReader& reader) {
-                std::string body;
-                bool too_large = false;
-                reader([&](const char* data, size_t n) {
-                  if (body.size() + n > opts.max_body_bytes) {
-                    too_large = true;
-                    return false;
-                  }
-                  body.append(data, n);
-                  return true;
-                });
-                if (too_large) {
-                  send_error(res, openai::http_status_error(413, req.method, req.path));
-                  return;
-                }
-                httplib::Request full = req;
-                full.body = std::move(body);
-                wrap(h)(full, res);
-              });
+    http.Post(path, [this, h](const httplib::Request& req, httplib::Response& res,
+                              const httplib::ContentReader& reader) {
+      std::string body;
+      bool too_large = false;
+      const bool read = reader([&](const char* data, size_t n) {
+        if (body.size() + n > opts.max_body_bytes) {
+          too_large = true;
+          return false;
+        }
+        body.append(data, n);
+        return true;
+      });
+      const std::string length = req.get_header_value("Content-Length");
+      if (too_large || (!length.empty() && std::strtoull(length.c_str(), nullptr, 10) > opts.max_body_bytes)) {
+        send_error(res, openai::http_status_error(413, req.method, req.path));
+        return;
+      }
+      if (!read) {
+        res.set_header("Connection", "close");  // the rest of the stream is out of step
+        send_error(res, openai::bad_request("", "the request body could not be read (the connection ended early?)",
+                                            "invalid_body"));
+        return;
+      }
+      httplib::Request full = req;
+      full.body = std::move(body);
+      wrap(h)(full, res);
+    });
   }
 
   void get(const std::string& path, Handler h) {
@@ -432,7 +440,7 @@ struct Server::Impl {
     http.set_payload_max_length(opts.max_body_bytes);
     http.set_read_timeout(std::max(1, opts.read_timeout_s));
     http.set_write_timeout(10);
-    http.set_keep_alive_timeout(5);
+    http.set_keep_alive_timeout(std::min(5, std::max(1, opts.read_timeout_s)));
     http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
       if (opts.api_key.empty() || req.path == "/health") return httplib::Server::HandlerResponse::Unhandled;
       const std::string auth = req.get_header_value("Authorization");
