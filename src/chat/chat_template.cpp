@@ -39,20 +39,28 @@ ChatTemplate::ChatTemplate(std::string source, std::string bos_token, std::strin
                                   {{"role", "assistant"}, {"content", "Hi there"}},
                                   {{"role", "user"}, {"content", "How are you?"}}});
   const J without_system = J(with_system.begin() + 1, with_system.end());
-  std::string sample;
+  // Renders the sample, and again with its last message changed: a template whose output does
+  // not change ignores the messages (not a chat template: a text file, a truncated one).
+  J sample = with_system;
+  std::string out;
   try {
-    sample = apply(with_system, true);
+    out = apply(sample, true);
   } catch (const RenderError&) {
+    sample = without_system;
     try {
-      sample = apply(without_system, true);
+      out = apply(sample, true);
     } catch (const RenderError& e) {
       throw TemplateError(fmt::format("chat template fails on a sample conversation: {}", e.what()));
     }
   }
-  if (sample.find("How are you?") == std::string::npos)
+  sample.back()["content"] = "Goodbye";
+  std::string changed;
+  try {
+    changed = apply(sample, true);
+  } catch (const RenderError&) {}
+  if (out == changed)
     throw TemplateError(
-        "the chat template does not render the messages (a sample conversation's last message is "
-        "missing from its output)");
+        "the chat template does not render the messages (its output does not change with a message's content)");
 }
 
 ChatTemplate ChatTemplate::from_gguf(const gguf::File& f, const tokenizer::Tokenizer& tok) {
@@ -232,8 +240,19 @@ std::vector<int32_t> PromptEncoder::encode_chat(const ChatTemplate& t, const OJ&
 std::vector<int32_t> end_of_generation_tokens(const tokenizer::Tokenizer& tok) {
   std::vector<int32_t> out;
   if (tok.eos_id() >= 0) out.push_back(tok.eos_id());
-  for (const char* t : {"<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|eom_id|>"})
-    if (auto id = tok.find_token(t); id && tok.is_control(*id)) out.push_back(*id);
+  auto control = [&](const char* t) {
+    auto id = tok.find_token(t);
+    return id && tok.is_control(*id) ? *id : -1;
+  };
+  // Harmony (gpt-oss): <|end|> closes a message inside the turn (analysis, then final);
+  // the turn ends at <|return|> or at a tool call's <|call|>.
+  const bool harmony = control("<|return|>") >= 0 && control("<|call|>") >= 0 && control("<|channel|>") >= 0;
+  for (const char* t : {"<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|eom_id|>",
+                        "<|return|>", "<|call|>"}) {
+    if (harmony && std::string_view(t) == "<|end|>") continue;
+    if (!harmony && (std::string_view(t) == "<|return|>" || std::string_view(t) == "<|call|>")) continue;
+    if (const int32_t id = control(t); id >= 0) out.push_back(id);
+  }
   std::sort(out.begin(), out.end());
   out.erase(std::unique(out.begin(), out.end()), out.end());
   return out;

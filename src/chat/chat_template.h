@@ -105,7 +105,9 @@ class PromptEncoder {
 
 /// Tokens that end generation: EOS plus the end-of-turn control tokens a chat format uses
 /// (<|im_end|>, <|endoftext|>, <|eot_id|>, <|end|>, <end_of_turn>, <|eom_id|>) that exist in
-/// the vocabulary as control tokens. Sorted, unique.
+/// the vocabulary as control tokens; for a harmony vocabulary (gpt-oss: <|channel|>,
+/// <|return|> and <|call|> are control tokens) <|return|> and <|call|> instead of <|end|>,
+/// which there ends a message inside the turn. Sorted, unique.
 std::vector<int32_t> end_of_generation_tokens(const tokenizer::Tokenizer& tok);
 
 }  // namespace strata::chat
