@@ -21,6 +21,7 @@
 #include "server/openai.h"
 #include "server/scheduler.h"
 #include "server/tool_calls.h"
+#include "server/web_page.h"
 #include "tokenizer/tokenizer.h"
 
 namespace strata::server {
@@ -262,6 +263,11 @@ struct Server::Impl {
     res.set_content(openai::dump(h), "application/json");
   }
 
+  void page(const httplib::Request&, httplib::Response& res) {
+    res.set_header("Cache-Control", "no-cache");
+    res.set_content(kWebPage, sizeof(kWebPage) - 1, "text/html; charset=utf-8");
+  }
+
   void tokenize(const httplib::Request& req, httplib::Response& res) {
     const J b = openai::parse_body(req.body);
     const J* c = openai::field(b, "content");
@@ -386,8 +392,14 @@ struct Server::Impl {
   }
 
   void count(const httplib::Request& req, const httplib::Response& res) {
-    static const std::set<std::string> known = {
-        "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize"};
+    static const std::set<std::string> known = {"/v1/chat/completions",
+                                                "/v1/completions",
+                                                "/v1/models",
+                                                "/health",
+                                                "/metrics",
+                                                "/tokenize",
+                                                "/detokenize",
+                                                "/"};
     const std::string ep = known.count(req.path) ? req.path : "other";
     std::lock_guard lk(count_mutex);
     ++request_counts[{ep, res.status}];
@@ -442,7 +454,8 @@ struct Server::Impl {
     http.set_write_timeout(10);
     http.set_keep_alive_timeout(std::min(5, std::max(1, opts.read_timeout_s)));
     http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
-      if (opts.api_key.empty() || req.path == "/health") return httplib::Server::HandlerResponse::Unhandled;
+      if (opts.api_key.empty() || req.path == "/health" || req.path == "/")
+        return httplib::Server::HandlerResponse::Unhandled;
       const std::string auth = req.get_header_value("Authorization");
       if (!auth.empty() && bearer_token(auth) == opts.api_key) return httplib::Server::HandlerResponse::Unhandled;
       send_error(res, openai::auth_error(auth.empty()));
@@ -473,6 +486,7 @@ struct Server::Impl {
     get("/v1/models", &Impl::models);
     get("/models", &Impl::models);
     get("/health", &Impl::health);
+    get("/", &Impl::page);
     get("/metrics", &Impl::metrics);
     post("/tokenize", &Impl::tokenize);
     post("/detokenize", &Impl::detokenize);

@@ -1,8 +1,9 @@
 #pragma once
 // `strata serve`: an OpenAI-compatible HTTP server over one Engine.
 //
-// HTTP is Debian's cpp-httplib (libcpp-httplib-dev): a thread per connection from a fixed
-// pool, Server-Sent Events through chunked content providers. This is the transport: routes,
+// HTTP is Debian's cpp-httplib (libcpp-httplib-dev): a thread per connection (up to
+// --max-connections, see ConnectionPool in server.cpp), Server-Sent Events through chunked
+// content providers. This is the transport: routes,
 // authentication, streaming and the wiring to the Scheduler (scheduler.h). The OpenAI schema
 // (request validation into generation parameters, the answer and error objects) is
 // server/openai.h, which handlers call before submitting a server::Request and waiting on it.
