@@ -11,7 +11,7 @@ requireSetup();
 
 let srv;
 before(async () => {
-  srv = await startServer(['--ctx-size', '1024', '--parallel', '1', '--api-key', 'k']);
+  srv = await startServer(['--ctx-size', '2048', '--parallel', '1', '--api-key', 'k']);
 });
 after(async () => {
   assert.equal(await srv.stop(), 0);
@@ -48,10 +48,14 @@ function loadPage(html) {
   };
   const timers = [];
   const setIntervalStub = (fn, ms) => { const t = setInterval(fn, ms); timers.push(t); return t; };
-  const pageFetch = (url, opts = {}) =>
-    fetch(new URL(url, srv.url), { ...opts, headers: { ...(opts.headers || {}), Authorization: 'Bearer k' } });
+  // `extra` is merged into the JSON bodies the page posts (the stop test makes a reply long).
+  const extra = {};
+  const pageFetch = (url, opts = {}) => {
+    const body = opts.body ? JSON.stringify({ ...JSON.parse(opts.body), ...extra }) : undefined;
+    return fetch(new URL(url, srv.url), { ...opts, body, headers: { ...(opts.headers || {}), Authorization: 'Bearer k' } });
+  };
   new Function('document', 'fetch', 'setInterval', script)(document, pageFetch, setIntervalStub);
-  return { els, close: () => timers.forEach(clearInterval) };
+  return { els, extra, close: () => timers.forEach(clearInterval) };
 }
 
 async function until(pred, what, ms = 30000) {
@@ -86,6 +90,7 @@ async function useThePage(page, html) {
   assert.match(els.hits.textContent, /^\d+$/);
 
   // Send and stream (the page sends no sampling fields: the server's defaults sample).
+  page.extra.max_tokens = 64;  // the page sets no limit: keep the conversation short
   els.input.value = 'def fib(n):';
   els.input.dispatch('keydown', { key: 'Enter', shiftKey: false });
   await until(() => els.status.textContent === 'done' || els.status.textContent === 'error', 'the reply');
@@ -97,10 +102,12 @@ async function useThePage(page, html) {
   assert.equal(els.stop.disabled, true);
 
   // Stop: a long reply is aborted by the Stop button; the slot is free again after it.
+  page.extra.ignore_eos = true;  // a reply that runs on until stopped
+  page.extra.max_tokens = 900;
   els.input.value = 'Write a long python program with many functions and comments';
   els.form.dispatch('submit');
   await until(() => els.log.children.length === 4 && els.log.children[3].textContent.length > 20, 'streaming');
-  assert.equal(els.stop.disabled, false);
+  assert.equal(els.stop.disabled, false, `status ${els.status.textContent}: ${els.log.children[3].textContent.slice(0, 300)}`);
   els.stop.dispatch('click');
   await until(() => els.status.textContent === 'stopped', 'stopped');
   const m = async () => (await (await fetch(`${srv.url}/metrics`, { headers: { Authorization: 'Bearer k' } })).text());
@@ -119,6 +126,7 @@ async function useThePage(page, html) {
   const again = loadPage(html);
   try {
     assert.equal(again.els.log.children.length, 0);
+    again.extra.max_tokens = 16;
     again.els.input.value = 'print(1)';
     again.els.form.dispatch('submit');
     await until(() => again.els.status.textContent === 'done', 'the reply after reload');
