@@ -24,20 +24,32 @@ ModelContext fake_model() {
   m.n_ctx = kCtx;
   m.n_vocab = 300;
   m.end_tokens = {2, 7};
-  m.encode = [](const std::string& text) {
+  // One id per byte; with parse_special, the text "<S>" is the one control token 299.
+  m.encode = [](const std::string& text, bool parse_special) {
     if (text.find("BADTOKEN") != std::string::npos) throw tokenizer::TokenizerError("cannot encode BADTOKEN");
     std::vector<int32_t> ids;
-    for (char c : text) ids.push_back(int32_t(static_cast<unsigned char>(c)));
+    for (size_t i = 0; i < text.size(); ++i) {
+      if (parse_special && text.compare(i, 3, "<S>") == 0) {
+        ids.push_back(299);
+        i += 2;
+        continue;
+      }
+      ids.push_back(int32_t(static_cast<unsigned char>(text[i])));
+    }
     return ids;
   };
-  m.render_chat = [](const Json& messages, const Json& extra) {
+  m.encode_chat = [](const Json& messages, const Json& extra) {
     if (extra.contains("reject")) throw chat::RenderError("no thanks");
     std::string out;
     for (auto& msg : messages) out += msg["role"].get<std::string>() + ":" + msg["content"].get<std::string>() + ";";
     if (extra.contains("tools")) out += "T";
     if (extra.contains("flag")) out += "F";
-    return out;
+    if (out.find("BADTOKEN") != std::string::npos) throw tokenizer::TokenizerError("cannot encode BADTOKEN");
+    std::vector<int32_t> ids;
+    for (char c : out) ids.push_back(int32_t(static_cast<unsigned char>(c)));
+    return ids;
   };
+  m.tool_format = server::tools::Format::Hermes;
   return m;
 }
 
@@ -137,7 +149,7 @@ TEST(OpenAISchema, ChatFields) {
     "max_completion_tokens": 5, "max_tokens": 99, "stream": true, "stream_options": {"include_usage": true},
     "stop": ["x", "", "yz"], "logprobs": true, "top_logprobs": 4, "ignore_eos": true,
     "presence_penalty": 0, "frequency_penalty": null, "n": 1,
-    "chat_template_kwargs": {"flag": true}, "tools": [{"type": "function"}]})");
+    "chat_template_kwargs": {"flag": true}, "tools": [{"type": "function", "function": {"name": "f"}}]})");
   const ParsedRequest p = parse_chat_request(b, fake_model());
   EXPECT_EQ(p.gen.sampler.temp, 0.0f);
   EXPECT_EQ(p.gen.sampler.top_p, 0.5f);
@@ -227,7 +239,8 @@ TEST(OpenAISchema, ChatValidationErrors) {
        "'chat_template_kwargs' must be an object"},
       {R"({"chat_template_kwargs": {"reject": 1}})", "messages", "invalid_messages",
        "the chat template rejected the messages: no thanks"},
-      {R"({"messages": [{"role": "user", "content": "BADTOKEN"}]})", "", "invalid_utf8", "cannot encode BADTOKEN"},
+      {R"({"messages": [{"role": "user", "content": "BADTOKEN"}]})", "messages", "invalid_utf8",
+       "cannot encode BADTOKEN"},
       {R"({"messages": [{"role": "user", "content": "01234567890123456789012345"}]})", "messages",
        "context_length_exceeded",
        "the prompt is 32 tokens, but the context holds 32 (--ctx-size) and at least one token must be generated"},
@@ -378,4 +391,110 @@ TEST(OpenAISchema, StreamChunks) {
   EXPECT_EQ(finish_chunk_json(cmpl, "length")["choices"][0],
             Json::parse(R"({"index": 0, "text": "", "logprobs": null, "finish_reason": "length"})"));
   EXPECT_EQ(chunk_json(cmpl, Json{{"index", 0}})["choices"], Json::parse(R"([{"index": 0}])"));
+}
+
+// tools, tool_choice, response_format and assistant tool_calls: validation and what reaches
+// the template.
+TEST(OpenAISchema, ToolFields) {
+  const Case cases[] = {
+      {R"({"tools": "notalist"})", "tools", "invalid_type", "'tools' must be an array of tool objects"},
+      {R"({"tools": [3]})", "tools[0]", "invalid_type", "tools[0] must be an object with a 'function' object"},
+      {R"({"tools": [{"type": "function", "function": {}}]})", "tools[0].function.name", "invalid_type",
+       "tools[0].function.name must be a string"},
+      {R"({"tools": [{"type": "retrieval", "function": {"name": "f"}}]})", "tools[0].type", "invalid_value",
+       "tools[0].type must be \"function\""},
+      {R"({"tool_choice": "required"})", "tool_choice", "unsupported",
+       "'tool_choice' other than \"auto\" or \"none\" (\"required\", a named function) is not supported by this "
+       "server (it needs constrained sampling)"},
+      {R"({"tool_choice": 5})", "tool_choice", "invalid_type", "'tool_choice' must be a string or an object"},
+      {R"({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}})", "response_format",
+       "unsupported",
+       "'response_format' of type 'json_schema' is not supported by this server (it needs constrained sampling); "
+       "only 'text'"},
+      {R"({"response_format": {"type": "json_object"}})", "response_format", "unsupported",
+       "'response_format' of type 'json_object' is not supported by this server (it needs constrained sampling); "
+       "only 'text'"},
+      {R"({"response_format": "json"})", "response_format", "invalid_type",
+       "'response_format' must be an object with a string 'type'"},
+      {R"({"messages": [{"role": "assistant", "tool_calls": {}}]})", "messages[0].tool_calls", "invalid_type",
+       "messages[0].tool_calls must be an array"},
+      {R"({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}]})",
+       "messages[0].tool_calls[0].function.arguments", "invalid_value",
+       "messages[0].tool_calls[0].function.arguments must be JSON text of an object"},
+      {R"({"messages": [{"role": "user", "content": "a", "tool_calls": []}]})", "messages[0].tool_calls",
+       "invalid_value", "only assistant messages have tool_calls"},
+  };
+  for (const Case& c : cases) expect_chat_error(c);
+
+  Json b = chat_body();
+  b["tools"] = Json::parse(R"([{"type": "function", "function": {"name": "f"}}])");
+  EXPECT_EQ(parse_chat_request(b, fake_model()).tool_format, server::tools::Format::Hermes);
+  b["tool_choice"] = "none";  // tools hidden from the template, output not parsed
+  const ParsedRequest none = parse_chat_request(b, fake_model());
+  EXPECT_EQ(none.tool_format, server::tools::Format::None);
+  EXPECT_EQ(none.gen.prompt.back(), int32_t(';'));
+  EXPECT_EQ(parse_chat_request(chat_body(), fake_model()).tool_format, server::tools::Format::None);
+  b["response_format"] = {{"type", "text"}};
+  EXPECT_NO_THROW(parse_chat_request(b, fake_model()));
+
+  // String arguments become objects for the template; absent ones an empty object.
+  const Json m = chat_messages(Json::parse(R"({"messages": [{"role": "assistant", "content": null, "tool_calls": [
+      {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"a\": [1, 2]}"}},
+      {"function": {"name": "g"}}]}]})"));
+  EXPECT_EQ(m[0]["tool_calls"][0]["function"]["arguments"], Json::parse(R"({"a": [1, 2]})"));
+  EXPECT_EQ(m[0]["tool_calls"][0]["id"], "c1");
+  EXPECT_EQ(m[0]["tool_calls"][1]["function"]["arguments"], Json::object());
+}
+
+// /v1/completions: control-token text is plain unless "parse_special": true.
+TEST(OpenAISchema, CompletionParseSpecial) {
+  ParsedRequest p = parse_completion_request(Json::parse(R"({"prompt": "a<S>"})"), fake_model());
+  EXPECT_EQ(p.gen.prompt, (std::vector<int32_t>{'a', '<', 'S', '>'}));
+  p = parse_completion_request(Json::parse(R"({"prompt": "a<S>", "parse_special": true})"), fake_model());
+  EXPECT_EQ(p.gen.prompt, (std::vector<int32_t>{'a', 299}));
+  expect_completion_error(
+      {R"({"parse_special": 1})", "parse_special", "invalid_type", "'parse_special' must be a boolean"});
+}
+
+// Tool calls in the answers: message.tool_calls with finish_reason "tool_calls", the text
+// left around them, and the streamed delta.tool_calls.
+TEST(OpenAISchema, ToolCallAnswers) {
+  const ResponseMeta meta{Endpoint::Chat, "chatcmpl-x", 7, "m"};
+  const auto bytes = [](int32_t id) { return std::to_string(id); };
+  const std::vector<Event> events = {{"Let me check.\n<tool_", std::nullopt},
+                                     {"call>\n{\"name\": \"get\", \"arguments\": {\"q\": 1}}\n</tool_call>",
+                                      std::nullopt}};
+  Json j = completion_json(meta, events, "stop", 3, 2, false, bytes, server::tools::Format::Hermes);
+  const Json& msg = j["choices"][0]["message"];
+  EXPECT_EQ(msg["content"], "Let me check.");
+  ASSERT_EQ(msg["tool_calls"].size(), 1u);
+  EXPECT_EQ(msg["tool_calls"][0]["type"], "function");
+  EXPECT_EQ(msg["tool_calls"][0]["function"]["name"], "get");
+  EXPECT_EQ(msg["tool_calls"][0]["function"]["arguments"], "{\"q\":1}");
+  EXPECT_EQ(msg["tool_calls"][0]["id"].get<std::string>().rfind("call_", 0), 0u);
+  EXPECT_FALSE(msg["tool_calls"][0].contains("index"));
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "tool_calls");
+  // "length" stays; without a format the markup is content.
+  j = completion_json(meta, events, "length", 3, 2, false, bytes, server::tools::Format::Hermes);
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
+  j = completion_json(meta, events, "stop", 3, 2, false, bytes);
+  EXPECT_EQ(j["choices"][0]["message"]["content"], events[0].text + events[1].text);
+  EXPECT_FALSE(j["choices"][0]["message"].contains("tool_calls"));
+  // Malformed markup is content, byte for byte.
+  const std::vector<Event> bad = {{"<tool_call>{\"name\": \"get\", \"arguments\": {oops}</tool_call>", std::nullopt}};
+  j = completion_json(meta, bad, "stop", 3, 1, false, bytes, server::tools::Format::Hermes);
+  EXPECT_EQ(j["choices"][0]["message"]["content"], bad[0].text);
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
+
+  server::tools::Delta d{"hi", {{"f", "{}"}, {"g", "{\"a\":1}"}}};
+  const Json c = tool_delta_chunk_json(meta, d, 2, nullptr);
+  const Json& delta = c["choices"][0]["delta"];
+  EXPECT_EQ(delta["content"], "hi");
+  ASSERT_EQ(delta["tool_calls"].size(), 2u);
+  EXPECT_EQ(delta["tool_calls"][0]["index"], 2);
+  EXPECT_EQ(delta["tool_calls"][1]["index"], 3);
+  EXPECT_EQ(delta["tool_calls"][1]["function"]["name"], "g");
+  EXPECT_EQ(delta["tool_calls"][1]["function"]["arguments"], "{\"a\":1}");
+  EXPECT_NE(delta["tool_calls"][0]["id"], delta["tool_calls"][1]["id"]);
+  EXPECT_TRUE(c["choices"][0]["finish_reason"].is_null());
 }

@@ -1,10 +1,16 @@
 // strata chat: an interactive chat in the terminal with the model's chat template. Reads one
 // user message per line from stdin (a terminal or a pipe), streams the reply to stdout.
-// Commands: /exit ends, /reset starts a new conversation.
+// Commands: /exit ends, /reset starts a new conversation. Ctrl-C stops the reply being
+// generated (the conversation goes on with the part written); at the prompt it only
+// reminds how to quit (/exit or Ctrl-D).
 #include <fmt/format.h>
+#include <pthread.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <csignal>
 #include <cstdio>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -19,6 +25,10 @@ namespace strata::cli {
 chat::ChatTemplate load_chat_template(engine::Engine& eng, const std::string& file);  // cmd_serve.cpp
 
 namespace {
+
+std::atomic<bool> g_interrupted{false};
+extern "C" void on_sigint(int) { g_interrupted.store(true); }
+
 struct ChatFlags {
   EngineFlags engine;
   engine::SamplerParams sp;
@@ -46,13 +56,28 @@ void register_chat(CLI::App& root) {
       ->check(CLI::ExistingFile);
   app->callback([f] {
     using J = nlohmann::ordered_json;
+    // SIGINT goes to this thread only (the engine's threads inherit it blocked), where it
+    // interrupts the read of a line or sets the flag that stops a reply.
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
     engine::Engine eng(f->engine.model, f->engine.resolve());
     const chat::ChatTemplate tmpl = load_chat_template(eng, f->chat_template_file);
+    struct sigaction sa {};
+    sa.sa_handler = on_sigint;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = 0;  // no SA_RESTART: a blocked read returns EINTR
+    sigaction(SIGINT, &sa, nullptr);
+    pthread_sigmask(SIG_UNBLOCK, &sigs, nullptr);
     const auto& tok = eng.tokenizer();
+    const chat::PromptEncoder encoder(tok);
     const std::vector<int32_t> eog = chat::end_of_generation_tokens(tok);
     const bool tty = isatty(STDIN_FILENO);
-    fmt::print(stderr, "strata chat: {} ({}), context {} tokens; /exit ends, /reset starts over\n", f->engine.model,
-               eng.hparams().arch, eng.n_ctx());
+    fmt::print(stderr,
+               "strata chat: {} ({}), context {} tokens; /exit or Ctrl-D ends, /reset starts over, Ctrl-C stops a "
+               "reply\n",
+               f->engine.model, eng.hparams().arch, eng.n_ctx());
 
     engine::Sampler sampler(f->sp);
     model::SequenceState st = eng.new_sequence();
@@ -72,18 +97,31 @@ void register_chat(CLI::App& root) {
         fmt::print("> ");
         std::fflush(stdout);
       }
-      if (!std::getline(std::cin, line)) break;
+      g_interrupted.store(false);
+      if (!std::getline(std::cin, line)) {
+        if (g_interrupted.load() && !std::feof(stdin)) {  // Ctrl-C at the prompt
+          std::cin.clear();
+          clearerr(stdin);
+          fmt::print(stderr, "\nstrata chat: (Ctrl-C stops a reply; /exit or Ctrl-D ends the chat)\n");
+          continue;
+        }
+        break;
+      }
       if (!line.empty() && line.back() == '\r') line.pop_back();
       if (line == "/exit" || line == "/quit") break;
       if (line == "/reset") {
+        const size_t turns = messages.size() - (f->system.empty() ? 0 : 1);
+        const size_t dropped = cached.size();
         reset();
+        fmt::print(stderr, "strata chat: conversation cleared ({} messages and {} cached tokens dropped{})\n", turns,
+                   dropped, f->system.empty() ? "" : "; the system message is kept");
         continue;
       }
       if (line.empty()) continue;
       messages.push_back({{"role", "user"}, {"content", line}});
       std::vector<int32_t> ids;
       try {
-        ids = tok.encode(tmpl.apply(messages, true));
+        ids = encoder.encode_chat(tmpl, messages, true);
       } catch (const std::exception& e) {
         fmt::print(stderr, "strata chat: {}\n", e.what());
         messages.erase(messages.end() - 1);
@@ -107,7 +145,12 @@ void register_chat(CLI::App& root) {
       std::vector<int32_t> history = ids;
       tokenizer::StreamDecoder dec(tok);
       std::string reply;
+      bool stopped = false;
       for (int n = 0; f->n_predict < 0 || n < f->n_predict; ++n) {
+        if (g_interrupted.exchange(false)) {
+          stopped = true;
+          break;
+        }
         const int32_t id = sampler.sample(logits, history);
         if (std::find(eog.begin(), eog.end(), id) != eog.end()) break;
         history.push_back(id);
@@ -124,6 +167,7 @@ void register_chat(CLI::App& root) {
       std::fwrite(rest.data(), 1, rest.size(), stdout);
       std::fputc('\n', stdout);
       std::fflush(stdout);
+      if (stopped) fmt::print(stderr, "strata chat: reply stopped (Ctrl-C); the conversation goes on\n");
       messages.push_back({{"role", "assistant"}, {"content", reply}});
     }
   });

@@ -66,8 +66,16 @@ void register_serve(CLI::App& root) {
   app->add_option("--max-body-kb", f->max_body_kb, "largest request body in KiB (larger: 413)")
       ->capture_default_str()
       ->check(at_least(1));
-  app->add_option("--http-threads", s.http_threads, "connection threads (0 = parallel + queue-size + 16)")
-      ->capture_default_str();
+  app->add_option("--max-connections,--http-threads", s.http_threads,
+                  "connections served at once, a thread each (more wait for a free one; 0 = max(256, parallel + "
+                  "queue-size + 64))")
+      ->capture_default_str()
+      ->check(at_least(0));
+  app->add_option("--timeout", s.read_timeout_s,
+                  "seconds a connection may send nothing (an unfinished request, an idle keep-alive) before it "
+                  "is closed")
+      ->capture_default_str()
+      ->check(at_least(1));
   auto& sc = s.scheduling;
   app->add_option("--batch-tokens", sc.batch_tokens,
                   "most tokens per forward step: the next token of every generating request plus prompt chunks "

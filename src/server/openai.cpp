@@ -135,12 +135,40 @@ ParsedRequest parse_common(const Json& b, const ModelContext& m, bool chat) {
   return p;
 }
 
-std::vector<int32_t> encode(const ModelContext& m, const std::string& text) {
+std::vector<int32_t> encode(const ModelContext& m, const std::string& text, bool parse_special) {
   try {
-    return m.encode(text);
+    return m.encode(text, parse_special);
   } catch (const tokenizer::TokenizerError& e) {
     throw bad_request("", e.what(), "invalid_utf8");
   }
+}
+
+// An assistant message's tool_calls, validated; string arguments parsed into objects.
+Json normalise_tool_calls(const Json& calls, const std::string& where) {
+  if (!calls.is_array()) throw bad_request(where, where + " must be an array", "invalid_type");
+  Json out = Json::array();
+  for (size_t k = 0; k < calls.size(); ++k) {
+    const std::string w = fmt::format("{}[{}]", where, k);
+    Json c = calls[k];
+    if (!c.is_object() || !c.contains("function") || !c["function"].is_object())
+      throw bad_request(w, w + " must be an object with a 'function' object", "invalid_type");
+    Json& f = c["function"];
+    if (!f.contains("name") || !f["name"].is_string())
+      throw bad_request(w + ".function.name", w + ".function.name must be a string", "invalid_type");
+    if (!f.contains("arguments") || f["arguments"].is_null()) {
+      f["arguments"] = Json::object();
+    } else if (f["arguments"].is_string()) {
+      Json a = Json::parse(f["arguments"].get<std::string>(), nullptr, false);
+      if (a.is_discarded() || !a.is_object())
+        throw bad_request(w + ".function.arguments", w + ".function.arguments must be JSON text of an object");
+      f["arguments"] = std::move(a);
+    } else if (!f["arguments"].is_object()) {
+      throw bad_request(w + ".function.arguments", w + ".function.arguments must be a string or an object",
+                        "invalid_type");
+    }
+    out.push_back(std::move(c));
+  }
+  return out;
 }
 
 }  // namespace
@@ -182,6 +210,13 @@ Json chat_messages(const Json& b) {
     } else if (!content->is_string()) {
       throw bad_request(where + ".content", where + ".content must be a string or an array of parts", "invalid_type");
     }
+    if (const Json* tc = field(msg, "tool_calls")) {
+      if (*role != "assistant")
+        throw bad_request(where + ".tool_calls", "only assistant messages have tool_calls", "invalid_value");
+      o["tool_calls"] = normalise_tool_calls(*tc, where + ".tool_calls");
+    } else if (o.contains("tool_calls")) {
+      o.erase("tool_calls");  // null
+    }
     out.push_back(std::move(o));
   }
   return out;
@@ -206,15 +241,54 @@ ParsedRequest parse_chat_request(const Json& b, const ModelContext& m) {
       throw bad_request("chat_template_kwargs", "'chat_template_kwargs' must be an object", "invalid_type");
     extra = *kw;
   }
-  if (const Json* tools = field(b, "tools")) extra["tools"] = *tools;
-  std::string prompt;
+  if (const Json* rf = field(b, "response_format")) {
+    if (!rf->is_object() || !rf->contains("type") || !(*rf)["type"].is_string())
+      throw bad_request("response_format", "'response_format' must be an object with a string 'type'", "invalid_type");
+    if ((*rf)["type"] != "text")
+      throw bad_request("response_format",
+                        fmt::format("'response_format' of type '{}' is not supported by this server (it needs "
+                                    "constrained sampling); only 'text'",
+                                    (*rf)["type"].get<std::string>()),
+                        "unsupported");
+  }
+  bool tools_on = true;
+  if (const Json* tc = field(b, "tool_choice")) {
+    if (tc->is_string() && (*tc == "none" || *tc == "auto")) {
+      tools_on = *tc == "auto";
+    } else if (tc->is_string() || tc->is_object()) {
+      throw bad_request("tool_choice",
+                        "'tool_choice' other than \"auto\" or \"none\" (\"required\", a named function) is not "
+                        "supported by this server (it needs constrained sampling)",
+                        "unsupported");
+    } else {
+      throw bad_request("tool_choice", "'tool_choice' must be a string or an object", "invalid_type");
+    }
+  }
+  if (const Json* tools = field(b, "tools")) {
+    if (!tools->is_array()) throw bad_request("tools", "'tools' must be an array of tool objects", "invalid_type");
+    for (size_t k = 0; k < tools->size(); ++k) {
+      const Json& t = (*tools)[k];
+      const std::string w = fmt::format("tools[{}]", k);
+      if (!t.is_object() || !t.contains("function") || !t["function"].is_object())
+        throw bad_request(w, w + " must be an object with a 'function' object", "invalid_type");
+      if (t.contains("type") && t["type"] != "function")
+        throw bad_request(w + ".type", w + ".type must be \"function\"", "invalid_value");
+      if (!t["function"].contains("name") || !t["function"]["name"].is_string())
+        throw bad_request(w + ".function.name", w + ".function.name must be a string", "invalid_type");
+    }
+    if (tools_on && !tools->empty()) {
+      extra["tools"] = *tools;
+      p.tool_format = m.tool_format;
+    }
+  }
   try {
-    prompt = m.render_chat(messages, extra);
+    p.gen.prompt = m.encode_chat(messages, extra);
   } catch (const chat::RenderError& e) {
     throw bad_request("messages", fmt::format("the chat template rejected the messages: {}", e.what()),
                       "invalid_messages");
+  } catch (const tokenizer::TokenizerError& e) {
+    throw bad_request("messages", e.what(), "invalid_utf8");
   }
-  p.gen.prompt = encode(m, prompt);
   check_prompt(p.gen.prompt, m.n_ctx, "messages");
   return p;
 }
@@ -223,12 +297,13 @@ ParsedRequest parse_completion_request(const Json& b, const ModelContext& m) {
   ParsedRequest p = parse_common(b, m, false);
   if (get_bool(b, "echo", false)) throw bad_request("echo", "'echo' is not supported", "unsupported");
   if (field(b, "suffix")) throw bad_request("suffix", "'suffix' is not supported", "unsupported");
+  const bool parse_special = get_bool(b, "parse_special", false);
   const Json* pr = field(b, "prompt");
   if (!pr) throw bad_request("prompt", "'prompt' is required", "missing_required_parameter");
   if (pr->is_string()) {
-    p.gen.prompt = encode(m, pr->get<std::string>());
+    p.gen.prompt = encode(m, pr->get<std::string>(), parse_special);
   } else if (pr->is_array() && pr->size() == 1 && (*pr)[0].is_string()) {
-    p.gen.prompt = encode(m, (*pr)[0].get<std::string>());
+    p.gen.prompt = encode(m, (*pr)[0].get<std::string>(), parse_special);
   } else if (pr->is_array() && !pr->empty() && (*pr)[0].is_number()) {
     for (auto& t : *pr) {
       if (!t.is_number_integer())
@@ -333,14 +408,42 @@ Json completion_logprobs(const std::vector<Event>& events, size_t offset, const 
   return {{"tokens", tokens}, {"token_logprobs", lps}, {"top_logprobs", tops}, {"text_offset", offs}};
 }
 
+Json tool_calls_json(const std::vector<tools::ToolCall>& calls, size_t first_index, bool with_index) {
+  static std::mutex mu;
+  static std::mt19937_64 rng{std::random_device{}()};
+  Json out = Json::array();
+  for (size_t k = 0; k < calls.size(); ++k) {
+    Json c = Json::object();
+    if (with_index) c["index"] = first_index + k;
+    {
+      std::lock_guard lk(mu);
+      c["id"] = fmt::format("call_{:016x}", rng());
+    }
+    c["type"] = "function";
+    c["function"] = {{"name", calls[k].name}, {"arguments", calls[k].arguments}};
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
 Json completion_json(const ResponseMeta& meta, const std::vector<Event>& events, const std::string& finish_reason,
-                     int prompt_tokens, int completion_tokens, bool logprobs, const TokenBytes& bytes) {
+                     int prompt_tokens, int completion_tokens, bool logprobs, const TokenBytes& bytes,
+                     tools::Format tool_format) {
   const bool chat = meta.endpoint == Endpoint::Chat;
   std::string text;
   for (auto& e : events) text += e.text;
   Json choice = {{"index", 0}};
+  std::string finish = finish_reason;
   if (chat) {
     choice["message"] = {{"role", "assistant"}, {"content", text}};
+    if (tool_format != tools::Format::None) {
+      tools::Delta d = tools::parse(tool_format, text);
+      if (!d.calls.empty()) {
+        choice["message"]["content"] = d.content.empty() ? Json(nullptr) : Json(d.content);
+        choice["message"]["tool_calls"] = tool_calls_json(d.calls, 0, false);
+        if (finish == "stop") finish = "tool_calls";
+      }
+    }
     if (logprobs) {
       Json content = Json::array();
       for (auto& e : events)
@@ -353,7 +456,7 @@ Json completion_json(const ResponseMeta& meta, const std::vector<Event>& events,
     choice["text"] = text;
     choice["logprobs"] = logprobs ? completion_logprobs(events, 0, bytes) : Json(nullptr);
   }
-  choice["finish_reason"] = finish_reason;
+  choice["finish_reason"] = finish;
   return {{"id", meta.id},
           {"object", chat ? "chat.completion" : "text_completion"},
           {"created", meta.created},
@@ -399,6 +502,14 @@ Json event_chunk_json(const ResponseMeta& meta, const Event& e, size_t offset, b
   }
   choice["finish_reason"] = nullptr;
   return chunk_json(meta, std::move(choice));
+}
+
+Json tool_delta_chunk_json(const ResponseMeta& meta, const tools::Delta& d, size_t first_index, Json logprobs) {
+  Json delta = Json::object();
+  if (!d.content.empty()) delta["content"] = d.content;
+  if (!d.calls.empty()) delta["tool_calls"] = tool_calls_json(d.calls, first_index, true);
+  return chunk_json(meta,
+                    {{"index", 0}, {"delta", delta}, {"logprobs", std::move(logprobs)}, {"finish_reason", nullptr}});
 }
 
 Json finish_chunk_json(const ResponseMeta& meta, const std::string& finish_reason) {

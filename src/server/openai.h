@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "server/scheduler.h"
+#include "server/tool_calls.h"
 
 namespace strata::server::openai {
 
@@ -73,12 +74,16 @@ struct ModelContext {
   int64_t default_max_tokens = 0;   ///< max_tokens when the request leaves it unset (<= 0: n_ctx), capped at n_ctx
   int32_t n_vocab = 0;              ///< token ids of a token-id prompt must lie in [0, n_vocab)
   std::vector<int32_t> end_tokens;  ///< tokens that end generation unless ignore_eos
-  /// Text to token ids, BOS as the model wants it. May throw tokenizer::TokenizerError
-  /// (invalid UTF-8), which becomes a 400.
-  std::function<std::vector<int32_t>(const std::string& text)> encode;
-  /// The chat template: validated messages and extra top-level variables to the prompt
-  /// text, with the generation prompt added. May throw chat::RenderError, which becomes a 400.
-  std::function<std::string(const Json& messages, const Json& extra)> render_chat;
+  /// Text to token ids (no BOS added); control-token text becomes control tokens only when
+  /// `parse_special`. May throw tokenizer::TokenizerError (invalid UTF-8), which becomes a 400.
+  std::function<std::vector<int32_t>(const std::string& text, bool parse_special)> encode;
+  /// The chat template and the tokenizer: validated messages and extra top-level variables
+  /// ("tools", chat_template_kwargs) to the prompt ids, with the generation prompt added, where
+  /// only the template's markup becomes control tokens (chat::PromptEncoder). May throw
+  /// chat::RenderError (a 400 invalid_messages) or tokenizer::TokenizerError (a 400).
+  std::function<std::vector<int32_t>(const Json& messages, const Json& extra)> encode_chat;
+  /// The tool-call markup the template teaches (tools::detect_format of its source).
+  tools::Format tool_format = tools::Format::None;
 };
 
 /// A validated generation request.
@@ -86,24 +91,34 @@ struct ParsedRequest {
   GenParams gen;               ///< prompt, sampler, max_tokens, stop, logprobs, end tokens
   bool stream = false;         ///< answer with Server-Sent Events
   bool include_usage = false;  ///< stream_options.include_usage: a last chunk with the usage
+  /// The tool-call markup to parse out of the reply: the model's format when the request
+  /// has `tools` (and tool_choice is not "none"), else None (the reply is plain content).
+  tools::Format tool_format = tools::Format::None;
 };
 
 /// The messages of a chat request, validated (roles system, developer, user, assistant,
 /// tool, function) and normalised: content null or absent becomes "", an array of text parts
-/// becomes their concatenated text. Throws ApiError (400) naming the message at fault.
+/// becomes their concatenated text; an assistant message's tool_calls must be an array of
+/// {"function": {"name": string, "arguments": object or JSON text of an object}}, and string
+/// arguments are parsed into the object (templates iterate or tojson them). Throws ApiError
+/// (400) naming the message at fault.
 Json chat_messages(const Json& body);
 
 /// The prompt token ids of `body`: at least one token and fewer than `m.n_ctx`.
 /// `param` names the field in errors. Throws ApiError (400, context_length_exceeded when too long).
 void check_prompt(const std::vector<int32_t>& prompt, int64_t n_ctx, const char* param);
 
-/// POST /v1/chat/completions: body to generation parameters, the prompt rendered with
-/// m.render_chat and encoded with m.encode. Throws ApiError (400) for every invalid or
-/// unsupported field, with the messages of the OpenAI API where it has them.
+/// POST /v1/chat/completions: body to generation parameters, the prompt from m.encode_chat.
+/// `tools` must be an array of {"type": "function", "function": {"name", ...}} objects;
+/// `tool_choice` "auto" (default) or "none" (tools are then not shown to the template);
+/// "required", a named function and `response_format` json_object / json_schema would need
+/// constrained sampling and are refused (400 unsupported). Throws ApiError (400) for every
+/// invalid or unsupported field, with the messages of the OpenAI API where it has them.
 ParsedRequest parse_chat_request(const Json& body, const ModelContext& m);
 
 /// POST /v1/completions: body to generation parameters; `prompt` is a string, an array of
-/// one string, or an array of token ids. Throws ApiError (400).
+/// one string, or an array of token ids. A string prompt is plain text (control-token text in
+/// it is not a control token) unless the body has "parse_special": true. Throws ApiError (400).
 ParsedRequest parse_completion_request(const Json& body, const ModelContext& m);
 
 // ---- answers
@@ -155,9 +170,20 @@ Json completion_logprobs(const std::vector<Event>& events, size_t offset, const 
 
 /// The whole answer of a request that does not stream ("chat.completion" or
 /// "text_completion"): the text of `events`, `finish_reason`, the usage, and logprobs when
-/// `logprobs` (GenParams::top_logprobs >= 0).
+/// `logprobs` (GenParams::top_logprobs >= 0). With a `tool_format` other than None (chat
+/// only), tool calls in the text become message.tool_calls (content null when nothing else
+/// is left) and a "stop" finish becomes "tool_calls".
 Json completion_json(const ResponseMeta& meta, const std::vector<Event>& events, const std::string& finish_reason,
-                     int prompt_tokens, int completion_tokens, bool logprobs, const TokenBytes& bytes);
+                     int prompt_tokens, int completion_tokens, bool logprobs, const TokenBytes& bytes,
+                     tools::Format tool_format = tools::Format::None);
+
+/// OpenAI tool_calls entries of `calls`: {"index": first_index + k (when `with_index`),
+/// "id": "call_" + 16 random hex digits, "type": "function", "function": {"name", "arguments"}}.
+Json tool_calls_json(const std::vector<tools::ToolCall>& calls, size_t first_index, bool with_index);
+
+/// A chat stream chunk of a tools::Delta: delta.content when it has text, delta.tool_calls
+/// (indices from `first_index`) when it has calls, `logprobs` (null or a logprobs object).
+Json tool_delta_chunk_json(const ResponseMeta& meta, const tools::Delta& d, size_t first_index, Json logprobs);
 
 /// A streamed chunk ("chat.completion.chunk" or "text_completion") holding `choice`.
 Json chunk_json(const ResponseMeta& meta, Json choice);

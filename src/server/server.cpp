@@ -5,17 +5,24 @@
 #include <sys/socket.h>
 
 #include <atomic>
+#include <cctype>
 #include <chrono>
+#include <condition_variable>
+#include <cstdlib>
 #include <ctime>
+#include <deque>
 #include <filesystem>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <thread>
 
 #include "server/client_watch.h"
 #include "server/openai.h"
 #include "server/scheduler.h"
+#include "server/tool_calls.h"
+#include "server/web_page.h"
 #include "tokenizer/tokenizer.h"
 
 namespace strata::server {
@@ -31,11 +38,80 @@ void send_error(httplib::Response& res, const ApiError& e) {
   res.set_content(openai::dump(openai::error_json(e)), "application/json");
 }
 
+// httplib's task queue for connections: a thread for every connection at once, up to
+// `max_threads` (then connections wait in FIFO order for a free thread), so that slow or idle
+// connections never make another (GET /health) wait behind them. httplib's own ThreadPool is
+// fixed: N slow clients held all N threads. Threads idle for 30 s exit.
+class ConnectionPool : public httplib::TaskQueue {
+ public:
+  explicit ConnectionPool(size_t max_threads) : max_(std::max<size_t>(max_threads, 1)) {}
+  ~ConnectionPool() override { shutdown(); }
+
+  void enqueue(std::function<void()> fn) override {
+    std::lock_guard lk(mu_);
+    jobs_.push_back(std::move(fn));
+    if (jobs_.size() > idle_ && threads_ < max_) {
+      ++threads_;
+      std::thread([this] { worker(); }).detach();
+    }
+    cv_.notify_one();
+  }
+
+  void shutdown() override {
+    std::unique_lock lk(mu_);
+    stopping_ = true;
+    cv_.notify_all();
+    done_.wait(lk, [&] { return threads_ == 0; });
+  }
+
+ private:
+  void worker() {
+    std::unique_lock lk(mu_);
+    for (;;) {
+      if (jobs_.empty()) {
+        if (stopping_) break;
+        ++idle_;
+        const bool woke = cv_.wait_for(lk, std::chrono::seconds(30), [&] { return !jobs_.empty() || stopping_; });
+        --idle_;
+        if (!woke) break;
+        continue;
+      }
+      auto fn = std::move(jobs_.front());
+      jobs_.pop_front();
+      lk.unlock();
+      fn();
+      lk.lock();
+    }
+    --threads_;
+    done_.notify_all();
+  }
+
+  const size_t max_;
+  std::mutex mu_;
+  std::condition_variable cv_, done_;
+  std::deque<std::function<void()>> jobs_;
+  size_t threads_ = 0, idle_ = 0;
+  bool stopping_ = false;
+};
+
+// The token of an "Authorization: Bearer TOKEN" header (scheme case-insensitive, RFC 7235),
+// or "" when it is not a bearer token.
+std::string bearer_token(const std::string& auth) {
+  const size_t sp = auth.find(' ');
+  if (sp == std::string::npos) return {};
+  std::string scheme = auth.substr(0, sp);
+  for (char& c : scheme) c = char(std::tolower(static_cast<unsigned char>(c)));
+  if (scheme != "bearer") return {};
+  const size_t start = auth.find_first_not_of(' ', sp);
+  return start == std::string::npos ? std::string() : auth.substr(start);
+}
+
 }  // namespace
 
 struct Server::Impl {
   engine::Engine& eng;
   chat::ChatTemplate tmpl;
+  chat::PromptEncoder prompt_encoder;
   ServerOptions opts;
   openai::ModelContext model;  // what the schema layer needs of the engine and the template
   int64_t started = int64_t(std::time(nullptr));
@@ -45,14 +121,23 @@ struct Server::Impl {
   std::map<std::pair<std::string, int>, int64_t> request_counts;
 
   Impl(engine::Engine& e, chat::ChatTemplate t, ServerOptions o)
-      : eng(e), tmpl(std::move(t)), opts(std::move(o)), sched(e, scheduler_options(opts)) {
+      : eng(e),
+        tmpl(std::move(t)),
+        prompt_encoder(e.tokenizer()),
+        opts(std::move(o)),
+        sched(e, scheduler_options(opts)) {
     if (opts.model_name.empty()) opts.model_name = std::filesystem::path(eng.gguf().path()).stem().string();
     model.n_ctx = eng.n_ctx();
     model.default_max_tokens = opts.n_predict;
     model.n_vocab = eng.tokenizer().n_vocab();
     model.end_tokens = chat::end_of_generation_tokens(eng.tokenizer());
-    model.encode = [this](const std::string& text) { return eng.tokenizer().encode(text, true); };
-    model.render_chat = [this](const J& messages, const J& extra) { return tmpl.apply(messages, true, extra); };
+    model.encode = [this](const std::string& text, bool parse_special) {
+      return eng.tokenizer().encode(text, parse_special);
+    };
+    model.encode_chat = [this](const J& messages, const J& extra) {
+      return prompt_encoder.encode_chat(tmpl, messages, true, extra);
+    };
+    model.tool_format = tools::detect_format(tmpl.source());
     setup();
   }
 
@@ -80,6 +165,7 @@ struct Server::Impl {
     const openai::ResponseMeta meta{endpoint, openai::new_response_id(endpoint), int64_t(std::time(nullptr)),
                                     opts.model_name};
     const bool logprobs = r->params.top_logprobs >= 0;
+    const tools::Format tool_format = p.tool_format;
 
     if (!p.stream) {
       std::vector<Event> events;
@@ -89,7 +175,7 @@ struct Server::Impl {
         if (watch.gone()) r->cancel();
       if (openai::is_error_finish(r->finish_reason)) throw openai::generation_failed(r->error);
       const J out = openai::completion_json(meta, events, r->finish_reason, r->prompt_tokens, r->completion_tokens,
-                                            logprobs, token_bytes());
+                                            logprobs, token_bytes(), tool_format);
       res.set_content(openai::dump(out), "application/json");
       return;
     }
@@ -99,7 +185,7 @@ struct Server::Impl {
     res.set_header("X-Accel-Buffering", "no");
     res.set_chunked_content_provider(
         "text/event-stream",
-        [this, r, meta, logprobs, include_usage](size_t, httplib::DataSink& sink) {
+        [this, r, meta, logprobs, include_usage, tool_format](size_t, httplib::DataSink& sink) {
           auto send = [&](const J& j) {
             const std::string s = "data: " + openai::dump(j) + "\n\n";
             return sink.write(s.data(), s.size());
@@ -112,20 +198,38 @@ struct Server::Impl {
           if (meta.endpoint == openai::Endpoint::Chat && !send(openai::role_chunk_json(meta))) return gone();
           std::vector<Event> events;
           size_t offset = 0;
+          // Tool calls: the text goes through the parser, which holds back possible markup.
+          const bool parse_tools = tool_format != tools::Format::None && meta.endpoint == openai::Endpoint::Chat;
+          tools::StreamParser parser(tool_format);
+          size_t n_calls = 0;
+          auto send_delta = [&](const tools::Delta& d, J lp) {
+            if (d.content.empty() && d.calls.empty() && lp.is_null()) return true;
+            const bool ok = send(openai::tool_delta_chunk_json(meta, d, n_calls, std::move(lp)));
+            n_calls += d.calls.size();
+            return ok;
+          };
           for (;;) {
             const bool done = r->wait(events, std::chrono::milliseconds(200));
             for (auto& e : events) {
-              if (!send(openai::event_chunk_json(meta, e, offset, logprobs, bytes))) return gone();
+              if (parse_tools) {
+                J lp = logprobs && e.token ? J{{"content", J::array({openai::chat_logprob_entry(*e.token, bytes)})}}
+                                           : J(nullptr);
+                if (!send_delta(parser.push(e.text), std::move(lp))) return gone();
+              } else if (!send(openai::event_chunk_json(meta, e, offset, logprobs, bytes))) {
+                return gone();
+              }
               offset += e.text.size();
             }
             events.clear();
             if (done) break;
             if (!sink.is_writable()) return gone();
           }
+          if (parse_tools && !send_delta(parser.finish(), J(nullptr))) return gone();
           if (openai::is_error_finish(r->finish_reason)) {
             send(openai::error_json(openai::generation_failed(r->error)));
           } else {
-            if (!send(openai::finish_chunk_json(meta, r->finish_reason))) return gone();
+            const std::string finish = n_calls > 0 && r->finish_reason == "stop" ? "tool_calls" : r->finish_reason;
+            if (!send(openai::finish_chunk_json(meta, finish))) return gone();
             if (include_usage && !send(openai::usage_chunk_json(meta, r->prompt_tokens, r->completion_tokens)))
               return gone();
           }
@@ -170,6 +274,11 @@ struct Server::Impl {
     // Reads only the scheduler's queue counters (not the engine lock), so it answers at once.
     J h = {{"status", "ok"}};
     res.set_content(openai::dump(h), "application/json");
+  }
+
+  void page(const httplib::Request&, httplib::Response& res) {
+    res.set_header("Cache-Control", "no-cache");
+    res.set_content(kWebPage, sizeof(kWebPage) - 1, "text/html; charset=utf-8");
   }
 
   void tokenize(const httplib::Request& req, httplib::Response& res) {
@@ -297,42 +406,104 @@ struct Server::Impl {
   }
 
   void count(const httplib::Request& req, const httplib::Response& res) {
-    static const std::set<std::string> known = {
-        "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize"};
+    static const std::set<std::string> known = {"/v1/chat/completions",
+                                                "/v1/completions",
+                                                "/v1/models",
+                                                "/health",
+                                                "/metrics",
+                                                "/tokenize",
+                                                "/detokenize",
+                                                "/"};
     const std::string ep = known.count(req.path) ? req.path : "other";
     std::lock_guard lk(count_mutex);
     ++request_counts[{ep, res.status}];
   }
 
+  // A POST route. Its body is read here rather than by httplib, which caps a body sent as
+  // application/x-www-form-urlencoded (curl -d) at 8 KiB whatever set_payload_max_length says.
+  void post(const std::string& path, Handler h) {
+    routes[path].insert("POST");
+    http.Post(path, [this, h](const httplib::Request& req, httplib::Response& res,
+                              const httplib::ContentReader& reader) {
+      std::string body;
+      bool too_large = false;
+      const bool read = reader([&](const char* data, size_t n) {
+        if (body.size() + n > opts.max_body_bytes) {
+          too_large = true;
+          return false;
+        }
+        body.append(data, n);
+        return true;
+      });
+      const std::string length = req.get_header_value("Content-Length");
+      if (too_large || (!length.empty() && std::strtoull(length.c_str(), nullptr, 10) > opts.max_body_bytes)) {
+        send_error(res, openai::http_status_error(413, req.method, req.path));
+        return;
+      }
+      if (!read) {
+        res.set_header("Connection", "close");  // the rest of the stream is out of step
+        send_error(res, openai::bad_request("", "the request body could not be read (the connection ended early?)",
+                                            "invalid_body"));
+        return;
+      }
+      httplib::Request full = req;
+      full.body = std::move(body);
+      wrap(h)(full, res);
+    });
+  }
+
+  void get(const std::string& path, Handler h) {
+    routes[path].insert("GET");
+    http.Get(path, wrap(h));
+  }
+
+  std::map<std::string, std::set<std::string>> routes;  // path -> methods
+
   void setup() {
-    const int threads = opts.http_threads > 0 ? opts.http_threads : opts.parallel + opts.queue_size + 16;
-    http.new_task_queue = [threads] { return new httplib::ThreadPool(size_t(threads)); };
+    const size_t threads =
+        opts.http_threads > 0 ? size_t(opts.http_threads) : size_t(std::max(256, opts.parallel + opts.queue_size + 64));
+    http.new_task_queue = [threads] { return new ConnectionPool(threads); };
     http.set_payload_max_length(opts.max_body_bytes);
-    http.set_read_timeout(30);
+    http.set_read_timeout(std::max(1, opts.read_timeout_s));
     http.set_write_timeout(10);
-    http.set_keep_alive_timeout(5);
+    http.set_keep_alive_timeout(std::min(5, std::max(1, opts.read_timeout_s)));
     http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
-      if (opts.api_key.empty() || req.path == "/health") return httplib::Server::HandlerResponse::Unhandled;
+      if (opts.api_key.empty() || req.path == "/health" || req.path == "/")
+        return httplib::Server::HandlerResponse::Unhandled;
       const std::string auth = req.get_header_value("Authorization");
-      if (auth == "Bearer " + opts.api_key) return httplib::Server::HandlerResponse::Unhandled;
+      if (!auth.empty() && bearer_token(auth) == opts.api_key) return httplib::Server::HandlerResponse::Unhandled;
       send_error(res, openai::auth_error(auth.empty()));
       return httplib::Server::HandlerResponse::Handled;
     });
-    http.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
+    http.set_error_handler([this](const httplib::Request& req, httplib::Response& res) {
       if (!res.body.empty()) return;
+      if (res.status == 404) {
+        // A known path with another method: 405 with the methods it has (RFC 9110 15.5.6).
+        auto it = routes.find(req.path);
+        if (it != routes.end()) {
+          std::string allow;
+          for (auto& m : it->second) allow += (allow.empty() ? "" : ", ") + m;
+          res.status = 405;
+          res.set_header("Allow", allow);
+          send_error(res, ApiError(405, fmt::format("{} {} is not allowed; use {}", req.method, req.path, allow),
+                                   "invalid_request_error", "method_not_allowed"));
+          return;
+        }
+      }
       send_error(res, openai::http_status_error(res.status, req.method, req.path));
     });
     http.set_logger([this](const httplib::Request& req, const httplib::Response& res) { count(req, res); });
-    http.Post("/v1/chat/completions", wrap(&Impl::chat_completions));
-    http.Post("/chat/completions", wrap(&Impl::chat_completions));
-    http.Post("/v1/completions", wrap(&Impl::completions));
-    http.Post("/completions", wrap(&Impl::completions));
-    http.Get("/v1/models", wrap(&Impl::models));
-    http.Get("/models", wrap(&Impl::models));
-    http.Get("/health", wrap(&Impl::health));
-    http.Get("/metrics", wrap(&Impl::metrics));
-    http.Post("/tokenize", wrap(&Impl::tokenize));
-    http.Post("/detokenize", wrap(&Impl::detokenize));
+    post("/v1/chat/completions", &Impl::chat_completions);
+    post("/chat/completions", &Impl::chat_completions);
+    post("/v1/completions", &Impl::completions);
+    post("/completions", &Impl::completions);
+    get("/v1/models", &Impl::models);
+    get("/models", &Impl::models);
+    get("/health", &Impl::health);
+    get("/", &Impl::page);
+    get("/metrics", &Impl::metrics);
+    post("/tokenize", &Impl::tokenize);
+    post("/detokenize", &Impl::detokenize);
   }
 };
 

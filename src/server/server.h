@@ -1,8 +1,9 @@
 #pragma once
 // `strata serve`: an OpenAI-compatible HTTP server over one Engine.
 //
-// HTTP is Debian's cpp-httplib (libcpp-httplib-dev): a thread per connection from a fixed
-// pool, Server-Sent Events through chunked content providers. This is the transport: routes,
+// HTTP is Debian's cpp-httplib (libcpp-httplib-dev): a thread per connection (up to
+// --max-connections, see ConnectionPool in server.cpp), Server-Sent Events through chunked
+// content providers. This is the transport: routes,
 // authentication, streaming and the wiring to the Scheduler (scheduler.h). The OpenAI schema
 // (request validation into generation parameters, the answer and error objects) is
 // server/openai.h, which handlers call before submitting a server::Request and waiting on it.
@@ -29,8 +30,9 @@ struct ServerOptions {
   int parallel = 4;                 ///< slots: requests generating at once
   int queue_size = 64;              ///< requests waiting for a slot; beyond it: 503 with Retry-After
   size_t max_body_bytes = 1 << 20;  ///< larger request bodies: 413
-  int http_threads = 0;             ///< connection threads; 0 = parallel + queue_size + 16
-  std::string model_name;           ///< the id /v1/models reports (default: the file name without .gguf)
+  int http_threads = 0;     ///< most connection threads (--max-connections); 0 = max(256, parallel + queue_size + 64)
+  int read_timeout_s = 10;  ///< a connection that sends nothing for this long is closed (--timeout)
+  std::string model_name;   ///< the id /v1/models reports (default: the file name without .gguf)
   /// Batching, prefix cache and request timeout (n_slots and queue_size come from the two above).
   SchedulerOptions scheduling;
   /// max_tokens of a request that leaves it unset (-n, --n-predict), capped by the context; <= 0 = the context.

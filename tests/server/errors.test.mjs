@@ -4,6 +4,7 @@
 import { after, before, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { spawnSync } from 'node:child_process';
+import { connect } from 'node:net';
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -15,7 +16,8 @@ const KEY = 'sk-test-key';
 const AUTH = { Authorization: `Bearer ${KEY}` };
 let srv;
 before(async () => {
-  srv = await startServer(['--api-key', KEY, '--ctx-size', '256', '--max-body-kb', '64', '--parallel', '1', '--queue-size', '1']);
+  srv = await startServer(['--api-key', KEY, '--ctx-size', '256', '--max-body-kb', '64', '--parallel', '1', '--queue-size', '1',
+    '--timeout', '2']);
 });
 after(async () => {
   assert.equal(await srv.stop(), 0);
@@ -177,4 +179,74 @@ test('an unsupported chat template stops the server at startup with a clear mess
   } finally {
     rmSync(dir, { recursive: true, force: true });
   }
+});
+
+test('a JSON body sent as a form (curl -d) is read up to --max-body-kb, not 8 KiB', async () => {
+  const body = JSON.stringify({ prompt: 'Hi', max_tokens: 2, temperature: 0, padding: 'x'.repeat(40 * 1024) });
+  const r = await post(`${srv.url}/v1/completions`, body, { ...AUTH, 'Content-Type': 'application/x-www-form-urlencoded' });
+  assert.equal(r.status, 200, r.text);
+  assert.equal(r.body.object, 'text_completion');
+  const none = await fetch(`${srv.url}/v1/completions`, { method: 'POST', body: Buffer.from(body), headers: AUTH });
+  assert.equal(none.status, 200);
+  const big = JSON.stringify({ prompt: 'Hi', padding: 'x'.repeat(70 * 1024) });
+  assertError(await post(`${srv.url}/v1/completions`, big, { ...AUTH, 'Content-Type': 'application/x-www-form-urlencoded' }),
+    413, 'request_too_large');
+});
+
+test('"tools" that is not a list: 400 naming it; response_format json_schema: 400 unsupported', async () => {
+  let r = await chat({ ...okChat, tools: 'notalist' });
+  assertError(r, 400, 'invalid_type');
+  assert.equal(r.body.error.param, 'tools');
+  r = await chat({ ...okChat, response_format: { type: 'json_schema', json_schema: { name: 'x', schema: {} } } });
+  assertError(r, 400, 'unsupported');
+  assert.equal(r.body.error.param, 'response_format');
+});
+
+test('GET on a POST route: 405 with Allow; a lowercase bearer scheme is accepted', async () => {
+  const r = await fetch(`${srv.url}/v1/chat/completions`, { headers: AUTH });
+  assert.equal(r.status, 405);
+  assert.equal(r.headers.get('allow'), 'POST');
+  assert.equal((await r.json()).error.code, 'method_not_allowed');
+  const p = await fetch(`${srv.url}/health`, { method: 'POST', body: '{}' });
+  assert.equal(p.status, 405);
+  assert.equal(p.headers.get('allow'), 'GET');
+  assert.equal((await chat(okChat, { Authorization: `bearer ${KEY}` })).status, 200);
+  assert.equal((await chat(okChat, { Authorization: `BEARER  ${KEY}` })).status, 200);
+  assertError(await chat(okChat, { Authorization: `Basic ${KEY}` }), 401, 'invalid_api_key');
+});
+
+test('slow clients do not hold /health: 120 connections with a partial body; idle ones closed after --timeout', async () => {
+  const port = new URL(srv.url).port;
+  const sockets = [];
+  const closed = [];
+  // Four at a time, each batch connected before the next: httplib listens with a backlog of 5,
+  // and a SYN dropped by a full backlog is retried by the kernel only seconds later.
+  for (let i = 0; i < 120; i += 4) {
+    const batch = [];
+    for (let k = 0; k < 4; ++k) {
+      const s = connect(Number(port), '127.0.0.1');
+      s.on('error', () => {});
+      s.resume();  // read (and drop) the error answer, so that 'close' comes
+      closed.push(new Promise((resolve) => s.on('close', resolve)));
+      batch.push(new Promise((resolve) => s.on('connect', resolve)));
+      s.write(`POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ${KEY}\r\nContent-Type: application/json\r\n` +
+        'Content-Length: 1000\r\n\r\n{"prompt": "');
+      sockets.push(s);
+    }
+    await Promise.all(batch);
+  }
+  await new Promise((r) => setTimeout(r, 200));
+  const t0 = Date.now();
+  const h = await fetch(`${srv.url}/health`);
+  const waited = Date.now() - t0;
+  assert.equal(h.status, 200);
+  // A fixed pool of parallel + queue-size + 16 threads (before) made it wait about 14 s here.
+  assert.ok(waited < 2000, `/health took ${waited} ms behind 120 slow connections`);
+  assert.equal((await chat(okChat)).status, 200);
+  // --timeout 2: the server closes every stalled connection within a few seconds.
+  const t1 = Date.now();
+  await Promise.all(closed);
+  const took = Date.now() - t1;
+  assert.ok(took < 8000, `stalled connections closed after ${took} ms`);
+  for (const s of sockets) s.destroy();
 });

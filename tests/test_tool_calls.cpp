@@ -1,0 +1,152 @@
+// Tool-call parsing of model output (server/tool_calls.h) for each family's markup, whole and
+// streamed: the deltas of any split of the text (at every byte boundary, and byte by byte)
+// add up to the whole-text parse. The markup follows the families' templates in
+// ../shared/data/templates (Qwen3, Qwen3.5, gpt-oss, DeepSeek V3/V3.1, GLM-4.6).
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "server/tool_calls.h"
+
+using namespace strata::server::tools;
+
+namespace {
+
+// DeepSeek's markers, spelled out as in the templates.
+const std::string kCallsBegin = "<｜tool▁calls▁begin｜>", kCallsEnd = "<｜tool▁calls▁end｜>",
+                  kCallBegin = "<｜tool▁call▁begin｜>", kCallEnd = "<｜tool▁call▁end｜>", kSep = "<｜tool▁sep｜>";
+
+struct Expect {
+  std::string content;
+  std::vector<std::pair<std::string, nlohmann::json>> calls;  // name, arguments
+};
+
+void expect_delta(const Delta& d, const Expect& e, const std::string& what) {
+  EXPECT_EQ(d.content, e.content) << what;
+  ASSERT_EQ(d.calls.size(), e.calls.size()) << what;
+  for (size_t k = 0; k < d.calls.size(); ++k) {
+    EXPECT_EQ(d.calls[k].name, e.calls[k].first) << what;
+    EXPECT_EQ(nlohmann::json::parse(d.calls[k].arguments), e.calls[k].second) << what;
+  }
+}
+
+Delta merged(StreamParser& p, const std::vector<std::string>& pieces) {
+  Delta all;
+  auto add = [&](Delta d) {
+    all.content += d.content;
+    for (auto& c : d.calls) all.calls.push_back(c);
+  };
+  for (auto& s : pieces) add(p.push(s));
+  add(p.finish());
+  return all;
+}
+
+// The whole parse equals `e`, and so does every two-piece split and the byte-by-byte stream.
+void check(Format f, const std::string& text, const Expect& e) {
+  expect_delta(parse(f, text), e, "whole: " + text);
+  for (size_t cut = 0; cut <= text.size(); ++cut) {
+    StreamParser p(f);
+    expect_delta(merged(p, {text.substr(0, cut), text.substr(cut)}), e, "cut at " + std::to_string(cut));
+  }
+  std::vector<std::string> bytes;
+  for (char c : text) bytes.emplace_back(1, c);
+  StreamParser p(f);
+  expect_delta(merged(p, bytes), e, "byte by byte: " + text);
+}
+
+nlohmann::json J(const char* s) { return nlohmann::json::parse(s); }
+
+}  // namespace
+
+TEST(ToolCalls, DetectFormatFromRealTemplates) {
+  EXPECT_EQ(detect_format("{{- '<tool_call>\\n{\"name\": \"' }}"), Format::Hermes);
+  EXPECT_EQ(detect_format("<|start|>assistant to=functions.x<|channel|>commentary"), Format::Harmony);
+  EXPECT_EQ(detect_format("{{'" + kCallsBegin + "'}}"), Format::DeepSeek);
+  EXPECT_EQ(detect_format("<tool_call>{{ tc.name }}<arg_key>{{ k }}</arg_key>"), Format::Glm);
+  EXPECT_EQ(detect_format("{{ message.content }}"), Format::None);
+}
+
+TEST(ToolCalls, Hermes) {
+  // Qwen3: two calls after some text; whitespace around the calls is dropped.
+  check(Format::Hermes,
+        "<think>\nok\n</think>\n\nLet me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": "
+        "\"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>",
+        {"<think>\nok\n</think>\n\nLet me look.", {{"get_weather", J(R"({"city": "Paris"})")}, {"now", J("{}")}}});
+  // arguments as a JSON string (Hermes 2 Pro style), and a closer cut by the end of the output.
+  check(Format::Hermes, "<tool_call>{\"name\": \"f\", \"arguments\": \"{\\\"a\\\": 1}\"}",
+        {"", {{"f", J(R"({"a": 1})")}}});
+  // Qwen3.5 / Qwen3-Coder XML functions: values JSON when they parse, strings otherwise.
+  check(Format::Hermes,
+        "<tool_call>\n<function=search>\n<parameter=query>\nbest pizza in town\n</parameter>\n<parameter=limit>\n5\n"
+        "</parameter>\n</function>\n</tool_call>",
+        {"", {{"search", J(R"({"query": "best pizza in town", "limit": 5})")}}});
+  // No call: text as is (a lone '<' at the end, markup-like words).
+  check(Format::Hermes, "use a <tool_call tag? 1 < 2 <", {"use a <tool_call tag? 1 < 2 <", {}});
+  check(Format::Hermes, "  plain answer \n", {"  plain answer \n", {}});
+}
+
+TEST(ToolCalls, MalformedIsText) {
+  const std::string bad_json = "before <tool_call>{\"name\": \"f\", \"arguments\": {1: 2}}</tool_call> after";
+  check(Format::Hermes, bad_json, {bad_json, {}});
+  const std::string no_name = "<tool_call>{\"arguments\": {}}</tool_call>";
+  check(Format::Hermes, no_name, {no_name, {}});
+  const std::string open = "<tool_call>{\"name\": \"f\", \"argu";  // cut off mid-JSON
+  check(Format::Hermes, open, {open, {}});
+  // A good call next to a bad one: the good one parsed, the bad one kept as text.
+  check(Format::Hermes, "<tool_call>{\"name\": \"a\", \"arguments\": {}}</tool_call><tool_call>not json</tool_call>",
+        {"<tool_call>not json</tool_call>", {{"a", J("{}")}}});
+  const std::string glm_bad = "<tool_call>f\n<arg_key>x</arg_key>\n</tool_call>";  // a key without value
+  check(Format::Glm, glm_bad, {glm_bad, {}});
+  const std::string ds_bad = kCallsBegin + kCallBegin + "f" + kSep + "{nope" + kCallEnd + kCallsEnd;
+  check(Format::DeepSeek, ds_bad, {ds_bad, {}});
+  const std::string harmony_bad = "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{oops";
+  check(Format::Harmony, harmony_bad, {harmony_bad, {}});
+}
+
+TEST(ToolCalls, Harmony) {
+  // What gpt-oss writes after "<|start|>assistant" (<|call|> ends generation and is not in the text).
+  check(Format::Harmony,
+        "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary "
+        "to=functions.get_weather <|constrain|>json<|message|>{\"location\":\"Tokyo\"}",
+        {"<|channel|>analysis<|message|>Need weather.<|end|>", {{"get_weather", J(R"({"location": "Tokyo"})")}}});
+  // The template's own form (recipient before the channel), with <|call|>.
+  check(Format::Harmony,
+        "<|start|>assistant to=functions.lookup<|channel|>commentary json<|message|>{\"id\": 3}<|call|>",
+        {"", {{"lookup", J(R"({"id": 3})")}}});
+  // A final answer is text.
+  const std::string fin = "<|channel|>final<|message|>It is sunny.";
+  check(Format::Harmony, fin, {fin, {}});
+}
+
+TEST(ToolCalls, DeepSeek) {
+  // V3.1 / V3.2.
+  check(Format::DeepSeek,
+        "Checking." + kCallsBegin + kCallBegin + "get_weather" + kSep + "{\"city\": \"Oslo\"}" + kCallEnd + kCallBegin +
+            "now" + kSep + "{}" + kCallEnd + kCallsEnd,
+        {"Checking.", {{"get_weather", J(R"({"city": "Oslo"})")}, {"now", J("{}")}}});
+  // V3 / R1: type, separator, name and a fenced JSON block.
+  check(Format::DeepSeek,
+        kCallsBegin + kCallBegin + "function" + kSep + "get_weather\n```json\n{\"city\": \"Oslo\"}\n```" + kCallEnd +
+            kCallsEnd,
+        {"", {{"get_weather", J(R"({"city": "Oslo"})")}}});
+  // Output ended (EOS) before the closing marker.
+  check(Format::DeepSeek, kCallsBegin + kCallBegin + "f" + kSep + "{\"a\": 1}" + kCallEnd,
+        {"", {{"f", J(R"({"a": 1})")}}});
+}
+
+TEST(ToolCalls, Glm) {
+  // GLM-4.6: string values raw, others as JSON.
+  check(Format::Glm,
+        "\n<think></think>\nSure.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Beijing</arg_value>\n"
+        "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>opts</arg_key>\n<arg_value>{\"unit\": "
+        "\"c\"}</arg_value>\n</tool_call>",
+        {"\n<think></think>\nSure.", {{"get_weather", J(R"({"city": "Beijing", "days": 3, "opts": {"unit": "c"}})")}}});
+  check(Format::Glm, "<tool_call>now</tool_call>", {"", {{"now", J("{}")}}});
+}
+
+TEST(ToolCalls, NoneIsText) {
+  const std::string t = "<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>";
+  check(Format::None, t, {t, {}});
+}
