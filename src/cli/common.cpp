@@ -22,6 +22,11 @@ void EngineFlags::add(CLI::App& app) {
                  "expert arena size in MiB (0 = automatic: half of available RAM minus dense weights "
                  "and KV cache, capped at all experts)")
       ->capture_default_str();
+  app.add_option("--host-cache-mb", opts.host_cache_mb,
+                 "host RAM tier between the disk and the arena, in MiB (pinned for CUDA): disk reads fill it, "
+                 "arena misses it holds land from it without a disk read; LRU. 0 = off, -1 = automatic: half of "
+                 "available RAM for a GPU arena, 0 for the CPU backend")
+      ->capture_default_str();
   app.add_option("--prompt-chunk", opts.prompt_chunk,
                  "tokens per prefill chunk (0 = automatic: what 1/16 of available RAM holds, 64..2048)")
       ->capture_default_str();
@@ -150,7 +155,17 @@ nlohmann::json phase_json(const engine::PhaseStats& p) {
           {"wasted", p.stream.wasted},
           {"reads", p.stream.reads},
           {"bytes_read", p.stream.bytes_read},
-          {"exposed_wait_s", p.stream.exposed_wait_s}};
+          {"exposed_wait_s", p.stream.exposed_wait_s},
+          // tiers (docs/streaming.md, "Tiers"): reads = host_hits + disk_reads
+          {"arena_hits", p.stream.hits},
+          {"host_hits", p.stream.host_hits},
+          {"host_hit_bytes", p.stream.host_hit_bytes},
+          {"disk_reads", p.stream.disk_reads},
+          {"disk_bytes", p.stream.bytes_read},
+          {"host_fills", p.stream.host_fills},
+          {"host_evictions", p.stream.host_evictions},
+          {"h2d_bytes", p.stream.h2d_bytes},
+          {"h2d_busy_s", p.stream.h2d_busy_s}};
 }
 
 nlohmann::json arena_json(engine::Engine& e) {
@@ -164,7 +179,10 @@ nlohmann::json arena_json(engine::Engine& e) {
              for (const auto& L : e.model().expert_layout()) n += uint64_t(L.n_expert);
              return n;
            }()},
-          {"direct_io", e.stream().direct()}};
+          {"direct_io", e.stream().direct()},
+          {"host_cache_bytes", e.host_cache_bytes()},
+          {"host_cache_slots", e.stream().host_slots()},
+          {"host_cache_pinned", e.host_cache_pinned()}};
 }
 
 void print_stats(engine::Engine& e) {
@@ -177,9 +195,18 @@ void print_stats(engine::Engine& e) {
                name, p.tokens, p.seconds, p.tokens_per_s(), s.needed, s.hits, hit_rate, s.misses, s.streamed_ahead,
                s.wasted, human_bytes(double(s.bytes_read)), s.exposed_wait_s, 100.0 * overall_recall(p.prediction));
   };
+  // The tiers of one phase: where the needed experts came from (docs/streaming.md, "Tiers").
+  auto tiers = [&](const char* name, const engine::PhaseStats& p) {
+    const auto& s = p.stream;
+    fmt::print(stderr, "{:<8} tiers: arena hits {} | host hits {} ({}) | disk reads {} ({}) | copied to arena {}\n",
+               name, s.hits, s.host_hits, human_bytes(double(s.host_hit_bytes)), s.disk_reads,
+               human_bytes(double(s.bytes_read)), human_bytes(double(s.h2d_bytes)));
+  };
   fmt::print(stderr, "\n");
   line("prefill", e.prefill_stats());
   line("decode", e.decode_stats());
+  tiers("prefill", e.prefill_stats());
+  tiers("decode", e.decode_stats());
   uint64_t total_experts = 0;
   for (const auto& L : e.model().expert_layout()) total_experts += uint64_t(L.n_expert);
   fmt::print(
@@ -188,6 +215,10 @@ void print_stats(engine::Engine& e) {
       e.stream().n_slots(), human_bytes(double(e.stream().slot_bytes())), human_bytes(double(e.arena_bytes())),
       100.0 * double(e.stream().n_slots()) / double(std::max<uint64_t>(1, total_experts)), total_experts,
       human_bytes(double(e.expert_bytes())), e.stream().direct() ? "O_DIRECT" : "buffered", e.options().n_threads);
+  if (e.stream().host_slots() > 0)
+    fmt::print(stderr, "host     {} slots = {} of {} host memory (LRU), between the disk and the arena\n",
+               e.stream().host_slots(), human_bytes(double(e.host_cache_bytes())),
+               e.host_cache_pinned() ? "pinned" : "pageable");
 }
 
 }  // namespace strata::cli
