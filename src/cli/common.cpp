@@ -185,6 +185,29 @@ nlohmann::json arena_json(engine::Engine& e) {
           {"host_cache_pinned", e.host_cache_pinned()}};
 }
 
+nlohmann::json memory_json(const engine::MemoryReport& m) {
+  nlohmann::json vram = nullptr;
+  if (m.has_device)
+    vram = {{"device", m.device},
+            {"free_bytes", m.vram_free_bytes},
+            {"total_bytes", m.vram_total_bytes},
+            {"used_bytes", m.vram_total_bytes - m.vram_free_bytes}};
+  return {{"rss_bytes", m.rss_bytes},
+          {"rss_peak_bytes", m.rss_peak_bytes},
+          {"mem_available_bytes", m.mem_available_bytes},
+          {"pinned_bytes", m.pinned_bytes},
+          {"vram", vram}};
+}
+
+std::string memory_line(const engine::MemoryReport& m) {
+  std::string s = fmt::format("memory: RSS {} (peak {}), pinned {}", human_bytes(double(m.rss_bytes)),
+                              human_bytes(double(m.rss_peak_bytes)), human_bytes(double(m.pinned_bytes)));
+  if (m.has_device)
+    s += fmt::format(", VRAM {} of {} used (device {})", human_bytes(double(m.vram_total_bytes - m.vram_free_bytes)),
+                     human_bytes(double(m.vram_total_bytes)), m.device);
+  return s;
+}
+
 void print_stats(engine::Engine& e) {
   auto line = [&](const char* name, const engine::PhaseStats& p) {
     const auto& s = p.stream;

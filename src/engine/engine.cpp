@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <regex>
@@ -123,6 +124,38 @@ uint64_t resolve_host_cache_bytes(int64_t host_cache_mb, bool arena_on_device, u
                     host_cache_mb, double(want) / 1048576.0, arena_on_device ? "pinned host" : "host",
                     double(mem_available) / 1048576.0, mem_available >> 20));
   return want;
+}
+
+CopyProbe measure_arena_copy(bool device_arena, int device, size_t bytes, int reps) {
+  if (bytes == 0 || reps < 1) throw EngineError("copy probe: needs bytes > 0 and reps >= 1");
+  CopyProbe r;
+  r.bytes = bytes;
+  r.reps = reps;
+  if (device_arena) {
+#ifdef STRATA_HAVE_CUDA
+    const cuda::H2dProbe p = cuda::measure_h2d(device, bytes, reps);
+    r.kind = p.pinned ? "h2d pinned" : "h2d pageable";
+    r.gbps = p.gbps;
+    return r;
+#else
+    (void)device;
+    throw EngineError("host-to-device probe: this strata was built without the CUDA backend");
+#endif
+  }
+  io::AlignedBuffer a(bytes), b(bytes);
+  std::memset(a.data(), 1, bytes);
+  std::memset(b.data(), 0, bytes);  // both paged in before timing
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < reps; ++i) {
+    a.data()[size_t(i) % bytes] = uint8_t(i);
+    std::memcpy(b.data(), a.data(), bytes);
+  }
+  const double s = seconds_since(t0);
+  volatile uint8_t sink = b.data()[size_t(reps - 1) % bytes];
+  (void)sink;
+  r.kind = "memcpy";
+  r.gbps = s > 0 ? double(bytes) * double(reps) / s / 1e9 : 0.0;
+  return r;
 }
 
 MemoryReport memory_report(int device) {

@@ -186,6 +186,18 @@ struct MemoryReport {
 /// and the device exists (has_device). Never throws: unknown values stay 0.
 MemoryReport memory_report(int device = 0);
 
+/// The peak rate of the copy that lands a host-tier entry in an arena slot (strata ssdbw, strata bench).
+struct CopyProbe {
+  std::string kind;  ///< "h2d pinned", "h2d pageable" (pinning failed) or "memcpy" (host arena)
+  size_t bytes = 0;  ///< bytes per copy
+  int reps = 0;      ///< timed copies
+  double gbps = 0;   ///< bytes * reps / seconds / 1e9
+};
+/// With `device_arena`: pinned host-to-device copies to CUDA device `device` (cuda::measure_h2d;
+/// throws EngineError in a build without CUDA); else memcpy between two 4 KiB-aligned host
+/// buffers (the CPU backend's host-tier hit). Throws EngineError for bytes == 0 or reps < 1.
+CopyProbe measure_arena_copy(bool device_arena, int device, size_t bytes, int reps);
+
 /// Bytes of scratch one prompt-chunk token needs in the forward pass (activations, q/k/v,
 /// router logits, the per-(token, k) expert outputs, logits), from the hyper-parameters.
 uint64_t chunk_scratch_bytes_per_token(const model::ModelHParams& hp);
