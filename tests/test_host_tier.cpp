@@ -199,8 +199,9 @@ struct TierRun {
 };
 
 // Two prefills of the same ids (the second reuses what the first left in the tiers).
-TierRun run_engine(int64_t host_mb, bool predict) {
+TierRun run_engine(int64_t host_mb, bool predict, const std::string& backend = "cpu") {
   engine::EngineOptions o;
+  o.backend = backend;
   o.n_threads = 2;
   o.arena_mb = 3;  // about 10 % of the 25.5 MiB of experts (the chunk shrinks to fit)
   o.host_cache_mb = host_mb;
@@ -250,6 +251,25 @@ TEST(HostTier, EngineLogitsBitIdenticalAndCountersAddUp) {
   const TierRun ahead = run_engine(16, true);
   EXPECT_EQ(0, std::memcmp(ahead.logits.data(), off.logits.data(), off.logits.size() * sizeof(float)));
   EXPECT_EQ(ahead.pass2.reads, ahead.pass2.host_hits + ahead.pass2.disk_reads);
+}
+
+// The same on the GPU: the arena in VRAM, the host tier pinned, hits landed host-to-device.
+TEST(HostTier, CudaLogitsBitIdenticalAndCountersAddUp) {
+  if (!engine::cuda_device_present()) GTEST_SKIP() << "no CUDA device (or a build without the CUDA backend)";
+  const TierRun off = run_engine(0, false, "cuda");
+  const TierRun small = run_engine(16, false, "cuda");
+  const TierRun all = run_engine(64, true, "cuda");
+  for (const TierRun* r : {&small, &all}) {
+    ASSERT_EQ(r->logits.size(), off.logits.size());
+    EXPECT_EQ(0, std::memcmp(r->logits.data(), off.logits.data(), off.logits.size() * sizeof(float)));
+    for (const auto* st : {&r->pass1, &r->pass2}) {
+      EXPECT_EQ(st->reads, st->host_hits + st->disk_reads);
+      EXPECT_GT(st->h2d_bytes, 0u);  // a device arena: every landed byte is a host-to-device copy
+    }
+  }
+  EXPECT_EQ(small.pass2.misses, small.pass2.host_hits + small.pass2.disk_reads);
+  EXPECT_GT(small.pass2.host_hits, 0u);
+  EXPECT_EQ(all.pass2.disk_reads, 0u);
 }
 
 TEST(HostTier, CpuDefaultIsOffAndBadSizesAreErrors) {
