@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "backend/cpu/kernels/kernels.h"
+#include "backend/cpu/kernels/peak_probe.h"
 #include "quant/quant.h"
 #include "quant/quant_tables.h"
 
@@ -246,6 +247,17 @@ void BM_MatVecHot(benchmark::State& st, GgmlType t) {
                          benchmark::Counter::kIsRate);
 }
 
+// The roofline probes (backend/cpu/kernels/peak_probe.h) in this process, on 1 or 2 threads at
+// once: the int8 dot-product peak of the kernel family (GOPS, 2 per multiply-add; MatMul's
+// GFLOP/s is counted the same way), the bare vpmaddubsw rate and the sequential read GB/s.
+void BM_Peak(benchmark::State& st) {
+  k::PeakProbe p;
+  for (auto _ : st) p = k::probe_peak(g_kernels.family, static_cast<int>(st.range(0)));
+  st.counters["int8_GOPS"] = p.int8_gops;
+  st.counters["maddubs_GOPS"] = p.maddubs_gops;
+  st.counters["read_GB/s"] = p.read_gbps;
+}
+
 void BM_MatMul(benchmark::State& st, GgmlType t) {
   const int64_t n_tok = st.range(0);
   const int threads = static_cast<int>(st.range(1));
@@ -339,6 +351,12 @@ void register_all() {
         ->MeasureProcessCPUTime()
         ->Unit(benchmark::kMicrosecond);
   }
+  benchmark::RegisterBenchmark("Peak", BM_Peak)
+      ->Arg(1)
+      ->Arg(2)
+      ->Iterations(1)
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
   for (GgmlType t : kTypes) {
     const std::string name = std::string("MatMul/") + strata::ggml_type_name(t);
     auto* b = benchmark::RegisterBenchmark(name.c_str(), BM_MatMul, t);

@@ -15,7 +15,8 @@ mkdir -p "$OUT"
 export LD_LIBRARY_PATH=$DEPS/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 L=$DEPS/usr
 t0=$(date +%s)
-{
+# --no-build: $BUILD already holds a strata built from this tree (scripts/cuda_perf_run.sh)
+[ "${1:-}" = "--no-build" ] || {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   cmake -S "$REPO" -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSTRATA_WERROR=OFF -DSTRATA_BENCH=OFF -DSTRATA_TESTS=OFF \
     -DSTRATA_DEPS_ROOT="$DEPS" -DSTRATA_GTEST_SOURCE="$GTEST" -Dfmt_DIR=$L/lib/x86_64-linux-gnu/cmake/fmt \
@@ -23,7 +24,7 @@ t0=$(date +%s)
   cmake --build "$B" -j"$(nproc)" --target strata
 } > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
 echo "built in $(( $(date +%s) - t0 )) s"
-[ -f "$M" ] || timeout 240 "$B/strata" synth --like qwen3moe-30b-a3b --type Q8_0 -q -o "$M" --tokenizer-from "$REPO/models/qwen3moe-code-Q8_0.gguf" --json | tee "$OUT/synth.json"
+[ -f "$M" ] || timeout 240 "$B/strata" synth --like qwen3moe-30b-a3b --type Q8_0 -q -o "$M" --tokenizer-from "${MODELS:-$REPO/models}/qwen3moe-code-Q8_0.gguf" --json | tee "$OUT/synth.json"
 echo "synth done at $(( $(date +%s) - t0 )) s"
 run() {  # name, extra flags
   local name=$1; shift

@@ -930,7 +930,7 @@ TEST(QuantQ8, ModeSelection) {
   }
   if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
       !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512dq"))
-    GTEST_SKIP() << "no AVX-512 on this CPU: auto is f32 in every family here";
+    GTEST_SKIP() << "no AVX-512 on this CPU: the avx512 family cannot be resolved here (scalar and avx2 checked above)";
   EXPECT_EQ(config(k::CpuKernels::Avx512, k::ActQuant::Auto).act, k::ActQuant::Q8);
   const k::KernelConfig q8 = config(k::CpuKernels::Avx512, k::ActQuant::Q8);
   EXPECT_TRUE(k::has_q8_activations(q8, GgmlType::Q4_K));
@@ -940,4 +940,75 @@ TEST(QuantQ8, ModeSelection) {
   for (GgmlType t : {GgmlType::F32, GgmlType::F16, GgmlType::BF16})  // no int8 kernel: fp32 activations
     EXPECT_FALSE(k::has_q8_activations(q8, t)) << strata::quant::detail::type_name(t);
   EXPECT_FALSE(k::has_q8_activations(config(k::CpuKernels::Avx512, k::ActQuant::F32), GgmlType::Q4_K));
+}
+
+// The AVX2 prefill tiles (gemm_q8_avx2 in matmul_q8_avx2.cpp: 2 rows x 4 tokens for the 32-weight
+// block types, 4 tokens per row for Q4_K/Q5_K/IQ4_XS; n_tok >= 4) against the scalar definition
+// and against the row kernels (n_tok < 4), bit for bit: row ranges that start and end inside a
+// row tile, every tile remainder (n_tok 4..9, and 67 crossing the 64-token block), wider ldy, and
+// the codes at the ends of the int16 range (all-maximal Q4_K/Q5_K/Q8_0/IQ4_XS codes against
+// activation codes of +-127, where Q5_K's int16 sum of 4 chunks reaches 31496).
+TEST(QuantQ8, Avx2TilesEqualDefinitionAndRowKernels) {
+  if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+        __builtin_cpu_supports("bmi2")))
+    GTEST_SKIP() << "no AVX2 on this CPU";
+  std::mt19937_64 rng(test_seed() ^ 0x7117);
+  int64_t checked = 0;
+  for (bool extreme : {false, true}) {
+    for (GgmlType t : kQ8Types) {
+      const int64_t cols = q::block_elems(t) == 256 ? 768 : 800;  // 800: 25 blocks (a partial group of 8)
+      const int64_t rows = 7, r0 = 1, r1 = 6;
+      auto w = random_rows(t, rows, cols, rng);
+      const size_t rb = q::row_size(t, cols);
+      if (extreme) {
+        const bool k4 = t == GgmlType::Q4_K || t == GgmlType::Q5_K, iq4 = t == GgmlType::IQ4_XS;
+        if (!k4 && iq4 == false && t != GgmlType::Q8_0) continue;
+        const size_t bb = q::row_size(t, q::block_elems(t));
+        for (size_t b = 0; b < w.size() / bb; ++b) {
+          uint8_t* blk = w.data() + b * bb;
+          if (t == GgmlType::Q8_0) std::memset(blk + 2, b % 2 ? 0x80 : 0x7f, 32);  // -128 / +127
+          if (t == GgmlType::Q4_K) std::memset(blk + 16, 0xff, 128);               // nibbles 15
+          if (t == GgmlType::Q5_K) std::memset(blk + 16, 0xff, 160);               // qh + nibbles: 31
+          if (iq4) std::memset(blk + 8, 0x00, 128);                                // kvalues[0] = -127
+        }
+      }
+      for (int64_t n_tok : {1, 2, 3, 4, 5, 6, 7, 8, 9, 67}) {
+        std::vector<float> x = random_x(n_tok * cols, rng);
+        if (extreme)  // +-amax everywhere: codes +-127, one sign per token
+          for (int64_t i = 0; i < n_tok * cols; ++i) x[static_cast<size_t>(i)] = (i / cols) % 2 ? -0.5f : 0.5f;
+        k::ActQ8 act;
+        act.resize(n_tok, cols, t);
+        k::quantize_activations(config(k::CpuKernels::Auto), x.data(), cols, 0, n_tok, act);
+        const int64_t ldy = rows + 3;
+        std::vector<float> ref(static_cast<size_t>(ldy * n_tok), NAN), y(ref.size(), NAN), one(ref.size(), NAN);
+        kd::MatmulArgs a{t, w.data(), rb, r0, r1, cols, x.data(), cols, n_tok, ref.data(), ldy};
+        kd::matmul_q8_scalar(a, act);
+        a.y = y.data();
+        ASSERT_TRUE(kd::matmul_q8_avx2(a, act));
+        // each token alone (the row kernels), from its own quantization
+        for (int64_t tk = 0; tk < n_tok; ++tk) {
+          k::ActQ8 a1;
+          a1.resize(1, cols, t);
+          k::quantize_activations(config(k::CpuKernels::Auto), x.data() + tk * cols, cols, 0, 1, a1);
+          kd::MatmulArgs s{t, w.data(), rb, r0, r1, cols, nullptr, cols, 1, one.data() + tk * ldy, ldy};
+          ASSERT_TRUE(kd::matmul_q8_avx2(s, a1));
+        }
+        for (int64_t tk = 0; tk < n_tok; ++tk)
+          for (int64_t r = 0; r < ldy; ++r) {
+            const size_t i = static_cast<size_t>(tk * ldy + r);
+            if (r < r0 || r >= r1) {  // outside the row range: untouched
+              ASSERT_TRUE(std::isnan(y[i]));
+              continue;
+            }
+            ASSERT_FALSE(std::isnan(ref[i]));
+            ASSERT_EQ(bits(y[i]), bits(ref[i])) << strata::quant::detail::type_name(t) << (extreme ? " extreme" : "")
+                                                << " n_tok=" << n_tok << " token " << tk << " row " << r;
+            ASSERT_EQ(bits(one[i]), bits(y[i])) << strata::quant::detail::type_name(t) << " token " << tk << " alone";
+            ++checked;
+          }
+      }
+    }
+  }
+  std::printf("[quant] avx2 tiles: %lld outputs equal to the definition and to single-token calls\n",
+              static_cast<long long>(checked));
 }

@@ -10,6 +10,7 @@
 #include <set>
 #include <sstream>
 
+#include "cli/bench_roofline.h"
 #include "cli/commands.h"
 #include "cli/common.h"
 #include "io/ssdbw.h"
@@ -262,6 +263,9 @@ void register_bench(CLI::App& root) {
                           {"host_cache_pinned", host_pinned},
                           {"copy_probe", {{"kind", copy.kind}, {"bytes", copy.bytes}, {"gbps", copy.gbps}}},
                           {"memory", memory_json(mem)}};
+    // roofline (issue 18): matmul GFLOP/s and weight GB/s per phase against probes of this machine
+    out["roofline"] = bench_roofline(f->engine.model, out);
+    if (!f->json) print_roofline(out["roofline"]);
     if (f->json) {
       fmt::print("{}\n", out.dump(2));
       return;

@@ -57,6 +57,39 @@ void add_rows(float* y, const float* b, int64_t n, int64_t m) {
     for (int64_t i = 0; i < m; ++i) y[j * m + i] += b[i];
 }
 
+// g = x·gateᵀ and u = x·upᵀ for n tokens (x: n rows of `cols` floats; g, u: n rows of gate.rows
+// floats). When both take q8 activations of one weight type, x is quantized once (with that
+// type's lane order) and both matmuls run as one pool loop over the rows of gate then up, so the
+// threads split 2·rows row blocks instead of waiting at the end of each matmul; otherwise two
+// cpu::matmul calls. Either way every output has the bits cpu::matmul gives it.
+void gate_up(ThreadPool& pool, const kernels::KernelConfig& kc, const MatrixRef& gate, const MatrixRef& up,
+             const float* x, int64_t n, float* g, float* u) {
+  const int64_t cols = gate.cols, rows = gate.rows;
+  if (!kernels::has_q8_activations(kc, gate.type) || up.type != gate.type || up.cols != cols || up.rows != rows) {
+    cpu::matmul(pool, kc, gate, x, cols, n, g, rows);
+    cpu::matmul(pool, kc, up, x, cols, n, u, rows);
+    return;
+  }
+  thread_local kernels::ActQ8 tl_act;
+  kernels::ActQ8& act = tl_act;  // the pool's threads must see this thread's buffer
+  act.resize(n, cols, gate.type);
+  if (n * cols >= 32768) {
+    pool.parallel_for(n, 1, [&](int64_t t0, int64_t t1) { kernels::quantize_activations(kc, x, cols, t0, t1, act); });
+  } else {
+    kernels::quantize_activations(kc, x, cols, 0, n, act);
+  }
+  // row blocks of the same grain as cpu::matmul's, never straddling the two matrices
+  const int64_t grain = std::max<int64_t>(8, rows / (pool.n_threads() * 8));
+  const int64_t per = (rows + grain - 1) / grain;
+  pool.parallel_for(2 * per, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const MatrixRef& W = b < per ? gate : up;
+      const int64_t r0 = (b % per) * grain, r1 = std::min(rows, r0 + grain);
+      kernels::matmul_q8(kc, W.type, W.data, W.row_bytes, r0, r1, cols, act, b < per ? g : u, rows);
+    }
+  });
+}
+
 }  // namespace
 
 CpuBackend::CpuBackend(const CpuOptions& opts) : pool_(std::max(1, opts.n_threads)), kc_(opts.kernels) {}
@@ -178,8 +211,7 @@ void CpuBackend::expert_ffn(const backend::FfnSpec& spec, const backend::ExpertJ
   g_.resize(size_t(n * n_ff));
   u_.resize(size_t(n * n_ff));
   for (int64_t j = 0; j < n; ++j) std::copy_n(h.row(job.pairs[j] / top_k), n_embd, x_.data() + j * n_embd);
-  cpu::matmul(pool_, kc_, as_matrix(job.w.gate), x_.data(), n_embd, n, g_.data(), n_ff);
-  cpu::matmul(pool_, kc_, as_matrix(job.w.up), x_.data(), n_embd, n, u_.data(), n_ff);
+  gate_up(pool_, kc_, as_matrix(job.w.gate), as_matrix(job.w.up), x_.data(), n, g_.data(), u_.data());
   add_rows(g_.data(), values_or_null(job.w.gate_b), n, n_ff);
   add_rows(u_.data(), values_or_null(job.w.up_b), n, n_ff);
   if (spec.act == backend::FfnSpec::Act::SwiGluOai) {

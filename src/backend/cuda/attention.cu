@@ -11,11 +11,37 @@ namespace {
 
 constexpr int kAttnWarps = 8;  // query rows per block, one warp each
 constexpr int kKvTile = 32;    // cache positions per tile (one per lane when scoring)
+constexpr int kKvSeg = 256;    // cache positions per segment: each segment's softmax state starts fresh
+
+/// Folds a segment's online-softmax state (m, l, o) into the running state (M, L, O) of the
+/// segments before it, in position order: M' = max(M, m), L = L e^(M - M') + l e^(m - M'),
+/// O = O e^(M - M') + o e^(m - M'). `first`: the running state is the segment's.
+template <int DPL>
+__device__ __forceinline__ void fold_segment(bool first, float& M, float& L, float O[DPL], float m, float l,
+                                             const float o[DPL]) {
+  if (first) {
+    M = m, L = l;
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) O[i] = o[i];
+    return;
+  }
+  const float Mn = fmaxf(M, m);
+  const float ca = expf(__fsub_rn(M, Mn)), cb = expf(__fsub_rn(m, Mn));
+  L = __fadd_rn(__fmul_rn(L, ca), __fmul_rn(l, cb));
+#pragma unroll
+  for (int i = 0; i < DPL; ++i) O[i] = __fadd_rn(__fmul_rn(O[i], ca), __fmul_rn(o[i], cb));
+  M = Mn;
+}
 
 /// Block (kv head, 8 consecutive query rows R = t * group + head-in-group). DPL = head_dim / 32
 /// dimensions per lane for the output accumulators.
+/// seg < 0: the block walks every segment, folding each into its running state, and writes
+/// out = O / L. seg >= 0: it computes segment `seg` only and writes the segment's state
+/// [m, l, o[HD]] of row R to part + (R * n_seg + seg) * (HD + 2) (attention_combine folds them).
 template <int DPL>
-__global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(AttentionArgs a, int group) {
+__global__ void __launch_bounds__(kAttnWarps * 32)
+    attention_kernel(AttentionArgs a, int group, float* __restrict__ part, int n_seg) {
+  const int seg = part ? int(blockIdx.z) : -1;
   constexpr int HD = 32 * DPL;
   extern __shared__ float smem[];
   float* Ks = smem;                     // [kKvTile][HD + 1] (padded: lane p reads row p)
@@ -41,14 +67,23 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(AttentionArg
 #pragma unroll
   for (int i = 0; i < DPL; ++i) o[i] = 0.0f;
   float m = -INFINITY, l = 0.0f;
+  float M = -INFINITY, L = 0.0f, O[DPL];
   const int64_t kv_off = int64_t(kvh) * HD;
-  for (int64_t kb = 0; kb <= p_max; kb += kKvTile) {
+  const int64_t kb0 = seg < 0 ? 0 : int64_t(seg) * kKvSeg;
+  const int64_t kb_end = seg < 0 ? p_max : min(p_max, kb0 + kKvSeg - 1);
+  for (int64_t kb = kb0; kb <= kb_end; kb += kKvTile) {
+    if (seg < 0 && kb > 0 && kb % kKvSeg == 0 && valid && kb <= P) {
+      fold_segment<DPL>(kb == kKvSeg, M, L, O, m, l, o);
+      m = -INFINITY, l = 0.0f;
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) o[i] = 0.0f;
+    }
     __syncthreads();  // the previous tile has been consumed (and q_sh written, the first time)
     for (int idx = int(threadIdx.x); idx < kKvTile * HD; idx += kAttnWarps * 32) {
       const int p = idx / HD, d = idx % HD;
       const int64_t pos = kb + p;
       float kv = 0.0f, vv = 0.0f;
-      if (pos <= p_max) {
+      if (pos <= kb_end) {
         kv = a.k[pos * a.kv_stride + kv_off + d];
         vv = a.v[pos * a.kv_stride + kv_off + d];
       }
@@ -88,11 +123,42 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(AttentionArg
       m = m_new;
     }
   }
-  if (valid) {
-    float* orow = a.out + t * a.out_stride + int64_t(h) * HD;
+  if (!valid) return;
+  if (seg >= 0) {
+    if (kb0 > P) return;  // this row does not reach the segment; attention_combine skips it
+    float* pr = part + ((int64_t(kvh) * n_rows + R) * n_seg + seg) * (HD + 2);
+    if (lane == 0) pr[0] = m, pr[1] = l;
 #pragma unroll
-    for (int i = 0; i < DPL; ++i) orow[lane + 32 * i] = __fdiv_rn(o[i], l);
+    for (int i = 0; i < DPL; ++i) pr[2 + lane + 32 * i] = o[i];
+    return;
   }
+  fold_segment<DPL>(P < kKvSeg, M, L, O, m, l, o);
+  float* orow = a.out + t * a.out_stride + int64_t(h) * HD;
+#pragma unroll
+  for (int i = 0; i < DPL; ++i) orow[lane + 32 * i] = __fdiv_rn(O[i], L);
+}
+
+/// One warp per query row R: folds the row's segments 0 .. P / kKvSeg in order (fold_segment,
+/// as attention_kernel does in one pass), out = O / L.
+template <int DPL>
+__global__ void attention_combine(AttentionArgs a, int group, const float* __restrict__ part, int n_seg) {
+  constexpr int HD = 32 * DPL;
+  const int64_t R = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = int(threadIdx.x) & 31;
+  if (R >= a.n_tok * group) return;
+  const int64_t t = R / group;
+  const int h = int(blockIdx.y) * group + int(R % group);
+  const int64_t P = a.pos0 + t;
+  float M = -INFINITY, L = 0.0f, O[DPL], o[DPL];
+  for (int sg = 0; int64_t(sg) * kKvSeg <= P; ++sg) {
+    const float* pr = part + ((int64_t(blockIdx.y) * a.n_tok * group + R) * n_seg + sg) * (HD + 2);
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) o[i] = pr[2 + lane + 32 * i];
+    fold_segment<DPL>(sg == 0, M, L, O, pr[0], pr[1], o);
+  }
+  float* orow = a.out + t * a.out_stride + int64_t(h) * HD;
+#pragma unroll
+  for (int i = 0; i < DPL; ++i) orow[lane + 32 * i] = __fdiv_rn(O[i], L);
 }
 
 template <int DPL>
@@ -104,8 +170,25 @@ void launch_attention(const AttentionArgs& a, int group, cudaStream_t st) {
   const int64_t gy = (n_rows + kAttnWarps - 1) / kAttnWarps;
   STRATA_CUDA_REQUIRE(gy <= 65535, "cuda::attention: n_tok * n_head / n_head_kv = " + std::to_string(n_rows) +
                                        " query rows exceed one launch (524280)");
+  const int64_t p_last = a.pos0 + a.n_tok - 1;
+  const int n_seg = int(p_last / kKvSeg + 1);
+  // Few blocks (decode, small chunks) and a long cache: the segments in parallel, then the fold
+  // (the same sums as the one-pass kernel, so the same bits).
+  if (n_seg >= 2 && int64_t(a.n_head_kv) * gy < 128) {
+    const size_t part_bytes = sizeof(float) * size_t(a.n_head_kv) * size_t(n_rows) * size_t(n_seg) * size_t(HD + 2);
+    float* part = nullptr;
+    STRATA_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&part), part_bytes, st));
+    const dim3 grid(unsigned(a.n_head_kv), unsigned(gy), unsigned(n_seg));
+    attention_kernel<DPL><<<grid, kAttnWarps * 32, smem, st>>>(a, group, part, n_seg);
+    STRATA_CUDA_CHECK_LAUNCH();
+    const dim3 cgrid(unsigned((n_rows + 3) / 4), unsigned(a.n_head_kv));
+    attention_combine<DPL><<<cgrid, 128, 0, st>>>(a, group, part, n_seg);
+    STRATA_CUDA_CHECK_LAUNCH();
+    STRATA_CUDA_CHECK(cudaFreeAsync(part, st));
+    return;
+  }
   const dim3 grid(unsigned(a.n_head_kv), unsigned(gy));
-  attention_kernel<DPL><<<grid, kAttnWarps * 32, smem, st>>>(a, group);
+  attention_kernel<DPL><<<grid, kAttnWarps * 32, smem, st>>>(a, group, nullptr, 0);
   STRATA_CUDA_CHECK_LAUNCH();
 }
 

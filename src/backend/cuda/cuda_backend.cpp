@@ -323,10 +323,12 @@ backend::BackendInfo CudaBackend::info() const {
 }
 
 std::unique_ptr<backend::Buffer> CudaBackend::alloc(BufferRole role, size_t bytes) {
+  flush_experts();
   return std::make_unique<CudaBuffer>(ctx_, role, bytes);
 }
 
 Tensor CudaBackend::weights(const Tensor& host) {
+  flush_experts();
   if (host.place != Place::Host) throw CudaError("strata::cuda: weights() takes a host tensor");
   if (!is_supported(host.type))
     throw CudaError(fmt::format("strata::cuda: weight type {} ({} x {}) is not supported by the CUDA kernels",
@@ -376,6 +378,7 @@ char* CudaBackend::scratch(size_t bytes) {
 }
 
 void CudaBackend::upload(const Tensor& dst, const void* src, size_t bytes) {
+  flush_experts();
   if (dst.place == Place::Host) {
     std::memcpy(dst.data, src, bytes);
     return;
@@ -384,6 +387,7 @@ void CudaBackend::upload(const Tensor& dst, const void* src, size_t bytes) {
 }
 
 void CudaBackend::download(void* dst, const Tensor& src, size_t bytes) {
+  flush_experts();
   if (src.place == Place::Host) {
     STRATA_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));
     std::memcpy(dst, src.data, bytes);
@@ -394,20 +398,29 @@ void CudaBackend::download(void* dst, const Tensor& src, size_t bytes) {
 }
 
 void CudaBackend::copy(const Tensor& dst, const Tensor& src, size_t bytes) {
+  flush_experts();
   STRATA_CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, bytes, cudaMemcpyDefault, ctx_->stream));
 }
 
-backend::EventPtr CudaBackend::record() { return std::make_shared<CudaEvent>(ctx_); }
+backend::EventPtr CudaBackend::record() {
+  flush_experts();
+  return std::make_shared<CudaEvent>(ctx_);
+}
 
-void CudaBackend::synchronize() { STRATA_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream)); }
+void CudaBackend::synchronize() {
+  flush_experts();
+  STRATA_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));
+}
 
 std::unique_ptr<backend::ArenaMemory> CudaBackend::make_arena(size_t n_slots, size_t slot_bytes, int io_threads) {
+  flush_experts();
   return std::make_unique<DeviceArena>(ctx_, n_slots, slot_bytes, io_threads);
 }
 
 // ---- compute ------------------------------------------------------------------------------
 
 void CudaBackend::embed(const Tensor& table, std::span<const int32_t> ids, const Tensor& x) {
+  flush_experts();
   require_device(table, "embed: the table");
   const int64_t n = int64_t(ids.size());
   if (n == 0) return;
@@ -418,14 +431,17 @@ void CudaBackend::embed(const Tensor& table, std::span<const int32_t> ids, const
 }
 
 void CudaBackend::rms_norm(const Tensor& x, const Tensor& w, float eps, const Tensor& y) {
+  flush_experts();
   cuda::rms_norm(x.f(), ld(x), w.f(), y.f(), ld(y), x.cols(), x.rows(), eps, stream());
 }
 
 void CudaBackend::add(const Tensor& x, const Tensor& y) {
+  flush_experts();
   add_rows(x.f(), ld(x), y.f(), ld(y), x.cols(), x.rows(), stream());
 }
 
 void CudaBackend::matmul(const Tensor& W, const Tensor& x, const Tensor& y) {
+  flush_experts();
   require_device(W, "matmul: the weights");
   cuda::matmul(W.type, W.data, W.row_bytes(), W.rows(), W.cols(), x.f(), ld(x), x.rows(), y.f(), ld(y), stream());
 }
@@ -443,6 +459,7 @@ const double* CudaBackend::inv_freq(const backend::RopeSpec& rope) {
 
 void CudaBackend::attention(const backend::AttentionSpec& s, const backend::AttentionWeights& w,
                             const backend::KvCache& kv, int64_t pos0, const Tensor& h, const Tensor& out) {
+  flush_experts();
   const int64_t T = h.rows();
   if (T == 0) return;
   const int64_t q_dim = int64_t(s.n_head) * s.head_dim, kv_dim = int64_t(s.n_head_kv) * s.head_dim;
@@ -507,6 +524,7 @@ void CudaBackend::attention(const backend::AttentionSpec& s, const backend::Atte
 
 void CudaBackend::gated_delta_net(const backend::GdnSpec& s, const backend::GdnWeights& w,
                                   const backend::RecurrentState& state, const Tensor& h, const Tensor& out) {
+  flush_experts();
   const int64_t T = h.rows();
   if (T == 0) return;
   if (s.v_head_order != backend::GdnSpec::VHeadOrder::Grouped || w.wba.empty())
@@ -558,6 +576,7 @@ static void check_ffn(const backend::FfnSpec& spec, const backend::FfnWeights& w
 }
 
 void CudaBackend::ffn(const backend::FfnCall& call, const backend::FfnWeights& w, const Tensor& h, const Tensor& out) {
+  flush_experts();
   const int64_t T = h.rows(), E = out.cols(), F = w.gate.rows();
   if (T == 0) return;
   check_ffn(call.spec, w, "ffn");
@@ -582,6 +601,7 @@ void CudaBackend::ffn(const backend::FfnCall& call, const backend::FfnWeights& w
 }
 
 void CudaBackend::router_logits(const Tensor& w, const Tensor& h, std::vector<float>& logits) {
+  flush_experts();
   const int64_t n_expert = w.rows(), T = h.rows();
   logits.resize(size_t(T * n_expert));
   if (T == 0) return;
@@ -595,9 +615,29 @@ void CudaBackend::router_logits(const Tensor& w, const Tensor& h, std::vector<fl
 void CudaBackend::expert_ffn(const backend::FfnSpec& spec, const backend::ExpertJob& job, int top_k, const Tensor& h,
                              const Tensor& expert_out) {
   check_ffn(spec, job.w, "expert_ffn");
-  // Gather the expert's token rows, SwiGLU on all of them at once, scatter to the (token, k) rows.
   const int64_t n = int64_t(job.pairs.size()), E = h.cols(), F = job.w.gate.rows();
   if (n == 0) return;
+  const backend::FfnWeights& w = job.w;
+  const bool groupable = w.gate.type == w.up.type && w.gate.row_bytes() == w.up.row_bytes() && w.up.rows() == F &&
+                         w.down.rows() == E && w.down.cols() == F && w.gate.cols() == E && has_mma(w.gate.type, E) &&
+                         has_mma(w.down.type, F);
+  if (groupable) {
+    // Queued; the layer's experts run as one grouped launch per projection (flush_experts).
+    const bool same = !pending_.empty() && pend_.h == h.f() && pend_.ldh == ld(h) && pend_.out == expert_out.f() &&
+                      pend_.ldo == ld(expert_out) && pend_.top_k == top_k && pend_.E == E && pend_.F == F &&
+                      pend_.gate_type == w.gate.type && pend_.down_type == w.down.type &&
+                      pend_.gate_rb == w.gate.row_bytes() && pend_.down_rb == w.down.row_bytes();
+    if (!same) flush_experts();
+    if (pending_.empty()) {
+      pend_ = PendingGroup{h.f(),       ld(h),       expert_out.f(),     ld(expert_out),    top_k, E, F,
+                           w.gate.type, w.down.type, w.gate.row_bytes(), w.down.row_bytes()};
+    }
+    pending_.push_back(PendingExpert{w.gate.data, w.up.data, w.down.data, {job.pairs.begin(), job.pairs.end()}});
+    if (int(pending_.size()) >= kMaxPendingExperts) flush_experts();
+    return;
+  }
+  flush_experts();
+  // Gather the expert's token rows, SwiGLU on all of them at once, scatter to the (token, k) rows.
   const size_t head = sz<int64_t>(size_t(n)) + 2 * sz<float>(size_t(n * E));
   char* base = scratch(head + 2 * sz<float>(size_t(n * F)));
   Carve c{base};
@@ -610,7 +650,43 @@ void CudaBackend::expert_ffn(const backend::FfnSpec& spec, const backend::Expert
   scatter_rows(y, E, pairs, n, expert_out.f(), ld(expert_out), E, stream());
 }
 
+void CudaBackend::flush_experts() {
+  if (pending_.empty()) return;
+  const PendingGroup g = pend_;
+  std::vector<PendingExpert> jobs;
+  jobs.swap(pending_);
+  const int nj = int(jobs.size());
+  std::vector<int64_t> pairs;
+  std::vector<GroupedMatmulJob> gu(static_cast<size_t>(nj)), dn(static_cast<size_t>(nj));
+  for (int i = 0; i < nj; ++i) {
+    const PendingExpert& j = jobs[size_t(i)];
+    gu[size_t(i)].w = j.gate, gu[size_t(i)].w2 = j.up, dn[size_t(i)].w = j.down;
+    gu[size_t(i)].row0 = dn[size_t(i)].row0 = int64_t(pairs.size());
+    gu[size_t(i)].n_tok = dn[size_t(i)].n_tok = int64_t(j.pairs.size());
+    pairs.insert(pairs.end(), j.pairs.begin(), j.pairs.end());
+  }
+  const GroupedMatmulPlan pgu = plan_grouped(gu.data(), nj, g.F, g.E, true),
+                          pdn = plan_grouped(dn.data(), nj, g.E, g.F, false);
+  const int64_t N = int64_t(pairs.size());
+  Carve c{scratch(sz<int64_t>(size_t(N)) + 2 * sz<GroupedMatmulJob>(size_t(nj)) + 2 * sz<float>(size_t(N * g.E)) +
+                  sz<float>(size_t(N * g.F)))};
+  int64_t* d_pairs = c.take<int64_t>(size_t(N));
+  auto* d_gu = c.take<GroupedMatmulJob>(size_t(nj));
+  auto* d_dn = c.take<GroupedMatmulJob>(size_t(nj));
+  float* xg = c.take<float>(size_t(N * g.E));
+  float* act = c.take<float>(size_t(N * g.F));
+  float* y = c.take<float>(size_t(N * g.E));
+  upload_async(d_pairs, pairs.data(), pairs.size() * sizeof(int64_t));
+  upload_async(d_gu, gu.data(), gu.size() * sizeof(GroupedMatmulJob));
+  upload_async(d_dn, dn.data(), dn.size() * sizeof(GroupedMatmulJob));
+  gather_rows(g.h, g.ldh, d_pairs, g.top_k, N, xg, g.E, g.E, stream());
+  grouped_matmul(pgu, g.gate_type, d_gu, nj, g.gate_rb, g.F, g.E, xg, g.E, act, g.F, true, stream());
+  grouped_matmul(pdn, g.down_type, d_dn, nj, g.down_rb, g.E, g.F, act, g.F, y, g.E, false, stream());
+  scatter_rows(y, g.E, d_pairs, N, g.out, g.ldo, g.E, stream());
+}
+
 void CudaBackend::moe_combine(const backend::Routing& r, const Tensor& expert_out, const Tensor& out) {
+  flush_experts();
   const int64_t T = r.n_tokens();
   if (T == 0) return;
   float* w = Carve{scratch(sz<float>(r.weights.size()))}.take<float>(r.weights.size());

@@ -97,6 +97,33 @@ class CudaBackend final : public backend::Backend {
   const double* inv_freq(const backend::RopeSpec& rope);
   void swiglu_ffn(const backend::FfnWeights& w, const float* h, int64_t ldh, int64_t T, float* out, int64_t ldo,
                   char* scratch_base);
+  /// Runs the queued expert jobs (expert_ffn of tensor-core types) as one gather, one grouped
+  /// gate/up SwiGLU launch, one grouped down launch and one scatter. Every other public call
+  /// flushes first, so the stream's order of work is the order of the calls (an event recorded
+  /// after expert_ffn covers its kernels).
+  void flush_experts();
+
+  /// Experts queued per flush at most (bounds the scratch and lets a long layer start early).
+  static constexpr int kMaxPendingExperts = 32;
+  struct PendingExpert {
+    const void* gate;
+    const void* up;
+    const void* down;
+    std::vector<int64_t> pairs;
+  };
+  /// What the queued jobs share (a flush happens when a job differs).
+  struct PendingGroup {
+    const float* h = nullptr;
+    int64_t ldh = 0;
+    float* out = nullptr;
+    int64_t ldo = 0;
+    int top_k = 0;
+    int64_t E = 0, F = 0;
+    GgmlType gate_type = GgmlType::F32, down_type = GgmlType::F32;
+    size_t gate_rb = 0, down_rb = 0;
+  };
+  std::vector<PendingExpert> pending_;
+  PendingGroup pend_;
 
   int device_ = 0;
   std::shared_ptr<CudaContext> ctx_;

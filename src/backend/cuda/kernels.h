@@ -87,9 +87,16 @@ class DeviceBuffer {
 /// Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ2_XS, IQ3_S, IQ4_XS, IQ4_NL, MXFP4.
 bool is_supported(GgmlType t);
 
-/// Which kernel computes a matmul. Both give the same bits for every output element (below);
-/// Auto takes MatVec for n_tok < 4 and Tiled otherwise.
-enum class MatmulPath { Auto, MatVec, Tiled };
+/// Which kernel computes a matmul. MatVec and Tiled (the fp32 path) give the same bits for every
+/// output element (below). Mma is the tensor-core path, a different arithmetic (below), for
+/// has_mma types only. Auto takes Mma for every n_tok when has_mma(type, cols), else MatVec for
+/// n_tok < 4 and Tiled otherwise; so for a given weight tensor Auto always computes an element
+/// with the same arithmetic, whatever n_tok.
+enum class MatmulPath { Auto, MatVec, Tiled, Mma };
+
+/// True if the tensor-core path (MatmulPath::Mma, grouped_matmul) takes weights of type `t` with
+/// `cols` columns: Q8_0, Q4_K, Q6_K, and BF16 with cols a multiple of 32.
+bool has_mma(GgmlType t, int64_t cols);
 
 /// y[t][r] = sum_k W[r][k] x[t][k], for t < n_tok, r < rows.
 ///   W: device, [cols, rows] in the GGUF block format of `type` (row r at W + r * row_bytes,
@@ -104,12 +111,58 @@ enum class MatmulPath { Auto, MatVec, Tiled };
 /// weight expanded once for the tile (8 accumulators, each the MatVec sequence).
 /// Error against the exact sum (fp32 accumulation of cols/32 terms, then 5 additions):
 /// |y - sum| <= (cols/32 + 6) * 2^-24 * sum_k |w_k x_k| (to first order).
+/// Mma (tensor cores, mma.sync m16n8k16 bf16 with fp32 accumulation): the weights enter as
+/// exact bf16 integer codes (Q8_0: q; Q4_K: q; Q6_K: q - 32) or as themselves (BF16), the
+/// activations as three bf16 pieces x = hi + mid + lo (exact for normal fp32 x: 3 x 8
+/// significand bits). Per output element and per scale group (32 columns; Q6_K: 16) the
+/// products of the group are summed on the tensor cores from 0, then folded into an fp32
+/// accumulator in column order: Q8_0 acc = fma(d, s, acc); Q6_K acc = fma(dl, s, acc); Q4_K
+/// acc = fma(dl, s, fma(-ml, sum_x, acc)) with sum_x the group's x summed in fp32 (8-column
+/// partials in order, then the four partials in order); BF16 acc = acc + s. The tensor cores'
+/// internal sum order is fixed by the hardware per element, so the result depends only on that
+/// element's row and token: bit-identical for any n_tok, tile and batch position. The columns
+/// are cut into fixed chunks of 512: each chunk's fold starts from 0 and the chunk sums are
+/// added in chunk order (a K split fixed by cols alone). Blocks of 4 warps: 64 rows x 32 or 64
+/// tokens, one warp per 16 rows walking all chunks; for <= 8 tokens, 16 rows x 8 tokens with
+/// the chunks spread over the warps (the same sums, so the same bits). Error: per group ~(16 + 2) * 2^-24 of its
+/// sum |w x| (the tensor cores' fp32 sums), plus the fp32 fold; bound used by the tests:
+/// |y - sum| <= (cols/16 + 8) * 2^-23 * sum_k |w_k x_k|.
 /// Requirements (CudaError otherwise): is_supported(type); cols a multiple of the block size
 /// (and of 8 for F32/F16/BF16); x 16-byte aligned and ldx a multiple of 4; W 16-byte aligned
 /// with row_bytes a multiple of 16 for F32/F16/BF16, 2-byte aligned with even row_bytes for
 /// the block types except MXFP4 (any alignment).
 void matmul(GgmlType type, const void* W, size_t row_bytes, int64_t rows, int64_t cols, const float* x, int64_t ldx,
             int64_t n_tok, float* y, int64_t ldy, void* stream = nullptr, MatmulPath path = MatmulPath::Auto);
+
+/// One expert of a grouped matmul: weights w (and w2, the up projection, for the SwiGLU pair)
+/// applied to the n_tok rows of x starting at row0, writing the same rows of y.
+struct GroupedMatmulJob {
+  const void* w = nullptr;   ///< device, [cols, rows] of the group's type, row_bytes apart
+  const void* w2 = nullptr;  ///< device, same type and shape (grouped_swiglu only), else unused
+  int64_t row0 = 0;          ///< first row of this job in x and y
+  int64_t n_tok = 0;         ///< its rows (>= 1)
+  int64_t block0 = 0;        ///< first block of this job (filled by plan_grouped)
+};
+/// The launch shape of a grouped matmul: token tile (8, 32 or 64) and blocks in all.
+struct GroupedMatmulPlan {
+  int tile_tokens = 0;
+  int64_t blocks = 0;
+};
+/// Fills jobs[i].block0 (host memory) for `rows` x `cols` weights and returns the plan; the tile is
+/// chosen from the largest n_tok, at most 32 for a swiglu_pair (register budget); it does not
+/// change any result. Throws CudaError on n_jobs < 1, a job with n_tok < 1, or more than
+/// 2^31 - 1 blocks.
+GroupedMatmulPlan plan_grouped(GroupedMatmulJob* jobs, int n_jobs, int64_t rows, int64_t cols, bool swiglu_pair);
+
+/// Every job's matmul in one launch, with MatmulPath::Mma's arithmetic (bit-identical with
+/// matmul(..., Mma) on each job's rows alone): y[row0 + t][r] = sum_k w[r][k] x[row0 + t][k] for
+/// t < n_tok. swiglu_pair: y[row0 + t][r] = silu(g) * u with g from w and u from w2 (silu(g) =
+/// g / (1 + expf(-g)), the same expression as swiglu()). jobs: device copy of the planned
+/// table; x: device [cols, total rows] fp32 rows ldx apart (16-byte aligned, ldx % 4 == 0); y:
+/// device rows ldy apart. Requirements as matmul, and has_mma(type, cols).
+void grouped_matmul(const GroupedMatmulPlan& plan, GgmlType type, const GroupedMatmulJob* jobs, int n_jobs,
+                    size_t row_bytes, int64_t rows, int64_t cols, const float* x, int64_t ldx, float* y, int64_t ldy,
+                    bool swiglu_pair, void* stream = nullptr);
 
 /// Embedding lookup: out[t][:] = dequantize_row(table row ids[t]) for t < n, bit-identical
 /// with quant::dequantize_row. table: device, [cols, n_rows_table] of `type`, rows row_bytes
@@ -170,8 +223,12 @@ struct AttentionArgs {
 /// group), KV in tiles of 32 positions through shared memory, online softmax. Per query row
 /// the arithmetic is fixed by its position alone: score = (sequential fp32 FMA over head_dim)
 /// * scale; per tile m' = max(m, tile max), c = expf(m - m'), l = l*c + (butterfly sum of
-/// expf(s - m')), o = o*c then FMA of the tile's p·v in position order; out = o / l. So decode
-/// (n_tok = 1) and prefill give the same bits for the same position, whatever the chunk.
+/// expf(s - m')), o = o*c then FMA of the tile's p·v in position order. The cache is cut into
+/// fixed segments of 256 positions: each segment's (m, l, o) starts fresh (m = -inf, l = o = 0)
+/// and the segments are folded in position order (M' = max(M, m), L = L e^(M-M') + l e^(m-M'),
+/// O likewise); out = O / L. With few blocks (decode) the segments run in parallel and a second
+/// kernel folds them; otherwise one pass folds as it goes: the same operations either way. So
+/// decode (n_tok = 1) and prefill give the same bits for the same position, whatever the chunk.
 /// Errors: bad shapes (head_dim, divisibility, n_tok <= 0) throw CudaError.
 void attention(const AttentionArgs& a, void* stream = nullptr);
 

@@ -3,6 +3,7 @@
 // dequantizer src/quant/dequant_ref.cpp; each decoder below performs the same fp32 operations in
 // the same order (spelled with __fmul_rn / __fadd_rn / __fsub_rn so nvcc cannot contract them
 // into FMAs), so a weight expands to exactly the bits quant::dequantize_row gives.
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
@@ -319,6 +320,553 @@ __global__ void get_rows_kernel(const uint8_t* __restrict__ table, size_t row_by
   for (int j = 0; j < 8; ++j) o[j] = w[j];
 }
 
+// ---- tensor-core path (Q8_0, Q4_K, Q6_K, BF16): contract in kernels.h (MatmulPath::Mma) ----
+
+constexpr int kMmaRows = 64;  // weight rows per block (4 warps x 16)
+constexpr int kMmaThreads = 128;
+constexpr int kKs = 32;     // columns per main-loop step (one Q8_0 block / Q4_K sub-block / two Q6_K sub-blocks)
+constexpr int kPad = 40;    // bf16 per shared row (32 + 8: conflict-free 32-bit fragment reads)
+constexpr int kPieces = 3;  // x = hi + mid + lo, each bf16: exact for normal fp32 values
+constexpr int kChunk = 512;  // columns per chunk: chunk sums start from 0 and are added in chunk order
+constexpr int kSmallMaxChunks = 24;  // mma_small's shared partials: up to 24 * 2 * 512 B
+
+/// Two floats as a bf16 pair, a in the low half (one cvt.rn.bf16x2.f32).
+__device__ __forceinline__ uint32_t pack2(float a, float b) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+/// The signed byte j of v as a float, exactly: 2^23 + 128 + q has q + 128 in its low mantissa bits.
+__device__ __forceinline__ float s8_float(uint64_t v, int j) {
+  return __fsub_rn(__uint_as_float(0x4B000000u | uint32_t((byte_of(v, j) ^ 0x80))), 8388736.0f);
+}
+
+/// Columns [k0 + 16 hf, k0 + 16 hf + 16) of a weight row as 16 exact bf16 integer codes (or, for
+/// BF16, the weights), packed in pairs, and the step's scales: Q8_0 s0 = d; Q4_K s0 = dl, s1 = ml
+/// (w = dl q - ml); Q6_K s0 = dl of these 16 columns (w = dl (q - 32)).
+template <GgmlType T>
+__device__ __forceinline__ void stage_row(const uint8_t* __restrict__ row, int k0, int hf, uint32_t q[8], float& s0,
+                                          float& s1) {
+  using G = GgmlType;
+  if constexpr (T == G::BF16) {
+    const uint4* p = reinterpret_cast<const uint4*>(row + 2 * size_t(k0 + 16 * hf));
+    const uint4 a = p[0], b = p[1];
+    q[0] = a.x, q[1] = a.y, q[2] = a.z, q[3] = a.w, q[4] = b.x, q[5] = b.y, q[6] = b.z, q[7] = b.w;
+  } else if constexpr (T == G::Q8_0) {
+    const uint8_t* b = row + size_t(k0 / 32) * 34;
+    s0 = ldh(b);
+    const uint64_t v0 = ld8<2>(b + 2 + 16 * hf), v1 = ld8<2>(b + 10 + 16 * hf);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      q[j] = pack2(s8_float(v0, 2 * j), s8_float(v0, 2 * j + 1));
+      q[4 + j] = pack2(s8_float(v1, 2 * j), s8_float(v1, 2 * j + 1));
+    }
+  } else if constexpr (T == G::Q4_K) {
+    const uint8_t* b = row + size_t(k0 / 256) * 144;
+    const int g = (k0 % 256) / 32;
+    const float d = ldh(b), dmin = ldh(b + 2);
+    const uint8_t* s = b + 4;
+    int sc, m;
+    if (g < 4) {
+      sc = s[g] & 63;
+      m = s[g + 4] & 63;
+    } else {
+      sc = (s[g + 4] & 0xf) | ((s[g - 4] >> 6) << 4);
+      m = (s[g + 4] >> 4) | ((s[g] >> 6) << 4);
+    }
+    s0 = __fmul_rn(d, float(sc)), s1 = __fmul_rn(dmin, float(m));
+    const uint8_t* qs = b + 16 + 32 * (g / 2) + 16 * hf;
+    const uint64_t v0 = ld8<8>(qs), v1 = ld8<8>(qs + 8);
+    const int sh = 4 * (g % 2);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      q[j] = pack2(float((byte_of(v0, 2 * j) >> sh) & 0xf), float((byte_of(v0, 2 * j + 1) >> sh) & 0xf));
+      q[4 + j] = pack2(float((byte_of(v1, 2 * j) >> sh) & 0xf), float((byte_of(v1, 2 * j + 1) >> sh) & 0xf));
+    }
+  } else if constexpr (T == G::Q6_K) {
+    const uint8_t* b = row + size_t(k0 / 256) * 210;
+    const int i = (k0 % 256) / 32, h = i / 4, s = i % 4, j0 = 16 * hf;
+    s0 = __fmul_rn(ldh(b + 208), float(int8_t(b[192 + 2 * i + hf])));
+    const uint8_t* lo = b + 64 * h + 32 * (s % 2) + j0;
+    const uint8_t* hi = b + 128 + 32 * h + j0;
+    const uint64_t l0 = ld8<2>(lo), l1 = ld8<2>(lo + 8), h0 = ld8<2>(hi), h1 = ld8<2>(hi + 8);
+    const int ls = 4 * (s / 2), hs = 2 * s;
+    auto code = [&](uint64_t l, uint64_t hh, int j) {
+      return float((((byte_of(l, j) >> ls) & 0xf) | (((byte_of(hh, j) >> hs) & 3) << 4)) - 32);
+    };
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      q[j] = pack2(code(l0, h0, 2 * j), code(l0, h0, 2 * j + 1));
+      q[4 + j] = pack2(code(l1, h1, 2 * j), code(l1, h1, 2 * j + 1));
+    }
+  }
+}
+
+__device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/// One block's tile: weight rows [r0, r0 + 64) x tokens [0, nt) of x (nt <= BN). DUAL: W and W2
+/// (the SwiGLU gate and up) share the activations and the tile writes silu(W x) * (W2 x).
+/// Per output element: for each 32-column step in order, per 16-column half the three bf16
+/// pieces of x are multiplied on the tensor cores (fp32 accumulation, starting from 0 for each
+/// scale group), then folded into the fp32 accumulator with that group's scale (fixed
+/// sequence below). Nothing depends on nt, on BN, on the other tokens or on the position of the
+/// element in the tile.
+template <GgmlType T, int BN, bool DUAL>
+__device__ __forceinline__ void mma_tile(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
+                                         size_t row_bytes, int64_t rows, int cols, int64_t r0,
+                                         const float* __restrict__ x, int64_t ldx, int nt, float* __restrict__ y,
+                                         int64_t ldy) {
+  constexpr int NW = DUAL ? 2 : 1;
+  constexpr int NT8 = BN / 8;
+  constexpr int BT = (BN * 4 + kMmaThreads - 1) / kMmaThreads;  // activation tasks (token, 8 columns) per thread
+  __shared__ __align__(16) uint16_t sA[NW][kMmaRows][kPad];
+  __shared__ __align__(16) uint16_t sB[kPieces][BN][kPad];
+  __shared__ float sS[NW][kMmaRows][2];
+  __shared__ float sX[BN][4];  // Q4_K: partial sums of x over each 8 columns of the step
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int rr = tid / 2, hf = tid % 2;
+  const int64_t r = r0 + rr;
+  const bool row_ok = r < rows;
+
+  uint32_t qa[NW][8];
+  float sa[NW][2];
+  float xv[BT][8];
+  auto load = [&](int k0) {
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      sa[w][0] = sa[w][1] = 0.0f;
+      if (row_ok) {
+        stage_row<T>((w == 0 ? W : W2) + r * int64_t(row_bytes), k0, hf, qa[w], sa[w][0], sa[w][1]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) qa[w][j] = 0;
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < BT; ++b) {
+      const int task = tid + b * kMmaThreads, tk = task / 4, c8 = (task % 4) * 8;
+      if (task < BN * 4 && tk < nt) {
+        const float4 u = *reinterpret_cast<const float4*>(x + tk * ldx + k0 + c8);
+        const float4 v = *reinterpret_cast<const float4*>(x + tk * ldx + k0 + c8 + 4);
+        xv[b][0] = u.x, xv[b][1] = u.y, xv[b][2] = u.z, xv[b][3] = u.w;
+        xv[b][4] = v.x, xv[b][5] = v.y, xv[b][6] = v.z, xv[b][7] = v.w;
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) xv[b][j] = 0.0f;
+      }
+    }
+  };
+  auto store = [&]() {
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      uint4* d = reinterpret_cast<uint4*>(&sA[w][rr][16 * hf]);
+      d[0] = make_uint4(qa[w][0], qa[w][1], qa[w][2], qa[w][3]);
+      d[1] = make_uint4(qa[w][4], qa[w][5], qa[w][6], qa[w][7]);
+      if constexpr (T == GgmlType::Q6_K) {
+        sS[w][rr][hf] = sa[w][0];
+      } else if (hf == 0) {
+        sS[w][rr][0] = sa[w][0], sS[w][rr][1] = sa[w][1];
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < BT; ++b) {
+      const int task = tid + b * kMmaThreads, tk = task / 4, c8 = (task % 4) * 8;
+      if (task >= BN * 4) continue;
+      uint32_t p[kPieces][4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        float v0 = xv[b][2 * j], v1 = xv[b][2 * j + 1];
+#pragma unroll
+        for (int pc = 0; pc < kPieces; ++pc) {
+          const __nv_bfloat16 h0 = __float2bfloat16_rn(v0), h1 = __float2bfloat16_rn(v1);
+          p[pc][j] = uint32_t(__bfloat16_as_ushort(h0)) | (uint32_t(__bfloat16_as_ushort(h1)) << 16);
+          v0 = __fsub_rn(v0, __bfloat162float(h0));
+          v1 = __fsub_rn(v1, __bfloat162float(h1));
+        }
+      }
+#pragma unroll
+      for (int pc = 0; pc < kPieces; ++pc)
+        *reinterpret_cast<uint4*>(&sB[pc][tk][c8]) = make_uint4(p[pc][0], p[pc][1], p[pc][2], p[pc][3]);
+      if constexpr (T == GgmlType::Q4_K) {
+        float s = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) s = __fadd_rn(s, xv[b][j]);
+        sX[tk][c8 / 8] = s;
+      }
+    }
+  };
+
+  float acc[NW][NT8][4];
+#pragma unroll
+  for (int w = 0; w < NW; ++w)
+#pragma unroll
+    for (int n = 0; n < NT8; ++n) acc[w][n][0] = acc[w][n][1] = acc[w][n][2] = acc[w][n][3] = 0.0f;
+
+  float tot[NW][NT8][4];  // the sum of the finished kChunk-column chunks, in chunk order
+  auto fold = [&](bool first) {
+#pragma unroll
+    for (int w = 0; w < NW; ++w)
+#pragma unroll
+      for (int n = 0; n < NT8; ++n)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          tot[w][n][j] = first ? acc[w][n][j] : __fadd_rn(tot[w][n][j], acc[w][n][j]);
+          acc[w][n][j] = 0.0f;
+        }
+  };
+
+  const int g = lane / 4, c = (lane % 4) * 2;
+  const int ra = 16 * warp + g;  // this thread's rows ra and ra + 8 of the tile
+  load(0);
+  for (int k0 = 0; k0 < cols; k0 += kKs) {
+    if (k0 > 0 && k0 % kChunk == 0) fold(k0 == kChunk);
+    store();
+    __syncthreads();
+    if (k0 + kKs < cols) load(k0 + kKs);  // the next step's global loads fly during the MMAs
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      uint32_t a[2][4];
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks) {
+        a[ks][0] = *reinterpret_cast<const uint32_t*>(&sA[w][ra][16 * ks + c]);
+        a[ks][1] = *reinterpret_cast<const uint32_t*>(&sA[w][ra + 8][16 * ks + c]);
+        a[ks][2] = *reinterpret_cast<const uint32_t*>(&sA[w][ra][16 * ks + c + 8]);
+        a[ks][3] = *reinterpret_cast<const uint32_t*>(&sA[w][ra + 8][16 * ks + c + 8]);
+      }
+      const float s0a = sS[w][ra][0], s1a = sS[w][ra][1], s0b = sS[w][ra + 8][0], s1b = sS[w][ra + 8][1];
+#pragma unroll
+      for (int n = 0; n < NT8; ++n) {
+        float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int ks = 0; ks < 2; ++ks) {
+#pragma unroll
+          for (int pc = 0; pc < kPieces; ++pc) {
+            const uint32_t b0 = *reinterpret_cast<const uint32_t*>(&sB[pc][8 * n + g][16 * ks + c]);
+            const uint32_t b1 = *reinterpret_cast<const uint32_t*>(&sB[pc][8 * n + g][16 * ks + c + 8]);
+            mma_bf16(t, a[ks], b0, b1);
+          }
+          if constexpr (T == GgmlType::Q6_K) {
+            // one scale per 16 columns: rows ra (t[0], t[1]) and ra + 8 (t[2], t[3])
+            const float da = ks == 0 ? s0a : s1a, db = ks == 0 ? s0b : s1b;
+            acc[w][n][0] = __fmaf_rn(da, t[0], acc[w][n][0]);
+            acc[w][n][1] = __fmaf_rn(da, t[1], acc[w][n][1]);
+            acc[w][n][2] = __fmaf_rn(db, t[2], acc[w][n][2]);
+            acc[w][n][3] = __fmaf_rn(db, t[3], acc[w][n][3]);
+            t[0] = t[1] = t[2] = t[3] = 0.0f;
+          }
+        }
+        if constexpr (T == GgmlType::BF16) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) acc[w][n][j] = __fadd_rn(acc[w][n][j], t[j]);
+        } else if constexpr (T == GgmlType::Q8_0) {
+          acc[w][n][0] = __fmaf_rn(s0a, t[0], acc[w][n][0]);
+          acc[w][n][1] = __fmaf_rn(s0a, t[1], acc[w][n][1]);
+          acc[w][n][2] = __fmaf_rn(s0b, t[2], acc[w][n][2]);
+          acc[w][n][3] = __fmaf_rn(s0b, t[3], acc[w][n][3]);
+        } else if constexpr (T == GgmlType::Q4_K) {
+          // sum (dl q - ml) x = dl (sum q x) - ml (sum x); sum x of a token: its four 8-column partials in order
+          float sx[2];
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const float* p = sX[8 * n + c + j];
+            sx[j] = __fadd_rn(__fadd_rn(__fadd_rn(p[0], p[1]), p[2]), p[3]);
+          }
+          acc[w][n][0] = __fmaf_rn(s0a, t[0], __fmaf_rn(-s1a, sx[0], acc[w][n][0]));
+          acc[w][n][1] = __fmaf_rn(s0a, t[1], __fmaf_rn(-s1a, sx[1], acc[w][n][1]));
+          acc[w][n][2] = __fmaf_rn(s0b, t[2], __fmaf_rn(-s1b, sx[0], acc[w][n][2]));
+          acc[w][n][3] = __fmaf_rn(s0b, t[3], __fmaf_rn(-s1b, sx[1], acc[w][n][3]));
+        }
+      }
+    }
+    __syncthreads();
+  }
+  fold(cols <= kChunk);
+#pragma unroll
+  for (int n = 0; n < NT8; ++n) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int tk = 8 * n + c + (j & 1);
+      const int64_t row = r0 + ra + (j >= 2 ? 8 : 0);
+      if (tk >= nt || row >= rows) continue;
+      float v = tot[0][n][j];
+      if constexpr (DUAL) v = __fmul_rn(__fdiv_rn(v, __fadd_rn(1.0f, expf(-v))), tot[NW - 1][n][j]);
+      y[tk * ldy + row] = v;
+    }
+  }
+}
+
+/// The small-batch form of mma_tile (<= 8 tokens), same arithmetic: a block of 4 warps holds 16
+/// weight rows; warp w computes the partial sums of chunks w, w + 4, ... (each from 0, its
+/// groups in order, exactly as mma_tile's acc between two folds) into shared memory; then
+/// thread i adds element i's chunk partials in chunk order, as mma_tile's fold does. So the
+/// 128-row x 8-token work of one mat-vec spreads over cols/kChunk warps instead of one.
+/// Dynamic shared memory: n_chunks * NW * 128 floats.
+template <GgmlType T, bool DUAL>
+__device__ __forceinline__ void mma_small(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
+                                          size_t row_bytes, int64_t rows, int cols, int64_t r0,
+                                          const float* __restrict__ x, int64_t ldx, int nt, float* __restrict__ y,
+                                          int64_t ldy) {
+  constexpr int NW = DUAL ? 2 : 1;
+  constexpr int kWarps = kMmaThreads / 32;
+  __shared__ __align__(16) uint16_t sA[kWarps][NW][16][kPad];
+  __shared__ __align__(16) uint16_t sB[kWarps][kPieces][8][kPad];
+  __shared__ float sS[kWarps][NW][16][2];
+  __shared__ float sX[kWarps][8][4];
+  extern __shared__ float part[];  // [chunk][NW][16 rows][8 tokens]
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int rr = lane / 2, hf = lane % 2;  // staging: row rr, columns 16 hf..
+  const int tk = lane / 4, c8 = (lane % 4) * 8;  // staging: token tk, columns c8..
+  const int64_t r = r0 + rr;
+  const bool row_ok = r < rows, tok_ok = tk < nt;
+  const int g = lane / 4, c = (lane % 4) * 2;
+  const int n_chunks = (cols + kChunk - 1) / kChunk;
+
+  uint32_t qa[NW][8];
+  float sa[NW][2];
+  float xv[8];
+  auto load = [&](int k0) {
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      sa[w][0] = sa[w][1] = 0.0f;
+      if (row_ok) {
+        stage_row<T>((w == 0 ? W : W2) + r * int64_t(row_bytes), k0, hf, qa[w], sa[w][0], sa[w][1]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) qa[w][j] = 0;
+      }
+    }
+    if (tok_ok) {
+      const float4 u = *reinterpret_cast<const float4*>(x + tk * ldx + k0 + c8);
+      const float4 v = *reinterpret_cast<const float4*>(x + tk * ldx + k0 + c8 + 4);
+      xv[0] = u.x, xv[1] = u.y, xv[2] = u.z, xv[3] = u.w, xv[4] = v.x, xv[5] = v.y, xv[6] = v.z, xv[7] = v.w;
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) xv[j] = 0.0f;
+    }
+  };
+  auto store = [&]() {
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      uint4* d = reinterpret_cast<uint4*>(&sA[warp][w][rr][16 * hf]);
+      d[0] = make_uint4(qa[w][0], qa[w][1], qa[w][2], qa[w][3]);
+      d[1] = make_uint4(qa[w][4], qa[w][5], qa[w][6], qa[w][7]);
+      if constexpr (T == GgmlType::Q6_K) {
+        sS[warp][w][rr][hf] = sa[w][0];
+      } else if (hf == 0) {
+        sS[warp][w][rr][0] = sa[w][0], sS[warp][w][rr][1] = sa[w][1];
+      }
+    }
+    uint32_t p[kPieces][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float v0 = xv[2 * j], v1 = xv[2 * j + 1];
+#pragma unroll
+      for (int pc = 0; pc < kPieces; ++pc) {
+        const __nv_bfloat16 h0 = __float2bfloat16_rn(v0), h1 = __float2bfloat16_rn(v1);
+        p[pc][j] = uint32_t(__bfloat16_as_ushort(h0)) | (uint32_t(__bfloat16_as_ushort(h1)) << 16);
+        v0 = __fsub_rn(v0, __bfloat162float(h0));
+        v1 = __fsub_rn(v1, __bfloat162float(h1));
+      }
+    }
+#pragma unroll
+    for (int pc = 0; pc < kPieces; ++pc)
+      *reinterpret_cast<uint4*>(&sB[warp][pc][tk][c8]) = make_uint4(p[pc][0], p[pc][1], p[pc][2], p[pc][3]);
+    if constexpr (T == GgmlType::Q4_K) {
+      float sm = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) sm = __fadd_rn(sm, xv[j]);
+      sX[warp][tk][c8 / 8] = sm;
+    }
+  };
+
+  for (int ch = warp; ch < n_chunks; ch += kWarps) {
+    const int kb = ch * kChunk, ke = min(cols, kb + kChunk);
+    float acc[NW][4];
+#pragma unroll
+    for (int w = 0; w < NW; ++w) acc[w][0] = acc[w][1] = acc[w][2] = acc[w][3] = 0.0f;
+    load(kb);
+    for (int k0 = kb; k0 < ke; k0 += kKs) {
+      store();
+      __syncwarp();
+      if (k0 + kKs < ke) load(k0 + kKs);
+#pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        uint32_t a[2][4];
+#pragma unroll
+        for (int ks = 0; ks < 2; ++ks) {
+          a[ks][0] = *reinterpret_cast<const uint32_t*>(&sA[warp][w][g][16 * ks + c]);
+          a[ks][1] = *reinterpret_cast<const uint32_t*>(&sA[warp][w][g + 8][16 * ks + c]);
+          a[ks][2] = *reinterpret_cast<const uint32_t*>(&sA[warp][w][g][16 * ks + c + 8]);
+          a[ks][3] = *reinterpret_cast<const uint32_t*>(&sA[warp][w][g + 8][16 * ks + c + 8]);
+        }
+        const float s0a = sS[warp][w][g][0], s1a = sS[warp][w][g][1], s0b = sS[warp][w][g + 8][0],
+                    s1b = sS[warp][w][g + 8][1];
+        float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int ks = 0; ks < 2; ++ks) {
+#pragma unroll
+          for (int pc = 0; pc < kPieces; ++pc) {
+            const uint32_t b0 = *reinterpret_cast<const uint32_t*>(&sB[warp][pc][g][16 * ks + c]);
+            const uint32_t b1 = *reinterpret_cast<const uint32_t*>(&sB[warp][pc][g][16 * ks + c + 8]);
+            mma_bf16(t, a[ks], b0, b1);
+          }
+          if constexpr (T == GgmlType::Q6_K) {
+            const float da = ks == 0 ? s0a : s1a, db = ks == 0 ? s0b : s1b;
+            acc[w][0] = __fmaf_rn(da, t[0], acc[w][0]);
+            acc[w][1] = __fmaf_rn(da, t[1], acc[w][1]);
+            acc[w][2] = __fmaf_rn(db, t[2], acc[w][2]);
+            acc[w][3] = __fmaf_rn(db, t[3], acc[w][3]);
+            t[0] = t[1] = t[2] = t[3] = 0.0f;
+          }
+        }
+        if constexpr (T == GgmlType::BF16) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) acc[w][j] = __fadd_rn(acc[w][j], t[j]);
+        } else if constexpr (T == GgmlType::Q8_0) {
+          acc[w][0] = __fmaf_rn(s0a, t[0], acc[w][0]);
+          acc[w][1] = __fmaf_rn(s0a, t[1], acc[w][1]);
+          acc[w][2] = __fmaf_rn(s0b, t[2], acc[w][2]);
+          acc[w][3] = __fmaf_rn(s0b, t[3], acc[w][3]);
+        } else if constexpr (T == GgmlType::Q4_K) {
+          float sx[2];
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const float* q = sX[warp][c + j];
+            sx[j] = __fadd_rn(__fadd_rn(__fadd_rn(q[0], q[1]), q[2]), q[3]);
+          }
+          acc[w][0] = __fmaf_rn(s0a, t[0], __fmaf_rn(-s1a, sx[0], acc[w][0]));
+          acc[w][1] = __fmaf_rn(s0a, t[1], __fmaf_rn(-s1a, sx[1], acc[w][1]));
+          acc[w][2] = __fmaf_rn(s0b, t[2], __fmaf_rn(-s1b, sx[0], acc[w][2]));
+          acc[w][3] = __fmaf_rn(s0b, t[3], __fmaf_rn(-s1b, sx[1], acc[w][3]));
+        }
+      }
+      __syncwarp();
+    }
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      float* pp = part + (size_t(ch) * NW + w) * 128;  // [16 rows][8 tokens]
+      pp[g * 8 + c] = acc[w][0];
+      pp[g * 8 + c + 1] = acc[w][1];
+      pp[(g + 8) * 8 + c] = acc[w][2];
+      pp[(g + 8) * 8 + c + 1] = acc[w][3];
+    }
+  }
+  __syncthreads();
+  const int er = tid / 8, et = tid % 8;
+  float v[NW];
+#pragma unroll
+  for (int w = 0; w < NW; ++w) {
+    v[w] = part[size_t(w) * 128 + tid];
+    for (int ch = 1; ch < n_chunks; ++ch) v[w] = __fadd_rn(v[w], part[(size_t(ch) * NW + w) * 128 + tid]);
+  }
+  const int64_t row = r0 + er;
+  if (et < nt && row < rows) {
+    float o = v[0];
+    if constexpr (DUAL) o = __fmul_rn(__fdiv_rn(o, __fadd_rn(1.0f, expf(-o))), v[NW - 1]);
+    y[et * ldy + row] = o;
+  }
+}
+
+template <GgmlType T, int BN>
+__global__ void __launch_bounds__(kMmaThreads)
+    mma_kernel(const uint8_t* __restrict__ W, size_t row_bytes, int64_t rows, int cols, const float* __restrict__ x,
+               int64_t ldx, int64_t n_tok, int64_t tok_base, float* __restrict__ y, int64_t ldy) {
+  const int64_t t0 = tok_base + int64_t(blockIdx.y) * BN;
+  const int nt = int(min(int64_t(BN), n_tok - t0));
+  mma_tile<T, BN, false>(W, nullptr, row_bytes, rows, cols, int64_t(blockIdx.x) * kMmaRows, x + t0 * ldx, ldx, nt,
+                         y + t0 * ldy, ldy);
+}
+
+template <GgmlType T>
+__global__ void __launch_bounds__(kMmaThreads)
+    mma_small_kernel(const uint8_t* __restrict__ W, size_t row_bytes, int64_t rows, int cols,
+                     const float* __restrict__ x, int64_t ldx, int64_t n_tok, int64_t tok_base, float* __restrict__ y,
+                     int64_t ldy) {
+  const int64_t t0 = tok_base + int64_t(blockIdx.y) * 8;
+  const int nt = int(min(int64_t(8), n_tok - t0));
+  mma_small<T, false>(W, nullptr, row_bytes, rows, cols, int64_t(blockIdx.x) * 16, x + t0 * ldx, ldx, nt,
+                      y + t0 * ldy, ldy);
+}
+
+/// Grouped: block b belongs to the job j with jobs[j].block0 <= b < jobs[j + 1].block0.
+template <GgmlType T, int BN, bool DUAL, bool SMALL>
+__global__ void __launch_bounds__(kMmaThreads)
+    grouped_kernel(const GroupedMatmulJob* __restrict__ jobs, int n_jobs, size_t row_bytes, int64_t rows, int cols,
+                   const float* __restrict__ x, int64_t ldx, float* __restrict__ y, int64_t ldy) {
+  const int64_t b = blockIdx.x;
+  int lo = 0, hi = n_jobs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (jobs[mid].block0 <= b) lo = mid;
+    else hi = mid - 1;
+  }
+  const GroupedMatmulJob& jb = jobs[lo];
+  constexpr int RB = SMALL ? 16 : kMmaRows;
+  const int64_t row_blocks = (rows + RB - 1) / RB;
+  const int64_t local = b - jb.block0, rb = local % row_blocks, tb = local / row_blocks;
+  const int64_t t0 = jb.row0 + tb * BN;
+  const int nt = int(min(int64_t(BN), jb.row0 + jb.n_tok - t0));
+  if constexpr (SMALL)
+    mma_small<T, DUAL>(static_cast<const uint8_t*>(jb.w), static_cast<const uint8_t*>(jb.w2), row_bytes, rows, cols,
+                       rb * RB, x + t0 * ldx, ldx, nt, y + t0 * ldy, ldy);
+  else
+    mma_tile<T, BN, DUAL>(static_cast<const uint8_t*>(jb.w), static_cast<const uint8_t*>(jb.w2), row_bytes, rows,
+                          cols, rb * RB, x + t0 * ldx, ldx, nt, y + t0 * ldy, ldy);
+}
+
+int mma_tile_tokens(int64_t n) { return n <= 8 ? 8 : n <= 32 ? 32 : 64; }
+/// mma_small for <= 8 tokens when its chunk partials fit in shared memory, else mma_tile.
+bool use_small(int tile_tokens, int64_t cols) { return tile_tokens == 8 && (cols + kChunk - 1) / kChunk <= kSmallMaxChunks; }
+size_t small_smem(int64_t cols, bool dual) { return size_t((cols + kChunk - 1) / kChunk) * (dual ? 2 : 1) * 128 * sizeof(float); }
+int64_t row_block(int tile_tokens, int64_t cols) { return use_small(tile_tokens, cols) ? 16 : kMmaRows; }
+
+template <GgmlType T>
+void launch_mma(const uint8_t* W, size_t row_bytes, int64_t rows, int cols, const float* x, int64_t ldx,
+                int64_t n_tok, float* y, int64_t ldy, cudaStream_t st) {
+  const int bn = mma_tile_tokens(n_tok);
+  const bool small = use_small(bn, cols);
+  const int64_t rb = small ? 16 : kMmaRows;
+  const int64_t gx = (rows + rb - 1) / rb;
+  constexpr int64_t kMaxGridY = 65535;
+  for (int64_t base = 0; base < n_tok; base += kMaxGridY * bn) {
+    const int64_t n_here = std::min<int64_t>(n_tok - base, kMaxGridY * bn);
+    const dim3 grid(unsigned(gx), unsigned((n_here + bn - 1) / bn));
+    if (small)
+      mma_small_kernel<T><<<grid, kMmaThreads, small_smem(cols, false), st>>>(W, row_bytes, rows, cols, x, ldx,
+                                                                             base + n_here, base, y, ldy);
+    else if (bn == 8)
+      mma_kernel<T, 8><<<grid, kMmaThreads, 0, st>>>(W, row_bytes, rows, cols, x, ldx, base + n_here, base, y, ldy);
+    else if (bn == 32)
+      mma_kernel<T, 32><<<grid, kMmaThreads, 0, st>>>(W, row_bytes, rows, cols, x, ldx, base + n_here, base, y, ldy);
+    else
+      mma_kernel<T, 64><<<grid, kMmaThreads, 0, st>>>(W, row_bytes, rows, cols, x, ldx, base + n_here, base, y, ldy);
+    STRATA_CUDA_CHECK_LAUNCH();
+  }
+}
+
+template <GgmlType T, bool DUAL>
+void launch_grouped(const GroupedMatmulPlan& plan, const GroupedMatmulJob* jobs, int n_jobs, size_t row_bytes,
+                    int64_t rows, int cols, const float* x, int64_t ldx, float* y, int64_t ldy, cudaStream_t st) {
+  const unsigned grid = unsigned(plan.blocks);
+  if (use_small(plan.tile_tokens, cols))
+    grouped_kernel<T, 8, DUAL, true><<<grid, kMmaThreads, small_smem(cols, DUAL), st>>>(jobs, n_jobs, row_bytes, rows,
+                                                                                      cols, x, ldx, y, ldy);
+  else if (plan.tile_tokens == 8)
+    grouped_kernel<T, 8, DUAL, false><<<grid, kMmaThreads, 0, st>>>(jobs, n_jobs, row_bytes, rows, cols, x, ldx, y, ldy);
+  else if (DUAL || plan.tile_tokens == 32)
+    grouped_kernel<T, 32, DUAL, false><<<grid, kMmaThreads, 0, st>>>(jobs, n_jobs, row_bytes, rows, cols, x, ldx, y,
+                                                                     ldy);
+  else
+    grouped_kernel<T, 64, false, false><<<grid, kMmaThreads, 0, st>>>(jobs, n_jobs, row_bytes, rows, cols, x, ldx, y,
+                                                                      ldy);
+  STRATA_CUDA_CHECK_LAUNCH();
+}
+
 /// Alignment (bytes) that the decoder of `t` assumes for W and row_bytes.
 int required_alignment(GgmlType t) {
   switch (t) {
@@ -399,9 +947,21 @@ void matmul(GgmlType type, const void* W, size_t row_bytes, int64_t rows, int64_
   STRATA_CUDA_REQUIRE(ldy >= rows, "cuda::matmul: ldy=" + std::to_string(ldy) + " < rows=" + std::to_string(rows));
   if (n_tok == 0) return;
   ensure_tables();
-  const bool tiled = path == MatmulPath::Tiled || (path == MatmulPath::Auto && n_tok >= 4);
   const auto* w = static_cast<const uint8_t*>(W);
   auto st = static_cast<cudaStream_t>(stream);
+  const bool mma = path == MatmulPath::Mma || (path == MatmulPath::Auto && has_mma(type, cols));
+  if (mma) {
+    STRATA_CUDA_REQUIRE(has_mma(type, cols), "cuda::matmul: the tensor-core path does not take " + tname(type) +
+                                                 " with cols=" + std::to_string(cols));
+    switch (type) {
+      case GgmlType::Q8_0: launch_mma<GgmlType::Q8_0>(w, row_bytes, rows, int(cols), x, ldx, n_tok, y, ldy, st); return;
+      case GgmlType::Q4_K: launch_mma<GgmlType::Q4_K>(w, row_bytes, rows, int(cols), x, ldx, n_tok, y, ldy, st); return;
+      case GgmlType::Q6_K: launch_mma<GgmlType::Q6_K>(w, row_bytes, rows, int(cols), x, ldx, n_tok, y, ldy, st); return;
+      case GgmlType::BF16: launch_mma<GgmlType::BF16>(w, row_bytes, rows, int(cols), x, ldx, n_tok, y, ldy, st); return;
+      default: break;
+    }
+  }
+  const bool tiled = path == MatmulPath::Tiled || (path == MatmulPath::Auto && n_tok >= 4);
   switch (type) {
 #define X(name)                                                                                                  \
   case GgmlType::name:                                                                                           \
@@ -412,6 +972,68 @@ void matmul(GgmlType type, const void* W, size_t row_bytes, int64_t rows, int64_
     default: break;
   }
   STRATA_CUDA_REQUIRE(false, "cuda::matmul: unsupported weight type " + tname(type));
+}
+
+bool has_mma(GgmlType t, int64_t cols) {
+  switch (t) {
+    case GgmlType::Q8_0:
+    case GgmlType::Q4_K:
+    case GgmlType::Q6_K: return true;
+    case GgmlType::BF16: return cols % 32 == 0;
+    default: return false;
+  }
+}
+
+GroupedMatmulPlan plan_grouped(GroupedMatmulJob* jobs, int n_jobs, int64_t rows, int64_t cols, bool swiglu_pair) {
+  STRATA_CUDA_REQUIRE(n_jobs >= 1, "cuda::plan_grouped: no jobs");
+  STRATA_CUDA_REQUIRE(rows > 0, "cuda::plan_grouped: rows <= 0");
+  int64_t max_n = 0;
+  for (int i = 0; i < n_jobs; ++i) {
+    STRATA_CUDA_REQUIRE(jobs[i].n_tok >= 1, "cuda::plan_grouped: job " + std::to_string(i) + " has no tokens");
+    max_n = std::max(max_n, jobs[i].n_tok);
+  }
+  GroupedMatmulPlan p;
+  p.tile_tokens = std::min(mma_tile_tokens(max_n), swiglu_pair ? 32 : 64);
+  const int64_t rbk = row_block(p.tile_tokens, cols);
+  const int64_t row_blocks = (rows + rbk - 1) / rbk;
+  for (int i = 0; i < n_jobs; ++i) {
+    jobs[i].block0 = p.blocks;
+    p.blocks += row_blocks * ((jobs[i].n_tok + p.tile_tokens - 1) / p.tile_tokens);
+  }
+  STRATA_CUDA_REQUIRE(p.blocks <= int64_t(INT32_MAX), "cuda::plan_grouped: too many blocks");
+  return p;
+}
+
+void grouped_matmul(const GroupedMatmulPlan& plan, GgmlType type, const GroupedMatmulJob* jobs, int n_jobs,
+                    size_t row_bytes, int64_t rows, int64_t cols, const float* x, int64_t ldx, float* y, int64_t ldy,
+                    bool swiglu_pair, void* stream) {
+  STRATA_CUDA_REQUIRE(has_mma(type, cols), "cuda::grouped_matmul: the tensor-core path does not take " + tname(type) +
+                                               " with cols=" + std::to_string(cols));
+  STRATA_CUDA_REQUIRE(n_jobs >= 1 && plan.blocks >= 1 &&
+                          (plan.tile_tokens == 8 || plan.tile_tokens == 32 || plan.tile_tokens == 64),
+                      "cuda::grouped_matmul: bad plan (use plan_grouped)");
+  STRATA_CUDA_REQUIRE(!swiglu_pair || plan.tile_tokens <= 32,
+                      "cuda::grouped_matmul: the plan was not made for a swiglu pair");
+  STRATA_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(x) % 16 == 0 && ldx % 4 == 0 && ldx >= cols,
+                      "cuda::grouped_matmul: x must be 16-byte aligned with ldx a multiple of 4 and >= cols");
+  STRATA_CUDA_REQUIRE(ldy >= rows, "cuda::grouped_matmul: ldy < rows");
+  const int al = required_alignment(type);
+  STRATA_CUDA_REQUIRE(row_bytes % al == 0, "cuda::grouped_matmul: row_bytes not " + std::to_string(al) + "-byte aligned");
+  auto st = static_cast<cudaStream_t>(stream);
+  const int c = int(cols);
+#define STRATA_GROUPED(T)                                                                          \
+  if (swiglu_pair)                                                                                 \
+    launch_grouped<GgmlType::T, true>(plan, jobs, n_jobs, row_bytes, rows, c, x, ldx, y, ldy, st); \
+  else                                                                                             \
+    launch_grouped<GgmlType::T, false>(plan, jobs, n_jobs, row_bytes, rows, c, x, ldx, y, ldy, st);
+  switch (type) {
+    case GgmlType::Q8_0: STRATA_GROUPED(Q8_0) return;
+    case GgmlType::Q4_K: STRATA_GROUPED(Q4_K) return;
+    case GgmlType::Q6_K: STRATA_GROUPED(Q6_K) return;
+    case GgmlType::BF16: STRATA_GROUPED(BF16) return;
+    default: break;
+  }
+#undef STRATA_GROUPED
 }
 
 void get_rows(GgmlType type, const void* table, size_t row_bytes, int64_t cols, const int32_t* ids, int64_t n,

@@ -571,6 +571,222 @@ void row_iq2_xs(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
   for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum8(_mm256_add_ps(acc[t][0], acc[t][1]));
 }
 
+// ---- prefill tiles (gemm_q8_avx2): several rows and tokens per pass over the weights ----
+//
+// The same arithmetic per (row, token) as the row kernels above (so the same bits, for any
+// tile): only the order in which independent accumulators are visited changes, and integer
+// sums are regrouped (exact).
+
+/// RB rows x TB tokens of a 32-weight block type. Per (row, token), row_b32's four accumulators
+/// take blocks b = 4j + a (a = b % 4: acc[(b/2)&1][b&1]) in increasing b; here accumulator a is
+/// finished before a + 1 starts (a pass over blocks a, a+4, ...), so one ymm per (row, token)
+/// is live and each block's codes are unpacked once per tile and reused by its TB tokens.
+/// The per-block factors fd*dx and the fc corrections are formed first, with row_b32's
+/// operations (f: scratch of RB*TB*round_up(nb, 8) floats, block-major). The tokens' codes and
+/// x128 come block-major (BlockMajor, made once per token block): block b of the tile's token t
+/// at xq + b*bs + 32t, its x128 lanes at x1 + b*bs/4 + 8t.
+template <GgmlType T, int RB, int TB>
+void tile_b32(const uint8_t* w, size_t row_bytes, const Tokens& tk, const int8_t* xq, const int32_t* x1, int64_t bs,
+              float* f, float* y, int64_t ldy) {
+  constexpr B32Format F = b32_format(T);
+  const int64_t nb = tk.cols / 32;
+  __m256 corr[RB][TB];
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < TB; ++t) corr[r][t] = _mm256_setzero_ps();
+  for (int r = 0; r < RB; ++r) {
+    const uint8_t* wr = w + row_bytes * static_cast<size_t>(r);
+    for (int64_t g = 0; g < nb; g += 8) {
+      const int nv = nb - g < 8 ? static_cast<int>(nb - g) : 8;
+      __m256 fd, fc;
+      if (nv == 8)
+        b32_factors<T, true>(wr + F.bytes * g, 8, fd, fc);
+      else
+        b32_factors<T, false>(wr + F.bytes * g, nv, fd, fc);
+      const __m256i m8 = first_lanes(nv);
+      for (int t = 0; t < TB; ++t) {
+        const float* dxp = tk.d + t * (tk.cols / 32) + g;
+        const int* sp = reinterpret_cast<const int*>(tk.s + t * (tk.cols / 16) + 2 * g);
+        const __m256 dx = nv == 8 ? _mm256_loadu_ps(dxp) : _mm256_maskload_ps(dxp, m8);
+        const __m256i s16 =
+            nv == 8 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp)) : _mm256_maskload_epi32(sp, m8);
+        corr[r][t] = _mm256_fmadd_ps(_mm256_mul_ps(fc, dx),
+                                     _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, _mm256_set1_epi16(1))), corr[r][t]);
+        _mm256_storeu_ps(f + ((g / 8 * RB + r) * TB + t) * 8, _mm256_mul_ps(fd, dx));
+      }
+    }
+  }
+  __m256i table = _mm256_setzero_si256();
+  if constexpr (F.table)
+    table = _mm256_broadcastsi128_si256(_mm_add_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(F.values)),
+                                                     _mm_set1_epi8(static_cast<char>(F.offset == 128 ? 0 : F.offset))));
+  __m256 acc4[4][RB][TB];
+  const uint8_t* w1 = w + (RB > 1 ? row_bytes : 0);
+  for (int a = 0; a < 4; ++a) {
+    __m256 acc[RB][TB];
+    for (int r = 0; r < RB; ++r)
+      for (int t = 0; t < TB; ++t) acc[r][t] = _mm256_setzero_ps();
+    const uint8_t* wa = w + F.bytes * a;
+    const uint8_t* wb = w1 + F.bytes * a;
+    const int8_t* qa = xq + bs * a;
+    const int32_t* xa = x1 + bs / 4 * a;
+    // block b's factor for (r, t): f[((b/8 * RB + r) * TB + t) * 8 + b % 8]
+    const float* fa = f + a;
+    const auto step = [&](const float* fb) __attribute__((always_inline)) {
+      __m256i u[RB], au[RB];
+      u[0] = b32_codes<T>(wa, table);
+      if constexpr (RB > 1) u[1] = b32_codes<T>(wb, table);
+      for (int r = 0; r < RB; ++r)
+        if constexpr (F.offset == 128) au[r] = _mm256_abs_epi8(u[r]);
+#pragma GCC unroll 4
+      for (int t = 0; t < TB; ++t) {
+        const __m256i qx = load256(qa + 32 * t);
+#pragma GCC unroll 4
+        for (int r = 0; r < RB; ++r) {
+          // offset 128: sum(u x) = sum(w x) + 128 * (the lane's code sum), as in b32_group
+          __m256i s;
+          if constexpr (F.offset == 128)
+            s = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(au[r], _mm256_sign_epi8(qx, u[r])),
+                                                   _mm256_set1_epi16(1)),
+                                 load256(xa + 8 * t));
+          else
+            s = _mm256_madd_epi16(_mm256_maddubs_epi16(u[r], qx), _mm256_set1_epi16(1));
+          acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(fb + (r * TB + t) * 8), acc[r][t]);
+        }
+      }
+      wa += 4 * F.bytes;
+      wb += 4 * F.bytes;
+      qa += 4 * bs;
+      xa += bs;
+    };
+    int64_t b = a;
+    for (; b + 4 < nb; b += 8, fa += 8 * RB * TB) {
+      step(fa);
+      step(fa + 4);
+    }
+    if (b < nb) step(fa);
+    for (int r = 0; r < RB; ++r)
+      for (int t = 0; t < TB; ++t) acc4[a][r][t] = acc[r][t];
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < TB; ++t) {
+      // row_b32: lo = acc[0][0] + acc[1][0] (blocks 4j, 4j+2), hi = acc[0][1] + acc[1][1]
+      const __m256 lo = _mm256_add_ps(acc4[0][r][t], acc4[2][r][t]), hi = _mm256_add_ps(acc4[1][r][t], acc4[3][r][t]);
+      y[t * ldy + r] = simd_hsum8(_mm256_add_ps(lo, hi)) + simd_hsum8(corr[r][t]);
+    }
+}
+
+/// TB tokens of one Q4_K/Q5_K row (row_q4_k's arithmetic): per super-block and half, each token's
+/// 4 chunk products are summed as int16 pairs (vpaddw: Q4_K's pairs are at most 2*15*127, Q5_K's
+/// 2*31*127, so 4 of them fit in int16 exactly) and widened once (vpmaddwd), which halves the
+/// widening multiplies; the codes of a chunk are unpacked once for the TB tokens.
+template <int TB, bool FIFTH>
+void tile_q4_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
+  constexpr int kBytes = FIFTH ? 176 : 144, kQs = FIFTH ? 48 : 16;
+  __m256 acc[TB][2], accm[TB];
+  for (int t = 0; t < TB; ++t) acc[t][0] = acc[t][1] = accm[t] = _mm256_setzero_ps();
+  const __m256i nib = _mm256_set1_epi8(0x0f), shift = _mm256_setr_epi64x(0, 4, 0, 4), bit4 = _mm256_set1_epi8(0x10);
+  const __m256i up = _mm256_setr_epi64x(4, 3, 2, 1), down = _mm256_setr_epi64x(0, 1, 2, 3);
+  const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const int64_t nsb = tk.cols / 256;
+  for (int64_t i = 0; i < nsb; ++i, w += kBytes) {
+    uint64_t sc, m;
+    k4_scales_packed(w + 4, sc, m);
+    __m256 scf[2];
+    i8x16_ps(_mm_shuffle_epi8(_mm_cvtsi64_si128(static_cast<long long>(sc)), pairs), false, scf);
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(w)));
+    const __m256 dsc[2] = {_mm256_mul_ps(d, scf[0]), _mm256_mul_ps(d, scf[1])};
+    const __m256 dm =
+        _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(load_u16(w + 2))),
+                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(m)))));
+    const uint8_t* qs = w + kQs;
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; ++half) {
+      __m256i s16[TB];
+      for (int t = 0; t < TB; ++t) s16[t] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) {
+        const __m256i v = words_aabb(qs + 64 * half + 8 * k, qs + 64 * half + 32 + 8 * k);
+        __m256i wq = _mm256_and_si256(_mm256_srlv_epi64(v, shift), nib);
+        if constexpr (FIFTH) {
+          long long h;
+          std::memcpy(&h, w + 16 + 8 * k, 8);
+          const __m256i hb = _mm256_set1_epi64x(h);
+          const __m256i b4 = half == 0 ? _mm256_sllv_epi64(hb, up) : _mm256_srlv_epi64(hb, down);
+          wq = _mm256_or_si256(wq, _mm256_and_si256(b4, bit4));
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < TB; ++t)
+          s16[t] =
+              _mm256_add_epi16(s16[t],
+                               _mm256_maddubs_epi16(wq, load256(tk.q + t * tk.cols + 256 * i + 64 * k + 32 * half)));
+      }
+#pragma GCC unroll 4
+      for (int t = 0; t < TB; ++t) {
+        const __m256i sum = _mm256_madd_epi16(s16[t], _mm256_set1_epi16(1));
+        const float* dxl = tk.dxl + t * (tk.cols / 16) + 16 * i;
+        acc[t][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum),
+                                       _mm256_mul_ps(dsc[half], _mm256_loadu_ps(dxl + 8 * half)), acc[t][half]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < TB; ++t)
+      accm[t] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(tk.xs + t * (tk.cols / 32) + 8 * i), accm[t]);
+  }
+  for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum8(_mm256_add_ps(acc[t][0], acc[t][1])) - simd_hsum8(accm[t]);
+}
+
+/// TB tokens of one IQ4_XS row (row_iq4_xs's arithmetic, halves outermost so that TB int32 sums
+/// are live): the 64 codes of a chunk are unpacked once (two vpermd, a blend, vpshufb) for the
+/// TB tokens.
+template <int TB>
+void tile_iq4_xs(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
+  __m256 acc[TB][2];
+  for (int t = 0; t < TB; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  const __m256i nib = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4), lo4 = _mm256_set1_epi8(0x0f);
+  const __m256i kv =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tables::kvalues_iq4nl)));
+  const int64_t nsb = tk.cols / 256;
+  for (int64_t i = 0; i < nsb; ++i, w += 136) {
+    __m256 sc[2];
+    const __m256i lo = _mm256_set1_epi32(static_cast<int>(load_u32(w + 4))), hi = _mm256_set1_epi32(load_u16(w + 2));
+    for (int n = 0; n < 2; ++n) {
+      const __m256i g = _mm256_add_epi32(_mm256_set1_epi32(4 * n), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+      const __m256i l4 = _mm256_and_si256(_mm256_srlv_epi32(lo, _mm256_slli_epi32(g, 2)), _mm256_set1_epi32(0xf));
+      const __m256i h2 = _mm256_and_si256(_mm256_srlv_epi32(hi, _mm256_add_epi32(g, g)), _mm256_set1_epi32(3));
+      sc[n] =
+          _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(l4, _mm256_slli_epi32(h2, 4)), _mm256_set1_epi32(32)));
+    }
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(w)));
+#pragma GCC unroll 2
+    for (int n = 0; n < 2; ++n) {
+      __m256i sum[TB];
+      for (int t = 0; t < TB; ++t) sum[t] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) {
+        const __m256i ix = _mm256_setr_epi32(k, k, 4 + k, 4 + k, 0, 0, 4 + k, 4 + k);
+        const __m256i a = _mm256_permutevar8x32_epi32(load256(w + 8 + 64 * n), ix);
+        const __m256i b = _mm256_permutevar8x32_epi32(load256(w + 8 + 64 * n + 32),
+                                                      _mm256_setr_epi32(0, 0, 0, 0, k, k, 4 + k, 4 + k));
+        const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_blend_epi32(a, b, 0xf0), nib), lo4);
+        const __m256i u = _mm256_shuffle_epi8(kv, q), au = _mm256_abs_epi8(u);
+#pragma GCC unroll 4
+        for (int t = 0; t < TB; ++t) {
+          const __m256i qx = load256(tk.q + t * tk.cols + 256 * i + 64 * k + 32 * n);
+          sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(au, _mm256_sign_epi8(qx, u)),
+                                                              _mm256_set1_epi16(1)));
+        }
+      }
+#pragma GCC unroll 4
+      for (int t = 0; t < TB; ++t) {
+        const __m256 S = _mm256_mul_ps(sc[n], _mm256_cvtepi32_ps(sum[t]));
+        acc[t][n] = _mm256_fmadd_ps(S, _mm256_mul_ps(d, _mm256_loadu_ps(tk.dxl + t * (tk.cols / 16) + 16 * i + 8 * n)),
+                                    acc[t][n]);
+      }
+    }
+  }
+  for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum8(_mm256_add_ps(acc[t][0], acc[t][1]));
+}
+
 }  // namespace
 
 float quantize_block_q8_avx2(const float* x, int8_t* q, int16_t* s16) {
@@ -662,8 +878,102 @@ struct Avx2Q8 {
 
 }  // namespace
 
+/// Calls fn(integral_constant<int, N>) for n = 1..NMAX (a tile size known at compile time).
+template <int NMAX, class Fn>
+inline void with_count(int64_t n, Fn&& fn) {
+  if constexpr (NMAX > 1) {
+    if (n >= NMAX) {
+      fn(std::integral_constant<int, NMAX>{});
+      return;
+    }
+    with_count<NMAX - 1>(n, fn);
+  } else {
+    fn(std::integral_constant<int, 1>{});
+  }
+}
+
+/// Tiles of the prefill driver: rows x tokens of the 32-weight block types (2 x 4: 8
+/// accumulators, 2 + 2 code registers), tokens per row of Q4_K/Q5_K/IQ4_XS.
+constexpr int kTileTok = 4, kTileRows = 2, kB32Tok = 4;
+
+/// The prefill driver (n_tok >= kTileTok): tokens in blocks of kQ8TokBlock (their codes stay in
+/// L2), rows in tiles of kTileRows whose weights stay in L1 while the block's token tiles pass.
+/// False for the types without a tile kernel (they take run_q8_blocks).
+bool gemm_q8_avx2(const MatmulArgs& m, const ActQ8& a) {
+  using G = GgmlType;
+  const G T = m.type;
+  const bool lane = T == G::Q4_K || T == G::Q5_K || T == G::IQ4_XS;
+  if (!lane && b32_format(T).bytes == 0) return false;
+  thread_local std::vector<float> f;
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<int32_t> x1;
+  f.resize(static_cast<size_t>(kTileRows * kB32Tok * (m.cols / 32 + 8)));
+  for (int64_t t0 = 0; t0 < m.n_tok; t0 += kQ8TokBlock) {
+    const int64_t t1 = m.n_tok < t0 + kQ8TokBlock ? m.n_tok : t0 + kQ8TokBlock;
+    if (lane) {
+      const LaneTokens tk = lane_tokens(T, a, t0, t1);
+      for (int64_t r = m.row_begin; r < m.row_end; ++r) {
+        const uint8_t* w = m.W + static_cast<size_t>(r) * m.row_bytes;
+        for (int64_t t = t0; t < t1; t += kTileTok) {
+          float* y = m.y + t * m.ldy + r;
+          with_count<kTileTok>(t1 - t, [&](auto nt) {
+            constexpr int NT = decltype(nt)::value;
+            if (T == G::Q4_K)
+              tile_q4_k<NT, false>(w, tk.from(t - t0), y, m.ldy);
+            else if (T == G::Q5_K)
+              tile_q4_k<NT, true>(w, tk.from(t - t0), y, m.ldy);
+            else
+              tile_iq4_xs<NT>(w, tk.from(t - t0), y, m.ldy);
+          });
+        }
+      }
+      continue;
+    }
+    // the codes (and x128) of each tile of kB32Tok tokens block-major and contiguous: tile j
+    // (tokens t0 + kB32Tok j ..., n of them) from byte kB32Tok j cols, block b of its token t at
+    // + (b n + t) 32 (no power-of-two stride between a tile's blocks)
+    const int64_t nb = a.cols / 32;
+    xq.resize(static_cast<size_t>(nb * 32 * (t1 - t0)));
+    x1.resize(static_cast<size_t>(nb * 8 * (t1 - t0)));
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t j = (t - t0) / kB32Tok, tt = (t - t0) % kB32Tok;
+      const int64_t n = t1 - t0 - kB32Tok * j < kB32Tok ? t1 - t0 - kB32Tok * j : kB32Tok;
+      int8_t* qd = xq.data() + kB32Tok * j * a.cols + 32 * tt;
+      int32_t* xd = x1.data() + kB32Tok * j * (a.cols / 4) + 8 * tt;
+      for (int64_t b = 0; b < nb; ++b) {
+        const __m256i q = load256(a.qt(t) + 32 * b);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qd + 32 * n * b), q);
+        if (b32_format(T).offset == 128) {
+          const __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q), _mm256_set1_epi16(1));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(xd + 8 * n * b), _mm256_slli_epi32(sum, 7));
+        }
+      }
+    }
+    with_b32_type(T, [&](auto type) {
+      constexpr G TT = decltype(type)::value;
+      for (int64_t r = m.row_begin; r < m.row_end; r += kTileRows) {
+        const uint8_t* w = m.W + static_cast<size_t>(r) * m.row_bytes;
+        for (int64_t t = t0; t < t1; t += kB32Tok) {
+          const Tokens tk{a.qt(t), a.dt(t), a.st(t), a.cols};
+          float* y = m.y + t * m.ldy + r;
+          const int8_t* q = xq.data() + (t - t0) * a.cols;
+          const int32_t* x = x1.data() + (t - t0) * (a.cols / 4);
+          const int64_t bs = 32 * (t1 - t < kB32Tok ? t1 - t : kB32Tok);
+          with_count<kTileRows>(m.row_end - r, [&](auto nr) {
+            with_count<kB32Tok>(t1 - t, [&](auto n) {
+              tile_b32<TT, decltype(nr)::value, decltype(n)::value>(w, m.row_bytes, tk, q, x, bs, f.data(), y, m.ldy);
+            });
+          });
+        }
+      }
+    });
+  }
+  return true;
+}
+
 bool matmul_q8_avx2(const MatmulArgs& m, const ActQ8& a) {
   thread_local std::vector<int32_t> x128;
+  if (m.n_tok >= kTileTok && gemm_q8_avx2(m, a)) return true;
   Avx2Q8 k{x128};
   return run_q8_blocks<2>(m, a, k);
 }
