@@ -19,6 +19,7 @@
 // depend on prompt chunking, arena size, IO timing or thread count).
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <span>
 #include <string>
@@ -79,6 +80,9 @@ class Buffer {
   virtual Place place() const = 0;
   virtual void* data() = 0;
   virtual size_t bytes() const = 0;
+  /// True for page-locked (CUDA pinned) host memory; false for pageable host memory (also a
+  /// failed pin that fell back to pageable) and for device memory.
+  virtual bool pinned() const { return false; }
   /// fp32 rows [cols x rows] starting `offset_bytes` into the buffer (precondition: fits).
   Tensor f32(int64_t cols, int64_t rows, size_t offset_bytes = 0);
 };
@@ -117,6 +121,16 @@ class ArenaMemory {
   /// one slot's pieces do not overlap). Thread-safe for distinct io_thread. Throws on a device
   /// error.
   virtual void land(size_t slot, int io_thread, size_t bytes, size_t offset = 0) = 0;
+  /// Like land(), but the bytes for [offset, offset + bytes) of `slot` are at `src` in host
+  /// memory the caller owns (the stream's host RAM tier; pinned or pageable), not in
+  /// read_target(): a host-tier hit or fill lands without a disk read. Same threading and
+  /// completion rules as land(): `src` may be reused when it returns. Default: copy `src`
+  /// into read_target(slot, io_thread) + offset, then land() (the CPU's HostArena: one memcpy
+  /// into the slot); a device arena copies host-to-device straight from `src`.
+  virtual void land_from(size_t slot, int io_thread, const uint8_t* src, size_t bytes, size_t offset) {
+    std::memcpy(read_target(slot, io_thread) + offset, src, bytes);
+    land(slot, io_thread, bytes, offset);
+  }
   /// Where kernels find slot `slot` (a host or device address, as place() says).
   virtual const uint8_t* slot_data(size_t slot) const = 0;
   virtual Place place() const = 0;

@@ -162,6 +162,11 @@ void register_bench(CLI::App& root) {
     uint64_t record = 0, io_pre = 0, io_dec = 0, arena_bytes = 0, n_slots = 0;
     std::string expert_file, kernels, actq, backend_name, backend_device;
     int n_threads = 0;
+    // ---- tiers (host RAM tier, memory): filled in the first engine's scope ----
+    engine::CopyProbe copy;  // the landing peak: pinned host-to-device (CUDA) or memcpy (CPU)
+    engine::MemoryReport mem;
+    uint64_t host_bytes = 0, host_slots = 0;
+    bool host_pinned = false;
     {
       engine::Engine eng(f->engine.model, opts);
       kernels = eng.cpu_kernels();
@@ -192,7 +197,18 @@ void register_bench(CLI::App& root) {
         ssd_gbps = io::measure_read_gbps(expert_file, record, opts.io_threads, f->ssd_seconds);
       }
       if (!f->json) fmt::print(stderr, "running {} prompt tokens, {} decode tokens ...\n", prompt.size(), f->gen);
+      // ---- tiers: the copy probe runs where the run copies (a GPU arena or a host tier) ----
+      const bool device_arena = eng.backend_info().name == "cuda";
+      host_bytes = eng.host_cache_bytes();
+      host_slots = eng.stream().host_slots();
+      host_pinned = eng.host_cache_pinned();
+      if (device_arena || host_bytes > 0) {
+        if (!f->json)
+          fmt::print(stderr, "measuring the {} copy peak ...\n", device_arena ? "host-to-device" : "memcpy");
+        copy = engine::measure_arena_copy(device_arena, eng.options().device, device_arena ? 256u << 20 : 64u << 20, 8);
+      }
       run_phases(eng, prompt, f->gen, forced, f->cold, pre, dec);
+      mem = engine::memory_report(eng.options().device);  // with the arena, host tier and KV cache allocated
       const auto [r_pre, r_dec] = optimal_reads(pre.trace, eng.options().prompt_chunk, dec.trace, n_slots);
       io_pre = r_pre * record;
       io_dec = r_dec * record;
@@ -214,6 +230,15 @@ void register_bench(CLI::App& root) {
       j["compute_floor_s"] = compute_floor;
       j["ratio_to_floor"] = r.stats.seconds / std::max({io_floor, compute_floor, 1e-12});
       j["read_gbps"] = r.stats.seconds > 0 ? double(r.stats.stream.bytes_read) / r.stats.seconds / 1e9 : 0.0;
+      // ---- tiers: the IO floor per tier from this run's counters, the copy rate achieved ----
+      const auto& st = r.stats.stream;
+      const double disk_floor = ssd_gbps > 0 ? double(st.bytes_read) / (ssd_gbps * 1e9) : 0.0;
+      const double copy_floor = copy.gbps > 0 ? double(st.h2d_bytes) / (copy.gbps * 1e9) : 0.0;
+      j["disk_floor_s"] = disk_floor;
+      j["copy_floor_s"] = copy_floor;
+      j["h2d_gbps"] = r.stats.seconds > 0 ? double(st.h2d_bytes) / r.stats.seconds / 1e9 : 0.0;
+      j["copy_peak_gbps"] = copy.gbps;
+      j["ratio_to_tier_floors"] = r.stats.seconds / std::max({disk_floor, copy_floor, compute_floor, 1e-12});
       return j;
     };
     nlohmann::json out = {{"model", f->engine.model},
@@ -231,7 +256,13 @@ void register_bench(CLI::App& root) {
                           {"backend_device", backend_device},
                           {"decode_mode", forced.empty() ? "free-running greedy" : "teacher-forced"},
                           {"prefill", phase(pre, fpre, io_pre)},
-                          {"decode", phase(dec, fdec, io_dec)}};
+                          {"decode", phase(dec, fdec, io_dec)},
+                          // tiers
+                          {"host_cache_bytes", host_bytes},
+                          {"host_cache_slots", host_slots},
+                          {"host_cache_pinned", host_pinned},
+                          {"copy_probe", {{"kind", copy.kind}, {"bytes", copy.bytes}, {"gbps", copy.gbps}}},
+                          {"memory", memory_json(mem)}};
     // roofline (issue 18): matmul GFLOP/s and weight GB/s per phase against probes of this machine
     out["roofline"] = bench_roofline(f->engine.model, out);
     if (!f->json) print_roofline(out["roofline"]);
@@ -259,7 +290,26 @@ void register_bench(CLI::App& root) {
           human_bytes(double(j["bytes_read"].get<uint64_t>())), j["read_gbps"].get<double>(),
           j["exposed_wait_s"].get<double>(), io_floor, j["compute_floor_s"].get<double>(),
           j["ratio_to_floor"].get<double>(), 100.0 * j["prediction_recall"].get<double>());
+      // ---- tiers: one line per phase (docs/tools.md, "bench") ----
+      const std::string disk_floor = ssd_gbps > 0 ? fmt::format("{:.3f} s", j["disk_floor_s"].get<double>()) : "-";
+      const std::string copy_floor =
+          copy.gbps > 0 ? fmt::format("{:.3f} s", j["copy_floor_s"].get<double>()) : std::string("-");
+      const std::string peak =
+          copy.gbps > 0 ? fmt::format("{:.2f} GB/s {}", copy.gbps, copy.kind) : std::string("not measured");
+      fmt::print(
+          "{:<8} tiers: arena hits {} | host hits {} ({}) | disk reads {} ({}) | copied {} at {:.2f} GB/s (peak {}) | "
+          "floors: disk {}, copy {}, compute {:.3f} s | time / max(floors) {:.2f}\n",
+          name, j["arena_hits"].get<uint64_t>(), j["host_hits"].get<uint64_t>(),
+          human_bytes(double(j["host_hit_bytes"].get<uint64_t>())), j["disk_reads"].get<uint64_t>(),
+          human_bytes(double(j["disk_bytes"].get<uint64_t>())), human_bytes(double(j["h2d_bytes"].get<uint64_t>())),
+          j["h2d_gbps"].get<double>(), peak, disk_floor, copy_floor, j["compute_floor_s"].get<double>(),
+          j["ratio_to_tier_floors"].get<double>());
     }
+    fmt::print("host tier: {}\n", host_slots > 0
+                                      ? fmt::format("{} in {} slots, {} (LRU)", human_bytes(double(host_bytes)),
+                                                    host_slots, host_pinned ? "pinned" : "pageable")
+                                      : std::string("off"));
+    fmt::print("{}\n", memory_line(mem));
     fmt::print("decode mode: {}\n", out["decode_mode"].get<std::string>());
   });
 }

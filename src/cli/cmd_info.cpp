@@ -114,6 +114,9 @@ void register_info(CLI::App& root) {
                         {"expert_bytes", experts},
                         {"expert_bytes_per_layer", per_layer},
                         {"skipped_bytes", skipped}};
+    // Memory of this process now (the header and tensor table are read) and of CUDA device 0.
+    const engine::MemoryReport mem = engine::memory_report(0);
+    j["memory"] = memory_json(mem);
     if (f->json) {
       fmt::print("{}\n", j.dump());
       return;
@@ -134,6 +137,7 @@ void register_info(CLI::App& root) {
     if (skipped > 0)
       fmt::print("skipped bytes {} (tensors the forward pass does not use, e.g. NextN blocks)\n",
                  human_bytes(double(skipped)));
+    fmt::print("{}\n", memory_line(mem));
   });
 }
 

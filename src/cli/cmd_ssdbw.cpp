@@ -44,6 +44,9 @@ struct SsdbwFlags {
   double seconds = 3.0;
   uint64_t reads = 0;
   bool json = false;
+  std::string h2d_size = "256M";  // the copy probes (pinned host-to-device, memcpy)
+  int h2d_reps = 8, device = 0;
+  bool no_h2d = false;
 };
 
 }  // namespace
@@ -60,6 +63,13 @@ void register_ssdbw(CLI::App& root) {
   auto* secs = app->add_option("--seconds", f->seconds, "seconds per thread count")->capture_default_str();
   app->add_option("--reads", f->reads, "reads per thread count instead of a time")->excludes(secs);
   app->add_flag("--json", f->json, "print JSON");
+  app->add_option("--h2d-size", f->h2d_size,
+                  "bytes per copy of the copy probes (pinned host-to-device on a CUDA device, and memcpy), K/M/G "
+                  "suffixes allowed")
+      ->capture_default_str();
+  app->add_option("--h2d-reps", f->h2d_reps, "timed copies per probe")->capture_default_str()->check(at_least(1));
+  app->add_option("--device", f->device, "CUDA device ordinal of the host-to-device probe")->capture_default_str();
+  app->add_flag("--no-h2d", f->no_h2d, "skip the copy probes");
   app->callback([f] {
     io::ReadBwOptions o;
     o.record_bytes = size_t(parse_size(f->size));
@@ -94,10 +104,37 @@ void register_ssdbw(CLI::App& root) {
                          {"seconds", r.seconds},
                          {"mean_latency_ms", r.mean_latency_ms}});
     }
-    if (f->json)
-      fmt::print(
-          "{}\n",
-          nlohmann::json{{"file", f->file}, {"record_bytes", rec}, {"direct", direct}, {"results", results}}.dump());
+    // ---- copy probes: the host tier's landing rate (pinned host-to-device, memcpy) ----
+    nlohmann::json h2d = nullptr, host_copy = nullptr;
+    std::string h2d_skip;
+    if (!f->no_h2d) {
+      const size_t cb = size_t(parse_size(f->h2d_size));
+      if (!engine::cuda_device_present()) {
+#ifdef STRATA_HAVE_CUDA
+        h2d_skip = "no CUDA device";
+#else
+        h2d_skip = "this strata was built without the CUDA backend";
+#endif
+      } else {
+        const engine::CopyProbe p = engine::measure_arena_copy(true, f->device, cb, f->h2d_reps);
+        h2d = {{"kind", p.kind}, {"device", f->device}, {"bytes", p.bytes}, {"reps", p.reps}, {"gbps", p.gbps}};
+        if (!f->json)
+          fmt::print("h2d: {} host-to-device {:.2f} GB/s ({} x {}, device {})\n", p.kind.substr(4), p.gbps,
+                     human_bytes(double(p.bytes)), p.reps, f->device);
+      }
+      if (!h2d_skip.empty() && !f->json) fmt::print("h2d: skipped ({})\n", h2d_skip);
+      const engine::CopyProbe m = engine::measure_arena_copy(false, 0, cb, f->h2d_reps);
+      host_copy = {{"bytes", m.bytes}, {"reps", m.reps}, {"gbps", m.gbps}};
+      if (!f->json)
+        fmt::print("memcpy: {:.2f} GB/s ({} x {}, host RAM to host RAM: the CPU backend's host-tier copy)\n", m.gbps,
+                   human_bytes(double(m.bytes)), m.reps);
+    }
+    if (f->json) {
+      nlohmann::json j{{"file", f->file},    {"record_bytes", rec}, {"direct", direct},
+                       {"results", results}, {"h2d", h2d},          {"memcpy", host_copy}};
+      if (!h2d_skip.empty()) j["h2d_skipped"] = h2d_skip;
+      fmt::print("{}\n", j.dump());
+    }
   });
 }
 

@@ -26,6 +26,11 @@ void EngineFlags::add(CLI::App& app) {
                  "expert arena size in MiB (0 = automatic: half of available RAM minus dense weights "
                  "and KV cache, capped at all experts)")
       ->capture_default_str();
+  app.add_option("--host-cache-mb", opts.host_cache_mb,
+                 "host RAM tier between the disk and the arena, in MiB (pinned for CUDA): disk reads fill it, "
+                 "arena misses it holds land from it without a disk read; LRU. 0 = off, -1 = automatic: half of "
+                 "available RAM for a GPU arena, 0 for the CPU backend")
+      ->capture_default_str();
   app.add_option("--prompt-chunk", opts.prompt_chunk,
                  "tokens per prefill chunk (0 = automatic: what 1/16 of available RAM holds, 64..2048)")
       ->capture_default_str();
@@ -283,7 +288,17 @@ nlohmann::json phase_json(const engine::PhaseStats& p) {
           {"bytes_read", p.stream.bytes_read},
           {"exposed_wait_s", p.stream.exposed_wait_s},
           {"moce_substituted", p.moce.substituted},
-          {"moce_misses_avoided", p.moce.misses_avoided}};
+          {"moce_misses_avoided", p.moce.misses_avoided},
+          // tiers (docs/streaming.md, "Tiers"): reads = host_hits + disk_reads
+          {"arena_hits", p.stream.hits},
+          {"host_hits", p.stream.host_hits},
+          {"host_hit_bytes", p.stream.host_hit_bytes},
+          {"disk_reads", p.stream.disk_reads},
+          {"disk_bytes", p.stream.bytes_read},
+          {"host_fills", p.stream.host_fills},
+          {"host_evictions", p.stream.host_evictions},
+          {"h2d_bytes", p.stream.h2d_bytes},
+          {"h2d_busy_s", p.stream.h2d_busy_s}};
 }
 
 nlohmann::json arena_json(engine::Engine& e) {
@@ -297,7 +312,33 @@ nlohmann::json arena_json(engine::Engine& e) {
              for (const auto& L : e.model().expert_layout()) n += uint64_t(L.n_expert);
              return n;
            }()},
-          {"direct_io", e.stream().direct()}};
+          {"direct_io", e.stream().direct()},
+          {"host_cache_bytes", e.host_cache_bytes()},
+          {"host_cache_slots", e.stream().host_slots()},
+          {"host_cache_pinned", e.host_cache_pinned()}};
+}
+
+nlohmann::json memory_json(const engine::MemoryReport& m) {
+  nlohmann::json vram = nullptr;
+  if (m.has_device)
+    vram = {{"device", m.device},
+            {"free_bytes", m.vram_free_bytes},
+            {"total_bytes", m.vram_total_bytes},
+            {"used_bytes", m.vram_total_bytes - m.vram_free_bytes}};
+  return {{"rss_bytes", m.rss_bytes},
+          {"rss_peak_bytes", m.rss_peak_bytes},
+          {"mem_available_bytes", m.mem_available_bytes},
+          {"pinned_bytes", m.pinned_bytes},
+          {"vram", vram}};
+}
+
+std::string memory_line(const engine::MemoryReport& m) {
+  std::string s = fmt::format("memory: RSS {} (peak {}), pinned {}", human_bytes(double(m.rss_bytes)),
+                              human_bytes(double(m.rss_peak_bytes)), human_bytes(double(m.pinned_bytes)));
+  if (m.has_device)
+    s += fmt::format(", VRAM {} of {} used (device {})", human_bytes(double(m.vram_total_bytes - m.vram_free_bytes)),
+                     human_bytes(double(m.vram_total_bytes)), m.device);
+  return s;
 }
 
 void print_stats(engine::Engine& e) {
@@ -313,9 +354,18 @@ void print_stats(engine::Engine& e) {
       fmt::print(stderr, "{:<8} moce: {} experts substituted, {} misses avoided\n", "", p.moce.substituted,
                  p.moce.misses_avoided);
   };
+  // The tiers of one phase: where the needed experts came from (docs/streaming.md, "Tiers").
+  auto tiers = [&](const char* name, const engine::PhaseStats& p) {
+    const auto& s = p.stream;
+    fmt::print(stderr, "{:<8} tiers: arena hits {} | host hits {} ({}) | disk reads {} ({}) | copied to arena {}\n",
+               name, s.hits, s.host_hits, human_bytes(double(s.host_hit_bytes)), s.disk_reads,
+               human_bytes(double(s.bytes_read)), human_bytes(double(s.h2d_bytes)));
+  };
   fmt::print(stderr, "\n");
   line("prefill", e.prefill_stats());
   line("decode", e.decode_stats());
+  tiers("prefill", e.prefill_stats());
+  tiers("decode", e.decode_stats());
   uint64_t total_experts = 0;
   for (const auto& L : e.model().expert_layout()) total_experts += uint64_t(L.n_expert);
   fmt::print(
@@ -327,6 +377,10 @@ void print_stats(engine::Engine& e) {
   if (e.options().moce_bonus > 0)
     fmt::print(stderr, "moce     bonus {} on {} (results depend on residency)\n", e.options().moce_bonus,
                e.options().moce_prefill ? "prefill and decode" : "decode");
+  if (e.stream().host_slots() > 0)
+    fmt::print(stderr, "host     {} slots = {} of {} host memory (LRU), between the disk and the arena\n",
+               e.stream().host_slots(), human_bytes(double(e.host_cache_bytes())),
+               e.host_cache_pinned() ? "pinned" : "pageable");
 }
 
 }  // namespace strata::cli

@@ -89,6 +89,11 @@ double overall_recall(const model::PredictionStats& p);
 nlohmann::json phase_json(const engine::PhaseStats& p);
 /// Arena facts as JSON: bytes, slots, slot_bytes, direct_io, expert_bytes.
 nlohmann::json arena_json(engine::Engine& e);
+/// engine::memory_report() as JSON: rss_bytes, rss_peak_bytes, mem_available_bytes,
+/// pinned_bytes, and "vram": {device, free_bytes, total_bytes, used_bytes} (null without a device).
+nlohmann::json memory_json(const engine::MemoryReport& m);
+/// The same as one line: "memory: RSS 1.2 GiB (peak 1.5 GiB), pinned 0 B, VRAM 3.4 GiB of 140.0 GiB used".
+std::string memory_line(const engine::MemoryReport& m);
 /// One human-readable summary block (to stderr) of prefill, decode and the stream.
 void print_stats(engine::Engine& e);
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <regex>
@@ -101,6 +102,95 @@ uint64_t default_arena_bytes(uint64_t all_expert_slot_bytes, uint64_t resident_b
   return std::max(budget, min_bytes);
 }
 
+uint64_t default_host_cache_bytes(bool arena_on_device, uint64_t arena_bytes, uint64_t all_expert_slot_bytes,
+                                  uint64_t mem_available) {
+  if (!arena_on_device || arena_bytes >= all_expert_slot_bytes) return 0;
+  return std::min(mem_available / 2, all_expert_slot_bytes);
+}
+
+uint64_t resolve_host_cache_bytes(int64_t host_cache_mb, bool arena_on_device, uint64_t arena_bytes,
+                                  uint64_t all_expert_slot_bytes, uint64_t mem_available) {
+  if (host_cache_mb < -1)
+    throw EngineError(
+        fmt::format("--host-cache-mb must be 0 (off), a size in MiB or -1 (automatic), got {}", host_cache_mb));
+  if (host_cache_mb < 0)
+    return default_host_cache_bytes(arena_on_device, arena_bytes, all_expert_slot_bytes, mem_available);
+  const uint64_t asked = host_cache_mb >= (int64_t(1) << 43) ? UINT64_MAX : uint64_t(host_cache_mb) << 20;
+  const uint64_t want = std::min(asked, all_expert_slot_bytes);
+  if (mem_available > 0 && want > mem_available)
+    throw EngineError(
+        fmt::format("--host-cache-mb {}: {:.1f} MiB of {} memory asked for, but only {:.1f} MiB are available "
+                    "(MemAvailable); use --host-cache-mb {} or less",
+                    host_cache_mb, double(want) / 1048576.0, arena_on_device ? "pinned host" : "host",
+                    double(mem_available) / 1048576.0, mem_available >> 20));
+  return want;
+}
+
+CopyProbe measure_arena_copy(bool device_arena, int device, size_t bytes, int reps) {
+  if (bytes == 0 || reps < 1) throw EngineError("copy probe: needs bytes > 0 and reps >= 1");
+  CopyProbe r;
+  r.bytes = bytes;
+  r.reps = reps;
+  if (device_arena) {
+#ifdef STRATA_HAVE_CUDA
+    const cuda::H2dProbe p = cuda::measure_h2d(device, bytes, reps);
+    r.kind = p.pinned ? "h2d pinned" : "h2d pageable";
+    r.gbps = p.gbps;
+    return r;
+#else
+    (void)device;
+    throw EngineError("host-to-device probe: this strata was built without the CUDA backend");
+#endif
+  }
+  io::AlignedBuffer a(bytes), b(bytes);
+  std::memset(a.data(), 1, bytes);
+  std::memset(b.data(), 0, bytes);  // both paged in before timing
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < reps; ++i) {
+    a.data()[size_t(i) % bytes] = uint8_t(i);
+    std::memcpy(b.data(), a.data(), bytes);
+  }
+  const double s = seconds_since(t0);
+  volatile uint8_t sink = b.data()[size_t(reps - 1) % bytes];
+  (void)sink;
+  r.kind = "memcpy";
+  r.gbps = s > 0 ? double(bytes) * double(reps) / s / 1e9 : 0.0;
+  return r;
+}
+
+MemoryReport memory_report(int device) {
+  MemoryReport r;
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream ls(line);
+    std::string key;
+    uint64_t kb = 0;
+    ls >> key >> kb;
+    if (key == "VmRSS:") r.rss_bytes = kb * 1024;
+    if (key == "VmHWM:") r.rss_peak_bytes = kb * 1024;
+  }
+  r.mem_available_bytes = mem_available_bytes();
+#ifdef STRATA_HAVE_CUDA
+  r.pinned_bytes = cuda::pinned_host_bytes();
+  try {
+    if (device >= 0 && device < cuda::device_count()) {
+      size_t f = 0, t = 0;
+      cuda::device_mem_info(device, f, t);
+      r.has_device = true;
+      r.device = device;
+      r.vram_free_bytes = f;
+      r.vram_total_bytes = t;
+    }
+  } catch (const std::exception&) {
+    r.has_device = false;
+  }
+#else
+  (void)device;
+#endif
+  return r;
+}
+
 namespace {
 // Applies f(field_a, field_b) to every counter of two StreamStats.
 template <typename F>
@@ -114,6 +204,15 @@ void each_counter(stream::StreamStats& a, const stream::StreamStats& b, F f) {
   f(a.bytes_read, b.bytes_read);
   f(a.exposed_wait_s, b.exposed_wait_s);
   f(a.read_busy_s, b.read_busy_s);
+  f(a.dropped, b.dropped);
+  // tiers
+  f(a.host_hits, b.host_hits);
+  f(a.host_hit_bytes, b.host_hit_bytes);
+  f(a.disk_reads, b.disk_reads);
+  f(a.host_fills, b.host_fills);
+  f(a.host_evictions, b.host_evictions);
+  f(a.h2d_bytes, b.h2d_bytes);
+  f(a.h2d_busy_s, b.h2d_busy_s);
 }
 }  // namespace
 
@@ -137,6 +236,9 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
     throw EngineError(fmt::format("--io-threads must be at most 1024, got {}", opts_.io_threads));
   if (opts_.io_threads < 1) throw EngineError(fmt::format("--io-threads must be at least 1, got {}", opts_.io_threads));
   if (opts_.arena_mb < 0) throw EngineError(fmt::format("--arena-mb must be positive, got {}", opts_.arena_mb));
+  if (opts_.host_cache_mb < -1)
+    throw EngineError(
+        fmt::format("--host-cache-mb must be 0 (off), a size in MiB or -1 (automatic), got {}", opts_.host_cache_mb));
   kernels_ = cpu::kernels::resolve_kernels(opts_.kernels, opts_.act_quant);
   gguf_ = std::make_unique<gguf::File>(gguf::File::open(path));
   tok_ = std::make_unique<tokenizer::Tokenizer>(tokenizer::Tokenizer::from_gguf(*gguf_));
@@ -208,6 +310,15 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
 #endif
   if (opts_.arena_mb == 0) opts_.arena_mb = int64_t((arena + (1 << 20) - 1) >> 20);
 
+  // The host RAM tier: automatic only where the arena is not in host RAM; an explicit size must
+  // fit in what the kernel says is available (pinned memory cannot be swapped out).
+  bool arena_on_device = false;
+#ifdef STRATA_HAVE_CUDA
+  arena_on_device = dynamic_cast<cuda::CudaBackend*>(backend_.get()) != nullptr;
+#endif
+  const uint64_t host_cache =
+      resolve_host_cache_bytes(opts_.host_cache_mb, arena_on_device, arena, all_slots, mem_available_bytes());
+
   stream::StreamOptions so;
   so.arena_bytes = arena;
   so.io_threads = opts_.io_threads;
@@ -215,6 +326,7 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
   so.min_slots = std::max<uint64_t>(1, min_slots);
   so.fake = opts_.fake_stream;
   set_moce_bonus(opts_.moce_bonus);
+  so.host_cache_bytes = size_t(host_cache);
   if (opts_.predict_min < 1)
     throw EngineError(fmt::format("--predict-min must be at least 1, got {}", opts_.predict_min));
 
@@ -252,6 +364,7 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
 Engine::~Engine() = default;
 
 uint64_t Engine::arena_bytes() const { return uint64_t(stream_->n_slots()) * stream_->slot_bytes(); }
+uint64_t Engine::host_cache_bytes() const { return uint64_t(stream_->host_slots()) * stream_->slot_bytes(); }
 
 std::string Engine::cpu_kernels() const { return cpu::kernels::cpu_kernels_name(kernels_.family); }
 std::string Engine::act_quant() const { return cpu::kernels::act_quant_name(kernels_.act); }

@@ -30,8 +30,12 @@ struct EngineOptions {
   /// --backend: "cpu", "cuda" (the CudaBackend on `device`; an EngineError without a device or
   /// in a build without CUDA) or "auto" (cuda when the build has it and a device is present).
   std::string backend = "cpu";
-  int device = 0;            ///< --device: CUDA device ordinal for the cuda backend
-  int64_t arena_mb = 0;      ///< arena size in MiB; 0 = automatic (see default_arena_bytes)
+  int device = 0;        ///< --device: CUDA device ordinal for the cuda backend
+  int64_t arena_mb = 0;  ///< arena size in MiB; 0 = automatic (see default_arena_bytes)
+  /// --host-cache-mb: the host RAM tier between the disk and the arena, in MiB; 0 = off, -1 =
+  /// automatic (see default_host_cache_bytes: half of MemAvailable for a device arena, 0 for the
+  /// CPU backend, whose arena already lives in RAM). More than MemAvailable is an EngineError.
+  int64_t host_cache_mb = -1;
   uint64_t arena_bytes = 0;  ///< exact arena size in bytes; overrides arena_mb when nonzero
   int prompt_chunk = 0;      ///< tokens per prefill chunk (--prompt-chunk); 0 = from available memory
                              ///< (see auto_prompt_chunk)
@@ -103,6 +107,9 @@ class Engine {
   /// Bytes of all routed experts in the file, and the arena actually allocated.
   uint64_t expert_bytes() const { return expert_bytes_; }
   uint64_t arena_bytes() const;
+  /// The host tier actually allocated (bytes; 0 = none) and whether it is pinned.
+  uint64_t host_cache_bytes() const;
+  bool host_cache_pinned() const { return stream_->host_pinned(); }
   /// Smallest arena for the configured prompt chunk: one layer's worst case,
   /// min(top-k x chunk tokens, expert count) slots (bytes).
   uint64_t min_arena_bytes() const { return min_arena_bytes_; }
@@ -161,6 +168,44 @@ class Engine {
 /// The automatic arena size: half of MemAvailable (/proc/meminfo) minus the dense weights
 /// and KV cache, capped at all experts' slots and never below `min_bytes` (bytes).
 uint64_t default_arena_bytes(uint64_t all_expert_slot_bytes, uint64_t resident_bytes, uint64_t min_bytes);
+
+/// The automatic host tier (--host-cache-mb -1): 0 when the arena lives in host memory (the
+/// CPU backend: a copy in RAM of what RAM already holds gains nothing) or already holds every
+/// expert; else half of `mem_available` (bytes), capped at all experts' slots.
+uint64_t default_host_cache_bytes(bool arena_on_device, uint64_t arena_bytes, uint64_t all_expert_slot_bytes,
+                                  uint64_t mem_available);
+
+/// The host tier --host-cache-mb asks for (bytes): -1 = default_host_cache_bytes, 0 = off, N =
+/// N MiB capped at `all_expert_slot_bytes`. Throws EngineError below -1, and naming both sizes
+/// when the (capped) request is more than `mem_available` (when that is known, > 0).
+uint64_t resolve_host_cache_bytes(int64_t host_cache_mb, bool arena_on_device, uint64_t arena_bytes,
+                                  uint64_t all_expert_slot_bytes, uint64_t mem_available);
+
+/// Memory use of this process and its device, for `strata info --json` and `strata bench`.
+struct MemoryReport {
+  uint64_t rss_bytes = 0;            ///< VmRSS of /proc/self/status (resident set now)
+  uint64_t rss_peak_bytes = 0;       ///< VmHWM of /proc/self/status (peak resident set)
+  uint64_t mem_available_bytes = 0;  ///< MemAvailable of /proc/meminfo
+  uint64_t pinned_bytes = 0;         ///< page-locked host memory held through the CUDA backend (0 without)
+  bool has_device = false;           ///< a CUDA device was queried
+  int device = 0;
+  uint64_t vram_free_bytes = 0, vram_total_bytes = 0;  ///< cudaMemGetInfo of that device
+};
+/// Fills a MemoryReport now; the VRAM fields for CUDA device `device` when this build has CUDA
+/// and the device exists (has_device). Never throws: unknown values stay 0.
+MemoryReport memory_report(int device = 0);
+
+/// The peak rate of the copy that lands a host-tier entry in an arena slot (strata ssdbw, strata bench).
+struct CopyProbe {
+  std::string kind;  ///< "h2d pinned", "h2d pageable" (pinning failed) or "memcpy" (host arena)
+  size_t bytes = 0;  ///< bytes per copy
+  int reps = 0;      ///< timed copies
+  double gbps = 0;   ///< bytes * reps / seconds / 1e9
+};
+/// With `device_arena`: pinned host-to-device copies to CUDA device `device` (cuda::measure_h2d;
+/// throws EngineError in a build without CUDA); else memcpy between two 4 KiB-aligned host
+/// buffers (the CPU backend's host-tier hit). Throws EngineError for bytes == 0 or reps < 1.
+CopyProbe measure_arena_copy(bool device_arena, int device, size_t bytes, int reps);
 
 /// Bytes of scratch one prompt-chunk token needs in the forward pass (activations, q/k/v,
 /// router logits, the per-(token, k) expert outputs, logits), from the hyper-parameters.

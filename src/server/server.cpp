@@ -384,6 +384,15 @@ struct Server::Impl {
            double(ds.bytes_read));
     phased("strata_exposed_wait_seconds_total", "counter", "Seconds the compute blocked on expert reads.",
            ps.exposed_wait_s, ds.exposed_wait_s);
+    // tiers: arena <- host RAM tier <- disk (docs/streaming.md, "Tiers"); reads = host hits + disk reads
+    phased("strata_host_hits_total", "counter", "Arena fills served from the host RAM tier (no disk read).",
+           double(ps.host_hits), double(ds.host_hits));
+    phased("strata_disk_reads_total", "counter", "Arena fills read from disk.", double(ps.disk_reads),
+           double(ds.disk_reads));
+    phased("strata_h2d_bytes_total", "counter",
+           "Bytes copied from host memory into the arena (host-to-device for a GPU arena).", double(ps.h2d_bytes),
+           double(ds.h2d_bytes));
+    gauge("strata_host_cache_bytes", "Bytes of the host RAM tier (0 = off).", double(eng.host_cache_bytes()));
     gauge("strata_arena_bytes", "Bytes of the expert arena.", double(eng.arena_bytes()));
     sched.write_metrics(out);
     res.set_content(out, "text/plain; version=0.0.4");

@@ -38,6 +38,16 @@
 // (SlotTable::Piece::reuse_after) waits for it before its bytes can reach the slot: before the
 // read for a host arena (read_target may be the slot), before land() for a device arena.
 //
+// The host RAM tier (StreamOptions::host_cache_bytes; docs/streaming.md, "Tiers"): entries of
+// slot_bytes each, laid out as a slot, keyed by (layer, expert). When an IO thread takes the
+// first piece of a read it plans the whole read (under the mutex, so no other piece of it can
+// be taken first): a complete entry -> host hit (every piece: land_from(entry), no disk read);
+// else an entry is taken (empty first, then least recently used among the entries no read is
+// using) -> fill (every piece: read into the entry, then land_from(entry)); no free entry ->
+// the plain path (read_target, land). The plan's entry is held until the read finishes; a
+// failed fill empties it. An arena hit refreshes the entry's LRU time, so the tier keeps the
+// most recently used experts of both tiers.
+//
 // Why urgent first: an urgent read is something the compute thread is blocked on (or soon
 // will be) at the cut; a read-ahead only saves a later wait. Serving urgent reads first
 // bounds the exposed wait of the current layer by its own misses.
@@ -132,6 +142,74 @@ struct ExpertRanges {
   }
 };
 
+// Pageable 4 KiB-aligned host memory for the host tier (when no factory is given).
+class PageableBuffer final : public backend::Buffer {
+ public:
+  explicit PageableBuffer(size_t bytes) : mem_(bytes) {}
+  backend::BufferRole role() const override { return backend::BufferRole::Staging; }
+  backend::Place place() const override { return backend::Place::Host; }
+  void* data() override { return mem_.data(); }
+  size_t bytes() const override { return mem_.size(); }
+
+ private:
+  io::AlignedBuffer mem_;
+};
+
+// The host RAM tier's bookkeeping (see the file comment). Guarded by the stream's mutex; the
+// bytes of an entry are touched outside it only by the read that holds the entry (users > 0).
+struct HostTier {
+  std::unique_ptr<backend::Buffer> mem;
+  size_t n = 0;                // entries
+  size_t entry_bytes = 0;      // = slot bytes
+  std::vector<int64_t> key;    // per entry: (layer, expert) key, -1 when empty
+  std::vector<uint64_t> tick;  // per entry: LRU time (0: empty)
+  std::vector<int> users;      // per entry: reads using it (filling it or copying out of it)
+  std::vector<uint8_t> valid;  // per entry: every byte is there
+  std::vector<int> entry_of;   // per key: entry, -1
+  uint64_t clock = 0;
+
+  uint8_t* data(int e) { return static_cast<uint8_t*>(mem->data()) + size_t(e) * entry_bytes; }
+  int complete(int64_t k) const {
+    const int e = entry_of[size_t(k)];
+    return e >= 0 && valid[size_t(e)] ? e : -1;
+  }
+  void touch(int64_t k) {
+    if (n == 0) return;
+    if (const int e = complete(k); e >= 0) tick[size_t(e)] = ++clock;
+  }
+  // An entry for a fill of `k`: an empty one, else the least recently used one nobody uses; -1.
+  int take(int64_t k, StreamStats& st) {
+    int best = -1;
+    for (size_t e = 0; e < n; ++e)
+      if (users[e] == 0 && (best < 0 || tick[e] < tick[size_t(best)])) best = int(e);
+    if (best < 0) return -1;
+    const size_t b = size_t(best);
+    if (key[b] >= 0) {
+      entry_of[size_t(key[b])] = -1;
+      ++st.host_evictions;
+    }
+    key[b] = k;
+    entry_of[size_t(k)] = best;
+    valid[b] = 0;
+    users[b] = 1;
+    tick[b] = ++clock;
+    return best;
+  }
+  void drop(int e) {
+    const size_t b = size_t(e);
+    if (key[b] >= 0) entry_of[size_t(key[b])] = -1;
+    key[b] = -1;
+    valid[b] = 0;
+    tick[b] = 0;
+  }
+};
+
+// How one arena read is served (decided at its first piece).
+struct ReadPlan {
+  int entry = -1;    // host-tier entry, or -1: the plain path
+  bool hit = false;  // true: copy out of the entry; false with entry >= 0: fill it
+};
+
 }  // namespace
 
 struct ExpertStream::Impl {
@@ -150,8 +228,50 @@ struct ExpertStream::Impl {
   bool paused = false;
   bool fake = false;
   std::vector<std::thread> threads;
+  HostTier host;
+  std::vector<int64_t> layer_base;  // key of (layer, expert) = layer_base[layer] + expert
+  std::vector<ReadPlan> plan;       // per arena slot: the plan of its read in flight
 
   const LayerExperts& layer(int l) const { return layers[static_cast<size_t>(l)]; }
+  int64_t key(int l, int32_t e) const { return layer_base[size_t(l)] + e; }
+
+  // With mu held, at a read's first piece: how the read is served.
+  void plan_read(const SlotTable::Piece& job) {
+    ReadPlan& pl = plan[size_t(job.slot)];
+    pl = ReadPlan{};
+    if (host.n == 0) return;
+    const int64_t k = key(job.layer, job.expert);
+    if (const int e = host.complete(k); e >= 0) {
+      ++host.users[size_t(e)];
+      host.tick[size_t(e)] = ++host.clock;
+      pl = ReadPlan{e, true};
+      return;
+    }
+    if (host.entry_of[size_t(k)] >= 0) return;  // an incomplete entry (cannot happen: one read per key)
+    pl.entry = host.take(k, table->stats());
+  }
+
+  // With mu held, after the read into `slot` finished: the tier counters, the entry's fate.
+  void finish_read(int slot) {
+    const ReadPlan pl = plan[size_t(slot)];
+    plan[size_t(slot)] = ReadPlan{};
+    const bool ok = table->state(slot) == SlotState::Resident;
+    StreamStats& st = table->stats();
+    if (pl.entry >= 0) {
+      --host.users[size_t(pl.entry)];
+      if (pl.hit) {
+        if (ok) ++st.host_hits;
+      } else if (ok) {
+        host.valid[size_t(pl.entry)] = 1;
+        ++st.host_fills;
+        ++st.disk_reads;
+      } else {
+        host.drop(pl.entry);
+      }
+    } else if (ok) {
+      ++st.disk_reads;
+    }
+  }
 
   // With mu held: wake whoever the table's last changes concern.
   void notify() {
@@ -171,11 +291,13 @@ struct ExpertStream::Impl {
         return got;
       });
       if (stop) return;
+      if (job.index == 0) plan_read(job);
+      const ReadPlan pl = plan[static_cast<size_t>(job.slot)];
       lk.unlock();
 
       std::exception_ptr err;
-      uint64_t bytes = 0;
-      double busy = 0;
+      uint64_t bytes = 0, copied = 0, hit_bytes = 0;
+      double busy = 0, copy_busy = 0;
       try {
         const LayerExperts& L = layer(job.layer);
         const ExpertRanges r(L, job.expert);
@@ -190,20 +312,50 @@ struct ExpertStream::Impl {
         // Buffered reads may not run past EOF; direct reads may (up to the aligned EOF).
         if (!file->direct()) n = pc.file_off >= file->size() ? 0 : std::min<uint64_t>(n, file->size() - pc.file_off);
         const size_t slot = static_cast<size_t>(job.slot);
-        if (job.reuse_after && event_before_read) job.reuse_after->wait();
-        if (n > 0) {
-          uint8_t* dst = arena->read_target(slot, tid);
-          const auto t0 = Clock::now();
-          try {
-            file->read_at(pc.file_off, static_cast<size_t>(n), dst + pc.slot_off);
-          } catch (...) {
+        if (pl.entry >= 0) {
+          // Host tier: a hit copies out of the entry; a fill reads into the entry (not the
+          // slot, so the last-use event is waited for only before the copy), then copies.
+          uint8_t* ent = host.data(pl.entry) + pc.slot_off;
+          if (n > 0 && !pl.hit) {
+            const auto t0 = Clock::now();
+            try {
+              file->read_at(pc.file_off, static_cast<size_t>(n), ent);
+            } catch (...) {
+              busy += seconds_since(t0);
+              throw;
+            }
             busy += seconds_since(t0);
-            throw;
+            bytes += n;
           }
-          busy += seconds_since(t0);
-          bytes += n;
-          if (job.reuse_after && !event_before_read) job.reuse_after->wait();
-          arena->land(slot, tid, static_cast<size_t>(n), static_cast<size_t>(pc.slot_off));
+          if (job.reuse_after) job.reuse_after->wait();
+          if (n > 0) {
+            const auto t1 = Clock::now();
+            arena->land_from(slot, tid, ent, static_cast<size_t>(n), static_cast<size_t>(pc.slot_off));
+            copy_busy += seconds_since(t1);
+            copied += n;
+            if (pl.hit) hit_bytes += n;
+          }
+        } else {
+          if (job.reuse_after && event_before_read) job.reuse_after->wait();
+          if (n > 0) {
+            uint8_t* dst = arena->read_target(slot, tid);
+            const auto t0 = Clock::now();
+            try {
+              file->read_at(pc.file_off, static_cast<size_t>(n), dst + pc.slot_off);
+            } catch (...) {
+              busy += seconds_since(t0);
+              throw;
+            }
+            busy += seconds_since(t0);
+            bytes += n;
+            if (job.reuse_after && !event_before_read) job.reuse_after->wait();
+            const auto t1 = Clock::now();
+            arena->land(slot, tid, static_cast<size_t>(n), static_cast<size_t>(pc.slot_off));
+            if (!event_before_read) {  // a device arena: land() copied host-to-device
+              copy_busy += seconds_since(t1);
+              copied += n;
+            }
+          }
         }
       } catch (...) {
         err = std::current_exception();
@@ -213,7 +365,10 @@ struct ExpertStream::Impl {
       StreamStats& st = table->stats();
       st.read_busy_s += busy;
       st.bytes_read += bytes;
-      table->piece_done(job.slot, err);
+      st.h2d_bytes += copied;
+      st.h2d_busy_s += copy_busy;
+      st.host_hit_bytes += hit_bytes;
+      if (table->piece_done(job.slot, err)) finish_read(job.slot);
       notify();
     }
   }
@@ -226,12 +381,15 @@ ExpertStream::ExpertStream(const std::string& path, std::vector<LayerExperts> la
 
 ExpertStream::ExpertStream(const std::string& path, std::vector<LayerExperts> layers, const StreamOptions& opts,
                            backend::Backend& backend)
-    : ExpertStream(path, std::move(layers), opts, [&backend](size_t n_slots, size_t slot_bytes, int io_threads) {
-        return backend.make_arena(n_slots, slot_bytes, io_threads);
-      }) {}
+    : ExpertStream(
+          path, std::move(layers), opts,
+          [&backend](size_t n_slots, size_t slot_bytes, int io_threads) {
+            return backend.make_arena(n_slots, slot_bytes, io_threads);
+          },
+          [&backend](size_t bytes) { return backend.alloc(backend::BufferRole::Staging, bytes); }) {}
 
 ExpertStream::ExpertStream(const std::string& path, std::vector<LayerExperts> layers, const StreamOptions& opts,
-                           ArenaFactory make_arena)
+                           ArenaFactory make_arena, HostTierFactory make_host)
     : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
   m.layers = std::move(layers);
@@ -240,6 +398,7 @@ ExpertStream::ExpertStream(const std::string& path, std::vector<LayerExperts> la
   experts_per_layer.reserve(m.layers.size());
   for (const LayerExperts& L : m.layers) {
     if (L.n_expert < 0) throw std::invalid_argument("expert stream: negative n_expert");
+    m.layer_base.push_back(total);
     experts_per_layer.push_back(L.n_expert);
     total += L.n_expert;
   }
@@ -273,6 +432,34 @@ ExpertStream::ExpertStream(const std::string& path, std::vector<LayerExperts> la
                     "were asked for",
                     m.arena ? m.arena->n_slots() : 0, m.arena ? m.arena->slot_bytes() : 0, n, m.slot_bytes));
   m.event_before_read = m.arena->place() == backend::Place::Host;
+  m.plan.assign(n, ReadPlan{});
+
+  // The host tier: whole slots, at most one per expert.
+  const size_t host_n =
+      opts.fake ? 0 : std::min<size_t>(opts.host_cache_bytes / m.slot_bytes, static_cast<size_t>(total));
+  if (host_n > 0) {
+    HostTier& h = m.host;
+    const size_t bytes = host_n * m.slot_bytes;
+    try {
+      h.mem = make_host ? make_host(bytes) : std::make_unique<PageableBuffer>(bytes);
+    } catch (const std::bad_alloc&) {
+      throw std::runtime_error(
+          fmt::format("expert stream: cannot allocate the host tier of {:.1f} MiB ({} slots of "
+                      "{:.1f} KiB); use a smaller --host-cache-mb",
+                      double(bytes) / (1024.0 * 1024.0), host_n, double(m.slot_bytes) / 1024.0));
+    }
+    if (!h.mem || h.mem->bytes() < bytes || h.mem->place() != backend::Place::Host ||
+        reinterpret_cast<uintptr_t>(h.mem->data()) % kAlign != 0)
+      throw std::invalid_argument(
+          fmt::format("expert stream: the host tier needs {} bytes of 4 KiB-aligned host memory", bytes));
+    h.n = host_n;
+    h.entry_bytes = m.slot_bytes;
+    h.key.assign(host_n, -1);
+    h.tick.assign(host_n, 0);
+    h.users.assign(host_n, 0);
+    h.valid.assign(host_n, 0);
+    h.entry_of.assign(static_cast<size_t>(total), -1);
+  }
 
   Impl* impl = &m;
   m.table = std::make_unique<SlotTable>(
@@ -311,6 +498,17 @@ size_t ExpertStream::slot_bytes_for(const std::vector<LayerExperts>& layers) {
 }
 
 size_t ExpertStream::slot_bytes() const { return impl_->slot_bytes; }
+size_t ExpertStream::host_slots() const { return impl_->host.n; }
+bool ExpertStream::host_pinned() const { return impl_->host.mem && impl_->host.mem->pinned(); }
+
+bool ExpertStream::in_host_tier(int layer, int32_t expert) const {
+  std::lock_guard lk(impl_->mu);
+  const Impl& m = *impl_;
+  if (m.host.n == 0) return false;
+  if (layer < 0 || size_t(layer) >= m.layers.size() || expert < 0 || expert >= m.layer(layer).n_expert)
+    throw std::out_of_range(fmt::format("expert stream: no layer {} expert {}", layer, expert));
+  return m.host.complete(m.key(layer, expert)) >= 0;
+}
 size_t ExpertStream::n_slots() const { return impl_->n_slots; }
 bool ExpertStream::direct() const { return impl_->file->direct(); }
 
@@ -318,7 +516,8 @@ void ExpertStream::request(int layer, std::span<const int32_t> experts) {
   Impl& m = *impl_;
   std::unique_lock lk(m.mu);
   for (const int32_t e : experts) {
-    while (m.table->request(layer, e) == SlotTable::Outcome::Blocked) {
+    SlotTable::Outcome o;
+    while ((o = m.table->request(layer, e)) == SlotTable::Outcome::Blocked) {
       // Every unpinned slot is being read: wait for a read to finish (exposed wait, the
       // compute thread is blocked), then try again.
       m.notify();
@@ -326,6 +525,7 @@ void ExpertStream::request(int layer, std::span<const int32_t> experts) {
       m.done_cv.wait(lk);
       m.table->stats().exposed_wait_s += seconds_since(t0);
     }
+    if (o == SlotTable::Outcome::Hit) m.host.touch(m.key(layer, e));  // a use in either tier counts for LRU
   }
   m.notify();
 }
@@ -411,6 +611,7 @@ void ExpertStream::clear() {
   m.table->drop_unstarted();
   m.done_cv.wait(lk, [&] { return m.table->reading() == 0; });
   m.table->reset();
+  for (size_t e = 0; e < m.host.n; ++e) m.host.drop(int(e));
 }
 
 }  // namespace strata::stream

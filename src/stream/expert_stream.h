@@ -66,6 +66,12 @@ struct StreamOptions {
   /// Fake stream (`--fake-stream`): no reads at all; a requested expert becomes resident at
   /// once in a slot holding stale bytes. Results are garbage; the time is the compute floor.
   bool fake = false;
+  /// Host RAM tier between the disk and the arena (`--host-cache-mb`): bytes of host memory
+  /// (pinned where the backend can) holding expert records, rounded down to whole slots and
+  /// capped at every expert; 0 (or less than one slot) = off. Disk reads fill it; an arena miss
+  /// it holds lands from it with no disk read. Eviction: least recently used, where an arena hit
+  /// of the expert also counts as a use (docs/streaming.md, "Tiers").
+  size_t host_cache_bytes = 0;
 };
 
 /// Thrown when the arena cannot hold the experts one layer needs at once.
@@ -80,6 +86,9 @@ class ArenaTooSmall : public std::runtime_error {
 /// constructor passes the exception on.
 using ArenaFactory =
     std::function<std::unique_ptr<backend::ArenaMemory>(size_t n_slots, size_t slot_bytes, int io_threads)>;
+/// Makes the host tier's memory: one buffer of `bytes` host bytes, 4 KiB-aligned (Place::Host;
+/// pinned() says whether it is page-locked). May throw.
+using HostTierFactory = std::function<std::unique_ptr<backend::Buffer>(size_t bytes)>;
 
 /// The arena and its IO threads. request/wait/release/prefetch are called from one compute
 /// thread; the IO threads are internal. Eviction: least recently used unpinned slot whose
@@ -94,10 +103,14 @@ class ExpertStream {
   /// As above, with the arena memory from `make_arena` (called once, with the slot count the
   /// options give). Throws std::invalid_argument if it returns null or fewer or smaller slots
   /// than asked for, and whatever it throws.
+  /// `make_host` makes the host tier's memory when opts.host_cache_bytes holds a slot (null:
+  /// pageable 4 KiB-aligned host memory); it throws std::runtime_error naming the size when
+  /// the memory cannot be allocated.
   ExpertStream(const std::string& path, std::vector<LayerExperts> layers, const StreamOptions& opts,
-               ArenaFactory make_arena);
-  /// As above, with the arena memory from `backend.make_arena(n_slots, slot_bytes, io_threads)`.
-  /// The backend must outlive the constructor call only.
+               ArenaFactory make_arena, HostTierFactory make_host = {});
+  /// As above, with the arena memory from `backend.make_arena(n_slots, slot_bytes, io_threads)`
+  /// and the host tier from `backend.alloc(BufferRole::Staging, bytes)` (CUDA: pinned, pageable
+  /// with a warning when pinning fails). The backend must outlive the constructor call only.
   ExpertStream(const std::string& path, std::vector<LayerExperts> layers, const StreamOptions& opts,
                backend::Backend& backend);
   ~ExpertStream();
@@ -108,6 +121,12 @@ class ExpertStream {
   static size_t slot_bytes_for(const std::vector<LayerExperts>& layers);
   size_t n_slots() const;
   bool direct() const;  ///< whether reads bypass the page cache
+  /// Host tier entries (slots of slot_bytes() each; 0 = no host tier), and whether its memory
+  /// is pinned (page-locked).
+  size_t host_slots() const;
+  bool host_pinned() const;
+  /// True if `expert` of `layer` is held, complete, in the host tier. Does not touch LRU order.
+  bool in_host_tier(int layer, int32_t expert) const;
 
   /// Layer `layer` needs `experts` now: pins them and queues urgent reads for the misses.
   /// Precondition: experts are distinct, and at most n_slots() experts are pinned in all.
@@ -142,7 +161,8 @@ class ExpertStream {
 
   StreamStats stats() const;
   void reset_stats();
-  /// Empties the arena (cold start). Precondition: nothing pinned, no reads in flight.
+  /// Empties the arena and the host tier (cold start). Precondition: nothing pinned, no reads
+  /// in flight.
   void clear();
 
  private:

@@ -16,6 +16,20 @@ struct StreamStats {
   double exposed_wait_s = 0;    ///< seconds the compute thread blocked in wait()
   double read_busy_s = 0;       ///< seconds IO threads spent inside read calls (summed over threads)
   uint64_t dropped = 0;         ///< read-aheads dropped before they started (release, cancel, eviction)
+
+  // ---- tiers: arena <- host RAM tier <- disk (docs/streaming.md, "Tiers") ----
+  // Every completed arena fill (`reads`) came from exactly one place: reads = host_hits + disk_reads.
+  // Arena hits are `hits` above. With the host tier off, host_hits = 0 and disk_reads = reads.
+  uint64_t host_hits = 0;       ///< arena fills served from the host RAM tier (no disk read)
+  uint64_t host_hit_bytes = 0;  ///< bytes copied from the host tier into arena slots by those hits
+  uint64_t disk_reads = 0;      ///< arena fills read from disk (their bytes are bytes_read)
+  uint64_t host_fills = 0;      ///< disk reads that were also kept in the host tier
+  uint64_t host_evictions = 0;  ///< host-tier entries replaced by a newer fill
+  /// Bytes copied from host memory into arena slots: host-to-device for a device arena (every
+  /// landed byte: staging and host-tier copies); for a host arena only copies out of the host
+  /// tier (hits and fills; a direct disk read lands in the slot and copies nothing).
+  uint64_t h2d_bytes = 0;
+  double h2d_busy_s = 0;  ///< seconds IO threads spent in those copies (summed over threads)
 };
 
 }  // namespace strata::stream

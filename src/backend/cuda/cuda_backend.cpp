@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <stdexcept>
 
 #include "backend/cuda/backend_kernels.h"
@@ -73,11 +75,19 @@ void require_vram(int device, size_t bytes, const char* what) {
 }
 
 // Pinned host memory, or 4 KiB-aligned pageable memory with a warning when pinning fails.
+// Pinned bytes held, per allocation (for pinned_host_bytes(): memory reporting).
+std::mutex g_pinned_mu;
+std::map<const void*, size_t> g_pinned;
+size_t g_pinned_total = 0;
+
 uint8_t* host_alloc(size_t bytes, bool& pinned, const char* what) {
   void* p = nullptr;
   const cudaError_t e = cudaHostAlloc(&p, std::max<size_t>(bytes, 1), cudaHostAllocPortable);
   if (e == cudaSuccess) {
     pinned = true;
+    std::lock_guard lk(g_pinned_mu);
+    g_pinned[p] = std::max<size_t>(bytes, 1);
+    g_pinned_total += std::max<size_t>(bytes, 1);
     return static_cast<uint8_t*>(p);
   }
   (void)cudaGetLastError();
@@ -93,9 +103,16 @@ uint8_t* host_alloc(size_t bytes, bool& pinned, const char* what) {
 
 void host_free(uint8_t* p, bool pinned) noexcept {
   if (!p) return;
-  if (pinned)
+  if (pinned) {
+    {
+      std::lock_guard lk(g_pinned_mu);
+      if (auto it = g_pinned.find(p); it != g_pinned.end()) {
+        g_pinned_total -= it->second;
+        g_pinned.erase(it);
+      }
+    }
     (void)cudaFreeHost(p);
-  else
+  } else
     std::free(p);
 }
 
@@ -131,6 +148,7 @@ class CudaBuffer final : public backend::Buffer {
   Place place() const override { return role_ == BufferRole::Staging ? Place::Host : Place::Device; }
   void* data() override { return data_; }
   size_t bytes() const override { return bytes_; }
+  bool pinned() const override { return pinned_; }
 
  private:
   std::shared_ptr<CudaContext> ctx_;
@@ -203,6 +221,14 @@ class DeviceArena final : public backend::ArenaMemory {
     STRATA_CUDA_CHECK(cudaSetDevice(ctx_->device));
     STRATA_CUDA_CHECK(cudaMemcpyAsync(static_cast<uint8_t*>(slots_) + slot * slot_bytes_ + offset, io.staging + offset,
                                       bytes, cudaMemcpyHostToDevice, io.stream));
+    STRATA_CUDA_CHECK(cudaStreamSynchronize(io.stream));
+  }
+  // A host-tier hit or fill: host-to-device straight from the tier's (pinned) entry.
+  void land_from(size_t slot, int io_thread, const uint8_t* src, size_t bytes, size_t offset) override {
+    Io& io = io_[size_t(io_thread)];
+    STRATA_CUDA_CHECK(cudaSetDevice(ctx_->device));
+    STRATA_CUDA_CHECK(cudaMemcpyAsync(static_cast<uint8_t*>(slots_) + slot * slot_bytes_ + offset, src, bytes,
+                                      cudaMemcpyHostToDevice, io.stream));
     STRATA_CUDA_CHECK(cudaStreamSynchronize(io.stream));
   }
   const uint8_t* slot_data(size_t slot) const override {
@@ -670,6 +696,61 @@ void CudaBackend::moe_combine(const backend::Routing& r, const Tensor& expert_ou
   float* w = Carve{scratch(sz<float>(r.weights.size()))}.take<float>(r.weights.size());
   upload_async(w, r.weights.data(), r.weights.size() * sizeof(float));
   cuda::moe_combine(expert_out.f(), ld(expert_out), w, r.top_k, T, out.f(), ld(out), out.cols(), stream());
+}
+
+// ---- memory reporting and the pinned host-to-device probe (cuda_backend.h) ----
+
+size_t pinned_host_bytes() noexcept {
+  std::lock_guard lk(g_pinned_mu);
+  return g_pinned_total;
+}
+
+void device_mem_info(int device, size_t& free_bytes, size_t& total_bytes) {
+  STRATA_CUDA_CHECK(cudaSetDevice(device));
+  STRATA_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+}
+
+H2dProbe measure_h2d(int device, size_t bytes, int reps) {
+  if (bytes == 0 || reps < 1) throw std::invalid_argument("h2d probe: needs bytes > 0 and reps >= 1");
+  STRATA_CUDA_CHECK(cudaSetDevice(device));
+  H2dProbe r;
+  r.bytes = bytes;
+  r.reps = reps;
+  uint8_t* host = host_alloc(bytes, r.pinned, "the host-to-device probe");
+  void* dev = nullptr;
+  cudaStream_t st = nullptr;
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  auto cleanup = [&] {
+    if (e0) (void)cudaEventDestroy(e0);
+    if (e1) (void)cudaEventDestroy(e1);
+    if (st) (void)cudaStreamDestroy(st);
+    if (dev) (void)cudaFree(dev);
+    host_free(host, r.pinned);
+  };
+  try {
+    std::memset(host, 1, bytes);  // page in (pageable fallback) before timing
+    require_vram(device, bytes, "the host-to-device probe");
+    const cudaError_t e = cudaMalloc(&dev, bytes);
+    if (e != cudaSuccess) throw_alloc_error(e, device, bytes, "the host-to-device probe");
+    STRATA_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    STRATA_CUDA_CHECK(cudaEventCreate(&e0));
+    STRATA_CUDA_CHECK(cudaEventCreate(&e1));
+    // one untimed copy (first-touch of the device pages, link wake-up), then `reps` timed ones
+    STRATA_CUDA_CHECK(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, st));
+    STRATA_CUDA_CHECK(cudaEventRecord(e0, st));
+    for (int i = 0; i < reps; ++i) STRATA_CUDA_CHECK(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, st));
+    STRATA_CUDA_CHECK(cudaEventRecord(e1, st));
+    STRATA_CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    STRATA_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    r.seconds = double(ms) / 1e3;
+    r.gbps = r.seconds > 0 ? double(bytes) * double(reps) / r.seconds / 1e9 : 0.0;
+  } catch (...) {
+    cleanup();
+    throw;
+  }
+  cleanup();
+  return r;
 }
 
 }  // namespace strata::cuda

@@ -137,4 +137,30 @@ class CudaBackend final : public backend::Backend {
   std::map<const backend::RopeSpec*, DeviceBuffer> inv_freq_;
 };
 
+// ---- memory reporting and the pinned host-to-device probe ----
+
+/// Bytes of page-locked host memory this process holds through strata::cuda (staging buffers,
+/// the upload ring, the expert stream's host tier when it is pinned); pageable fallbacks are not
+/// counted. Thread-safe.
+size_t pinned_host_bytes() noexcept;
+
+/// Free and total memory of device `device` in bytes (cudaMemGetInfo). Throws CudaError.
+void device_mem_info(int device, size_t& free_bytes, size_t& total_bytes);
+
+/// What measure_h2d measured.
+struct H2dProbe {
+  size_t bytes = 0;     ///< bytes per copy
+  int reps = 0;         ///< timed copies
+  double seconds = 0;   ///< device time of the timed copies (CUDA events)
+  double gbps = 0;      ///< bytes * reps / seconds / 1e9
+  bool pinned = false;  ///< the host buffer was pinned (false: pinning failed, pageable with a warning)
+};
+
+/// The peak of host-to-device copies from pinned memory: one `bytes` buffer copied `reps` times
+/// to device `device` on one stream (after one untimed copy), timed with CUDA events (`strata
+/// ssdbw` prints it; `strata bench` uses it for the host tier's IO floor). Throws
+/// std::invalid_argument for bytes == 0 or reps < 1, CudaError (naming the sizes) when the
+/// device memory is not there.
+H2dProbe measure_h2d(int device, size_t bytes, int reps);
+
 }  // namespace strata::cuda
