@@ -274,16 +274,34 @@ TEST(Tokenizer, FromGgufUnknownPreTokenizer) {
     w.write(path);
     return path;
   };
-  std::string bad_pre = write("bad_pre.gguf", "gpt2", "qwen35");
+  std::string bad_pre = write("bad_pre.gguf", "gpt2", "qwen99");
   try {
     tk::Tokenizer::from_gguf(gguf::File::open(bad_pre));
     ADD_FAILURE() << "no exception";
   } catch (const tk::TokenizerError& e) {
-    EXPECT_NE(std::string(e.what()).find("unknown pre-tokenizer 'qwen35' (supported: qwen2"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("unknown pre-tokenizer 'qwen99' (supported: qwen2"), std::string::npos)
         << e.what();
   }
   std::string bad_model = write("bad_model.gguf", "llama", "qwen2");
   EXPECT_THROW(tk::Tokenizer::from_gguf(gguf::File::open(bad_model)), tk::TokenizerError);
+  {  // a large vocabulary without merges (e.g. a tiktoken-style file) is refused, not mis-encoded
+    gguf::Writer w;
+    w.add_string("general.architecture", "test");
+    w.add_string("tokenizer.ggml.model", "gpt2");
+    w.add_string("tokenizer.ggml.pre", "kimi-k2");
+    std::vector<std::string> toks;
+    for (int i = 0; i < 300; ++i) toks.push_back("t" + std::to_string(i));
+    w.add_string_array("tokenizer.ggml.tokens", toks);
+    const std::string path = (dir / "no_merges.gguf").string();
+    w.write(path);
+    try {
+      tk::Tokenizer::from_gguf(gguf::File::open(path));
+      ADD_FAILURE() << "no exception";
+    } catch (const tk::TokenizerError& e) {
+      EXPECT_NE(std::string(e.what()).find("no tokenizer.ggml.merges (pre-tokenizer 'kimi-k2')"), std::string::npos)
+          << e.what();
+    }
+  }
   std::string good = write("good.gguf", "gpt2", "qwen2");
   auto t = tk::Tokenizer::from_gguf(gguf::File::open(good));
   EXPECT_EQ(t.encode("ab<|end|>"), (std::vector<int32_t>{3, 0}));
@@ -304,4 +322,147 @@ TEST(Tokenizer, LargeTextRoundTrips) {
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("encoded %zu bytes into %zu tokens in %.3f s\n", text.size(), ids.size(), secs);
   EXPECT_EQ(t.decode(ids), text);
+}
+
+// ---- pre-tokenizers of the MoE families (issue 14) ----
+
+namespace {
+
+// ../shared/data/vocab (llama.cpp's tokenizer test vocabularies), or "" when absent.
+std::string shared_vocab_dir() {
+  namespace fs = std::filesystem;
+  if (const char* env = std::getenv("STRATA_VOCAB_DIR"); env && *env) return env;
+  const std::string fx = strata::test::shared_fixtures();
+  if (!fx.empty() && fs::is_directory(fs::path(fx) / ".." / "data" / "vocab"))
+    return (fs::path(fx) / ".." / "data" / "vocab").string();
+  return "";
+}
+
+std::string read_all(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot open " + path);
+  std::ostringstream os;
+  os << in.rdbuf();
+  return os.str();
+}
+
+// llama.cpp's test-tokenizer-0 format: <name>.inp holds the inputs, each followed by the line
+// "__ggml_vocab_test__"; <name>.out holds one line of space-separated ids per input.
+std::vector<Case> load_vocab_cases(const std::string& gguf_path) {
+  const std::string inp = read_all(gguf_path + ".inp");
+  const std::string sep = "\n__ggml_vocab_test__\n";
+  std::vector<std::string> texts;
+  size_t pos = 0;
+  while (true) {
+    size_t e = inp.find(sep, pos);
+    if (e == std::string::npos) break;
+    texts.push_back(inp.substr(pos, e - pos));
+    pos = e + sep.size();
+  }
+  if (pos != inp.size()) throw std::runtime_error(gguf_path + ".inp: text after the last separator");
+  std::ifstream out(gguf_path + ".out");
+  if (!out) throw std::runtime_error("cannot open " + gguf_path + ".out");
+  std::vector<Case> cs;
+  std::string line;
+  for (const auto& t : texts) {
+    if (!std::getline(out, line)) throw std::runtime_error(gguf_path + ".out: fewer lines than inputs");
+    std::istringstream ls(line);
+    std::vector<int32_t> ids;
+    int32_t v;
+    while (ls >> v) ids.push_back(v);
+    cs.push_back({t, ids});
+  }
+  if (std::getline(out, line)) throw std::runtime_error(gguf_path + ".out: more lines than inputs");
+  return cs;
+}
+
+class VocabVectors : public ::testing::TestWithParam<std::string> {};
+
+}  // namespace
+
+// Every case of llama.cpp's tokenizer test file for a real vocabulary: exact ids (these are the
+// Hugging Face tokenizer's outputs, written by llama.cpp's convert_hf_to_gguf_update.py).
+TEST_P(VocabVectors, ExactIds) {
+  const std::string dir = shared_vocab_dir();
+  if (dir.empty()) GTEST_SKIP() << "../shared/data/vocab absent; set STRATA_VOCAB_DIR to run this test";
+  const std::string path = dir + "/ggml-vocab-" + GetParam() + ".gguf";
+  ASSERT_TRUE(std::filesystem::exists(path)) << path;
+  const auto tok = tk::Tokenizer::from_gguf(gguf::File::open(path));
+  EXPECT_EQ(tok.pre_name(), GetParam());
+  const auto cs = load_vocab_cases(path);
+  ASSERT_GE(cs.size(), 40u) << path;
+  int failures = 0;
+  for (const auto& c : cs) {
+    const auto got = tok.encode(c.text, /*parse_special=*/false);
+    if (got != c.ids) {
+      ++failures;
+      ADD_FAILURE() << GetParam() << ": text " << ::testing::PrintToString(short_text(c.text)) << "\n  expected "
+                    << ids_str(c.ids) << "\n  got      " << ids_str(got);
+    }
+  }
+  EXPECT_EQ(failures, 0) << failures << " of " << cs.size() << " cases differ";
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, VocabVectors, ::testing::Values("gpt-2", "deepseek-coder", "falcon", "starcoder"),
+                         [](const auto& info) {
+                           std::string n = info.param;
+                           for (char& ch : n)
+                             if (ch == '-') ch = '_';
+                           return n;
+                         });
+
+// Pre-tokenizers with no vocabulary file here: pieces derived by hand from the published regexes
+// (comments give the reasoning); each pre also gets one case that tells it apart from its nearest
+// neighbour.
+TEST(Tokenizer, PreTokenizerSplitsByHand) {
+  using V = std::vector<std::string>;
+  auto split = [](const char* pre, const std::string& text) { return tk::pre_tokenize(pre, text); };
+  // qwen35: single digits; combining marks (U+0301) stay with letters, unlike qwen2.
+  EXPECT_EQ(split("qwen35", "12345"), (V{"1", "2", "3", "4", "5"}));
+  EXPECT_EQ(split("qwen35", "e\u0301x"), (V{"e\u0301x"}));
+  EXPECT_EQ(split("qwen2", "e\u0301x"), (V{"e", "\u0301x"}));
+  EXPECT_EQ(split("qwen35", "I'm a  b"), (V{"I", "'m", " a", " ", " b"}));
+  // gpt-4o / minimax-m2: digit groups of 1-3, case-aware words, contractions attached.
+  for (const char* pre : {"gpt-4o", "minimax-m2"}) {
+    EXPECT_EQ(split(pre, "1234567"), (V{"123", "456", "7"})) << pre;
+    EXPECT_EQ(split(pre, "HelloWorld don't"), (V{"Hello", "World", " don't"})) << pre;
+    EXPECT_EQ(split(pre, "HELLO's"), (V{"HELLO's"})) << pre;
+    EXPECT_EQ(split(pre, "a+/\n"), (V{"a", "+/\n"})) << pre;
+    EXPECT_EQ(split(pre, "你好world"), (V{"你好world"})) << pre;  // Han is \p{Lo}: one word
+  }
+  // kimi-k2: Han runs split off; letters exclude Han; digits 1-3.
+  EXPECT_EQ(split("kimi-k2", "你好world"), (V{"你好", "world"}));
+  EXPECT_EQ(split("kimi-k2", "abc你好 世界"), (V{"abc", "你好", " ", "世界"}));
+  EXPECT_EQ(split("kimi-k2", "12345 It's"), (V{"123", "45", " It's"}));
+  // deepseek-v3: digits 1-3 first, then CJK / kana runs, then the word rules
+  EXPECT_EQ(split("deepseek-v3", "1234567"), (V{"123", "456", "7"}));
+  EXPECT_EQ(split("deepseek-v3", "Hello 世界123"), (V{"Hello", " ", "世界", "123"}));
+  EXPECT_EQ(split("deepseek-v3", "(foo) bar"), (V{"(foo", ")", " bar"}));
+  EXPECT_EQ(split("deepseek-v3", "かなカナ漢字"), (V{"かなカナ漢字"}));
+  // glm4 (llama3's pattern): digits 1-3, case-insensitive contractions.
+  EXPECT_EQ(split("glm4", "12345"), (V{"123", "45"}));
+  EXPECT_EQ(split("glm4", "I'M here"), (V{"I", "'M", " here"}));
+  // refact (as starcoder): every digit isolated first, then GPT-2's regex.
+  EXPECT_EQ(split("refact", "abc 123"), (V{"abc", " ", "1", "2", "3"}));
+  // mpt (GPT-2's regex): digits stay together with their leading space.
+  EXPECT_EQ(split("mpt", "Hello  world 123"), (V{"Hello", " ", " world", " 123"}));
+  // deepseek-llm: newlines isolated, letter runs, punctuation runs, digit runs.
+  EXPECT_EQ(split("deepseek-llm", "Hi, 42!\n"), (V{"Hi", ",", " ", "42", "!", "\n"}));
+  // The pieces always concatenate back to the text.
+  const std::string mixed = "Ünïcode 你好 123456 don't\r\n\t  (x)=>{y}; カナ e\u0301";
+  for (const auto& pre : tk::supported_pre_tokenizers()) {
+    std::string joined;
+    for (const auto& p : tk::pre_tokenize(pre, mixed)) {
+      EXPECT_FALSE(p.empty()) << pre;
+      joined += p;
+    }
+    EXPECT_EQ(joined, mixed) << pre;
+  }
+  try {
+    tk::pre_tokenize("no-such-pre", "x");
+    ADD_FAILURE() << "no exception";
+  } catch (const tk::TokenizerError& e) {
+    EXPECT_NE(std::string(e.what()).find("unknown pre-tokenizer 'no-such-pre' (supported: "), std::string::npos)
+        << e.what();
+  }
 }

@@ -17,26 +17,101 @@ namespace strata::tokenizer {
 namespace {
 
 // ---- pre-tokenizer regexes ----
-// qwen2: the "Split" pattern of the Hugging Face tokenizer.json (same as llama.cpp's
-// LLAMA_VOCAB_PRE_TYPE_QWEN2).
+// Each pre-tokenizer is a sequence of split regexes (Hugging Face `Split` with behaviour
+// "Isolated", or the regex of `ByteLevel(use_regex=true)`): every stage splits every piece the
+// previous stage produced into its matches and the gaps between them, both kept. The patterns
+// are those of the models' tokenizer.json / tiktoken definitions as llama.cpp lists them in
+// src/llama-vocab.cpp (LLAMA_VOCAB_PRE_TYPE_*); where llama.cpp rewrote a pattern for std::regex
+// (e.g. `(?i:...)` spelled out as `'[sS]`), the original is used, since PCRE2 supports it.
+
+// qwen2: the "Split" pattern of Qwen2's tokenizer.json (LLAMA_VOCAB_PRE_TYPE_QWEN2).
 constexpr const char* kQwen2Pattern =
     R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
-// llama3 ("llama-bpe" in GGUF): digits in groups of up to three.
+// qwen35: Qwen3.5's pattern: like qwen2, but combining marks (\p{M}) join letters; single digits.
+constexpr const char* kQwen35Pattern =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+// llama3 ("llama-bpe" in GGUF; also glm4 / chatglm-bpe): digits in groups of up to three.
 constexpr const char* kLlama3Pattern =
     R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
-// gpt2: the original GPT-2 pattern.
+// gpt2: the original GPT-2 pattern (ByteLevel's regex).
 constexpr const char* kGpt2Pattern = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+// gpt-4o (tiktoken o200k_base; also minimax-m2): case-aware words with attached contractions,
+// digits in groups of up to three, '/' may trail punctuation.
+constexpr const char* kGpt4oPattern =
+    R"([^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?)"
+    R"(|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?)"
+    R"(|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+// kimi-k2 (tokenization_kimi.py): Han runs first, then the gpt-4o-like word rules restricted to
+// non-Han letters. The source's class intersection `[...&&[^\p{Han}]]` (Python `regex`) is
+// written as a negative lookahead per character, which PCRE2 supports.
+#define STRATA_KIMI_UPPER R"((?:(?!\p{Han})[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]))"
+#define STRATA_KIMI_LOWER R"((?:(?!\p{Han})[\p{Ll}\p{Lm}\p{Lo}\p{M}]))"
+constexpr const char* kKimiK2Pattern =
+    R"(\p{Han}+)"
+    R"(|[^\r\n\p{L}\p{N}]?)" STRATA_KIMI_UPPER "*" STRATA_KIMI_LOWER R"(+(?i:'s|'t|'re|'ve|'m|'ll|'d)?)"
+    R"(|[^\r\n\p{L}\p{N}]?)" STRATA_KIMI_UPPER "+" STRATA_KIMI_LOWER R"(*(?i:'s|'t|'re|'ve|'m|'ll|'d)?)"
+    R"(|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+#undef STRATA_KIMI_UPPER
+#undef STRATA_KIMI_LOWER
+// deepseek-v3 (DeepSeek V3 / R1 tokenizer.json): three Splits.
+constexpr const char* kDeepseekV3Words =
+    R"([!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+// deepseek-llm (DeepSeek LLM 7B/67B tokenizer.json): explicit letter ranges (the cased letters),
+// ASCII / full-width punctuation, CJK / Hangul runs, digit runs. The letter class is spelled with
+// \x{...} escapes: several of its code points (U+1F7D, U+1FBE, U+1FD3, U+1FDB, U+2126, U+212A)
+// are NFC singletons that a text tool would silently replace.
+constexpr const char* kDeepseekLlmLetters =
+    R"(\s?[)"
+    R"(A-Za-z\x{B5}\x{C0}-\x{D6}\x{D8}-\x{F6}\x{F8}-\x{1BA}\x{1BC}-\x{1BF}\x{1C4}-\x{293})"
+    R"(\x{295}-\x{2AF}\x{370}-\x{373}\x{376}\x{377}\x{37B}-\x{37D}\x{37F}\x{386}\x{388}-\x{38A})"
+    R"(\x{38C}\x{38E}-\x{3A1}\x{3A3}-\x{3F5}\x{3F7}-\x{481}\x{48A}-\x{52F}\x{531}-\x{556})"
+    R"(\x{10A0}-\x{10C5}\x{13A0}-\x{13F5}\x{13F8}-\x{13FD}\x{1C90}-\x{1CBA}\x{1CBD}-\x{1CBF})"
+    R"(\x{1D00}-\x{1D2B}\x{1D6B}-\x{1D77}\x{1D79}-\x{1D9A}\x{1E00}-\x{1F15}\x{1F18}-\x{1F1D})"
+    R"(\x{1F20}-\x{1F45}\x{1F48}-\x{1F4D}\x{1F50}-\x{1F57}\x{1F59}\x{1F5B}\x{1F5D})"
+    R"(\x{1F5F}-\x{1F7D}\x{1F80}-\x{1FB4}\x{1FB6}-\x{1FBC}\x{1FBE}\x{1FC2}-\x{1FC4})"
+    R"(\x{1FC6}-\x{1FCC}\x{1FD0}-\x{1FD3}\x{1FD6}-\x{1FDB}\x{1FE0}-\x{1FEC}\x{1FF2}-\x{1FF4})"
+    R"(\x{1FF6}-\x{1FFC}\x{2102}\x{2107}\x{210A}-\x{2113}\x{2115}\x{2119}-\x{211D}\x{2124})"
+    R"(\x{2126}\x{2128}\x{212A}-\x{212D}\x{212F}-\x{2134}\x{2139}\x{213C}-\x{213F})"
+    R"(\x{2145}-\x{2149}\x{214E}\x{2183}\x{2184}\x{2C00}-\x{2C7B}\x{2C7E}-\x{2CE4})"
+    R"(\x{2CEB}-\x{2CEE}\x{2CF2}\x{2CF3}\x{A640}-\x{A66D}\x{A680}-\x{A69B}\x{A722}-\x{A76F})"
+    R"(\x{A771}-\x{A787}\x{A78B}-\x{A78E}\x{AB70}-\x{ABBF}\x{FB00}-\x{FB06}\x{FB13}-\x{FB17})"
+    R"(\x{FF21}-\x{FF3A}\x{FF41}-\x{FF5A}\x{10400}-\x{1044F}\x{104B0}-\x{104D3})"
+    R"(\x{104D8}-\x{104FB}\x{10C80}-\x{10CB2}\x{10CC0}-\x{10CF2}\x{118A0}-\x{118DF})"
+    R"(\x{1E900}-\x{1E943})"
+    R"(]+)";
+constexpr const char* kCjkRuns = R"([\x{4E00}-\x{9FA5}\x{800}-\x{4E00}\x{AC00}-\x{D7FF}]+)";
+// falcon: HF Punctuation(Contiguous) (ASCII punctuation or \p{P}), then ByteLevel's GPT-2 regex,
+// then Split("[0-9][0-9][0-9]").
+constexpr const char* kFalconPunct = R"([\p{P}$+<=>^~|`]+)";
 
+constexpr size_t kMaxStages = 6;
 struct PreTokenizerDef {
   const char* name;
-  const char* pattern;
+  std::array<const char*, kMaxStages> stages;  // applied in order; nullptr ends the list
 };
-constexpr std::array<PreTokenizerDef, 5> kPreTokenizers{{
-    {"qwen2", kQwen2Pattern},
-    {"deepseek-r1-qwen", kQwen2Pattern},
-    {"llama-bpe", kLlama3Pattern},
-    {"llama3", kLlama3Pattern},
-    {"gpt2", kGpt2Pattern},
+constexpr std::array<PreTokenizerDef, 19> kPreTokenizers{{
+    {"qwen2", {kQwen2Pattern}},
+    {"deepseek-r1-qwen", {kQwen2Pattern}},
+    {"qwen35", {kQwen35Pattern}},
+    {"llama-bpe", {kLlama3Pattern}},
+    {"llama3", {kLlama3Pattern}},
+    {"glm4", {kLlama3Pattern}},
+    {"chatglm-bpe", {kLlama3Pattern}},
+    {"gpt2", {kGpt2Pattern}},
+    {"gpt-2", {kGpt2Pattern}},
+    {"mpt", {kGpt2Pattern}},
+    {"gpt-4o", {kGpt4oPattern}},
+    {"minimax-m2", {kGpt4oPattern}},
+    {"kimi-k2", {kKimiK2Pattern}},
+    {"deepseek-v3", {R"(\p{N}{1,3})", R"([\x{4E00}-\x{9FA5}\x{3040}-\x{309F}\x{30A0}-\x{30FF}]+)", kDeepseekV3Words}},
+    {"deepseek-llm",
+     {R"([\r\n])", kDeepseekLlmLetters,
+      R"(\s?[!-/:-~\x{FF01}-\x{FF0F}\x{FF1A}-\x{FF5E}\x{2018}-\x{201F}\x{3000}-\x{3002}]+)", R"(\s+$)", kCjkRuns,
+      R"(\p{N}+)"}},
+    {"deepseek-coder", {R"([\r\n])", R"(\s?\p{L}+)", R"(\s?\p{P}+)", kCjkRuns, R"(\p{N})"}},
+    {"falcon", {kFalconPunct, kGpt2Pattern, R"([0-9][0-9][0-9])"}},
+    {"starcoder", {R"(\p{N})", kGpt2Pattern}},
+    {"refact", {R"(\p{N})", kGpt2Pattern}},
 }};
 
 std::string supported_pre_list() {
@@ -46,6 +121,12 @@ std::string supported_pre_list() {
     s += d.name;
   }
   return s;
+}
+
+const PreTokenizerDef* find_pre(const std::string& name) {
+  for (const auto& d : kPreTokenizers)
+    if (name == d.name) return &d;
+  return nullptr;
 }
 
 // ---- GPT-2 byte <-> unicode mapping ----
@@ -179,6 +260,86 @@ struct CodeDeleter {
   void operator()(pcre2_code* c) const { pcre2_code_free(c); }
 };
 
+// The compiled stages of one pre-tokenizer.
+struct Splitter {
+  std::vector<std::unique_ptr<pcre2_code, CodeDeleter>> stages;
+
+  // Compiles the stages of `def`; throws TokenizerError naming the stage on a compile error.
+  explicit Splitter(const PreTokenizerDef& def) {
+    for (size_t k = 0; k < kMaxStages && def.stages[k]; ++k) {
+      int errcode = 0;
+      PCRE2_SIZE erroff = 0;
+      pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(def.stages[k]), PCRE2_ZERO_TERMINATED,
+                                       PCRE2_UTF | PCRE2_UCP, &errcode, &erroff, nullptr);
+      if (!code) {
+        PCRE2_UCHAR buf[256];
+        pcre2_get_error_message(errcode, buf, sizeof buf);
+        throw TokenizerError("pre-tokenizer '" + std::string(def.name) + "' stage " + std::to_string(k) +
+                             ": regex compile error at " + std::to_string(erroff) + ": " +
+                             reinterpret_cast<char*>(buf));
+      }
+      pcre2_jit_compile(code, PCRE2_JIT_COMPLETE);  // best effort: falls back to the interpreter
+      stages.emplace_back(code);
+    }
+  }
+
+  // Per-call matching scratch (match data with one ovector pair: only the whole match is used).
+  struct Scratch {
+    std::unique_ptr<pcre2_match_data, decltype(&pcre2_match_data_free)> md{pcre2_match_data_create(1, nullptr),
+                                                                           &pcre2_match_data_free};
+    std::unique_ptr<pcre2_match_context, decltype(&pcre2_match_context_free)> mctx{pcre2_match_context_create(nullptr),
+                                                                                   &pcre2_match_context_free};
+    std::unique_ptr<pcre2_jit_stack, decltype(&pcre2_jit_stack_free)> jstack{
+        pcre2_jit_stack_create(32 * 1024, 8 * 1024 * 1024, nullptr), &pcre2_jit_stack_free};
+    Scratch() {
+      if (!md || !mctx) throw std::bad_alloc();
+      if (jstack) pcre2_jit_stack_assign(mctx.get(), nullptr, jstack.get());
+    }
+  };
+
+  // Splits `piece` with stage `re` into matches and the gaps between them (both kept, in order),
+  // appending the non-empty parts to `out`.
+  static void split_one(const pcre2_code* re, std::string_view piece, Scratch& sc, std::vector<std::string_view>& out) {
+    const auto* subj = reinterpret_cast<PCRE2_SPTR>(piece.data());
+    const size_t len = piece.size();
+    size_t gap_start = 0, search = 0;
+    while (search < len) {
+      int rc = pcre2_match(re, subj, len, search, PCRE2_NO_UTF_CHECK, sc.md.get(), sc.mctx.get());
+      if (rc == PCRE2_ERROR_NOMATCH) break;
+      if (rc < 0) {
+        PCRE2_UCHAR buf[256];
+        pcre2_get_error_message(rc, buf, sizeof buf);
+        throw TokenizerError(std::string("pre-tokenizer regex failed: ") + reinterpret_cast<char*>(buf));
+      }
+      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(sc.md.get());
+      size_t s = ov[0], e = ov[1];
+      if (e == s) {  // empty match (not possible with the built-in patterns): skip one character
+        size_t bad = 0;
+        bool tr = false;
+        size_t n = utf8_seq(piece, s, bad, tr);
+        search = s + (n ? n : 1);
+        continue;
+      }
+      if (s > gap_start) out.push_back(piece.substr(gap_start, s - gap_start));
+      out.push_back(piece.substr(s, e - s));
+      gap_start = search = e;
+    }
+    if (gap_start < len) out.push_back(piece.substr(gap_start));
+  }
+
+  // Runs every stage over the pieces of the previous one; returns views into `text`.
+  std::vector<std::string_view> split(std::string_view text, Scratch& sc) const {
+    std::vector<std::string_view> cur, next;
+    if (!text.empty()) cur.push_back(text);
+    for (const auto& re : stages) {
+      next.clear();
+      for (std::string_view p : cur) split_one(re.get(), p, sc, next);
+      cur.swap(next);
+    }
+    return cur;
+  }
+};
+
 }  // namespace
 
 std::optional<size_t> find_invalid_utf8(std::string_view s) {
@@ -215,7 +376,7 @@ struct Tokenizer::Impl {
   };
   std::vector<Special> specials;  // control + user-defined, longest first
   std::array<bool, 256> special_first{};
-  std::unique_ptr<pcre2_code, CodeDeleter> re;
+  std::unique_ptr<const Splitter> splitter;
   int32_t bos = -1, eos = -1;
 
   static uint64_t key(int32_t a, int32_t b) {
@@ -223,8 +384,7 @@ struct Tokenizer::Impl {
   }
 
   void bpe(std::string_view piece, std::vector<int32_t>& out) const;
-  void pretokenize_and_bpe(std::string_view seg, pcre2_match_data* md, pcre2_match_context* mctx,
-                           std::vector<int32_t>& out) const;
+  void pretokenize_and_bpe(std::string_view seg, Splitter::Scratch& sc, std::vector<int32_t>& out) const;
 };
 
 namespace {
@@ -293,33 +453,9 @@ void Tokenizer::Impl::bpe(std::string_view piece, std::vector<int32_t>& out) con
   for (int32_t i = 0; i >= 0; i = syms[static_cast<size_t>(i)].next) out.push_back(syms[static_cast<size_t>(i)].id);
 }
 
-void Tokenizer::Impl::pretokenize_and_bpe(std::string_view seg, pcre2_match_data* md, pcre2_match_context* mctx,
+void Tokenizer::Impl::pretokenize_and_bpe(std::string_view seg, Splitter::Scratch& sc,
                                           std::vector<int32_t>& out) const {
-  const auto* subj = reinterpret_cast<PCRE2_SPTR>(seg.data());
-  const size_t len = seg.size();
-  size_t gap_start = 0, search = 0;
-  while (search < len) {
-    int rc = pcre2_match(re.get(), subj, len, search, PCRE2_NO_UTF_CHECK, md, mctx);
-    if (rc == PCRE2_ERROR_NOMATCH) break;
-    if (rc < 0) {
-      PCRE2_UCHAR buf[256];
-      pcre2_get_error_message(rc, buf, sizeof buf);
-      throw TokenizerError(std::string("pre-tokenizer regex failed: ") + reinterpret_cast<char*>(buf));
-    }
-    const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
-    size_t s = ov[0], e = ov[1];
-    if (e == s) {  // empty match (not possible with the built-in patterns): skip one character
-      size_t bad = 0;
-      bool tr = false;
-      size_t n = utf8_seq(seg, s, bad, tr);
-      search = s + (n ? n : 1);
-      continue;
-    }
-    if (s > gap_start) bpe(seg.substr(gap_start, s - gap_start), out);  // "Isolated": keep gaps
-    bpe(seg.substr(s, e - s), out);
-    gap_start = search = e;
-  }
-  if (gap_start < len) bpe(seg.substr(gap_start), out);
+  for (std::string_view piece : splitter->split(seg, sc)) bpe(piece, out);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -329,10 +465,8 @@ Tokenizer Tokenizer::from_vocab(const std::string& model, const std::string& pre
                                 int32_t eos) {
   if (model != "gpt2") throw TokenizerError("unsupported tokenizer.ggml.model '" + model + "' (supported: gpt2)");
   const std::string pre_eff = pre.empty() ? "gpt2" : pre;
-  const char* pattern = nullptr;
-  for (const auto& d : kPreTokenizers)
-    if (pre_eff == d.name) pattern = d.pattern;
-  if (!pattern) throw TokenizerError("unknown pre-tokenizer '" + pre + "' (supported: " + supported_pre_list() + ")");
+  const PreTokenizerDef* def = find_pre(pre_eff);
+  if (!def) throw TokenizerError("unknown pre-tokenizer '" + pre + "' (supported: " + supported_pre_list() + ")");
   if (tokens.empty()) throw TokenizerError("tokenizer vocabulary is empty");
   if (tokens.size() > static_cast<size_t>(INT32_MAX)) throw TokenizerError("tokenizer vocabulary too large");
   if (!types.empty() && types.size() != tokens.size())
@@ -397,18 +531,7 @@ Tokenizer Tokenizer::from_vocab(const std::string& model, const std::string& pre
   }
   impl->tokens = std::move(tokens);
 
-  int errcode = 0;
-  PCRE2_SIZE erroff = 0;
-  pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern), PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP,
-                                   &errcode, &erroff, nullptr);
-  if (!code) {
-    PCRE2_UCHAR buf[256];
-    pcre2_get_error_message(errcode, buf, sizeof buf);
-    throw TokenizerError("pre-tokenizer '" + pre_eff + "': regex compile error at " + std::to_string(erroff) + ": " +
-                         reinterpret_cast<char*>(buf));
-  }
-  impl->re.reset(code);
-  pcre2_jit_compile(code, PCRE2_JIT_COMPLETE);  // best effort: falls back to the interpreter
+  impl->splitter = std::make_unique<const Splitter>(*def);
 
   Tokenizer t;
   t.impl_ = std::move(impl);
@@ -429,6 +552,9 @@ Tokenizer Tokenizer::from_gguf(const gguf::File& f) {
   }
   std::vector<std::string> merges;
   if (f.has("tokenizer.ggml.merges")) merges = f.get_string_array("tokenizer.ggml.merges");
+  if (merges.empty() && tokens.size() > 256)
+    throw TokenizerError(f.path() + ": no tokenizer.ggml.merges (pre-tokenizer '" + pre +
+                         "'): byte-level BPE without merges would only produce single bytes");
   auto id_or_none = [&](const char* key) -> int32_t {
     const int64_t v = f.get_int(key, -1);
     if (v < -1 || v > INT32_MAX)
@@ -451,14 +577,7 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool parse_special
   std::vector<int32_t> out;
   out.reserve(text.size() / 3 + 4);
 
-  std::unique_ptr<pcre2_match_data, decltype(&pcre2_match_data_free)> md(
-      pcre2_match_data_create_from_pattern(im.re.get(), nullptr), &pcre2_match_data_free);
-  std::unique_ptr<pcre2_match_context, decltype(&pcre2_match_context_free)> mctx(pcre2_match_context_create(nullptr),
-                                                                                 &pcre2_match_context_free);
-  std::unique_ptr<pcre2_jit_stack, decltype(&pcre2_jit_stack_free)> jstack(
-      pcre2_jit_stack_create(32 * 1024, 8 * 1024 * 1024, nullptr), &pcre2_jit_stack_free);
-  if (!md || !mctx) throw std::bad_alloc();
-  if (jstack) pcre2_jit_stack_assign(mctx.get(), nullptr, jstack.get());
+  Splitter::Scratch sc;
 
   size_t seg_start = 0;
   if (!im.specials.empty()) {
@@ -474,7 +593,7 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool parse_special
           }
         }
         if (hit) {
-          if (i > seg_start) im.pretokenize_and_bpe(text.substr(seg_start, i - seg_start), md.get(), mctx.get(), out);
+          if (i > seg_start) im.pretokenize_and_bpe(text.substr(seg_start, i - seg_start), sc, out);
           out.push_back(hit->id);
           i += hit->text.size();
           seg_start = i;
@@ -484,7 +603,7 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool parse_special
       ++i;
     }
   }
-  if (seg_start < text.size()) im.pretokenize_and_bpe(text.substr(seg_start), md.get(), mctx.get(), out);
+  if (seg_start < text.size()) im.pretokenize_and_bpe(text.substr(seg_start), sc, out);
   return out;
 }
 
@@ -526,6 +645,23 @@ std::optional<int32_t> Tokenizer::find_token(std::string_view text) const {
 }
 
 const std::string& Tokenizer::pre_name() const { return impl_->pre; }
+
+std::vector<std::string> pre_tokenize(const std::string& pre, std::string_view text) {
+  const PreTokenizerDef* def = find_pre(pre.empty() ? "gpt2" : pre);
+  if (!def) throw TokenizerError("unknown pre-tokenizer '" + pre + "' (supported: " + supported_pre_list() + ")");
+  if (auto bad = find_invalid_utf8(text)) throw TokenizerError("invalid UTF-8 at byte " + std::to_string(*bad));
+  const Splitter splitter(*def);
+  Splitter::Scratch sc;
+  std::vector<std::string> out;
+  for (std::string_view p : splitter.split(text, sc)) out.emplace_back(p);
+  return out;
+}
+
+std::vector<std::string> supported_pre_tokenizers() {
+  std::vector<std::string> v;
+  for (const auto& d : kPreTokenizers) v.emplace_back(d.name);
+  return v;
+}
 
 // ---------------------------------------------------------------------------------------------
 

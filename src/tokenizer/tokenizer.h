@@ -2,7 +2,7 @@
 // Byte-level BPE tokenizer (GPT-2 style) built from GGUF metadata.
 //
 // Pipeline of encode(): validate UTF-8 -> split on special tokens -> pre-tokenize each
-// remaining segment with the model's regex (PCRE2, UTF + UCP) -> map bytes to the GPT-2
+// remaining segment with the model's sequence of split regexes (PCRE2, UTF + UCP) -> map bytes to the GPT-2
 // printable-unicode alphabet -> BPE merges by rank within each piece -> token ids.
 // Matches the Hugging Face `tokenizers` output for the supported pre-tokenizers.
 #include <cstdint>
@@ -48,8 +48,10 @@ class Tokenizer {
 
   /// Builds the tokenizer from plain vectors (what from_gguf reads from the file).
   ///  - model: must be "gpt2" (byte-level BPE).
-  ///  - pre: pre-tokenizer name: "qwen2" (also "deepseek-r1-qwen"), "llama-bpe"/"llama3", "gpt2";
-  ///    "" is treated as "gpt2". Anything else throws
+  ///  - pre: pre-tokenizer name (`tokenizer.ggml.pre`), one of supported_pre_tokenizers():
+  ///    qwen2, deepseek-r1-qwen, qwen35, llama-bpe, llama3, glm4, chatglm-bpe, gpt2, gpt-2, mpt,
+  ///    gpt-4o, minimax-m2, kimi-k2, deepseek-v3, deepseek-llm, deepseek-coder, falcon, starcoder,
+  ///    refact; "" is treated as "gpt2". Anything else throws
   ///    "unknown pre-tokenizer 'x' (supported: qwen2, ...)".
   ///  - tokens: vocabulary in byte-level form (e.g. "Ġworld"); special tokens are literal text.
   ///  - types: one TokenType value per token, or empty for all NORMAL; other sizes throw.
@@ -115,6 +117,17 @@ class StreamDecoder {
   const Tokenizer* tok_;
   std::string pending_;
 };
+
+/// Pre-tokenizes `text` (UTF-8) as pre-tokenizer `pre` does inside Tokenizer::encode (no
+/// special-token handling): each of the pre-tokenizer's split regexes in turn cuts every piece
+/// into its matches and the gaps between them. Returns the pieces as raw text, in order; their
+/// concatenation is `text`. Throws TokenizerError for an unknown `pre` (the message names it and
+/// lists the supported ones) or invalid UTF-8. Compiles the regexes on every call (for tests and
+/// tools, not for hot paths).
+std::vector<std::string> pre_tokenize(const std::string& pre, std::string_view text);
+
+/// The pre-tokenizer names from_vocab accepts, in the order the error message lists them.
+std::vector<std::string> supported_pre_tokenizers();
 
 /// Checks that `s` is valid UTF-8 (no overlongs, surrogates or code points above U+10FFFF).
 /// Returns the offset where the first invalid (or truncated) sequence starts, or std::nullopt.
