@@ -28,7 +28,7 @@ echo "built in $(( $(date +%s) - t0 )) s"
 echo "synth done at $(( $(date +%s) - t0 )) s"
 run() {  # name, extra flags
   local name=$1; shift
-  timeout 200 "$B/strata" bench -m "$M" --backend cuda --prompt-tokens 2048 --prompt-chunk 2048 --gen 32 -c 4096 \
+  timeout 200 "$B/strata" bench -m "$M" --backend cuda --prompt-tokens "${PT:-2048}" --prompt-chunk "${PC:-2048}" --gen 32 -c "${CTX:-4096}" \
     --ssd-seconds 2 "$@" --json > "$OUT/bench_$name.json" 2> "$OUT/bench_$name.err"
   echo "== $name ($*): rc $? at $(( $(date +%s) - t0 )) s"
   python3 - "$OUT/bench_$name.json" <<'PY'
@@ -46,5 +46,19 @@ print("arena", d.get("arena_bytes", 0) / 2**30, "GiB, ssd", d.get("ssd_gbps"), "
 PY
   tail -3 "$OUT/bench_$name.err"
 }
-run vram
-run arena6.5g --arena-mb 6656 --cold
+# RUNS picks the set: basic (default), tiers (the three tiers), nvme (prediction and chunk size
+# with experts from the drive, as the reference system reported them).
+case "${RUNS:-basic}" in
+  basic)
+    run vram
+    run arena6.5g --arena-mb 6656 --cold ;;
+  tiers)
+    run vram
+    run host6.5g --arena-mb 6656 --host-cache-mb 32768  # warm prefill fills the host tier first
+    run nvme6.5g --arena-mb 6656 --host-cache-mb 0 --cold ;;
+  nvme)
+    run nvme-predict-off --arena-mb 6656 --host-cache-mb 0 --cold --predict off
+    PT=4096 PC=1024 CTX=8192 run nvme-chunk1024 --arena-mb 6656 --host-cache-mb 0 --cold
+    PT=4096 PC=2048 CTX=8192 run nvme-chunk2048 --arena-mb 6656 --host-cache-mb 0 --cold
+    PT=4096 PC=4096 CTX=8192 run nvme-chunk4096 --arena-mb 6656 --host-cache-mb 0 --cold ;;
+esac

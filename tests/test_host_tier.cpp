@@ -258,8 +258,11 @@ TEST(HostTier, CudaLogitsBitIdenticalAndCountersAddUp) {
   if (!engine::cuda_device_present()) GTEST_SKIP() << "no CUDA device (or a build without the CUDA backend)";
   const TierRun off = run_engine(0, false, "cuda");
   const TierRun small = run_engine(16, false, "cuda");
-  const TierRun all = run_engine(64, true, "cuda");
-  for (const TierRun* r : {&small, &all}) {
+  const TierRun all = run_engine(64, false, "cuda");
+  // With read-ahead, predicted experts that were never needed (nor read) in the first pass may be
+  // read from the disk in the second, so only the identities hold there, not "no disk reads".
+  const TierRun ahead = run_engine(64, true, "cuda");
+  for (const TierRun* r : {&small, &all, &ahead}) {
     ASSERT_EQ(r->logits.size(), off.logits.size());
     EXPECT_EQ(0, std::memcmp(r->logits.data(), off.logits.data(), off.logits.size() * sizeof(float)));
     for (const auto* st : {&r->pass1, &r->pass2}) {
