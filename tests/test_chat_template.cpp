@@ -387,9 +387,9 @@ TEST(ChatTemplate, UnsupportedConstructsFailAtParse) {
   EXPECT_THROW(ChatTemplate("{{ messages[0].content + 1 }}", "", ""), TemplateError);
 }
 
-// list.append / list.pop (jinja2's immutable sandbox refuses them, so no oracle here): Python's
+// list.append / list.pop (jinja2's immutable sandbox refuses them, so no oracle here) and from_json: Python's
 // semantics, the list shared by every name bound to it.
-TEST(ChatTemplate, ListAppendAndPop) {
+TEST(ChatTemplate, ListAppendPopAndFromJson) {
   EXPECT_EQ(Template(
                 "{% set l = [1] %}{% set m = l %}{% set _ = m.append(2) %}{{ l }}|{{ l.pop(0) }}|{{ l.pop() }}|{{ l }}")
                 .render(J::object()),
@@ -398,6 +398,11 @@ TEST(ChatTemplate, ListAppendAndPop) {
   EXPECT_THROW(Template("{% set l = [] %}{{ l.pop() }}").render(J::object()), RenderError);
   EXPECT_THROW(Template("{% set l = [1] %}{{ l.pop(5) }}").render(J::object()), RenderError);
   EXPECT_THROW(Template("{{ b() }}{% macro a() %}{% endmacro %}"), TemplateError);  // b is never defined
+  // from_json (not a jinja2 builtin either): json.loads.
+  EXPECT_EQ(Template("{% set d = '{\"b\": [1, 2.5, null, \"x\"]}' | from_json %}{{ d.b }}").render(J::object()),
+            "[1, 2.5, None, 'x']");
+  EXPECT_THROW(Template("{{ '{bad' | from_json }}").render(J::object()), RenderError);
+  EXPECT_THROW(Template("{{ 3 | from_json }}").render(J::object()), RenderError);
 }
 
 TEST(ChatTemplate, RenderErrors) {
@@ -433,8 +438,6 @@ namespace {
 // asserts that exactly these fail, so both a regression and a fix show up.
 const std::map<std::string, std::string> kKnownFailures = {
     {"ByteDance-Seed-OSS.jinja", "integer dict keys ({0: 0, ...})"},
-    {"deepseek-ai-DeepSeek-V3.2.jinja", "the from_json filter"},
-    {"deepseek-ai-DeepSeek-V4-Flash-0731.jinja", "the from_json filter"},
     {"fireworks-ai-llama-3-firefunction-v2.jinja", "the {% filter %} tag"},
     {"meetkai-functionary-medium-v3.1.jinja",
      "without tools it iterates None, which jinja2 refuses too; ChatTemplate's load check renders a sample "

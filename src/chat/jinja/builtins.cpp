@@ -284,16 +284,26 @@ bool run_test(const std::string& name, const Value& v, Args& a, int line) {
 
 // ---- filters
 
-const std::set<std::string> kFilters = {"trim",       "length",     "count",   "tojson",   "upper",   "lower",
-                                        "title",      "capitalize", "default", "d",        "join",    "first",
-                                        "last",       "list",       "string",  "int",      "float",   "abs",
-                                        "round",      "replace",    "items",   "dictsort", "reverse", "selectattr",
-                                        "rejectattr", "select",     "reject",  "map",      "indent",  "safe",
-                                        "unique",     "sum",        "min",     "max"};
+const std::set<std::string> kFilters = {"trim",       "length",     "count",   "tojson",   "upper",    "lower",
+                                        "title",      "capitalize", "default", "d",        "join",     "first",
+                                        "last",       "list",       "string",  "int",      "float",    "abs",
+                                        "round",      "replace",    "items",   "dictsort", "reverse",  "selectattr",
+                                        "rejectattr", "select",     "reject",  "map",      "indent",   "safe",
+                                        "unique",     "sum",        "min",     "max",      "from_json"};
 
 Value apply_filter(const std::string& name, const Value& v, Args& a, int line) {
   using T = Value::T;
   if (name == "safe") return v;
+  if (name == "from_json") {
+    // Not a jinja2 builtin (templates use it on tool-call arguments given as JSON text): the
+    // value of a JSON text, as json.loads gives it.
+    if (v.t != T::Str) fail(line, fmt::format("from_json needs a string, not {}", type_name(v)));
+    try {
+      return from_json(nlohmann::ordered_json::parse(v.s));
+    } catch (const nlohmann::json::parse_error& e) {
+      fail(line, fmt::format("from_json: invalid JSON: {}", e.what()));
+    }
+  }
   if (name == "trim") {
     if (v.undefined()) return Value::str("");
     return Value::str(strip_chars(to_str(v), a.take(0, "chars"), true, true));
