@@ -73,7 +73,26 @@ class Parser {
         body.push_back(parse_set());
       else if (kw == "macro")
         body.push_back(parse_macro());
-      else if (kw == "generation") {
+      else if (kw == "filter") {
+        auto n = std::make_unique<FilterBlockNode>();
+        n->line = line_;
+        for (;;) {
+          std::string name = expect_name();
+          if (!kFilters.count(name))
+            throw TemplateError(fmt::format("line {}: unsupported filter '{}' (supported: {})", line_, name,
+                                            fmt::join(kFilters, ", ")));
+          CallArgs args;
+          if (peek_op("(")) args = parse_call_args();
+          n->filters.emplace_back(std::move(name), std::move(args));
+          if (!peek_op("|")) break;
+          ++p_;
+        }
+        expect_end();
+        n->body = parse_body({"endfilter"});
+        take_stmt();
+        expect_end();
+        body.push_back(std::move(n));
+      } else if (kw == "generation") {
         // transformers' assistant-mask tag: its body renders as it is.
         expect_end();
         auto n = std::make_unique<IfNode>();
@@ -92,7 +111,7 @@ class Parser {
       } else {
         throw TemplateError(
             fmt::format("line {}: unsupported tag '{}' (supported: if, for, set, macro, break, "
-                        "continue, generation)",
+                        "continue, filter, generation)",
                         line_, kw));
       }
     }
