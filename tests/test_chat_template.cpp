@@ -56,9 +56,19 @@ env.filters["tojson"] = tojson
 env.globals["raise_exception"] = raise_exception
 env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
 out = []
+compiled = {}  # template source -> Template (or the exception compiling it raised)
+def compile(src):
+    if src not in compiled:
+        try:
+            compiled[src] = env.from_string(src)
+        except Exception as e:
+            compiled[src] = e
+    if isinstance(compiled[src], Exception):
+        raise compiled[src]
+    return compiled[src]
 for case in json.load(open(sys.argv[1])):
     try:
-        out.append({"ok": env.from_string(case["template"]).render(**case["context"])})
+        out.append({"ok": compile(case["template"]).render(**case["context"])})
     except Exception as e:
         out.append({"error": type(e).__name__ + ": " + str(e)})
 json.dump(out, open(sys.argv[2], "w"), ensure_ascii=False)
