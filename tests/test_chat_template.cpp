@@ -3,9 +3,12 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -27,8 +30,10 @@ namespace {
 // transformers' chat-template environment (transformers/utils/chat_template_utils.py).
 const char* kOracle = R"PY(
 import json, sys
+from datetime import datetime
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from jinja2.ext import loopcontrols
+from jinja2.ext import loopcontrols, Extension
+from jinja2 import nodes
 from jinja2.exceptions import TemplateError
 
 def raise_exception(message):
@@ -37,13 +42,33 @@ def raise_exception(message):
 def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+class AssistantTracker(Extension):  # transformers' {% generation %}: renders its body
+    tags = {"generation"}
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+        return nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+    def _render(self, caller):
+        return caller()
+
+env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, AssistantTracker])
 env.filters["tojson"] = tojson
 env.globals["raise_exception"] = raise_exception
+env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
 out = []
+compiled = {}  # template source -> Template (or the exception compiling it raised)
+def compile(src):
+    if src not in compiled:
+        try:
+            compiled[src] = env.from_string(src)
+        except Exception as e:
+            compiled[src] = e
+    if isinstance(compiled[src], Exception):
+        raise compiled[src]
+    return compiled[src]
 for case in json.load(open(sys.argv[1])):
     try:
-        out.append({"ok": env.from_string(case["template"]).render(**case["context"])})
+        out.append({"ok": compile(case["template"]).render(**case["context"])})
     except Exception as e:
         out.append({"error": type(e).__name__ + ": " + str(e)})
 json.dump(out, open(sys.argv[2], "w"), ensure_ascii=False)
@@ -333,6 +358,10 @@ TEST(ChatTemplate, WhitespaceRulesMatchPython) {
       "{% set blk %}  in block {{ 1 + 1 }}\n{% endset %}[{{ blk }}]",
       "{{ '%}' }} {{ \"}}\" }}",
       "{{ [1, 'a', none, 1.5, {'k': [true]}] | tojson }} {{ 'caf\\u00e9' }} {{ '\\n' | tojson }}",
+      "{% macro a(x) %}[{{ b(x) }}]{% endmacro %}{% macro b(y) %}<{{ y }}>{% endmacro %}{{ a(3) }}",
+      "{% for i in [1, 2] %}{% generation %}\n  g{{ i }}\n{% endgeneration %}{% endfor %}",
+      "{% filter trim | upper %}\n  ab {{ 'c' }}  \n{% endfilter %}!{%- filter replace('a', 'b') -%} aaa {%- endfilter "
+      "%}",
   };
   J in = J::array();
   for (auto& s : snippets) in.push_back({{"template", s}, {"context", J::object()}});
@@ -370,6 +399,24 @@ TEST(ChatTemplate, UnsupportedConstructsFailAtParse) {
   EXPECT_THROW(ChatTemplate("{{ messages[0].content + 1 }}", "", ""), TemplateError);
 }
 
+// list.append / list.pop (jinja2's immutable sandbox refuses them, so no oracle here) and from_json: Python's
+// semantics, the list shared by every name bound to it.
+TEST(ChatTemplate, ListAppendPopAndFromJson) {
+  EXPECT_EQ(Template(
+                "{% set l = [1] %}{% set m = l %}{% set _ = m.append(2) %}{{ l }}|{{ l.pop(0) }}|{{ l.pop() }}|{{ l }}")
+                .render(J::object()),
+            "[1, 2]|1|2|[]");
+  EXPECT_EQ(Template("{% set l = ['a', 'b', 'c'] %}{{ l.pop(-2) }}{{ l }}").render(J::object()), "b['a', 'c']");
+  EXPECT_THROW(Template("{% set l = [] %}{{ l.pop() }}").render(J::object()), RenderError);
+  EXPECT_THROW(Template("{% set l = [1] %}{{ l.pop(5) }}").render(J::object()), RenderError);
+  EXPECT_THROW(Template("{{ b() }}{% macro a() %}{% endmacro %}"), TemplateError);  // b is never defined
+  // from_json (not a jinja2 builtin either): json.loads.
+  EXPECT_EQ(Template("{% set d = '{\"b\": [1, 2.5, null, \"x\"]}' | from_json %}{{ d.b }}").render(J::object()),
+            "[1, 2.5, None, 'x']");
+  EXPECT_THROW(Template("{{ '{bad' | from_json }}").render(J::object()), RenderError);
+  EXPECT_THROW(Template("{{ 3 | from_json }}").render(J::object()), RenderError);
+}
+
 TEST(ChatTemplate, RenderErrors) {
   EXPECT_THROW(Template("{{ 'a' + 1 }}").render(J::object()), RenderError);
   EXPECT_THROW(Template("{{ x.y.z }}").render(J::object()), RenderError);  // attribute of undefined
@@ -395,4 +442,116 @@ TEST(ChatTemplate, ShippedModel) {
   ASSERT_TRUE(im_end.has_value());
   EXPECT_NE(std::find(eog.begin(), eog.end(), *im_end), eog.end());
   EXPECT_NE(std::find(eog.begin(), eog.end(), tok.eos_id()), eog.end());
+}
+
+namespace {
+
+// Real chat templates strata cannot load or render identically yet, with the reason. The test
+// asserts that exactly these fail, so both a regression and a fix show up.
+const std::map<std::string, std::string> kKnownFailures = {
+    {"ByteDance-Seed-OSS.jinja", "integer dict keys ({0: 0, ...})"},
+    {"fireworks-ai-llama-3-firefunction-v2.jinja",
+     "needs a 'functions' variable (jinja2 fails without it too, on every case here); ChatTemplate's load check "
+     "renders a sample without it"},
+    {"meetkai-functionary-medium-v3.1.jinja",
+     "without tools it iterates None, which jinja2 refuses too; ChatTemplate's load check renders a sample "
+     "without tools, so the template fails at load although jinja2 renders it with tools"},
+};
+
+}  // namespace
+
+// Every template of ../shared/data/templates over a few conversations (one user turn; a
+// multi-turn with system; tools; an assistant tool call with the tool's answer), with and
+// without add_generation_prompt: byte-identical to jinja2 wherever jinja2 renders.
+TEST(ChatTemplate, RealTemplatesMatchPythonJinja2) {
+  const std::filesystem::path dir = std::string(STRATA_REPO_DIR) + "/../shared/data/templates";
+  if (!std::filesystem::is_directory(dir)) GTEST_SKIP() << dir << " absent: no real templates to check";
+  if (!have_jinja2()) GTEST_SKIP() << "python3 with jinja2 absent (apt-get install python3-jinja2): oracle unavailable";
+  std::vector<std::filesystem::path> files;
+  for (auto& e : std::filesystem::directory_iterator(dir))
+    if (e.path().extension() == ".jinja") files.push_back(e.path());
+  std::sort(files.begin(), files.end());
+  ASSERT_FALSE(files.empty());
+
+  const J tools = J::parse(R"([{"type": "function", "function": {"name": "get_weather",
+      "description": "The weather of a city", "parameters": {"type": "object",
+      "properties": {"location": {"type": "string", "description": "city name"}}, "required": ["location"]}}}])");
+  const J user = {{"role", "user"}, {"content", "What is the weather in Paris?"}};
+  const J call = J::parse(R"({"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
+      "function": {"name": "get_weather", "arguments": {"location": "Paris"}}}]})");
+  const J answer = J::parse(R"({"role": "tool", "tool_call_id": "call_1", "name": "get_weather",
+      "content": "{\"temperature\": 21, \"sky\": \"clear\"}"})");
+  struct Conv {
+    std::string name;
+    J messages, tools;
+  };
+  const std::vector<Conv> convs = {
+      {"single", J::array({user}), J()},
+      {"multi-turn",
+       J::array({{{"role", "system"}, {"content", "You are a helpful assistant."}},
+                 {{"role", "user"}, {"content", "Hello"}},
+                 {{"role", "assistant"}, {"content", "Hi there, how can I help?"}},
+                 {{"role", "user"}, {"content", "Tell me a joke."}}}),
+       J()},
+      {"tools", J::array({user}), tools},
+      {"tool-call", J::array({user, call, answer}), tools},
+  };
+  const std::string bos = "<s>", eos = "</s>";
+
+  J in = J::array();
+  for (auto& f : files) {
+    std::ifstream is(f, std::ios::binary);
+    const std::string src((std::istreambuf_iterator<char>(is)), std::istreambuf_iterator<char>());
+    for (auto& c : convs)
+      for (bool agp : {false, true}) {
+        J ctx = {{"messages", c.messages}, {"add_generation_prompt", agp}, {"bos_token", bos}, {"eos_token", eos}};
+        if (!c.tools.is_null()) ctx["tools"] = c.tools;
+        in.push_back({{"template", src}, {"context", ctx}});
+      }
+  }
+  const J want = oracle(in);
+  ASSERT_EQ(want.size(), in.size());
+
+  std::map<std::string, std::string> failing;  // file -> first failure
+  int rendered_by_jinja2 = 0;
+  size_t k = 0;
+  for (auto& f : files) {
+    const std::string name = f.filename().string();
+    const std::string src = in[k]["template"].get<std::string>();
+    std::unique_ptr<ChatTemplate> t;
+    try {
+      t = std::make_unique<ChatTemplate>(src, bos, eos);
+    } catch (const std::exception& e) {
+      failing.emplace(name, std::string("load: ") + e.what());
+    }
+    for (auto& c : convs)
+      for (bool agp : {false, true}) {
+        const J& w = want[k++];
+        if (!w.contains("ok")) continue;
+        ++rendered_by_jinja2;
+        if (!t || failing.count(name)) continue;
+        const std::string where = c.name + (agp ? " +gen" : "");
+        J extra = J::object();
+        if (!c.tools.is_null()) extra["tools"] = c.tools;
+        try {
+          const std::string got = t->apply(c.messages, agp, extra);
+          if (got != w["ok"].get<std::string>()) {
+            const std::string& py = w["ok"].get_ref<const std::string&>();
+            size_t at = 0;
+            while (at < got.size() && at < py.size() && got[at] == py[at]) ++at;
+            failing.emplace(name, where + ": differs at byte " + std::to_string(at) + ": strata '" +
+                                      got.substr(at, 40) + "' jinja2 '" + py.substr(at, 40) + "'");
+          }
+        } catch (const std::exception& e) {
+          failing.emplace(name, where + ": " + e.what());
+        }
+      }
+  }
+  for (auto& [name, why] : failing)
+    EXPECT_TRUE(kKnownFailures.count(name)) << name << " fails, not in kKnownFailures: " << why;
+  for (auto& [name, why] : kKnownFailures)
+    EXPECT_TRUE(failing.count(name)) << name << " is listed as failing (" << why << ") but now passes: remove it";
+  std::printf("real chat templates: %zu of %zu match jinja2 (%d renders by jinja2 compared)\n",
+              files.size() - failing.size(), files.size(), rendered_by_jinja2);
+  EXPECT_GT(rendered_by_jinja2, int(files.size()));  // the oracle renders most cases
 }

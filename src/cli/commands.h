@@ -17,4 +17,5 @@ void register_ssdbw(CLI::App& root);
 void register_pack(CLI::App& root);
 void register_perplexity(CLI::App& root);
 void register_route_parity(CLI::App& root);
+void register_template(CLI::App& root);
 }  // namespace strata::cli

@@ -310,6 +310,32 @@ struct Server::Impl {
     res.set_content(openai::dump({{"tokens", out}}), "application/json");
   }
 
+  // POST /apply-template (llama.cpp's server): the chat template rendered over `messages`
+  // (validated and normalised as for /v1/chat/completions), with `tools` when given, as text.
+  void apply_template(const httplib::Request& req, httplib::Response& res) {
+    const J b = openai::parse_body(req.body);
+    const J messages = openai::chat_messages(b);
+    J extra = J::object();
+    if (const J* tools = openai::field(b, "tools")) {
+      if (!tools->is_array())
+        throw openai::bad_request("tools", "'tools' must be an array of tool objects", "invalid_type");
+      for (size_t k = 0; k < tools->size(); ++k)
+        if (!(*tools)[k].is_object())
+          throw openai::bad_request(fmt::format("tools[{}]", k), fmt::format("tools[{}] must be an object", k),
+                                    "invalid_type");
+      if (!tools->empty()) extra["tools"] = *tools;
+    }
+    const bool add_generation_prompt = openai::get_bool(b, "add_generation_prompt", true);
+    std::string prompt;
+    try {
+      prompt = tmpl.apply(messages, add_generation_prompt, extra);
+    } catch (const chat::RenderError& e) {
+      throw openai::bad_request("messages", fmt::format("the chat template rejected the messages: {}", e.what()),
+                                "invalid_messages");
+    }
+    res.set_content(openai::dump({{"prompt", prompt}}), "application/json");
+  }
+
   void detokenize(const httplib::Request& req, httplib::Response& res) {
     const J b = openai::parse_body(req.body);
     const J* t = openai::field(b, "tokens");
@@ -415,14 +441,9 @@ struct Server::Impl {
   }
 
   void count(const httplib::Request& req, const httplib::Response& res) {
-    static const std::set<std::string> known = {"/v1/chat/completions",
-                                                "/v1/completions",
-                                                "/v1/models",
-                                                "/health",
-                                                "/metrics",
-                                                "/tokenize",
-                                                "/detokenize",
-                                                "/"};
+    static const std::set<std::string> known = {
+        "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize",
+        "/detokenize",          "/apply-template", "/"};
     const std::string ep = known.count(req.path) ? req.path : "other";
     std::lock_guard lk(count_mutex);
     ++request_counts[{ep, res.status}];
@@ -513,6 +534,7 @@ struct Server::Impl {
     get("/metrics", &Impl::metrics);
     post("/tokenize", &Impl::tokenize);
     post("/detokenize", &Impl::detokenize);
+    post("/apply-template", &Impl::apply_template);
   }
 };
 

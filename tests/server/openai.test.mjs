@@ -148,6 +148,28 @@ test('/tokenize and /detokenize round-trip', async () => {
   assert.equal(d.body.content, text);
 });
 
+test('/apply-template renders the chat template as `strata template` does; bad messages are 400', async () => {
+  const messages = [
+    { role: 'system', content: 'You write Python.' },
+    { role: 'user', content: 'Read a file line by line.' },
+  ];
+  const chatml = '<|im_start|>system\nYou write Python.<|im_end|>\n<|im_start|>user\nRead a file line by line.<|im_end|>\n';
+  const r = await post(`${srv.url}/apply-template`, { messages });
+  assert.equal(r.status, 200);
+  assert.equal(r.body.prompt, chatml + '<|im_start|>assistant\n');
+  const noGen = await post(`${srv.url}/apply-template`, { messages, add_generation_prompt: false });
+  assert.equal(noGen.body.prompt, chatml);
+  const cli = spawnSync(BINARY, ['template', '-m', MODEL, '--messages', JSON.stringify(messages), '--add-generation-prompt']);
+  assert.equal(cli.status, 0, cli.stderr.toString());
+  assert.equal(cli.stdout.toString(), r.body.prompt);
+  for (const body of [{}, { messages: 'hi' }, { messages: [{ role: 'wizard', content: 'x' }] },
+    { messages, tools: 'x' }, { messages, add_generation_prompt: 'yes' }]) {
+    const bad = await post(`${srv.url}/apply-template`, body);
+    assert.equal(bad.status, 400, JSON.stringify(body));
+    assert.equal(typeof bad.body.error.message, 'string');
+  }
+});
+
 test('/metrics exposes request, token and stream counters', async () => {
   const res = await fetch(`${srv.url}/metrics`);
   assert.equal(res.status, 200);

@@ -211,4 +211,12 @@ struct MacroNode : Node {
   void render(Ctx& c, std::string&) const override;
 };
 
+/// filter name(args) | name2 ... endfilter: the body's text through the filters, in order.
+struct FilterBlockNode : Node {
+  std::vector<std::pair<std::string, CallArgs>> filters;
+  Body body;
+  int line = 0;
+  void render(Ctx& c, std::string& out) const override;
+};
+
 }  // namespace strata::chat::jinja

@@ -115,9 +115,9 @@ Value range_fn(Args& a) {
 
 // ---- string / dict methods
 
-const std::set<std::string> kMethods = {"strip", "lstrip", "rstrip", "split",      "startswith", "endswith",
-                                        "upper", "lower",  "title",  "capitalize", "replace",    "find",
-                                        "count", "join",   "items",  "keys",       "values",     "get"};
+const std::set<std::string> kMethods = {"strip", "lstrip", "rstrip",     "split",   "startswith", "endswith", "upper",
+                                        "lower", "title",  "capitalize", "replace", "find",       "count",    "join",
+                                        "items", "keys",   "values",     "get",     "append",     "pop"};
 
 Value call_method(const Value& o, const std::string& name, Args& a, int line) {
   if (o.t == Value::T::Str) {
@@ -182,6 +182,22 @@ Value call_method(const Value& o, const std::string& name, Args& a, int line) {
       }
       return Value::str(out);
     }
+  } else if (o.t == Value::T::Arr && name == "append") {
+    // Lists are shared by reference, so the append shows through every name bound to it
+    // (Python's list.append; jinja2's immutable sandbox refuses it, llama.cpp's engine allows it).
+    if (o.is_tuple) fail(line, "'tuple' object has no attribute 'append'");
+    o.a->push_back(a.take(0, "object"));
+    return Value::none();
+  } else if (o.t == Value::T::Arr && name == "pop") {  // Python's list.pop([index])
+    if (o.is_tuple) fail(line, "'tuple' object has no attribute 'pop'");
+    if (o.a->empty()) fail(line, "pop from empty list");
+    const Value idx = a.take(0, "index", Value::integer(-1));
+    if (idx.t != Value::T::Int) fail(line, "pop() index must be an integer");
+    const int64_t n = int64_t(o.a->size()), k = idx.i < 0 ? idx.i + n : idx.i;
+    if (k < 0 || k >= n) fail(line, "pop index out of range");
+    Value v = (*o.a)[size_t(k)];
+    o.a->erase(o.a->begin() + k);
+    return v;
   } else if (o.t == Value::T::Obj && !o.is_namespace) {
     if (name == "items") {
       Array out;
@@ -268,16 +284,26 @@ bool run_test(const std::string& name, const Value& v, Args& a, int line) {
 
 // ---- filters
 
-const std::set<std::string> kFilters = {"trim",       "length",     "count",   "tojson",   "upper",   "lower",
-                                        "title",      "capitalize", "default", "d",        "join",    "first",
-                                        "last",       "list",       "string",  "int",      "float",   "abs",
-                                        "round",      "replace",    "items",   "dictsort", "reverse", "selectattr",
-                                        "rejectattr", "select",     "reject",  "map",      "indent",  "safe",
-                                        "unique",     "sum",        "min",     "max"};
+const std::set<std::string> kFilters = {"trim",       "length",     "count",   "tojson",   "upper",    "lower",
+                                        "title",      "capitalize", "default", "d",        "join",     "first",
+                                        "last",       "list",       "string",  "int",      "float",    "abs",
+                                        "round",      "replace",    "items",   "dictsort", "reverse",  "selectattr",
+                                        "rejectattr", "select",     "reject",  "map",      "indent",   "safe",
+                                        "unique",     "sum",        "min",     "max",      "from_json"};
 
 Value apply_filter(const std::string& name, const Value& v, Args& a, int line) {
   using T = Value::T;
   if (name == "safe") return v;
+  if (name == "from_json") {
+    // Not a jinja2 builtin (templates use it on tool-call arguments given as JSON text): the
+    // value of a JSON text, as json.loads gives it.
+    if (v.t != T::Str) fail(line, fmt::format("from_json needs a string, not {}", type_name(v)));
+    try {
+      return from_json(nlohmann::ordered_json::parse(v.s));
+    } catch (const nlohmann::json::parse_error& e) {
+      fail(line, fmt::format("from_json: invalid JSON: {}", e.what()));
+    }
+  }
   if (name == "trim") {
     if (v.undefined()) return Value::str("");
     return Value::str(strip_chars(to_str(v), a.take(0, "chars"), true, true));

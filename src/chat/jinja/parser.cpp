@@ -21,6 +21,13 @@ class Parser {
     Body body = parse_body({});
     if (seg_ < segs_.size())
       throw TemplateError(fmt::format("line {}: unexpected '{}'", segs_[seg_].line, first_word(segs_[seg_])));
+    // A call may name a macro defined further down the file (it runs after the definition).
+    for (auto& [name, line] : calls_)
+      if (!kGlobals.count(name) && !macros_.count(name))
+        throw TemplateError(
+            fmt::format("line {}: unsupported function '{}()' (supported: {}, and the "
+                        "template's macros)",
+                        line, name, fmt::join(kGlobals, ", ")));
     return body;
   }
 
@@ -66,7 +73,34 @@ class Parser {
         body.push_back(parse_set());
       else if (kw == "macro")
         body.push_back(parse_macro());
-      else if (kw == "break" || kw == "continue") {
+      else if (kw == "filter") {
+        auto n = std::make_unique<FilterBlockNode>();
+        n->line = line_;
+        for (;;) {
+          std::string name = expect_name();
+          if (!kFilters.count(name))
+            throw TemplateError(fmt::format("line {}: unsupported filter '{}' (supported: {})", line_, name,
+                                            fmt::join(kFilters, ", ")));
+          CallArgs args;
+          if (peek_op("(")) args = parse_call_args();
+          n->filters.emplace_back(std::move(name), std::move(args));
+          if (!peek_op("|")) break;
+          ++p_;
+        }
+        expect_end();
+        n->body = parse_body({"endfilter"});
+        take_stmt();
+        expect_end();
+        body.push_back(std::move(n));
+      } else if (kw == "generation") {
+        // transformers' assistant-mask tag: its body renders as it is.
+        expect_end();
+        auto n = std::make_unique<IfNode>();
+        n->branches.emplace_back(nullptr, parse_body({"endgeneration"}));
+        take_stmt();
+        expect_end();
+        body.push_back(std::move(n));
+      } else if (kw == "break" || kw == "continue") {
         if (loop_depth_ == 0) throw TemplateError(fmt::format("line {}: '{}' outside a loop", line_, kw));
         expect_end();
         auto n = std::make_unique<ControlNode>();
@@ -77,7 +111,7 @@ class Parser {
       } else {
         throw TemplateError(
             fmt::format("line {}: unsupported tag '{}' (supported: if, for, set, macro, break, "
-                        "continue)",
+                        "continue, filter, generation)",
                         line_, kw));
       }
     }
@@ -462,9 +496,7 @@ class Parser {
       } else if (peek_op("(")) {
         auto* nm = dynamic_cast<Name*>(e.get());
         if (!nm) throw TemplateError(fmt::format("line {}: only named functions can be called here", line_));
-        if (!kGlobals.count(nm->name) && !macros_.count(nm->name))
-          throw TemplateError(fmt::format("line {}: unsupported function '{}()' (supported: {})", line_, nm->name,
-                                          fmt::join(kGlobals, ", ")));
+        calls_.emplace_back(nm->name, line_);  // checked once all macros are known
         auto c = make<Call>();
         c->fn = std::move(e);
         c->args = parse_call_args();
@@ -617,6 +649,7 @@ class Parser {
   int line_ = 1;
   int loop_depth_ = 0;
   std::set<std::string> macros_;
+  std::vector<std::pair<std::string, int>> calls_;  // (function name, line) of every call
 };
 
 }  // namespace

@@ -164,6 +164,17 @@ void TextNode::render(Ctx&, std::string& out) const { out += text; }
 
 void OutputNode::render(Ctx& c, std::string& out) const { out += to_str(e->eval(c)); }
 
+void FilterBlockNode::render(Ctx& c, std::string& out) const {
+  std::string text;
+  render_body(body, c, text);
+  Value v = Value::str(text);
+  for (auto& [name, args] : filters) {
+    Args a = args.eval(c);
+    v = apply_filter(name, v, a, line);
+  }
+  out += to_str(v);
+}
+
 void IfNode::render(Ctx& c, std::string& out) const {
   for (auto& [cond, body] : branches)
     if (!cond || truthy(cond->eval(c))) {
