@@ -221,8 +221,9 @@ void launch_attention(const AttentionArgs& a, int group, cudaStream_t st) {
 }  // namespace
 
 void attention(const AttentionArgs& a, void* stream) {
-  STRATA_CUDA_REQUIRE(a.head_dim > 0 && a.head_dim % 32 == 0 && a.head_dim <= 256,
-                      "cuda::attention: head_dim=" + std::to_string(a.head_dim) + " must be a multiple of 32, <= 256");
+  STRATA_CUDA_REQUIRE(a.head_dim > 0 && a.head_dim % 32 == 0 && (a.head_dim <= 256 || a.head_dim == 576),
+                      "cuda::attention: head_dim=" + std::to_string(a.head_dim) +
+                          " must be a multiple of 32, <= 256, or 576 (MLA's absorbed head)");
   STRATA_CUDA_REQUIRE(a.n_head > 0 && a.n_head_kv > 0 && a.n_head % a.n_head_kv == 0,
                       "cuda::attention: n_head must be a positive multiple of n_head_kv");
   STRATA_CUDA_REQUIRE(a.n_tok > 0 && a.pos0 >= 0, "cuda::attention: n_tok must be > 0 and pos0 >= 0");
@@ -242,6 +243,7 @@ void attention(const AttentionArgs& a, void* stream) {
     case 6: launch_attention<6>(a, group, st); return;
     case 7: launch_attention<7>(a, group, st); return;
     case 8: launch_attention<8>(a, group, st); return;
+    case 18: launch_attention<18>(a, group, st); return;  // MLA's absorbed head: 512 latent + 64 rotary
     default: break;
   }
 }

@@ -542,6 +542,82 @@ void CudaBackend::attention(const backend::AttentionSpec& s, const backend::Atte
   if (!w.bo.empty()) add_bias(out.f(), ld(out), w.bo.f(), out.cols(), T, stream());
 }
 
+void CudaBackend::mla_attention(const backend::MlaSpec& s, const backend::MlaWeights& w, const Tensor& cache,
+                                int64_t pos0, const Tensor& h, const Tensor& out) {
+  flush_experts();
+  const int64_t T = h.rows();
+  if (T == 0) return;
+  const int64_t H = s.n_head, R = s.kv_lora_rank, P = s.n_rot, N = s.n_nope, Vd = s.v_dim, QL = s.q_lora_rank;
+  const int64_t qk = N + P, C = R + P;  // q/k dims per head; cache row (= absorbed query) dims
+  require_device(cache, "mla_attention: the latent cache");
+  if (cache.cols() != C || pos0 + T > cache.rows())
+    throw CudaError(
+        fmt::format("strata::cuda: mla_attention: the cache ({} x {}) does not hold {} dims for positions "
+                    "up to {}",
+                    cache.cols(), cache.rows(), C, pos0 + T));
+  if (!(C % 32 == 0 && (C <= 256 || C == 576)))
+    throw CudaError(
+        fmt::format("strata::cuda: mla_attention: kv_lora_rank + n_rot = {} is not a head size the CUDA "
+                    "attention kernel has (multiples of 32 up to 256, or 576); use --backend cpu",
+                    C));
+  if (!s.rope || s.rope->n_rot != P || P <= 0)
+    throw CudaError("strata::cuda: mla_attention: needs a RoPE of n_rot rotated dims");
+  const int64_t qrows = QL > 0 ? QL : 0;
+  Carve c{scratch(sz<float>(size_t(T * H * qk)) + sz<float>(size_t(T * qrows)) + 2 * sz<float>(size_t(T * H * C)) +
+                  sz<float>(size_t(T * H * Vd)) + sz<int32_t>(size_t(T)))};
+  float* q = c.take<float>(size_t(T * H * qk));
+  float* qa = c.take<float>(size_t(T * qrows));
+  float* qabs = c.take<float>(size_t(T * H * C));
+  float* att = c.take<float>(size_t(T * H * C));
+  float* o = c.take<float>(size_t(T * H * Vd));
+  int32_t* pos = c.take<int32_t>(size_t(T));
+  auto mm = [&](const Tensor& W, int64_t rows, const void* data, const float* x, int64_t ldx, float* y, int64_t ldy) {
+    cuda::matmul(W.type, data, W.row_bytes(), rows, W.cols(), x, ldx, T, y, ldy, stream());
+  };
+  // Queries [T][H][N + P].
+  if (QL > 0) {
+    mm(w.wq_a, w.wq_a.rows(), w.wq_a.data, h.f(), ld(h), qa, QL);
+    cuda::rms_norm(qa, QL, w.q_a_norm.f(), qa, QL, QL, T, s.rms_eps, stream());
+    mm(w.wq_b, w.wq_b.rows(), w.wq_b.data, qa, QL, q, H * qk);
+  } else {
+    mm(w.wq, w.wq.rows(), w.wq.data, h.f(), ld(h), q, H * qk);
+  }
+  // [c | kpe] straight into the cache rows pos0..; c normed, kpe rotated in place.
+  float* crow = cache.f() + pos0 * C;
+  mm(w.wkv_a, w.wkv_a.rows(), w.wkv_a.data, h.f(), ld(h), crow, C);
+  cuda::rms_norm(crow, C, w.kv_a_norm.f(), crow, C, R, T, s.rms_eps, stream());
+  std::vector<int32_t> p(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t) p[size_t(t)] = int32_t(pos0 + t);
+  upload_async(pos, p.data(), p.size() * sizeof(int32_t));
+  const double* inv = inv_freq(*s.rope);
+  const bool neox = s.rope->mode == backend::RopeSpec::Mode::Neox;
+  cuda::rope(crow + R, C, T, 1, int(P), int(P), pos, inv, neox, s.rope->attn_factor, stream());
+  // q_pe of every head (dims N.. of each head's qk), then copied after the absorbed q_nope.
+  cuda::rope(q + N, H * qk, T, int(H), int(qk), int(P), pos, inv, neox, s.rope->attn_factor, stream());
+  STRATA_CUDA_CHECK(cudaMemcpy2DAsync(qabs + R, size_t(C) * sizeof(float), q + N, size_t(qk) * sizeof(float),
+                                      size_t(P) * sizeof(float), size_t(T * H), cudaMemcpyDeviceToDevice,
+                                      ctx_->stream));
+  // qabs[t][h][:R] = k_b[h] q_nope[t][h]: k_b[h] has R rows of N columns.
+  const size_t kb_head_bytes = size_t(R) * w.wk_b.row_bytes(), vb_head_bytes = size_t(Vd) * w.wv_b.row_bytes();
+  for (int64_t hh = 0; hh < H; ++hh)
+    mm(w.wk_b, R, static_cast<const uint8_t*>(w.wk_b.data) + size_t(hh) * kb_head_bytes, q + hh * qk, H * qk,
+       qabs + hh * C, H * C);
+  // All heads over the one shared latent head (keys and values: the cache rows).
+  AttentionArgs a;
+  a.q = qabs, a.q_stride = H * C;
+  a.k = cache.f(), a.v = cache.f(), a.kv_stride = C;
+  a.out = att, a.out_stride = H * C;
+  a.n_tok = T, a.pos0 = pos0;
+  a.n_head = int(H), a.n_head_kv = 1, a.head_dim = int(C);
+  a.scale = s.scale != 0 ? s.scale : 1.0f / std::sqrt(float(qk));
+  cuda::attention(a, stream());
+  // o[h] = v_b[h] ctx[h] (ctx: the first R dims of each head's output), then attn_output.
+  for (int64_t hh = 0; hh < H; ++hh)
+    mm(w.wv_b, Vd, static_cast<const uint8_t*>(w.wv_b.data) + size_t(hh) * vb_head_bytes, att + hh * C, H * C,
+       o + hh * Vd, H * Vd);
+  mm(w.wo, w.wo.rows(), w.wo.data, o, H * Vd, out.f(), ld(out));
+}
+
 void CudaBackend::gated_delta_net(const backend::GdnSpec& s, const backend::GdnWeights& w,
                                   const backend::RecurrentState& state, const Tensor& h, const Tensor& out) {
   flush_experts();

@@ -215,7 +215,7 @@ struct AttentionArgs {
   int64_t n_tok = 0;              ///< query t is at position pos0 + t and sees cache positions [0, pos0 + t]
   int64_t pos0 = 0;               ///< (the cache must already hold positions up to pos0 + n_tok - 1)
   int n_head = 0, n_head_kv = 0;  ///< query head h reads KV head h / (n_head / n_head_kv)
-  int head_dim = 0;               ///< a multiple of 32, at most 256
+  int head_dim = 0;               ///< a multiple of 32, at most 256; or 576 (MLA: 512 latent + 64 rotary)
   float scale = 0;                ///< usually 1/sqrt(head_dim)
   /// > 0: query t sees only the last `window` positions, [max(0, pos0 + t + 1 - window), pos0 + t]
   /// (sliding-window layers, gpt-oss); 0 = all of [0, pos0 + t].
