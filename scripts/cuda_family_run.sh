@@ -61,12 +61,13 @@ if has tests && left; then
     "$OUT/test_cuda_backend.log" | head -40
 fi
 # The benchmark: layer cuts of the real shapes (all experts of each layer), experts streamed from
-# NVMe through a 2 GiB arena (no host tier), 512-token prompt in one chunk, 16 decode tokens.
+# NVMe through a 2 GiB arena (6.5 GiB for deepseek-v3, whose layer of 256 experts must fit; no host
+# tier), 512-token prompt in one chunk, 16 decode tokens.
 bench_one() {  # name, file, predict
   local name=$1 f=$2 pr=$3
   left || { echo "skip bench $name predict $pr (budget)"; return; }
   timeout 100 "$S" bench -m "$f" --backend cuda --prompt-tokens 512 --prompt-chunk 512 --gen 16 -c 1024 \
-    --arena-mb 2048 --host-cache-mb 0 --cold --predict "$pr" --ssd-seconds 1 --json > "$OUT/b.json" 2> "$OUT/b.err"
+    --arena-mb "${ARENA:-2048}" --host-cache-mb 0 --cold --predict "$pr" --ssd-seconds 1 --json > "$OUT/b.json" 2> "$OUT/b.err"
   local rc=$?
   python3 - "$OUT/b.json" "$name" "$pr" "$rc" <<'PY' | tee -a "$OUT/bench.txt"
 import json, sys
@@ -87,11 +88,13 @@ PY
 if has bench; then
   for fam in $FAMILIES; do
     left || break
+    ARENA=2048
     case $fam in
       gpt-oss) f=$FAM/b-gpt-oss.gguf; synth "$f" --like gpt-oss-120b --layers 3 --type MXFP4 ;;
       glm4moe) f=$FAM/b-glm4moe.gguf; synth "$f" --like glm-4.5-air --layers 4 --type Q4_K ;;
       qwen35moe) f=$FAM/b-qwen35moe.gguf; synth "$f" --like qwen3.5-122b-a10b --layers 4 --type Q4_K ;;
-      deepseek2) f=$FAM/b-deepseek2.gguf; synth "$f" --like deepseek-v3 --layers 4 --type Q4_K ;;
+      deepseek2) f=$FAM/b-deepseek2.gguf; synth "$f" --like deepseek-v3 --layers 4 --type Q4_K
+        ARENA=6656 ;;  # a layer of 256 x 24 MiB experts at once for a 512-token chunk
     esac
     echo "$fam: $(du -h "$f" 2>/dev/null | cut -f1) at $(el) s"
     bench_one "$fam" "$f" on
