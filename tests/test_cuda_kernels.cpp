@@ -19,6 +19,7 @@
 #include "backend/cpu/gated_delta_net.h"
 #include "backend/cpu/ops.h"
 #include "backend/cpu/thread_pool.h"
+#include "backend/cuda/family_kernels.h"
 #include "backend/cuda/kernels.h"
 #include "quant/quant.h"
 
@@ -477,26 +478,32 @@ TEST(CudaKernels, RopeNeoxMatchesCpu) {
 
 namespace {
 
-/// Double-precision causal attention for query token t (at position pos0 + t).
+/// Double-precision causal attention for query token t (at position pos0 + t): positions
+/// [F, P] with F = max(0, P + 1 - window) when a.window > 0, and sinks[h] (host copy; empty:
+/// none) as an extra logit in each head's softmax denominator (transformers' eager gpt-oss form).
 void attention_ref(const cuda::AttentionArgs& a, const std::vector<float>& q, const std::vector<float>& k,
-                   const std::vector<float>& v, int64_t t, std::vector<double>& out) {
+                   const std::vector<float>& v, int64_t t, std::vector<double>& out,
+                   const std::vector<float>& sinks = {}) {
   const int group = a.n_head / a.n_head_kv, hd = a.head_dim;
   const int64_t P = a.pos0 + t;
+  const int64_t F = a.window > 0 ? std::max<int64_t>(0, P + 1 - a.window) : 0;
   out.assign(size_t(a.n_head) * hd, 0.0);
   std::vector<double> s(size_t(P + 1));
   for (int h = 0; h < a.n_head; ++h) {
     const float* qh = q.data() + t * a.q_stride + int64_t(h) * hd;
     const int64_t off = int64_t(h / group) * hd;
     double mx = -1e300;
-    for (int64_t p = 0; p <= P; ++p) {
+    for (int64_t p = F; p <= P; ++p) {
       double d = 0;
       for (int i = 0; i < hd; ++i) d += double(qh[i]) * k[p * a.kv_stride + off + i];
       s[p] = d * a.scale;
       mx = std::max(mx, s[p]);
     }
+    if (!sinks.empty()) mx = std::max(mx, double(sinks[size_t(h)]));
     double l = 0;
-    for (int64_t p = 0; p <= P; ++p) l += (s[p] = std::exp(s[p] - mx));
-    for (int64_t p = 0; p <= P; ++p)
+    for (int64_t p = F; p <= P; ++p) l += (s[p] = std::exp(s[p] - mx));
+    if (!sinks.empty()) l += std::exp(double(sinks[size_t(h)]) - mx);
+    for (int64_t p = F; p <= P; ++p)
       for (int i = 0; i < hd; ++i) out[size_t(h) * hd + i] += s[p] / l * v[p * a.kv_stride + off + i];
   }
 }
@@ -561,6 +568,129 @@ TEST(CudaKernels, AttentionMatchesReferenceAndDecodeEqualsPrefill) {
     for (size_t i = 0; i < oc.size(); ++i) mismatches += !bits_equal(oc[i], out[i]);
     EXPECT_EQ(mismatches, 0);
   }
+}
+
+// Sliding window and attention sinks (gpt-oss): against the double reference with the window's
+// first position and the sink logit, and bit-identical between decode, prefill in one chunk and
+// in chunks. Window 100 over positions 417..716 puts rows' first positions in segments 1 and 2
+// (the folds then start there), and window 300 makes some rows start in one segment and end two
+// later. Same tolerance as the plain attention test (fewer positions; the sink is one more term).
+TEST(CudaKernels, AttentionWindowAndSinksMatchReference) {
+  REQUIRE_CUDA_DEVICE();
+  std::mt19937 rng(10);
+  for (int64_t window : {int64_t(100), int64_t(300), int64_t(1)}) {
+    const int n_head = 8, n_head_kv = 2, head_dim = 64;
+    SCOPED_TRACE("window " + std::to_string(window));
+    const int64_t pos0 = 417, n_tok = 300, n_ctx = pos0 + n_tok;
+    cuda::AttentionArgs a;
+    a.n_head = n_head, a.n_head_kv = n_head_kv, a.head_dim = head_dim;
+    a.q_stride = a.out_stride = int64_t(n_head) * head_dim;
+    a.kv_stride = int64_t(n_head_kv) * head_dim;
+    a.scale = 1.0f / std::sqrt(float(head_dim));
+    a.window = window;
+    const auto q = random_floats(size_t(n_tok * a.q_stride), rng, -2, 2);
+    const auto k = random_floats(size_t(n_ctx * a.kv_stride), rng, -2, 2);
+    const auto v = random_floats(size_t(n_ctx * a.kv_stride), rng, -1, 1);
+    const auto sinks = random_floats(size_t(n_head), rng, -1, 3);  // gpt-oss's sinks are O(1) logits
+    auto dq = upload(q), dk = upload(k), dv = upload(v), ds = upload(sinks);
+    cuda::DeviceBuffer dout(size_t(n_tok * a.out_stride) * 4);
+    a.q = dq.as<float>(), a.k = dk.as<float>(), a.v = dv.as<float>(), a.out = dout.as<float>();
+    a.sinks = ds.as<float>();
+    a.n_tok = n_tok, a.pos0 = pos0;
+    cuda::attention(a);
+    const auto out = download<float>(dout, size_t(n_tok * a.out_stride));
+    double worst = 0, moved = 0;
+    std::vector<double> ref, ref_plain;
+    for (int64_t t : {int64_t(0), int64_t(1), int64_t(38), int64_t(39), int64_t(150), n_tok - 1}) {
+      attention_ref(a, q, k, v, t, ref, sinks);
+      cuda::AttentionArgs full = a;
+      full.window = 0;
+      attention_ref(full, q, k, v, t, ref_plain);  // what a kernel ignoring window and sinks would give
+      for (size_t i = 0; i < ref.size(); ++i) {
+        worst = std::max(worst, std::fabs(out[t * a.out_stride + i] - ref[i]));
+        moved = std::max(moved, std::fabs(ref_plain[i] - ref[i]));
+      }
+    }
+    std::printf("attention window %lld + sinks: max |err| %.3g (window and sinks move the output by up to %.3g)\n",
+                (long long)window, worst, moved);
+    EXPECT_LE(worst, 4e-6);
+    EXPECT_GT(moved, 1e-2);  // the check can fail: ignoring the window or the sinks is far outside 4e-6
+    int64_t mismatches = 0;
+    cuda::DeviceBuffer d1(size_t(a.out_stride) * 4);
+    for (int64_t t : {int64_t(0), int64_t(5), int64_t(39), int64_t(150), n_tok - 1}) {
+      cuda::AttentionArgs b = a;
+      b.q = a.q + t * a.q_stride, b.out = d1.as<float>(), b.n_tok = 1, b.pos0 = pos0 + t;
+      cuda::attention(b);
+      const auto o1 = download<float>(d1, size_t(a.out_stride));
+      for (int64_t i = 0; i < a.out_stride; ++i) mismatches += !bits_equal(o1[i], out[t * a.out_stride + i]);
+    }
+    cuda::DeviceBuffer dc(size_t(n_tok * a.out_stride) * 4);
+    for (int64_t c0 = 0; c0 < n_tok; c0 += 100) {
+      cuda::AttentionArgs b = a;
+      b.q = a.q + c0 * a.q_stride, b.out = dc.as<float>() + c0 * a.out_stride, b.n_tok = 100, b.pos0 = pos0 + c0;
+      cuda::attention(b);
+    }
+    const auto oc = download<float>(dc, size_t(n_tok * a.out_stride));
+    for (size_t i = 0; i < oc.size(); ++i) mismatches += !bits_equal(oc[i], out[i]);
+    EXPECT_EQ(mismatches, 0);
+  }
+}
+
+// RoPE in the NORM layout with YaRN's attention factor, and the NEOX layout with it: against
+// cpu::rope_apply (same double theta, cos/sin times the factor in double, rounded to float);
+// 2 ulp of the inputs as the NEOX test. The YaRN table itself is RopeSpec::yarn (test_yarn).
+TEST(CudaKernels, RopeNormAndYarnFactorMatchCpu) {
+  REQUIRE_CUDA_DEVICE();
+  std::mt19937 rng(7);
+  const int n_heads = 4, head_dim = 64, n_rot = 64;
+  const int64_t n_tok = 40, ld = n_heads * head_dim;
+  using Mode = strata::backend::RopeSpec::Mode;
+  for (Mode mode : {Mode::Norm, Mode::Neox}) {
+    const auto rope = strata::backend::RopeSpec::yarn(n_rot, 150000, mode, 32, 4096, 32, 1, true, 1.3465735902799727);
+    auto x = random_floats(size_t(n_tok * ld), rng, -2, 2);
+    std::vector<int32_t> pos(n_tok);
+    for (int64_t t = 0; t < n_tok; ++t) pos[t] = int32_t(rng() % 100000);
+    auto dx = upload(x);
+    auto dpos = upload(pos);
+    auto dfreq = upload(rope.inv_freq);
+    cuda::rope(dx.as<float>(), ld, n_tok, n_heads, head_dim, n_rot, dpos.as<int32_t>(), dfreq.as<double>(),
+               mode == Mode::Neox, rope.attn_factor);
+    const auto y = download<float>(dx, size_t(n_tok * ld));
+    double worst = 0, moved = 0;
+    for (int64_t t = 0; t < n_tok; ++t) {
+      std::vector<float> ref(x.begin() + t * ld, x.begin() + (t + 1) * ld);
+      cpu::rope_apply(rope, ref.data(), n_heads, head_dim, pos[t]);
+      for (int64_t i = 0; i < ld; ++i) {
+        worst = std::max(worst, std::fabs(double(y[t * ld + i]) - ref[i]));
+        moved = std::max(moved, std::fabs(double(x[t * ld + i]) - ref[i]));
+      }
+    }
+    std::printf("rope %s with attn_factor %.4f: max |err| %.3g\n", mode == Mode::Neox ? "neox" : "norm",
+                rope.attn_factor, worst);
+    EXPECT_LE(worst, 4 * 2.0 * 1.35 * 0x1p-24);
+    EXPECT_GT(moved, 0.1);
+  }
+}
+
+// gpt-oss's clamped SwiGLU against cpu::swiglu_oai on values around and beyond the clamp
+// (|g|, |u| up to 12 > limit 7): the same fp32 operations, CUDA's expf within 2 ulp, so a few
+// ulp of the result.
+TEST(CudaKernels, SwigluOaiMatchesCpu) {
+  REQUIRE_CUDA_DEVICE();
+  std::mt19937 rng(8);
+  const int64_t n = 100000;
+  const auto g = random_floats(size_t(n), rng, -12, 12), u = random_floats(size_t(n), rng, -12, 12);
+  auto dg = upload(g), du = upload(u);
+  cuda::DeviceBuffer dy(size_t(n) * 4);
+  cuda::swiglu_oai(dg.as<float>(), du.as<float>(), dy.as<float>(), n, 1.702f, 7.0f);
+  const auto y = download<float>(dy, size_t(n));
+  double worst = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double r = cpu::swiglu_oai(g[size_t(i)], u[size_t(i)], 1.702f, 7.0f);
+    worst = std::max(worst, std::fabs(y[size_t(i)] - r) / (std::fabs(r) + 1e-30));
+  }
+  std::printf("swiglu_oai: max rel err %.3g\n", worst);
+  EXPECT_LE(worst, 8 * 0x1p-24);
 }
 
 // The gated delta net block on the GPU (matmuls, conv, recurrence, gated RMSNorm, output

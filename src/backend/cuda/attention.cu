@@ -33,6 +33,24 @@ __device__ __forceinline__ void fold_segment(bool first, float& M, float& L, flo
   M = Mn;
 }
 
+/// The first position query row at position P sees: P + 1 - window (at least 0), or 0 without one.
+__device__ __forceinline__ int64_t first_pos(int64_t P, int64_t window) {
+  return window > 0 ? (P + 1 - window > 0 ? P + 1 - window : 0) : 0;
+}
+
+/// Folds head h's sink logit into the final state (M, L, O): M' = max(M, sink),
+/// L = L e^(M - M') + e^(sink - M'), O = O e^(M - M'). No-op without sinks.
+template <int DPL>
+__device__ __forceinline__ void fold_sink(const float* sinks, int h, float M, float& L, float O[DPL]) {
+  if (!sinks) return;
+  const float sk = sinks[h];
+  const float Mn = fmaxf(M, sk);
+  const float ca = expf(__fsub_rn(M, Mn)), cb = expf(__fsub_rn(sk, Mn));
+  L = __fadd_rn(__fmul_rn(L, ca), cb);
+#pragma unroll
+  for (int i = 0; i < DPL; ++i) O[i] = __fmul_rn(O[i], ca);
+}
+
 /// Block (kv head, 8 consecutive query rows R = t * group + head-in-group). DPL = head_dim / 32
 /// dimensions per lane for the output accumulators.
 /// seg < 0: the block walks every segment, folding each into its running state, and writes
@@ -55,7 +73,9 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   const bool valid = R < n_rows;
   const int64_t t = valid ? R / group : 0;
   const int h = kvh * group + int(R % group);
-  const int64_t P = a.pos0 + t;  // last position this row sees
+  const int64_t P = a.pos0 + t;              // last position this row sees
+  const int64_t F = first_pos(P, a.window);  // first position this row sees
+  const int64_t fs = F / kKvSeg;             // its segment: the folds start there
   const int64_t r_last = (R0 + kAttnWarps < n_rows ? R0 + kAttnWarps : n_rows) - 1;
   const int64_t p_max = a.pos0 + r_last / group;  // last position any row of the block sees
   float* q_sh = Qs + warp * HD;
@@ -69,11 +89,13 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   float m = -INFINITY, l = 0.0f;
   float M = -INFINITY, L = 0.0f, O[DPL];
   const int64_t kv_off = int64_t(kvh) * HD;
-  const int64_t kb0 = seg < 0 ? 0 : int64_t(seg) * kKvSeg;
+  // one pass: from the segment of the block's earliest first position (its first row's)
+  const int64_t kb0 = seg < 0 ? first_pos(a.pos0 + R0 / group, a.window) / kKvSeg * kKvSeg : int64_t(seg) * kKvSeg;
   const int64_t kb_end = seg < 0 ? p_max : min(p_max, kb0 + kKvSeg - 1);
   for (int64_t kb = kb0; kb <= kb_end; kb += kKvTile) {
-    if (seg < 0 && kb > 0 && kb % kKvSeg == 0 && valid && kb <= P) {
-      fold_segment<DPL>(kb == kKvSeg, M, L, O, m, l, o);
+    if (seg < 0 && kb > kb0 && kb % kKvSeg == 0 && valid && kb <= P) {
+      const int64_t ps = kb / kKvSeg - 1;  // the segment just finished
+      if (ps >= fs) fold_segment<DPL>(ps == fs, M, L, O, m, l, o);
       m = -INFINITY, l = 0.0f;
 #pragma unroll
       for (int i = 0; i < DPL; ++i) o[i] = 0.0f;
@@ -91,8 +113,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
       Vs[p * HD + d] = vv;
     }
     __syncthreads();
-    if (valid && kb <= P) {
-      const bool live = kb + lane <= P;
+    if (valid && kb <= P && kb + kKvTile - 1 >= F) {
+      const bool live = kb + lane <= P && kb + lane >= F;
       float s = -INFINITY;
       if (live) {
         const float* kr = Ks + lane * (HD + 1);
@@ -125,14 +147,15 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   }
   if (!valid) return;
   if (seg >= 0) {
-    if (kb0 > P) return;  // this row does not reach the segment; attention_combine skips it
+    if (kb0 > P || seg < fs) return;  // the row does not see this segment; attention_combine skips it
     float* pr = part + ((int64_t(kvh) * n_rows + R) * n_seg + seg) * (HD + 2);
     if (lane == 0) pr[0] = m, pr[1] = l;
 #pragma unroll
     for (int i = 0; i < DPL; ++i) pr[2 + lane + 32 * i] = o[i];
     return;
   }
-  fold_segment<DPL>(P < kKvSeg, M, L, O, m, l, o);
+  fold_segment<DPL>(P / kKvSeg == fs, M, L, O, m, l, o);
+  fold_sink<DPL>(a.sinks, h, M, L, O);
   float* orow = a.out + t * a.out_stride + int64_t(h) * HD;
 #pragma unroll
   for (int i = 0; i < DPL; ++i) orow[lane + 32 * i] = __fdiv_rn(O[i], L);
@@ -149,13 +172,15 @@ __global__ void attention_combine(AttentionArgs a, int group, const float* __res
   const int64_t t = R / group;
   const int h = int(blockIdx.y) * group + int(R % group);
   const int64_t P = a.pos0 + t;
+  const int64_t fs = first_pos(P, a.window) / kKvSeg;
   float M = -INFINITY, L = 0.0f, O[DPL], o[DPL];
-  for (int sg = 0; int64_t(sg) * kKvSeg <= P; ++sg) {
+  for (int64_t sg = fs; sg * kKvSeg <= P; ++sg) {
     const float* pr = part + ((int64_t(blockIdx.y) * a.n_tok * group + R) * n_seg + sg) * (HD + 2);
 #pragma unroll
     for (int i = 0; i < DPL; ++i) o[i] = pr[2 + lane + 32 * i];
-    fold_segment<DPL>(sg == 0, M, L, O, pr[0], pr[1], o);
+    fold_segment<DPL>(sg == fs, M, L, O, pr[0], pr[1], o);
   }
+  fold_sink<DPL>(a.sinks, h, M, L, O);
   float* orow = a.out + t * a.out_stride + int64_t(h) * HD;
 #pragma unroll
   for (int i = 0; i < DPL; ++i) orow[lane + 32 * i] = __fdiv_rn(O[i], L);
@@ -165,7 +190,8 @@ template <int DPL>
 void launch_attention(const AttentionArgs& a, int group, cudaStream_t st) {
   constexpr int HD = 32 * DPL;
   const size_t smem = sizeof(float) * (size_t(kKvTile) * (HD + 1) + size_t(kKvTile) * HD + size_t(kAttnWarps) * HD);
-  STRATA_CUDA_CHECK(cudaFuncSetAttribute(attention_kernel<DPL>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  STRATA_CUDA_CHECK(
+      cudaFuncSetAttribute(attention_kernel<DPL>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   const int64_t n_rows = a.n_tok * group;
   const int64_t gy = (n_rows + kAttnWarps - 1) / kAttnWarps;
   STRATA_CUDA_REQUIRE(gy <= 65535, "cuda::attention: n_tok * n_head / n_head_kv = " + std::to_string(n_rows) +
@@ -195,11 +221,13 @@ void launch_attention(const AttentionArgs& a, int group, cudaStream_t st) {
 }  // namespace
 
 void attention(const AttentionArgs& a, void* stream) {
-  STRATA_CUDA_REQUIRE(a.head_dim > 0 && a.head_dim % 32 == 0 && a.head_dim <= 256,
-                      "cuda::attention: head_dim=" + std::to_string(a.head_dim) + " must be a multiple of 32, <= 256");
+  STRATA_CUDA_REQUIRE(a.head_dim > 0 && a.head_dim % 32 == 0 && (a.head_dim <= 256 || a.head_dim == 576),
+                      "cuda::attention: head_dim=" + std::to_string(a.head_dim) +
+                          " must be a multiple of 32, <= 256, or 576 (MLA's absorbed head)");
   STRATA_CUDA_REQUIRE(a.n_head > 0 && a.n_head_kv > 0 && a.n_head % a.n_head_kv == 0,
                       "cuda::attention: n_head must be a positive multiple of n_head_kv");
   STRATA_CUDA_REQUIRE(a.n_tok > 0 && a.pos0 >= 0, "cuda::attention: n_tok must be > 0 and pos0 >= 0");
+  STRATA_CUDA_REQUIRE(a.window >= 0, "cuda::attention: window must be >= 0");
   STRATA_CUDA_REQUIRE(a.q_stride >= int64_t(a.n_head) * a.head_dim && a.out_stride >= int64_t(a.n_head) * a.head_dim &&
                           a.kv_stride >= int64_t(a.n_head_kv) * a.head_dim,
                       "cuda::attention: a stride is smaller than its row");
@@ -215,6 +243,7 @@ void attention(const AttentionArgs& a, void* stream) {
     case 6: launch_attention<6>(a, group, st); return;
     case 7: launch_attention<7>(a, group, st); return;
     case 8: launch_attention<8>(a, group, st); return;
+    case 18: launch_attention<18>(a, group, st); return;  // MLA's absorbed head: 512 latent + 64 rotary
     default: break;
   }
 }

@@ -13,6 +13,7 @@
 
 #include "backend/cuda/backend_kernels.h"
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/family_kernels.h"
 
 namespace strata::cuda {
 
@@ -466,19 +467,21 @@ void CudaBackend::attention(const backend::AttentionSpec& s, const backend::Atte
   if (pos0 + T > kv.k.rows())
     throw CudaError(
         fmt::format("strata::cuda: attention: positions up to {} do not fit the cache of {}", pos0 + T, kv.k.rows()));
-  if (s.window > 0 && pos0 + T > s.window)
-    throw CudaError("strata::cuda: attention: sliding-window attention is not implemented on the CUDA backend");
-  if (!w.bq.empty() || !w.bk.empty() || !w.bv.empty() || !w.bo.empty() || !w.sinks.empty())
-    throw CudaError(
-        "strata::cuda: attention: projection biases and attention sinks (glm4moe, gpt-oss) are not "
-        "implemented on the CUDA backend yet; use --backend cpu");
+  if (s.window < 0) throw CudaError(fmt::format("strata::cuda: attention: window {} is negative", s.window));
+  // Biases and sinks: F32 device vectors of the documented lengths (AttentionWeights).
+  auto check_vec = [](const Tensor& b, int64_t n, const char* what) {
+    if (b.empty()) return;
+    require_device(b, what);
+    if (b.type != GgmlType::F32 || b.numel() != n)
+      throw CudaError(fmt::format("strata::cuda: attention: {} must be F32 with {} values (has {} of type {})", what, n,
+                                  b.numel(), ggml_type_name(uint32_t(b.type))));
+  };
+  check_vec(w.bq, w.wq.rows(), "attn_q.bias");
+  check_vec(w.bk, kv_dim, "attn_k.bias");
+  check_vec(w.bv, kv_dim, "attn_v.bias");
+  check_vec(w.bo, out.cols(), "attn_output.bias");
+  check_vec(w.sinks, s.n_head, "attn_sinks");
   const backend::RopeSpec* rope = s.rope;
-  if (rope && rope->n_rot > 0 && rope->mode != backend::RopeSpec::Mode::Neox)
-    throw CudaError("strata::cuda: attention: only NEOX rotary embedding is implemented on the CUDA backend");
-  if (rope && rope->n_rot > 0 && rope->attn_factor != 1.0)
-    throw CudaError(
-        "strata::cuda: attention: YaRN's attention factor on cos/sin (rope.scaling.type = yarn) is not "
-        "implemented on the CUDA backend yet; use --backend cpu");
 
   Carve c{scratch(sz<float>(size_t(T * q_dim)) * (s.q_gate ? 4 : 2) + sz<int32_t>(size_t(T)))};
   float* q = c.take<float>(size_t(T * q_dim));
@@ -492,14 +495,18 @@ void CudaBackend::attention(const backend::AttentionSpec& s, const backend::Atte
     gate = c.take<float>(size_t(T * q_dim));
     cuda::matmul(w.wq.type, w.wq.data, w.wq.row_bytes(), w.wq.rows(), w.wq.cols(), h.f(), ldh, T, qg, 2 * q_dim,
                  stream());
+    if (!w.bq.empty()) add_bias(qg, 2 * q_dim, w.bq.f(), 2 * q_dim, T, stream());
     split_q_gate(qg, T, s.n_head, s.head_dim, q, gate, stream());
   } else {
     cuda::matmul(w.wq.type, w.wq.data, w.wq.row_bytes(), w.wq.rows(), w.wq.cols(), h.f(), ldh, T, q, q_dim, stream());
+    if (!w.bq.empty()) add_bias(q, q_dim, w.bq.f(), q_dim, T, stream());
   }
   float* kc = kv.k.f() + pos0 * kv_dim;
   float* vc = kv.v.f() + pos0 * kv_dim;
   cuda::matmul(w.wk.type, w.wk.data, w.wk.row_bytes(), w.wk.rows(), w.wk.cols(), h.f(), ldh, T, kc, kv_dim, stream());
   cuda::matmul(w.wv.type, w.wv.data, w.wv.row_bytes(), w.wv.rows(), w.wv.cols(), h.f(), ldh, T, vc, kv_dim, stream());
+  if (!w.bk.empty()) add_bias(kc, kv_dim, w.bk.f(), kv_dim, T, stream());
+  if (!w.bv.empty()) add_bias(vc, kv_dim, w.bv.f(), kv_dim, T, stream());
   // Per-head RMSNorm of q and k: rows of head_dim.
   if (!w.q_norm.empty())
     cuda::rms_norm(q, s.head_dim, w.q_norm.f(), q, s.head_dim, s.head_dim, T * s.n_head, s.rms_eps, stream());
@@ -510,8 +517,14 @@ void CudaBackend::attention(const backend::AttentionSpec& s, const backend::Atte
     for (int64_t t = 0; t < T; ++t) p[size_t(t)] = int32_t(pos0 + t);
     upload_async(pos, p.data(), p.size() * sizeof(int32_t));
     const double* inv = inv_freq(*rope);
-    rope_neox(q, q_dim, T, s.n_head, s.head_dim, rope->n_rot, pos, inv, stream());
-    rope_neox(kc, kv_dim, T, s.n_head_kv, s.head_dim, rope->n_rot, pos, inv, stream());
+    const bool neox = rope->mode == backend::RopeSpec::Mode::Neox;
+    if (neox && rope->attn_factor == 1.0) {
+      rope_neox(q, q_dim, T, s.n_head, s.head_dim, rope->n_rot, pos, inv, stream());
+      rope_neox(kc, kv_dim, T, s.n_head_kv, s.head_dim, rope->n_rot, pos, inv, stream());
+    } else {  // NORM layout and/or YaRN's attention factor on cos and sin
+      cuda::rope(q, q_dim, T, s.n_head, s.head_dim, rope->n_rot, pos, inv, neox, rope->attn_factor, stream());
+      cuda::rope(kc, kv_dim, T, s.n_head_kv, s.head_dim, rope->n_rot, pos, inv, neox, rope->attn_factor, stream());
+    }
   }
   AttentionArgs a;
   a.q = q, a.q_stride = q_dim;
@@ -520,10 +533,89 @@ void CudaBackend::attention(const backend::AttentionSpec& s, const backend::Atte
   a.n_tok = T, a.pos0 = pos0;
   a.n_head = s.n_head, a.n_head_kv = s.n_head_kv, a.head_dim = s.head_dim;
   a.scale = s.scale != 0 ? s.scale : 1.0f / std::sqrt(float(s.head_dim));
+  a.window = s.window;
+  a.sinks = w.sinks.empty() ? nullptr : w.sinks.f();
   cuda::attention(a, stream());
   if (s.q_gate) sigmoid_mul(att, gate, T * q_dim, stream());
   cuda::matmul(w.wo.type, w.wo.data, w.wo.row_bytes(), w.wo.rows(), w.wo.cols(), att, q_dim, T, out.f(), ld(out),
                stream());
+  if (!w.bo.empty()) add_bias(out.f(), ld(out), w.bo.f(), out.cols(), T, stream());
+}
+
+void CudaBackend::mla_attention(const backend::MlaSpec& s, const backend::MlaWeights& w, const Tensor& cache,
+                                int64_t pos0, const Tensor& h, const Tensor& out) {
+  flush_experts();
+  const int64_t T = h.rows();
+  if (T == 0) return;
+  const int64_t H = s.n_head, R = s.kv_lora_rank, P = s.n_rot, N = s.n_nope, Vd = s.v_dim, QL = s.q_lora_rank;
+  const int64_t qk = N + P, C = R + P;  // q/k dims per head; cache row (= absorbed query) dims
+  require_device(cache, "mla_attention: the latent cache");
+  if (cache.cols() != C || pos0 + T > cache.rows())
+    throw CudaError(
+        fmt::format("strata::cuda: mla_attention: the cache ({} x {}) does not hold {} dims for positions "
+                    "up to {}",
+                    cache.cols(), cache.rows(), C, pos0 + T));
+  if (!(C % 32 == 0 && (C <= 256 || C == 576)))
+    throw CudaError(
+        fmt::format("strata::cuda: mla_attention: kv_lora_rank + n_rot = {} is not a head size the CUDA "
+                    "attention kernel has (multiples of 32 up to 256, or 576); use --backend cpu",
+                    C));
+  if (!s.rope || s.rope->n_rot != P || P <= 0)
+    throw CudaError("strata::cuda: mla_attention: needs a RoPE of n_rot rotated dims");
+  const int64_t qrows = QL > 0 ? QL : 0;
+  Carve c{scratch(sz<float>(size_t(T * H * qk)) + sz<float>(size_t(T * qrows)) + 2 * sz<float>(size_t(T * H * C)) +
+                  sz<float>(size_t(T * H * Vd)) + sz<int32_t>(size_t(T)))};
+  float* q = c.take<float>(size_t(T * H * qk));
+  float* qa = c.take<float>(size_t(T * qrows));
+  float* qabs = c.take<float>(size_t(T * H * C));
+  float* att = c.take<float>(size_t(T * H * C));
+  float* o = c.take<float>(size_t(T * H * Vd));
+  int32_t* pos = c.take<int32_t>(size_t(T));
+  auto mm = [&](const Tensor& W, int64_t rows, const void* data, const float* x, int64_t ldx, float* y, int64_t ldy) {
+    cuda::matmul(W.type, data, W.row_bytes(), rows, W.cols(), x, ldx, T, y, ldy, stream());
+  };
+  // Queries [T][H][N + P].
+  if (QL > 0) {
+    mm(w.wq_a, w.wq_a.rows(), w.wq_a.data, h.f(), ld(h), qa, QL);
+    cuda::rms_norm(qa, QL, w.q_a_norm.f(), qa, QL, QL, T, s.rms_eps, stream());
+    mm(w.wq_b, w.wq_b.rows(), w.wq_b.data, qa, QL, q, H * qk);
+  } else {
+    mm(w.wq, w.wq.rows(), w.wq.data, h.f(), ld(h), q, H * qk);
+  }
+  // [c | kpe] straight into the cache rows pos0..; c normed, kpe rotated in place.
+  float* crow = cache.f() + pos0 * C;
+  mm(w.wkv_a, w.wkv_a.rows(), w.wkv_a.data, h.f(), ld(h), crow, C);
+  cuda::rms_norm(crow, C, w.kv_a_norm.f(), crow, C, R, T, s.rms_eps, stream());
+  std::vector<int32_t> p(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t) p[size_t(t)] = int32_t(pos0 + t);
+  upload_async(pos, p.data(), p.size() * sizeof(int32_t));
+  const double* inv = inv_freq(*s.rope);
+  const bool neox = s.rope->mode == backend::RopeSpec::Mode::Neox;
+  cuda::rope(crow + R, C, T, 1, int(P), int(P), pos, inv, neox, s.rope->attn_factor, stream());
+  // q_pe of every head (dims N.. of each head's qk), then copied after the absorbed q_nope.
+  cuda::rope(q + N, H * qk, T, int(H), int(qk), int(P), pos, inv, neox, s.rope->attn_factor, stream());
+  STRATA_CUDA_CHECK(cudaMemcpy2DAsync(qabs + R, size_t(C) * sizeof(float), q + N, size_t(qk) * sizeof(float),
+                                      size_t(P) * sizeof(float), size_t(T * H), cudaMemcpyDeviceToDevice,
+                                      ctx_->stream));
+  // qabs[t][h][:R] = k_b[h] q_nope[t][h]: k_b[h] has R rows of N columns.
+  const size_t kb_head_bytes = size_t(R) * w.wk_b.row_bytes(), vb_head_bytes = size_t(Vd) * w.wv_b.row_bytes();
+  for (int64_t hh = 0; hh < H; ++hh)
+    mm(w.wk_b, R, static_cast<const uint8_t*>(w.wk_b.data) + size_t(hh) * kb_head_bytes, q + hh * qk, H * qk,
+       qabs + hh * C, H * C);
+  // All heads over the one shared latent head (keys and values: the cache rows).
+  AttentionArgs a;
+  a.q = qabs, a.q_stride = H * C;
+  a.k = cache.f(), a.v = cache.f(), a.kv_stride = C;
+  a.out = att, a.out_stride = H * C;
+  a.n_tok = T, a.pos0 = pos0;
+  a.n_head = int(H), a.n_head_kv = 1, a.head_dim = int(C);
+  a.scale = s.scale != 0 ? s.scale : 1.0f / std::sqrt(float(qk));
+  cuda::attention(a, stream());
+  // o[h] = v_b[h] ctx[h] (ctx: the first R dims of each head's output), then attn_output.
+  for (int64_t hh = 0; hh < H; ++hh)
+    mm(w.wv_b, Vd, static_cast<const uint8_t*>(w.wv_b.data) + size_t(hh) * vb_head_bytes, att + hh * C, H * C,
+       o + hh * Vd, H * Vd);
+  mm(w.wo, w.wo.rows(), w.wo.data, o, H * Vd, out.f(), ld(out));
 }
 
 void CudaBackend::gated_delta_net(const backend::GdnSpec& s, const backend::GdnWeights& w,
@@ -531,10 +623,9 @@ void CudaBackend::gated_delta_net(const backend::GdnSpec& s, const backend::GdnW
   flush_experts();
   const int64_t T = h.rows();
   if (T == 0) return;
-  if (s.v_head_order != backend::GdnSpec::VHeadOrder::Grouped || w.wba.empty())
-    throw CudaError(
-        "strata::cuda: gated delta net: the qwen35moe layout (separate ssm_alpha/ssm_beta, tiled value "
-        "heads) is not implemented on the CUDA backend yet; use --backend cpu");
+  const bool separate_ba = w.wba.empty();  // qwen35moe: ssm_beta and ssm_alpha
+  if (separate_ba && (w.wbeta.empty() || w.walpha.empty()))
+    throw CudaError("strata::cuda: gated delta net: neither ssm_ba nor both ssm_beta and ssm_alpha are given");
   const int64_t C = s.conv_dim(), VD = s.value_dim(), nv = s.n_v_head;
   Carve c{scratch(2 * sz<float>(size_t(T * C)) + 2 * sz<float>(size_t(T * VD)) + sz<float>(size_t(T * 2 * nv)))};
   float* x = c.take<float>(size_t(T * C));
@@ -548,10 +639,15 @@ void CudaBackend::gated_delta_net(const backend::GdnSpec& s, const backend::GdnW
   };
   mm(w.wqkv, h.f(), ldh, x, C);
   mm(w.wz, h.f(), ldh, z, VD);
-  mm(w.wba, h.f(), ldh, ba, 2 * nv);
+  if (!separate_ba) {
+    mm(w.wba, h.f(), ldh, ba, 2 * nv);
+  } else {  // per token [b (nv) | a (nv)]
+    mm(w.wbeta, h.f(), ldh, ba, 2 * nv);
+    mm(w.walpha, h.f(), ldh, ba + nv, 2 * nv);
+  }
   gdn_conv(x, C, T, w.conv.f(), s.conv_kernel, state.conv.f(), xc, stream());
   gdn_recurrent(xc, C, T, ba, w.dt_bias.f(), w.a.f(), s.n_k_head, s.n_v_head, s.head_k_dim, s.head_v_dim, state.ssm.f(),
-                o, stream());
+                o, stream(), separate_ba, s.v_head_order == backend::GdnSpec::VHeadOrder::Tiled);
   // Gated RMSNorm per value head: (rmsnorm(o) * ssm_norm) * silu(z).
   cuda::rms_norm(o, s.head_v_dim, w.norm.f(), o, s.head_v_dim, s.head_v_dim, T * nv, s.rms_eps, stream());
   swiglu(z, o, o, T * VD, stream());
@@ -570,13 +666,32 @@ void CudaBackend::swiglu_ffn(const backend::FfnWeights& w, const float* h, int64
   cuda::matmul(w.down.type, w.down.data, w.down.row_bytes(), w.down.rows(), w.down.cols(), g, F, T, out, ldo, stream());
 }
 
-// The activations and biases the CUDA FFN kernels implement: SwiGLU without biases.
+// The dense FFN: SwiGLU without biases (as the CPU backend's ffn; the biased, clamped form is
+// gpt-oss's routed experts only, see expert_ffn).
 static void check_ffn(const backend::FfnSpec& spec, const backend::FfnWeights& w, const char* what) {
   if (spec.act != backend::FfnSpec::Act::SwiGLU || !w.gate_b.empty() || !w.up_b.empty() || !w.down_b.empty())
     throw CudaError(
-        fmt::format("strata::cuda: {}: only SwiGLU without biases is implemented on the CUDA backend "
-                    "(gpt-oss needs the clamped SwiGLU and expert biases); use --backend cpu",
+        fmt::format("strata::cuda: {}: the dense FFN supports SwiGLU without biases only (as the CPU backend; "
+                    "biases and the clamped SwiGLU are for routed experts)",
                     what));
+}
+
+// True when a routed expert needs the general path: gpt-oss's clamped SwiGLU or expert biases.
+// Checks the biases' shapes (F32 device vectors of n_ff / n_embd values).
+static bool general_expert(const backend::FfnSpec& spec, const backend::FfnWeights& w) {
+  if (spec.act != backend::FfnSpec::Act::SwiGLU && spec.act != backend::FfnSpec::Act::SwiGluOai)
+    throw CudaError("strata::cuda: expert_ffn: unknown activation");
+  auto check = [](const Tensor& b, int64_t n, const char* what) {
+    if (b.empty()) return;
+    require_device(b, what);
+    if (b.type != GgmlType::F32 || b.numel() != n)
+      throw CudaError(
+          fmt::format("strata::cuda: expert_ffn: {} must be F32 with {} values (has {})", what, n, b.numel()));
+  };
+  check(w.gate_b, w.gate.rows(), "ffn_gate_exps.bias row");
+  check(w.up_b, w.up.rows(), "ffn_up_exps.bias row");
+  check(w.down_b, w.down.rows(), "ffn_down_exps.bias row");
+  return spec.act != backend::FfnSpec::Act::SwiGLU || !w.gate_b.empty() || !w.up_b.empty() || !w.down_b.empty();
 }
 
 void CudaBackend::ffn(const backend::FfnCall& call, const backend::FfnWeights& w, const Tensor& h, const Tensor& out) {
@@ -585,10 +700,14 @@ void CudaBackend::ffn(const backend::FfnCall& call, const backend::FfnWeights& w
   if (T == 0) return;
   check_ffn(call.spec, w, "ffn");
   if (call.scalar_gate.empty()) {
-    if (call.accumulate)
-      throw CudaError(
-          "strata::cuda: ffn: an ungated shared expert (glm4moe, deepseek2) is not implemented on the "
-          "CUDA backend yet; use --backend cpu");
+    if (call.accumulate) {  // out += ffn(h): the ungated shared experts (glm4moe, deepseek2)
+      const size_t ff = 2 * sz<float>(size_t(T * F));
+      char* base = scratch(ff + sz<float>(size_t(T * E)));
+      float* y = Carve{base + ff}.take<float>(size_t(T * E));
+      swiglu_ffn(w, h.f(), ld(h), T, y, E, base);
+      add_rows(out.f(), ld(out), y, E, E, T, stream());
+      return;
+    }
     swiglu_ffn(w, h.f(), ld(h), T, out.f(), ld(out), scratch(2 * sz<float>(size_t(T * F))));
     return;
   }
@@ -618,10 +737,36 @@ void CudaBackend::router_logits(const Tensor& w, const Tensor& h, std::vector<fl
 
 void CudaBackend::expert_ffn(const backend::FfnSpec& spec, const backend::ExpertJob& job, int top_k, const Tensor& h,
                              const Tensor& expert_out) {
-  check_ffn(spec, job.w, "expert_ffn");
   const int64_t n = int64_t(job.pairs.size()), E = h.cols(), F = job.w.gate.rows();
   if (n == 0) return;
   const backend::FfnWeights& w = job.w;
+  if (general_expert(spec, w)) {
+    // gpt-oss: biases after each projection, the clamped SwiGLU. One expert at a time (the
+    // grouped launch fuses plain SwiGLU only); matmul's arithmetic per (row, token) is the same
+    // for any number of tokens, so this is as batch-invariant as the grouped path.
+    flush_experts();
+    const size_t head = sz<int64_t>(size_t(n)) + 2 * sz<float>(size_t(n * E));
+    Carve c{scratch(head + 2 * sz<float>(size_t(n * F)))};
+    int64_t* pairs = c.take<int64_t>(size_t(n));
+    float* xg = c.take<float>(size_t(n * E));
+    float* y = c.take<float>(size_t(n * E));
+    float* g = c.take<float>(size_t(n * F));
+    float* u = c.take<float>(size_t(n * F));
+    upload_async(pairs, job.pairs.data(), size_t(n) * sizeof(int64_t));
+    gather_rows(h.f(), ld(h), pairs, top_k, n, xg, E, E, stream());
+    cuda::matmul(w.gate.type, w.gate.data, w.gate.row_bytes(), F, w.gate.cols(), xg, E, n, g, F, stream());
+    cuda::matmul(w.up.type, w.up.data, w.up.row_bytes(), w.up.rows(), w.up.cols(), xg, E, n, u, F, stream());
+    if (!w.gate_b.empty()) add_bias(g, F, w.gate_b.f(), F, n, stream());
+    if (!w.up_b.empty()) add_bias(u, F, w.up_b.f(), F, n, stream());
+    if (spec.act == backend::FfnSpec::Act::SwiGluOai)
+      swiglu_oai(g, u, g, n * F, spec.alpha, spec.limit, stream());
+    else
+      swiglu(g, u, g, n * F, stream());
+    cuda::matmul(w.down.type, w.down.data, w.down.row_bytes(), w.down.rows(), w.down.cols(), g, F, n, y, E, stream());
+    if (!w.down_b.empty()) add_bias(y, E, w.down_b.f(), E, n, stream());
+    scatter_rows(y, E, pairs, n, expert_out.f(), ld(expert_out), E, stream());
+    return;
+  }
   const bool groupable = w.gate.type == w.up.type && w.gate.row_bytes() == w.up.row_bytes() && w.up.rows() == F &&
                          w.down.rows() == E && w.down.cols() == F && w.gate.cols() == E && has_mma(w.gate.type, E) &&
                          has_mma(w.down.type, F);

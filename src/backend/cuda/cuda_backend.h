@@ -75,6 +75,13 @@ class CudaBackend final : public backend::Backend {
   void matmul(const backend::Tensor& W, const backend::Tensor& x, const backend::Tensor& y) override;
   void attention(const backend::AttentionSpec& spec, const backend::AttentionWeights& w, const backend::KvCache& kv,
                  int64_t pos0, const backend::Tensor& h, const backend::Tensor& out) override;
+  /// MLA in the absorbed form over the latent cache (backend::MlaSpec), as the CPU backend's
+  /// mla_attention_block: the same projections, norms, rotations and per-head k_b / v_b products,
+  /// attention of all heads over the one shared latent "KV head" of kv_lora_rank + n_rot dims.
+  /// Requires kv_lora_rank + n_rot = 576 (DeepSeek V2/V3, Kimi K2) or a multiple of 32 up to 256
+  /// (cuda::attention's head sizes); CudaError otherwise.
+  void mla_attention(const backend::MlaSpec& spec, const backend::MlaWeights& w, const backend::Tensor& cache,
+                     int64_t pos0, const backend::Tensor& h, const backend::Tensor& out) override;
   void gated_delta_net(const backend::GdnSpec& spec, const backend::GdnWeights& w, const backend::RecurrentState& state,
                        const backend::Tensor& h, const backend::Tensor& out) override;
   void ffn(const backend::FfnCall& call, const backend::FfnWeights& w, const backend::Tensor& h,

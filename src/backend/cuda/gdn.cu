@@ -44,15 +44,16 @@ __device__ double block_sum_d(double v, double* sh) {
 /// Block per value head j; the head's state S [dk][dv] lives in shared memory for all T tokens.
 __global__ void gdn_recurrent_kernel(const float* __restrict__ xc, int64_t C, int64_t T, const float* __restrict__ ba,
                                      const float* __restrict__ dt_bias, const float* __restrict__ A, int n_k_head,
-                                     int n_v_head, int dk, int dv, float* __restrict__ state, float* __restrict__ o) {
+                                     int n_v_head, int dk, int dv, float* __restrict__ state, float* __restrict__ o,
+                                     bool separate_ba, bool tiled_heads) {
   extern __shared__ double sm_d[];
-  double* red = sm_d;                               // [32] warp sums
-  float* S = reinterpret_cast<float*>(sm_d + 32);   // [dk][dv]
-  float* sq = S + dk * dv;                          // [dk]
-  float* sk = sq + dk;                              // [dk]
+  double* red = sm_d;                              // [32] warp sums
+  float* S = reinterpret_cast<float*>(sm_d + 32);  // [dk][dv]
+  float* sq = S + dk * dv;                         // [dk]
+  float* sk = sq + dk;                             // [dk]
   const int j = int(blockIdx.x);
   const int tid = int(threadIdx.x);
-  const int r = n_v_head / n_k_head, hk = j / r, g = j / r, gi = j % r;
+  const int r = n_v_head / n_k_head, hk = tiled_heads ? j % n_k_head : j / r, g = j / r, gi = j % r;
   const int64_t key_dim = int64_t(n_k_head) * dk, value_dim = int64_t(n_v_head) * dv;
   float* Sg = state + int64_t(j) * dk * dv;
   for (int i = tid; i < dk * dv; i += blockDim.x) S[i] = Sg[i];
@@ -71,7 +72,8 @@ __global__ void gdn_recurrent_kernel(const float* __restrict__ xc, int64_t C, in
       sk[tid] = __fmul_rn(kv, invk);
     }
     const float* bat = ba + t * 2 * n_v_head;
-    const float b = bat[g * 2 * r + gi], av = bat[g * 2 * r + r + gi];
+    const float b = separate_ba ? bat[j] : bat[g * 2 * r + gi];
+    const float av = separate_ba ? bat[n_v_head + j] : bat[g * 2 * r + r + gi];
     const float beta = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-b)));
     const float xs = __fadd_rn(av, dtb);
     const float sp = xs > 20.0f ? xs : float(log1p(exp(double(xs))));
@@ -109,7 +111,8 @@ void gdn_conv(const float* x, int64_t C, int64_t T, const float* w, int K, float
 }
 
 void gdn_recurrent(const float* xc, int64_t C, int64_t T, const float* ba, const float* dt_bias, const float* A,
-                   int n_k_head, int n_v_head, int dk, int dv, float* state, float* o, void* stream) {
+                   int n_k_head, int n_v_head, int dk, int dv, float* state, float* o, void* stream, bool separate_ba,
+                   bool tiled_heads) {
   STRATA_CUDA_REQUIRE(n_k_head > 0 && n_v_head > 0 && n_v_head % n_k_head == 0,
                       "cuda::gdn_recurrent: n_v_head must be a positive multiple of n_k_head");
   STRATA_CUDA_REQUIRE(dk > 0 && dv > 0 && dk <= 1024 && dv <= 1024, "cuda::gdn_recurrent: dk, dv must be in [1, 1024]");
@@ -125,7 +128,7 @@ void gdn_recurrent(const float* xc, int64_t C, int64_t T, const float* ba, const
                                                     std::to_string(max_smem) + ")");
   STRATA_CUDA_CHECK(cudaFuncSetAttribute(gdn_recurrent_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   gdn_recurrent_kernel<<<unsigned(n_v_head), threads, smem, static_cast<cudaStream_t>(stream)>>>(
-      xc, C, T, ba, dt_bias, A, n_k_head, n_v_head, dk, dv, state, o);
+      xc, C, T, ba, dt_bias, A, n_k_head, n_v_head, dk, dv, state, o, separate_ba, tiled_heads);
   STRATA_CUDA_CHECK_LAUNCH();
 }
 

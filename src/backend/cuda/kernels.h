@@ -215,8 +215,15 @@ struct AttentionArgs {
   int64_t n_tok = 0;              ///< query t is at position pos0 + t and sees cache positions [0, pos0 + t]
   int64_t pos0 = 0;               ///< (the cache must already hold positions up to pos0 + n_tok - 1)
   int n_head = 0, n_head_kv = 0;  ///< query head h reads KV head h / (n_head / n_head_kv)
-  int head_dim = 0;               ///< a multiple of 32, at most 256
+  int head_dim = 0;               ///< a multiple of 32, at most 256; or 576 (MLA: 512 latent + 64 rotary)
   float scale = 0;                ///< usually 1/sqrt(head_dim)
+  /// > 0: query t sees only the last `window` positions, [max(0, pos0 + t + 1 - window), pos0 + t]
+  /// (sliding-window layers, gpt-oss); 0 = all of [0, pos0 + t].
+  int64_t window = 0;
+  /// device, [n_head] or null: one extra logit per query head (same units as the scaled scores)
+  /// joining the softmax's max and denominator without a value row (gpt-oss attention sinks):
+  /// out = sum_p e^(s_p - M) v_p / (sum_p e^(s_p - M) + e^(sink_h - M)).
+  const float* sinks = nullptr;
 };
 
 /// Flash-attention style: blocks of one KV head and up to 8 query rows (token, head of the
@@ -229,7 +236,11 @@ struct AttentionArgs {
 /// O likewise); out = O / L. With few blocks (decode) the segments run in parallel and a second
 /// kernel folds them; otherwise one pass folds as it goes: the same operations either way. So
 /// decode (n_tok = 1) and prefill give the same bits for the same position, whatever the chunk.
-/// Errors: bad shapes (head_dim, divisibility, n_tok <= 0) throw CudaError.
+/// A window (AttentionArgs::window) masks the positions before a row's first one: tiles wholly
+/// before it are skipped and the folds start at the segment that holds it, so a row's arithmetic
+/// is still fixed by its position alone. A sink joins after the last fold: M' = max(M, sink),
+/// L' = L e^(M-M') + e^(sink-M'), O' = O e^(M-M').
+/// Errors: bad shapes (head_dim, divisibility, n_tok <= 0, window < 0) throw CudaError.
 void attention(const AttentionArgs& a, void* stream = nullptr);
 
 // ---------------------------------------------------------------------------------------------
@@ -252,8 +263,12 @@ void gdn_conv(const float* x, int64_t C, int64_t T, const float* w, int K, float
 /// row i = dk index) with the same fp32 operations in the same order (no contraction),
 /// o[t][j*dv + :] = S^T q. xc: device [C, T]; ba: device [2*n_v, T]; dt_bias, A: device [n_v];
 /// state: device [dv, dk, n_v], advanced in place; o: device [n_v*dv, T].
+/// separate_ba (qwen35moe's ssm_beta / ssm_alpha): ba per token is [b (n_v), a (n_v)], value
+/// head j reading b at j and a at n_v + j. tiled_heads (backend::GdnSpec::VHeadOrder::Tiled,
+/// llama.cpp's Qwen3.5 value-head order): value head j reads key head j % n_k instead of j / r.
 /// Limits: dk, dv <= 1024; state of one head (dk*dv floats) must fit in shared memory.
 void gdn_recurrent(const float* xc, int64_t C, int64_t T, const float* ba, const float* dt_bias, const float* A,
-                   int n_k_head, int n_v_head, int dk, int dv, float* state, float* o, void* stream = nullptr);
+                   int n_k_head, int n_v_head, int dk, int dv, float* state, float* o, void* stream = nullptr,
+                   bool separate_ba = false, bool tiled_heads = false);
 
 }  // namespace strata::cuda
