@@ -99,7 +99,8 @@ void add_routed_ffn_tensors(std::vector<TensorSpec>& t, const ModelHParams& hp, 
                           {b("ffn_down_exps.weight"), {F, E, X}, R::Expert, I::Weight},
                           {b("ffn_gate_exps.weight"), {E, F, X}, R::Expert, I::Weight},
                           {b("ffn_up_exps.weight"), {E, F, X}, R::Expert, I::Weight},
-                          {b("exp_probs_b.bias"), {X}, R::Vector, I::Norm, {}, opt},
+                          // synth: small like router weights (a norm-like ~1 bias would pick the experts alone)
+                          {b("exp_probs_b.bias"), {X}, R::Vector, I::Router, {}, opt},
                           {b("ffn_gate_inp.weight"), {E, X}, R::Matrix, I::Router},
                       });
     if (hp.n_expert_shared > 0)
