@@ -21,10 +21,12 @@ const std::string kCallsBegin = "<｜tool▁calls▁begin｜>", kCallsEnd = "<�
 struct Expect {
   std::string content;
   std::vector<std::pair<std::string, nlohmann::json>> calls;  // name, arguments
+  std::string reasoning = "";
 };
 
 void expect_delta(const Delta& d, const Expect& e, const std::string& what) {
   EXPECT_EQ(d.content, e.content) << what;
+  EXPECT_EQ(d.reasoning, e.reasoning) << what;
   ASSERT_EQ(d.calls.size(), e.calls.size()) << what;
   for (size_t k = 0; k < d.calls.size(); ++k) {
     EXPECT_EQ(d.calls[k].name, e.calls[k].first) << what;
@@ -36,6 +38,7 @@ Delta merged(StreamParser& p, const std::vector<std::string>& pieces) {
   Delta all;
   auto add = [&](Delta d) {
     all.content += d.content;
+    all.reasoning += d.reasoning;
     for (auto& c : d.calls) all.calls.push_back(c);
   };
   for (auto& s : pieces) add(p.push(s));
@@ -44,15 +47,15 @@ Delta merged(StreamParser& p, const std::vector<std::string>& pieces) {
 }
 
 // The whole parse equals `e`, and so does every two-piece split and the byte-by-byte stream.
-void check(Format f, const std::string& text, const Expect& e) {
-  expect_delta(parse(f, text), e, "whole: " + text);
+void check(Format f, const std::string& text, const Expect& e, bool calls = true) {
+  expect_delta(parse(f, text, calls), e, "whole: " + text);
   for (size_t cut = 0; cut <= text.size(); ++cut) {
-    StreamParser p(f);
+    StreamParser p(f, calls);
     expect_delta(merged(p, {text.substr(0, cut), text.substr(cut)}), e, "cut at " + std::to_string(cut));
   }
   std::vector<std::string> bytes;
   for (char c : text) bytes.emplace_back(1, c);
-  StreamParser p(f);
+  StreamParser p(f, calls);
   expect_delta(merged(p, bytes), e, "byte by byte: " + text);
 }
 
@@ -110,14 +113,50 @@ TEST(ToolCalls, Harmony) {
   check(Format::Harmony,
         "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary "
         "to=functions.get_weather <|constrain|>json<|message|>{\"location\":\"Tokyo\"}",
-        {"<|channel|>analysis<|message|>Need weather.<|end|>", {{"get_weather", J(R"({"location": "Tokyo"})")}}});
+        {"", {{"get_weather", J(R"({"location": "Tokyo"})")}}, "Need weather."});
   // The template's own form (recipient before the channel), with <|call|>.
   check(Format::Harmony,
         "<|start|>assistant to=functions.lookup<|channel|>commentary json<|message|>{\"id\": 3}<|call|>",
         {"", {{"lookup", J(R"({"id": 3})")}}});
-  // A final answer is text.
-  const std::string fin = "<|channel|>final<|message|>It is sunny.";
-  check(Format::Harmony, fin, {fin, {}});
+  // A final answer is content, without its header.
+  check(Format::Harmony, "<|channel|>final<|message|>It is sunny.", {"It is sunny.", {}});
+}
+
+// gpt-oss's non-call channels: analysis is reasoning_content, final (and commentary without a
+// recipient, a preamble for the user) is content; headers and <|end|> are dropped; anything
+// else that looks like markup is content byte for byte. With and without tools.
+TEST(ToolCalls, HarmonyChannels) {
+  for (bool calls : {true, false}) {
+    const std::string what = calls ? " (tools)" : " (no tools)";
+    SCOPED_TRACE(what);
+    // The usual answer: analysis, then the final message after <|start|>assistant.
+    check(Format::Harmony,
+          "<|channel|>analysis<|message|>User wants 2+2. Easy.<|end|><|start|>assistant<|channel|>final"
+          "<|message|>2 + 2 = 4.",
+          {"2 + 2 = 4.", {}, "User wants 2+2. Easy."}, calls);
+    // A preamble on commentary, then the final answer; reasoning keeps its whitespace.
+    check(Format::Harmony,
+          "<|channel|>analysis<|message|> a\n b \n<|end|><|start|>assistant<|channel|>commentary<|message|>Let me "
+          "see.<|end|><|start|>assistant<|channel|>final<|message|>Done.",
+          {"Let me see.Done.", {}, " a\n b \n"}, calls);
+    // Cut off inside the analysis (max_tokens): all of it is reasoning, no content.
+    check(Format::Harmony, "<|channel|>analysis<|message|>Thinking about <|", {"", {}, "Thinking about <|"}, calls);
+    // Hostile or malformed headers stay content, byte for byte, and route nothing to reasoning.
+    for (const std::string bad :
+         {"<|channel|>secret<|message|>x", "<|channel|>analysis extra<|message|>x", "<|start|>user<|message|>hi",
+          "<|start|>system<|channel|>analysis<|message|>x", "<|start|>assistant<|message|>no channel",
+          "<|channel|>analysis", "<|channel|>Analysis<|message|>x", "<|message|>analysis text", "<|channel|>"}) {
+      check(Format::Harmony, bad, {bad, {}}, calls);
+    }
+    // Text before any header is content; a header inside the final text switches channels.
+    check(Format::Harmony, "hello <|channel|>final<|message|>a<|channel|>analysis<|message|>b<|end|>c",
+          {"hello ac", {}, "b"}, calls);
+    // A call without tools is text (after the reasoning).
+    if (!calls) {
+      const std::string call = "<|start|>assistant<|channel|>commentary to=functions.f json<|message|>{}";
+      check(Format::Harmony, "<|channel|>analysis<|message|>r<|end|>" + call, {call, {}, "r"}, false);
+    }
+  }
 }
 
 TEST(ToolCalls, DeepSeek) {

@@ -279,8 +279,11 @@ ParsedRequest parse_chat_request(const Json& b, const ModelContext& m) {
     if (tools_on && !tools->empty()) {
       extra["tools"] = *tools;
       p.tool_format = m.tool_format;
+      p.tool_calls = true;
     }
   }
+  // Harmony's channels (analysis = reasoning_content) are parsed with or without tools.
+  if (m.tool_format == tools::Format::Harmony) p.tool_format = tools::Format::Harmony;
   try {
     p.gen.prompt = m.encode_chat(messages, extra);
   } catch (const chat::RenderError& e) {
@@ -428,7 +431,7 @@ Json tool_calls_json(const std::vector<tools::ToolCall>& calls, size_t first_ind
 
 Json completion_json(const ResponseMeta& meta, const std::vector<Event>& events, const std::string& finish_reason,
                      int prompt_tokens, int completion_tokens, bool logprobs, const TokenBytes& bytes,
-                     tools::Format tool_format) {
+                     tools::Format tool_format, bool tool_calls) {
   const bool chat = meta.endpoint == Endpoint::Chat;
   std::string text;
   for (auto& e : events) text += e.text;
@@ -437,9 +440,11 @@ Json completion_json(const ResponseMeta& meta, const std::vector<Event>& events,
   if (chat) {
     choice["message"] = {{"role", "assistant"}, {"content", text}};
     if (tool_format != tools::Format::None) {
-      tools::Delta d = tools::parse(tool_format, text);
+      tools::Delta d = tools::parse(tool_format, text, tool_calls);
+      if (!d.calls.empty() || !d.reasoning.empty())
+        choice["message"]["content"] = d.content.empty() && !d.calls.empty() ? Json(nullptr) : Json(d.content);
+      if (!d.reasoning.empty()) choice["message"]["reasoning_content"] = d.reasoning;
       if (!d.calls.empty()) {
-        choice["message"]["content"] = d.content.empty() ? Json(nullptr) : Json(d.content);
         choice["message"]["tool_calls"] = tool_calls_json(d.calls, 0, false);
         if (finish == "stop") finish = "tool_calls";
       }
@@ -507,6 +512,7 @@ Json event_chunk_json(const ResponseMeta& meta, const Event& e, size_t offset, b
 Json tool_delta_chunk_json(const ResponseMeta& meta, const tools::Delta& d, size_t first_index, Json logprobs) {
   Json delta = Json::object();
   if (!d.content.empty()) delta["content"] = d.content;
+  if (!d.reasoning.empty()) delta["reasoning_content"] = d.reasoning;
   if (!d.calls.empty()) delta["tool_calls"] = tool_calls_json(d.calls, first_index, true);
   return chunk_json(meta,
                     {{"index", 0}, {"delta", delta}, {"logprobs", std::move(logprobs)}, {"finish_reason", nullptr}});

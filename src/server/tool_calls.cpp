@@ -128,11 +128,13 @@ std::optional<ToolCall> parse_glm_call(std::string_view body) {
   return c;
 }
 
-// What a block of text that starts with an opener is.
+// What a block of text that starts with an opener is. Markup: a harmony message header or
+// <|end|>, dropped; `channel` says where the text after it goes.
 struct Block {
-  enum Kind { Incomplete, Calls, Text } kind = Incomplete;
-  size_t len = 0;  // bytes of the buffer it covers (Calls, Text)
+  enum Kind { Incomplete, Calls, Text, Markup } kind = Incomplete;
+  size_t len = 0;  // bytes of the buffer it covers (Calls, Text, Markup)
   std::vector<ToolCall> calls;
+  bool reasoning = false;  // Markup: the text after it is reasoning (harmony's analysis channel)
 };
 
 Block calls_or_text(std::optional<ToolCall> c, size_t len) {
@@ -220,10 +222,19 @@ Block deepseek_block(std::string_view s, bool at_end) {
   return out;
 }
 
-// A harmony message from <|channel|> or <|start|>: a call when its header names
-// to=functions.NAME, else its header is text.
-Block harmony_block(std::string_view s, bool at_end) {
-  constexpr std::string_view msg = "<|message|>", call = "<|call|>", to = "to=functions.";
+// A harmony message from <|channel|> or <|start|> (or its <|end|>). A header naming
+// to=functions.NAME starts a call (when `calls`); `<|channel|>C<|message|>` and
+// `<|start|>assistant<|channel|>C<|message|>` with C analysis, commentary or final are markup
+// (analysis: the text after it is reasoning); any other header is text, byte for byte.
+Block harmony_block(std::string_view s, bool at_end, bool calls) {
+  constexpr std::string_view msg = "<|message|>", call = "<|call|>", to = "to=functions.", end = "<|end|>",
+                             start = "<|start|>", chan = "<|channel|>";
+  if (s.substr(0, end.size()) == end) {
+    Block b;
+    b.kind = Block::Markup;
+    b.len = end.size();
+    return b;
+  }
   const size_t m = s.find(msg);
   if (m == std::string_view::npos) {
     if (!at_end) return {};
@@ -231,7 +242,24 @@ Block harmony_block(std::string_view s, bool at_end) {
   }
   const std::string_view header = s.substr(0, m);
   const size_t r = header.find(to);
-  if (r == std::string_view::npos) return calls_or_text(std::nullopt, m + msg.size());
+  if (r == std::string_view::npos) {
+    // A non-call message: its channel decides where its text goes.
+    std::string_view h = header;
+    if (h.substr(0, start.size()) == start) {
+      h.remove_prefix(start.size());
+      if (h.substr(0, 9) != "assistant") return calls_or_text(std::nullopt, m + msg.size());
+      h.remove_prefix(9);
+    }
+    if (h.substr(0, chan.size()) != chan) return calls_or_text(std::nullopt, m + msg.size());
+    const std::string_view c = h.substr(chan.size());
+    if (c != "analysis" && c != "commentary" && c != "final") return calls_or_text(std::nullopt, m + msg.size());
+    Block b;
+    b.kind = Block::Markup;
+    b.len = m + msg.size();
+    b.reasoning = c == "analysis";
+    return b;
+  }
+  if (!calls) return calls_or_text(std::nullopt, m + msg.size());
   size_t ne = r + to.size();
   while (ne < header.size() && header[ne] != ' ' && header[ne] != '<' && header[ne] != '\n') ++ne;
   const std::string_view name = header.substr(r + to.size(), ne - r - to.size());
@@ -250,18 +278,18 @@ std::vector<std::string_view> openers(Format f) {
     case Format::Hermes:
     case Format::Glm: return {kToolCall};
     case Format::DeepSeek: return {kDsCallsBegin, kDsCallBegin};
-    case Format::Harmony: return {"<|channel|>", "<|start|>"};
+    case Format::Harmony: return {"<|channel|>", "<|start|>", "<|end|>"};
     case Format::None: break;
   }
   return {};
 }
 
-Block parse_block(Format f, std::string_view s, bool at_end) {
+Block parse_block(Format f, std::string_view s, bool at_end, bool calls) {
   switch (f) {
     case Format::Hermes: return tag_block(s, at_end, false);
     case Format::Glm: return tag_block(s, at_end, true);
     case Format::DeepSeek: return deepseek_block(s, at_end);
-    case Format::Harmony: return harmony_block(s, at_end);
+    case Format::Harmony: return harmony_block(s, at_end, calls);
     case Format::None: break;
   }
   return calls_or_text(std::nullopt, s.size());
@@ -291,8 +319,12 @@ const char* format_name(Format f) {
 }
 
 void StreamParser::emit_text(std::string_view s, Delta& out) {
-  // Trailing whitespace waits: it is dropped when a call follows, whatever the split.
   if (s.empty()) return;
+  if (reasoning_) {
+    out.reasoning += s;
+    return;
+  }
+  // Trailing whitespace waits: it is dropped when a call follows, whatever the split.
   if (is_space_only(s)) {
     pending_ws_ += s;
     return;
@@ -329,13 +361,16 @@ void StreamParser::run(bool at_end, Delta& out) {
       if (at_end && !buf_.empty()) continue;
       return;
     }
-    Block b = parse_block(format_, buf_, at_end);
+    Block b = parse_block(format_, buf_, at_end, calls_);
     if (b.kind == Block::Incomplete) return;
     if (b.len == 0) b.len = buf_.size();  // never stall
     if (b.kind == Block::Calls) {
       pending_ws_.clear();
+      reasoning_ = false;
       n_calls_ += b.calls.size();
       for (auto& c : b.calls) out.calls.push_back(std::move(c));
+    } else if (b.kind == Block::Markup) {
+      reasoning_ = b.reasoning;
     } else {
       emit_text(std::string_view(buf_).substr(0, b.len), out);
     }
@@ -365,11 +400,12 @@ Delta StreamParser::finish() {
   return out;
 }
 
-Delta parse(Format f, std::string_view text) {
-  StreamParser p(f);
+Delta parse(Format f, std::string_view text, bool calls) {
+  StreamParser p(f, calls);
   Delta d = p.push(text);
   Delta e = p.finish();
   d.content += e.content;
+  d.reasoning += e.reasoning;
   for (auto& c : e.calls) d.calls.push_back(std::move(c));
   return d;
 }

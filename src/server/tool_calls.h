@@ -8,7 +8,11 @@
 //    </tool_call>` in the same tags.
 //  - Harmony (gpt-oss): `<|channel|>commentary to=functions.N <|constrain|>json<|message|>ARGS<|call|>`
 //    and `<|start|>assistant to=functions.N<|channel|>commentary json<|message|>ARGS<|call|>`;
-//    <|call|> ends generation, so a call may also end at the end of the output.
+//    <|call|> ends generation, so a call may also end at the end of the output. Messages of
+//    the other channels: `<|channel|>analysis<|message|>TEXT<|end|>` is reasoning (OpenAI's
+//    harmony guide: chain of thought, not for the user), `final` and `commentary` without a
+//    recipient are content; their headers (also after `<|start|>assistant`) and `<|end|>` are
+//    dropped. A header with another role or channel, or more than the channel name, is text.
 //  - DeepSeek: `<｜tool▁calls▁begin｜>` then per call `<｜tool▁call▁begin｜>N<｜tool▁sep｜>ARGS
 //    <｜tool▁call▁end｜>` (V3.1/V3.2) or `<｜tool▁call▁begin｜>function<｜tool▁sep｜>N\n```json\nARGS
 //    \n```<｜tool▁call▁end｜>` (V3/R1), then `<｜tool▁calls▁end｜>`.
@@ -40,9 +44,11 @@ struct ToolCall {
   std::string arguments;
 };
 
-/// What a piece of output adds: content text and whole tool calls (in order).
+/// What a piece of output adds: content text, reasoning text (harmony's analysis channel;
+/// llama.cpp's and DeepSeek's API field `reasoning_content`) and whole tool calls (in order).
 struct Delta {
   std::string content;
+  std::string reasoning;
   std::vector<ToolCall> calls;
 };
 
@@ -51,7 +57,9 @@ struct Delta {
 /// every byte boundary). Text that may still become a call is held back until it is decided.
 class StreamParser {
  public:
-  explicit StreamParser(Format f) : format_(f) {}
+  /// `calls` false: tool-call markup stays text (the request had no tools); harmony's channels
+  /// are still parsed.
+  explicit StreamParser(Format f, bool calls = true) : format_(f), calls_(calls) {}
   /// Appends generated text; returns what is now decided.
   Delta push(std::string_view text);
   /// The end of the output: decides what is held back (an open block is parsed as a call when
@@ -65,6 +73,8 @@ class StreamParser {
   void emit_text(std::string_view s, Delta& out);
 
   Format format_;
+  bool calls_ = true;
+  bool reasoning_ = false;  // harmony: text goes to Delta::reasoning (in an analysis message)
   std::string buf_;         // undecided text
   bool in_block_ = false;   // buf_ starts with an opener
   std::string pending_ws_;  // whitespace-only text, dropped if a call follows
@@ -72,6 +82,6 @@ class StreamParser {
 };
 
 /// The whole output at once: StreamParser's push(text) then finish(), merged.
-Delta parse(Format f, std::string_view text);
+Delta parse(Format f, std::string_view text, bool calls = true);
 
 }  // namespace strata::server::tools
