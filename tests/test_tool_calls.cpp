@@ -46,8 +46,68 @@ Delta merged(StreamParser& p, const std::vector<std::string>& pieces) {
   return all;
 }
 
-// The whole parse equals `e`, and so does every two-piece split and the byte-by-byte stream.
+// An incremental stream of `pieces`: the content and reasoning equal the whole parse's; the
+// calls' pieces (grouped by index, the first with the name) concatenate to the whole parse's
+// arguments exactly, in order; a group that does not (a call that opened and then failed to
+// parse) has arguments that occur in the text, and n_calls() counts only the complete calls.
+// Returns the number of pieces of each call.
+std::vector<size_t> check_incremental(Format f, bool calls, const std::vector<std::string>& pieces,
+                                      const std::string& text, const Delta& whole, const std::string& what) {
+  StreamParser p(f, calls, true);
+  Delta all;
+  auto add = [&](Delta d) {
+    EXPECT_TRUE(d.calls.empty()) << what;
+    all.content += d.content;
+    all.reasoning += d.reasoning;
+    for (auto& c : d.pieces) all.pieces.push_back(c);
+  };
+  for (auto& s : pieces) add(p.push(s));
+  add(p.finish());
+  EXPECT_EQ(all.content, whole.content) << what;
+  EXPECT_EQ(all.reasoning, whole.reasoning) << what;
+  EXPECT_EQ(p.n_calls(), whole.calls.size()) << what;
+  std::vector<ToolCall> groups;
+  std::vector<size_t> n_pieces;
+  for (auto& c : all.pieces) {
+    if (c.index == groups.size()) {
+      EXPECT_TRUE(c.first) << what;
+      groups.push_back({c.name, c.arguments});
+      n_pieces.push_back(1);
+    } else {
+      EXPECT_EQ(c.index + 1, groups.size()) << what << ": pieces of one call follow each other";
+      if (groups.empty()) return {};
+      EXPECT_FALSE(c.first) << what;
+      groups.back().arguments += c.arguments;
+      ++n_pieces.back();
+    }
+  }
+  size_t k = 0;
+  std::vector<size_t> complete;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    if (k < whole.calls.size() && groups[g].name == whole.calls[k].name &&
+        groups[g].arguments == whole.calls[k].arguments) {
+      ++k;
+      complete.push_back(n_pieces[g]);
+    } else {
+      EXPECT_NE(text.find(groups[g].arguments), std::string::npos) << what << ": an opened call's pieces are text";
+    }
+  }
+  EXPECT_EQ(k, whole.calls.size()) << what << ": every call streamed, arguments equal";
+  return complete;
+}
+
+// The whole parse equals `e`, and so does every two-piece split and the byte-by-byte stream,
+// plain and incremental (check_incremental).
 void check(Format f, const std::string& text, const Expect& e, bool calls = true) {
+  const Delta whole = parse(f, text, calls);
+  for (size_t cut = 0; cut <= text.size(); ++cut)
+    check_incremental(f, calls, {text.substr(0, cut), text.substr(cut)}, text, whole,
+                      "incremental, cut " + std::to_string(cut));
+  {
+    std::vector<std::string> bytes;
+    for (char c : text) bytes.emplace_back(1, c);
+    check_incremental(f, calls, bytes, text, whole, "incremental, byte by byte");
+  }
   expect_delta(parse(f, text, calls), e, "whole: " + text);
   for (size_t cut = 0; cut <= text.size(); ++cut) {
     StreamParser p(f, calls);
@@ -188,4 +248,52 @@ TEST(ToolCalls, Glm) {
 TEST(ToolCalls, NoneIsText) {
   const std::string t = "<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>";
   check(Format::None, t, {t, {}});
+}
+
+// Streamed harmony calls send their arguments as they are generated: byte by byte, the call
+// opens before its arguments end and they come in many pieces, which add up to the arguments
+// of the whole parse exactly (check_incremental). Other formats send each call whole.
+TEST(ToolCalls, IncrementalArguments) {
+  const std::string args = "{\"path\": \"a/b.py\", \"text\": \"def f():\\n    return [1, 2.5e3, true, null]\\n\"}";
+  const std::string text =
+      "<|channel|>analysis<|message|>Write it.<|end|><|start|>assistant<|channel|>commentary "
+      "to=functions.write <|constrain|>json<|message|> " +
+      args + " <|call|>";
+  check(Format::Harmony, text, {"", {{"write", nlohmann::json::parse(args)}}, "Write it."});
+  const Delta whole = parse(Format::Harmony, text);
+  ASSERT_EQ(whole.calls.size(), 1u);
+  EXPECT_EQ(whole.calls[0].arguments, args);
+  std::vector<std::string> bytes;
+  for (char c : text) bytes.emplace_back(1, c);
+  const auto n = check_incremental(Format::Harmony, true, bytes, text, whole, "byte by byte");
+  ASSERT_EQ(n.size(), 1u);
+  EXPECT_GE(n[0], args.size() / 2) << "the arguments stream in pieces";
+  // When the first piece comes: right after `{` arrives, before the rest of the arguments.
+  StreamParser p(Format::Harmony, true, true);
+  const size_t open_at = text.find("<|message|> {") + 13;
+  size_t first_piece_at = 0;
+  for (size_t i = 0; i < text.size() && !first_piece_at; ++i)
+    if (!p.push(text.substr(i, 1)).pieces.empty()) first_piece_at = i + 1;
+  EXPECT_EQ(first_piece_at, open_at);
+  // Without <|call|> (it ends generation and is often not in the text) the same.
+  check(Format::Harmony,
+        "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{\"a\": [1, {\"b\": \"}\"}]}",
+        {"", {{"f", J(R"({"a": [1, {"b": "}"}]})")}}});
+  // Malformed after the call opened: the markup is content byte for byte, no call counted.
+  for (const std::string bad : {"{\"a\": 1, oops}", "{\"a\": 1} trailing", "{\"a\": \"open", "{\"a\": tru",
+                                "{\"a\": 1}<|channel|>x", "{\"a\": \"x<|call|>\"}"}) {
+    const std::string t = "<|channel|>commentary to=functions.f json<|message|>" + bad;
+    const Delta d = parse(Format::Harmony, t);
+    EXPECT_TRUE(d.calls.empty()) << t;
+    if (bad.find("<|channel|>") == std::string::npos && bad.find("<|call|>") == std::string::npos) {
+      check(Format::Harmony, t, {t, {}});
+    } else {
+      check(Format::Harmony, t, {d.content, {}});
+    }
+  }
+  // Two calls in a row keep their indices (0, 1) and each streams.
+  check(Format::Harmony,
+        "<|channel|>commentary to=functions.a json<|message|>{\"x\": 1}<|call|><|start|>assistant<|channel|>commentary "
+        "to=functions.b json<|message|>{\"y\": [2]}<|call|>",
+        {"", {{"a", J(R"({"x": 1})")}, {"b", J(R"({"y": [2]})")}}});
 }

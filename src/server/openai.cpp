@@ -411,17 +411,21 @@ Json completion_logprobs(const std::vector<Event>& events, size_t offset, const 
   return {{"tokens", tokens}, {"token_logprobs", lps}, {"top_logprobs", tops}, {"text_offset", offs}};
 }
 
-Json tool_calls_json(const std::vector<tools::ToolCall>& calls, size_t first_index, bool with_index) {
+namespace {
+std::string new_call_id() {
   static std::mutex mu;
   static std::mt19937_64 rng{std::random_device{}()};
+  std::lock_guard lk(mu);
+  return fmt::format("call_{:016x}", rng());
+}
+}  // namespace
+
+Json tool_calls_json(const std::vector<tools::ToolCall>& calls, size_t first_index, bool with_index) {
   Json out = Json::array();
   for (size_t k = 0; k < calls.size(); ++k) {
     Json c = Json::object();
     if (with_index) c["index"] = first_index + k;
-    {
-      std::lock_guard lk(mu);
-      c["id"] = fmt::format("call_{:016x}", rng());
-    }
+    c["id"] = new_call_id();
     c["type"] = "function";
     c["function"] = {{"name", calls[k].name}, {"arguments", calls[k].arguments}};
     out.push_back(std::move(c));
@@ -514,6 +518,25 @@ Json tool_delta_chunk_json(const ResponseMeta& meta, const tools::Delta& d, size
   if (!d.content.empty()) delta["content"] = d.content;
   if (!d.reasoning.empty()) delta["reasoning_content"] = d.reasoning;
   if (!d.calls.empty()) delta["tool_calls"] = tool_calls_json(d.calls, first_index, true);
+  if (!d.pieces.empty()) {
+    Json calls = Json::array();
+    for (const auto& p : d.pieces) {
+      if (!calls.empty() && !p.first && calls.back()["index"] == p.index) {  // one entry per call and chunk
+        calls.back()["function"]["arguments"] = calls.back()["function"]["arguments"].get<std::string>() + p.arguments;
+        continue;
+      }
+      Json c = {{"index", p.index}};
+      if (p.first) {
+        c["id"] = new_call_id();
+        c["type"] = "function";
+        c["function"] = {{"name", p.name}, {"arguments", p.arguments}};
+      } else {
+        c["function"] = {{"arguments", p.arguments}};
+      }
+      calls.push_back(std::move(c));
+    }
+    delta["tool_calls"] = std::move(calls);
+  }
   return chunk_json(meta,
                     {{"index", 0}, {"delta", delta}, {"logprobs", std::move(logprobs)}, {"finish_reason", nullptr}});
 }

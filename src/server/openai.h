@@ -186,7 +186,10 @@ Json completion_json(const ResponseMeta& meta, const std::vector<Event>& events,
 Json tool_calls_json(const std::vector<tools::ToolCall>& calls, size_t first_index, bool with_index);
 
 /// A chat stream chunk of a tools::Delta: delta.content when it has text,
-/// delta.reasoning_content when it has reasoning, delta.tool_calls
+/// delta.reasoning_content when it has reasoning, delta.tool_calls from its pieces (OpenAI's
+/// streamed form: a call's first entry has index, id, type and function.name with the first
+/// arguments text, later entries index and function.arguments only; pieces of one call in
+/// one chunk are merged) and
 /// (indices from `first_index`) when it has calls, `logprobs` (null or a logprobs object).
 Json tool_delta_chunk_json(const ResponseMeta& meta, const tools::Delta& d, size_t first_index, Json logprobs);
 

@@ -201,13 +201,11 @@ struct Server::Impl {
           size_t offset = 0;
           // Tool calls: the text goes through the parser, which holds back possible markup.
           const bool parse_tools = tool_format != tools::Format::None && meta.endpoint == openai::Endpoint::Chat;
-          tools::StreamParser parser(tool_format, tool_calls);
-          size_t n_calls = 0;
+          // Incremental: calls come as pieces, harmony's arguments as they are generated.
+          tools::StreamParser parser(tool_format, tool_calls, /*incremental=*/true);
           auto send_delta = [&](const tools::Delta& d, J lp) {
-            if (d.content.empty() && d.reasoning.empty() && d.calls.empty() && lp.is_null()) return true;
-            const bool ok = send(openai::tool_delta_chunk_json(meta, d, n_calls, std::move(lp)));
-            n_calls += d.calls.size();
-            return ok;
+            if (d.content.empty() && d.reasoning.empty() && d.pieces.empty() && lp.is_null()) return true;
+            return send(openai::tool_delta_chunk_json(meta, d, 0, std::move(lp)));
           };
           for (;;) {
             const bool done = r->wait(events, std::chrono::milliseconds(200));
@@ -229,7 +227,8 @@ struct Server::Impl {
           if (openai::is_error_finish(r->finish_reason)) {
             send(openai::error_json(openai::generation_failed(r->error)));
           } else {
-            const std::string finish = n_calls > 0 && r->finish_reason == "stop" ? "tool_calls" : r->finish_reason;
+            const std::string finish =
+                parser.n_calls() > 0 && r->finish_reason == "stop" ? "tool_calls" : r->finish_reason;
             if (!send(openai::finish_chunk_json(meta, finish))) return gone();
             if (include_usage && !send(openai::usage_chunk_json(meta, r->prompt_tokens, r->completion_tokens)))
               return gone();

@@ -44,12 +44,24 @@ struct ToolCall {
   std::string arguments;
 };
 
+/// A piece of a streamed tool call (StreamParser with `incremental`): the call's `index`
+/// among the response's calls; the first piece of a call has `first` set and carries its
+/// name; the `arguments` of a call's pieces concatenate to its arguments text.
+struct CallPiece {
+  size_t index = 0;
+  bool first = false;
+  std::string name;       // when `first`
+  std::string arguments;  // the next bytes of the arguments text (may be empty)
+};
+
 /// What a piece of output adds: content text, reasoning text (harmony's analysis channel;
-/// llama.cpp's and DeepSeek's API field `reasoning_content`) and whole tool calls (in order).
+/// llama.cpp's and DeepSeek's API field `reasoning_content`) and whole tool calls (in order),
+/// or, from an incremental StreamParser, pieces of calls.
 struct Delta {
   std::string content;
   std::string reasoning;
   std::vector<ToolCall> calls;
+  std::vector<CallPiece> pieces;
 };
 
 /// Incremental parser: push() the output text as it is generated, finish() once at the end.
@@ -58,22 +70,38 @@ struct Delta {
 class StreamParser {
  public:
   /// `calls` false: tool-call markup stays text (the request had no tools); harmony's channels
-  /// are still parsed.
-  explicit StreamParser(Format f, bool calls = true) : format_(f), calls_(calls) {}
+  /// are still parsed. `incremental`: calls come as Delta::pieces (never Delta::calls), and a
+  /// harmony call's arguments stream as they are generated: once its header names a valid
+  /// function and its arguments begin as a JSON object, the call opens (a first piece with
+  /// the name) and each push adds the arguments decided so far (its text with leading
+  /// whitespace dropped and trailing whitespace and a possible `<|call|>` prefix held back,
+  /// while it is a valid prefix of a JSON object). Other formats send each call as one piece
+  /// when it is complete. A call that opened and then does not parse (invalid JSON further
+  /// on, text after the object, the output ending inside it) cannot be taken back: its
+  /// markup is then content, byte for byte as without streaming, and it is not counted in
+  /// n_calls(); its pieces stay a prefix of its argument text.
+  explicit StreamParser(Format f, bool calls = true, bool incremental = false)
+      : format_(f), calls_(calls), incremental_(incremental) {}
   /// Appends generated text; returns what is now decided.
   Delta push(std::string_view text);
   /// The end of the output: decides what is held back (an open block is parsed as a call when
   /// it is complete but for its closer, else returned as text).
   Delta finish();
-  /// Calls returned so far.
+  /// Calls returned so far (complete ones: not a call that opened and then failed to parse).
   size_t n_calls() const { return n_calls_; }
 
  private:
   void run(bool at_end, Delta& out);
   void emit_text(std::string_view s, Delta& out);
+  void emit_call(ToolCall c, Delta& out);
+  void stream_open_call(Delta& out);
 
   Format format_;
   bool calls_ = true;
+  bool incremental_ = false;
+  size_t next_index_ = 0;   // incremental: the index of the next call
+  bool open_ = false;       // incremental: buf_'s call has opened (its first piece was sent)
+  std::string sent_;        // incremental: the open call's arguments sent so far
   bool reasoning_ = false;  // harmony: text goes to Delta::reasoning (in an analysis message)
   std::string buf_;         // undecided text
   bool in_block_ = false;   // buf_ starts with an opener
