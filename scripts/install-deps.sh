@@ -14,6 +14,7 @@ PKGS=(
   libcpp-httplib-dev  # HTTP server of `strata serve`
   clang libclang-rt-dev  # the GGUF parser's libFuzzer target (fuzz/, run by scripts/test.sh)
   clang-format        # scripts/format.sh
+  chromium            # the chat page's real-browser test (tests/server/browser.test.mjs)
 )
 # The server tests use Node.js and npm (tests/server); a Node.js from elsewhere is kept.
 command -v node >/dev/null 2>&1 || PKGS+=(nodejs)

@@ -8,9 +8,10 @@ cd "$(dirname "$0")/.."
 jobs=$(nproc)
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j"$jobs"
-# Node modules of the server tests (tests/server: the openai client), from the committed lock file.
+# Node modules of the server tests (tests/server: the openai client, playwright-core), from the committed lock file.
 (cd tests/server && npm ci --no-audit --no-fund --loglevel=error)
-ctest --test-dir build --output-on-failure -j"$jobs"
+# Here the real-browser test of the chat page must run: a missing chromium fails it, not skips it.
+STRATA_REQUIRE_BROWSER=1 ctest --test-dir build --output-on-failure -j"$jobs"
 # The file parser faces untrusted input: run its tests (corrupt files, random mutations) under ASan.
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSTRATA_ASAN=ON -DSTRATA_BENCH=OFF -DSTRATA_CUDA=OFF >/dev/null
 cmake --build build-asan -j"$jobs" --target test_gguf

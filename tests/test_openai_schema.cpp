@@ -486,7 +486,7 @@ TEST(OpenAISchema, ToolCallAnswers) {
   EXPECT_EQ(j["choices"][0]["message"]["content"], bad[0].text);
   EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
 
-  server::tools::Delta d{"hi", {{"f", "{}"}, {"g", "{\"a\":1}"}}};
+  server::tools::Delta d{"hi", "", {{"f", "{}"}, {"g", "{\"a\":1}"}}, {}};
   const Json c = tool_delta_chunk_json(meta, d, 2, nullptr);
   const Json& delta = c["choices"][0]["delta"];
   EXPECT_EQ(delta["content"], "hi");
@@ -497,4 +497,57 @@ TEST(OpenAISchema, ToolCallAnswers) {
   EXPECT_EQ(delta["tool_calls"][1]["function"]["arguments"], "{\"a\":1}");
   EXPECT_NE(delta["tool_calls"][0]["id"], delta["tool_calls"][1]["id"]);
   EXPECT_TRUE(c["choices"][0]["finish_reason"].is_null());
+}
+
+// gpt-oss (harmony): the analysis channel is message.reasoning_content and the final channel
+// the content, whole and streamed; without tools, call markup stays content.
+TEST(OpenAISchema, HarmonyReasoningContent) {
+  const ResponseMeta meta{Endpoint::Chat, "chatcmpl-x", 7, "m"};
+  const auto bytes = [](int32_t id) { return std::to_string(id); };
+  const std::vector<Event> events = {{"<|channel|>analysis<|message|>Sum it.<|end|><|start|>assistant", std::nullopt},
+                                     {"<|channel|>final<|message|>4", std::nullopt}};
+  for (bool tools : {true, false}) {
+    Json j = completion_json(meta, events, "stop", 3, 2, false, bytes, server::tools::Format::Harmony, tools);
+    const Json& msg = j["choices"][0]["message"];
+    EXPECT_EQ(msg["content"], "4");
+    EXPECT_EQ(msg["reasoning_content"], "Sum it.");
+    EXPECT_FALSE(msg.contains("tool_calls"));
+    EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
+  }
+  const std::vector<Event> call = {
+      {"<|channel|>analysis<|message|>r<|end|><|start|>assistant<|channel|>commentary to=functions.f "
+       "<|constrain|>json<|message|>{\"a\": 1}",
+       std::nullopt}};
+  Json j = completion_json(meta, call, "stop", 3, 2, false, bytes, server::tools::Format::Harmony, true);
+  EXPECT_TRUE(j["choices"][0]["message"]["content"].is_null());
+  EXPECT_EQ(j["choices"][0]["message"]["reasoning_content"], "r");
+  EXPECT_EQ(j["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"], "{\"a\": 1}");
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "tool_calls");
+  j = completion_json(meta, call, "stop", 3, 2, false, bytes, server::tools::Format::Harmony, false);
+  EXPECT_EQ(j["choices"][0]["message"]["content"],
+            "<|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>{\"a\": 1}");
+  EXPECT_FALSE(j["choices"][0]["message"].contains("tool_calls"));
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
+  // A stream chunk of reasoning.
+  const Json c = tool_delta_chunk_json(meta, server::tools::Delta{"", "think", {}, {}}, 0, nullptr);
+  EXPECT_EQ(c["choices"][0]["delta"]["reasoning_content"], "think");
+  EXPECT_FALSE(c["choices"][0]["delta"].contains("content"));
+}
+
+// Streamed tool-call pieces in OpenAI's form: the first entry of a call has index, id, type,
+// name and the first arguments text; later ones index and arguments; one entry per call and
+// chunk.
+TEST(OpenAISchema, ToolCallPiecesChunk) {
+  const ResponseMeta meta{Endpoint::Chat, "chatcmpl-x", 7, "m"};
+  server::tools::Delta d;
+  d.pieces = {{0, false, "", "1}"}, {1, true, "g", "{\"b\""}, {1, false, "", ": 2"}};
+  const Json c = tool_delta_chunk_json(meta, d, 0, nullptr);
+  const Json& tc = c["choices"][0]["delta"]["tool_calls"];
+  ASSERT_EQ(tc.size(), 2u);
+  EXPECT_EQ(tc[0], Json({{"index", 0}, {"function", {{"arguments", "1}"}}}}));
+  EXPECT_EQ(tc[1]["index"], 1);
+  EXPECT_EQ(tc[1]["type"], "function");
+  EXPECT_EQ(tc[1]["id"].get<std::string>().rfind("call_", 0), 0u);
+  EXPECT_EQ(tc[1]["function"], Json({{"name", "g"}, {"arguments", "{\"b\": 2"}}));
+  EXPECT_FALSE(c["choices"][0]["delta"].contains("content"));
 }

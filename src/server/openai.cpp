@@ -279,8 +279,11 @@ ParsedRequest parse_chat_request(const Json& b, const ModelContext& m) {
     if (tools_on && !tools->empty()) {
       extra["tools"] = *tools;
       p.tool_format = m.tool_format;
+      p.tool_calls = true;
     }
   }
+  // Harmony's channels (analysis = reasoning_content) are parsed with or without tools.
+  if (m.tool_format == tools::Format::Harmony) p.tool_format = tools::Format::Harmony;
   try {
     p.gen.prompt = m.encode_chat(messages, extra);
   } catch (const chat::RenderError& e) {
@@ -408,17 +411,21 @@ Json completion_logprobs(const std::vector<Event>& events, size_t offset, const 
   return {{"tokens", tokens}, {"token_logprobs", lps}, {"top_logprobs", tops}, {"text_offset", offs}};
 }
 
-Json tool_calls_json(const std::vector<tools::ToolCall>& calls, size_t first_index, bool with_index) {
+namespace {
+std::string new_call_id() {
   static std::mutex mu;
   static std::mt19937_64 rng{std::random_device{}()};
+  std::lock_guard lk(mu);
+  return fmt::format("call_{:016x}", rng());
+}
+}  // namespace
+
+Json tool_calls_json(const std::vector<tools::ToolCall>& calls, size_t first_index, bool with_index) {
   Json out = Json::array();
   for (size_t k = 0; k < calls.size(); ++k) {
     Json c = Json::object();
     if (with_index) c["index"] = first_index + k;
-    {
-      std::lock_guard lk(mu);
-      c["id"] = fmt::format("call_{:016x}", rng());
-    }
+    c["id"] = new_call_id();
     c["type"] = "function";
     c["function"] = {{"name", calls[k].name}, {"arguments", calls[k].arguments}};
     out.push_back(std::move(c));
@@ -428,7 +435,7 @@ Json tool_calls_json(const std::vector<tools::ToolCall>& calls, size_t first_ind
 
 Json completion_json(const ResponseMeta& meta, const std::vector<Event>& events, const std::string& finish_reason,
                      int prompt_tokens, int completion_tokens, bool logprobs, const TokenBytes& bytes,
-                     tools::Format tool_format) {
+                     tools::Format tool_format, bool tool_calls) {
   const bool chat = meta.endpoint == Endpoint::Chat;
   std::string text;
   for (auto& e : events) text += e.text;
@@ -437,9 +444,11 @@ Json completion_json(const ResponseMeta& meta, const std::vector<Event>& events,
   if (chat) {
     choice["message"] = {{"role", "assistant"}, {"content", text}};
     if (tool_format != tools::Format::None) {
-      tools::Delta d = tools::parse(tool_format, text);
+      tools::Delta d = tools::parse(tool_format, text, tool_calls);
+      if (!d.calls.empty() || !d.reasoning.empty())
+        choice["message"]["content"] = d.content.empty() && !d.calls.empty() ? Json(nullptr) : Json(d.content);
+      if (!d.reasoning.empty()) choice["message"]["reasoning_content"] = d.reasoning;
       if (!d.calls.empty()) {
-        choice["message"]["content"] = d.content.empty() ? Json(nullptr) : Json(d.content);
         choice["message"]["tool_calls"] = tool_calls_json(d.calls, 0, false);
         if (finish == "stop") finish = "tool_calls";
       }
@@ -507,7 +516,27 @@ Json event_chunk_json(const ResponseMeta& meta, const Event& e, size_t offset, b
 Json tool_delta_chunk_json(const ResponseMeta& meta, const tools::Delta& d, size_t first_index, Json logprobs) {
   Json delta = Json::object();
   if (!d.content.empty()) delta["content"] = d.content;
+  if (!d.reasoning.empty()) delta["reasoning_content"] = d.reasoning;
   if (!d.calls.empty()) delta["tool_calls"] = tool_calls_json(d.calls, first_index, true);
+  if (!d.pieces.empty()) {
+    Json calls = Json::array();
+    for (const auto& p : d.pieces) {
+      if (!calls.empty() && !p.first && calls.back()["index"] == p.index) {  // one entry per call and chunk
+        calls.back()["function"]["arguments"] = calls.back()["function"]["arguments"].get<std::string>() + p.arguments;
+        continue;
+      }
+      Json c = {{"index", p.index}};
+      if (p.first) {
+        c["id"] = new_call_id();
+        c["type"] = "function";
+        c["function"] = {{"name", p.name}, {"arguments", p.arguments}};
+      } else {
+        c["function"] = {{"arguments", p.arguments}};
+      }
+      calls.push_back(std::move(c));
+    }
+    delta["tool_calls"] = std::move(calls);
+  }
   return chunk_json(meta,
                     {{"index", 0}, {"delta", delta}, {"logprobs", std::move(logprobs)}, {"finish_reason", nullptr}});
 }

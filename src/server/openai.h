@@ -91,9 +91,12 @@ struct ParsedRequest {
   GenParams gen;               ///< prompt, sampler, max_tokens, stop, logprobs, end tokens
   bool stream = false;         ///< answer with Server-Sent Events
   bool include_usage = false;  ///< stream_options.include_usage: a last chunk with the usage
-  /// The tool-call markup to parse out of the reply: the model's format when the request
-  /// has `tools` (and tool_choice is not "none"), else None (the reply is plain content).
+  /// The markup to parse out of the reply: the model's format when the request has `tools`
+  /// (and tool_choice is not "none") or the model is harmony's (gpt-oss: its channels are
+  /// parsed into content and reasoning_content), else None (the reply is plain content).
   tools::Format tool_format = tools::Format::None;
+  /// Tool-call markup becomes tool_calls (the request has tools); else it stays text.
+  bool tool_calls = false;
 };
 
 /// The messages of a chat request, validated (roles system, developer, user, assistant,
@@ -171,17 +174,22 @@ Json completion_logprobs(const std::vector<Event>& events, size_t offset, const 
 /// The whole answer of a request that does not stream ("chat.completion" or
 /// "text_completion"): the text of `events`, `finish_reason`, the usage, and logprobs when
 /// `logprobs` (GenParams::top_logprobs >= 0). With a `tool_format` other than None (chat
-/// only), tool calls in the text become message.tool_calls (content null when nothing else
-/// is left) and a "stop" finish becomes "tool_calls".
+/// only), the text goes through tools::parse: with `tool_calls`, tool calls in it become
+/// message.tool_calls (content null when nothing else is left) and a "stop" finish becomes
+/// "tool_calls"; reasoning (harmony's analysis channel) becomes message.reasoning_content.
 Json completion_json(const ResponseMeta& meta, const std::vector<Event>& events, const std::string& finish_reason,
                      int prompt_tokens, int completion_tokens, bool logprobs, const TokenBytes& bytes,
-                     tools::Format tool_format = tools::Format::None);
+                     tools::Format tool_format = tools::Format::None, bool tool_calls = true);
 
 /// OpenAI tool_calls entries of `calls`: {"index": first_index + k (when `with_index`),
 /// "id": "call_" + 16 random hex digits, "type": "function", "function": {"name", "arguments"}}.
 Json tool_calls_json(const std::vector<tools::ToolCall>& calls, size_t first_index, bool with_index);
 
-/// A chat stream chunk of a tools::Delta: delta.content when it has text, delta.tool_calls
+/// A chat stream chunk of a tools::Delta: delta.content when it has text,
+/// delta.reasoning_content when it has reasoning, delta.tool_calls from its pieces (OpenAI's
+/// streamed form: a call's first entry has index, id, type and function.name with the first
+/// arguments text, later entries index and function.arguments only; pieces of one call in
+/// one chunk are merged) and
 /// (indices from `first_index`) when it has calls, `logprobs` (null or a logprobs object).
 Json tool_delta_chunk_json(const ResponseMeta& meta, const tools::Delta& d, size_t first_index, Json logprobs);
 

@@ -166,6 +166,7 @@ struct Server::Impl {
                                     opts.model_name};
     const bool logprobs = r->params.top_logprobs >= 0;
     const tools::Format tool_format = p.tool_format;
+    const bool tool_calls = p.tool_calls;
 
     if (!p.stream) {
       std::vector<Event> events;
@@ -175,7 +176,7 @@ struct Server::Impl {
         if (watch.gone()) r->cancel();
       if (openai::is_error_finish(r->finish_reason)) throw openai::generation_failed(r->error);
       const J out = openai::completion_json(meta, events, r->finish_reason, r->prompt_tokens, r->completion_tokens,
-                                            logprobs, token_bytes(), tool_format);
+                                            logprobs, token_bytes(), tool_format, tool_calls);
       res.set_content(openai::dump(out), "application/json");
       return;
     }
@@ -185,7 +186,7 @@ struct Server::Impl {
     res.set_header("X-Accel-Buffering", "no");
     res.set_chunked_content_provider(
         "text/event-stream",
-        [this, r, meta, logprobs, include_usage, tool_format](size_t, httplib::DataSink& sink) {
+        [this, r, meta, logprobs, include_usage, tool_format, tool_calls](size_t, httplib::DataSink& sink) {
           auto send = [&](const J& j) {
             const std::string s = "data: " + openai::dump(j) + "\n\n";
             return sink.write(s.data(), s.size());
@@ -200,13 +201,11 @@ struct Server::Impl {
           size_t offset = 0;
           // Tool calls: the text goes through the parser, which holds back possible markup.
           const bool parse_tools = tool_format != tools::Format::None && meta.endpoint == openai::Endpoint::Chat;
-          tools::StreamParser parser(tool_format);
-          size_t n_calls = 0;
+          // Incremental: calls come as pieces, harmony's arguments as they are generated.
+          tools::StreamParser parser(tool_format, tool_calls, /*incremental=*/true);
           auto send_delta = [&](const tools::Delta& d, J lp) {
-            if (d.content.empty() && d.calls.empty() && lp.is_null()) return true;
-            const bool ok = send(openai::tool_delta_chunk_json(meta, d, n_calls, std::move(lp)));
-            n_calls += d.calls.size();
-            return ok;
+            if (d.content.empty() && d.reasoning.empty() && d.pieces.empty() && lp.is_null()) return true;
+            return send(openai::tool_delta_chunk_json(meta, d, 0, std::move(lp)));
           };
           for (;;) {
             const bool done = r->wait(events, std::chrono::milliseconds(200));
@@ -228,7 +227,8 @@ struct Server::Impl {
           if (openai::is_error_finish(r->finish_reason)) {
             send(openai::error_json(openai::generation_failed(r->error)));
           } else {
-            const std::string finish = n_calls > 0 && r->finish_reason == "stop" ? "tool_calls" : r->finish_reason;
+            const std::string finish =
+                parser.n_calls() > 0 && r->finish_reason == "stop" ? "tool_calls" : r->finish_reason;
             if (!send(openai::finish_chunk_json(meta, finish))) return gone();
             if (include_usage && !send(openai::usage_chunk_json(meta, r->prompt_tokens, r->completion_tokens)))
               return gone();

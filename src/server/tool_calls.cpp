@@ -128,11 +128,13 @@ std::optional<ToolCall> parse_glm_call(std::string_view body) {
   return c;
 }
 
-// What a block of text that starts with an opener is.
+// What a block of text that starts with an opener is. Markup: a harmony message header or
+// <|end|>, dropped; `channel` says where the text after it goes.
 struct Block {
-  enum Kind { Incomplete, Calls, Text } kind = Incomplete;
-  size_t len = 0;  // bytes of the buffer it covers (Calls, Text)
+  enum Kind { Incomplete, Calls, Text, Markup } kind = Incomplete;
+  size_t len = 0;  // bytes of the buffer it covers (Calls, Text, Markup)
   std::vector<ToolCall> calls;
+  bool reasoning = false;  // Markup: the text after it is reasoning (harmony's analysis channel)
 };
 
 Block calls_or_text(std::optional<ToolCall> c, size_t len) {
@@ -220,10 +222,19 @@ Block deepseek_block(std::string_view s, bool at_end) {
   return out;
 }
 
-// A harmony message from <|channel|> or <|start|>: a call when its header names
-// to=functions.NAME, else its header is text.
-Block harmony_block(std::string_view s, bool at_end) {
-  constexpr std::string_view msg = "<|message|>", call = "<|call|>", to = "to=functions.";
+// A harmony message from <|channel|> or <|start|> (or its <|end|>). A header naming
+// to=functions.NAME starts a call (when `calls`); `<|channel|>C<|message|>` and
+// `<|start|>assistant<|channel|>C<|message|>` with C analysis, commentary or final are markup
+// (analysis: the text after it is reasoning); any other header is text, byte for byte.
+Block harmony_block(std::string_view s, bool at_end, bool calls) {
+  constexpr std::string_view msg = "<|message|>", call = "<|call|>", to = "to=functions.", end = "<|end|>",
+                             start = "<|start|>", chan = "<|channel|>";
+  if (s.substr(0, end.size()) == end) {
+    Block b;
+    b.kind = Block::Markup;
+    b.len = end.size();
+    return b;
+  }
   const size_t m = s.find(msg);
   if (m == std::string_view::npos) {
     if (!at_end) return {};
@@ -231,7 +242,24 @@ Block harmony_block(std::string_view s, bool at_end) {
   }
   const std::string_view header = s.substr(0, m);
   const size_t r = header.find(to);
-  if (r == std::string_view::npos) return calls_or_text(std::nullopt, m + msg.size());
+  if (r == std::string_view::npos) {
+    // A non-call message: its channel decides where its text goes.
+    std::string_view h = header;
+    if (h.substr(0, start.size()) == start) {
+      h.remove_prefix(start.size());
+      if (h.substr(0, 9) != "assistant") return calls_or_text(std::nullopt, m + msg.size());
+      h.remove_prefix(9);
+    }
+    if (h.substr(0, chan.size()) != chan) return calls_or_text(std::nullopt, m + msg.size());
+    const std::string_view c = h.substr(chan.size());
+    if (c != "analysis" && c != "commentary" && c != "final") return calls_or_text(std::nullopt, m + msg.size());
+    Block b;
+    b.kind = Block::Markup;
+    b.len = m + msg.size();
+    b.reasoning = c == "analysis";
+    return b;
+  }
+  if (!calls) return calls_or_text(std::nullopt, m + msg.size());
   size_t ne = r + to.size();
   while (ne < header.size() && header[ne] != ' ' && header[ne] != '<' && header[ne] != '\n') ++ne;
   const std::string_view name = header.substr(r + to.size(), ne - r - to.size());
@@ -245,23 +273,156 @@ Block harmony_block(std::string_view s, bool at_end) {
   return calls_or_text(std::move(tc), c == std::string_view::npos ? s.size() : c + call.size());
 }
 
+// How far `s` is a valid prefix of one JSON object: the length of the longest prefix that
+// is (0 when `s` does not start with '{'), and whether the object is closed there. Checks
+// the structure, strings, escapes and literals; numbers loosely (the final parse decides).
+struct JsonPrefix {
+  size_t valid = 0;
+  bool complete = false;
+};
+JsonPrefix json_object_prefix(std::string_view s) {
+  enum Expect { Value, KeyOrEnd, Key, Colon, CommaOrEnd, ValueOrEnd };
+  std::string stack;  // '{' or '['
+  Expect ex = Value;
+  JsonPrefix r;
+  if (s.empty() || s[0] != '{') return r;
+  size_t i = 0;
+  while (i < s.size()) {
+    const char c = s[i];
+    if (c == ' ' || c == '\t' || c == '\n' || c == '\r') {
+      ++i;
+      continue;
+    }
+    auto close_value = [&] { ex = CommaOrEnd; };
+    if (ex == Value || ex == ValueOrEnd) {
+      if (ex == ValueOrEnd && c == ']') {
+        stack.pop_back();
+        ++i;
+        close_value();
+      } else if (c == '{' || c == '[') {
+        if (stack.empty() && i != 0) return r;
+        stack.push_back(c);
+        ex = c == '{' ? KeyOrEnd : ValueOrEnd;
+        ++i;
+      } else if (c == '"' || c == '-' || (c >= '0' && c <= '9') || c == 't' || c == 'f' || c == 'n') {
+        size_t j = i;
+        if (c == '"') {
+          for (++j; j < s.size() && s[j] != '"'; ++j) {
+            if (static_cast<unsigned char>(s[j]) < 0x20) return r;
+            if (s[j] == '\\') {
+              if (++j >= s.size()) break;
+              if (std::string_view("\"\\/bfnrtu").find(s[j]) == std::string_view::npos) return r;
+            }
+          }
+          if (j >= s.size()) return {i + (s.size() - i), false};  // an open string
+          ++j;
+        } else if (c == 't' || c == 'f' || c == 'n') {
+          const std::string_view word = c == 't' ? "true" : c == 'f' ? "false" : "null";
+          while (j < s.size() && j - i < word.size() && s[j] == word[j - i]) ++j;
+          if (j < s.size() && j - i < word.size()) return r;  // a wrong letter
+          if (j - i < word.size()) return {s.size(), false};
+        } else {
+          while (j < s.size() && std::string_view("0123456789+-.eE").find(s[j]) != std::string_view::npos) ++j;
+          if (j >= s.size()) return {s.size(), false};
+        }
+        i = j;
+        close_value();
+      } else {
+        return r;
+      }
+    } else if (ex == KeyOrEnd || ex == Key) {
+      if (ex == KeyOrEnd && c == '}') {
+        stack.pop_back();
+        ++i;
+        close_value();
+      } else if (c == '"') {
+        ex = Value;  // the key is a string value; then a colon
+        size_t j = i + 1;
+        for (; j < s.size() && s[j] != '"'; ++j) {
+          if (static_cast<unsigned char>(s[j]) < 0x20) return r;
+          if (s[j] == '\\') {
+            if (++j >= s.size()) break;
+            if (std::string_view("\"\\/bfnrtu").find(s[j]) == std::string_view::npos) return r;
+          }
+        }
+        if (j >= s.size()) return {s.size(), false};
+        i = j + 1;
+        ex = Colon;
+      } else {
+        return r;
+      }
+    } else if (ex == Colon) {
+      if (c != ':') return r;
+      ++i;
+      ex = Value;
+    } else {                        // CommaOrEnd
+      if (stack.empty()) return r;  // text after the object
+      const char top = stack.back();
+      if (c == ',') {
+        ex = top == '{' ? Key : Value;
+        ++i;
+      } else if ((c == '}' && top == '{') || (c == ']' && top == '[')) {
+        stack.pop_back();
+        ++i;
+      } else {
+        return r;
+      }
+    }
+    r.valid = i;
+    r.complete = stack.empty() && ex == CommaOrEnd;
+    if (r.complete) return r;
+  }
+  r.valid = s.size();
+  return r;
+}
+
+// The arguments of an open harmony call decided so far (see StreamParser), or nullopt when
+// `s` is not (yet) such a call: `name` set from the header.
+std::optional<std::string_view> harmony_open_args(std::string_view s, std::string& name) {
+  constexpr std::string_view msg = "<|message|>", call = "<|call|>", to = "to=functions.";
+  const size_t m = s.find(msg);
+  if (m == std::string_view::npos) return std::nullopt;
+  const std::string_view header = s.substr(0, m);
+  const size_t r = header.find(to);
+  if (r == std::string_view::npos) return std::nullopt;
+  size_t ne = r + to.size();
+  while (ne < header.size() && header[ne] != ' ' && header[ne] != '<' && header[ne] != '\n') ++ne;
+  name = std::string(header.substr(r + to.size(), ne - r - to.size()));
+  if (!valid_name(name)) return std::nullopt;
+  std::string_view a = s.substr(m + msg.size());
+  // Hold back a tail that may begin <|call|>.
+  for (size_t k = std::min(call.size() - 1, a.size()); k > 0; --k)
+    if (a.substr(a.size() - k) == call.substr(0, k)) {
+      a.remove_suffix(k);
+      break;
+    }
+  const size_t b = a.find_first_not_of(" \t\r\n");
+  if (b == std::string_view::npos) return std::nullopt;
+  a.remove_prefix(b);
+  const JsonPrefix j = json_object_prefix(a);
+  a = a.substr(0, j.valid);
+  while (!a.empty() && std::string_view(" \t\r\n").find(a.back()) != std::string_view::npos) a.remove_suffix(1);
+  if (a.empty()) return std::nullopt;
+  return a;
+}
+
 std::vector<std::string_view> openers(Format f) {
   switch (f) {
     case Format::Hermes:
     case Format::Glm: return {kToolCall};
     case Format::DeepSeek: return {kDsCallsBegin, kDsCallBegin};
-    case Format::Harmony: return {"<|channel|>", "<|start|>"};
+    case Format::Harmony: return {"<|channel|>", "<|start|>", "<|end|>"};
     case Format::None: break;
   }
   return {};
 }
 
-Block parse_block(Format f, std::string_view s, bool at_end) {
+Block parse_block(Format f, std::string_view s, bool at_end, bool calls) {
   switch (f) {
     case Format::Hermes: return tag_block(s, at_end, false);
     case Format::Glm: return tag_block(s, at_end, true);
     case Format::DeepSeek: return deepseek_block(s, at_end);
-    case Format::Harmony: return harmony_block(s, at_end);
+    case Format::Harmony: return harmony_block(s, at_end, calls);
     case Format::None: break;
   }
   return calls_or_text(std::nullopt, s.size());
@@ -291,8 +452,12 @@ const char* format_name(Format f) {
 }
 
 void StreamParser::emit_text(std::string_view s, Delta& out) {
-  // Trailing whitespace waits: it is dropped when a call follows, whatever the split.
   if (s.empty()) return;
+  if (reasoning_) {
+    out.reasoning += s;
+    return;
+  }
+  // Trailing whitespace waits: it is dropped when a call follows, whatever the split.
   if (is_space_only(s)) {
     pending_ws_ += s;
     return;
@@ -329,20 +494,67 @@ void StreamParser::run(bool at_end, Delta& out) {
       if (at_end && !buf_.empty()) continue;
       return;
     }
-    Block b = parse_block(format_, buf_, at_end);
-    if (b.kind == Block::Incomplete) return;
+    Block b = parse_block(format_, buf_, at_end, calls_);
+    if (b.kind == Block::Incomplete) {
+      if (incremental_ && calls_ && format_ == Format::Harmony) stream_open_call(out);
+      return;
+    }
     if (b.len == 0) b.len = buf_.size();  // never stall
+    // An open call must end as the arguments it sent began (always so: they are a prefix).
+    if (b.kind == Block::Calls && open_ &&
+        (b.calls.size() != 1 || b.calls[0].arguments.compare(0, sent_.size(), sent_) != 0))
+      b.kind = Block::Text;
     if (b.kind == Block::Calls) {
       pending_ws_.clear();
+      reasoning_ = false;
       n_calls_ += b.calls.size();
-      for (auto& c : b.calls) out.calls.push_back(std::move(c));
+      for (auto& c : b.calls) emit_call(std::move(c), out);
+    } else if (b.kind == Block::Markup) {
+      reasoning_ = b.reasoning;
     } else {
+      if (open_) ++next_index_;  // an opened call that did not parse keeps its index
       emit_text(std::string_view(buf_).substr(0, b.len), out);
     }
+    open_ = false;
+    sent_.clear();
     buf_.erase(0, b.len);
     in_block_ = false;
     if (buf_.empty()) return;
   }
+}
+
+void StreamParser::emit_call(ToolCall c, Delta& out) {
+  if (!incremental_) {
+    out.calls.push_back(std::move(c));
+    return;
+  }
+  CallPiece p;
+  p.index = next_index_++;
+  if (open_) {
+    p.arguments = c.arguments.substr(sent_.size());  // the rest of an open call
+  } else {
+    p.first = true;
+    p.name = std::move(c.name);
+    p.arguments = std::move(c.arguments);
+  }
+  open_ = false;
+  out.pieces.push_back(std::move(p));
+}
+
+void StreamParser::stream_open_call(Delta& out) {
+  std::string name;
+  const auto args = harmony_open_args(buf_, name);
+  if (!args || args->size() <= sent_.size() || args->compare(0, sent_.size(), sent_) != 0) return;
+  CallPiece p;
+  p.index = next_index_;
+  if (!open_) {
+    p.first = true;
+    p.name = std::move(name);
+    open_ = true;
+  }
+  p.arguments = std::string(args->substr(sent_.size()));
+  sent_ = std::string(*args);
+  out.pieces.push_back(std::move(p));
 }
 
 Delta StreamParser::push(std::string_view text) {
@@ -365,11 +577,12 @@ Delta StreamParser::finish() {
   return out;
 }
 
-Delta parse(Format f, std::string_view text) {
-  StreamParser p(f);
+Delta parse(Format f, std::string_view text, bool calls) {
+  StreamParser p(f, calls);
   Delta d = p.push(text);
   Delta e = p.finish();
   d.content += e.content;
+  d.reasoning += e.reasoning;
   for (auto& c : e.calls) d.calls.push_back(std::move(c));
   return d;
 }

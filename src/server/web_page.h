@@ -4,7 +4,9 @@
 // streams replies from POST /v1/chat/completions (SSE over fetch), stops one with an
 // AbortController (the server cancels the request when the stream closes), and shows the
 // model (GET /v1/models) and, every second, counters of GET /metrics: decode tokens/s, arena
-// hits and misses and the exposed wait of the decode phase.
+// hits and misses and the exposed wait of the decode phase. An API key typed into the key
+// field (kept in the browser's localStorage) is sent as `Authorization: Bearer KEY`; a 401
+// says so on the page.
 
 namespace strata::server {
 
@@ -34,6 +36,7 @@ inline constexpr const char kWebPage[] = R"STRATA_HTML(<!doctype html>
   <span>arena hits: <b id="hits">-</b></span>
   <span>misses: <b id="misses">-</b></span>
   <span>exposed wait: <b id="wait">-</b> s</span>
+  <label>API key: <input id="key" type="password" size="12" autocomplete="off"></label>
   <span id="status">idle</span>
 </header>
 <div id="log"></div>
@@ -48,6 +51,26 @@ inline constexpr const char kWebPage[] = R"STRATA_HTML(<!doctype html>
 const $ = (id) => document.getElementById(id);
 const messages = [];
 let controller = null;
+// The API key (--api-key of the server), kept in localStorage across reloads.
+const KEY = 'strata-api-key';
+const store = typeof localStorage === 'undefined' ? null : localStorage;
+$('key').value = (store && store.getItem(KEY)) || '';
+$('key').addEventListener('input', () => {
+  if (store) store.setItem(KEY, $('key').value);
+  loadModel();
+});
+const UNAUTHORIZED = 'HTTP 401: the server needs an API key (--api-key): enter it in the API key field';
+
+// fetch with the API key as a bearer token; throws on 401 with UNAUTHORIZED.
+async function api(url, opts) {
+  opts = opts || {};
+  const headers = Object.assign({}, opts.headers);
+  const key = $('key').value.trim();
+  if (key) headers['Authorization'] = 'Bearer ' + key;
+  const res = await fetch(url, Object.assign({}, opts, { headers }));
+  if (res.status === 401) throw new Error(UNAUTHORIZED);
+  return res;
+}
 
 function add(role, text) {
   const div = document.createElement('div');
@@ -69,21 +92,25 @@ function metric(text, name, labels) {
 
 async function poll() {
   try {
-    const t = await (await fetch('/metrics')).text();
+    const t = await (await api('/metrics')).text();
     const tps = metric(t, 'strata_decode_tokens_per_second');
     $('tps').textContent = tps === null ? '-' : tps.toFixed(1);
     $('hits').textContent = String(metric(t, 'strata_arena_hits_total', 'phase="decode"') ?? '-');
     $('misses').textContent = String(metric(t, 'strata_arena_misses_total', 'phase="decode"') ?? '-');
     const w = metric(t, 'strata_exposed_wait_seconds_total', 'phase="decode"');
     $('wait').textContent = w === null ? '-' : w.toFixed(3);
-  } catch (e) { /* the server may be restarting */ }
+    if ($('status').textContent === UNAUTHORIZED) $('status').textContent = 'idle';
+  } catch (e) {
+    if (e.message === UNAUTHORIZED && !controller) $('status').textContent = UNAUTHORIZED;
+    /* else the server may be restarting */
+  }
 }
 
 async function loadModel() {
   try {
-    const m = await (await fetch('/v1/models')).json();
+    const m = await (await api('/v1/models')).json();
     $('model').textContent = m.data[0].id;
-  } catch (e) { $('model').textContent = '(unavailable)'; }
+  } catch (e) { $('model').textContent = e.message === UNAUTHORIZED ? '(API key needed)' : '(unavailable)'; }
 }
 
 async function send(text) {
@@ -96,7 +123,7 @@ async function send(text) {
   $('status').textContent = 'generating';
   let reply = '';
   try {
-    const res = await fetch('/v1/chat/completions', {
+    const res = await api('/v1/chat/completions', {
       method: 'POST',
       headers: { 'Content-Type': 'application/json' },
       body: JSON.stringify({ messages, stream: true }),

@@ -1,8 +1,9 @@
 // The chat page at GET /: served by strata itself, and its script driven in Node against the
 // real server through a minimal stand-in for the DOM (no browser here): load (model name and
 // counters), send (a streamed reply equal to the same greedy request answered whole), stop
-// (the Stop button aborts the stream, the server frees the slot) and reload (a fresh page).
-// A real-browser test (chromium + playwright-core) is not part of this suite yet.
+// (the Stop button aborts the stream, the server frees the slot) and reload (a fresh page), with
+// the API key from localStorage; and without a key: the 401 message, then the key field.
+// The same page in a real browser (chromium + playwright-core): browser.test.mjs.
 import { after, before, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { post, requireSetup, startServer } from './harness.mjs';
@@ -36,9 +37,17 @@ class Element {
   requestSubmit() { this.dispatch('submit'); }
 }
 
-// Runs the page's script with `fetch` sent to the server (with the API key, as a user's
-// proxy would add it); returns the elements and a stop function for its timer.
-function loadPage(html) {
+// A localStorage stand-in that outlives a page (as the browser's does across reloads).
+class Storage {
+  constructor(init = {}) { this.m = new Map(Object.entries(init)); }
+  getItem(k) { return this.m.has(k) ? this.m.get(k) : null; }
+  setItem(k, v) { this.m.set(k, String(v)); }
+}
+
+// Runs the page's script with `fetch` sent to the server and `storage` as its localStorage
+// (the API key the page sends comes from there or its key field); returns the elements, the
+// headers of the requests it made and a stop function for its timer.
+function loadPage(html, storage) {
   const script = html.match(/<script>([\s\S]*)<\/script>/)[1];
   const ids = [...html.matchAll(/id="([a-z]+)"/g)].map((m) => m[1]);
   const els = Object.fromEntries(ids.map((id) => [id, new Element(id)]));
@@ -50,12 +59,14 @@ function loadPage(html) {
   const setIntervalStub = (fn, ms) => { const t = setInterval(fn, ms); timers.push(t); return t; };
   // `extra` is merged into the JSON bodies the page posts (the stop test makes a reply long).
   const extra = {};
+  const sent = [];
   const pageFetch = (url, opts = {}) => {
     const body = opts.body ? JSON.stringify({ ...JSON.parse(opts.body), ...extra }) : undefined;
-    return fetch(new URL(url, srv.url), { ...opts, body, headers: { ...(opts.headers || {}), Authorization: 'Bearer k' } });
+    sent.push({ url, headers: opts.headers || {} });
+    return fetch(new URL(url, srv.url), { ...opts, body });
   };
-  new Function('document', 'fetch', 'setInterval', script)(document, pageFetch, setIntervalStub);
-  return { els, extra, close: () => timers.forEach(clearInterval) };
+  new Function('document', 'fetch', 'setInterval', 'localStorage', script)(document, pageFetch, setIntervalStub, storage);
+  return { els, extra, sent, close: () => timers.forEach(clearInterval) };
 }
 
 async function until(pred, what, ms = 30000) {
@@ -74,18 +85,21 @@ test('GET / serves the page without an API key; the page loads, sends, streams, 
   assert.ok(html.length < 16 * 1024, 'small');
   assert.doesNotMatch(html, /<script src=|<link /, 'no external resources');
 
-  // Load: the model name and the counters of /metrics.
-  let page = loadPage(html);
+  // Load: the model name and the counters of /metrics (the key is in localStorage).
+  const storage = new Storage({ 'strata-api-key': 'k' });
+  let page = loadPage(html, storage);
   try {
-    await useThePage(page, html);
+    await useThePage(page, html, storage);
   } finally {
     page.close();
   }
 });
 
-async function useThePage(page, html) {
+async function useThePage(page, html, storage) {
   const { els } = page;
-  await until(() => els.model.textContent !== '' && !['', '-'].includes(els.tps.textContent), 'model and counters');
+  await until(() => !['', '?'].includes(els.model.textContent) && !['', '-'].includes(els.tps.textContent), 'model and counters');
+  assert.equal(els.key.value, 'k');
+  assert.ok(page.sent.every((r) => r.headers.Authorization === 'Bearer k'), 'every call sends the key');
   assert.equal(els.model.textContent, 'qwen3moe-code-Q8_0');
   assert.match(els.hits.textContent, /^\d+$/);
 
@@ -123,7 +137,7 @@ async function useThePage(page, html) {
   page.close();
 
   // Reload: a fresh page starts empty and works.
-  const again = loadPage(html);
+  const again = loadPage(html, storage);
   try {
     assert.equal(again.els.log.children.length, 0);
     again.extra.max_tokens = 16;
@@ -134,3 +148,34 @@ async function useThePage(page, html) {
     again.close();
   }
 }
+
+test('the page without the API key says the server needs one; typing it in fixes that', async () => {
+  const html = await (await fetch(`${srv.url}/`)).text();
+  const storage = new Storage();
+  const page = loadPage(html, storage);
+  try {
+    const { els } = page;
+    await until(() => els.model.textContent === '(API key needed)', 'the 401 of /v1/models');
+    await until(() => /401/.test(els.status.textContent), 'the 401 of /metrics');
+    assert.match(els.status.textContent, /API key/);
+    assert.doesNotMatch(els.tps.textContent, /\d/, 'no counters without the key');
+    els.input.value = 'hi';
+    els.form.dispatch('submit');
+    await until(() => els.status.textContent === 'error', 'the refused send');
+    assert.match(els.log.children[1].textContent, /HTTP 401: the server needs an API key/);
+    assert.equal(els.log.children[1].className, 'msg error');
+
+    // A wrong key is refused the same way; the right one works and is stored.
+    els.key.value = 'wrong';
+    els.key.dispatch('input');
+    await new Promise((r) => setTimeout(r, 300));
+    assert.equal(els.model.textContent, '(API key needed)');
+    els.key.value = 'k';
+    els.key.dispatch('input');
+    await until(() => els.model.textContent === 'qwen3moe-code-Q8_0', 'the model with the key');
+    assert.equal(storage.getItem('strata-api-key'), 'k');
+    await until(() => /^\d+$/.test(els.hits.textContent), 'counters with the key');
+  } finally {
+    page.close();
+  }
+});
