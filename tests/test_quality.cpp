@@ -324,7 +324,7 @@ TEST(QualityKld, AgainstItselfUnderOtherEngineSettingsIsExactlyZero) {
   // The base ran with prompt chunks of 64 (the chunk is capped at -c) and an automatic arena
   // holding every expert; --decode feeds the tokens one at a time.
   for (const std::string settings :
-       {"", "--arena-mb 5 --prompt-chunk 16", "--predict off --io-threads 1",
+       {"", "--arena-mb 5 --prompt-chunk 16", "--predict off --io-threads 1", "--arena-mb 1",
         "--prompt-chunk 7 --arena-mb 40 --no-direct-io", "--decode --arena-mb 5 --moce-bonus 0 --moce-prefill"}) {
     const nlohmann::json j = run_json("perplexity " + model_flag() + " -f " + kText + " --kl-divergence-base " + base +
                                       " --kl-divergence --json " + settings);
@@ -444,7 +444,11 @@ TEST(QualityRouteParity, SettingsThatMustAgreePass) {
   for (const auto& [a, b] :
        std::vector<std::pair<std::string, std::string>>{{"--arena-mb 40", "--arena-mb 5 --prompt-chunk 16"},
                                                         {"--prompt-chunk 512",
-                                                         "--prompt-chunk 7 --predict off --io-threads 1"}}) {
+                                                         "--prompt-chunk 7 --predict off --io-threads 1"},
+                                                        // the whole text in one call vs calls of 64
+                                                        {"--prompt-chunk 64", "--prompt-chunk 2048 --predict off"},
+                                                        // every expert vs the minimum arena (automatic chunk)
+                                                        {"--arena-mb 40", "--arena-mb 1"}}) {
     const CmdResult r = run_strata("route-parity -m " + test::shipped_model() + " -f " + kText + " --a \"-t 2 " + a +
                                    "\" --b \"-t 2 " + b + "\"");
     EXPECT_EQ(r.rc, 0) << r.out;
