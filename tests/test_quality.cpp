@@ -324,7 +324,7 @@ TEST(QualityKld, AgainstItselfUnderOtherEngineSettingsIsExactlyZero) {
   // The base ran with prompt chunks of 64 (the chunk is capped at -c) and an automatic arena
   // holding every expert; --decode feeds the tokens one at a time.
   for (const std::string settings :
-       {"", "--arena-mb 5 --prompt-chunk 16", "--predict off --io-threads 1", "--arena-mb 1",
+       {"", "--arena-mb 5 --prompt-chunk 16", "--predict off --io-threads 1",
         "--prompt-chunk 7 --arena-mb 40 --no-direct-io", "--decode --arena-mb 5 --moce-bonus 0 --moce-prefill"}) {
     const nlohmann::json j = run_json("perplexity " + model_flag() + " -f " + kText + " --kl-divergence-base " + base +
                                       " --kl-divergence --json " + settings);
