@@ -341,14 +341,20 @@ TEST(QualityKld, AgainstItselfUnderOtherEngineSettingsIsExactlyZero) {
 
 TEST(QualityKld, F32VersusQ8ActivationsIsSmallButNotZero) {
   const std::string base = scratch().path("f32.kld");
-  ASSERT_EQ(run_strata("perplexity " + model_flag() + " -f " + kText + " -c 64 --act-quant f32 --kl-divergence-base " +
-                       base)
-                .rc,
-            0);
+  const nlohmann::json f32 = run_json("perplexity " + model_flag() + " -f " + kText +
+                                      " -c 64 --act-quant f32 --json --kl-divergence-base " + base);
+  const nlohmann::json q8 = run_json("perplexity " + model_flag() + " -f " + kText + " -c 64 --act-quant q8 --json");
   const nlohmann::json j = run_json("perplexity " + model_flag() + " -f " + kText + " --kl-divergence-base " + base +
                                     " --kl-divergence --json --act-quant q8");
   ASSERT_TRUE(j.contains("kld"));
   const auto& k = j["kld"];
+  // The two perplexities of the separate runs are the ones the comparison reports, and they differ
+  // by its PPL ratio (exp(mean(NLL_q8 - NLL_f32)) = PPL_q8 / PPL_f32 up to rounding).
+  const double p_f32 = f32["ppl"].get<double>(), p_q8 = q8["ppl"].get<double>();
+  EXPECT_NE(p_f32, p_q8);
+  EXPECT_NEAR(k["ppl_base"]["value"].get<double>(), p_f32, 1e-9 * p_f32);
+  EXPECT_NEAR(j["ppl"].get<double>(), p_q8, 1e-12 * p_q8);
+  EXPECT_NEAR(k["ppl_ratio"]["value"].get<double>(), p_q8 / p_f32, 1e-9);
   const double kld = k["mean"]["value"].get<double>();
   std::fprintf(stderr, "KLD(f32 || q8) = %.3g +/- %.2g, p99 %.3g, same top-1 %.4f, PPL ratio %.5f\n", kld,
                k["mean"]["error"].get<double>(), k["p99"].get<double>(), k["same_top1"]["value"].get<double>(),
@@ -438,7 +444,11 @@ TEST(QualityRouteParity, SettingsThatMustAgreePass) {
   for (const auto& [a, b] :
        std::vector<std::pair<std::string, std::string>>{{"--arena-mb 40", "--arena-mb 5 --prompt-chunk 16"},
                                                         {"--prompt-chunk 512",
-                                                         "--prompt-chunk 7 --predict off --io-threads 1"}}) {
+                                                         "--prompt-chunk 7 --predict off --io-threads 1"},
+                                                        // the whole text in one call vs calls of 64
+                                                        {"--prompt-chunk 64", "--prompt-chunk 2048 --predict off"},
+                                                        // every expert vs the minimum arena (automatic chunk)
+                                                        {"--arena-mb 40", "--arena-mb 1"}}) {
     const CmdResult r = run_strata("route-parity -m " + test::shipped_model() + " -f " + kText + " --a \"-t 2 " + a +
                                    "\" --b \"-t 2 " + b + "\"");
     EXPECT_EQ(r.rc, 0) << r.out;
@@ -478,6 +488,108 @@ TEST(QualityRouteParity, F32VersusQ8ReportsDifferencesWithTiesApart) {
   if (real) {
     EXPECT_GT(jt["ties"].get<size_t>(), ties);
   }
+}
+
+namespace {
+// kText's first 40 token ids, comma-separated (for --prompt-ids).
+const std::string& prompt_ids40() {
+  static const std::string ids = [] {
+    engine::EngineOptions o;
+    o.n_threads = 2;
+    engine::Engine eng(test::shipped_model(), o);
+    std::ifstream in(kText);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    const std::vector<int32_t> t = eng.tokenizer().encode(ss.str());
+    std::string out;
+    for (size_t i = 0; i < 40 && i < t.size(); ++i) out += (i ? "," : "") + std::to_string(t[i]);
+    return out;
+  }();
+  return ids;
+}
+
+// `strata run` of kText's first 40 tokens plus 4 greedy decode steps, dumping only the routing.
+std::string dump_routes(const std::string& name, const std::string& settings) {
+  const std::string dir = scratch().path(name);
+  const CmdResult r = run_strata("run " + model_flag() + " --prompt-ids " + prompt_ids40() + " -n 4 --temp 0 " +
+                                 settings + " --dump " + dir + " --dump-filter 'ffn_moe_route-.*'");
+  EXPECT_EQ(r.rc, 0) << r.out;
+  return dir;
+}
+}  // namespace
+
+TEST(QualityRouteParity, FromTwoDumpDirectories) {
+  // Two settings that must agree, recorded with --dump (different prompt chunks, so the calls
+  // differ): PASS, decode rows present; a dump against itself: PASS.
+  const std::string a = dump_routes("dump-a", "--arena-mb 40");
+  const std::string b = dump_routes("dump-b", "--arena-mb 5 --prompt-chunk 16");
+  const CmdResult self = run_strata("route-parity --dump-a " + a + " --dump-b " + a);
+  EXPECT_EQ(self.rc, 0) << self.out;
+  EXPECT_THAT(self.out, HasSubstr("PASS: the routing agrees on all"));
+  const CmdResult ab = run_strata("route-parity --dump-a " + a + " --dump-b " + b + " --json", false);
+  EXPECT_EQ(ab.rc, 0) << ab.out;
+  const nlohmann::json j = nlohmann::json::parse(ab.out);
+  EXPECT_TRUE(j["pass"].get<bool>());
+  size_t prefill = 0, decode = 0;
+  for (const auto& row : j["layers"]) (row["phase"] == "decode" ? decode : prefill) += row["tokens"].get<size_t>();
+  EXPECT_EQ(prefill, 8u * 40u);  // 8 MoE layers x 40 prompt tokens
+  EXPECT_EQ(decode, 8u * 3u);    // 4 generated tokens: the first from the prefill, 3 decode steps
+
+  // One changed routing: layer 5 of the first call, token 7, its last chosen expert replaced by
+  // one not chosen (the probabilities stay, so the boundary gap is the recorded one: real unless
+  // it is a 1e-6 tie, which the test excludes by choosing the token).
+  const std::string c = scratch().path("dump-c");
+  fs::copy(a, c, fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+  const std::string file = c + "/00000-ffn_moe_route-5.f32";
+  std::vector<float> rec(fs::file_size(file) / sizeof(float));
+  {
+    std::ifstream in(file, std::ios::binary);
+    in.read(reinterpret_cast<char*>(rec.data()), std::streamsize(rec.size() * sizeof(float)));
+  }
+  const size_t K = 8, W = 2 * K + 1, t = 7;
+  ASSERT_EQ(rec.size(), W * 40);
+  const float pk = rec[t * W + 2 * K - 1], next = rec[t * W + 2 * K];
+  ASSERT_GT((pk - next) / pk, 1e-6) << "token 7 is a tie; choose another";
+  for (int e = 0; e < 64; ++e) {
+    bool chosen = false;
+    for (size_t k = 0; k < K; ++k) chosen = chosen || rec[t * W + k] == float(e);
+    if (!chosen) {
+      rec[t * W + K - 1] = float(e);
+      break;
+    }
+  }
+  {
+    std::ofstream out(file, std::ios::binary | std::ios::trunc);
+    out.write(reinterpret_cast<const char*>(rec.data()), std::streamsize(rec.size() * sizeof(float)));
+  }
+  const CmdResult bad = run_strata("route-parity --dump-a " + a + " --dump-b " + c);
+  EXPECT_EQ(bad.rc, 1) << bad.out;
+  EXPECT_THAT(bad.out, HasSubstr("first real difference: prefill layer 5 token 7"));
+  EXPECT_THAT(bad.out, HasSubstr("FAIL: 1 real routing differences (0 ties)"));
+  EXPECT_THAT(bad.out, HasSubstr("in (phase layer): prefill 5"));
+
+  // Bad input: a directory that is not a dump, a dump without routing, one side missing.
+  const CmdResult nodump = run_strata("route-parity --dump-a " + scratch().path("") + " --dump-b " + a);
+  EXPECT_EQ(nodump.rc, 1);
+  EXPECT_THAT(nodump.out, HasSubstr("is not a --dump directory"));
+  const std::string lo = scratch().path("dump-lout");
+  ASSERT_EQ(run_strata("run " + model_flag() + " --prompt-ids 1,2,3 -n 1 --dump " + lo + " --dump-filter 'l_out-1'").rc,
+            0);
+  const CmdResult noroute = run_strata("route-parity --dump-a " + lo + " --dump-b " + a);
+  EXPECT_EQ(noroute.rc, 1);
+  EXPECT_THAT(noroute.out, HasSubstr("has no ffn_moe_route-L tensors"));
+  const std::string ids39 = prompt_ids40().substr(0, prompt_ids40().rfind(','));
+  const std::string other = scratch().path("dump-other");
+  ASSERT_EQ(run_strata("run " + model_flag() + " --prompt-ids " + ids39 + " -n 4 --temp 0 --dump " + other +
+                       " --dump-filter 'ffn_moe_route-.*'")
+                .rc,
+            0);
+  const CmdResult diff = run_strata("route-parity --dump-a " + a + " --dump-b " + other);
+  EXPECT_EQ(diff.rc, 1);
+  EXPECT_THAT(diff.out, HasSubstr("the two dumps ran different tokens"));
+  const CmdResult one = run_strata("route-parity --dump-a " + a);
+  EXPECT_EQ(one.rc, 1);
+  EXPECT_THAT(one.out, HasSubstr("give both --dump-a DIR and --dump-b DIR"));
 }
 
 TEST(QualityRouteParity, BadFlagsAreNamed) {
@@ -699,6 +811,15 @@ std::vector<int32_t> text_tokens(const engine::Engine& eng, size_t skip, size_t 
   EXPECT_GE(t.size(), skip + n);
   return std::vector<int32_t>(t.begin() + ptrdiff_t(skip), t.begin() + ptrdiff_t(std::min(t.size(), skip + n)));
 }
+// `n` token ids of kText after the first `skip`, comma-separated (for --prompt-ids).
+std::string text_ids(size_t skip, size_t n) {
+  engine::EngineOptions o;
+  o.n_threads = 2;
+  engine::Engine eng(test::shipped_model(), o);
+  std::string out;
+  for (int32_t id : text_tokens(eng, skip, n)) out += (out.empty() ? "" : ",") + std::to_string(id);
+  return out;
+}
 }  // namespace
 
 TEST(QualityMoce, BonusWithASmallArenaLowersMissesAndHasAKld) {
@@ -763,4 +884,59 @@ TEST(QualityMoce, CalibratedBonusRespectsItsBudget) {
       budget, c.bonus, c.kld, kld, (unsigned long long)bc.misses, (unsigned long long)b0.misses);
   EXPECT_TRUE(std::isfinite(kld));
   EXPECT_THROW(quality::calibrate_moce(eng, cal, 0.0), std::invalid_argument);
+}
+
+TEST(QualityMoce, MoceBenchReportsSpeedAndKldSideBySide) {
+  // Calibrate on a short file (the first 24 tokens of kText) and measure on a held-back part.
+  const std::string cal = scratch().path("moce-cal.txt");
+  {
+    std::ifstream in(kText);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    std::ofstream(cal) << ss.str().substr(0, 100);
+  }
+  const std::string held = text_ids(400, 24);
+  const std::string args = "moce-bench " + model_flag() + " --arena-mb 5 --predict off -c 64 --prompt-ids " + held +
+                           " --bonuses 0,0.5 --moce-kld-budget 0.05 --moce-calibrate " + cal;
+  const nlohmann::json j = run_json(args + " --json");
+  ASSERT_TRUE(j.contains("rows"));
+  ASSERT_EQ(j["rows"].size(), 3u);  // 0, 0.5, calibrated
+  EXPECT_EQ(j["tokens"].get<size_t>(), 24u);
+  const auto& r0 = j["rows"][0];
+  const auto& r5 = j["rows"][1];
+  const auto& rc = j["rows"][2];
+  EXPECT_EQ(r0["bonus"].get<double>(), 0.0);
+  EXPECT_EQ(r0["kld_mean"].get<double>(), 0.0);
+  EXPECT_EQ(r0["same_top1"].get<double>(), 1.0);
+  EXPECT_EQ(r0["moce_substituted"].get<uint64_t>(), 0u);
+  EXPECT_EQ(r0["tokens"].get<int64_t>(), 24);
+  EXPECT_GT(r0["tokens_per_s"].get<double>(), 0.0);
+  EXPECT_EQ(r5["bonus"].get<double>(), 0.5);
+  EXPECT_LT(r5["misses"].get<uint64_t>(), r0["misses"].get<uint64_t>());
+  EXPECT_GT(r5["moce_substituted"].get<uint64_t>(), 0u);
+  EXPECT_GT(r5["kld_mean"].get<double>(), 0.0);
+  EXPECT_LE(r5["kld_mean"].get<double>(), r5["kld_max"].get<double>());
+  EXPECT_TRUE(rc["calibrated"].get<bool>());
+  EXPECT_EQ(rc["bonus"].get<double>(), j["calibration"]["bonus"].get<double>());
+  EXPECT_LE(j["calibration"]["kld"].get<double>(), 0.05);
+  std::printf(
+      "moce-bench, arena 5 MiB, read-ahead off, 24 held-back tokens: bonus 0 misses %llu; 0.5: misses %llu, "
+      "KLD %.5f; calibrated %.2f (budget 0.05, calibration KLD %.5f): held-back KLD %.5f, misses %llu\n",
+      (unsigned long long)r0["misses"].get<uint64_t>(), (unsigned long long)r5["misses"].get<uint64_t>(),
+      r5["kld_mean"].get<double>(), rc["bonus"].get<double>(), j["calibration"]["kld"].get<double>(),
+      rc["kld_mean"].get<double>(), (unsigned long long)rc["misses"].get<uint64_t>());
+  // The same KLD is a pure function of the routing with the read-ahead off: the text output agrees.
+  const CmdResult text = run_strata(args, false);
+  EXPECT_EQ(text.rc, 0);
+  EXPECT_THAT(text.out, HasSubstr("(calibrated)"));
+  EXPECT_THAT(text.out, HasSubstr("read-ahead off"));
+  // Bad input is named.
+  for (const auto& [bad, msg] :
+       std::vector<std::pair<std::string, std::string>>{{" --bonuses 0,x", "'x' is not a bonus"},
+                                                        {" --bonuses 0,-1", "'-1' is not a bonus"},
+                                                        {" --moce-bonus 0.5", "give the values with --bonuses"}}) {
+    const CmdResult r = run_strata("moce-bench " + model_flag() + " --prompt-ids " + held + bad);
+    EXPECT_EQ(r.rc, 1) << bad;
+    EXPECT_THAT(r.out, HasSubstr(msg)) << bad;
+  }
 }

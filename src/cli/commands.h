@@ -17,5 +17,6 @@ void register_ssdbw(CLI::App& root);
 void register_pack(CLI::App& root);
 void register_perplexity(CLI::App& root);
 void register_route_parity(CLI::App& root);
+void register_moce_bench(CLI::App& root);
 void register_template(CLI::App& root);
 }  // namespace strata::cli

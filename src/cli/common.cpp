@@ -152,10 +152,10 @@ engine::EngineOptions EngineFlags::resolve() const {
   return o;
 }
 
-void EngineFlags::calibrate_moce(engine::Engine& eng) const {
+quality::MoceCalibration EngineFlags::calibrate_moce(engine::Engine& eng) const {
   if (moce_kld_budget <= 0) {
     if (!moce_calibrate.empty()) throw std::invalid_argument("--moce-calibrate needs --moce-kld-budget X");
-    return;
+    return {};
   }
   std::vector<int32_t> cal;
   const size_t cap = size_t(std::min<int64_t>(128, eng.n_ctx()));
@@ -178,6 +178,7 @@ void EngineFlags::calibrate_moce(engine::Engine& eng) const {
   for (const auto& g : c.grid) fmt::print(stderr, " {}:{:.5f}", g.bonus, g.kld);
   fmt::print(stderr, "\nmoce calibration: chose --moce-bonus {} (KLD {:.6f} <= budget {})\n", c.bonus, c.kld,
              moce_kld_budget);
+  return c;
 }
 
 void PromptFlags::add(CLI::App& app) {

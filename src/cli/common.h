@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "engine/engine.h"
+#include "engine/quality.h"
 
 namespace strata::cli {
 
@@ -24,9 +25,10 @@ struct EngineFlags {
   std::string moce_calibrate;  ///< --moce-calibrate FILE ("" = the built-in greedy sample)
   void add(CLI::App& app);
   /// With --moce-kld-budget: picks the bonus (quality::calibrate_moce) on the calibration text,
-  /// prints the grid and the choice to stderr and leaves `eng` at it; else does nothing. Throws
+  /// prints the grid and the choice to stderr, leaves `eng` at it and returns it (with its grid);
+  /// else does nothing and returns an empty calibration (bonus 0, no grid). Throws
   /// std::invalid_argument for an unreadable or too short file, EngineError as decode does.
-  void calibrate_moce(engine::Engine& eng) const;
+  quality::MoceCalibration calibrate_moce(engine::Engine& eng) const;
   /// The options with string flags resolved. Throws std::invalid_argument on bad values.
   engine::EngineOptions resolve() const;
 };

@@ -23,6 +23,7 @@ int main(int argc, char** argv) {
   strata::cli::register_pack(app);
   strata::cli::register_perplexity(app);
   strata::cli::register_route_parity(app);
+  strata::cli::register_moce_bench(app);
   strata::cli::register_template(app);
   // llama.cpp spellings CLI11 would misread ("-ngl 99" as "-n gl"): refused, naming strata's flag.
   if (const std::string err = strata::cli::llama_cpp_flag_error(argc, argv); !err.empty()) {

@@ -415,6 +415,7 @@ void Engine::run(model::SequenceState& st, std::span<const int32_t> ids, model::
   ctx.ahead.static_rank = static_rank_.empty() ? nullptr : &static_rank_;
   ctx.prediction = &phase.prediction;
   ctx.moce_bonus = (&phase == &decode_ || opts_.moce_prefill) ? opts_.moce_bonus : 0.0f;
+  if (dump_) dump_->set_phase(&phase == &decode_ ? "decode" : "prefill");
   ctx.moce = &phase.moce;
   ctx.profile = opts_.profile ? &phase.profile : nullptr;
   const int64_t n = int64_t(ids.size()), V = model_->hparams().n_vocab;
@@ -479,6 +480,7 @@ void Engine::forward_batch(std::span<model::SeqInput> batch, model::RoutingTrace
   ctx.ahead.predict_min = opts_.predict_min;
   ctx.ahead.static_rank = static_rank_.empty() ? nullptr : &static_rank_;
   ctx.moce_bonus = (all_single || opts_.moce_prefill) ? opts_.moce_bonus : 0.0f;
+  if (dump_) dump_->set_phase(all_single ? "decode" : "prefill");
   ctx.moce = &phase.moce;
   ctx.profile = opts_.profile ? &phase.profile : nullptr;
   model_->forward(ctx, batch);

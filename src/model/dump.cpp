@@ -22,10 +22,27 @@ Dumper::Dumper(std::string dir, const std::string& filter) : dir_(std::move(dir)
   const std::string index = dir_ + "/index.tsv";
   index_ = std::fopen(index.c_str(), "w");
   if (!index_) throw std::runtime_error(fmt::format("--dump: cannot write {}: {}", index, std::strerror(errno)));
+  const std::string calls = dir_ + "/calls.tsv";
+  calls_ = std::fopen(calls.c_str(), "w");
+  if (!calls_) {
+    std::fclose(index_);
+    index_ = nullptr;
+    throw std::runtime_error(fmt::format("--dump: cannot write {}: {}", calls, std::strerror(errno)));
+  }
 }
 
 Dumper::~Dumper() {
   if (index_) std::fclose(index_);
+  if (calls_) std::fclose(calls_);
+}
+
+void Dumper::begin_call(std::span<const int32_t> ids) {
+  ++call_;
+  std::string line = fmt::format("{}\t{}\t", call_, phase_);
+  for (size_t i = 0; i < ids.size(); ++i) line += fmt::format("{}{}", i ? "," : "", ids[i]);
+  line += '\n';
+  if (std::fputs(line.c_str(), calls_) < 0 || std::fflush(calls_) != 0)
+    throw std::runtime_error(fmt::format("--dump: cannot write {}/calls.tsv", dir_));
 }
 
 bool Dumper::wants(const std::string& name) const { return all_ || std::regex_match(name, filter_); }

@@ -7,10 +7,19 @@
 // matching the filter is written to DIR/C-N.f32 (C zero-padded to 5 digits) as raw
 // little-endian fp32, ne[0] contiguous, and one line "C-N.f32<TAB>N<TAB>C<TAB>ne0<TAB>ne1" is
 // appended to DIR/index.tsv. Two runs of the same prompt with the same chunking give files
-// that can be compared byte for byte.
+// that can be compared byte for byte. DIR/calls.tsv has one line "C<TAB>PHASE<TAB>IDS" per forward
+// call (PHASE prefill or decode, as the engine counts them, so a reader can tell decode steps from
+// one-token prompt chunks; IDS the call's token ids, comma-separated, sequences in batch order).
+//
+// Besides the tensors, each MoE layer L offers "ffn_moe_route-L": ne0 = 2 K + 1, ne1 = T tokens;
+// per token the K chosen expert ids (as exact floats, in selection order), their router
+// probabilities (the original ones, also with MoCE), and the largest probability not chosen
+// (model::RoutingTrace's fields), so `strata route-parity --dump-a/--dump-b` can compare routing
+// from two dump directories.
 #include <cstdint>
 #include <cstdio>
 #include <regex>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -26,8 +35,11 @@ class Dumper {
   Dumper(const Dumper&) = delete;
   Dumper& operator=(const Dumper&) = delete;
 
-  /// Starts the next forward call (the first is 0).
-  void begin_call() { ++call_; }
+  /// Starts the next forward call (the first is 0) and records its phase and token ids in
+  /// DIR/calls.tsv. Throws std::runtime_error on a write error.
+  void begin_call(std::span<const int32_t> ids);
+  /// The phase the following forward calls belong to ("prefill" or "decode"; set by the engine).
+  void set_phase(std::string phase) { phase_ = std::move(phase); }
   /// Whether a tensor of this name would be written.
   bool wants(const std::string& name) const;
   /// Writes `values` (ne0 x ne1 floats, ne0 contiguous) as `name` of the current call.
@@ -40,7 +52,9 @@ class Dumper {
   std::string dir_;
   bool all_ = true;
   std::regex filter_;
+  std::string phase_ = "prefill";
   std::FILE* index_ = nullptr;
+  std::FILE* calls_ = nullptr;
   int64_t call_ = -1;
   int64_t written_ = 0;
 };

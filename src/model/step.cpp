@@ -60,7 +60,11 @@ Step::Step(ForwardContext& ctx, const Model& model, std::span<SeqInput> batch)
   x_ = act_->f32(E_, T_, 0);
   h_ = act_->f32(E_, T_, rows_bytes);
   o_ = act_->f32(E_, T_, 2 * rows_bytes);
-  if (ctx_.dump) ctx_.dump->begin_call();
+  if (ctx_.dump) {
+    std::vector<int32_t> ids;
+    for (const SeqInput& s : batch) ids.insert(ids.end(), s.ids.begin(), s.ids.end());
+    ctx_.dump->begin_call(ids);
+  }
 }
 
 Step::~Step() = default;
@@ -243,6 +247,21 @@ void Step::count_moce(const backend::Routing& r, const backend::Routing& exact, 
 }
 
 void Step::record_routing(int layer, const backend::Routing& r) {
+  if (ctx_.dump) {
+    const std::string full = fmt::format("ffn_moe_route-{}", layer);
+    if (ctx_.dump->wants(full)) {
+      const size_t T = r.next_prob.size(), K = size_t(r.top_k), W = 2 * K + 1;
+      std::vector<float> rec(T * W);
+      for (size_t t = 0; t < T; ++t) {
+        for (size_t k = 0; k < K; ++k) {
+          rec[t * W + k] = float(r.ids[t * K + k]);
+          rec[t * W + K + k] = r.probs[t * K + k];
+        }
+        rec[t * W + 2 * K] = r.next_prob[t];
+      }
+      ctx_.dump->write(full, rec, int64_t(W), int64_t(T));
+    }
+  }
   RoutingTrace* trace = ctx_.trace;
   if (!trace) return;
   const size_t n_layer = size_t(model_.hparams().n_layer);
