@@ -80,7 +80,8 @@ void EngineFlags::add(CLI::App& app) {
       ->check(CLI::ExistingFile);
   app.add_flag("--profile", opts.profile,
                "after the run, print the time of each forward stage (attention, gated delta net, router, expert "
-               "matmuls, expert wait, read-ahead, ...) for prefill and decode; host-side times (asynchronous on cuda)");
+               "matmuls, expert wait, read-ahead, ...) for prefill and decode (on cuda the device is synchronized "
+               "around every stage, which slows the run)");
   app.add_option("--dump-filter", opts.dump_filter,
                  "with --dump: only tensors whose whole name matches this ECMAScript regex, e.g. 'ffn_moe_out-.*'");
 }
@@ -229,8 +230,8 @@ void print_profile(engine::Engine& e) {
   if (!e.options().profile) return;
   fmt::print(stderr, "\nprofile (host wall time per stage{})\n",
              e.backend_info().name == "cpu" ? "; the CPU backend is synchronous, so this is compute"
-                                            : "; the GPU runs asynchronously: a stage's time is issuing its calls "
-                                              "plus waits in the downloads that synchronize");
+                                            : "; the device is synchronized at each stage's start and end, so a "
+                                              "stage's time is its GPU time; the syncs slow the run");
   fmt::print(stderr, "{:<16} {:>10} {:>7} {:>9} {:>10} {:>7} {:>9}\n", "stage", "prefill s", "%", "calls", "decode s",
              "%", "calls");
   const engine::PhaseStats &pf = e.prefill_stats(), &dc = e.decode_stats();

@@ -16,20 +16,26 @@ namespace {
 double seconds_between(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
-// Adds the scope's wall time to one stage of the profile (if any).
+// Adds the scope's wall time to one stage of the profile (if any). When profiling, the backend
+// is synchronized at both ends, so on an asynchronous backend (CUDA) a stage's time is its device
+// time rather than its launch time (profiling then costs two syncs per stage).
 class StageTimer {
  public:
-  StageTimer(StageProfile* p, StageProfile::Stage s) : p_(p), s_(s) {
-    if (p_) t0_ = std::chrono::steady_clock::now();
+  StageTimer(StageProfile* p, backend::Backend& be, StageProfile::Stage s) : p_(p), be_(be), s_(s) {
+    if (!p_) return;
+    be_.synchronize();
+    t0_ = std::chrono::steady_clock::now();
   }
   ~StageTimer() {
     if (!p_) return;
+    be_.synchronize();
     p_->seconds[s_] += seconds_between(t0_, std::chrono::steady_clock::now());
     ++p_->calls[s_];
   }
 
  private:
   StageProfile* p_;
+  backend::Backend& be_;
   StageProfile::Stage s_;
   std::chrono::steady_clock::time_point t0_;
 };
@@ -79,7 +85,7 @@ void Step::name(const Tensor& t, std::string_view base, int layer) {
 }
 
 void Step::embed(const Tensor& table) {
-  StageTimer timer_(ctx_.profile, StageProfile::Embed);
+  StageTimer timer_(ctx_.profile, be_, StageProfile::Embed);
   std::vector<int32_t> ids;
   ids.reserve(size_t(T_));
   for (const SeqInput& s : batch_) ids.insert(ids.end(), s.ids.begin(), s.ids.end());
@@ -88,19 +94,19 @@ void Step::embed(const Tensor& table) {
 }
 
 void Step::norm(const Tensor& w, const char* nm, int layer) {
-  StageTimer timer_(ctx_.profile, StageProfile::Norm);
+  StageTimer timer_(ctx_.profile, be_, StageProfile::Norm);
   be_.rms_norm(x_, w, model_.hparams().rms_eps, h_);
   name(h_, nm, layer);
 }
 
 void Step::residual(const char* nm, int layer) {
-  StageTimer timer_(ctx_.profile, StageProfile::Residual);
+  StageTimer timer_(ctx_.profile, be_, StageProfile::Residual);
   be_.add(x_, o_);
   name(x_, nm, layer);
 }
 
 void Step::attention(int layer, const backend::AttentionSpec& spec, const backend::AttentionWeights& w) {
-  StageTimer timer_(ctx_.profile, StageProfile::Attention);
+  StageTimer timer_(ctx_.profile, be_, StageProfile::Attention);
   const int64_t kv_dim = int64_t(spec.n_head_kv) * spec.head_dim;
   int64_t t0 = 0;
   for (SeqInput& s : batch_) {
@@ -113,7 +119,7 @@ void Step::attention(int layer, const backend::AttentionSpec& spec, const backen
 }
 
 void Step::mla_attention(int layer, const backend::MlaSpec& spec, const backend::MlaWeights& w) {
-  StageTimer timer_(ctx_.profile, StageProfile::MlaAttention);
+  StageTimer timer_(ctx_.profile, be_, StageProfile::MlaAttention);
   int64_t t0 = 0;
   for (SeqInput& s : batch_) {
     const int64_t n = int64_t(s.ids.size());
@@ -125,7 +131,7 @@ void Step::mla_attention(int layer, const backend::MlaSpec& spec, const backend:
 }
 
 void Step::gated_delta_net(int layer, const backend::GdnSpec& spec, const backend::GdnWeights& w) {
-  StageTimer timer_(ctx_.profile, StageProfile::GatedDeltaNet);
+  StageTimer timer_(ctx_.profile, be_, StageProfile::GatedDeltaNet);
   int64_t t0 = 0;
   for (SeqInput& s : batch_) {
     const int64_t n = int64_t(s.ids.size());
@@ -138,7 +144,7 @@ void Step::gated_delta_net(int layer, const backend::GdnSpec& spec, const backen
 }
 
 void Step::ffn(const backend::FfnCall& call, const backend::FfnWeights& w, const char* nm, int layer) {
-  StageTimer timer_(ctx_.profile, StageProfile::DenseFfn);
+  StageTimer timer_(ctx_.profile, be_, StageProfile::DenseFfn);
   be_.ffn(call, w, h_, o_);
   name(o_, nm, layer);
 }
@@ -204,7 +210,7 @@ void Step::router_logits(const MoeLayer& m, const Tensor& h, std::vector<float>&
 }
 
 void Step::read_ahead_first(const MoeLayer& first, const Tensor& norm0, int layer) {
-  StageTimer timer_(ctx_.profile, StageProfile::ReadAhead);
+  StageTimer timer_(ctx_.profile, be_, StageProfile::ReadAhead);
   be_.rms_norm(x_, norm0, model_.hparams().rms_eps, h_);
   pred_.clear();
   read_ahead(plan_read_ahead(layer, &first, &pred_), h_);
@@ -285,6 +291,7 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
   // Router and top-k selection; the ids come to the host.
   auto profile_from = [&](StageProfile::Stage st, std::chrono::steady_clock::time_point t0) {
     if (!ctx_.profile) return;
+    be_.synchronize();
     ctx_.profile->seconds[st] += seconds_between(t0, std::chrono::steady_clock::now());
     ++ctx_.profile->calls[st];
   };
@@ -366,6 +373,7 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
   }
   // The slots may be reused once the expert kernels queued so far have read them.
   if (ctx_.profile) {
+    be_.synchronize();
     ctx_.profile->seconds[StageProfile::ExpertMatmuls] +=
         seconds_between(t_start, std::chrono::steady_clock::now()) - waited;
     ctx_.profile->seconds[StageProfile::ExpertWait] += waited;
@@ -386,7 +394,7 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
 }
 
 void Step::output(const Tensor& norm, const Tensor& head) {
-  StageTimer timer_(ctx_.profile, StageProfile::OutputHead);
+  StageTimer timer_(ctx_.profile, be_, StageProfile::OutputHead);
   for (SeqInput& s : batch_) s.state->n_past += int64_t(s.ids.size());
   // The rows that produce logits, normed into h back to back.
   const float eps = model_.hparams().rms_eps;
