@@ -606,26 +606,41 @@ inline void tile_b32_row_factors(const uint8_t* w, size_t row_bytes, int nr, int
 /// token's code sums of a group are converted once for the RB rows (the same values).
 template <int RB, int TB>
 inline void tile_b32_factors(const float* fdc, const Tokens& tk, float* f, __m256 (&corr)[RB][TB]) {
-  const int64_t nb = tk.cols / 32, ng = (nb + 7) / 8;
+  const int64_t nb = tk.cols / 32, ng = (nb + 7) / 8, ld = nb, ls = tk.cols / 16;
+  const float* const d = tk.d;
+  const int16_t* const s16p = tk.s;
+  __m256 c[RB][TB];
   for (int r = 0; r < RB; ++r)
-    for (int t = 0; t < TB; ++t) corr[r][t] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < ng; ++g) {
-    const int nv = nb - 8 * g < 8 ? static_cast<int>(nb - 8 * g) : 8;
-    const __m256i m8 = first_lanes(nv);
+    for (int t = 0; t < TB; ++t) c[r][t] = _mm256_setzero_ps();
+  const auto group = [&](int64_t g, auto full) __attribute__((always_inline)) {
+    constexpr bool FULL = decltype(full)::value;
+    const __m256i m8 = first_lanes(FULL ? 8 : static_cast<int>(nb - 8 * g));
+    __m256 fd[RB], fc[RB];
+    for (int r = 0; r < RB; ++r) {
+      fd[r] = _mm256_loadu_ps(fdc + (r * ng + g) * 16);
+      fc[r] = _mm256_loadu_ps(fdc + (r * ng + g) * 16 + 8);
+    }
+    float* fg = f + g * (RB * TB * 8);
+#pragma GCC unroll 4
     for (int t = 0; t < TB; ++t) {
-      const float* dxp = tk.d + t * (tk.cols / 32) + 8 * g;
-      const int* sp = reinterpret_cast<const int*>(tk.s + t * (tk.cols / 16) + 16 * g);
-      const __m256 dx = nv == 8 ? _mm256_loadu_ps(dxp) : _mm256_maskload_ps(dxp, m8);
-      const __m256i s16 =
-          nv == 8 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp)) : _mm256_maskload_epi32(sp, m8);
-      const __m256 sx = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
+      const float* dxp = d + t * ld + 8 * g;
+      const int* sp = reinterpret_cast<const int*>(s16p + t * ls + 16 * g);
+      const __m256 dx = FULL ? _mm256_loadu_ps(dxp) : _mm256_maskload_ps(dxp, m8);
+      const __m256i sv =
+          FULL ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp)) : _mm256_maskload_epi32(sp, m8);
+      const __m256 sx = _mm256_cvtepi32_ps(_mm256_madd_epi16(sv, _mm256_set1_epi16(1)));
+#pragma GCC unroll 4
       for (int r = 0; r < RB; ++r) {
-        const __m256 fd = _mm256_loadu_ps(fdc + (r * ng + g) * 16), fc = _mm256_loadu_ps(fdc + (r * ng + g) * 16 + 8);
-        corr[r][t] = _mm256_fmadd_ps(_mm256_mul_ps(fc, dx), sx, corr[r][t]);
-        _mm256_storeu_ps(f + ((g * RB + r) * TB + t) * 8, _mm256_mul_ps(fd, dx));
+        c[r][t] = _mm256_fmadd_ps(_mm256_mul_ps(fc[r], dx), sx, c[r][t]);
+        _mm256_storeu_ps(fg + (r * TB + t) * 8, _mm256_mul_ps(fd[r], dx));
       }
     }
-  }
+  };
+  int64_t g = 0;
+  for (; 8 * g + 8 <= nb; ++g) group(g, std::true_type{});
+  if (g < ng) group(g, std::false_type{});
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < TB; ++t) corr[r][t] = c[r][t];
 }
 
 /// RB rows x TB tokens of a 32-weight block type. Per (row, token), row_b32's four accumulators
