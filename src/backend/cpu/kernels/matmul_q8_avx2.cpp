@@ -577,44 +577,88 @@ void row_iq2_xs(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
 // tile): only the order in which independent accumulators are visited changes, and integer
 // sums are regrouped (exact).
 
+/// fd and fc (b32_factors) of rows [0, nr) of a row tile, made once per row tile and reused by
+/// every token tile: group g (blocks 8g..8g+7) of row r at fdc + (r ng + g) 16, fd in floats 0-7
+/// and fc in 8-15 (ng = round_up(nb, 8) / 8; a partial last group as b32_factors makes it).
+template <GgmlType T>
+inline void tile_b32_row_factors(const uint8_t* w, size_t row_bytes, int nr, int64_t nb, float* fdc) {
+  constexpr B32Format F = b32_format(T);
+  const int64_t ng = (nb + 7) / 8;
+  for (int r = 0; r < nr; ++r) {
+    const uint8_t* wr = w + row_bytes * static_cast<size_t>(r);
+    for (int64_t g = 0; g < ng; ++g) {
+      const int nv = nb - 8 * g < 8 ? static_cast<int>(nb - 8 * g) : 8;
+      __m256 fd, fc;
+      if (nv == 8)
+        b32_factors<T, true>(wr + F.bytes * 8 * g, 8, fd, fc);
+      else
+        b32_factors<T, false>(wr + F.bytes * 8 * g, nv, fd, fc);
+      _mm256_storeu_ps(fdc + (r * ng + g) * 16, fd);
+      _mm256_storeu_ps(fdc + (r * ng + g) * 16 + 8, fc);
+    }
+  }
+}
+
+/// The per-block factors of an RB x TB tile of a 32-weight block type, with row_b32's
+/// operations: f[((b/8 * RB + r) * TB + t) * 8 + b % 8] = fd(r, b) * dx(t, b) (f: scratch of
+/// RB * TB * round_up(nb, 8) floats), and corr[r][t] the fc corrections summed per lane of 8
+/// blocks in increasing groups (b32_group). fdc: tile_b32_row_factors of the tile's rows. The
+/// token's code sums of a group are converted once for the RB rows (the same values).
+template <int RB, int TB>
+inline void tile_b32_factors(const float* fdc, const Tokens& tk, float* f, __m256 (&corr)[RB][TB]) {
+  const int64_t nb = tk.cols / 32, ng = (nb + 7) / 8, ld = nb, ls = tk.cols / 16;
+  const float* const d = tk.d;
+  const int16_t* const s16p = tk.s;
+  __m256 c[RB][TB];
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < TB; ++t) c[r][t] = _mm256_setzero_ps();
+  const auto group = [&](int64_t g, auto full) __attribute__((always_inline)) {
+    constexpr bool FULL = decltype(full)::value;
+    const __m256i m8 = first_lanes(FULL ? 8 : static_cast<int>(nb - 8 * g));
+    __m256 fd[RB], fc[RB];
+    for (int r = 0; r < RB; ++r) {
+      fd[r] = _mm256_loadu_ps(fdc + (r * ng + g) * 16);
+      fc[r] = _mm256_loadu_ps(fdc + (r * ng + g) * 16 + 8);
+    }
+    float* fg = f + g * (RB * TB * 8);
+#pragma GCC unroll 4
+    for (int t = 0; t < TB; ++t) {
+      const float* dxp = d + t * ld + 8 * g;
+      const int* sp = reinterpret_cast<const int*>(s16p + t * ls + 16 * g);
+      const __m256 dx = FULL ? _mm256_loadu_ps(dxp) : _mm256_maskload_ps(dxp, m8);
+      const __m256i sv =
+          FULL ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp)) : _mm256_maskload_epi32(sp, m8);
+      const __m256 sx = _mm256_cvtepi32_ps(_mm256_madd_epi16(sv, _mm256_set1_epi16(1)));
+#pragma GCC unroll 4
+      for (int r = 0; r < RB; ++r) {
+        c[r][t] = _mm256_fmadd_ps(_mm256_mul_ps(fc[r], dx), sx, c[r][t]);
+        _mm256_storeu_ps(fg + (r * TB + t) * 8, _mm256_mul_ps(fd[r], dx));
+      }
+    }
+  };
+  int64_t g = 0;
+  for (; 8 * g + 8 <= nb; ++g) group(g, std::true_type{});
+  if (g < ng) group(g, std::false_type{});
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < TB; ++t) corr[r][t] = c[r][t];
+}
+
 /// RB rows x TB tokens of a 32-weight block type. Per (row, token), row_b32's four accumulators
 /// take blocks b = 4j + a (a = b % 4: acc[(b/2)&1][b&1]) in increasing b; here accumulator a is
 /// finished before a + 1 starts (a pass over blocks a, a+4, ...), so one ymm per (row, token)
 /// is live and each block's codes are unpacked once per tile and reused by its TB tokens.
 /// The per-block factors fd*dx and the fc corrections are formed first, with row_b32's
-/// operations (f: scratch of RB*TB*round_up(nb, 8) floats, block-major). The tokens' codes and
+/// operations (tile_b32_factors from fdc; f: scratch of RB*TB*round_up(nb, 8) floats,
+/// block-major). The tokens' codes and
 /// x128 come block-major (BlockMajor, made once per token block): block b of the tile's token t
 /// at xq + b*bs + 32t, its x128 lanes at x1 + b*bs/4 + 8t.
 template <GgmlType T, int RB, int TB>
-void tile_b32(const uint8_t* w, size_t row_bytes, const Tokens& tk, const int8_t* xq, const int32_t* x1, int64_t bs,
-              float* f, float* y, int64_t ldy) {
+void tile_b32(const uint8_t* w, size_t row_bytes, const float* fdc, const Tokens& tk, const int8_t* xq,
+              const int32_t* x1, int64_t bs, float* f, float* y, int64_t ldy) {
   constexpr B32Format F = b32_format(T);
   const int64_t nb = tk.cols / 32;
   __m256 corr[RB][TB];
-  for (int r = 0; r < RB; ++r)
-    for (int t = 0; t < TB; ++t) corr[r][t] = _mm256_setzero_ps();
-  for (int r = 0; r < RB; ++r) {
-    const uint8_t* wr = w + row_bytes * static_cast<size_t>(r);
-    for (int64_t g = 0; g < nb; g += 8) {
-      const int nv = nb - g < 8 ? static_cast<int>(nb - g) : 8;
-      __m256 fd, fc;
-      if (nv == 8)
-        b32_factors<T, true>(wr + F.bytes * g, 8, fd, fc);
-      else
-        b32_factors<T, false>(wr + F.bytes * g, nv, fd, fc);
-      const __m256i m8 = first_lanes(nv);
-      for (int t = 0; t < TB; ++t) {
-        const float* dxp = tk.d + t * (tk.cols / 32) + g;
-        const int* sp = reinterpret_cast<const int*>(tk.s + t * (tk.cols / 16) + 2 * g);
-        const __m256 dx = nv == 8 ? _mm256_loadu_ps(dxp) : _mm256_maskload_ps(dxp, m8);
-        const __m256i s16 =
-            nv == 8 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp)) : _mm256_maskload_epi32(sp, m8);
-        corr[r][t] = _mm256_fmadd_ps(_mm256_mul_ps(fc, dx),
-                                     _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, _mm256_set1_epi16(1))), corr[r][t]);
-        _mm256_storeu_ps(f + ((g / 8 * RB + r) * TB + t) * 8, _mm256_mul_ps(fd, dx));
-      }
-    }
-  }
+  tile_b32_factors<RB, TB>(fdc, tk, f, corr);
   __m256i table = _mm256_setzero_si256();
   if constexpr (F.table)
     table = _mm256_broadcastsi128_si256(_mm_add_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(F.values)),
@@ -908,6 +952,8 @@ bool gemm_q8_avx2(const MatmulArgs& m, const ActQ8& a) {
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<int32_t> x1;
   f.resize(static_cast<size_t>(kTileRows * kB32Tok * (m.cols / 32 + 8)));
+  thread_local std::vector<float> fdc;  // tile_b32_row_factors of the current row tile
+  fdc.resize(static_cast<size_t>(kTileRows * 16 * ((m.cols / 32 + 7) / 8)));
   for (int64_t t0 = 0; t0 < m.n_tok; t0 += kQ8TokBlock) {
     const int64_t t1 = m.n_tok < t0 + kQ8TokBlock ? m.n_tok : t0 + kQ8TokBlock;
     if (lane) {
@@ -953,6 +999,9 @@ bool gemm_q8_avx2(const MatmulArgs& m, const ActQ8& a) {
       constexpr G TT = decltype(type)::value;
       for (int64_t r = m.row_begin; r < m.row_end; r += kTileRows) {
         const uint8_t* w = m.W + static_cast<size_t>(r) * m.row_bytes;
+        tile_b32_row_factors<TT>(w, m.row_bytes,
+                                 m.row_end - r < kTileRows ? static_cast<int>(m.row_end - r) : kTileRows, nb,
+                                 fdc.data());
         for (int64_t t = t0; t < t1; t += kB32Tok) {
           const Tokens tk{a.qt(t), a.dt(t), a.st(t), a.cols};
           float* y = m.y + t * m.ldy + r;
@@ -961,7 +1010,8 @@ bool gemm_q8_avx2(const MatmulArgs& m, const ActQ8& a) {
           const int64_t bs = 32 * (t1 - t < kB32Tok ? t1 - t : kB32Tok);
           with_count<kTileRows>(m.row_end - r, [&](auto nr) {
             with_count<kB32Tok>(t1 - t, [&](auto n) {
-              tile_b32<TT, decltype(nr)::value, decltype(n)::value>(w, m.row_bytes, tk, q, x, bs, f.data(), y, m.ldy);
+              tile_b32<TT, decltype(nr)::value, decltype(n)::value>(w, m.row_bytes, fdc.data(), tk, q, x, bs, f.data(),
+                                                                    y, m.ldy);
             });
           });
         }
