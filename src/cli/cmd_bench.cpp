@@ -99,7 +99,24 @@ struct PhaseRun {
   engine::PhaseStats stats;
   model::RoutingTrace trace;
   std::vector<int32_t> fed;  // decode: the ids fed
+
+  // --ep-ranks: each rank's counters of the phase.
+  std::vector<stream::StreamStats> ranks;
 };
+
+// Each expert-parallel rank's counters now (empty without --ep-ranks).
+std::vector<stream::StreamStats> rank_stats(const engine::Engine& eng) {
+  std::vector<stream::StreamStats> out;
+  if (const auto* ep = eng.expert_parallel())
+    for (int r = 0; r < ep->n_ranks(); ++r) out.push_back(ep->rank_stats(r));
+  return out;
+}
+std::vector<stream::StreamStats> minus(const std::vector<stream::StreamStats>& b,
+                                       const std::vector<stream::StreamStats>& a) {
+  std::vector<stream::StreamStats> d;
+  for (size_t i = 0; i < b.size(); ++i) d.push_back(engine::operator-(b[i], a[i]));
+  return d;
+}
 
 // Prefill `prompt`, then decode: free-running greedy for `gen` tokens, or teacher-forced over
 // `forced` when given. The trace of both phases is recorded.
@@ -114,7 +131,9 @@ void run_phases(engine::Engine& eng, const std::vector<int32_t>& prompt, int gen
   eng.stream().wait_idle();
   eng.reset_stats();
   model::SequenceState st = eng.new_sequence();
+  const auto ranks0 = rank_stats(eng);
   eng.prefill(st, prompt, model::LogitsMode::Last, logits, &pre.trace);
+  const auto ranks1 = rank_stats(eng);
   const int n = forced.empty() ? gen : int(std::min<size_t>(forced.size(), size_t(gen)));
   for (int i = 0; i < n && st.n_past < st.n_ctx; ++i) {
     const int32_t id =
@@ -124,6 +143,8 @@ void run_phases(engine::Engine& eng, const std::vector<int32_t>& prompt, int gen
   }
   pre.stats = eng.prefill_stats();
   dec.stats = eng.decode_stats();
+  pre.ranks = minus(ranks1, ranks0);
+  dec.ranks = minus(rank_stats(eng), ranks1);
 }
 
 std::vector<int32_t> read_tokens(const tokenizer::Tokenizer& tok, const std::string& path) {
@@ -161,7 +182,7 @@ void register_bench(CLI::App& root) {
     double ssd_gbps = 0;
     uint64_t record = 0, io_pre = 0, io_dec = 0, arena_bytes = 0, n_slots = 0;
     std::string expert_file, kernels, actq, backend_name, backend_device;
-    int n_threads = 0;
+    int n_threads = 0, ep_ranks = 0;
     // ---- tiers (host RAM tier, memory): filled in the first engine's scope ----
     engine::CopyProbe copy;  // the landing peak: pinned host-to-device (CUDA) or memcpy (CPU)
     engine::MemoryReport mem;
@@ -188,7 +209,8 @@ void register_bench(CLI::App& root) {
       if (!f->decode_from.empty()) forced = read_tokens(tok, f->decode_from);
       record = eng.stream().slot_bytes();
       arena_bytes = eng.arena_bytes();
-      n_slots = eng.stream().n_slots();
+      n_slots = eng.expert_parallel() ? eng.expert_parallel()->n_slots() : eng.stream().n_slots();
+      ep_ranks = eng.expert_parallel() ? eng.expert_parallel()->n_ranks() : 0;
       expert_file = eng.expert_file();
       if (!f->no_ssd) {
         if (!f->json)
@@ -263,6 +285,23 @@ void register_bench(CLI::App& root) {
                           {"host_cache_pinned", host_pinned},
                           {"copy_probe", {{"kind", copy.kind}, {"bytes", copy.bytes}, {"gbps", copy.gbps}}},
                           {"memory", memory_json(mem)}};
+    // --ep-ranks: each rank's expert reads per phase (simulated ranks on the CPU backend)
+    if (ep_ranks > 0) {
+      nlohmann::json ranks = nlohmann::json::array();
+      for (int r = 0; r < ep_ranks; ++r) {
+        nlohmann::json j;
+        for (const auto& [name, run] : {std::pair{"prefill", &pre}, std::pair{"decode", &dec}}) {
+          const auto& st = run->ranks[size_t(r)];
+          j[name] = {{"needed", st.needed},
+                     {"missed", st.misses},
+                     {"reads", st.reads},
+                     {"bytes_read", st.bytes_read},
+                     {"exposed_wait_s", st.exposed_wait_s}};
+        }
+        ranks.push_back(j);
+      }
+      out["ep"] = {{"ranks", ep_ranks}, {"per_rank", ranks}};
+    }
     // roofline (issue 18): matmul GFLOP/s and weight GB/s per phase against probes of this machine
     out["roofline"] = bench_roofline(f->engine.model, out);
     if (!f->json) print_roofline(out["roofline"]);
@@ -305,6 +344,12 @@ void register_bench(CLI::App& root) {
           j["h2d_gbps"].get<double>(), peak, disk_floor, copy_floor, j["compute_floor_s"].get<double>(),
           j["ratio_to_tier_floors"].get<double>());
     }
+    for (int r = 0; r < ep_ranks; ++r)
+      for (const auto& [name, run] : {std::pair{"prefill", &pre}, std::pair{"decode", &dec}}) {
+        const auto& st = run->ranks[size_t(r)];
+        fmt::print("{:<8} ep rank {}/{}: needed {} missed {} | reads {} = {} | wait {:.3f} s\n", name, r, ep_ranks,
+                   st.needed, st.misses, st.reads, human_bytes(double(st.bytes_read)), st.exposed_wait_s);
+      }
     fmt::print("host tier: {}\n", host_slots > 0
                                       ? fmt::format("{} in {} slots, {} (LRU)", human_bytes(double(host_bytes)),
                                                     host_slots, host_pinned ? "pinned" : "pageable")

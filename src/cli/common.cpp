@@ -82,6 +82,17 @@ void EngineFlags::add(CLI::App& app) {
                "after the run, print the time of each forward stage (attention, gated delta net, router, expert "
                "matmuls, expert wait, read-ahead, ...) for prefill and decode (on cuda the device is synchronized "
                "around every stage, which slows the run)");
+  app.add_option("--ep-ranks,--gpus", opts.ep_ranks,
+                 "expert parallelism: partition the routed experts over N ranks, each with its own share of the arena, "
+                 "host tier and IO threads (docs/expert-parallel.md); results are bit-identical to one rank. With "
+                 "--backend cpu the N ranks are simulated in this process; with --backend cuda one GPU per rank "
+                 "(N > 1 needs NCCL, not built yet). 0 = off")
+      ->capture_default_str();
+  app.add_option("--ep-placement", opts.ep_placement,
+                 "with --ep-ranks: which rank owns each expert: id (contiguous id ranges), popularity (balance the "
+                 "static rank's pick counts over the ranks), auto (popularity when a static rank is loaded, else id)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "id", "popularity"}));
   app.add_option("--dump-filter", opts.dump_filter,
                  "with --dump: only tensors whose whole name matches this ECMAScript regex, e.g. 'ffn_moe_out-.*'");
 }
@@ -370,12 +381,14 @@ void print_stats(engine::Engine& e) {
   tiers("decode", e.decode_stats());
   uint64_t total_experts = 0;
   for (const auto& L : e.model().expert_layout()) total_experts += uint64_t(L.n_expert);
+  const size_t n_slots = e.expert_parallel() ? e.expert_parallel()->n_slots() : e.stream().n_slots();
   fmt::print(
       stderr,
       "arena    {} slots x {} = {} (room for {:.0f} % of the {} experts, {} of expert bytes), {} reads, {} threads\n",
-      e.stream().n_slots(), human_bytes(double(e.stream().slot_bytes())), human_bytes(double(e.arena_bytes())),
-      100.0 * double(e.stream().n_slots()) / double(std::max<uint64_t>(1, total_experts)), total_experts,
+      n_slots, human_bytes(double(e.stream().slot_bytes())), human_bytes(double(e.arena_bytes())),
+      100.0 * double(n_slots) / double(std::max<uint64_t>(1, total_experts)), total_experts,
       human_bytes(double(e.expert_bytes())), e.stream().direct() ? "O_DIRECT" : "buffered", e.options().n_threads);
+  fmt::print(stderr, "{}", ep_rank_lines(e));
   if (e.options().moce_bonus > 0)
     fmt::print(stderr, "moce     bonus {} on {} (results depend on residency)\n", e.options().moce_bonus,
                e.options().moce_prefill ? "prefill and decode" : "decode");
@@ -383,6 +396,29 @@ void print_stats(engine::Engine& e) {
     fmt::print(stderr, "host     {} slots = {} of {} host memory (LRU), between the disk and the arena\n",
                e.stream().host_slots(), human_bytes(double(e.host_cache_bytes())),
                e.host_cache_pinned() ? "pinned" : "pageable");
+}
+
+std::string ep_rank_lines(const engine::Engine& e) {
+  const parallel::ExpertParallel* ep = e.expert_parallel();
+  if (!ep) return "";
+  const parallel::Placement& p = ep->placement();
+  std::string out;
+  const int io = std::max(1, e.options().io_threads / ep->n_ranks());
+  const auto& sent = ep->communicator().stats().sent_bytes;
+  for (int r = 0; r < ep->n_ranks(); ++r) {
+    size_t owned = 0;
+    for (int l = 0; l < p.n_layers(); ++l) owned += p.owned(r, l).size();
+    const stream::StreamStats s = ep->rank_stats(r);
+    out += fmt::format(
+        "ep rank {}: owns {} experts ({}, by {}) | arena {} slots, {} IO threads | needed {} missed {} | reads {} "
+        "read {} | combine sent {}\n",
+        r, owned, human_bytes(double(p.rank_bytes(r))), p.kind(), ep->stream(r).n_slots(), io, s.needed, s.misses,
+        s.reads, human_bytes(double(s.bytes_read)), human_bytes(double(sent[size_t(r)])));
+  }
+  const auto& cs = ep->communicator().stats();
+  out += fmt::format("ep       {} ranks ({} communicator): {} collectives in {:.3f} s\n", ep->n_ranks(),
+                     ep->communicator().name(), cs.calls, cs.seconds);
+  return out;
 }
 
 }  // namespace strata::cli

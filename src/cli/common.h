@@ -98,6 +98,10 @@ nlohmann::json memory_json(const engine::MemoryReport& m);
 std::string memory_line(const engine::MemoryReport& m);
 /// One human-readable summary block (to stderr) of prefill, decode and the stream.
 void print_stats(engine::Engine& e);
+/// Under --ep-ranks: one line per rank (experts owned and their bytes, arena share, IO threads,
+/// the rank's counters since the engine started: needed, missed, reads, bytes read) and one
+/// for the combine (bytes each rank sends, collective calls and time); "" when off.
+std::string ep_rank_lines(const engine::Engine& e);
 
 /// With --profile: seconds per forward stage of prefill and decode, and their share of the
 /// phase's wall time (to stderr); the CUDA backend's note that its times are host-side.

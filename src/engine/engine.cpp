@@ -82,6 +82,7 @@ std::unique_ptr<backend::Backend> make_backend(EngineOptions& opts, const cpu::k
     throw EngineError(fmt::format("--backend must be cpu, cuda or auto, got '{}'", opts.backend));
 #ifdef STRATA_HAVE_CUDA
   const int n = cuda::device_count();
+  check_ep_ranks_for_devices(opts.ep_ranks, n);
   if (n == 0)
     throw EngineError("--backend cuda: no CUDA device found (cudaGetDeviceCount reports none); use --backend cpu");
   if (opts.device < 0 || opts.device >= n)
@@ -93,6 +94,20 @@ std::unique_ptr<backend::Backend> make_backend(EngineOptions& opts, const cpu::k
       "--backend cuda: this strata was built without the CUDA backend (configure with nvcc installed, "
       "-DSTRATA_CUDA=ON); use --backend cpu");
 #endif
+}
+
+void check_ep_ranks_for_devices(int ep_ranks, int device_count) {
+  if (ep_ranks > device_count)
+    throw EngineError(fmt::format(
+        "--ep-ranks {} with --backend cuda needs one CUDA device per rank, but there {} {} CUDA device{}; use "
+        "--ep-ranks {} or fewer, or --backend cpu to simulate {} ranks",
+        ep_ranks, device_count == 1 ? "is" : "are", device_count, device_count == 1 ? "" : "s",
+        std::max(1, device_count), ep_ranks));
+  if (ep_ranks > 1)
+    throw EngineError(
+        fmt::format("--ep-ranks {} with --backend cuda needs the NCCL communicator, which this build does not have yet "
+                    "(docs/expert-parallel.md); use --ep-ranks 1, or --backend cpu to simulate {} ranks",
+                    ep_ranks, ep_ranks));
 }
 
 uint64_t default_arena_bytes(uint64_t all_expert_slot_bytes, uint64_t resident_bytes, uint64_t min_bytes) {
@@ -239,6 +254,10 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
   if (opts_.host_cache_mb < -1)
     throw EngineError(
         fmt::format("--host-cache-mb must be 0 (off), a size in MiB or -1 (automatic), got {}", opts_.host_cache_mb));
+  if (opts_.ep_ranks < 0)
+    throw EngineError(fmt::format("--ep-ranks must be 0 (off) or a number of ranks, got {}", opts_.ep_ranks));
+  if (opts_.ep_placement != "auto" && opts_.ep_placement != "id" && opts_.ep_placement != "popularity")
+    throw EngineError(fmt::format("--ep-placement must be auto, id or popularity, got '{}'", opts_.ep_placement));
   kernels_ = cpu::kernels::resolve_kernels(opts_.kernels, opts_.act_quant);
   gguf_ = std::make_unique<gguf::File>(gguf::File::open(path));
   tok_ = std::make_unique<tokenizer::Tokenizer>(tokenizer::Tokenizer::from_gguf(*gguf_));
@@ -286,13 +305,17 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
       opts_.arena_bytes > 0 ? opts_.arena_bytes : uint64_t(std::max<int64_t>(0, opts_.arena_mb)) << 20;
   // A pinned arena with an automatic chunk: the chunk shrinks until one layer's worst case (top-k
   // experts per token) fits, so a small arena works for any prompt (slower: more reads per token).
+  // Under --ep-ranks each rank has 1/N of the arena and owns at most ceil(experts / N) of a layer.
+  const uint64_t ep_n = uint64_t(std::max(1, opts_.ep_ranks));
+  const uint64_t rank_experts = (max_experts + ep_n - 1) / ep_n;
   if (pinned_arena && auto_chunk && max_experts > 0) {
-    const uint64_t slots = pinned_bytes / slot;
-    if (slots < std::min<uint64_t>(top_k * uint64_t(opts_.prompt_chunk), max_experts) && slots >= top_k)
+    const uint64_t slots = pinned_bytes / slot / ep_n;
+    if (slots < std::min<uint64_t>(top_k * uint64_t(opts_.prompt_chunk), rank_experts) && slots >= top_k)
       opts_.prompt_chunk = int(std::min<uint64_t>(uint64_t(opts_.prompt_chunk), slots / top_k));
   }
   const uint64_t min_slots = std::min<uint64_t>(top_k * uint64_t(opts_.prompt_chunk), max_experts);
   min_arena_bytes_ = std::max<uint64_t>(1, min_slots) * slot;
+  if (opts_.ep_ranks > 0) min_arena_bytes_ = ep_n * std::max<uint64_t>(1, std::min(min_slots, rank_experts)) * slot;
   // An automatically sized arena gives way to the chunk's scratch; a pinned one does not.
   const uint64_t resident = model_->dense_bytes() + model_->state_bytes(opts_.n_ctx) +
                             chunk_scratch_bytes_per_token(hp) * uint64_t(opts_.prompt_chunk);
@@ -341,10 +364,13 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
     }
   }
   try {
-    stream_ = std::make_unique<stream::ExpertStream>(expert_file_, layers, so, *backend_);
+    if (opts_.ep_ranks > 0)
+      ep_ = make_expert_parallel(layers, so);
+    else
+      stream_ = std::make_unique<stream::ExpertStream>(expert_file_, layers, so, *backend_);
   } catch (const stream::ArenaTooSmall& e) {
     // Both pinned: name both remedies (a smaller chunk needs fewer experts at once).
-    const uint64_t fit = (arena / slot) / top_k;
+    const uint64_t fit = (arena / slot / ep_n) / top_k;
     if (!auto_chunk && fit >= 1)
       throw stream::ArenaTooSmall(fmt::format("{}, or --prompt-chunk {} or less", e.what(), fit), e.min_bytes);
     throw;
@@ -363,8 +389,34 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
 
 Engine::~Engine() = default;
 
-uint64_t Engine::arena_bytes() const { return uint64_t(stream_->n_slots()) * stream_->slot_bytes(); }
-uint64_t Engine::host_cache_bytes() const { return uint64_t(stream_->host_slots()) * stream_->slot_bytes(); }
+std::unique_ptr<parallel::ExpertParallel> Engine::make_expert_parallel(const std::vector<stream::LayerExperts>& layers,
+                                                                       const stream::StreamOptions& so) {
+  const bool popularity =
+      opts_.ep_placement == "popularity" || (opts_.ep_placement == "auto" && !static_rank_path_.empty());
+  const std::vector<parallel::LayerShape> shapes = parallel::layer_shapes(layers);
+  try {
+    parallel::Placement placement = parallel::Placement::by_id(shapes, opts_.ep_ranks);
+    if (popularity) {
+      if (static_rank_path_.empty())
+        throw EngineError(
+            "--ep-placement popularity needs a static rank (MODEL.strata-rank from `strata profile`, or "
+            "--static-rank FILE)");
+      const auto pop = read_popularity(static_rank_path_, gguf_->path(), hparams().n_layer, hparams().n_expert);
+      placement = parallel::Placement::by_popularity(shapes, opts_.ep_ranks, pop->counts);
+    }
+    return std::make_unique<parallel::ExpertParallel>(expert_file_, layers, std::move(placement), so, *backend_,
+                                                      opts_.ep_combine);
+  } catch (const parallel::PlacementError& e) {
+    throw EngineError(fmt::format("--ep-ranks {}: {}", opts_.ep_ranks, e.what()));
+  }
+}
+
+uint64_t Engine::arena_bytes() const {
+  return ep_ ? ep_->arena_bytes() : uint64_t(stream_->n_slots()) * stream_->slot_bytes();
+}
+uint64_t Engine::host_cache_bytes() const {
+  return ep_ ? ep_->host_cache_bytes() : uint64_t(stream_->host_slots()) * stream_->slot_bytes();
+}
 
 std::string Engine::cpu_kernels() const { return cpu::kernels::cpu_kernels_name(kernels_.family); }
 std::string Engine::act_quant() const { return cpu::kernels::act_quant_name(kernels_.act); }
@@ -408,8 +460,8 @@ void Engine::run(model::SequenceState& st, std::span<const int32_t> ids, model::
                  std::vector<float>& logits, model::RoutingTrace* trace, PhaseStats& phase) {
   check_ids(st, ids);
   const auto t0 = std::chrono::steady_clock::now();
-  const stream::StreamStats s0 = stream_->stats();
-  model::ForwardContext ctx{*backend_, *stream_, trace, &times_, {}, nullptr, dump_.get()};
+  const stream::StreamStats s0 = stream_stats();
+  model::ForwardContext ctx{*backend_, stream(), trace, &times_, {}, nullptr, dump_.get()};
   ctx.ahead.predict = opts_.predict;
   ctx.ahead.predict_min = opts_.predict_min;
   ctx.ahead.static_rank = static_rank_.empty() ? nullptr : &static_rank_;
@@ -418,6 +470,7 @@ void Engine::run(model::SequenceState& st, std::span<const int32_t> ids, model::
   if (dump_) dump_->set_phase(&phase == &decode_ ? "decode" : "prefill");
   ctx.moce = &phase.moce;
   ctx.profile = opts_.profile ? &phase.profile : nullptr;
+  ctx.ep = ep_.get();
   const int64_t n = int64_t(ids.size()), V = model_->hparams().n_vocab;
   if (mode == model::LogitsMode::All) logits.assign(size_t(n) * V, 0.0f);
   std::vector<float> chunk_logits;
@@ -428,11 +481,11 @@ void Engine::run(model::SequenceState& st, std::span<const int32_t> ids, model::
                                 : (last_chunk && mode == model::LogitsMode::Last) ? model::LogitsMode::Last
                                                                                   : model::LogitsMode::None;
     const auto tc = std::chrono::steady_clock::now();
-    const double wait0 = stream_->stats().exposed_wait_s, expert0 = times_.expert_s;
+    const double wait0 = stream_stats().exposed_wait_s, expert0 = times_.expert_s;
     model_->forward(ctx, st, ids.subspan(c0, c1 - c0), m, chunk_logits);
     if (opts_.trace) {
       // One line per prompt chunk: where its time went.
-      const double wall = seconds_since(tc), wait = stream_->stats().exposed_wait_s - wait0;
+      const double wall = seconds_since(tc), wait = stream_stats().exposed_wait_s - wait0;
       const double expert = times_.expert_s - expert0;
       fmt::print(stderr,
                  "strata: chunk [{}, {}) {} tokens: {:.3f} s = expert matmuls {:.3f} s + exposed wait {:.3f} s + "
@@ -451,7 +504,7 @@ void Engine::run(model::SequenceState& st, std::span<const int32_t> ids, model::
           "the model produced non-finite logits (NaN or Inf weights, or invalid hyper-parameters in the file)");
   phase.tokens += n;
   phase.seconds += seconds_since(t0);
-  phase.stream += stream_->stats() - s0;
+  phase.stream += stream_stats() - s0;
 }
 
 void Engine::forward_batch(std::span<model::SeqInput> batch, model::RoutingTrace* trace) {
@@ -474,8 +527,8 @@ void Engine::forward_batch(std::span<model::SeqInput> batch, model::RoutingTrace
   }
   PhaseStats& phase = all_single ? decode_ : prefill_;
   const auto t0 = std::chrono::steady_clock::now();
-  const stream::StreamStats s0 = stream_->stats();
-  model::ForwardContext ctx{*backend_, *stream_, trace, &times_, {}, &phase.prediction, dump_.get()};
+  const stream::StreamStats s0 = stream_stats();
+  model::ForwardContext ctx{*backend_, stream(), trace, &times_, {}, &phase.prediction, dump_.get()};
   ctx.ahead.predict = opts_.predict;
   ctx.ahead.predict_min = opts_.predict_min;
   ctx.ahead.static_rank = static_rank_.empty() ? nullptr : &static_rank_;
@@ -483,6 +536,7 @@ void Engine::forward_batch(std::span<model::SeqInput> batch, model::RoutingTrace
   if (dump_) dump_->set_phase(all_single ? "decode" : "prefill");
   ctx.moce = &phase.moce;
   ctx.profile = opts_.profile ? &phase.profile : nullptr;
+  ctx.ep = ep_.get();
   model_->forward(ctx, batch);
   for (const model::SeqInput& s : batch)
     if (s.mode != model::LogitsMode::None)
@@ -492,7 +546,7 @@ void Engine::forward_batch(std::span<model::SeqInput> batch, model::RoutingTrace
               "the model produced non-finite logits (NaN or Inf weights, or invalid hyper-parameters in the file)");
   phase.tokens += n;
   phase.seconds += seconds_since(t0);
-  phase.stream += stream_->stats() - s0;
+  phase.stream += stream_stats() - s0;
 }
 
 void Engine::prefill(model::SequenceState& st, std::span<const int32_t> ids, model::LogitsMode mode,

@@ -12,6 +12,7 @@
 #include "backend/cpu/kernels/kernels.h"
 #include "gguf/gguf.h"
 #include "model/model.h"
+#include "parallel/expert_parallel.h"
 #include "stream/expert_stream.h"
 #include "tokenizer/tokenizer.h"
 
@@ -63,6 +64,18 @@ struct EngineOptions {
   float moce_bonus = 0;
   bool moce_prefill = false;
   bool profile = false;  ///< --profile: time per forward stage into PhaseStats::profile
+  /// --ep-ranks (alias --gpus): routed experts partitioned over N expert-parallel ranks, each with
+  /// its own share of the arena, host tier and IO threads (docs/expert-parallel.md); 0 = off (one
+  /// stream). With the CPU backend the ranks are simulated in this process; with --backend cuda N
+  /// must not exceed the device count (EngineError naming both), and N > 1 needs the NCCL
+  /// communicator, which this build lacks (EngineError).
+  int ep_ranks = 0;
+  /// --ep-placement: "id" (contiguous id ranges), "popularity" (balanced by the static rank's
+  /// pick counts; an EngineError without one) or "auto" (popularity when a static rank is loaded).
+  std::string ep_placement = "auto";
+  /// Tests only: the combine's summation order (parallel::CombineOrder::RankPartialSums breaks
+  /// bit-identity with one rank; the tests show their check catches it).
+  parallel::CombineOrder ep_combine = parallel::CombineOrder::PerToken;
 };
 
 /// Tokens, wall time and stream counters of one phase (prefill or decode).
@@ -92,7 +105,13 @@ class Engine {
   /// Its name and what it runs on ("cpu", "2 threads, ..." / "cuda", "device 0: NVIDIA H200 ...").
   backend::BackendInfo backend_info() const { return backend_->info(); }
   const tokenizer::Tokenizer& tokenizer() const { return *tok_; }
-  stream::ExpertStream& stream() { return *stream_; }
+  /// The expert stream; under --ep-ranks, rank 0's (expert_parallel() has every rank's).
+  stream::ExpertStream& stream() { return ep_ ? ep_->stream(0) : *stream_; }
+  /// The expert-parallel ranks (--ep-ranks), or null when off.
+  const parallel::ExpertParallel* expert_parallel() const { return ep_.get(); }
+  parallel::ExpertParallel* expert_parallel() { return ep_.get(); }
+  /// The stream counters now, summed over the expert-parallel ranks.
+  stream::StreamStats stream_stats() const { return ep_ ? ep_->stats() : stream_->stats(); }
   /// The file experts are read from: the GGUF, or its pack sidecar when one is in use.
   const std::string& expert_file() const { return expert_file_; }
   const EngineOptions& options() const { return opts_; }
@@ -109,7 +128,7 @@ class Engine {
   uint64_t arena_bytes() const;
   /// The host tier actually allocated (bytes; 0 = none) and whether it is pinned.
   uint64_t host_cache_bytes() const;
-  bool host_cache_pinned() const { return stream_->host_pinned(); }
+  bool host_cache_pinned() const { return ep_ ? ep_->stream(0).host_pinned() : stream_->host_pinned(); }
   /// Smallest arena for the configured prompt chunk: one layer's worst case,
   /// min(top-k x chunk tokens, expert count) slots (bytes).
   uint64_t min_arena_bytes() const { return min_arena_bytes_; }
@@ -145,6 +164,9 @@ class Engine {
   void check_ids(const model::SequenceState& st, std::span<const int32_t> ids) const;
 
  private:
+  /// The --ep-ranks ranks over `layers` with `so` split among them (placement as --ep-placement says).
+  std::unique_ptr<parallel::ExpertParallel> make_expert_parallel(const std::vector<stream::LayerExperts>& layers,
+                                                                 const stream::StreamOptions& so);
   void run(model::SequenceState& st, std::span<const int32_t> ids, model::LogitsMode mode, std::vector<float>& logits,
            model::RoutingTrace* trace, PhaseStats& phase);
 
@@ -156,6 +178,9 @@ class Engine {
   std::unique_ptr<model::Dumper> dump_;
   cpu::kernels::KernelConfig kernels_;  ///< resolved from opts_.kernels / act_quant in the constructor
   std::unique_ptr<stream::ExpertStream> stream_;
+
+  // --ep-ranks: the ranks' streams (stream_ is then null).
+  std::unique_ptr<parallel::ExpertParallel> ep_;
   uint64_t expert_bytes_ = 0;
   uint64_t min_arena_bytes_ = 0;
   PhaseStats prefill_, decode_;
@@ -164,6 +189,11 @@ class Engine {
   std::string static_rank_path_;
   model::ForwardTimes times_;
 };
+
+/// The --ep-ranks check of the CUDA backend: throws EngineError naming both numbers when
+/// `ep_ranks` is more than `device_count` (one device per rank), and for 1 < ep_ranks <=
+/// device_count (the NCCL communicator is not built yet). 0 (off) and 1 pass.
+void check_ep_ranks_for_devices(int ep_ranks, int device_count);
 
 /// The automatic arena size: half of MemAvailable (/proc/meminfo) minus the dense weights
 /// and KV cache, capped at all experts' slots and never below `min_bytes` (bytes).

@@ -14,6 +14,10 @@
 #include "model/hparams.h"
 #include "stream/expert_stream.h"
 
+namespace strata::parallel {
+class ExpertParallel;
+}
+
 namespace strata::model {
 
 /// One per-layer state tensor of a sequence in its backend's memory (fp32). Copying a
@@ -149,6 +153,9 @@ struct ForwardContext {
   float moce_bonus = 0;
   MoceStats* moce = nullptr;
   StageProfile* profile = nullptr;  ///< when set (--profile), each stage's host time is added here
+  /// When set (--ep-ranks): the routed experts are partitioned over its ranks, each with its own
+  /// stream (`stream` is then unused by the MoE step); docs/expert-parallel.md.
+  parallel::ExpertParallel* ep = nullptr;
 };
 
 /// Which positions of a forward call produce logits.

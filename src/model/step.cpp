@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "model/dump.h"
+#include "parallel/expert_parallel.h"
 
 namespace strata::model {
 
@@ -199,7 +200,11 @@ void Step::read_ahead(const ReadAhead& ra, const Tensor& h) {
     queued[size_t(e)] = 1;
     ++n;
   }
-  if (!order.empty()) ctx_.stream.prefetch(ra.layer, order);
+  if (order.empty()) return;
+  if (ctx_.ep)
+    ctx_.ep->prefetch(ra.layer, order);  // each rank reads ahead the experts it owns
+  else
+    ctx_.stream.prefetch(ra.layer, order);
 }
 
 void Step::router_logits(const MoeLayer& m, const Tensor& h, std::vector<float>& logits) {
@@ -305,7 +310,8 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
   const bool moce = ctx_.moce_bonus > 0;
   if (moce) {
     std::vector<uint8_t> resident(size_t(w.spec.n_expert));
-    for (int e = 0; e < w.spec.n_expert; ++e) resident[size_t(e)] = stream.resident(layer, e) ? 1 : 0;
+    for (int e = 0; e < w.spec.n_expert; ++e)
+      resident[size_t(e)] = (ctx_.ep ? ctx_.ep->resident(layer, e) : stream.resident(layer, e)) ? 1 : 0;
     std::vector<float> copy = logits;
     backend::select_experts(w.spec, copy.data(), T_, exact);
     backend::select_experts(w.spec, logits.data(), T_, r, backend::ResidencyBonus{ctx_.moce_bonus, resident});
@@ -323,9 +329,16 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
     if (!pairs[size_t(e)].empty()) needed.push_back(e);
 
   profile_from(StageProfile::Router, t_stage);
-  // The cut: ask for every expert this layer needs; misses become urgent reads.
+  // The cut: ask for every expert this layer needs; misses become urgent reads. With expert
+  // parallelism each rank asks its own stream for the experts it owns.
   t_stage = std::chrono::steady_clock::now();
-  stream.request(layer, needed);
+  std::vector<std::vector<int32_t>> rank_needed;
+  if (ctx_.ep) {
+    rank_needed = ctx_.ep->split(layer, needed);
+    for (int rk = 0; rk < ctx_.ep->n_ranks(); ++rk) ctx_.ep->stream(rk).request(layer, rank_needed[size_t(rk)]);
+  } else {
+    stream.request(layer, needed);
+  }
   profile_from(StageProfile::StreamRequest, t_stage);
   // While this layer computes, the IO threads read ahead for the next one.
   t_stage = std::chrono::steady_clock::now();
@@ -342,9 +355,9 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
   auto part = [](const ExpertPartShape& s, const uint8_t* data) {
     return Tensor::matrix(s.type, data, s.cols, s.rows, s.row_bytes);
   };
-  auto run_expert = [&](int32_t e) {
+  auto run_expert = [&](stream::ExpertStream& from, int32_t e, const Tensor& rows) {
     const auto t_wait = std::chrono::steady_clock::now();
-    const stream::ExpertView view = stream.wait(layer, e);
+    const stream::ExpertView view = from.wait(layer, e);
     waited += seconds_between(t_wait, std::chrono::steady_clock::now());
     backend::ExpertJob job;
     job.expert = e;
@@ -353,23 +366,32 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
     if (!w.up_bias.empty()) job.w.up_b = w.up_bias.rows_view(e, 1);
     if (!w.down_bias.empty()) job.w.down_b = w.down_bias.rows_view(e, 1);
     job.pairs = pairs[size_t(e)];
-    be_.expert_ffn(w.ffn, job, K, h_, expert_out);
+    be_.expert_ffn(w.ffn, job, K, h_, rows);
   };
 
   // Resident experts first, then each miss as it arrives. The order of experts does not change
   // results: outputs land in per-(token, k) rows.
-  std::vector<int32_t> todo = needed, later, ready;
-  while (!todo.empty()) {
-    // One pass: take what is resident now; if nothing is, block on the first remaining.
-    later.clear();
-    ready.clear();
-    for (int32_t e : todo) (stream.resident(layer, e) ? ready : later).push_back(e);
-    if (ready.empty()) {
-      ready.push_back(later.front());
-      later.erase(later.begin());
+  auto run_experts = [&](stream::ExpertStream& from, const std::vector<int32_t>& ids, const Tensor& rows) {
+    std::vector<int32_t> todo = ids, later, ready;
+    while (!todo.empty()) {
+      // One pass: take what is resident now; if nothing is, block on the first remaining.
+      later.clear();
+      ready.clear();
+      for (int32_t e : todo) (from.resident(layer, e) ? ready : later).push_back(e);
+      if (ready.empty()) {
+        ready.push_back(later.front());
+        later.erase(later.begin());
+      }
+      todo.swap(later);
+      for (int32_t e : ready) run_expert(from, e, rows);
     }
-    todo.swap(later);
-    for (int32_t e : ready) run_expert(e);
+  };
+  if (ctx_.ep) {
+    // Each rank applies its experts to their tokens, into its own (token, k) rows.
+    for (int rk = 0; rk < ctx_.ep->n_ranks(); ++rk)
+      run_experts(ctx_.ep->stream(rk), rank_needed[size_t(rk)], ctx_.ep->rank_rows(rk, expert_out));
+  } else {
+    run_experts(stream, needed, expert_out);
   }
   // The slots may be reused once the expert kernels queued so far have read them.
   if (ctx_.profile) {
@@ -381,11 +403,20 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
     ++ctx_.profile->calls[StageProfile::ExpertWait];
   }
   t_stage = std::chrono::steady_clock::now();
-  stream.release(layer, be_.record());
+  if (ctx_.ep) {
+    const backend::EventPtr last_use = be_.record();
+    for (int rk = 0; rk < ctx_.ep->n_ranks(); ++rk) ctx_.ep->stream(rk).release(layer, last_use);
+  } else {
+    stream.release(layer, be_.record());
+  }
   if (ctx_.times) ctx_.times->expert_s += seconds_between(t_start, std::chrono::steady_clock::now()) - waited;
 
-  // Weighted sum per token in top-k order.
-  be_.moe_combine(r, expert_out, o_);
+  // Weighted sum per token in top-k order (with expert parallelism: after gathering every
+  // (token, k) row from the rank that owns its expert).
+  if (ctx_.ep)
+    ctx_.ep->combine(layer, r, expert_out, o_);
+  else
+    be_.moe_combine(r, expert_out, o_);
   profile_from(StageProfile::MoeCombine, t_stage);
   name(o_, "ffn_moe_out", layer);
   score_prediction(layer, moce ? exact : r, pred_);
