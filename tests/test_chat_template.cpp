@@ -263,6 +263,21 @@ roles={{ messages | map(attribute='role') | join(',') }} uniq={{ messages | map(
 {%+ endif -%}
    tail   )J";
 
+// Integer dict keys (ByteDance-Seed-OSS's budget table), the sort filter and str.format.
+const char* kKeysSortFormat = R"J({% set g = {0: 'zero', 512: 'a', 16384: 'top', 2048: 'b', -1: 'neg', none: 'n'} %}
+{{ g }} {{ g[512] }} {{ g[16384.0] }} {{ g[none] }} {{ 512 in g }} {{ '512' in g }} {{ g.get(2048) }} {{ g | tojson }}
+{% for k, v in g | dictsort if k is not none %}{{ k }}:{{ v }},{% endfor %} {{ g.keys() | list }}
+{% set b = {1: 'one'} %}{% set b2 = {true: 'yes'} %}{{ b[true] }} {{ b2[1] }} {{ b2 }}
+{{ messages | map(attribute='content') | sort | list }}
+{{ messages | sort(attribute='role') | map(attribute='role') | join(',') }}
+{{ messages | sort(attribute='role,content', reverse=true) | map(attribute='role') | join(',') }}
+{{ ['b', 'A', 'a', 'C'] | sort }} {{ ['b', 'A', 'a', 'C'] | sort(case_sensitive=true) }} {{ [3, 1, 2] | sort(true) }}
+{{ '{} says {}: {{x}} {!r}'.format(messages[0].role, 42, 'q') }} {{ '{1}-{0}-{1}'.format('a', 2.5) }}
+{{ '<{who}> {n}'.format(who=messages | length, n=none) }}
+{{ "<b>'"|safe + messages[0].role + '"&' }} {{ '<i>' + "x"|safe }} {{ ('a'|safe + 'b') + '<' }}
+{{ none | selectattr('type', 'equalto', 'x') | list }} {{ none | reject | list }} {{ none | map(attribute='a') | list }}
+)J";
+
 J message_sets() {
   J sys = {{"role", "system"}, {"content", "You are terse.  "}};
   J u1 = {{"role", "user"}, {"content", "Write a function that reads lines."}};
@@ -287,7 +302,8 @@ std::vector<Case> all_cases() {
                                                                       {"llama3", kLlama3},
                                                                       {"mistral", kMistral},
                                                                       {"gemma", kGemma},
-                                                                      {"soup", kSoup}};
+                                                                      {"soup", kSoup},
+                                                                      {"keys-sort-format", kKeysSortFormat}};
   const J sets = message_sets();
   for (auto& [name, t] : templates)
     for (size_t k = 0; k < sets.size(); ++k)
@@ -421,6 +437,10 @@ TEST(ChatTemplate, RenderErrors) {
   EXPECT_THROW(Template("{{ 'a' + 1 }}").render(J::object()), RenderError);
   EXPECT_THROW(Template("{{ x.y.z }}").render(J::object()), RenderError);  // attribute of undefined
   EXPECT_THROW(Template("{{ 1 / 0 }}").render(J::object()), RenderError);
+  EXPECT_THROW(Template("{{ '{:>5}'.format(1) }}").render(J::object()), RenderError);  // format specs: refused
+  EXPECT_THROW(Template("{{ '{} {}'.format(1) }}").render(J::object()), RenderError);  // too few arguments
+  EXPECT_THROW(Template("{{ '{0} {}'.format(1, 2) }}").render(J::object()), RenderError);
+  EXPECT_THROW(Template("{{ {[1]: 2} }}").render(J::object()), RenderError);  // unhashable key
   try {
     Template("{{ raise_exception('roles must alternate') }}").render(J::object());
     FAIL();
@@ -448,15 +468,7 @@ namespace {
 
 // Real chat templates strata cannot load or render identically yet, with the reason. The test
 // asserts that exactly these fail, so both a regression and a fix show up.
-const std::map<std::string, std::string> kKnownFailures = {
-    {"ByteDance-Seed-OSS.jinja", "integer dict keys ({0: 0, ...})"},
-    {"fireworks-ai-llama-3-firefunction-v2.jinja",
-     "needs a 'functions' variable (jinja2 fails without it too, on every case here); ChatTemplate's load check "
-     "renders a sample without it"},
-    {"meetkai-functionary-medium-v3.1.jinja",
-     "without tools it iterates None, which jinja2 refuses too; ChatTemplate's load check renders a sample "
-     "without tools, so the template fails at load although jinja2 renders it with tools"},
-};
+const std::map<std::string, std::string> kKnownFailures = {};
 
 }  // namespace
 

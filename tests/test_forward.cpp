@@ -38,15 +38,6 @@ engine::EngineOptions default_options() {
   return o;
 }
 
-void expect_greedy(engine::Engine& eng, const nlohmann::json& ref) {
-  for (const auto& g : ref["greedy"]) {
-    const auto prompt = g["ids"].get<std::vector<int32_t>>();
-    const auto want = g["greedy"].get<std::vector<int32_t>>();
-    const auto got = test::greedy(eng, prompt, int(want.size()));
-    EXPECT_EQ(got, want) << "greedy continuation differs for prompt: " << g["text"].get<std::string>();
-  }
-}
-
 }  // namespace
 
 TEST(Forward, ShippedQ8_0MatchesTransformers) {
@@ -88,7 +79,7 @@ TEST(Forward, ShippedQ8_0GreedyMatchesTransformers) {
   engine::EngineOptions o = default_options();
   o.act_quant = cpu::kernels::ActQuant::F32;
   engine::Engine eng(test::shipped_model(), o);
-  expect_greedy(eng, test::load_json(test::data_path("qwen3moe-code-Q8_0.hf.json")));
+  test::expect_greedy(eng, test::load_json(test::data_path("qwen3moe-code-Q8_0.hf.json"))["greedy"], "transformers");
 }
 
 TEST(Forward, Bf16MatchesTransformers) {
@@ -107,12 +98,8 @@ TEST(Forward, Bf16GreedyMatchesTransformersAndLlamaCpp) {
   STRATA_REQUIRE_FIXTURES(fx);
   engine::Engine eng(fx + "/models/qwen3moe-code-bf16.gguf", default_options());
   const auto ref = test::load_json(fx + "/ref/qwen3moe-code.hf.json");
-  expect_greedy(eng, ref);
+  test::expect_greedy(eng, ref["greedy"], "transformers");
   // llama.cpp's greedy trajectories for the same prompts (they agree with transformers on BF16).
-  const auto lc = test::load_json(fx + "/ref/llamacpp-greedy.json");
-  for (const auto& g : lc["models"]["qwen3moe-code-bf16.gguf"]) {
-    const auto want = g["greedy"].get<std::vector<int32_t>>();
-    EXPECT_EQ(test::greedy(eng, g["ids"].get<std::vector<int32_t>>(), int(want.size())), want)
-        << "differs from llama.cpp for: " << g["text"].get<std::string>();
-  }
+  test::expect_greedy(eng, test::load_json(fx + "/ref/llamacpp-greedy.json")["models"]["qwen3moe-code-bf16.gguf"],
+                      "llama.cpp");
 }

@@ -74,27 +74,15 @@ TEST(Glm4Moe, MatchesTransformers) {
   test::ParityReport rep;
   test::compare_with_hf(eng, test::load_json(fx + "/ref/glm4moe-tiny.hf.json"), rep);
   test::print_report("glm4moe BF16 vs transformers", rep);
-  EXPECT_GT(rep.positions, 0);
-  EXPECT_GT(rep.top1_checked, rep.positions / 2);
-  EXPECT_EQ(rep.top1_mismatch, 0);
-  EXPECT_LE(rep.max_logit_err, kLogitTol);
-  EXPECT_LE(rep.max_last_err, kLogitTol);
-  EXPECT_LE(rep.max_lse_err, kLogitTol);
+  test::expect_logit_parity(rep, kLogitTol);
 }
 
 TEST(Glm4Moe, GreedyMatchesTransformersAndLlamaCpp) {
   STRATA_REQUIRE_FIXTURES(fx);
   engine::Engine eng(glm_model(fx), options());
-  for (const auto& g : test::load_json(fx + "/ref/glm4moe-tiny.hf.json")["greedy"]) {
-    const auto want = g["greedy"].get<std::vector<int32_t>>();
-    EXPECT_EQ(test::greedy(eng, g["ids"].get<std::vector<int32_t>>(), int(want.size())), want)
-        << "differs from transformers for: " << g["text"].get<std::string>();
-  }
-  for (const auto& g : test::load_json(fx + "/ref/llamacpp-greedy-archs.json")["models"]["glm4moe-tiny-bf16.gguf"]) {
-    const auto want = g["greedy"].get<std::vector<int32_t>>();
-    EXPECT_EQ(test::greedy(eng, g["ids"].get<std::vector<int32_t>>(), int(want.size())), want)
-        << "differs from llama.cpp for: " << g["text"].get<std::string>();
-  }
+  test::expect_greedy(eng, test::load_json(fx + "/ref/glm4moe-tiny.hf.json")["greedy"], "transformers");
+  test::expect_greedy(eng, test::load_json(fx + "/ref/llamacpp-greedy-archs.json")["models"]["glm4moe-tiny-bf16.gguf"],
+                      "llama.cpp");
 }
 
 TEST(Glm4Moe, ChunksThreadsArenaAndDecodeAreBitIdentical) {
@@ -135,28 +123,9 @@ TEST(Glm4Moe, ChunksThreadsArenaAndDecodeAreBitIdentical) {
 
 TEST(Glm4Moe, NextNBlocksAreSkipped) {
   // Real GLM files carry a multi-token-prediction block after the last layer (block_count
-  // counts it, nextn_predict_layers = 1). Append one (a copy of layer 3's tensors, named
-  // blk.4.*) to the fixture: the logits must not change by a bit.
+  // counts it, nextn_predict_layers = 1): one appended to the fixture must not change a bit.
   STRATA_REQUIRE_FIXTURES(fx);
-  const gguf::File f = gguf::File::open(glm_model(fx));
-  test::GgufEdit ed;
-  for (const auto& t : f.tensors())
-    if (t.name.rfind("blk.3.", 0) == 0) ed.copies.emplace_back("blk.4." + t.name.substr(6), t.name);
-  ed.set_kv = {{"glm4moe.block_count", gguf::make_u32(5)}, {"glm4moe.nextn_predict_layers", gguf::make_u32(1)}};
-  const std::string path = test::write_edited_gguf(glm_model(fx), ed, "glm-nextn");
-  const std::vector<int32_t> ids = {100, 200, 300, 400, 500, 600, 700};
-  const auto want = all_logits(glm_model(fx), options(), ids);
-  std::vector<float> got;
-  {
-    engine::Engine eng(path, options());
-    EXPECT_EQ(eng.hparams().n_layer, 5);
-    EXPECT_EQ(eng.model().expert_layout()[4].n_expert, 0);  // never read
-    model::SequenceState st = eng.new_sequence();
-    eng.prefill(st, ids, model::LogitsMode::All, got);
-  }
-  std::filesystem::remove(path);
-  ASSERT_EQ(got.size(), want.size());
-  EXPECT_TRUE(bit_equal(got.data(), want.data(), want.size()));
+  test::expect_nextn_block_skipped(glm_model(fx), options(), {100, 200, 300, 400, 500, 600, 700});
 }
 
 TEST(Glm4MoeErrors, MalformedFilesAreNamed) {

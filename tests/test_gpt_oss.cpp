@@ -53,43 +53,6 @@ engine::EngineOptions options() {
 
 bool bit_equal(const float* a, const float* b, size_t n) { return std::memcmp(a, b, n * sizeof(float)) == 0; }
 
-// The reference's router_top compared with our routing trace: the selected sets where our k-th
-// and (k+1)-th weights differ by more than 1e-4, and the score differences s_k - s_0.
-struct RouterReport {
-  int checked = 0, mismatched = 0;
-  double max_score_err = 0;
-};
-
-void compare_router(engine::Engine& eng, const nlohmann::json& ref, RouterReport& rep) {
-  for (const auto& c : ref["cases"]) {
-    const auto ids = c["ids"].get<std::vector<int32_t>>();
-    model::SequenceState st = eng.new_sequence();
-    std::vector<float> logits;
-    model::RoutingTrace trace;
-    eng.prefill(st, ids, model::LogitsMode::Last, logits, &trace);
-    const auto& layers = c["router_top"];
-    ASSERT_EQ(layers.size(), trace.ids.size());
-    for (size_t l = 0; l < layers.size(); ++l)
-      for (size_t t = 0; t < ids.size(); ++t) {
-        const auto ref_ids = layers[l]["ids"][t].get<std::vector<int32_t>>();
-        const auto ref_scores = layers[l]["scores"][t].get<std::vector<double>>();
-        const auto& our_ids = trace.ids[l][t];
-        const auto& our_probs = trace.probs[l][t];
-        ASSERT_EQ(ref_ids.size(), our_ids.size());
-        if (double(our_probs.back()) - double(trace.next_prob[l][t]) <= 1e-4) continue;
-        ++rep.checked;
-        if (std::set<int32_t>(ref_ids.begin(), ref_ids.end()) != std::set<int32_t>(our_ids.begin(), our_ids.end())) {
-          ++rep.mismatched;
-          continue;
-        }
-        for (size_t k = 1; k < our_ids.size(); ++k) {
-          const double ours = std::log(double(our_probs[k]) / double(our_probs[0]));
-          rep.max_score_err = std::max(rep.max_score_err, std::abs(ours - (ref_scores[k] - ref_scores[0])));
-        }
-      }
-  }
-}
-
 std::vector<float> all_logits(const std::string& path, const engine::EngineOptions& o,
                               const std::vector<int32_t>& ids) {
   engine::Engine eng(path, o);
@@ -121,43 +84,23 @@ TEST(GptOss, HyperParameters) {
 TEST(GptOss, MatchesTransformers) {
   STRATA_REQUIRE_FIXTURES(fx);
   engine::Engine eng(model_path(fx), options());
-  nlohmann::json ref = test::load_json(fx + "/ref/gpt-oss-tiny.hf.json");
-  // The reference has router_top (raw scores) instead of routing (probabilities): compare the
-  // logits through compare_with_hf with the routing part empty, the router separately.
-  for (auto& c : ref["cases"]) c["routing"] = nlohmann::json::array();
+  // The reference has router_top (raw scores) instead of routing (probabilities).
   test::ParityReport rep;
-  test::compare_with_hf(eng, ref, rep);
-  RouterReport rr;
-  compare_router(eng, ref, rr);
+  test::compare_with_hf(eng, test::load_json(fx + "/ref/gpt-oss-tiny.hf.json"), rep);
   test::print_report("gpt-oss vs transformers", rep);
-  std::printf("[gpt-oss router vs transformers] routes checked %d mismatched %d, max |d(s_k - s_0)| %.3g\n", rr.checked,
-              rr.mismatched, rr.max_score_err);
-  EXPECT_GT(rep.positions, 0);
-  EXPECT_GT(rep.top1_checked, rep.positions / 2);
-  EXPECT_EQ(rep.top1_mismatch, 0);
-  EXPECT_LE(rep.max_logit_err, kLogitTol);
-  EXPECT_LE(rep.max_last_err, kLogitTol);
-  EXPECT_LE(rep.max_lse_err, kLogitTol);
-  EXPECT_GT(rr.checked, 0);
-  EXPECT_EQ(rr.mismatched, 0);
-  EXPECT_LE(rr.max_score_err, kScoreTol);
+  test::expect_logit_parity(rep, kLogitTol);
+  EXPECT_GT(rep.routes_checked, 0);
+  EXPECT_EQ(rep.routes_mismatch, 0);
+  EXPECT_LE(rep.max_score_err, kScoreTol);
 }
 
 TEST(GptOss, GreedyMatchesTransformersAndLlamaCpp) {
   STRATA_REQUIRE_FIXTURES(fx);
   engine::Engine eng(model_path(fx), options());
   const auto ref = test::load_json(fx + "/ref/gpt-oss-tiny.hf.json");
-  for (const auto& g : ref["greedy"]) {
-    const auto want = g["greedy"].get<std::vector<int32_t>>();
-    EXPECT_EQ(test::greedy(eng, g["ids"].get<std::vector<int32_t>>(), int(want.size())), want)
-        << "differs from transformers for: " << g["text"].get<std::string>();
-  }
-  const auto lc = test::load_json(fx + "/ref/llamacpp-greedy-archs.json");
-  for (const auto& g : lc["models"]["gpt-oss-tiny-bf16.gguf"]) {
-    const auto want = g["greedy"].get<std::vector<int32_t>>();
-    EXPECT_EQ(test::greedy(eng, g["ids"].get<std::vector<int32_t>>(), int(want.size())), want)
-        << "differs from llama.cpp for: " << g["text"].get<std::string>();
-  }
+  test::expect_greedy(eng, ref["greedy"], "transformers");
+  test::expect_greedy(eng, test::load_json(fx + "/ref/llamacpp-greedy-archs.json")["models"]["gpt-oss-tiny-bf16.gguf"],
+                      "llama.cpp");
 }
 
 TEST(GptOss, ChunksArenaAndDecodeAreBitIdentical) {

@@ -22,53 +22,28 @@
 #include "support/gguf_edit.h"
 #include "support/paths.h"
 #include "support/reference.h"
+#include "support/synth_model.h"
 
 using namespace strata;
 using ::testing::HasSubstr;
 
-namespace {
-
-std::string sh(const std::string& cmd, int* rc) {
-  std::string out;
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (!p) return out;
-  char buf[65536];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  *rc = ::pclose(p);
-  return out;
-}
-
-struct TinyModel {
-  std::string path;
-  TinyModel() {
-    path = (std::filesystem::temp_directory_path() / ("strata-mixtral-tiny-" + std::to_string(::getpid()) + ".gguf"))
-               .string();
-    int rc = 0;
-    sh(test::strata_binary() + " synth --like mixtral-tiny --type F32 -q --force -o " + path + " 2>&1", &rc);
-    EXPECT_EQ(rc, 0);
-  }
-  ~TinyModel() { std::filesystem::remove(path); }
-};
-
-}  // namespace
-
 TEST(Mixtral, MatchesTheIndependentReference) {
   int rc = 0;
-  sh("python3 -c 'import json, struct' 2>&1", &rc);
+  test::run_command("python3 -c 'import json, struct' 2>&1", &rc);
   if (rc != 0) GTEST_SKIP() << "python3 absent: no reference to compare with";
-  TinyModel m;
+  test::SynthModel m("mixtral-tiny");
   const std::vector<int32_t> ids = {5, 77, 1000, 42, 8000, 3, 3, 4096, 17};
   std::string list;
   for (int32_t t : ids) list += (list.empty() ? "" : ",") + std::to_string(t);
-  const std::string out = sh("python3 " + test::data_path("moe_reference.py") + " " + m.path + " " + list, &rc);
+  const std::string out =
+      test::run_command("python3 " + test::data_path("moe_reference.py") + " " + m.path + " " + list, &rc);
   ASSERT_EQ(rc, 0) << out;
   const auto ref = nlohmann::json::parse(out)["logits"];
   ASSERT_EQ(ref.size(), ids.size());
 
   engine::EngineOptions o;
   o.n_threads = 2;
-  o.arena_mb = 8;  // every expert record (24 KiB) fits; streaming is tested on the other families
+  o.arena_mb = 8;  // every expert record (24 KiB) fits; streaming: ChunksThreadsArenaAndDecodeAreBitIdentical
   engine::Engine eng(m.path, o);
   EXPECT_EQ(eng.hparams().arch, "llama");
   EXPECT_EQ(eng.hparams().n_ff_exp, 32);  // feed_forward_length: the converter writes no expert width
@@ -98,8 +73,16 @@ TEST(Mixtral, MatchesTheIndependentReference) {
   EXPECT_EQ(top1_equal, int(ids.size()));
 }
 
+TEST(Mixtral, ChunksThreadsArenaAndDecodeAreBitIdentical) {
+  test::SynthModel m("mixtral-tiny");
+  engine::EngineOptions o;
+  o.n_threads = 2;
+  o.arena_mb = 8;
+  test::expect_invariance(m.path, o, {5, 77, 1000, 42, 8000, 3, 3, 4096, 17});  // 8 experts of 24 KiB
+}
+
 TEST(Mixtral, MalformedFilesAreNamed) {
-  TinyModel m;
+  test::SynthModel m("mixtral-tiny");
   test::GgufEdit d;
   d.drop = {"blk.1.ffn_up_exps.weight"};
   EXPECT_THAT(test::edited_load_error(m.path, d, "mixtral-d"), HasSubstr("blk.1.ffn_up_exps.weight"));

@@ -54,13 +54,6 @@ engine::EngineOptions options() {
   return o;
 }
 
-double logsumexp(const float* row, int n) {
-  const float mx = *std::max_element(row, row + n);
-  double s = 0;
-  for (int i = 0; i < n; ++i) s += std::exp(double(row[i]) - mx);
-  return mx + std::log(s);
-}
-
 bool bit_equal(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
@@ -109,84 +102,14 @@ TEST(Qwen35Moe, HyperParametersAndState) {
   EXPECT_NE(std::find(archs.begin(), archs.end(), "qwen35moe"), archs.end());
 }
 
-namespace {
-struct Parity {
-  int positions = 0, top1_checked = 0, top1_mismatch = 0;
-  double max_logit_err = 0, max_last_err = 0, max_lse_err = 0;
-  int routes_checked = 0, routes_mismatch = 0;
-  double max_score_err = 0;
-};
-
-// Every reference case teacher-forced through `eng`: logits, and router_top (raw router scores
-// of the top-k per MoE layer and token, descending) against our routing trace.
-Parity compare(engine::Engine& eng, const nlohmann::json& ref) {
-  Parity p;
-  const int V = eng.hparams().n_vocab;
-  for (const auto& c : ref["cases"]) {
-    const auto ids = c["ids"].get<std::vector<int32_t>>();
-    model::SequenceState st = eng.new_sequence();
-    std::vector<float> logits;
-    model::RoutingTrace trace;
-    eng.prefill(st, ids, model::LogitsMode::All, logits, &trace);
-    for (size_t t = 0; t < ids.size(); ++t) {
-      const float* row = logits.data() + t * V;
-      const auto top_ids = c["top_ids"][t].get<std::vector<int32_t>>();
-      const auto top_logits = c["top_logits"][t].get<std::vector<double>>();
-      ++p.positions;
-      for (size_t k = 0; k < top_ids.size(); ++k)
-        p.max_logit_err = std::max(p.max_logit_err, std::abs(double(row[top_ids[k]]) - top_logits[k]));
-      p.max_lse_err = std::max(p.max_lse_err, std::abs(logsumexp(row, V) - c["logsumexp"][t].get<double>()));
-      if (top_logits[0] - top_logits[1] > 1e-2) {
-        ++p.top1_checked;
-        if (int32_t(std::max_element(row, row + V) - row) != top_ids[0]) ++p.top1_mismatch;
-      }
-    }
-    const auto last = c["last_logits"].get<std::vector<double>>();
-    const float* lrow = logits.data() + (ids.size() - 1) * V;
-    for (int i = 0; i < V; ++i) p.max_last_err = std::max(p.max_last_err, std::abs(double(lrow[i]) - last[i]));
-
-    const auto& rt = c["router_top"];
-    for (size_t l = 0; l < rt.size(); ++l)
-      for (size_t t = 0; t < ids.size(); ++t) {
-        const auto ref_ids = rt[l]["ids"][t].get<std::vector<int32_t>>();
-        const auto ref_scores = rt[l]["scores"][t].get<std::vector<double>>();
-        const auto& our_ids = trace.ids[l][t];
-        const auto& our_probs = trace.probs[l][t];
-        // The set is only defined where the k-th and (k+1)-th probabilities differ.
-        if (double(our_probs.back()) - double(trace.next_prob[l][t]) > 1e-4) {
-          ++p.routes_checked;
-          if (std::set<int32_t>(ref_ids.begin(), ref_ids.end()) != std::set<int32_t>(our_ids.begin(), our_ids.end()))
-            ++p.routes_mismatch;
-        }
-        // Scores of the same experts, relative to the top one: s_e - s_top = log(p_e / p_top).
-        for (size_t k = 0; k < ref_ids.size(); ++k) {
-          const auto it = std::find(our_ids.begin(), our_ids.end(), ref_ids[k]);
-          if (it == our_ids.end()) continue;  // a tie swapped it out (counted above if not a tie)
-          const double ours =
-              std::log(double(our_probs[size_t(it - our_ids.begin())])) - std::log(double(our_probs[0]));
-          p.max_score_err = std::max(p.max_score_err, std::abs(ours - (ref_scores[k] - ref_scores[0])));
-        }
-      }
-  }
-  return p;
-}
-}  // namespace
-
 TEST(Qwen35Moe, MatchesTransformers) {
   STRATA_REQUIRE_FIXTURES(fx);
   engine::Engine eng(model_path(fx), options());
-  const Parity p = compare(eng, hf_ref(fx));
-  std::printf(
-      "[qwen35moe vs transformers] positions %d, top-1 checked %d mismatched %d, max |dlogit| top-20 %.3g, "
-      "all-vocab last %.3g, logsumexp %.3g; routes checked %d mismatched %d, max |d score diff| %.3g\n",
-      p.positions, p.top1_checked, p.top1_mismatch, p.max_logit_err, p.max_last_err, p.max_lse_err, p.routes_checked,
-      p.routes_mismatch, p.max_score_err);
+  test::ParityReport p;
+  test::compare_with_hf(eng, hf_ref(fx), p);
+  test::print_report("qwen35moe vs transformers", p);
   EXPECT_EQ(p.positions, 9 + 24 + 64);
-  EXPECT_GT(p.top1_checked, p.positions / 2);
-  EXPECT_EQ(p.top1_mismatch, 0);
-  EXPECT_LE(p.max_logit_err, kLogitTol);
-  EXPECT_LE(p.max_last_err, kLogitTol);
-  EXPECT_LE(p.max_lse_err, kLogitTol);
+  test::expect_logit_parity(p, kLogitTol);
   EXPECT_GT(p.routes_checked, p.positions * 3);  // 4 MoE layers per position, nearly all untied
   EXPECT_EQ(p.routes_mismatch, 0);
   EXPECT_LE(p.max_score_err, kRouterScoreTol);

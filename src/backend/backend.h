@@ -187,6 +187,11 @@ struct AttentionSpec {
   int64_t window = 0;
   /// Scale of q.k; 0 = 1/sqrt(head_dim).
   float scale = 0;
+  /// q/k RMSNorm over the whole projection row (n_head * head_dim for q, n_head_kv * head_dim
+  /// for k; attn_q_norm / attn_k_norm have that many weights) instead of per head: MiniMax-M2
+  /// (transformers MiniMaxM2Attention, qk_norm_type "per_layer"; llama.cpp minimax-m2 norms
+  /// Qcur/Kcur before the per-head reshape). False: per head, weights ne {head_dim}.
+  bool qk_norm_full = false;
 };
 
 /// Weights of one attention layer; empty tensors are absent (no bias, no q/k norm).
@@ -195,8 +200,8 @@ struct AttentionWeights {
   Tensor wk;      ///< attn_k: ne {n_embd, n_head_kv * head_dim}
   Tensor wv;      ///< attn_v: ne {n_embd, n_head_kv * head_dim}
   Tensor wo;      ///< attn_output: ne {n_head * head_dim, n_embd}
-  Tensor q_norm;  ///< attn_q_norm: F32 ne {head_dim}, or empty
-  Tensor k_norm;  ///< attn_k_norm: F32 ne {head_dim}, or empty
+  Tensor q_norm;  ///< attn_q_norm: F32 ne {head_dim} (ne {n_head * head_dim} if spec.qk_norm_full), or empty
+  Tensor k_norm;  ///< attn_k_norm: F32 ne {head_dim} (ne {n_head_kv * head_dim} if spec.qk_norm_full), or empty
   /// Projection biases, F32, each added to its projection's output row (y = x W^T + b; before
   /// the q/k norm and RoPE for q and k): attn_q.bias ne {rows of wq}, attn_k.bias and
   /// attn_v.bias ne {n_head_kv * head_dim}, attn_output.bias ne {n_embd}; empty = no bias

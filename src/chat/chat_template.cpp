@@ -39,24 +39,40 @@ ChatTemplate::ChatTemplate(std::string source, std::string bos_token, std::strin
                                   {{"role", "assistant"}, {"content", "Hi there"}},
                                   {{"role", "user"}, {"content", "How are you?"}}});
   const J without_system = J(with_system.begin() + 1, with_system.end());
+  const J tools = J::parse(R"([{"type": "function", "function": {"name": "get_time", "description": "The time",
+      "parameters": {"type": "object", "properties": {}}}}])");
+  // The sample conversations, as real clients send them: plain, without a system message, with
+  // tools (templates that iterate `tools` unguarded: functionary v3.1), and with tools plus the
+  // `functions` text and `datetime` that llama.cpp's server gives firefunction-v2's template.
+  // The first that renders is kept; the template fails to load only if none does.
+  struct Sample {
+    J messages, extra;
+  };
+  const std::vector<Sample> samples = {
+      {with_system, J::object()},
+      {without_system, J::object()},
+      {without_system, J{{"tools", tools}}},
+      {without_system, J{{"tools", tools}, {"functions", tools.dump(2)}, {"datetime", "Jan 01 2026 00:00:00 GMT"}}},
+  };
   // Renders the sample, and again with its last message changed: a template whose output does
   // not change ignores the messages (not a chat template: a text file, a truncated one).
-  J sample = with_system;
-  std::string out;
-  try {
-    out = apply(sample, true);
-  } catch (const RenderError&) {
-    sample = without_system;
+  std::string out, first_error;
+  const Sample* used = nullptr;
+  for (const Sample& smp : samples) {
     try {
-      out = apply(sample, true);
+      out = apply(smp.messages, true, smp.extra);
+      used = &smp;
+      break;
     } catch (const RenderError& e) {
-      throw TemplateError(fmt::format("chat template fails on a sample conversation: {}", e.what()));
+      if (first_error.empty()) first_error = e.what();
     }
   }
-  sample.back()["content"] = "Goodbye";
+  if (!used) throw TemplateError(fmt::format("chat template fails on a sample conversation: {}", first_error));
+  J changed_messages = used->messages;
+  changed_messages.back()["content"] = "Goodbye";
   std::string changed;
   try {
-    changed = apply(sample, true);
+    changed = apply(changed_messages, true, used->extra);
   } catch (const RenderError&) {}
   if (out == changed)
     throw TemplateError(

@@ -25,10 +25,12 @@ extern const char* const kChatMLTemplate;
 
 class ChatTemplate {
  public:
-  /// Parses `source` and renders a sample conversation (system, user, assistant, user; then
-  /// without the system message if the template rejects it), so that an unsupported
-  /// template fails here, at load time. Throws TemplateError naming the construct or the
-  /// sample's render error.
+  /// Parses `source` and renders a sample conversation (system, user, assistant, user; then, if
+  /// the template rejects it, without the system message, with a tool list, and with the tool
+  /// list plus the `functions` and `datetime` variables firefunction-v2 reads), so that an
+  /// unsupported template fails here, at load time; the first sample that renders must change
+  /// with a message's content. Throws TemplateError naming the construct, the first sample's
+  /// render error when none renders, or a template that ignores the messages.
   ChatTemplate(std::string source, std::string bos_token, std::string eos_token);
 
   /// The template of a GGUF file (tokenizer.chat_template), with its BOS/EOS token text.

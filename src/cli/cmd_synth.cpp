@@ -148,6 +148,25 @@ std::vector<SynthShape> known_shapes() {
     s.extra_kv = {{"rope.dimension_sections", gguf::make_i32_array({11, 11, 10, 0})}};
     v.push_back(s);
   }
+  {
+    // MiniMaxAI/MiniMax-M2 (and M2.1, same shape): hidden 3072, 62 layers, 48 heads / 8 kv of
+    // 128, rotary_dim 64 (partial rotary), full-width q/k norm (qk_norm_type per_layer); 256
+    // experts of 1536 top-8, sigmoid scoring with routing bias (use_routing_bias), no shared
+    // experts; rope_theta 5e6, vocab 200064, context 196608, rms_norm_eps 1e-6. The MTP modules
+    // (num_mtp_modules 3) are not in llama.cpp's GGUF.
+    SynthShape s{"minimax-m2", "MiniMax M2",
+                 shape_hp("minimax-m2", 62, 3072, 48, 8, 128, 256, 8, 0, 1536, 200064, 196608, 5e6)};
+    s.hp.n_rot = 64, s.hp.expert_gating_func = 2;
+    v.push_back(s);
+  }
+  {
+    // A tiny MiniMax-M2-layout model for the reference test (tests/test_minimax_m2.cpp), not a
+    // real model: partial rotary (8 of 16 dims), 8 experts top-2.
+    SynthShape s{"minimax-m2-tiny", "MiniMax M2 tiny (test shape)",
+                 shape_hp("minimax-m2", 2, 64, 4, 2, 16, 8, 2, 0, 32, 8192, 4096, 1e4)};
+    s.hp.n_rot = 8, s.hp.expert_gating_func = 2;
+    v.push_back(s);
+  }
   // mistralai/Mixtral-8x7B-v0.1: hidden 4096, 32 layers, 32 heads / 8 kv of 128, 8 experts of
   // 14336 top-2, vocab 32000, rope_theta 1e6, rms_norm_eps 1e-5, context 32768 ("llama" in GGUF;
   // the experts' width is feed_forward_length).

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <stdexcept>
 
+#include "model/arch.h"
 #include "model/dump.h"
 #include "parallel/expert_parallel.h"
 
@@ -468,6 +469,20 @@ SequenceState AttnMoeModel::new_state(int64_t n_ctx) const {
 
 uint64_t AttnMoeModel::state_bytes(int64_t n_ctx) const {
   return uint64_t(2) * hp_.n_layer * n_ctx * hp_.n_head_kv * hp_.head_dim_k * sizeof(float);
+}
+
+void AttnMoeModel::bind_layers(const BoundWeights& w, const std::function<const backend::AttentionSpec*(int)>& spec,
+                               const std::function<backend::RouterSpec(int)>& router, const char* ffn_norm) {
+  layers_.resize(size_t(hp_.n_layer));
+  experts_.resize(size_t(hp_.n_layer));
+  for (int l = 0; l < hp_.n_layer; ++l) {
+    AttnMoeLayer& L = layers_[size_t(l)];
+    L.attn_norm = w.get(blk(l, "attn_norm.weight"));
+    L.attn = bind_attention(w, l);
+    L.spec = spec(l);
+    L.ffn_norm = w.get(blk(l, ffn_norm));
+    L.moe = bind_moe(w, l, router(l));
+  }
 }
 
 void AttnMoeModel::forward(ForwardContext& ctx, std::span<SeqInput> batch) {

@@ -15,6 +15,7 @@
 //   -> expert_ffn for each resident expert, then each miss as it lands
 //   -> stream.release(l, event after the last expert kernel) -> moe_combine in top-k order
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string_view>
@@ -132,6 +133,13 @@ class AttnMoeModel : public Model {
   void forward(ForwardContext& ctx, std::span<SeqInput> batch) override;
 
  protected:
+  /// Fills layers_ and experts_ for every block l < hp_.n_layer: blk.l.attn_norm.weight, the
+  /// attention weights (bind_attention), spec(l) as the layer's attention spec (owned by the
+  /// model), the pre-MoE norm blk.l.<ffn_norm> and the routed MoE (bind_moe) with router(l).
+  /// Throws ModelError (from BoundWeights::get) if the table lacks one of these tensors.
+  void bind_layers(const BoundWeights& w, const std::function<const backend::AttentionSpec*(int)>& spec,
+                   const std::function<backend::RouterSpec(int)>& router, const char* ffn_norm = "ffn_norm.weight");
+
   std::vector<AttnMoeLayer> layers_;
   const char* ffn_norm_name_ = "ffn_norm";
 };

@@ -1,15 +1,26 @@
 #!/usr/bin/env python3
-"""Independent reference forward for tests/test_mixtral.cpp (python3 standard library only).
+"""Independent reference forward for tests/test_mixtral.cpp and tests/test_minimax_m2.cpp
+(python3 standard library only).
 
-Reads an all-F32 GGUF of general.architecture "llama" with routed experts (Mixtral) and prints
-teacher-forced logits for every position as JSON: {"logits": [[...], ...]}. Written from the
+Reads an all-F32 GGUF of general.architecture "llama" with routed experts (Mixtral) or
+"minimax-m2" and prints teacher-forced logits for every position as JSON:
+{"logits": [[...], ...]}. Mixtral is written from the
 published architecture (Jiang et al. 2024, "Mixtral of Experts", arXiv:2401.04088: a Mistral
 decoder whose FFN is a top-2 mixture of SwiGLU experts, gate = softmax over the top-k router
 logits) and from GGUF's documented layout (ggml ne order: ne[0] contiguous; llama.cpp's "NORM"
 RoPE for this architecture, rotating adjacent pairs (2i, 2i+1) by pos * base^(-2i/n_rot)).
-Nothing here comes from strata's code. All arithmetic in Python floats (double).
+MiniMax-M2 is written from its Hugging Face model card and config (MiniMaxAI/MiniMax-M2:
+qk_norm_type "per_layer" = one RMSNorm over the whole q (and k) projection before the split
+into heads, rotary_dim < head_dim = NEOX rotation of the first rotary_dim dims of each head,
+pairing dim i with i + rotary_dim/2; scoring_func sigmoid with use_routing_bias = the bias is
+added to the sigmoid scores to choose the top-k, the chosen experts' unbiased scores are the
+weights, normalized to sum 1) and llama.cpp's GGUF names for it (attn_q_norm, attn_k_norm,
+exp_probs_b.bias). Nothing here comes from strata's code. All arithmetic in Python floats
+(double).
 
-Usage: moe_reference.py MODEL.gguf 1,2,3,...
+Usage: moe_reference.py MODEL.gguf 1,2,3,... [--per-head-qk-norm]
+  --per-head-qk-norm: a deliberately wrong MiniMax-M2 (q/k normed per head, each head with its
+  slice of the weights), for the test to show that its tolerance tells the two apart.
 """
 import json
 import math
@@ -97,7 +108,9 @@ def softmax(z):
 def main():
     kv, T = read_gguf(sys.argv[1])
     ids = [int(x) for x in sys.argv[2].split(",")]
+    per_head_qk = "--per-head-qk-norm" in sys.argv[3:]
     a = kv["general.architecture"]
+    mm = a == "minimax-m2"
     L, E = kv[a + ".block_count"], kv[a + ".embedding_length"]
     H, HK = kv[a + ".attention.head_count"], kv[a + ".attention.head_count_kv"]
     hd = kv.get(a + ".attention.key_length", E // H)
@@ -105,7 +118,7 @@ def main():
     base = kv.get(a + ".rope.freq_base", 10000.0)
     eps = kv[a + ".attention.layer_norm_rms_epsilon"]
     X, K = kv[a + ".expert_count"], kv[a + ".expert_used_count"]
-    F = kv.get(a + ".expert_feed_forward_length", kv[a + ".feed_forward_length"])
+    F = kv.get(a + ".expert_feed_forward_length") or kv[a + ".feed_forward_length"]
     V = T["token_embd.weight"][0][1]
     out_w = T.get("output.weight", T["token_embd.weight"])
     out_rows = rows(out_w, 0, V, E)
@@ -121,6 +134,9 @@ def main():
             "u": [rows(blk(l, "ffn_up_exps.weight"), j * F, F, E) for j in range(X)],
             "d": [rows(blk(l, "ffn_down_exps.weight"), j * E, E, F) for j in range(X)],
         })
+        if mm:
+            W[-1]["qn"], W[-1]["kn"] = blk(l, "attn_q_norm.weight")[1], blk(l, "attn_k_norm.weight")[1]
+            W[-1]["sb"] = blk(l, "exp_probs_b.bias")[1]
     cache = [([], []) for _ in range(L)]
     result = []
     for pos, tok in enumerate(ids):
@@ -129,12 +145,20 @@ def main():
             w = W[l]
             h = rmsnorm(x, w["an"], eps)
             q, k, v = matvec(w["q"], h), matvec(w["k"], h), matvec(w["v"], h)
+            if mm and not per_head_qk:
+                q, k = rmsnorm(q, w["qn"], eps), rmsnorm(k, w["kn"], eps)
+            elif mm:
+                q = sum((rmsnorm(q[i * hd:(i + 1) * hd], w["qn"][i * hd:(i + 1) * hd], eps) for i in range(H)), [])
+                k = sum((rmsnorm(k[i * hd:(i + 1) * hd], w["kn"][i * hd:(i + 1) * hd], eps) for i in range(HK)), [])
             for vec, nh in ((q, H), (k, HK)):
                 for hh in range(nh):
                     for i in range(n_rot // 2):
                         th = pos * base ** (-2.0 * i / n_rot)
                         c, s = math.cos(th), math.sin(th)
-                        j0, j1 = hh * hd + 2 * i, hh * hd + 2 * i + 1
+                        if mm:  # NEOX: dim i with dim i + n_rot/2
+                            j0, j1 = hh * hd + i, hh * hd + i + n_rot // 2
+                        else:  # NORM: adjacent pairs
+                            j0, j1 = hh * hd + 2 * i, hh * hd + 2 * i + 1
                         x0, x1 = vec[j0], vec[j1]
                         vec[j0], vec[j1] = x0 * c - x1 * s, x1 * c + x0 * s
             cache[l][0].append(k)
@@ -150,8 +174,15 @@ def main():
             x = [a_ + b_ for a_, b_ in zip(x, matvec(w["o"], att))]
             h = rmsnorm(x, w["fn"], eps)
             logits = matvec(w["r"], h)
-            top = sorted(range(X), key=lambda j: (-logits[j], j))[:K]
-            gate = softmax([logits[j] for j in top])  # = softmax over all, renormalized over the k
+            if mm:
+                score = [1.0 / (1.0 + math.exp(-z)) for z in logits]
+                choice = [sc_ + b_ for sc_, b_ in zip(score, w["sb"])]
+                top = sorted(range(X), key=lambda j: (-choice[j], j))[:K]
+                tot = math.fsum(score[j] for j in top)
+                gate = [score[j] / tot for j in top]
+            else:
+                top = sorted(range(X), key=lambda j: (-logits[j], j))[:K]
+                gate = softmax([logits[j] for j in top])  # = softmax over all, renormalized over the k
             y = [0.0] * E
             for j, gw in zip(top, gate):
                 act = [gg / (1.0 + math.exp(-gg)) * uu for gg, uu in zip(matvec(w["g"][j], h), matvec(w["u"][j], h))]

@@ -44,15 +44,20 @@ void attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, const At
   add_bias(k.data(), w.bk, T, kv_dim);
   add_bias(v.data(), w.bv, T, kv_dim);
 
-  // Per-head q/k RMSNorm, rotary embedding, then K and V into the cache.
+  // q/k RMSNorm (per head, or over the whole row), rotary embedding, then K and V into the cache.
   pool.parallel_for(T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       float* qt = q.data() + t * q_dim;
       float* kt = k.data() + t * kv_dim;
-      for (int hh = 0; w.q_norm && hh < s.n_head; ++hh)
-        rms_norm(qt + hh * s.head_dim, w.q_norm, qt + hh * s.head_dim, s.head_dim, s.rms_eps);
-      for (int hh = 0; w.k_norm && hh < s.n_head_kv; ++hh)
-        rms_norm(kt + hh * s.head_dim, w.k_norm, kt + hh * s.head_dim, s.head_dim, s.rms_eps);
+      if (s.qk_norm_full) {  // one norm over the whole row (MiniMax-M2)
+        if (w.q_norm) rms_norm(qt, w.q_norm, qt, int(q_dim), s.rms_eps);
+        if (w.k_norm) rms_norm(kt, w.k_norm, kt, int(kv_dim), s.rms_eps);
+      } else {
+        for (int hh = 0; w.q_norm && hh < s.n_head; ++hh)
+          rms_norm(qt + hh * s.head_dim, w.q_norm, qt + hh * s.head_dim, s.head_dim, s.rms_eps);
+        for (int hh = 0; w.k_norm && hh < s.n_head_kv; ++hh)
+          rms_norm(kt + hh * s.head_dim, w.k_norm, kt + hh * s.head_dim, s.head_dim, s.rms_eps);
+      }
       rope_apply(*s.rope, qt, s.n_head, s.head_dim, pos0 + t);
       rope_apply(*s.rope, kt, s.n_head_kv, s.head_dim, pos0 + t);
       std::copy(kt, kt + kv_dim, k_cache + (pos0 + t) * kv_dim);

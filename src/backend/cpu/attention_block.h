@@ -24,8 +24,8 @@ struct AttentionWeights {
   MatrixRef wk;                   ///< attn_k: [n_head_kv * head_dim, n_embd]
   MatrixRef wv;                   ///< attn_v: [n_head_kv * head_dim, n_embd]
   MatrixRef wo;                   ///< attn_output: [n_embd, n_head * head_dim]
-  const float* q_norm = nullptr;  ///< attn_q_norm [head_dim], or null
-  const float* k_norm = nullptr;  ///< attn_k_norm [head_dim], or null
+  const float* q_norm = nullptr;  ///< attn_q_norm [head_dim] ([n_head * head_dim] if qk_norm_full), or null
+  const float* k_norm = nullptr;  ///< attn_k_norm [head_dim] ([n_head_kv * head_dim] if qk_norm_full), or null
   const float* bq = nullptr;      ///< attn_q.bias [wq.rows], or null (added before the q norm and RoPE)
   const float* bk = nullptr;      ///< attn_k.bias [n_head_kv * head_dim], or null
   const float* bv = nullptr;      ///< attn_v.bias [n_head_kv * head_dim], or null

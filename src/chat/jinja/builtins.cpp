@@ -117,7 +117,72 @@ Value range_fn(Args& a) {
 
 const std::set<std::string> kMethods = {"strip", "lstrip", "rstrip",     "split",   "startswith", "endswith", "upper",
                                         "lower", "title",  "capitalize", "replace", "find",       "count",    "join",
-                                        "items", "keys",   "values",     "get",     "append",     "pop"};
+                                        "items", "keys",   "values",     "get",     "append",     "pop",      "format"};
+
+namespace {
+
+// Python's str.format(*args, **kwargs) for replacement fields {}, {0}, {name}, each optionally
+// with !s or !r; {{ and }} are literal braces. Format specs (":...") and attribute or index
+// access inside a field are refused with a RenderError naming them.
+std::string str_format(const std::string& s, Args& a, int line) {
+  std::string out;
+  size_t next_auto = 0;
+  bool manual = false, automatic = false;
+  for (size_t i = 0; i < s.size(); ++i) {
+    const char c = s[i];
+    if (c == '}') {
+      if (i + 1 < s.size() && s[i + 1] == '}') {
+        out += '}';
+        ++i;
+        continue;
+      }
+      fail(line, "str.format: single '}' encountered in format string");
+    }
+    if (c != '{') {
+      out += c;
+      continue;
+    }
+    if (i + 1 < s.size() && s[i + 1] == '{') {
+      out += '{';
+      ++i;
+      continue;
+    }
+    const size_t end = s.find('}', i + 1);
+    if (end == std::string::npos) fail(line, "str.format: single '{' encountered in format string");
+    std::string field = s.substr(i + 1, end - i - 1);
+    i = end;
+    char conv = 's';
+    if (auto bang = field.find('!'); bang != std::string::npos) {
+      if (bang + 2 != field.size() || (field[bang + 1] != 's' && field[bang + 1] != 'r'))
+        fail(line, fmt::format("str.format: unsupported conversion in '{{{}}}'", field));
+      conv = field[bang + 1];
+      field.resize(bang);
+    }
+    if (field.find_first_of(":.[") != std::string::npos)
+      fail(line, fmt::format("str.format: format specs and attribute access ('{{{}}}') are not supported", field));
+    Value v;
+    if (field.empty()) {
+      if (manual) fail(line, "str.format: cannot switch from manual field numbering to automatic");
+      automatic = true;
+      if (next_auto >= a.pos.size()) fail(line, "str.format: not enough positional arguments");
+      v = a.pos[next_auto++];
+    } else if (std::all_of(field.begin(), field.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) {
+      if (automatic) fail(line, "str.format: cannot switch from automatic field numbering to manual");
+      manual = true;
+      const size_t k = std::stoul(field);
+      if (k >= a.pos.size()) fail(line, fmt::format("str.format: no positional argument {}", k));
+      v = a.pos[k];
+    } else {
+      auto it = std::find_if(a.kw.begin(), a.kw.end(), [&](const auto& kv) { return kv.first == field; });
+      if (it == a.kw.end()) fail(line, fmt::format("str.format: no keyword argument '{}'", field));
+      v = it->second;
+    }
+    out += conv == 'r' ? repr(v) : to_str(v);
+  }
+  return out;
+}
+
+}  // namespace
 
 Value call_method(const Value& o, const std::string& name, Args& a, int line) {
   if (o.t == Value::T::Str) {
@@ -125,6 +190,7 @@ Value call_method(const Value& o, const std::string& name, Args& a, int line) {
     if (name == "strip") return Value::str(strip_chars(s, a.take(0, "chars"), true, true));
     if (name == "lstrip") return Value::str(strip_chars(s, a.take(0, "chars"), true, false));
     if (name == "rstrip") return Value::str(strip_chars(s, a.take(0, "chars"), false, true));
+    if (name == "format") return Value::str(str_format(s, a, line));
     if (name == "split") {
       Value ms = a.take(1, "maxsplit", Value::integer(-1));
       return split(s, a.take(0, "sep", Value::none()), ms.as_int(), line);
@@ -202,7 +268,7 @@ Value call_method(const Value& o, const std::string& name, Args& a, int line) {
     if (name == "items") {
       Array out;
       for (auto& [k, v] : *o.o) {
-        Value t = Value::array({Value::str(k), v});
+        Value t = Value::array({key_value(k), v});
         t.is_tuple = true;
         out.push_back(t);
       }
@@ -210,12 +276,14 @@ Value call_method(const Value& o, const std::string& name, Args& a, int line) {
     }
     if (name == "keys" || name == "values") {
       Array out;
-      for (auto& [k, v] : *o.o) out.push_back(name == "keys" ? Value::str(k) : v);
+      for (auto& [k, v] : *o.o) out.push_back(name == "keys" ? key_value(k) : v);
       return Value::array(std::move(out));
     }
     if (name == "get") {
       Value key = a.take(0, "key");
-      const Value* v = key.t == Value::T::Str ? o.get(key.s) : nullptr;
+      const Value* v = key.t == Value::T::Str                     ? o.get(key.s)
+                       : key.numeric() || key.t == Value::T::None ? o.get(dict_key(key, line))
+                                                                  : nullptr;
       return v ? *v : a.take(1, "default", Value::none());
     }
   }
@@ -284,16 +352,21 @@ bool run_test(const std::string& name, const Value& v, Args& a, int line) {
 
 // ---- filters
 
-const std::set<std::string> kFilters = {"trim",       "length",     "count",   "tojson",   "upper",    "lower",
-                                        "title",      "capitalize", "default", "d",        "join",     "first",
-                                        "last",       "list",       "string",  "int",      "float",    "abs",
-                                        "round",      "replace",    "items",   "dictsort", "reverse",  "selectattr",
-                                        "rejectattr", "select",     "reject",  "map",      "indent",   "safe",
-                                        "unique",     "sum",        "min",     "max",      "from_json"};
+const std::set<std::string> kFilters = {"trim",       "length",     "count",   "tojson",   "upper",     "lower",
+                                        "title",      "capitalize", "default", "d",        "join",      "first",
+                                        "last",       "list",       "string",  "int",      "float",     "abs",
+                                        "round",      "replace",    "items",   "dictsort", "reverse",   "selectattr",
+                                        "rejectattr", "select",     "reject",  "map",      "indent",    "safe",
+                                        "unique",     "sum",        "min",     "max",      "from_json", "sort"};
 
 Value apply_filter(const std::string& name, const Value& v, Args& a, int line) {
   using T = Value::T;
-  if (name == "safe") return v;
+  if (name == "safe") {
+    if (v.t != T::Str) return v;
+    Value out = v;
+    out.is_safe = true;
+    return out;
+  }
   if (name == "from_json") {
     // Not a jinja2 builtin (templates use it on tool-call arguments given as JSON text): the
     // value of a JSON text, as json.loads gives it.
@@ -420,6 +493,49 @@ Value apply_filter(const std::string& name, const Value& v, Args& a, int line) {
     });
     return items;
   }
+  if (name == "sort") {
+    // jinja2's sort(value, reverse=False, case_sensitive=False, attribute=None): Python's sorted()
+    // (stable, also with reverse) by the item, or by its attribute(s) ("a.b", or "x,y" for a
+    // tuple of them), strings lower-cased unless case_sensitive.
+    Value seq = iterate_list(v, line);
+    const bool rev = truthy(a.take(0, "reverse", Value::boolean(false)));
+    const bool cs = truthy(a.take(1, "case_sensitive", Value::boolean(false)));
+    const Value attr = a.take(2, "attribute", Value::none());
+    std::vector<std::string> attrs;
+    if (attr.t != T::None && !attr.undefined()) {
+      const std::string spec = to_str(attr);
+      for (size_t b = 0;;) {
+        const size_t e = spec.find(',', b);
+        attrs.push_back(spec.substr(b, e == std::string::npos ? std::string::npos : e - b));
+        if (e == std::string::npos) break;
+        b = e + 1;
+      }
+    }
+    auto fold = [&](Value x) {
+      return x.t == T::Str && !cs ? Value::str(ascii_map(x.s, [](int ch) { return std::tolower(ch); })) : x;
+    };
+    auto key = [&](const Value& e) {
+      std::vector<Value> k;
+      if (attrs.empty()) k.push_back(fold(e));
+      for (auto& at : attrs) k.push_back(fold(attr_path(e, at, line)));
+      return k;
+    };
+    std::vector<std::pair<std::vector<Value>, Value>> keyed;
+    for (auto& e : *seq.a) keyed.emplace_back(key(e), e);
+    auto less = [&](const std::vector<Value>& x, const std::vector<Value>& y) {
+      for (size_t i = 0; i < x.size(); ++i) {
+        if (equal(x[i], y[i])) continue;
+        return truthy(compare_op("<", x[i], y[i], line));
+      }
+      return false;
+    };
+    std::stable_sort(keyed.begin(), keyed.end(), [&](const auto& x, const auto& y) {
+      return rev ? less(y.first, x.first) : less(x.first, y.first);
+    });
+    Array out;
+    for (auto& [k, e] : keyed) out.push_back(e);
+    return Value::array(std::move(out));
+  }
   if (name == "reverse") {
     if (v.t == T::Str) {
       auto cps = code_points(v.s);
@@ -433,6 +549,7 @@ Value apply_filter(const std::string& name, const Value& v, Args& a, int line) {
   if (name == "selectattr" || name == "rejectattr" || name == "select" || name == "reject") {
     const bool attr = name == "selectattr" || name == "rejectattr";
     const bool keep = name == "selectattr" || name == "select";
+    if (!truthy(v)) return Value::array();  // jinja2: `if value:` first, so None selects nothing
     Value seq = iterate_list(v, line);
     std::string attr_name;
     size_t first = 0;
@@ -454,6 +571,7 @@ Value apply_filter(const std::string& name, const Value& v, Args& a, int line) {
     return Value::array(std::move(out));
   }
   if (name == "map") {
+    if (!truthy(v)) return Value::array();  // jinja2: `if value:` first, so None maps to nothing
     Value seq = iterate_list(v, line);
     Array out;
     Value attr = a.take(99, "attribute");

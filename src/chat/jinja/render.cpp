@@ -32,8 +32,7 @@ Value DictLit::eval(Ctx& c) const {
   Value v = Value::object();
   for (auto& [k, e] : items) {
     Value key = k->eval(c);
-    if (key.t != Value::T::Str) fail(line, "dict keys must be strings here");
-    v.set(key.s, e->eval(c));
+    v.set(dict_key(key, line), e->eval(c));
   }
   return v;
 }

@@ -166,7 +166,7 @@ std::string repr(const Value& v) {
       std::string out = v.is_namespace ? "<Namespace {" : "{";
       bool first = true;
       for (auto& [k, e] : *v.o) {
-        out += (first ? "" : ", ") + str_repr(k) + ": " + repr(e);
+        out += (first ? "" : ", ") + repr(key_value(k)) + ": " + repr(e);
         first = false;
       }
       return out + (v.is_namespace ? "}>" : "}");
@@ -285,7 +285,9 @@ void to_json(std::string& out, const Value& v, int indent, bool sort_keys, int d
       for (size_t k = 0; k < items.size(); ++k) {
         if (k) out += indent >= 0 ? "," : ", ";
         if (indent >= 0) newline(depth + 1);
-        json_string(out, items[k]->first);
+        // json.dumps writes the key 1 as "1" and None as "null"
+        const Value key = key_value(items[k]->first);
+        json_string(out, key.t == Value::T::None ? "null" : to_str(key));
         out += ": ";
         to_json(out, items[k]->second, indent, sort_keys, depth + 1);
       }
@@ -303,10 +305,36 @@ int64_t norm_index(int64_t idx, size_t n) { return idx < 0 ? idx + int64_t(n) : 
 
 }  // namespace
 
+std::string dict_key(const Value& k, int line) {
+  switch (k.t) {
+    case Value::T::Str: return k.s;
+    case Value::T::Int:
+    case Value::T::Bool: return "\xff" + std::to_string(k.as_int());
+    case Value::T::Float:
+      if (std::isfinite(k.f) && k.f == std::floor(k.f) && std::abs(k.f) < 9e18)
+        return "\xff" + std::to_string(int64_t(k.f));
+      break;
+    case Value::T::None: return "\xffN";
+    default: break;
+  }
+  fail(line, fmt::format("dict keys of type '{}' are not supported", type_name(k)));
+}
+
+Value key_value(const std::string& k) {
+  if (k.empty() || k[0] != '\xff') return Value::str(k);
+  if (k == "\xffN") return Value::none();
+  return Value::integer(std::stoll(k.substr(1)));
+}
+
 Value subscript(const Value& obj, const Value& key, int line) {
   if (obj.t == Value::T::Obj) {
-    if (key.t != Value::T::Str) return {};
-    const Value* v = obj.get(key.s);
+    if (key.t == Value::T::Str) {
+      const Value* v = obj.get(key.s);
+      return v ? *v : Value{};
+    }
+    if (key.t != Value::T::Int && key.t != Value::T::Bool && key.t != Value::T::Float && key.t != Value::T::None)
+      return {};
+    const Value* v = obj.get(dict_key(key, line));
     return v ? *v : Value{};
   }
   if (obj.t == Value::T::Arr || obj.t == Value::T::Str) {
@@ -333,7 +361,7 @@ Value iterate_list(const Value& v, int line) {
   if (v.t == Value::T::Arr) return v;
   Array out;
   if (v.t == Value::T::Obj)
-    for (auto& [k, e] : *v.o) out.push_back(Value::str(k));
+    for (auto& [k, e] : *v.o) out.push_back(key_value(k));
   else if (v.t == Value::T::Str)
     for (auto& cp : code_points(v.s)) out.push_back(Value::str(cp));
   else if (!v.undefined())
@@ -369,7 +397,8 @@ Value compare_op(const std::string& op, const Value& l, const Value& r, int line
     } else if (r.t == Value::T::Arr) {
       hit = std::any_of(r.a->begin(), r.a->end(), [&](const Value& e) { return equal(e, l); });
     } else if (r.t == Value::T::Obj) {
-      hit = l.t == Value::T::Str && r.get(l.s) != nullptr;
+      hit = l.t == Value::T::Str ? r.get(l.s) != nullptr
+                                 : (l.numeric() || l.t == Value::T::None) && r.get(dict_key(l, line)) != nullptr;
     } else if (r.undefined()) {
       hit = false;
     } else {
@@ -397,7 +426,26 @@ Value arith(const std::string& op, const Value& l, const Value& r, int line) {
   using T = Value::T;
   if (op == "~") return Value::str(to_str(l) + to_str(r));
   if (op == "+") {
-    if (l.t == T::Str && r.t == T::Str) return Value::str(l.s + r.s);
+    if (l.t == T::Str && r.t == T::Str) {
+      if (!l.is_safe && !r.is_safe) return Value::str(l.s + r.s);
+      // markupsafe: Markup + str escapes the str (and str + Markup likewise); the sum is Markup.
+      auto esc = [](const Value& v) {
+        if (v.is_safe) return v.s;
+        std::string o;
+        for (char c : v.s) switch (c) {
+            case '&': o += "&amp;"; break;
+            case '<': o += "&lt;"; break;
+            case '>': o += "&gt;"; break;
+            case '"': o += "&#34;"; break;
+            case '\'': o += "&#39;"; break;
+            default: o += c;
+          }
+        return o;
+      };
+      Value out = Value::str(esc(l) + esc(r));
+      out.is_safe = true;
+      return out;
+    }
     if (l.t == T::Arr && r.t == T::Arr) {
       Array out = *l.a;
       out.insert(out.end(), r.a->begin(), r.a->end());

@@ -39,6 +39,9 @@ struct Value {
   std::shared_ptr<Function> fn;
   bool is_tuple = false;      // prints as (a, b)
   bool is_namespace = false;  // namespace(): attributes can be assigned
+  /// A string marked `| safe` (jinja2's Markup): `+` with a plain string HTML-escapes the plain
+  /// one (& < > " ' as markupsafe escapes them) and gives a safe string again.
+  bool is_safe = false;
 
   static Value none() {
     Value v;
@@ -156,6 +159,14 @@ bool equal(const Value& x, const Value& y);
 /// json.dumps(v, ensure_ascii=False, indent=indent (< 0: none), sort_keys=sort_keys) appended
 /// to `out`, nested `depth` levels deep. Throws RenderError for values JSON cannot hold.
 void to_json(std::string& out, const Value& v, int indent, bool sort_keys, int depth);
+
+/// A dict key as Object stores it: a string is itself; an int, a bool or an integral float
+/// (Python hashes 1, True and 1.0 alike) is "\xff" + its decimal digits; None is "\xffN". A
+/// string key never starts with the byte 0xff (templates and JSON are valid UTF-8), so the two
+/// never collide. Throws RenderError for other types (Python: unhashable, or not supported here).
+std::string dict_key(const Value& k, int line);
+/// The key of an Object entry as a Value (inverse of dict_key: int, None or str).
+Value key_value(const std::string& k);
 
 /// obj[key] (also obj.key): dict entry, list item or string code point (negative indices count
 /// from the end); undefined when absent. Throws RenderError on undefined / None objects and

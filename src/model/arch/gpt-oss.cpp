@@ -96,18 +96,10 @@ class GptOss final : public AttnMoeModel {
     router.norm_topk = false;           // the k weights are a softmax already
     ffn_norm_name_ = "attn_post_norm";  // llama.cpp's name of the pre-MoE norm here
     bind_io(w);
-    layers_.resize(size_t(hp_.n_layer));
-    experts_.resize(size_t(hp_.n_layer));
-    for (int l = 0; l < hp_.n_layer; ++l) {
-      auto b = [&](const char* n) { return w.get(blk(l, n)); };
-      AttnMoeLayer& L = layers_[size_t(l)];
-      L.attn_norm = b("attn_norm.weight");
-      L.attn = bind_attention(w, l);
-      L.spec = l % 2 == 0 ? &attn_swa_ : &attn_full_;  // even layers slide
-      L.ffn_norm = b("post_attention_norm.weight");
-      L.moe = bind_moe(w, l, router);
-      L.moe.ffn.act = backend::FfnSpec::Act::SwiGluOai;
-    }
+    bind_layers(
+        w, [&](int l) { return l % 2 == 0 ? &attn_swa_ : &attn_full_; },  // even layers slide
+        [&](int) { return router; }, "post_attention_norm.weight");
+    for (AttnMoeLayer& L : layers_) L.moe.ffn.act = backend::FfnSpec::Act::SwiGluOai;
     dense_bytes_ = w.dense_bytes();
   }
 

@@ -80,16 +80,8 @@ class Mixtral final : public AttnMoeModel {
     attn_ = attention_spec(&rope_);
     const backend::RouterSpec router = softmax_router();
     bind_io(w);
-    layers_.resize(size_t(hp_.n_layer));
-    experts_.resize(size_t(hp_.n_layer));
-    for (int l = 0; l < hp_.n_layer; ++l) {
-      AttnMoeLayer& L = layers_[size_t(l)];
-      L.attn_norm = w.get(blk(l, "attn_norm.weight"));
-      L.attn = bind_attention(w, l);
-      L.spec = &attn_;
-      L.ffn_norm = w.get(blk(l, "ffn_norm.weight"));
-      L.moe = bind_moe(w, l, router);
-    }
+    bind_layers(
+        w, [&](int) { return &attn_; }, [&](int) { return router; });
     dense_bytes_ = w.dense_bytes();
   }
 
