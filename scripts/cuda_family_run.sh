@@ -51,6 +51,7 @@ if has tests && left; then
   synth "$FAM/glm4moe.gguf" --like glm-4.5-air --layers 2 --experts 16 --type Q8_0
   synth "$FAM/qwen35moe.gguf" --like qwen3.5-122b-a10b --layers 4 --experts 16 --type Q8_0
   synth "$FAM/deepseek2.gguf" --like deepseek-v3 --layers 4 --experts 16 --type Q8_0  # 3 leading dense + 1 MoE
+  synth "$FAM/minimax-m2.gguf" --like minimax-m2 --layers 2 --experts 16 --type Q8_0
   echo "test models at $(el) s"
   timeout 120 "$B/tests/test_cuda_kernels" --gtest_filter='-*Timings*' > "$OUT/test_cuda_kernels.log" 2>&1
   echo "test_cuda_kernels rc $? at $(el) s"

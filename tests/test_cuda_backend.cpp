@@ -366,6 +366,14 @@ TEST(CudaBackend, Qwen35MoeMatchesCpuAndIsInvariant) {
   family_check(m, "qwen35moe (synth qwen3.5-122b-a10b shape, 4 layers, 16 experts)");
 }
 
+// MiniMax-M2: q/k RMSNorm over the whole projection width, partial NEOX RoPE, sigmoid routing
+// with the selection bias.
+TEST(CudaBackend, MiniMaxM2MatchesCpuAndIsInvariant) {
+  REQUIRE_CUDA_DEVICE();
+  REQUIRE_FAMILY_MODEL(m, "minimax-m2.gguf");
+  family_check(m, "minimax-m2 (synth minimax-m2 shape, 2 layers, 16 experts)");
+}
+
 // DeepSeek V3's MLA (latent cache of 512 + 64 floats per token, 128 heads, NORM RoPE with YaRN):
 // 4 layers (the 3 leading dense ones and one MoE layer with sigmoid group-limited routing), 300
 // tokens so that attention crosses a 256-position segment.

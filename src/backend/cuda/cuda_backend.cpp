@@ -508,10 +508,17 @@ void CudaBackend::attention(const backend::AttentionSpec& s, const backend::Atte
   if (!w.bk.empty()) add_bias(kc, kv_dim, w.bk.f(), kv_dim, T, stream());
   if (!w.bv.empty()) add_bias(vc, kv_dim, w.bv.f(), kv_dim, T, stream());
   // Per-head RMSNorm of q and k: rows of head_dim.
-  if (!w.q_norm.empty())
-    cuda::rms_norm(q, s.head_dim, w.q_norm.f(), q, s.head_dim, s.head_dim, T * s.n_head, s.rms_eps, stream());
-  if (!w.k_norm.empty())
-    cuda::rms_norm(kc, s.head_dim, w.k_norm.f(), kc, s.head_dim, s.head_dim, T * s.n_head_kv, s.rms_eps, stream());
+  // RMSNorm of q and k: per head (rows of head_dim), or over the whole projection row (MiniMax-M2).
+  if (s.qk_norm_full) {
+    if (!w.q_norm.empty()) cuda::rms_norm(q, q_dim, w.q_norm.f(), q, q_dim, q_dim, T, s.rms_eps, stream());
+    if (!w.k_norm.empty()) cuda::rms_norm(kc, kv_dim, w.k_norm.f(), kc, kv_dim, kv_dim, T, s.rms_eps, stream());
+  } else {
+    if (!w.q_norm.empty())
+      cuda::rms_norm(q, s.head_dim, w.q_norm.f(), q, s.head_dim, s.head_dim, T * s.n_head, s.rms_eps, stream());
+    if (!w.k_norm.empty())
+      cuda::rms_norm(kc, s.head_dim, w.k_norm.f(), kc, s.head_dim, s.head_dim, T * s.n_head_kv, s.rms_eps,
+                     stream());
+  }
   if (rope && rope->n_rot > 0) {
     std::vector<int32_t> p(static_cast<size_t>(T));
     for (int64_t t = 0; t < T; ++t) p[size_t(t)] = int32_t(pos0 + t);

@@ -76,10 +76,6 @@ class MiniMaxM2 final : public AttnMoeModel {
  public:
   MiniMaxM2(const gguf::File& f, const BoundWeights& w, backend::Backend& be, const ModelHParams& hp,
             const LoadOptions& opts) {
-    if (be.info().name != "cpu")
-      throw ModelError(
-          fmt::format("{}: minimax-m2's full-width q/k norm is implemented on the CPU backend only so far, not on '{}'",
-                      f.path(), be.info().name));
     hp_ = hp;
     hp_.norm_topk = true;
     be_ = &be;
