@@ -5,26 +5,17 @@
 # `strata bench --backend cuda` (a) with every expert in VRAM and (b) with a 6.5 GiB arena fed from
 # NVMe (no host tier), 2048-token prompt in one chunk, 32 decode tokens. Logs and JSON in $OUT.
 set -u
-REPO=${REPO:-$(pwd)}
-DEPS=${DEPS:-$REPO/.devdeps/root}
-GTEST=${GTEST:-$REPO/.devdeps/googletest}
-OUT=${OUT:-$REPO/cuda-bench}
-B=${BUILD:-/tmp/strata-cuda-build}
+OUT=${OUT:-${REPO:-$(pwd)}/cuda-bench}
+. "$(dirname "$0")/cuda_env.sh"
 M=${MODEL:-/tmp/q30b-q8.gguf}
-mkdir -p "$OUT"
-export LD_LIBRARY_PATH=$DEPS/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-L=$DEPS/usr
 t0=$(date +%s)
 # --no-build: $BUILD already holds a strata built from this tree (scripts/cuda_perf_run.sh)
 [ "${1:-}" = "--no-build" ] || {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  cmake -S "$REPO" -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSTRATA_WERROR=OFF -DSTRATA_BENCH=OFF -DSTRATA_TESTS=OFF \
-    -DSTRATA_DEPS_ROOT="$DEPS" -DSTRATA_GTEST_SOURCE="$GTEST" -Dfmt_DIR=$L/lib/x86_64-linux-gnu/cmake/fmt \
-    -DCLI11_DIR=$L/share/cmake/CLI11 -Dnlohmann_json_DIR=$L/share/cmake/nlohmann_json &&
-  cmake --build "$B" -j"$(nproc)" --target strata
+  strata_build -DSTRATA_TESTS=OFF -- strata
 } > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
 echo "built in $(( $(date +%s) - t0 )) s"
-[ -f "$M" ] || timeout 240 "$B/strata" synth --like qwen3moe-30b-a3b --type Q8_0 -q -o "$M" --tokenizer-from "${MODELS:-$REPO/models}/qwen3moe-code-Q8_0.gguf" --json | tee "$OUT/synth.json"
+[ -f "$M" ] || timeout 240 "$B/strata" synth --like qwen3moe-30b-a3b --type Q8_0 -q -o "$M" --tokenizer-from "$MODELS/qwen3moe-code-Q8_0.gguf" --json | tee "$OUT/synth.json"
 echo "synth done at $(( $(date +%s) - t0 )) s"
 run() {  # name, extra flags
   local name=$1; shift
@@ -46,19 +37,29 @@ print("arena", d.get("arena_bytes", 0) / 2**30, "GiB, ssd", d.get("ssd_gbps"), "
 PY
   tail -3 "$OUT/bench_$name.err"
 }
-# RUNS picks the set: basic (default), tiers (the three tiers), nvme (prediction and chunk size
-# with experts from the drive, as the reference system reported them).
-case "${RUNS:-basic}" in
-  basic)
-    run vram
-    run arena6.5g --arena-mb 6656 --cold ;;
-  tiers)
-    run vram
-    run host6.5g --arena-mb 6656 --host-cache-mb 32768  # warm prefill fills the host tier first
-    run nvme6.5g --arena-mb 6656 --host-cache-mb 0 --cold ;;
-  nvme)
-    run nvme-predict-off --arena-mb 6656 --host-cache-mb 0 --cold --predict off
-    PT=4096 PC=1024 CTX=8192 run nvme-chunk1024 --arena-mb 6656 --host-cache-mb 0 --cold
-    PT=4096 PC=2048 CTX=8192 run nvme-chunk2048 --arena-mb 6656 --host-cache-mb 0 --cold
-    PT=4096 PC=4096 CTX=8192 run nvme-chunk4096 --arena-mb 6656 --host-cache-mb 0 --cold ;;
-esac
+# RUNS picks the sets (space-separated, run in order): basic (default: every expert in VRAM, then
+# a cold 6.5 GiB arena), tiers (the three tiers), nvme (prediction and chunk size with experts
+# from the drive, as the reference system reported them), mma1 (every expert in VRAM with the
+# former tensor-core staging, STRATA_CUDA_MMA=1, and STRATA_CUDA_PROFILE=1: docs/cuda.md "Profile").
+vram_done=0
+vram() { [ $vram_done = 1 ] || run vram; vram_done=1; }
+for set in ${RUNS:-basic}; do
+  case "$set" in
+    basic)
+      vram
+      run arena6.5g --arena-mb 6656 --cold ;;
+    tiers)
+      vram
+      run host6.5g --arena-mb 6656 --host-cache-mb 32768  # warm prefill fills the host tier first
+      run nvme6.5g --arena-mb 6656 --host-cache-mb 0 --cold ;;
+    nvme)
+      run nvme-predict-off --arena-mb 6656 --host-cache-mb 0 --cold --predict off
+      PT=4096 PC=1024 CTX=8192 run nvme-chunk1024 --arena-mb 6656 --host-cache-mb 0 --cold
+      PT=4096 PC=2048 CTX=8192 run nvme-chunk2048 --arena-mb 6656 --host-cache-mb 0 --cold
+      PT=4096 PC=4096 CTX=8192 run nvme-chunk4096 --arena-mb 6656 --host-cache-mb 0 --cold ;;
+    mma1)
+      STRATA_CUDA_MMA=1 STRATA_CUDA_PROFILE=1 run vram-mma1
+      grep "cuda profile" "$OUT/bench_vram-mma1.err" | head -24 ;;
+    *) echo "unknown RUNS set '$set' (basic, tiers, nvme, mma1)"; exit 2 ;;
+  esac
+done

@@ -7,24 +7,11 @@
 #   DEPS  the -dev package root (default: $REPO/.devdeps/root); GTEST: a googletest source tree
 #   MODELS folder of the models (default: $REPO/models)
 set -u
-REPO=${REPO:-$(pwd)}
-SRC=${SRC:-$REPO}
-DEPS=${DEPS:-$REPO/.devdeps/root}
-GTEST=${GTEST:-$REPO/.devdeps/googletest}
-MODELS=${MODELS:-$REPO/models}
-OUT=${OUT:-$REPO/cuda-run}
-B=${BUILD:-/tmp/strata-cuda-build}
-mkdir -p "$OUT"
-export LD_LIBRARY_PATH=$DEPS/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-export STRATA_MODELS_DIR=$MODELS
-L=$DEPS/usr
+. "$(dirname "$0")/cuda_env.sh"
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   cmake --version | head -1; c++ --version | head -1; nvcc --version | tail -1
-  cmake -S "$SRC" -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSTRATA_WERROR=OFF -DSTRATA_BENCH=OFF \
-    -DSTRATA_DEPS_ROOT="$DEPS" -DSTRATA_GTEST_SOURCE="$GTEST" -Dfmt_DIR=$L/lib/x86_64-linux-gnu/cmake/fmt \
-    -DCLI11_DIR=$L/share/cmake/CLI11 -Dnlohmann_json_DIR=$L/share/cmake/nlohmann_json &&
-  cmake --build "$B" -j"$(nproc)" --target strata test_cuda_backend test_cuda_kernels
+  strata_build -- strata test_cuda_backend test_cuda_kernels
 } > "$OUT/build.log" 2>&1
 rc=$?
 tail -25 "$OUT/build.log"

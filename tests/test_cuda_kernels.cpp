@@ -383,6 +383,75 @@ TEST(CudaKernels, GroupedMatmulEqualsPerJob) {
     }
 }
 
+// The two stagings of the tensor-core kernels (cuda::mma_kernel_version: 1 = 32-bit fragment
+// loads, 2 = ldmatrix with double buffering; for <= 8 tokens mma_small vs mma_small2's group-
+// parallel rounds) compute every element with the same MMAs and the same fold: bit-identical
+// outputs, for plain matmuls at every token tile (n_tok 1..300) with a ragged last row block and
+// chunk, and for grouped plain and SwiGLU-pair launches of prefill-like and decode-like groups.
+// Version 2 is also the one every other test here checks against the scalar reference.
+TEST(CudaKernels, MmaKernelVersionsBitIdentical) {
+  REQUIRE_CUDA_DEVICE();
+  std::mt19937 rng(17);
+  const int before = cuda::mma_kernel_version();
+  EXPECT_THROW(cuda::set_mma_kernel_version(3), std::invalid_argument);
+  auto run_both = [&](auto&& fn, size_t n) {
+    std::vector<float> out[2];
+    for (int v : {1, 2}) {
+      cuda::set_mma_kernel_version(v);
+      out[v - 1] = fn(n);
+    }
+    cuda::set_mma_kernel_version(before);
+    int64_t mismatches = 0;
+    for (size_t i = 0; i < n; ++i) mismatches += !bits_equal(out[0][i], out[1][i]);
+    return mismatches;
+  };
+  for (GgmlType t : kMmaTypes) {
+    SCOPED_TRACE(strata::ggml_type_name(t));
+    const int64_t rows = 200, cols = 1280;  // a partial row block of 64; 2.5 chunks of 512
+    const size_t rb = quant::row_size(t, cols);
+    auto dw = upload(random_rows(t, rows, cols, rng));
+    auto dw2 = upload(random_rows(t, rows, cols, rng));
+    const int64_t max_tok = 300;
+    auto dx = upload(random_floats(size_t(max_tok * cols), rng));
+    for (int64_t n : {1, 3, 8, 9, 32, 33, 64, 65, 300}) {
+      const size_t ny = size_t(n * rows);
+      const int64_t bad = run_both(
+          [&](size_t m) {
+            std::vector<float> poison(m, std::nanf(""));
+            auto dy = upload(poison);
+            cuda::matmul(t, dw.get(), rb, rows, cols, dx.as<float>(), cols, n, dy.as<float>(), rows, nullptr,
+                         cuda::MatmulPath::Mma);
+            return download<float>(dy, m);
+          },
+          ny);
+      EXPECT_EQ(bad, 0) << "n_tok " << n;
+    }
+    for (const std::vector<int64_t>& sizes :
+         {std::vector<int64_t>{40, 3, 64, 130, 17}, std::vector<int64_t>{1, 3, 8, 2}})
+      for (bool pair : {false, true}) {
+        std::vector<cuda::GroupedMatmulJob> jobs(sizes.size());
+        int64_t row0 = 0;
+        for (size_t i = 0; i < sizes.size(); ++i) {
+          jobs[i].w = i % 2 ? dw2.get() : dw.get(), jobs[i].w2 = i % 2 ? dw.get() : dw2.get();
+          jobs[i].row0 = row0, jobs[i].n_tok = sizes[i];
+          row0 += sizes[i];
+        }
+        const cuda::GroupedMatmulPlan plan = cuda::plan_grouped(jobs.data(), int(jobs.size()), rows, cols, pair);
+        auto djobs = upload(jobs);
+        const int64_t bad = run_both(
+            [&](size_t m) {
+              std::vector<float> poison(m, std::nanf(""));
+              auto dy = upload(poison);
+              cuda::grouped_matmul(plan, t, djobs.as<cuda::GroupedMatmulJob>(), int(jobs.size()), rb, rows, cols,
+                                   dx.as<float>(), cols, dy.as<float>(), rows, pair);
+              return download<float>(dy, m);
+            },
+            size_t(row0 * rows));
+        EXPECT_EQ(bad, 0) << (pair ? "grouped swiglu pair" : "grouped plain");
+      }
+  }
+}
+
 // RMSNorm: cpu::rms_norm differs only in the order of the double sum of squares, so the scale
 // agrees to <= 1 ulp; relative tolerance 4 * 2^-24 per element.
 TEST(CudaKernels, RmsNormMatchesCpu) {

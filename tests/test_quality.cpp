@@ -777,6 +777,51 @@ TEST(QualityMoce, BonusZeroOrEverythingResidentIsExactRouting) {
   }
 }
 
+TEST(QualityMoce, LargeChunkSelectionEqualsPerTokenSelection) {
+  // A chunk of 2048 tokens is selected on several threads (token ranges); every token's routing,
+  // and the logits softmaxed in place, must be the bits of selecting that token alone. Coarse
+  // logits make ties (broken by the lower id) frequent.
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd(0, 2);
+  constexpr int64_t T = 2048;
+  constexpr int kExperts = 64;
+  std::vector<uint8_t> some(kExperts);
+  for (auto& v : some) v = uint8_t(rng() % 2);
+  using G = backend::RouterSpec::Gating;
+  for (int variant = 0; variant < 4; ++variant) {
+    backend::RouterSpec spec;
+    spec.n_expert = kExperts;
+    spec.top_k = 8;
+    spec.gating = variant == 0 ? G::Softmax : variant == 1 ? G::SoftmaxTopK : G::Sigmoid;
+    if (variant >= 2) {
+      spec.n_group = 8;
+      spec.n_group_used = 4;
+      spec.weights_scale = 2.5f;
+      for (int e = 0; e < kExperts; ++e) spec.selection_bias.push_back(0.01f * float(e % 7));
+    }
+    const float bonus = variant == 3 ? 0.3f : 0.0f;
+    std::vector<float> l(size_t(T * kExperts));
+    for (float& v : l) v = std::round(nd(rng) * 4.0f) / 4.0f;
+    std::vector<float> whole = l;
+    backend::Routing rw;
+    backend::select_experts(spec, whole.data(), T, rw, backend::ResidencyBonus{bonus, some});
+    ASSERT_EQ(rw.ids.size(), size_t(T * spec.top_k));
+    size_t diff = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<float> one(l.begin() + t * kExperts, l.begin() + (t + 1) * kExperts);
+      backend::Routing r1;
+      backend::select_experts(spec, one.data(), 1, r1, backend::ResidencyBonus{bonus, some});
+      const size_t k0 = size_t(t * spec.top_k), K = size_t(spec.top_k);
+      diff += std::memcmp(r1.ids.data(), rw.ids.data() + k0, K * sizeof(int32_t)) != 0;
+      diff += std::memcmp(r1.probs.data(), rw.probs.data() + k0, K * sizeof(float)) != 0;
+      diff += std::memcmp(r1.weights.data(), rw.weights.data() + k0, K * sizeof(float)) != 0;
+      diff += std::memcmp(&r1.next_prob[0], &rw.next_prob[size_t(t)], sizeof(float)) != 0;
+      diff += std::memcmp(one.data(), whole.data() + t * kExperts, kExperts * sizeof(float)) != 0;
+    }
+    EXPECT_EQ(diff, 0u) << "variant " << variant;
+  }
+}
+
 TEST(QualityMoce, BonusZeroEqualsThePlainRunBitForBit) {
   const std::string common = "run " + model_flag() + " -p 'def fibonacci(n):' -n 24 --temp 0 --json --arena-mb 5";
   const nlohmann::json plain = run_json(common);

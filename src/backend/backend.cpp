@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
+#include <functional>
 #include <numbers>
 #include <numeric>
 #include <stdexcept>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -103,35 +106,68 @@ void softmax(float* x, int64_t n) {
 
 namespace {
 
+/// Runs fn(t_begin, t_end) over the tokens [0, T): on the calling thread, or for T >= 512 on up to
+/// 8 threads (std::thread::hardware_concurrency), each a contiguous range of >= 256 tokens. The
+/// selection of a token reads its own logits row and writes its own output rows only, so the
+/// result is the same for every split (the host top-k of a 2048-token chunk took ~4 ms on one
+/// core, the device idle between a layer's router and its experts: docs/cuda.md "Profile").
+/// An exception thrown by fn is rethrown here after every thread has stopped.
+void for_token_ranges(int64_t T, const std::function<void(int64_t, int64_t)>& fn) {
+  constexpr int64_t kGrain = 256, kMaxThreads = 8;
+  const int64_t hw = std::max<int64_t>(1, int64_t(std::thread::hardware_concurrency()));
+  const int64_t n = std::min({hw, kMaxThreads, T / kGrain});
+  if (n <= 1) {
+    fn(0, T);
+    return;
+  }
+  std::vector<std::exception_ptr> err(static_cast<size_t>(n));
+  auto part = [&](int64_t i) {
+    try {
+      fn(T * i / n, T * (i + 1) / n);
+    } catch (...) {
+      err[size_t(i)] = std::current_exception();
+    }
+  };
+  std::vector<std::thread> threads;
+  threads.reserve(size_t(n - 1));
+  for (int64_t i = 1; i < n; ++i) threads.emplace_back(part, i);
+  part(0);
+  for (std::thread& th : threads) th.join();
+  for (const std::exception_ptr& e : err)
+    if (e) std::rethrow_exception(e);
+}
+
 // Gating::SoftmaxTopK: the top_k largest raw logits (ties: lower id first), then a softmax
 // over those k values only (max-subtracted, sum in double, as softmax() above).
 // `sel` (null: the logits themselves) orders the experts; the weights use the original logits.
 void select_softmax_topk(const RouterSpec& spec, float* logits, const float* sel, int64_t T, Routing& r) {
   const int n_expert = spec.n_expert, top_k = spec.top_k;
-  std::vector<int32_t> order(n_expert);
-  std::vector<float> e(size_t(top_k) + 1);
-  for (int64_t t = 0; t < T; ++t) {
-    const float* l = logits + t * n_expert;
-    const float* o = sel ? sel + t * n_expert : l;
-    std::iota(order.begin(), order.end(), 0);
-    const int n_sorted = std::min(top_k + 1, n_expert);
-    std::partial_sort(order.begin(), order.begin() + n_sorted, order.end(),
-                      [&](int32_t a, int32_t b) { return o[a] > o[b] || (o[a] == o[b] && a < b); });
-    // The largest original logit among the chosen (without a bonus: the first).
-    float mx = l[order[0]];
-    for (int k = 1; k < top_k; ++k) mx = std::max(mx, l[order[k]]);
-    double sum = 0;
-    for (int k = 0; k < n_sorted; ++k) {
-      e[size_t(k)] = std::exp(l[order[k]] - mx);
-      if (k < top_k) sum += e[size_t(k)];
+  for_token_ranges(T, [&](int64_t t_begin, int64_t t_end) {
+    std::vector<int32_t> order(n_expert);
+    std::vector<float> e(size_t(top_k) + 1);
+    for (int64_t t = t_begin; t < t_end; ++t) {
+      const float* l = logits + t * n_expert;
+      const float* o = sel ? sel + t * n_expert : l;
+      std::iota(order.begin(), order.end(), 0);
+      const int n_sorted = std::min(top_k + 1, n_expert);
+      std::partial_sort(order.begin(), order.begin() + n_sorted, order.end(),
+                        [&](int32_t a, int32_t b) { return o[a] > o[b] || (o[a] == o[b] && a < b); });
+      // The largest original logit among the chosen (without a bonus: the first).
+      float mx = l[order[0]];
+      for (int k = 1; k < top_k; ++k) mx = std::max(mx, l[order[k]]);
+      double sum = 0;
+      for (int k = 0; k < n_sorted; ++k) {
+        e[size_t(k)] = std::exp(l[order[k]] - mx);
+        if (k < top_k) sum += e[size_t(k)];
+      }
+      const float inv = float(1.0 / sum);
+      for (int k = 0; k < top_k; ++k) {
+        r.ids[t * top_k + k] = order[k];
+        r.probs[t * top_k + k] = r.weights[t * top_k + k] = e[size_t(k)] * inv;
+      }
+      if (top_k < n_expert) r.next_prob[t] = e[size_t(top_k)] * inv;
     }
-    const float inv = float(1.0 / sum);
-    for (int k = 0; k < top_k; ++k) {
-      r.ids[t * top_k + k] = order[k];
-      r.probs[t * top_k + k] = r.weights[t * top_k + k] = e[size_t(k)] * inv;
-    }
-    if (top_k < n_expert) r.next_prob[t] = e[size_t(top_k)] * inv;
-  }
+  });
 }
 
 }  // namespace
@@ -173,75 +209,77 @@ void select_impl(const RouterSpec& spec, float* logits, const float* sel, int64_
     select_softmax_topk(spec, logits, sel, T, r);
     return;
   }
-  std::vector<int32_t> order(n_expert), gorder;
-  std::vector<float> score_buf, gscore, sel_buf;
-  if (grouped) {
-    gorder.resize(size_t(spec.n_group));
-    gscore.resize(size_t(spec.n_group));
-  }
-  for (int64_t t = 0; t < T; ++t) {
-    float* p = logits + t * n_expert;
-    if (spec.gating == RouterSpec::Gating::Softmax) {
-      softmax(p, n_expert);
-    } else {
-      for (int i = 0; i < n_expert; ++i) p[i] = 1.0f / (1.0f + std::exp(-p[i]));
-    }
-    // Selection scores: the probabilities (of the bonus logits, with MoCE), plus the selection bias.
-    const float* s = p;
-    if (sel) {
-      sel_buf.assign(sel + t * n_expert, sel + (t + 1) * n_expert);
-      if (spec.gating == RouterSpec::Gating::Softmax) {
-        softmax(sel_buf.data(), n_expert);
-      } else {
-        for (float& v : sel_buf) v = 1.0f / (1.0f + std::exp(-v));
-      }
-      s = sel_buf.data();
-    }
-    if (biased) {
-      score_buf.resize(size_t(n_expert));
-      for (int i = 0; i < n_expert; ++i) score_buf[size_t(i)] = s[i] + spec.selection_bias[size_t(i)];
-      s = score_buf.data();
-    }
-    auto better = [&](int32_t a, int32_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); };
-    int n_cand = n_expert;
-    std::iota(order.begin(), order.end(), 0);
+  for_token_ranges(T, [&](int64_t t_begin, int64_t t_end) {
+    std::vector<int32_t> order(n_expert), gorder;
+    std::vector<float> score_buf, gscore, sel_buf;
     if (grouped) {
-      // A group scores the sum of its two best selection scores; the best n_group_used groups'
-      // experts are the candidates.
-      for (int g = 0; g < spec.n_group; ++g) {
-        float b1 = -INFINITY, b2 = -INFINITY;
-        for (int i = g * group_size; i < (g + 1) * group_size; ++i) {
-          if (s[i] > b1) {
-            b2 = b1;
-            b1 = s[i];
-          } else if (s[i] > b2) {
-            b2 = s[i];
-          }
-        }
-        gscore[size_t(g)] = group_size >= 2 ? b1 + b2 : b1;
+      gorder.resize(size_t(spec.n_group));
+      gscore.resize(size_t(spec.n_group));
+    }
+    for (int64_t t = t_begin; t < t_end; ++t) {
+      float* p = logits + t * n_expert;
+      if (spec.gating == RouterSpec::Gating::Softmax) {
+        softmax(p, n_expert);
+      } else {
+        for (int i = 0; i < n_expert; ++i) p[i] = 1.0f / (1.0f + std::exp(-p[i]));
       }
-      std::iota(gorder.begin(), gorder.end(), 0);
-      std::stable_sort(gorder.begin(), gorder.end(),
-                       [&](int32_t a, int32_t b) { return gscore[size_t(a)] > gscore[size_t(b)]; });
-      std::sort(gorder.begin(), gorder.begin() + spec.n_group_used);
-      n_cand = 0;
-      for (int gi = 0; gi < spec.n_group_used; ++gi)
-        for (int i = gorder[size_t(gi)] * group_size; i < (gorder[size_t(gi)] + 1) * group_size; ++i)
-          order[size_t(n_cand++)] = i;
+      // Selection scores: the probabilities (of the bonus logits, with MoCE), plus the selection bias.
+      const float* s = p;
+      if (sel) {
+        sel_buf.assign(sel + t * n_expert, sel + (t + 1) * n_expert);
+        if (spec.gating == RouterSpec::Gating::Softmax) {
+          softmax(sel_buf.data(), n_expert);
+        } else {
+          for (float& v : sel_buf) v = 1.0f / (1.0f + std::exp(-v));
+        }
+        s = sel_buf.data();
+      }
+      if (biased) {
+        score_buf.resize(size_t(n_expert));
+        for (int i = 0; i < n_expert; ++i) score_buf[size_t(i)] = s[i] + spec.selection_bias[size_t(i)];
+        s = score_buf.data();
+      }
+      auto better = [&](int32_t a, int32_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); };
+      int n_cand = n_expert;
+      std::iota(order.begin(), order.end(), 0);
+      if (grouped) {
+        // A group scores the sum of its two best selection scores; the best n_group_used groups'
+        // experts are the candidates.
+        for (int g = 0; g < spec.n_group; ++g) {
+          float b1 = -INFINITY, b2 = -INFINITY;
+          for (int i = g * group_size; i < (g + 1) * group_size; ++i) {
+            if (s[i] > b1) {
+              b2 = b1;
+              b1 = s[i];
+            } else if (s[i] > b2) {
+              b2 = s[i];
+            }
+          }
+          gscore[size_t(g)] = group_size >= 2 ? b1 + b2 : b1;
+        }
+        std::iota(gorder.begin(), gorder.end(), 0);
+        std::stable_sort(gorder.begin(), gorder.end(),
+                         [&](int32_t a, int32_t b) { return gscore[size_t(a)] > gscore[size_t(b)]; });
+        std::sort(gorder.begin(), gorder.begin() + spec.n_group_used);
+        n_cand = 0;
+        for (int gi = 0; gi < spec.n_group_used; ++gi)
+          for (int i = gorder[size_t(gi)] * group_size; i < (gorder[size_t(gi)] + 1) * group_size; ++i)
+            order[size_t(n_cand++)] = i;
+      }
+      const int n_sorted = std::min(top_k + 1, n_cand);
+      std::partial_sort(order.begin(), order.begin() + n_sorted, order.begin() + n_cand, better);
+      if (top_k < n_cand) r.next_prob[t] = p[order[top_k]];
+      double sum = 0;
+      for (int k = 0; k < top_k; ++k) sum += p[order[k]];
+      for (int k = 0; k < top_k; ++k) {
+        r.ids[t * top_k + k] = order[k];
+        r.probs[t * top_k + k] = p[order[k]];
+        float w = spec.norm_topk ? float(p[order[k]] / sum) : p[order[k]];
+        if (spec.weights_scale != 1.0f) w *= spec.weights_scale;
+        r.weights[t * top_k + k] = w;
+      }
     }
-    const int n_sorted = std::min(top_k + 1, n_cand);
-    std::partial_sort(order.begin(), order.begin() + n_sorted, order.begin() + n_cand, better);
-    if (top_k < n_cand) r.next_prob[t] = p[order[top_k]];
-    double sum = 0;
-    for (int k = 0; k < top_k; ++k) sum += p[order[k]];
-    for (int k = 0; k < top_k; ++k) {
-      r.ids[t * top_k + k] = order[k];
-      r.probs[t * top_k + k] = p[order[k]];
-      float w = spec.norm_topk ? float(p[order[k]] / sum) : p[order[k]];
-      if (spec.weights_scale != 1.0f) w *= spec.weights_scale;
-      r.weights[t * top_k + k] = w;
-    }
-  }
+  });
 }
 
 }  // namespace

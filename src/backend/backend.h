@@ -458,6 +458,11 @@ class Backend {
   virtual EventPtr record() = 0;
   /// Blocks until all queued work has finished.
   virtual void synchronize() = 0;
+  /// Starts work the backend holds back to batch it (the CUDA backend's queue of expert_ffn
+  /// calls, run as grouped launches), without waiting for it; results are unchanged. The step
+  /// calls it before blocking on an expert's arrival, so the device computes the queued experts
+  /// meanwhile. Default: nothing is held back.
+  virtual void flush() {}
   /// The arena of `n_slots` slots of `slot_bytes` (a multiple of 4 KiB) for `io_threads`
   /// reader threads. Throws (naming the sizes) when the memory cannot be had.
   virtual std::unique_ptr<ArenaMemory> make_arena(size_t n_slots, size_t slot_bytes, int io_threads) = 0;

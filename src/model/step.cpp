@@ -380,6 +380,7 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
       ready.clear();
       for (int32_t e : todo) (from.resident(layer, e) ? ready : later).push_back(e);
       if (ready.empty()) {
+        be_.flush();  // the queued experts compute while this one arrives
         ready.push_back(later.front());
         later.erase(later.begin());
       }

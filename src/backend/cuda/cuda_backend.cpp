@@ -4,12 +4,16 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <stdexcept>
+#include <string>
+#include <string_view>
 
 #include "backend/cuda/backend_kernels.h"
 #include "backend/cuda/cuda_check.h"
@@ -288,6 +292,120 @@ size_t sz(size_t n) {
 
 }  // namespace
 
+// ---- STRATA_CUDA_PROFILE: device time per backend call -----------------------------------------
+
+/// Records a CUDA event pair around each profiled call on the compute stream (no synchronization
+/// added, except a resolve every kBatch calls), sums the elapsed device time per (call, phase),
+/// phase = "decode" for calls on 1 token, else "prefill". Host waits (the synchronizations of
+/// router_logits / download) are timed on the host clock. The table goes to stderr at the end.
+class OpProfile {
+ public:
+  explicit OpProfile(cudaStream_t s) : stream_(s) {}
+  ~OpProfile() {
+    try {
+      resolve();
+      std::vector<std::pair<std::string, Sum>> v(sums_.begin(), sums_.end());
+      std::sort(v.begin(), v.end(), [](const auto& a, const auto& b) { return a.second.ms > b.second.ms; });
+      std::fprintf(stderr, "cuda profile: %-34s %8s %11s %9s\n", "call [phase]", "calls", "ms", "us/call");
+      for (const auto& [k, x] : v)
+        std::fprintf(stderr, "cuda profile: %-34s %8ld %11.3f %9.2f\n", k.c_str(), x.n, x.ms,
+                     x.n ? 1e3 * x.ms / double(x.n) : 0.0);
+      for (auto& r : free_) (void)cudaEventDestroy(r);
+    } catch (...) {}
+  }
+  size_t begin(const char* name, int64_t T) {
+    Rec r{name, T <= 1, open_ == 0, take(), nullptr};
+    STRATA_CUDA_CHECK(cudaEventRecord(r.a, stream_));
+    recs_.push_back(r);
+    return recs_.size() - 1;
+  }
+  void end(size_t i) {
+    recs_[i].b = take();
+    STRATA_CUDA_CHECK(cudaEventRecord(recs_[i].b, stream_));
+    if (open_ == 0 && recs_.size() >= kBatch) resolve();
+  }
+  void host_wait(const char* name, const char* phase, double ms) {
+    Sum& x = sums_[std::string(name) + phase];
+    x.n += 1, x.ms += ms;
+  }
+  int open_ = 0;  // scopes open (resolve only between top-level calls)
+
+ private:
+  static constexpr size_t kBatch = 4096;
+  struct Rec {
+    const char* name;
+    bool dec;
+    bool top;  // not nested in another profiled call
+    cudaEvent_t a, b;
+  };
+  struct Sum {
+    long n = 0;
+    double ms = 0;
+  };
+  cudaEvent_t take() {
+    if (!free_.empty()) {
+      cudaEvent_t e = free_.back();
+      free_.pop_back();
+      return e;
+    }
+    cudaEvent_t e = nullptr;
+    STRATA_CUDA_CHECK(cudaEventCreate(&e));
+    return e;
+  }
+  void resolve() {
+    if (recs_.empty()) return;
+    STRATA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    const Rec* prev = nullptr;  // the last top-level call: the device idles from its end to the next start
+    for (const Rec& r : recs_) {
+      float ms = 0;
+      if (r.b) STRATA_CUDA_CHECK(cudaEventElapsedTime(&ms, r.a, r.b));
+      const char* ph = r.dec ? " [decode]" : " [prefill]";
+      Sum& x = sums_[std::string(r.name) + ph];
+      x.n += 1, x.ms += double(ms);
+      if (r.top) {
+        Sum& t = sums_[std::string("= device busy, top-level calls") + ph];
+        t.n += 1, t.ms += double(ms);
+        float gap = 0;
+        if (prev && prev->b && prev->dec == r.dec) STRATA_CUDA_CHECK(cudaEventElapsedTime(&gap, prev->b, r.a));
+        if (gap > 0 && gap < 50.0f) {  // longer: a pause between phases, not a gap inside one
+          Sum& g = sums_[std::string("= device idle between calls") + ph];
+          g.n += 1, g.ms += double(gap);
+        }
+        prev = &r;
+      }
+      free_.push_back(r.a);
+      if (r.b) free_.push_back(r.b);
+    }
+    recs_.clear();
+  }
+  cudaStream_t stream_;
+  std::vector<Rec> recs_;
+  std::vector<cudaEvent_t> free_;
+  std::map<std::string, Sum> sums_;
+};
+
+/// One profiled call (a no-op when profiling is off). Nested scopes are timed too (their own rows).
+class ProfScope {
+ public:
+  ProfScope(CudaBackend& b, const char* name, int64_t T) : p_(b.prof_.get()) {
+    if (p_) i_ = p_->begin(name, T), ++p_->open_;
+  }
+  ~ProfScope() {
+    if (p_) {
+      --p_->open_;
+      try {
+        p_->end(i_);
+      } catch (...) {}
+    }
+  }
+  ProfScope(const ProfScope&) = delete;
+  ProfScope& operator=(const ProfScope&) = delete;
+
+ private:
+  OpProfile* p_;
+  size_t i_ = 0;
+};
+
 CudaBackend::CudaBackend(const CudaOptions& opts) : device_(opts.device) {
   const int n = device_count();
   if (n == 0) throw CudaError("strata::cuda: no CUDA device found (cudaGetDeviceCount reports none)");
@@ -300,10 +418,13 @@ CudaBackend::CudaBackend(const CudaOptions& opts) : device_(opts.device) {
   STRATA_CUDA_CHECK(cudaStreamCreateWithFlags(&ctx_->stream, cudaStreamNonBlocking));
   ring_bytes_ = kRingBytes;
   ring_ = host_alloc(ring_bytes_, ring_pinned_, "the upload ring");
+  if (const char* e = std::getenv("STRATA_CUDA_PROFILE"); e && *e && std::string_view(e) != "0")
+    prof_ = std::make_unique<OpProfile>(ctx_->stream);
 }
 
 CudaBackend::~CudaBackend() {
   (void)cudaSetDevice(device_);
+  prof_.reset();
   (void)cudaStreamSynchronize(ctx_->stream);
   if (scratch_) (void)cudaFreeAsync(scratch_, ctx_->stream);
   (void)cudaStreamSynchronize(ctx_->stream);
@@ -395,7 +516,11 @@ void CudaBackend::download(void* dst, const Tensor& src, size_t bytes) {
     return;
   }
   STRATA_CUDA_CHECK(cudaMemcpyAsync(dst, src.data, bytes, cudaMemcpyDeviceToHost, ctx_->stream));
+  const auto t0 = std::chrono::steady_clock::now();
   STRATA_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));
+  if (prof_)
+    prof_->host_wait("host wait: download sync", " [any]",
+                     std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
 }
 
 void CudaBackend::copy(const Tensor& dst, const Tensor& src, size_t bytes) {
@@ -422,6 +547,7 @@ std::unique_ptr<backend::ArenaMemory> CudaBackend::make_arena(size_t n_slots, si
 
 void CudaBackend::embed(const Tensor& table, std::span<const int32_t> ids, const Tensor& x) {
   flush_experts();
+  ProfScope ps(*this, "embed", int64_t(ids.size()));
   require_device(table, "embed: the table");
   const int64_t n = int64_t(ids.size());
   if (n == 0) return;
@@ -433,16 +559,19 @@ void CudaBackend::embed(const Tensor& table, std::span<const int32_t> ids, const
 
 void CudaBackend::rms_norm(const Tensor& x, const Tensor& w, float eps, const Tensor& y) {
   flush_experts();
+  ProfScope ps(*this, "rms_norm", x.rows());
   cuda::rms_norm(x.f(), ld(x), w.f(), y.f(), ld(y), x.cols(), x.rows(), eps, stream());
 }
 
 void CudaBackend::add(const Tensor& x, const Tensor& y) {
   flush_experts();
+  ProfScope ps(*this, "add", x.rows());
   add_rows(x.f(), ld(x), y.f(), ld(y), x.cols(), x.rows(), stream());
 }
 
 void CudaBackend::matmul(const Tensor& W, const Tensor& x, const Tensor& y) {
   flush_experts();
+  ProfScope ps(*this, "matmul", x.rows());
   require_device(W, "matmul: the weights");
   cuda::matmul(W.type, W.data, W.row_bytes(), W.rows(), W.cols(), x.f(), ld(x), x.rows(), y.f(), ld(y), stream());
 }
@@ -463,6 +592,7 @@ void CudaBackend::attention(const backend::AttentionSpec& s, const backend::Atte
   flush_experts();
   const int64_t T = h.rows();
   if (T == 0) return;
+  ProfScope ps(*this, "attention (all)", T);
   const int64_t q_dim = int64_t(s.n_head) * s.head_dim, kv_dim = int64_t(s.n_head_kv) * s.head_dim;
   if (pos0 + T > kv.k.rows())
     throw CudaError(
@@ -542,7 +672,10 @@ void CudaBackend::attention(const backend::AttentionSpec& s, const backend::Atte
   a.scale = s.scale != 0 ? s.scale : 1.0f / std::sqrt(float(s.head_dim));
   a.window = s.window;
   a.sinks = w.sinks.empty() ? nullptr : w.sinks.f();
-  cuda::attention(a, stream());
+  {
+    ProfScope pk(*this, "attention kernel", T);
+    cuda::attention(a, stream());
+  }
   if (s.q_gate) sigmoid_mul(att, gate, T * q_dim, stream());
   cuda::matmul(w.wo.type, w.wo.data, w.wo.row_bytes(), w.wo.rows(), w.wo.cols(), att, q_dim, T, out.f(), ld(out),
                stream());
@@ -633,6 +766,7 @@ void CudaBackend::gated_delta_net(const backend::GdnSpec& s, const backend::GdnW
   const bool separate_ba = w.wba.empty();  // qwen35moe: ssm_beta and ssm_alpha
   if (separate_ba && (w.wbeta.empty() || w.walpha.empty()))
     throw CudaError("strata::cuda: gated delta net: neither ssm_ba nor both ssm_beta and ssm_alpha are given");
+  ProfScope ps(*this, "gated_delta_net", T);
   const int64_t C = s.conv_dim(), VD = s.value_dim(), nv = s.n_v_head;
   Carve c{scratch(2 * sz<float>(size_t(T * C)) + 2 * sz<float>(size_t(T * VD)) + sz<float>(size_t(T * 2 * nv)))};
   float* x = c.take<float>(size_t(T * C));
@@ -706,6 +840,7 @@ void CudaBackend::ffn(const backend::FfnCall& call, const backend::FfnWeights& w
   const int64_t T = h.rows(), E = out.cols(), F = w.gate.rows();
   if (T == 0) return;
   check_ffn(call.spec, w, "ffn");
+  ProfScope ps(*this, "ffn (dense)", T);
   if (call.scalar_gate.empty()) {
     if (call.accumulate) {  // out += ffn(h): the ungated shared experts (glm4moe, deepseek2)
       const size_t ff = 2 * sz<float>(size_t(T * F));
@@ -736,10 +871,17 @@ void CudaBackend::router_logits(const Tensor& w, const Tensor& h, std::vector<fl
   logits.resize(size_t(T * n_expert));
   if (T == 0) return;
   float* d = Carve{scratch(sz<float>(size_t(T * n_expert)))}.take<float>(size_t(T * n_expert));
-  cuda::matmul(w.type, w.data, w.row_bytes(), n_expert, w.cols(), h.f(), ld(h), T, d, n_expert, stream());
-  STRATA_CUDA_CHECK(
-      cudaMemcpyAsync(logits.data(), d, logits.size() * sizeof(float), cudaMemcpyDeviceToHost, ctx_->stream));
+  {
+    ProfScope ps(*this, "router_logits", T);
+    cuda::matmul(w.type, w.data, w.row_bytes(), n_expert, w.cols(), h.f(), ld(h), T, d, n_expert, stream());
+    STRATA_CUDA_CHECK(
+        cudaMemcpyAsync(logits.data(), d, logits.size() * sizeof(float), cudaMemcpyDeviceToHost, ctx_->stream));
+  }
+  const auto t0 = std::chrono::steady_clock::now();
   STRATA_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));
+  if (prof_)
+    prof_->host_wait("host wait: router_logits sync", T <= 1 ? " [decode]" : " [prefill]",
+                     std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
 }
 
 void CudaBackend::expert_ffn(const backend::FfnSpec& spec, const backend::ExpertJob& job, int top_k, const Tensor& h,
@@ -793,6 +935,7 @@ void CudaBackend::expert_ffn(const backend::FfnSpec& spec, const backend::Expert
     return;
   }
   flush_experts();
+  ProfScope ps(*this, "expert_ffn (ungrouped)", n);
   // Gather the expert's token rows, SwiGLU on all of them at once, scatter to the (token, k) rows.
   const size_t head = sz<int64_t>(size_t(n)) + 2 * sz<float>(size_t(n * E));
   char* base = scratch(head + 2 * sz<float>(size_t(n * F)));
@@ -824,6 +967,7 @@ void CudaBackend::flush_experts() {
   const GroupedMatmulPlan pgu = plan_grouped(gu.data(), nj, g.F, g.E, true),
                           pdn = plan_grouped(dn.data(), nj, g.E, g.F, false);
   const int64_t N = int64_t(pairs.size());
+  ProfScope ps(*this, "experts grouped (all)", N / std::max(1, g.top_k));
   Carve c{scratch(sz<int64_t>(size_t(N)) + 2 * sz<GroupedMatmulJob>(size_t(nj)) + 2 * sz<float>(size_t(N * g.E)) +
                   sz<float>(size_t(N * g.F)))};
   int64_t* d_pairs = c.take<int64_t>(size_t(N));
@@ -836,8 +980,14 @@ void CudaBackend::flush_experts() {
   upload_async(d_gu, gu.data(), gu.size() * sizeof(GroupedMatmulJob));
   upload_async(d_dn, dn.data(), dn.size() * sizeof(GroupedMatmulJob));
   gather_rows(g.h, g.ldh, d_pairs, g.top_k, N, xg, g.E, g.E, stream());
-  grouped_matmul(pgu, g.gate_type, d_gu, nj, g.gate_rb, g.F, g.E, xg, g.E, act, g.F, true, stream());
-  grouped_matmul(pdn, g.down_type, d_dn, nj, g.down_rb, g.E, g.F, act, g.F, y, g.E, false, stream());
+  {
+    ProfScope pk(*this, "experts grouped gate/up", N / std::max(1, g.top_k));
+    grouped_matmul(pgu, g.gate_type, d_gu, nj, g.gate_rb, g.F, g.E, xg, g.E, act, g.F, true, stream());
+  }
+  {
+    ProfScope pk(*this, "experts grouped down", N / std::max(1, g.top_k));
+    grouped_matmul(pdn, g.down_type, d_dn, nj, g.down_rb, g.E, g.F, act, g.F, y, g.E, false, stream());
+  }
   scatter_rows(y, g.E, d_pairs, N, g.out, g.ldo, g.E, stream());
 }
 
@@ -845,6 +995,7 @@ void CudaBackend::moe_combine(const backend::Routing& r, const Tensor& expert_ou
   flush_experts();
   const int64_t T = r.n_tokens();
   if (T == 0) return;
+  ProfScope ps(*this, "moe_combine", T);
   float* w = Carve{scratch(sz<float>(r.weights.size()))}.take<float>(r.weights.size());
   upload_async(w, r.weights.data(), r.weights.size() * sizeof(float));
   cuda::moe_combine(expert_out.f(), ld(expert_out), w, r.top_k, T, out.f(), ld(out), out.cols(), stream());

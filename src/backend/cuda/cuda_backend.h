@@ -41,6 +41,8 @@ struct CudaOptions {
 /// cudaStream_t), and the stream-ordered allocator's release. Destroyed by the last holder, so a
 /// buffer that outlives the backend is still freed correctly.
 struct CudaContext;
+/// Per-call device timings (STRATA_CUDA_PROFILE); defined in cuda_backend.cpp.
+class OpProfile;
 
 class CudaBackend final : public backend::Backend {
  public:
@@ -52,6 +54,8 @@ class CudaBackend final : public backend::Backend {
 
   /// Free and total device memory in bytes (cudaMemGetInfo).
   void mem_info(size_t& free_bytes, size_t& total_bytes) const;
+  /// Launches the queued expert jobs now (flush_experts); see backend::Backend::flush.
+  void flush() override { flush_experts(); }
   /// Bytes of device memory held by resident weights (weights()).
   size_t weight_bytes() const { return weight_bytes_; }
   int device() const { return device_; }
@@ -110,8 +114,11 @@ class CudaBackend final : public backend::Backend {
   /// after expert_ffn covers its kernels).
   void flush_experts();
 
-  /// Experts queued per flush at most (bounds the scratch and lets a long layer start early).
-  static constexpr int kMaxPendingExperts = 32;
+  /// Experts queued per flush at most. The scratch is bounded by the chunk's T * top_k pairs
+  /// anyway; a layer starts early through flush(), which the step calls before it blocks on a
+  /// missing expert. 128 (was 32): a 128-expert layer with every expert resident runs as one
+  /// grouped launch per projection.
+  static constexpr int kMaxPendingExperts = 128;
   struct PendingExpert {
     const void* gate;
     const void* up;
@@ -142,6 +149,10 @@ class CudaBackend final : public backend::Backend {
   bool ring_pinned_ = false;
   size_t ring_bytes_ = 0, ring_off_ = 0;
   std::map<const backend::RopeSpec*, DeviceBuffer> inv_freq_;
+  /// STRATA_CUDA_PROFILE=1: per-call device time (CUDA events around each call) and host
+  /// waits, printed to stderr when the backend is destroyed (docs/cuda.md "Profile"); null when off.
+  std::unique_ptr<OpProfile> prof_;
+  friend class ProfScope;
 };
 
 // ---- memory reporting and the pinned host-to-device probe ----

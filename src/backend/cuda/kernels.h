@@ -94,6 +94,16 @@ bool is_supported(GgmlType t);
 /// with the same arithmetic, whatever n_tok.
 enum class MatmulPath { Auto, MatVec, Tiled, Mma };
 
+/// The staging of the tensor-core kernels (MatmulPath::Mma, grouped_matmul; not the <= 8-token
+/// mma_small): 2 (default) loads the MMA fragments from shared memory with ldmatrix and
+/// double-buffers the staging (one barrier per 32-column step); 1 is the former kernel (32-bit
+/// fragment loads, one buffer, two barriers). Both feed the same words to the same MMAs in the
+/// same order, so their results are bit-identical (tested); 1 is kept for that test and for
+/// side-by-side timings. Process-wide; the first use reads STRATA_CUDA_MMA ("1": version 1).
+int mma_kernel_version();
+/// Sets mma_kernel_version() for later launches. Throws std::invalid_argument unless 1 or 2.
+void set_mma_kernel_version(int version);
+
 /// True if the tensor-core path (MatmulPath::Mma, grouped_matmul) takes weights of type `t` with
 /// `cols` columns: Q8_0, Q4_K, Q6_K, and BF16 with cols a multiple of 32.
 bool has_mma(GgmlType t, int64_t cols);

@@ -7,7 +7,10 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -121,8 +124,10 @@ __device__ __forceinline__ void decode8(const uint8_t* __restrict__ row, int c, 
     nibbles8<2>(b + 2, c % 32, q);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      if constexpr (T == G::Q4_0) w[j] = __fmul_rn(d, float(q[j] - 8));
-      else w[j] = __fmul_rn(d, float(g_kvalues_iq4nl[q[j]]));
+      if constexpr (T == G::Q4_0)
+        w[j] = __fmul_rn(d, float(q[j] - 8));
+      else
+        w[j] = __fmul_rn(d, float(g_kvalues_iq4nl[q[j]]));
     }
   } else if constexpr (T == G::Q4_1) {
     const uint8_t* b = row + size_t(c / 32) * 20;
@@ -142,8 +147,10 @@ __device__ __forceinline__ void decode8(const uint8_t* __restrict__ row, int c, 
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const int u = q[j] | int(((qh >> (j0 + j)) & 1u) << 4);  // the 5th bit of element e is bit e of qh
-      if constexpr (T == G::Q5_0) w[j] = __fmul_rn(d, float(u - 16));
-      else w[j] = __fadd_rn(__fmul_rn(d, float(u)), ldh(b + 2));
+      if constexpr (T == G::Q5_0)
+        w[j] = __fmul_rn(d, float(u - 16));
+      else
+        w[j] = __fadd_rn(__fmul_rn(d, float(u)), ldh(b + 2));
     }
   } else if constexpr (T == G::MXFP4) {
     const uint8_t* b = row + size_t(c / 32) * 17;
@@ -324,9 +331,9 @@ __global__ void get_rows_kernel(const uint8_t* __restrict__ table, size_t row_by
 
 constexpr int kMmaRows = 64;  // weight rows per block (4 warps x 16)
 constexpr int kMmaThreads = 128;
-constexpr int kKs = 32;     // columns per main-loop step (one Q8_0 block / Q4_K sub-block / two Q6_K sub-blocks)
-constexpr int kPad = 40;    // bf16 per shared row (32 + 8: conflict-free 32-bit fragment reads)
-constexpr int kPieces = 3;  // x = hi + mid + lo, each bf16: exact for normal fp32 values
+constexpr int kKs = 32;      // columns per main-loop step (one Q8_0 block / Q4_K sub-block / two Q6_K sub-blocks)
+constexpr int kPad = 40;     // bf16 per shared row (32 + 8: conflict-free 32-bit fragment reads)
+constexpr int kPieces = 3;   // x = hi + mid + lo, each bf16: exact for normal fp32 values
 constexpr int kChunk = 512;  // columns per chunk: chunk sums start from 0 and are added in chunk order
 constexpr int kSmallMaxChunks = 24;  // mma_small's shared partials: up to 24 * 2 * 512 B
 
@@ -409,6 +416,17 @@ __device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+/// Four 8x8 b16 matrices from shared memory (ldmatrix .x4): lane l gives the address of row l % 8
+/// of matrix l / 8 (16-byte aligned); r[j] receives matrix j's elements (row lane / 4, columns
+/// 2 (lane % 4) and + 1): exactly the 32-bit words the per-lane loads of the mma fragments read.
+__device__ __forceinline__ void ldsm_x4(uint32_t r[4], const void* p) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a)
+               : "memory");
+}
+
 /// One block's tile: weight rows [r0, r0 + 64) x tokens [0, nt) of x (nt <= BN). DUAL: W and W2
 /// (the SwiGLU gate and up) share the activations and the tile writes silu(W x) * (W2 x).
 /// Per output element: for each 32-column step in order, per 16-column half the three bf16
@@ -416,7 +434,11 @@ __device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32
 /// scale group), then folded into the fp32 accumulator with that group's scale (fixed
 /// sequence below). Nothing depends on nt, on BN, on the other tokens or on the position of the
 /// element in the tile.
-template <GgmlType T, int BN, bool DUAL>
+/// V2 (the default, docs/cuda.md): the fragments come from shared memory by ldmatrix (A: one .x4
+/// per 16 columns; B: one .x4 per 8 tokens and piece, both 16-column halves) instead of 32-bit
+/// loads (4x fewer shared-load instructions), and the staging is double-buffered (one barrier
+/// per step instead of two). The same words reach the same MMAs in the same order: same bits.
+template <GgmlType T, int BN, bool DUAL, bool V2>
 __device__ __forceinline__ void mma_tile(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
                                          size_t row_bytes, int64_t rows, int cols, int64_t r0,
                                          const float* __restrict__ x, int64_t ldx, int nt, float* __restrict__ y,
@@ -424,10 +446,11 @@ __device__ __forceinline__ void mma_tile(const uint8_t* __restrict__ W, const ui
   constexpr int NW = DUAL ? 2 : 1;
   constexpr int NT8 = BN / 8;
   constexpr int BT = (BN * 4 + kMmaThreads - 1) / kMmaThreads;  // activation tasks (token, 8 columns) per thread
-  __shared__ __align__(16) uint16_t sA[NW][kMmaRows][kPad];
-  __shared__ __align__(16) uint16_t sB[kPieces][BN][kPad];
-  __shared__ float sS[NW][kMmaRows][2];
-  __shared__ float sX[BN][4];  // Q4_K: partial sums of x over each 8 columns of the step
+  constexpr int NB = V2 ? 2 : 1;                                // staging buffers
+  __shared__ __align__(16) uint16_t sA[NB][NW][kMmaRows][kPad];
+  __shared__ __align__(16) uint16_t sB[NB][kPieces][BN][kPad];
+  __shared__ float sS[NB][NW][kMmaRows][2];
+  __shared__ float sX[NB][BN][4];  // Q4_K: partial sums of x over each 8 columns of the step
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int rr = tid / 2, hf = tid % 2;
   const int64_t r = r0 + rr;
@@ -461,16 +484,16 @@ __device__ __forceinline__ void mma_tile(const uint8_t* __restrict__ W, const ui
       }
     }
   };
-  auto store = [&]() {
+  auto store = [&](int bf) {
 #pragma unroll
     for (int w = 0; w < NW; ++w) {
-      uint4* d = reinterpret_cast<uint4*>(&sA[w][rr][16 * hf]);
+      uint4* d = reinterpret_cast<uint4*>(&sA[bf][w][rr][16 * hf]);
       d[0] = make_uint4(qa[w][0], qa[w][1], qa[w][2], qa[w][3]);
       d[1] = make_uint4(qa[w][4], qa[w][5], qa[w][6], qa[w][7]);
       if constexpr (T == GgmlType::Q6_K) {
-        sS[w][rr][hf] = sa[w][0];
+        sS[bf][w][rr][hf] = sa[w][0];
       } else if (hf == 0) {
-        sS[w][rr][0] = sa[w][0], sS[w][rr][1] = sa[w][1];
+        sS[bf][w][rr][0] = sa[w][0], sS[bf][w][rr][1] = sa[w][1];
       }
     }
 #pragma unroll
@@ -491,12 +514,12 @@ __device__ __forceinline__ void mma_tile(const uint8_t* __restrict__ W, const ui
       }
 #pragma unroll
       for (int pc = 0; pc < kPieces; ++pc)
-        *reinterpret_cast<uint4*>(&sB[pc][tk][c8]) = make_uint4(p[pc][0], p[pc][1], p[pc][2], p[pc][3]);
+        *reinterpret_cast<uint4*>(&sB[bf][pc][tk][c8]) = make_uint4(p[pc][0], p[pc][1], p[pc][2], p[pc][3]);
       if constexpr (T == GgmlType::Q4_K) {
         float s = 0.0f;
 #pragma unroll
         for (int j = 0; j < 8; ++j) s = __fadd_rn(s, xv[b][j]);
-        sX[tk][c8 / 8] = s;
+        sX[bf][tk][c8 / 8] = s;
       }
     }
   };
@@ -523,9 +546,13 @@ __device__ __forceinline__ void mma_tile(const uint8_t* __restrict__ W, const ui
   const int g = lane / 4, c = (lane % 4) * 2;
   const int ra = 16 * warp + g;  // this thread's rows ra and ra + 8 of the tile
   load(0);
-  for (int k0 = 0; k0 < cols; k0 += kKs) {
+  int it = 0;
+  for (int k0 = 0; k0 < cols; k0 += kKs, ++it) {
+    const int bf = V2 ? (it & 1) : 0;
     if (k0 > 0 && k0 % kChunk == 0) fold(k0 == kChunk);
-    store();
+    // V2: buffer bf was last read in step it - 2, which every warp finished before passing the
+    // barrier of step it - 1; so one barrier per step suffices.
+    store(bf);
     __syncthreads();
     if (k0 + kKs < cols) load(k0 + kKs);  // the next step's global loads fly during the MMAs
 #pragma unroll
@@ -533,23 +560,38 @@ __device__ __forceinline__ void mma_tile(const uint8_t* __restrict__ W, const ui
       uint32_t a[2][4];
 #pragma unroll
       for (int ks = 0; ks < 2; ++ks) {
-        a[ks][0] = *reinterpret_cast<const uint32_t*>(&sA[w][ra][16 * ks + c]);
-        a[ks][1] = *reinterpret_cast<const uint32_t*>(&sA[w][ra + 8][16 * ks + c]);
-        a[ks][2] = *reinterpret_cast<const uint32_t*>(&sA[w][ra][16 * ks + c + 8]);
-        a[ks][3] = *reinterpret_cast<const uint32_t*>(&sA[w][ra + 8][16 * ks + c + 8]);
+        if constexpr (V2) {
+          ldsm_x4(a[ks], &sA[bf][w][16 * warp + (lane % 8) + 8 * ((lane / 8) % 2)][16 * ks + 8 * (lane / 16)]);
+        } else {
+          a[ks][0] = *reinterpret_cast<const uint32_t*>(&sA[bf][w][ra][16 * ks + c]);
+          a[ks][1] = *reinterpret_cast<const uint32_t*>(&sA[bf][w][ra + 8][16 * ks + c]);
+          a[ks][2] = *reinterpret_cast<const uint32_t*>(&sA[bf][w][ra][16 * ks + c + 8]);
+          a[ks][3] = *reinterpret_cast<const uint32_t*>(&sA[bf][w][ra + 8][16 * ks + c + 8]);
+        }
       }
-      const float s0a = sS[w][ra][0], s1a = sS[w][ra][1], s0b = sS[w][ra + 8][0], s1b = sS[w][ra + 8][1];
+      const float s0a = sS[bf][w][ra][0], s1a = sS[bf][w][ra][1], s0b = sS[bf][w][ra + 8][0],
+                  s1b = sS[bf][w][ra + 8][1];
 #pragma unroll
       for (int n = 0; n < NT8; ++n) {
+        // bq[pc] = {b0, b1} of columns 0-15, then {b0, b1} of columns 16-31 of the step
+        uint32_t bq[kPieces][4];
+#pragma unroll
+        for (int pc = 0; pc < kPieces; ++pc) {
+          if constexpr (V2) {
+            ldsm_x4(bq[pc], &sB[bf][pc][8 * n + (lane % 8)][8 * (lane / 8)]);
+          } else {
+#pragma unroll
+            for (int ks = 0; ks < 2; ++ks) {
+              bq[pc][2 * ks] = *reinterpret_cast<const uint32_t*>(&sB[bf][pc][8 * n + g][16 * ks + c]);
+              bq[pc][2 * ks + 1] = *reinterpret_cast<const uint32_t*>(&sB[bf][pc][8 * n + g][16 * ks + c + 8]);
+            }
+          }
+        }
         float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int ks = 0; ks < 2; ++ks) {
 #pragma unroll
-          for (int pc = 0; pc < kPieces; ++pc) {
-            const uint32_t b0 = *reinterpret_cast<const uint32_t*>(&sB[pc][8 * n + g][16 * ks + c]);
-            const uint32_t b1 = *reinterpret_cast<const uint32_t*>(&sB[pc][8 * n + g][16 * ks + c + 8]);
-            mma_bf16(t, a[ks], b0, b1);
-          }
+          for (int pc = 0; pc < kPieces; ++pc) mma_bf16(t, a[ks], bq[pc][2 * ks], bq[pc][2 * ks + 1]);
           if constexpr (T == GgmlType::Q6_K) {
             // one scale per 16 columns: rows ra (t[0], t[1]) and ra + 8 (t[2], t[3])
             const float da = ks == 0 ? s0a : s1a, db = ks == 0 ? s0b : s1b;
@@ -573,7 +615,7 @@ __device__ __forceinline__ void mma_tile(const uint8_t* __restrict__ W, const ui
           float sx[2];
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
-            const float* p = sX[8 * n + c + j];
+            const float* p = sX[bf][8 * n + c + j];
             sx[j] = __fadd_rn(__fadd_rn(__fadd_rn(p[0], p[1]), p[2]), p[3]);
           }
           acc[w][n][0] = __fmaf_rn(s0a, t[0], __fmaf_rn(-s1a, sx[0], acc[w][n][0]));
@@ -583,7 +625,7 @@ __device__ __forceinline__ void mma_tile(const uint8_t* __restrict__ W, const ui
         }
       }
     }
-    __syncthreads();
+    if constexpr (!V2) __syncthreads();
   }
   fold(cols <= kChunk);
 #pragma unroll
@@ -619,7 +661,7 @@ __device__ __forceinline__ void mma_small(const uint8_t* __restrict__ W, const u
   __shared__ float sX[kWarps][8][4];
   extern __shared__ float part[];  // [chunk][NW][16 rows][8 tokens]
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int rr = lane / 2, hf = lane % 2;  // staging: row rr, columns 16 hf..
+  const int rr = lane / 2, hf = lane % 2;        // staging: row rr, columns 16 hf..
   const int tk = lane / 4, c8 = (lane % 4) * 8;  // staging: token tk, columns c8..
   const int64_t r = r0 + rr;
   const bool row_ok = r < rows, tok_ok = tk < nt;
@@ -772,29 +814,208 @@ __device__ __forceinline__ void mma_small(const uint8_t* __restrict__ W, const u
   }
 }
 
-template <GgmlType T, int BN>
+/// The <= 8-token form for mma_kernel_version() 2, same arithmetic as mma_small (so the same bits):
+/// a block of 4 warps holds 16 weight rows x 8 tokens and walks the chunks in order; in each round
+/// of RG 32-column groups of a chunk (RG = 16, Q6_K pairs 8), warp w loads the weights and
+/// activations of groups w, w + 4, ... together (4x the loads in flight of mma_small, where one
+/// warp walks a whole chunk one group at a time), multiplies each group on the tensor cores from 0
+/// and leaves the group sums in shared memory; then thread e folds element e's group sums with
+/// their scales in column order, exactly as mma_small's accumulator, and adds the chunk sums in
+/// chunk order. Static shared memory only (no limit on the number of chunks).
+template <GgmlType T, bool DUAL>
+__device__ __forceinline__ void mma_small2(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
+                                           size_t row_bytes, int64_t rows, int cols, int64_t r0,
+                                           const float* __restrict__ x, int64_t ldx, int nt, float* __restrict__ y,
+                                           int64_t ldy) {
+  constexpr int NW = DUAL ? 2 : 1;
+  constexpr int kWarps = kMmaThreads / 32;
+  constexpr int TQ = T == GgmlType::Q6_K ? 2 : 1;           // group sums per group (Q6_K: per 16 columns)
+  constexpr int RG = T == GgmlType::Q6_K && DUAL ? 8 : 16;  // groups per round (shared memory bound)
+  constexpr int GPW = RG / kWarps;                          // groups per warp and round
+  static_assert(RG * kKs <= kChunk && kChunk % (RG * kKs) == 0, "rounds must tile a chunk");
+  __shared__ __align__(16) uint16_t sA[kWarps][NW][16][kPad];
+  __shared__ __align__(16) uint16_t sB[kWarps][kPieces][8][kPad];
+  __shared__ float sT[RG][TQ][NW][128];  // group sums: [group][half][weight][row * 8 + token]
+  __shared__ float sSc[RG][NW][16][2];   // the groups' scales per row
+  __shared__ float sXg[RG][8][4];        // Q4_K: per token the 8-column partial sums of x
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int rr = lane / 2, hf = lane % 2;        // staging: row rr, columns 16 hf..
+  const int tk = lane / 4, c8 = (lane % 4) * 8;  // staging: token tk, columns c8..
+  const int64_t r = r0 + rr;
+  const bool row_ok = r < rows, tok_ok = tk < nt;
+  const int g = lane / 4, c = (lane % 4) * 2;
+  const int n_chunks = (cols + kChunk - 1) / kChunk;
+  const int er = tid / 8, et = tid % 8;  // the element this thread folds
+
+  uint32_t qa[GPW][NW][8];
+  float sa[GPW][NW][2];
+  float xv[GPW][8];
+  float tot[NW], acc[NW];
+#pragma unroll
+  for (int w = 0; w < NW; ++w) tot[w] = acc[w] = 0.0f;
+  for (int ch = 0; ch < n_chunks; ++ch) {
+    for (int g0 = 0; g0 < kChunk / kKs; g0 += RG) {
+      // 1. this warp's groups of the round: every global load first
+#pragma unroll
+      for (int i = 0; i < GPW; ++i) {
+        const int k0 = ch * kChunk + kKs * (g0 + warp + kWarps * i);
+        if (k0 >= cols) continue;  // uniform per warp
+#pragma unroll
+        for (int w = 0; w < NW; ++w) {
+          sa[i][w][0] = sa[i][w][1] = 0.0f;
+          if (row_ok) {
+            stage_row<T>((w == 0 ? W : W2) + r * int64_t(row_bytes), k0, hf, qa[i][w], sa[i][w][0], sa[i][w][1]);
+          } else {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) qa[i][w][j] = 0;
+          }
+        }
+        if (tok_ok) {
+          const float4 u = *reinterpret_cast<const float4*>(x + tk * ldx + k0 + c8);
+          const float4 v = *reinterpret_cast<const float4*>(x + tk * ldx + k0 + c8 + 4);
+          xv[i][0] = u.x, xv[i][1] = u.y, xv[i][2] = u.z, xv[i][3] = u.w;
+          xv[i][4] = v.x, xv[i][5] = v.y, xv[i][6] = v.z, xv[i][7] = v.w;
+        } else {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) xv[i][j] = 0.0f;
+        }
+      }
+      // 2. per group: stage, multiply (sums from 0, as mma_small's t), leave the sums and scales
+#pragma unroll
+      for (int i = 0; i < GPW; ++i) {
+        const int jg = warp + kWarps * i;  // group of the round
+        const int k0 = ch * kChunk + kKs * (g0 + jg);
+        if (k0 >= cols) continue;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) {
+          uint4* d = reinterpret_cast<uint4*>(&sA[warp][w][rr][16 * hf]);
+          d[0] = make_uint4(qa[i][w][0], qa[i][w][1], qa[i][w][2], qa[i][w][3]);
+          d[1] = make_uint4(qa[i][w][4], qa[i][w][5], qa[i][w][6], qa[i][w][7]);
+          if constexpr (T == GgmlType::Q6_K) {
+            sSc[jg][w][rr][hf] = sa[i][w][0];
+          } else if (hf == 0) {
+            sSc[jg][w][rr][0] = sa[i][w][0], sSc[jg][w][rr][1] = sa[i][w][1];
+          }
+        }
+        uint32_t p[kPieces][4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          float v0 = xv[i][2 * j], v1 = xv[i][2 * j + 1];
+#pragma unroll
+          for (int pc = 0; pc < kPieces; ++pc) {
+            const __nv_bfloat16 h0 = __float2bfloat16_rn(v0), h1 = __float2bfloat16_rn(v1);
+            p[pc][j] = uint32_t(__bfloat16_as_ushort(h0)) | (uint32_t(__bfloat16_as_ushort(h1)) << 16);
+            v0 = __fsub_rn(v0, __bfloat162float(h0));
+            v1 = __fsub_rn(v1, __bfloat162float(h1));
+          }
+        }
+#pragma unroll
+        for (int pc = 0; pc < kPieces; ++pc)
+          *reinterpret_cast<uint4*>(&sB[warp][pc][tk][c8]) = make_uint4(p[pc][0], p[pc][1], p[pc][2], p[pc][3]);
+        if constexpr (T == GgmlType::Q4_K) {
+          float sm = 0.0f;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) sm = __fadd_rn(sm, xv[i][j]);
+          sXg[jg][tk][c8 / 8] = sm;
+        }
+        __syncwarp();
+#pragma unroll
+        for (int w = 0; w < NW; ++w) {
+          uint32_t a[2][4];
+#pragma unroll
+          for (int ks = 0; ks < 2; ++ks) {
+            a[ks][0] = *reinterpret_cast<const uint32_t*>(&sA[warp][w][g][16 * ks + c]);
+            a[ks][1] = *reinterpret_cast<const uint32_t*>(&sA[warp][w][g + 8][16 * ks + c]);
+            a[ks][2] = *reinterpret_cast<const uint32_t*>(&sA[warp][w][g][16 * ks + c + 8]);
+            a[ks][3] = *reinterpret_cast<const uint32_t*>(&sA[warp][w][g + 8][16 * ks + c + 8]);
+          }
+          float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+          for (int ks = 0; ks < 2; ++ks) {
+#pragma unroll
+            for (int pc = 0; pc < kPieces; ++pc) {
+              const uint32_t b0 = *reinterpret_cast<const uint32_t*>(&sB[warp][pc][g][16 * ks + c]);
+              const uint32_t b1 = *reinterpret_cast<const uint32_t*>(&sB[warp][pc][g][16 * ks + c + 8]);
+              mma_bf16(t, a[ks], b0, b1);
+            }
+            if (T == GgmlType::Q6_K || ks == 1) {
+              const int h = T == GgmlType::Q6_K ? ks : 0;
+              float* o = sT[jg][h][w];
+              o[g * 8 + c] = t[0];
+              o[g * 8 + c + 1] = t[1];
+              o[(g + 8) * 8 + c] = t[2];
+              o[(g + 8) * 8 + c + 1] = t[3];
+              if constexpr (T == GgmlType::Q6_K) t[0] = t[1] = t[2] = t[3] = 0.0f;
+            }
+          }
+        }
+        __syncwarp();  // the staging is rewritten by this warp's next group
+      }
+      __syncthreads();
+      // 3. thread (er, et) folds its element's group sums in column order (mma_small's sequence)
+#pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        for (int jg = 0; jg < RG; ++jg) {
+          if (ch * kChunk + kKs * (g0 + jg) >= cols) break;
+          const float s0 = sSc[jg][w][er][0], s1 = sSc[jg][w][er][1];
+          const float t0 = sT[jg][0][w][tid];
+          if constexpr (T == GgmlType::BF16) {
+            acc[w] = __fadd_rn(acc[w], t0);
+          } else if constexpr (T == GgmlType::Q8_0) {
+            acc[w] = __fmaf_rn(s0, t0, acc[w]);
+          } else if constexpr (T == GgmlType::Q4_K) {
+            const float* q = sXg[jg][et];
+            const float sx = __fadd_rn(__fadd_rn(__fadd_rn(q[0], q[1]), q[2]), q[3]);
+            acc[w] = __fmaf_rn(s0, t0, __fmaf_rn(-s1, sx, acc[w]));
+          } else if constexpr (T == GgmlType::Q6_K) {
+            acc[w] = __fmaf_rn(s0, t0, acc[w]);
+            acc[w] = __fmaf_rn(s1, sT[jg][TQ - 1][w][tid], acc[w]);
+          }
+        }
+      }
+      __syncthreads();  // the round's sums and scales are rewritten by the next round
+    }
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      tot[w] = ch == 0 ? acc[w] : __fadd_rn(tot[w], acc[w]);
+      acc[w] = 0.0f;
+    }
+  }
+  const int64_t row = r0 + er;
+  if (et < nt && row < rows) {
+    float o = tot[0];
+    if constexpr (DUAL) o = __fmul_rn(__fdiv_rn(o, __fadd_rn(1.0f, expf(-o))), tot[NW - 1]);
+    y[et * ldy + row] = o;
+  }
+}
+
+template <GgmlType T, int BN, bool V2>
 __global__ void __launch_bounds__(kMmaThreads)
     mma_kernel(const uint8_t* __restrict__ W, size_t row_bytes, int64_t rows, int cols, const float* __restrict__ x,
                int64_t ldx, int64_t n_tok, int64_t tok_base, float* __restrict__ y, int64_t ldy) {
   const int64_t t0 = tok_base + int64_t(blockIdx.y) * BN;
   const int nt = int(min(int64_t(BN), n_tok - t0));
-  mma_tile<T, BN, false>(W, nullptr, row_bytes, rows, cols, int64_t(blockIdx.x) * kMmaRows, x + t0 * ldx, ldx, nt,
-                         y + t0 * ldy, ldy);
+  mma_tile<T, BN, false, V2>(W, nullptr, row_bytes, rows, cols, int64_t(blockIdx.x) * kMmaRows, x + t0 * ldx, ldx, nt,
+                             y + t0 * ldy, ldy);
 }
 
-template <GgmlType T>
+template <GgmlType T, bool V2>
 __global__ void __launch_bounds__(kMmaThreads)
     mma_small_kernel(const uint8_t* __restrict__ W, size_t row_bytes, int64_t rows, int cols,
                      const float* __restrict__ x, int64_t ldx, int64_t n_tok, int64_t tok_base, float* __restrict__ y,
                      int64_t ldy) {
   const int64_t t0 = tok_base + int64_t(blockIdx.y) * 8;
   const int nt = int(min(int64_t(8), n_tok - t0));
-  mma_small<T, false>(W, nullptr, row_bytes, rows, cols, int64_t(blockIdx.x) * 16, x + t0 * ldx, ldx, nt,
-                      y + t0 * ldy, ldy);
+  if constexpr (V2)
+    mma_small2<T, false>(W, nullptr, row_bytes, rows, cols, int64_t(blockIdx.x) * 16, x + t0 * ldx, ldx, nt,
+                         y + t0 * ldy, ldy);
+  else
+    mma_small<T, false>(W, nullptr, row_bytes, rows, cols, int64_t(blockIdx.x) * 16, x + t0 * ldx, ldx, nt,
+                        y + t0 * ldy, ldy);
 }
 
 /// Grouped: block b belongs to the job j with jobs[j].block0 <= b < jobs[j + 1].block0.
-template <GgmlType T, int BN, bool DUAL, bool SMALL>
+template <GgmlType T, int BN, bool DUAL, bool SMALL, bool V2>
 __global__ void __launch_bounds__(kMmaThreads)
     grouped_kernel(const GroupedMatmulJob* __restrict__ jobs, int n_jobs, size_t row_bytes, int64_t rows, int cols,
                    const float* __restrict__ x, int64_t ldx, float* __restrict__ y, int64_t ldy) {
@@ -802,8 +1023,10 @@ __global__ void __launch_bounds__(kMmaThreads)
   int lo = 0, hi = n_jobs - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (jobs[mid].block0 <= b) lo = mid;
-    else hi = mid - 1;
+    if (jobs[mid].block0 <= b)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   const GroupedMatmulJob& jb = jobs[lo];
   constexpr int RB = SMALL ? 16 : kMmaRows;
@@ -811,23 +1034,30 @@ __global__ void __launch_bounds__(kMmaThreads)
   const int64_t local = b - jb.block0, rb = local % row_blocks, tb = local / row_blocks;
   const int64_t t0 = jb.row0 + tb * BN;
   const int nt = int(min(int64_t(BN), jb.row0 + jb.n_tok - t0));
-  if constexpr (SMALL)
+  if constexpr (SMALL && V2)
+    mma_small2<T, DUAL>(static_cast<const uint8_t*>(jb.w), static_cast<const uint8_t*>(jb.w2), row_bytes, rows, cols,
+                        rb * RB, x + t0 * ldx, ldx, nt, y + t0 * ldy, ldy);
+  else if constexpr (SMALL)
     mma_small<T, DUAL>(static_cast<const uint8_t*>(jb.w), static_cast<const uint8_t*>(jb.w2), row_bytes, rows, cols,
                        rb * RB, x + t0 * ldx, ldx, nt, y + t0 * ldy, ldy);
   else
-    mma_tile<T, BN, DUAL>(static_cast<const uint8_t*>(jb.w), static_cast<const uint8_t*>(jb.w2), row_bytes, rows,
-                          cols, rb * RB, x + t0 * ldx, ldx, nt, y + t0 * ldy, ldy);
+    mma_tile<T, BN, DUAL, V2>(static_cast<const uint8_t*>(jb.w), static_cast<const uint8_t*>(jb.w2), row_bytes, rows,
+                              cols, rb * RB, x + t0 * ldx, ldx, nt, y + t0 * ldy, ldy);
 }
 
 int mma_tile_tokens(int64_t n) { return n <= 8 ? 8 : n <= 32 ? 32 : 64; }
 /// mma_small for <= 8 tokens when its chunk partials fit in shared memory, else mma_tile.
-bool use_small(int tile_tokens, int64_t cols) { return tile_tokens == 8 && (cols + kChunk - 1) / kChunk <= kSmallMaxChunks; }
-size_t small_smem(int64_t cols, bool dual) { return size_t((cols + kChunk - 1) / kChunk) * (dual ? 2 : 1) * 128 * sizeof(float); }
+bool use_small(int tile_tokens, int64_t cols) {
+  return tile_tokens == 8 && (cols + kChunk - 1) / kChunk <= kSmallMaxChunks;
+}
+size_t small_smem(int64_t cols, bool dual) {
+  return size_t((cols + kChunk - 1) / kChunk) * (dual ? 2 : 1) * 128 * sizeof(float);
+}
 int64_t row_block(int tile_tokens, int64_t cols) { return use_small(tile_tokens, cols) ? 16 : kMmaRows; }
 
-template <GgmlType T>
-void launch_mma(const uint8_t* W, size_t row_bytes, int64_t rows, int cols, const float* x, int64_t ldx,
-                int64_t n_tok, float* y, int64_t ldy, cudaStream_t st) {
+template <GgmlType T, bool V2>
+void launch_mma(const uint8_t* W, size_t row_bytes, int64_t rows, int cols, const float* x, int64_t ldx, int64_t n_tok,
+                float* y, int64_t ldy, cudaStream_t st) {
   const int bn = mma_tile_tokens(n_tok);
   const bool small = use_small(bn, cols);
   const int64_t rb = small ? 16 : kMmaRows;
@@ -837,33 +1067,38 @@ void launch_mma(const uint8_t* W, size_t row_bytes, int64_t rows, int cols, cons
     const int64_t n_here = std::min<int64_t>(n_tok - base, kMaxGridY * bn);
     const dim3 grid(unsigned(gx), unsigned((n_here + bn - 1) / bn));
     if (small)
-      mma_small_kernel<T><<<grid, kMmaThreads, small_smem(cols, false), st>>>(W, row_bytes, rows, cols, x, ldx,
-                                                                             base + n_here, base, y, ldy);
+      mma_small_kernel<T, V2><<<grid, kMmaThreads, V2 ? 0 : small_smem(cols, false), st>>>(W, row_bytes, rows, cols, x,
+                                                                                           ldx, base + n_here, base, y,
+                                                                                           ldy);
     else if (bn == 8)
-      mma_kernel<T, 8><<<grid, kMmaThreads, 0, st>>>(W, row_bytes, rows, cols, x, ldx, base + n_here, base, y, ldy);
+      mma_kernel<T, 8, V2><<<grid, kMmaThreads, 0, st>>>(W, row_bytes, rows, cols, x, ldx, base + n_here, base, y, ldy);
     else if (bn == 32)
-      mma_kernel<T, 32><<<grid, kMmaThreads, 0, st>>>(W, row_bytes, rows, cols, x, ldx, base + n_here, base, y, ldy);
+      mma_kernel<T, 32, V2>
+          <<<grid, kMmaThreads, 0, st>>>(W, row_bytes, rows, cols, x, ldx, base + n_here, base, y, ldy);
     else
-      mma_kernel<T, 64><<<grid, kMmaThreads, 0, st>>>(W, row_bytes, rows, cols, x, ldx, base + n_here, base, y, ldy);
+      mma_kernel<T, 64, V2>
+          <<<grid, kMmaThreads, 0, st>>>(W, row_bytes, rows, cols, x, ldx, base + n_here, base, y, ldy);
     STRATA_CUDA_CHECK_LAUNCH();
   }
 }
 
-template <GgmlType T, bool DUAL>
+template <GgmlType T, bool DUAL, bool V2>
 void launch_grouped(const GroupedMatmulPlan& plan, const GroupedMatmulJob* jobs, int n_jobs, size_t row_bytes,
                     int64_t rows, int cols, const float* x, int64_t ldx, float* y, int64_t ldy, cudaStream_t st) {
   const unsigned grid = unsigned(plan.blocks);
   if (use_small(plan.tile_tokens, cols))
-    grouped_kernel<T, 8, DUAL, true><<<grid, kMmaThreads, small_smem(cols, DUAL), st>>>(jobs, n_jobs, row_bytes, rows,
-                                                                                      cols, x, ldx, y, ldy);
-  else if (plan.tile_tokens == 8)
-    grouped_kernel<T, 8, DUAL, false><<<grid, kMmaThreads, 0, st>>>(jobs, n_jobs, row_bytes, rows, cols, x, ldx, y, ldy);
-  else if (DUAL || plan.tile_tokens == 32)
-    grouped_kernel<T, 32, DUAL, false><<<grid, kMmaThreads, 0, st>>>(jobs, n_jobs, row_bytes, rows, cols, x, ldx, y,
+    grouped_kernel<T, 8, DUAL, true, V2>
+        <<<grid, kMmaThreads, V2 ? 0 : small_smem(cols, DUAL), st>>>(jobs, n_jobs, row_bytes, rows, cols, x, ldx, y,
                                                                      ldy);
+  else if (plan.tile_tokens == 8)
+    grouped_kernel<T, 8, DUAL, false, V2>
+        <<<grid, kMmaThreads, 0, st>>>(jobs, n_jobs, row_bytes, rows, cols, x, ldx, y, ldy);
+  else if (DUAL || plan.tile_tokens == 32)
+    grouped_kernel<T, 32, DUAL, false, V2>
+        <<<grid, kMmaThreads, 0, st>>>(jobs, n_jobs, row_bytes, rows, cols, x, ldx, y, ldy);
   else
-    grouped_kernel<T, 64, false, false><<<grid, kMmaThreads, 0, st>>>(jobs, n_jobs, row_bytes, rows, cols, x, ldx, y,
-                                                                      ldy);
+    grouped_kernel<T, 64, false, false, V2>
+        <<<grid, kMmaThreads, 0, st>>>(jobs, n_jobs, row_bytes, rows, cols, x, ldx, y, ldy);
   STRATA_CUDA_CHECK_LAUNCH();
 }
 
@@ -901,13 +1136,14 @@ void check_weights(const char* fn, GgmlType type, const void* W, size_t row_byte
                           "-byte aligned");
 }
 
-#define STRATA_CUDA_FOR_EACH_TYPE(X)                                                                             \
-  X(F32) X(F16) X(BF16) X(Q8_0) X(Q4_0) X(Q4_1) X(Q5_0) X(Q5_1) X(Q2_K) X(Q3_K) X(Q4_K) X(Q5_K) X(Q6_K) X(IQ2_XS) \
-      X(IQ3_S) X(IQ4_XS) X(IQ4_NL) X(MXFP4)
+#define STRATA_CUDA_FOR_EACH_TYPE(X)                                                                                \
+  X(F32)                                                                                                            \
+  X(F16) X(BF16) X(Q8_0) X(Q4_0) X(Q4_1) X(Q5_0) X(Q5_1) X(Q2_K) X(Q3_K) X(Q4_K) X(Q5_K) X(Q6_K) X(IQ2_XS) X(IQ3_S) \
+      X(IQ4_XS) X(IQ4_NL) X(MXFP4)
 
 template <GgmlType T>
-void launch_mm(const uint8_t* W, size_t row_bytes, int64_t rows, int cols, const float* x, int64_t ldx,
-               int64_t n_tok, float* y, int64_t ldy, cudaStream_t st, bool tiled) {
+void launch_mm(const uint8_t* W, size_t row_bytes, int64_t rows, int cols, const float* x, int64_t ldx, int64_t n_tok,
+               float* y, int64_t ldy, cudaStream_t st, bool tiled) {
   const dim3 block(kWarpsPerBlock * 32);
   const int64_t gx = (rows + kWarpsPerBlock - 1) / kWarpsPerBlock;
   const int nt = tiled ? kTileTokens : 1;
@@ -939,7 +1175,8 @@ bool is_supported(GgmlType t) {
 void matmul(GgmlType type, const void* W, size_t row_bytes, int64_t rows, int64_t cols, const float* x, int64_t ldx,
             int64_t n_tok, float* y, int64_t ldy, void* stream, MatmulPath path) {
   check_weights("cuda::matmul", type, W, row_bytes, cols);
-  STRATA_CUDA_REQUIRE(rows > 0 && rows <= int64_t(65535) * kWarpsPerBlock * 1024, "cuda::matmul: bad rows=" + std::to_string(rows));
+  STRATA_CUDA_REQUIRE(rows > 0 && rows <= int64_t(65535) * kWarpsPerBlock * 1024,
+                      "cuda::matmul: bad rows=" + std::to_string(rows));
   STRATA_CUDA_REQUIRE(n_tok >= 0, "cuda::matmul: n_tok < 0");
   STRATA_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(x) % 16 == 0 && ldx % 4 == 0 && ldx >= cols,
                       "cuda::matmul: x must be 16-byte aligned with ldx a multiple of 4 and >= cols (ldx=" +
@@ -953,18 +1190,39 @@ void matmul(GgmlType type, const void* W, size_t row_bytes, int64_t rows, int64_
   if (mma) {
     STRATA_CUDA_REQUIRE(has_mma(type, cols), "cuda::matmul: the tensor-core path does not take " + tname(type) +
                                                  " with cols=" + std::to_string(cols));
+    const bool v2 = mma_kernel_version() == 2;
     switch (type) {
-      case GgmlType::Q8_0: launch_mma<GgmlType::Q8_0>(w, row_bytes, rows, int(cols), x, ldx, n_tok, y, ldy, st); return;
-      case GgmlType::Q4_K: launch_mma<GgmlType::Q4_K>(w, row_bytes, rows, int(cols), x, ldx, n_tok, y, ldy, st); return;
-      case GgmlType::Q6_K: launch_mma<GgmlType::Q6_K>(w, row_bytes, rows, int(cols), x, ldx, n_tok, y, ldy, st); return;
-      case GgmlType::BF16: launch_mma<GgmlType::BF16>(w, row_bytes, rows, int(cols), x, ldx, n_tok, y, ldy, st); return;
+      case GgmlType::Q8_0:
+        if (v2)
+          launch_mma<GgmlType::Q8_0, true>(w, row_bytes, rows, int(cols), x, ldx, n_tok, y, ldy, st);
+        else
+          launch_mma<GgmlType::Q8_0, false>(w, row_bytes, rows, int(cols), x, ldx, n_tok, y, ldy, st);
+        return;
+      case GgmlType::Q4_K:
+        if (v2)
+          launch_mma<GgmlType::Q4_K, true>(w, row_bytes, rows, int(cols), x, ldx, n_tok, y, ldy, st);
+        else
+          launch_mma<GgmlType::Q4_K, false>(w, row_bytes, rows, int(cols), x, ldx, n_tok, y, ldy, st);
+        return;
+      case GgmlType::Q6_K:
+        if (v2)
+          launch_mma<GgmlType::Q6_K, true>(w, row_bytes, rows, int(cols), x, ldx, n_tok, y, ldy, st);
+        else
+          launch_mma<GgmlType::Q6_K, false>(w, row_bytes, rows, int(cols), x, ldx, n_tok, y, ldy, st);
+        return;
+      case GgmlType::BF16:
+        if (v2)
+          launch_mma<GgmlType::BF16, true>(w, row_bytes, rows, int(cols), x, ldx, n_tok, y, ldy, st);
+        else
+          launch_mma<GgmlType::BF16, false>(w, row_bytes, rows, int(cols), x, ldx, n_tok, y, ldy, st);
+        return;
       default: break;
     }
   }
   const bool tiled = path == MatmulPath::Tiled || (path == MatmulPath::Auto && n_tok >= 4);
   switch (type) {
-#define X(name)                                                                                                  \
-  case GgmlType::name:                                                                                           \
+#define X(name)                                                                                 \
+  case GgmlType::name:                                                                          \
     launch_mm<GgmlType::name>(w, row_bytes, rows, int(cols), x, ldx, n_tok, y, ldy, st, tiled); \
     return;
     STRATA_CUDA_FOR_EACH_TYPE(X)
@@ -972,6 +1230,27 @@ void matmul(GgmlType type, const void* W, size_t row_bytes, int64_t rows, int64_
     default: break;
   }
   STRATA_CUDA_REQUIRE(false, "cuda::matmul: unsupported weight type " + tname(type));
+}
+
+namespace {
+std::atomic<int> g_mma_version{0};  // 0: not chosen yet (STRATA_CUDA_MMA decides on first use)
+}  // namespace
+
+int mma_kernel_version() {
+  int v = g_mma_version.load(std::memory_order_relaxed);
+  if (v == 0) {
+    const char* e = std::getenv("STRATA_CUDA_MMA");
+    v = e && std::string(e) == "1" ? 1 : 2;
+    int expected = 0;
+    if (!g_mma_version.compare_exchange_strong(expected, v)) v = expected;
+  }
+  return v;
+}
+
+void set_mma_kernel_version(int version) {
+  if (version != 1 && version != 2)
+    throw std::invalid_argument("cuda::set_mma_kernel_version: version " + std::to_string(version) + " is not 1 or 2");
+  g_mma_version.store(version, std::memory_order_relaxed);
 }
 
 bool has_mma(GgmlType t, int64_t cols) {
@@ -1018,14 +1297,20 @@ void grouped_matmul(const GroupedMatmulPlan& plan, GgmlType type, const GroupedM
                       "cuda::grouped_matmul: x must be 16-byte aligned with ldx a multiple of 4 and >= cols");
   STRATA_CUDA_REQUIRE(ldy >= rows, "cuda::grouped_matmul: ldy < rows");
   const int al = required_alignment(type);
-  STRATA_CUDA_REQUIRE(row_bytes % al == 0, "cuda::grouped_matmul: row_bytes not " + std::to_string(al) + "-byte aligned");
+  STRATA_CUDA_REQUIRE(row_bytes % al == 0,
+                      "cuda::grouped_matmul: row_bytes not " + std::to_string(al) + "-byte aligned");
   auto st = static_cast<cudaStream_t>(stream);
   const int c = int(cols);
-#define STRATA_GROUPED(T)                                                                          \
-  if (swiglu_pair)                                                                                 \
-    launch_grouped<GgmlType::T, true>(plan, jobs, n_jobs, row_bytes, rows, c, x, ldx, y, ldy, st); \
-  else                                                                                             \
-    launch_grouped<GgmlType::T, false>(plan, jobs, n_jobs, row_bytes, rows, c, x, ldx, y, ldy, st);
+  const bool v2 = mma_kernel_version() == 2;
+#define STRATA_GROUPED(T)                                                                                 \
+  if (swiglu_pair && v2)                                                                                  \
+    launch_grouped<GgmlType::T, true, true>(plan, jobs, n_jobs, row_bytes, rows, c, x, ldx, y, ldy, st);  \
+  else if (swiglu_pair)                                                                                   \
+    launch_grouped<GgmlType::T, true, false>(plan, jobs, n_jobs, row_bytes, rows, c, x, ldx, y, ldy, st); \
+  else if (v2)                                                                                            \
+    launch_grouped<GgmlType::T, false, true>(plan, jobs, n_jobs, row_bytes, rows, c, x, ldx, y, ldy, st); \
+  else                                                                                                    \
+    launch_grouped<GgmlType::T, false, false>(plan, jobs, n_jobs, row_bytes, rows, c, x, ldx, y, ldy, st);
   switch (type) {
     case GgmlType::Q8_0: STRATA_GROUPED(Q8_0) return;
     case GgmlType::Q4_K: STRATA_GROUPED(Q4_K) return;
@@ -1048,10 +1333,10 @@ void get_rows(GgmlType type, const void* table, size_t row_bytes, int64_t cols, 
   const int threads = 128;
   const dim3 grid(unsigned((cols / 8 + threads - 1) / threads), unsigned(n));
   switch (type) {
-#define X(name)                                                                                   \
-  case GgmlType::name:                                                                            \
+#define X(name)                                                                                         \
+  case GgmlType::name:                                                                                  \
     get_rows_kernel<GgmlType::name><<<grid, threads, 0, st>>>(tb, row_bytes, int(cols), ids, out, ldo); \
-    STRATA_CUDA_CHECK_LAUNCH();                                                                   \
+    STRATA_CUDA_CHECK_LAUNCH();                                                                         \
     return;
     STRATA_CUDA_FOR_EACH_TYPE(X)
 #undef X
