@@ -105,7 +105,7 @@ test('SIGTERM during a long prefill: stops within a layer, the request gets 503 
   }
   assert.equal(await stopped, 0);
   const ms = Date.now() - t0;
-  assert.ok(ms < 3000, `stopped ${ms} ms after SIGTERM with --shutdown-grace 0.5`);
+  assert.ok(ms < 5000, `stopped ${ms} ms after SIGTERM with --shutdown-grace 0.5`);
   const r = await pending;
   assert.equal(r.status, 503, r.text);
   assert.equal(r.body.error.message, 'the server is shutting down');
