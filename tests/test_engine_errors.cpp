@@ -92,3 +92,26 @@ TEST(EngineErrors, NegativeSettingsAreRefused) {
                 HasSubstr("--threads must be between 0"));
   }
 }
+
+TEST(EngineErrors, InterruptStopsBeforeTheNextLayerAndTheSequenceStaysUsable) {
+  // A set flag stops the forward before its first MoE layer: nothing is consumed or counted;
+  // cleared, the same call gives the logits of an engine that was never interrupted.
+  engine::Engine eng(test::shipped_model(), small());
+  std::atomic<bool> stop{true};
+  eng.set_interrupt(&stop);
+  auto st = eng.new_sequence();
+  const std::vector<int32_t> ids = {5, 6, 7, 8, 9};
+  std::vector<float> logits, ref;
+  EXPECT_THAT(error_of<model::Interrupted>([&] { eng.prefill(st, ids, model::LogitsMode::Last, logits); }),
+              HasSubstr("interrupted before layer 0"));
+  EXPECT_EQ(st.n_past, 0);
+  EXPECT_EQ(eng.prefill_stats().tokens, 0);
+  stop = false;
+  eng.prefill(st, ids, model::LogitsMode::Last, logits);
+  EXPECT_EQ(st.n_past, 5);
+  EXPECT_EQ(eng.prefill_stats().tokens, 5);
+  engine::Engine fresh(test::shipped_model(), small());
+  auto st2 = fresh.new_sequence();
+  fresh.prefill(st2, ids, model::LogitsMode::Last, ref);
+  EXPECT_EQ(logits, ref);
+}

@@ -3,6 +3,7 @@
 // add up (reads = host hits + disk reads; with no read-ahead, misses = host hits + disk reads),
 // LRU eviction where an arena hit counts as a use, and logits bit-identical with the tier off,
 // small and holding every expert.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -301,7 +302,16 @@ TEST(HostTier, CpuDefaultIsOffAndBadSizesAreErrors) {
     EXPECT_NE(m.find("300.0 MiB of pinned host memory"), std::string::npos) << m;
     EXPECT_NE(m.find("200.0 MiB are available"), std::string::npos) << m;
   }
-  o.host_cache_mb = 1 << 20;  // a TiB: capped at the model's experts (they are far smaller than RAM)
+  o.host_cache_mb = 1 << 20;  // a TiB: more than this machine has, refused although the experts need less
+  try {
+    engine::Engine big(test::shipped_model(), o);
+    ADD_FAILURE() << "no error for a 1 TiB host tier";
+  } catch (const engine::EngineError& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("--host-cache-mb 1048576: 1048576.0 MiB of host memory asked for"));
+  }
+  // 256 MiB fits in RAM but is more than every expert of the model: capped at the experts.
+  if (engine::mem_available_bytes() < (uint64_t(512) << 20)) GTEST_SKIP() << "less than 512 MiB available";
+  o.host_cache_mb = 256;
   engine::Engine eng(test::shipped_model(), o);
   uint64_t n_experts = 0;
   for (const auto& L : eng.model().expert_layout()) n_experts += uint64_t(L.n_expert);

@@ -226,3 +226,22 @@ TEST(Sampler, EdgeCases) {
   p.min_p = 2.0f;
   EXPECT_EQ(drawable(p, logits_of(kProbs), 200), (std::set<int32_t>{0}));
 }
+
+TEST(Sampler, LogitBiasForcesAndBans) {
+  // OpenAI's logit_bias: +100 forces a token at temperature 0 (and all but always when drawn),
+  // -100 bans the argmax; ids outside the logits are ignored.
+  const std::vector<float> logits = {0.5f, 3.0f, 1.0f, -2.0f, 2.5f};
+  SamplerParams p = no_filters(0.0f);
+  EXPECT_EQ(Sampler(p).sample(logits, {}), 1);
+  p.logit_bias = {{3, 100.0f}, {99, -100.0f}, {-1, 100.0f}};
+  EXPECT_EQ(Sampler(p).sample(logits, {}), 3);
+  p.logit_bias = {{1, -100.0f}};
+  EXPECT_EQ(Sampler(p).sample(logits, {}), 4);
+  SamplerParams hot = no_filters(1.0f, 7);
+  hot.logit_bias = {{3, 100.0f}};
+  Sampler s(hot);
+  for (int i = 0; i < 200; ++i) ASSERT_EQ(s.sample(logits, {}), 3);
+  hot.logit_bias = {{1, -100.0f}};
+  Sampler b(hot);
+  for (int i = 0; i < 2000; ++i) ASSERT_NE(b.sample(logits, {}), 1);
+}

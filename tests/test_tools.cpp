@@ -756,6 +756,28 @@ TEST(CliHabits, ContextErrorAdvisesOnlyWhatCanBeDone) {
   EXPECT_THAT(small.out, HasSubstr("raise -c/--ctx-size to 20 or more (the model allows up to 4096)"));
 }
 
+TEST(CliHabits, InterruptDuringPrefillStopsWithinALayer) {
+  // SIGINT 1.5 s into a long prompt on a small arena (one chunk takes many seconds): the run stops
+  // before the next layer, not at the end of the chunk, and says how many prompt tokens were done.
+  const std::string cmd = "sh -c 'p=$(yes \"def f(x): return x + 1\" | head -400 | tr \"\\n\" \" \"); " +
+                          test::strata_binary() + " run -m " + test::shipped_model() +
+                          " -t 2 --arena-mb 8 -c 4096 -n 4 --temp 0 -p \"$p\" >/dev/null & pid=$!; sleep 1.5; "
+                          "t0=$(date +%s%N); kill -INT $pid; wait $pid; echo rc=$? ms=$(( ($(date +%s%N) - t0) / "
+                          "1000000 ))' 2>&1";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string out;
+  std::array<char, 4096> buf{};
+  size_t n;
+  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
+  ::pclose(p);
+  EXPECT_THAT(out, HasSubstr("strata: interrupted after 0 prompt and 0 generated tokens"));
+  EXPECT_THAT(out, HasSubstr("rc=130"));
+  const size_t at = out.find("ms=");
+  ASSERT_NE(at, std::string::npos) << out;
+  EXPECT_LT(std::stol(out.substr(at + 3)), 4000) << out;  // the whole chunk takes ~10 s here
+}
+
 TEST(CliHabits, InterruptedRunPrintsItsStats) {
   // SIGINT during a long generation: the run stops at the next token, prints its counters and
   // exits with 130 (the shell's status for SIGINT).
@@ -773,4 +795,105 @@ TEST(CliHabits, InterruptedRunPrintsItsStats) {
   EXPECT_THAT(out, HasSubstr("decode "));
   EXPECT_THAT(out, HasSubstr("tok/s"));
   EXPECT_THAT(out, HasSubstr("rc=130"));
+}
+
+// ---- what a new user found (bad input gets a clear error, output errors are not success) ----
+
+namespace {
+// Runs `sh -c SCRIPT` with stderr captured; the script ends with "echo rc=$?".
+std::string shell(const std::string& script) {
+  const std::string cmd = "sh -c '" + script + "' 2>&1";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (!p) return "";
+  std::string out;
+  std::array<char, 4096> buf{};
+  size_t n;
+  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
+  ::pclose(p);
+  return out;
+}
+}  // namespace
+
+TEST(NewUser, MemoryMultipliedByAUserCountIsCheckedBeforeAllocating) {
+  // 100000 slots x 4096 tokens of KV cache: refused at once (no OOM kill), naming the sizes.
+  CmdResult r = run_strata("serve " + shipped() + " --parallel 100000 --port 0");
+  EXPECT_EQ(r.rc, 1) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("--parallel 100000: 100000 slots x 4096 tokens of context x 8192 bytes per token"));
+  EXPECT_THAT(r.out, HasSubstr("(MemAvailable); lower --parallel or -c/--ctx-size"));
+  r = run_strata("serve " + shipped() + " --cache-ram 100000000 --port 0");
+  EXPECT_EQ(r.rc, 1) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("--cache-ram 100000000: a prefix cache of 100000000.0 MiB does not fit"));
+  r = run_strata("run " + shipped() + " --host-cache-mb 100000000 -p hi -n 1");
+  EXPECT_EQ(r.rc, 1) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("--host-cache-mb 100000000: 100000000.0 MiB of host memory asked for"));
+  // A chunk larger than the context is capped at it (said so), and the run works.
+  r = run_strata("run " + shipped() + " --prompt-chunk 100000000 -c 256 -p hi -n 1 --temp 0");
+  EXPECT_EQ(r.rc, 0) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("--prompt-chunk 100000000 capped at the context of 256 tokens"));
+  EXPECT_THAT(r.out, HasSubstr("prompt chunk 256,"));
+}
+
+TEST(NewUser, BadValuesAndFilesSayWhatIsWrong) {
+  for (const char* s : {"0", "-1"}) {
+    const CmdResult r = run_strata("ssdbw -f " + test::shipped_model() + " --seconds " + s);
+    EXPECT_NE(r.rc, 0) << r.out;
+    EXPECT_THAT(r.out, HasSubstr("--seconds: must be > 0")) << s;
+  }
+  CmdResult r = run_strata("run " + shipped() + " -c 100000000 -p hi -n 1");
+  EXPECT_NE(r.rc, 0);
+  EXPECT_THAT(r.out, HasSubstr("exceeds the model's context of 4096 tokens (qwen3moe.context_length in the file"));
+  EXPECT_THAT(r.out, ::testing::Not(HasSubstr("no RoPE scaling")));
+  r = run_strata("run " + shipped() + " -n 1 -p \"$(printf \"\\377\\376\")\"");
+  EXPECT_NE(r.rc, 0);
+  EXPECT_THAT(r.out, HasSubstr("the -p prompt: invalid UTF-8 at byte 0"));
+  const std::string bad = scratch().path("bad-utf8.txt");
+  std::ofstream(bad) << "ok \xff";
+  r = run_strata("run " + shipped() + " -n 1 -f " + bad);
+  EXPECT_THAT(r.out, HasSubstr("prompt file '" + bad + "' (-f): invalid UTF-8 at byte 3"));
+  // A read-only folder is not a full disk.
+  r = run_strata("synth --like qwen3moe-code -q -o /proc/x.gguf");
+  EXPECT_NE(r.rc, 0);
+  EXPECT_THAT(r.out, HasSubstr("-o '/proc/x.gguf': cannot create a file in '/proc'"));
+  EXPECT_THAT(r.out, ::testing::Not(HasSubstr("free")));
+  // The start line names threads, kernels and activations once.
+  r = run_strata("run " + shipped() + " -p hi -n 1 --temp 0");
+  EXPECT_EQ(r.rc, 0) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("prompt chunk"));
+  const size_t line_end = r.out.find('\n', r.out.find("strata: "));
+  const std::string start = r.out.substr(0, line_end);
+  EXPECT_EQ(start.find("threads"), start.rfind("threads")) << start;
+}
+
+TEST(NewUser, AnImatrixFileIsNotAModel) {
+  STRATA_REQUIRE_FIXTURES(fx);
+  const std::string imatrix = fx + "/models/imatrix-qwen3moe-code.gguf";
+  if (!fs::exists(imatrix)) GTEST_SKIP() << imatrix << " absent";
+  for (const std::string& cmd : {"run -m " + imatrix + " -p hi -n 1", "info -m " + imatrix}) {
+    const CmdResult r = run_strata(cmd);
+    EXPECT_NE(r.rc, 0) << cmd;
+    EXPECT_THAT(r.out, HasSubstr("this is an imatrix file (general.type = imatrix), not a model")) << cmd;
+  }
+}
+
+TEST(NewUser, OutputWriteErrorsAreNotSuccess) {
+  const std::string bin = test::strata_binary(), model = test::shipped_model();
+  std::string out = shell(bin + " info -m " + model + " --json >/dev/full; echo rc=$?");
+  EXPECT_THAT(out, HasSubstr("writing to standard output failed: No space left on device"));
+  EXPECT_THAT(out, HasSubstr("rc=1"));
+  out = shell(bin + " run -m " + model + " -t 2 -p hi -n 2 --temp 0 >/dev/full; echo rc=$?");
+  EXPECT_THAT(out, HasSubstr("writing to standard output failed"));
+  EXPECT_THAT(out, HasSubstr("rc=1"));
+}
+
+TEST(NewUser, PerplexityChecksTheBaseFileIsWritableFirst) {
+  const std::string text = scratch().path("ppl.txt");
+  {
+    std::ofstream t(text);
+    for (int i = 0; i < 200; ++i) t << "def f" << i << "(x):\n    return x + " << i << "\n";
+  }
+  const CmdResult r =
+      run_strata("perplexity " + shipped() + " -f " + text + " -c 128 --kl-divergence-base /proc/x.kld");
+  EXPECT_NE(r.rc, 0);
+  EXPECT_THAT(r.out, HasSubstr("--kl-divergence-base '/proc/x.kld': cannot create a file in '/proc'"));
+  EXPECT_THAT(r.out, ::testing::Not(HasSubstr("perplexity: "))) << "no chunk was scored";
 }

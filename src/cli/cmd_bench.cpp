@@ -251,6 +251,9 @@ void register_bench(CLI::App& root) {
       j["io_floor_bytes"] = io_bytes;  // Belady-optimal reads from a cold arena, times the record size
       j["compute_floor_s"] = compute_floor;
       j["ratio_to_floor"] = r.stats.seconds / std::max({io_floor, compute_floor, 1e-12});
+      // A floor is a lower bound: a run faster than it means the floor's own measurement (the
+      // --fake-stream run, or the drive probe) was slowed by other load on the machine.
+      j["floor_disturbed"] = j["ratio_to_floor"].get<double>() < 1.0;
       j["read_gbps"] = r.stats.seconds > 0 ? double(r.stats.stream.bytes_read) / r.stats.seconds / 1e9 : 0.0;
       // ---- tiers: the IO floor per tier from this run's counters, the copy rate achieved ----
       const auto& st = r.stats.stream;
@@ -321,14 +324,19 @@ void register_bench(CLI::App& root) {
       const std::string io_floor = ssd_gbps > 0 ? fmt::format("{:.3f} s", j["io_floor_s"].get<double>()) : "-";
       fmt::print(
           "{:<8} {:5d} tok {:8.3f} s {:8.2f} tok/s | needed {} hit {} ahead {} missed {} wasted {} | read {} "
-          "({:.2f} GB/s) wait {:.3f} s | IO floor {}, compute floor {:.3f} s, ratio {:.2f} | recall "
+          "({:.2f} GB/s) wait {:.3f} s | IO floor {}, compute floor {:.3f} s, ratio {:.2f}{} | recall "
           "{:.1f} %\n",
           name, j["tokens"].get<int64_t>(), j["seconds"].get<double>(), j["tokens_per_s"].get<double>(),
           j["needed"].get<uint64_t>(), j["hit"].get<uint64_t>(), j["streamed_ahead"].get<uint64_t>(),
           j["missed"].get<uint64_t>(), j["wasted"].get<uint64_t>(),
           human_bytes(double(j["bytes_read"].get<uint64_t>())), j["read_gbps"].get<double>(),
           j["exposed_wait_s"].get<double>(), io_floor, j["compute_floor_s"].get<double>(),
-          j["ratio_to_floor"].get<double>(), 100.0 * j["prediction_recall"].get<double>());
+          j["ratio_to_floor"].get<double>(),
+          j["floor_disturbed"].get<bool>()
+              ? " (below 1: the floor measurement was disturbed by other load; not a valid ratio, rerun on a quiet "
+                "machine)"
+              : "",
+          100.0 * j["prediction_recall"].get<double>());
       // ---- tiers: one line per phase (docs/tools.md, "bench") ----
       const std::string disk_floor = ssd_gbps > 0 ? fmt::format("{:.3f} s", j["disk_floor_s"].get<double>()) : "-";
       const std::string copy_floor =

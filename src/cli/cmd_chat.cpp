@@ -1,11 +1,14 @@
 // strata chat: an interactive chat in the terminal with the model's chat template. Reads one
 // user message per line from stdin (a terminal or a pipe), streams the reply to stdout.
-// Commands: /exit ends, /reset starts a new conversation. Ctrl-C stops the reply being
+// Commands: /help lists them, /exit (or /quit) ends, /reset starts a new conversation; other
+// "/word" lines are refused as unknown commands, "//text" sends "/text". Ctrl-C stops the reply being
 // generated (the conversation goes on with the part written); at the prompt it only
 // reminds how to quit (/exit or Ctrl-D).
 #include <fmt/format.h>
+
 #include <pthread.h>
 #include <unistd.h>
+#include <cctype>
 
 #include <algorithm>
 #include <atomic>
@@ -75,7 +78,8 @@ void register_chat(CLI::App& root) {
     const std::vector<int32_t> eog = chat::end_of_generation_tokens(tok);
     const bool tty = isatty(STDIN_FILENO);
     fmt::print(stderr,
-               "strata chat: {} ({}), context {} tokens; /exit or Ctrl-D ends, /reset starts over, Ctrl-C stops a "
+               "strata chat: {} ({}), context {} tokens; /help lists commands, /exit or Ctrl-D ends, /reset starts "
+               "over, Ctrl-C stops a "
                "reply\n",
                f->engine.model, eng.hparams().arch, eng.n_ctx());
 
@@ -115,6 +119,24 @@ void register_chat(CLI::App& root) {
         reset();
         fmt::print(stderr, "strata chat: conversation cleared ({} messages and {} cached tokens dropped{})\n", turns,
                    dropped, f->system.empty() ? "" : "; the system message is kept");
+        continue;
+      }
+      if (line == "/help") {
+        fmt::print(stderr,
+                   "strata chat commands:\n"
+                   "  /help          this list\n"
+                   "  /reset         start a new conversation (the --system message is kept)\n"
+                   "  /exit, /quit   end the chat (as Ctrl-D)\n"
+                   "  //TEXT         send TEXT with one leading '/' (\"//etc\" sends \"/etc\")\n"
+                   "Ctrl-C stops the reply being generated.\n");
+        continue;
+      }
+      if (line.size() >= 2 && line[0] == '/' && line[1] == '/') {
+        line.erase(0, 1);  // "//x" is the message "/x"
+      } else if (line.size() >= 2 && line[0] == '/' && std::isalpha(static_cast<unsigned char>(line[1]))) {
+        const std::string word = line.substr(0, line.find_first_of(" \t"));
+        fmt::print(stderr, "strata chat: unknown command '{}', see /help (start with // to send a leading '/')\n",
+                   word);
         continue;
       }
       if (line.empty()) continue;

@@ -25,6 +25,7 @@ void register_tokenize(CLI::App& root) {
   app->add_flag("--json", f->json, "print {\"ids\": [...]}");
   app->callback([f] {
     const gguf::File g = gguf::File::open(f->model);
+    g.require_model();
     const tokenizer::Tokenizer tok = tokenizer::Tokenizer::from_gguf(g);
     PromptFlags p;
     p.text = f->text;
@@ -59,6 +60,7 @@ void register_info(CLI::App& root) {
   app->add_flag("--json", f->json, "print JSON");
   app->callback([f] {
     const gguf::File g = gguf::File::open(f->model);
+    g.require_model();
     // A supported architecture's table says which tensors are routed experts (read through the
     // stream), dense, or skipped; for other files the expert parts go by llama.cpp's names.
     const model::Architecture* arch = nullptr;

@@ -9,6 +9,7 @@
 #include "cli/commands.h"
 #include "cli/common.h"
 #include "engine/quality.h"
+#include "io/write_file.h"
 
 namespace strata::cli {
 
@@ -70,6 +71,7 @@ void register_perplexity(CLI::App& root) {
                 "--moce-bonus applies without --moce-prefill); without a bonus the results equal the prefill's");
   app->callback([f] {
     if (f->kld && f->kld_base.empty()) throw std::invalid_argument("--kl-divergence needs --kl-divergence-base FILE");
+    if (!f->kld && !f->kld_base.empty()) io::check_writable(f->kld_base, "--kl-divergence-base");
     engine::EngineOptions opts = f->engine.resolve();
     quality::KldBase base;
     if (f->kld) {

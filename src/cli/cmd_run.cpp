@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -27,9 +28,11 @@ struct RunFlags {
   int64_t seed = -1;
 };
 
-// Set by SIGINT: generation stops at the next token or prompt chunk and the stats are printed.
-volatile std::sig_atomic_t g_interrupted = 0;
-void on_sigint(int) { g_interrupted = 1; }
+// Set by SIGINT: the forward stops before its next layer and the stats are printed (a lock-free
+// atomic, safe to store from a signal handler).
+std::atomic<bool> g_interrupted{false};
+static_assert(std::atomic<bool>::is_always_lock_free);
+void on_sigint(int) { g_interrupted.store(true); }
 }  // namespace
 
 void register_run(CLI::App& root) {
@@ -67,14 +70,19 @@ void register_run(CLI::App& root) {
     engine::Engine eng(f->engine.model, f->engine.resolve());
     f->engine.calibrate_moce(eng);
     const std::vector<int32_t> prompt = f->prompt.tokens(eng.tokenizer());
-    if (!f->json)
+    if (!f->json) {
+      // The CPU backend's description already names its threads, kernels and activations.
+      const backend::BackendInfo bi = eng.backend_info();
+      const std::string host = bi.name == "cpu"
+                                   ? std::string()
+                                   : fmt::format("{} threads, {} kernels, {} activations, ", eng.options().n_threads,
+                                                 eng.cpu_kernels(), eng.act_quant());
       fmt::print(stderr,
-                 "strata: {} ({}), {} prompt tokens, arena {} ({} slots), prompt chunk {}{}, {} threads, {} kernels, "
-                 "{} activations, backend {} ({})\n",
+                 "strata: {} ({}), {} prompt tokens, arena {} ({} slots), prompt chunk {}{}, {}backend {} ({})\n",
                  f->engine.model, eng.hparams().arch, prompt.size(), human_bytes(double(eng.arena_bytes())),
                  eng.stream().n_slots(), eng.options().prompt_chunk,
-                 f->engine.opts.prompt_chunk == 0 ? " (automatic)" : "", eng.options().n_threads, eng.cpu_kernels(),
-                 eng.act_quant(), eng.backend_info().name, eng.backend_info().device);
+                 f->engine.opts.prompt_chunk == 0 ? " (automatic)" : "", host, bi.name, bi.device);
+    }
 
     engine::Sampler sampler(f->sp);
     if (f->seed == -1 && f->sp.temp > 0 && !f->json) fmt::print(stderr, "strata: seed {} (random)\n", sampler.seed());
@@ -94,8 +102,9 @@ void register_run(CLI::App& root) {
       std::fflush(stdout);
     }
     tokenizer::StreamDecoder out(eng.tokenizer());
-    // SIGINT stops at the next prompt chunk or token and still prints the stats.
-    g_interrupted = 0;
+    // SIGINT stops the forward before its next layer and still prints the stats.
+    g_interrupted = false;
+    eng.set_interrupt(&g_interrupted);
     const auto old_handler = std::signal(SIGINT, on_sigint);
     struct Restore {
       void (*h)(int);
@@ -108,8 +117,12 @@ void register_run(CLI::App& root) {
     const auto t_prefill = std::chrono::steady_clock::now();
     for (size_t c0 = 0; c0 < prompt.size() && !g_interrupted; c0 += chunk) {
       const size_t c1 = std::min(prompt.size(), c0 + chunk);
-      eng.prefill(st, std::span<const int32_t>(prompt).subspan(c0, c1 - c0),
-                  c1 == prompt.size() ? model::LogitsMode::Last : model::LogitsMode::None, logits);
+      try {
+        eng.prefill(st, std::span<const int32_t>(prompt).subspan(c0, c1 - c0),
+                    c1 == prompt.size() ? model::LogitsMode::Last : model::LogitsMode::None, logits);
+      } catch (const model::Interrupted&) {
+        break;  // the prompt tokens done so far are in the prefill stats
+      }
       if (progress && prompt.size() > chunk) {
         const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_prefill).count();
         fmt::print(stderr, "\r\33[Kprefill {} / {} tokens, {:.1f} tok/s", c1, prompt.size(),
@@ -135,7 +148,11 @@ void register_run(CLI::App& root) {
         out_of_context = true;
         break;
       }
-      eng.decode(st, id, logits);
+      try {
+        eng.decode(st, id, logits);
+      } catch (const model::Interrupted&) {
+        break;
+      }
     }
     const std::string rest = out.flush();
     text += rest;
@@ -157,8 +174,8 @@ void register_run(CLI::App& root) {
                    generated.size());
       if (out_of_context) {
         const int64_t train = eng.hparams().n_ctx_train;
-        fmt::print(stderr, "strata: stopped after {} tokens: the context of {} tokens is full ({})\n", generated.size(),
-                   st.n_ctx,
+        fmt::print(stderr, "strata: stopped after {} token{}: the context of {} tokens is full ({})\n",
+                   generated.size(), generated.size() == 1 ? "" : "s", st.n_ctx,
                    train > 0 && st.n_ctx >= train
                        ? fmt::format("the model's training context, the most -c/--ctx-size allows")
                        : fmt::format("raise -c/--ctx-size, up to {}", train > 0 ? train : st.n_ctx));

@@ -48,6 +48,31 @@ chat::ChatTemplate load_chat_template(engine::Engine& eng, const std::string& fi
   }
 }
 
+/// Refuses, before anything is allocated, a --parallel whose KV caches (slots x context x bytes
+/// per token) or a --cache-ram that does not fit in MemAvailable (CPU backend: both live in host
+/// RAM; with a device backend only the prefix cache does). Throws std::invalid_argument.
+static void check_serve_memory(const engine::Engine& eng, int parallel, uint64_t cache_bytes) {
+  const uint64_t avail = engine::mem_available_bytes();
+  if (avail == 0) return;  // unknown (no /proc/meminfo)
+  const auto mib = [](double b) { return b / 1048576.0; };
+  const int64_t ctx = eng.n_ctx();
+  const uint64_t per_slot = eng.model().state_bytes(ctx);
+  const bool host_kv = eng.backend_info().name == "cpu";
+  const double slots_total = double(per_slot) * double(parallel);
+  if (host_kv && slots_total > double(avail))
+    throw std::invalid_argument(fmt::format(
+        "--parallel {}: {} slots x {} tokens of context x {} bytes per token = {:.1f} MiB of KV cache, but only "
+        "{:.1f} MiB are available (MemAvailable); lower --parallel or -c/--ctx-size",
+        parallel, parallel, ctx, per_slot / uint64_t(std::max<int64_t>(ctx, 1)), mib(slots_total), mib(double(avail))));
+  const double left = double(avail) - (host_kv ? slots_total : 0.0);
+  if (double(cache_bytes) > left)
+    throw std::invalid_argument(fmt::format(
+        "--cache-ram {}: a prefix cache of {:.1f} MiB does not fit in the {:.1f} MiB available (MemAvailable{}); "
+        "use --cache-ram {} or less",
+        cache_bytes >> 20, mib(double(cache_bytes)), mib(left), host_kv ? " less the slots' KV caches" : "",
+        uint64_t(left) >> 20));
+}
+
 void register_serve(CLI::App& root) {
   auto f = std::make_shared<ServeFlags>();
   CLI::App* app =
@@ -118,6 +143,7 @@ void register_serve(CLI::App& root) {
     opts.max_body_bytes = size_t(f->max_body_kb) * 1024;
     opts.scheduling.cache_bytes = uint64_t(f->cache_ram_mb) << 20;
     opts.scheduling.batching = !f->no_cont_batching;
+    check_serve_memory(eng, opts.parallel, opts.scheduling.cache_bytes);
     server::Server srv(eng, std::move(tmpl), opts);
     const int port = srv.bind();
     fmt::print(stderr,

@@ -61,7 +61,19 @@ void register_ssdbw(CLI::App& root) {
   app->add_option("--size", f->size, "bytes per read, K/M/G suffixes allowed (default: 1.5M, a typical expert record)");
   app->add_option("--threads", f->threads, "comma-separated thread counts")->capture_default_str();
   auto* secs = app->add_option("--seconds", f->seconds, "seconds per thread count")->capture_default_str();
-  app->add_option("--reads", f->reads, "reads per thread count instead of a time")->excludes(secs);
+  secs->check(CLI::Validator(
+      [](std::string& v) {
+        double x = 0;
+        try {
+          x = std::stod(v);
+        } catch (const std::exception&) {
+          return std::string("must be a number of seconds, got '") + v + "'";
+        }
+        return std::isfinite(x) && x > 0 ? std::string()
+                                         : std::string("must be > 0 (a time to measure over), got ") + v;
+      },
+      "> 0"));
+  app->add_option("--reads", f->reads, "reads per thread count instead of a time")->excludes(secs)->check(at_least(1));
   app->add_flag("--json", f->json, "print JSON");
   app->add_option("--h2d-size", f->h2d_size,
                   "bytes per copy of the copy probes (pinned host-to-device on a CUDA device, and memcpy), K/M/G "

@@ -625,6 +625,7 @@ void run_synth(const SynthFlags& f) {
   }
 
   const uint64_t total = w.file_bytes();
+  io::check_writable(f.out, "-o");  // read-only or missing folder: say so, not "0 B free"
   const fs::path dir = fs::absolute(fs::path(f.out)).parent_path();
   struct statvfs vfs {};
   if (::statvfs(dir.c_str(), &vfs) == 0) {

@@ -232,9 +232,17 @@ std::vector<int32_t> PromptFlags::tokens(const tokenizer::Tokenizer& tok) const 
     if (!in) throw std::invalid_argument(fmt::format("cannot read prompt file '{}'", file));
     std::stringstream ss;
     ss << in.rdbuf();
-    return tok.encode(ss.str());
+    try {
+      return tok.encode(ss.str());
+    } catch (const tokenizer::TokenizerError& e) {
+      throw tokenizer::TokenizerError(fmt::format("prompt file '{}' (-f): {}", file, e.what()));
+    }
   }
-  return tok.encode(text);
+  try {
+    return tok.encode(text);
+  } catch (const tokenizer::TokenizerError& e) {
+    throw tokenizer::TokenizerError(fmt::format("the -p prompt: {}", e.what()));
+  }
 }
 
 void print_profile(engine::Engine& e) {

@@ -1,6 +1,9 @@
 // strata: one binary, subcommands for running, inspecting and measuring MoE GGUF models.
 #include <fmt/format.h>
 
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <exception>
 
 #include "cli/commands.h"
@@ -30,13 +33,22 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "strata: error: {}\n", err);
     return 1;
   }
+  int rc = 0;
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    rc = app.exit(e);
   } catch (const std::exception& e) {
     fmt::print(stderr, "strata: error: {}\n", e.what());
-    return 1;
+    rc = 1;
   }
-  return 0;
+  // Output that never arrived (a full disk, /dev/full, a closed pipe) is an error, not success.
+  errno = 0;
+  if (std::fflush(stdout) != 0 || std::ferror(stdout)) {
+    const int e = errno;
+    fmt::print(stderr, "strata: error: writing to standard output failed{}{}\n", e ? ": " : "",
+               e ? std::strerror(e) : "");
+    return rc != 0 ? rc : 1;
+  }
+  return rc;
 }

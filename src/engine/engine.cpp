@@ -131,14 +131,15 @@ uint64_t resolve_host_cache_bytes(int64_t host_cache_mb, bool arena_on_device, u
   if (host_cache_mb < 0)
     return default_host_cache_bytes(arena_on_device, arena_bytes, all_expert_slot_bytes, mem_available);
   const uint64_t asked = host_cache_mb >= (int64_t(1) << 43) ? UINT64_MAX : uint64_t(host_cache_mb) << 20;
-  const uint64_t want = std::min(asked, all_expert_slot_bytes);
-  if (mem_available > 0 && want > mem_available)
+  // More than is available is an error even when the model's experts need less (a size the machine
+  // cannot give is a mistake); within it, the tier is capped at every expert.
+  if (mem_available > 0 && asked > mem_available)
     throw EngineError(
         fmt::format("--host-cache-mb {}: {:.1f} MiB of {} memory asked for, but only {:.1f} MiB are available "
                     "(MemAvailable); use --host-cache-mb {} or less",
-                    host_cache_mb, double(want) / 1048576.0, arena_on_device ? "pinned host" : "host",
+                    host_cache_mb, double(asked) / 1048576.0, arena_on_device ? "pinned host" : "host",
                     double(mem_available) / 1048576.0, mem_available >> 20));
-  return want;
+  return std::min(asked, all_expert_slot_bytes);
 }
 
 CopyProbe measure_arena_copy(bool device_arena, int device, size_t bytes, int reps) {
@@ -260,6 +261,7 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
     throw EngineError(fmt::format("--ep-placement must be auto, id or popularity, got '{}'", opts_.ep_placement));
   kernels_ = cpu::kernels::resolve_kernels(opts_.kernels, opts_.act_quant);
   gguf_ = std::make_unique<gguf::File>(gguf::File::open(path));
+  gguf_->require_model();
   tok_ = std::make_unique<tokenizer::Tokenizer>(tokenizer::Tokenizer::from_gguf(*gguf_));
   if (opts_.n_threads <= 0) opts_.n_threads = int(std::max(1u, std::thread::hardware_concurrency()));
   backend_ = make_backend(opts_, kernels_);
@@ -274,11 +276,29 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
   if (opts_.n_ctx <= 0) opts_.n_ctx = std::min<int64_t>(hp.n_ctx_train > 0 ? hp.n_ctx_train : 4096, 4096);
   if (hp.n_ctx_train > 0 && opts_.n_ctx > hp.n_ctx_train)
     throw EngineError(
-        fmt::format("--ctx-size {} exceeds the model's training context of {} tokens (no RoPE scaling "
-                    "is implemented); use at most {}",
-                    opts_.n_ctx, hp.n_ctx_train, hp.n_ctx_train));
+        fmt::format("--ctx-size {} exceeds the model's context of {} tokens ({}.context_length in the file; "
+                    "strata applies the RoPE scaling the file declares, such as YaRN, but does not stretch the "
+                    "context beyond it); use at most {}",
+                    opts_.n_ctx, hp.n_ctx_train, hp.arch, hp.n_ctx_train));
+  // The KV cache (and recurrent state) of one sequence lives in host RAM on the CPU backend:
+  // refuse a context it cannot hold before allocating it.
+  if (dynamic_cast<cpu::CpuBackend*>(backend_.get()) != nullptr) {
+    const uint64_t state = model_->state_bytes(opts_.n_ctx), avail = mem_available_bytes();
+    if (avail > 0 && state > avail)
+      throw EngineError(
+          fmt::format("--ctx-size {}: the KV cache of one sequence needs {:.1f} MiB but only {:.1f} MiB "
+                      "are available (MemAvailable); lower -c/--ctx-size",
+                      opts_.n_ctx, double(state) / 1048576.0, double(avail) / 1048576.0));
+  }
   const bool auto_chunk = opts_.prompt_chunk == 0;
   if (auto_chunk) opts_.prompt_chunk = auto_prompt_chunk(hp, opts_.n_ctx);
+  // A chunk never holds more than the context: a larger one would only size scratch (and shrink
+  // the automatic arena) for tokens that cannot exist.
+  if (opts_.prompt_chunk > opts_.n_ctx) {
+    fmt::print(stderr, "strata: --prompt-chunk {} capped at the context of {} tokens\n", opts_.prompt_chunk,
+               opts_.n_ctx);
+    opts_.prompt_chunk = int(opts_.n_ctx);
+  }
 
   // Arena: at least one layer's worst case for a prompt chunk.
   // Experts come from the pack sidecar when a valid one exists (one read per expert), else the GGUF.
@@ -341,6 +361,9 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
 #endif
   const uint64_t host_cache =
       resolve_host_cache_bytes(opts_.host_cache_mb, arena_on_device, arena, all_slots, mem_available_bytes());
+  if (opts_.host_cache_mb > 0 && host_cache < (uint64_t(opts_.host_cache_mb) << 20))
+    fmt::print(stderr, "strata: --host-cache-mb {} capped at {:.1f} MiB, what every expert of the model takes\n",
+               opts_.host_cache_mb, double(host_cache) / 1048576.0);
 
   stream::StreamOptions so;
   so.arena_bytes = arena;
@@ -471,6 +494,7 @@ void Engine::run(model::SequenceState& st, std::span<const int32_t> ids, model::
   ctx.moce = &phase.moce;
   ctx.profile = opts_.profile ? &phase.profile : nullptr;
   ctx.ep = ep_.get();
+  ctx.interrupt = interrupt_;
   const int64_t n = int64_t(ids.size()), V = model_->hparams().n_vocab;
   if (mode == model::LogitsMode::All) logits.assign(size_t(n) * V, 0.0f);
   std::vector<float> chunk_logits;
@@ -482,7 +506,14 @@ void Engine::run(model::SequenceState& st, std::span<const int32_t> ids, model::
                                                                                   : model::LogitsMode::None;
     const auto tc = std::chrono::steady_clock::now();
     const double wait0 = stream_stats().exposed_wait_s, expert0 = times_.expert_s;
-    model_->forward(ctx, st, ids.subspan(c0, c1 - c0), m, chunk_logits);
+    try {
+      model_->forward(ctx, st, ids.subspan(c0, c1 - c0), m, chunk_logits);
+    } catch (const model::Interrupted&) {
+      phase.tokens += c0;  // the finished chunks
+      phase.seconds += seconds_since(t0);
+      phase.stream += stream_stats() - s0;
+      throw;
+    }
     if (opts_.trace) {
       // One line per prompt chunk: where its time went.
       const double wall = seconds_since(tc), wait = stream_stats().exposed_wait_s - wait0;
@@ -537,6 +568,7 @@ void Engine::forward_batch(std::span<model::SeqInput> batch, model::RoutingTrace
   ctx.moce = &phase.moce;
   ctx.profile = opts_.profile ? &phase.profile : nullptr;
   ctx.ep = ep_.get();
+  ctx.interrupt = interrupt_;
   model_->forward(ctx, batch);
   for (const model::SeqInput& s : batch)
     if (s.mode != model::LogitsMode::None)

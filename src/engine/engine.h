@@ -157,6 +157,10 @@ class Engine {
   const std::vector<std::vector<int32_t>>& static_rank() const { return static_rank_; }
   const std::string& static_rank_path() const { return static_rank_path_; }
   void reset_stats();
+  /// Later forwards (prefill, decode, forward_batch) stop between layers with model::Interrupted
+  /// once `*flag` is true (null: never). A prefill so stopped counts only its finished chunks
+  /// in prefill_stats(). The flag must outlive the engine's use of it.
+  void set_interrupt(const std::atomic<bool>* flag) { interrupt_ = flag; }
   /// Changes the MoCE bonus for later calls (calibration); throws EngineError unless finite and >= 0.
   void set_moce_bonus(float bonus);
   /// Throws EngineError unless `ids` can be fed to `st`: not empty, every id in the vocabulary,
@@ -183,6 +187,7 @@ class Engine {
   std::unique_ptr<parallel::ExpertParallel> ep_;
   uint64_t expert_bytes_ = 0;
   uint64_t min_arena_bytes_ = 0;
+  const std::atomic<bool>* interrupt_ = nullptr;
   PhaseStats prefill_, decode_;
   std::vector<std::vector<int32_t>> static_rank_;
   std::string expert_file_;

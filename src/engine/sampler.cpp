@@ -34,6 +34,8 @@ int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> 
   logits_.assign(logits.begin(), logits.end());
   for (float& l : logits_)
     if (std::isnan(l)) l = kNegInf;
+  for (const auto& [id, bias] : params_.logit_bias)
+    if (id >= 0 && id < n) logits_[static_cast<size_t>(id)] += bias;
 
   // 1. repetition penalty over the last repeat_last_n ids, each distinct token once.
   if (params_.repeat_penalty != 1.0f && params_.repeat_last_n != 0 && !history.empty()) {

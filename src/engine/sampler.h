@@ -1,9 +1,10 @@
 #pragma once
 // Token sampling with llama.cpp semantics and order:
-//   repetition penalty -> top-k -> top-p -> min-p -> temperature -> draw.
+//   logit bias -> repetition penalty -> top-k -> top-p -> min-p -> temperature -> draw.
 #include <cstdint>
 #include <random>
 #include <span>
+#include <utility>
 #include <vector>
 
 namespace strata::engine {
@@ -26,6 +27,10 @@ struct SamplerParams {
   int repeat_last_n = 64;
   /// Seed of the std::mt19937_64 draw; 0xFFFFFFFF picks a random seed (see Sampler::seed()).
   uint64_t seed = 0xFFFFFFFF;
+  /// (token id, bias) pairs added to the raw logits before everything else (OpenAI's
+  /// logit_bias: -100 all but bans a token, +100 all but forces it); ids outside the logits
+  /// are ignored here (front ends validate them).
+  std::vector<std::pair<int32_t, float>> logit_bias = {};
 };
 
 /// Draws the next token from logits. Keeps its random state across calls, so a fixed seed

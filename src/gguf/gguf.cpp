@@ -491,6 +491,14 @@ double File::get_float(const std::string& key, double fallback) const {
 
 std::string File::get_string(const std::string& key) const { return string_of(*this, key, require(*this, key)); }
 
+void File::require_model() const {
+  const Value* v = find("general.type");
+  if (!v || !std::holds_alternative<std::string>(v->v) || v->as_string() == "model") return;
+  const std::string& t = v->as_string();
+  fail(path_, fmt::format("this is {} {} file (general.type = {}), not a model; give a model GGUF with -m",
+                          !t.empty() && std::string("aeiou").find(t[0]) != std::string::npos ? "an" : "a", t, t));
+}
+
 std::string File::get_string(const std::string& key, const std::string& fallback) const {
   const Value* v = find(key);
   return v ? string_of(*this, key, *v) : fallback;

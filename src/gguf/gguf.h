@@ -135,6 +135,10 @@ class File {
   /// An array of any numeric element type, as doubles.
   std::vector<double> get_float_array(const std::string& key) const;
 
+  /// Throws GgufError unless the file is a model: its general.type, when present, is "model"
+  /// (llama.cpp writes "imatrix" for importance matrices, "adapter" for LoRA adapters).
+  void require_model() const;
+
   const std::vector<TensorInfo>& tensors() const { return tensors_; }
   /// A tensor by name, or nullptr.
   const TensorInfo* find_tensor(const std::string& name) const;

@@ -305,4 +305,18 @@ bool drop_file_cache(const std::string& path) {
   return ok;
 }
 
+void check_writable(const std::string& path, const std::string& what) {
+  std::string dir = path;
+  const size_t slash = dir.find_last_of('/');
+  dir = slash == std::string::npos ? std::string(".") : slash == 0 ? std::string("/") : dir.substr(0, slash);
+  const std::string probe = dir + "/.strata-write-check-" + std::to_string(::getpid());
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    const int e = errno;
+    throw IoError(what + " '" + path + "': cannot create a file in '" + dir + "': " + std::strerror(e));
+  }
+  ::close(fd);
+  ::unlink(probe.c_str());
+}
+
 }  // namespace strata::io

@@ -69,4 +69,10 @@ class WriteFile {
 /// written file does not flatter later reads. Best effort: returns false on failure.
 bool drop_file_cache(const std::string& path);
 
+/// Throws IoError unless a file can be created in the folder of `path` (checked by creating and
+/// removing an empty uniquely named file there), so that a long job fails before it starts,
+/// not when it writes its result. `what` names the option in the message ("--kl-divergence-base").
+/// The message says why (read-only file system, permission denied, no such folder).
+void check_writable(const std::string& path, const std::string& what);
+
 }  // namespace strata::io

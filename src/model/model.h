@@ -3,9 +3,11 @@
 // Each architecture lives in its own file (qwen3moe.cpp, ...) and registers itself in
 // the table in model.cpp: hyper-parameters from GGUF keys, tensors bound by name with
 // their shapes, and one forward function that runs a prompt chunk through all layers.
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -156,6 +158,18 @@ struct ForwardContext {
   /// When set (--ep-ranks): the routed experts are partitioned over its ranks, each with its own
   /// stream (`stream` is then unused by the MoE step); docs/expert-parallel.md.
   parallel::ExpertParallel* ep = nullptr;
+  /// When set and true, the forward stops before the next MoE layer with model::Interrupted
+  /// (SIGINT in `run`, a server shutdown); the states' n_past is not advanced.
+  const std::atomic<bool>* interrupt = nullptr;
+};
+
+/// Thrown by a forward whose ForwardContext::interrupt was set: it stopped between layers, the
+/// call's tokens are not done (n_past unchanged; their KV rows of the earlier layers are
+/// overwritten by the next call at the same positions). Recurrent state may be partly updated,
+/// so an interrupted sequence is not to be continued.
+struct Interrupted : std::runtime_error {
+  explicit Interrupted(int layer);
+  int layer;  ///< the layer the forward stopped before
 };
 
 /// Which positions of a forward call produce logits.

@@ -288,8 +288,17 @@ void Step::record_routing(int layer, const backend::Routing& r) {
   }
 }
 
+Interrupted::Interrupted(int l) : std::runtime_error(fmt::format("interrupted before layer {}", l)), layer(l) {}
+
 void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
   stream::ExpertStream& stream = ctx_.stream;
+  // Stop between layers when asked: nothing of this layer is pinned yet; queued read-aheads
+  // are dropped and the backend's queued work is finished before the buffers go.
+  if (ctx_.interrupt && ctx_.interrupt->load(std::memory_order_relaxed)) {
+    stream.cancel_prefetch();
+    be_.synchronize();
+    throw Interrupted(layer);
+  }
   const int K = w.spec.top_k;
   std::vector<int32_t> pred_next;
   const ReadAhead ra = plan_read_ahead(layer + 1, next, &pred_next);

@@ -103,6 +103,32 @@ ParsedRequest parse_common(const Json& b, const ModelContext& m, bool chat) {
     if (get_number(b, pen, 0, -2, 2) != 0)
       throw bad_request(pen, fmt::format("'{}' is not supported by this server", pen), "unsupported");
   if (get_int(b, "n", 1, 1, 128) != 1) throw bad_request("n", "only n = 1 is supported", "unsupported");
+  if (const Json* lb = field(b, "logit_bias")) {
+    // OpenAI: {"token id as a string": bias in [-100, 100]}, added to the logits before sampling.
+    if (!lb->is_object())
+      throw bad_request("logit_bias", "'logit_bias' must be an object mapping token ids to biases", "invalid_type");
+    for (const auto& [key, val] : lb->items()) {
+      size_t used = 0;
+      long long id = -1;
+      try {
+        id = std::stoll(key, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (used != key.size() || key.empty() || id < 0 || id >= m.n_vocab)
+        throw bad_request("logit_bias",
+                          fmt::format("'logit_bias' key '{}' is not a token id (0..{})", key, m.n_vocab - 1));
+      if (!val.is_number())
+        throw bad_request("logit_bias", fmt::format("'logit_bias' value of token {} must be a number", key),
+                          "invalid_type");
+      const double bias = val.get<double>();
+      if (!(bias >= -100 && bias <= 100))
+        throw bad_request("logit_bias",
+                          fmt::format("'logit_bias' value of token {} must be between -100 and 100, got {}", key,
+                                      bias));
+      sp.logit_bias.emplace_back(int32_t(id), float(bias));
+    }
+  }
   const char* mt = field(b, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
   const int64_t dflt = m.default_max_tokens > 0 ? std::min(m.default_max_tokens, n_ctx) : n_ctx;
   p.gen.max_tokens = int(get_int(b, mt, dflt, 1, n_ctx));
@@ -277,6 +303,7 @@ ParsedRequest parse_chat_request(const Json& b, const ModelContext& m) {
         throw bad_request(w + ".function.name", w + ".function.name must be a string", "invalid_type");
     }
     if (tools_on && !tools->empty()) {
+      refuse_tools_without_template(m);
       extra["tools"] = *tools;
       p.tool_format = m.tool_format;
       p.tool_calls = true;
@@ -347,6 +374,19 @@ ApiError server_busy(int parallel, int queue_size) {
              "server_error", "server_busy"};
   e.retry_after = 1;
   return e;
+}
+
+void refuse_tools_without_template(const ModelContext& m) {
+  if (m.template_renders_tools) return;
+  throw bad_request("tools",
+                    "the model's chat template does not render tools (it never mentions 'tools'), so the tool "
+                    "definitions would not reach the model; send tool_choice \"none\", or start the server with "
+                    "--chat-template-file naming a template that renders tools",
+                    "unsupported");
+}
+
+ApiError shutting_down() {
+  return ApiError{503, "the server is shutting down", "server_error", "server_shutting_down"};
 }
 
 ApiError auth_error(bool key_missing) {

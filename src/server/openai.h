@@ -84,7 +84,14 @@ struct ModelContext {
   std::function<std::vector<int32_t>(const Json& messages, const Json& extra)> encode_chat;
   /// The tool-call markup the template teaches (tools::detect_format of its source).
   tools::Format tool_format = tools::Format::None;
+  /// False when the chat template never mentions `tools`: non-empty tools (tool_choice not
+  /// "none") are then refused with 400 unsupported instead of silently not reaching the model.
+  bool template_renders_tools = true;
 };
+
+/// Throws ApiError (400 unsupported, param "tools") when the chat template does not render
+/// tools (ModelContext::template_renders_tools false): the message says why and what to do.
+void refuse_tools_without_template(const ModelContext& m);
 
 /// A validated generation request.
 struct ParsedRequest {
@@ -153,6 +160,9 @@ ApiError generation_failed(const std::string& error);
 /// The 503 (server_busy, Retry-After 1) answered when all `parallel` slots are generating
 /// and `queue_size` requests wait.
 ApiError server_busy(int parallel, int queue_size);
+/// The 503 (server_error, server_shutting_down) answered to a request refused, or cancelled
+/// before anything was sent, because the server is shutting down (SIGINT/SIGTERM).
+ApiError shutting_down();
 /// The 401 (authentication_error, invalid_api_key) for a missing or a wrong API key.
 ApiError auth_error(bool key_missing);
 /// The 500 (server_error, internal_error) for an unexpected exception's `what`.

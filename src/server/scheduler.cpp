@@ -170,6 +170,7 @@ Scheduler::Scheduler(engine::Engine& eng, const SchedulerOptions& opts)
   cache_ = std::make_unique<PrefixCache>(eng_.backend(), opts_.cache_bytes, recurrent,
                                          size_t(std::max(1, opts_.cache_min_tokens)));
   snapshot_stats();
+  eng_.set_interrupt(&interrupt_);
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -181,8 +182,10 @@ void Scheduler::stop() {
     if (stop_ && !thread_.joinable()) return;
     stop_ = true;
   }
+  interrupt_ = true;
   q_cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+  eng_.set_interrupt(nullptr);
   std::lock_guard lk(q_mutex_);
   for (auto& r : queue_) {
     ++cancelled_;
@@ -208,6 +211,11 @@ int64_t Scheduler::drain(std::chrono::milliseconds grace) {
   }
   stop();
   return cancelled_ - before;
+}
+
+bool Scheduler::stopping() {
+  std::lock_guard lk(q_mutex_);
+  return stop_ || draining_;
 }
 
 bool Scheduler::submit(const std::shared_ptr<Request>& r) {
@@ -327,8 +335,9 @@ void Scheduler::release(Slot& s, const std::string& reason, const std::string& e
     ++failed_;
   else
     ++completed_;
-  if (reason != "error") {
-    // The state holds history[0, n_past): worth keeping for a request that continues it.
+  if (reason != "error" && !interrupt_) {
+    // The state holds history[0, n_past): worth keeping for a request that continues it (not
+    // after an interrupted forward, which may have updated recurrent state part way).
     std::lock_guard lk(engine_mutex_);
     cache_->insert(std::span<const int32_t>(s.history).first(size_t(s.st.n_past)), s.st);
   }
@@ -471,6 +480,9 @@ void Scheduler::step(const std::vector<Slot*>& cand, int budget) {
     std::lock_guard lk(engine_mutex_);
     eng_.forward_batch(batch);
     snapshot_stats();
+  } catch (const model::Interrupted&) {
+    for (const Part& pt : ok) release(*pt.s, "cancelled");
+    return;
   } catch (const std::exception& e) {
     for (const Part& pt : ok) release(*pt.s, "error", e.what());
     return;

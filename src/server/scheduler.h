@@ -152,6 +152,9 @@ class Scheduler {
   /// Graceful shutdown: refuses new requests, lets running and queued ones finish for up to
   /// `grace` and then stops (the rest finish as "cancelled"). Returns the requests cancelled.
   int64_t drain(std::chrono::milliseconds grace);
+  /// True once drain() or stop() began: new requests are refused, and those cancelled from now
+  /// on were cancelled by the shutdown (the server answers them 503 "shutting down").
+  bool stopping();
   SchedulerCounters counters();
   /// Appends the scheduler's histograms (queue time, time to first token, decode tokens/s per
   /// request, sequences and tokens per step), per-slot counters and prefix-cache counters in
@@ -194,6 +197,9 @@ class Scheduler {
   size_t queue_size_;
   int64_t busy_ = 0;
   bool stop_ = false;
+  // Set by stop(): the forward in progress stops before its next layer (Engine::set_interrupt),
+  // so a long prompt chunk does not hold up the shutdown.
+  std::atomic<bool> interrupt_{false};
   std::atomic<int64_t> admitted_{0}, rejected_{0}, cancelled_{0}, completed_{0}, failed_{0}, timed_out_{0},
       prompt_tokens_{0}, generated_tokens_{0}, steps_{0};
   std::thread thread_;

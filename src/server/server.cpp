@@ -138,6 +138,7 @@ struct Server::Impl {
       return prompt_encoder.encode_chat(tmpl, messages, true, extra);
     };
     model.tool_format = tools::detect_format(tmpl.source());
+    model.template_renders_tools = tmpl.source().find("tools") != std::string::npos;
     setup();
   }
 
@@ -154,7 +155,8 @@ struct Server::Impl {
 
   std::shared_ptr<Request> submit(GenParams gen) {
     auto r = std::make_shared<Request>(std::move(gen));
-    if (!sched.submit(r)) throw openai::server_busy(opts.parallel, opts.queue_size);
+    if (!sched.submit(r))
+      throw sched.stopping() ? openai::shutting_down() : openai::server_busy(opts.parallel, opts.queue_size);
     return r;
   }
 
@@ -175,6 +177,7 @@ struct Server::Impl {
       while (!r->wait(events, std::chrono::milliseconds(100)))
         if (watch.gone()) r->cancel();
       if (openai::is_error_finish(r->finish_reason)) throw openai::generation_failed(r->error);
+      if (r->finish_reason == "cancelled" && sched.stopping()) throw openai::shutting_down();
       const J out = openai::completion_json(meta, events, r->finish_reason, r->prompt_tokens, r->completion_tokens,
                                             logprobs, token_bytes(), tool_format, tool_calls);
       res.set_content(openai::dump(out), "application/json");
@@ -226,6 +229,8 @@ struct Server::Impl {
           if (parse_tools && !send_delta(parser.finish(), J(nullptr))) return gone();
           if (openai::is_error_finish(r->finish_reason)) {
             send(openai::error_json(openai::generation_failed(r->error)));
+          } else if (r->finish_reason == "cancelled" && sched.stopping()) {
+            send(openai::error_json(openai::shutting_down()));
           } else {
             const std::string finish =
                 parser.n_calls() > 0 && r->finish_reason == "stop" ? "tool_calls" : r->finish_reason;
@@ -323,7 +328,10 @@ struct Server::Impl {
         if (!(*tools)[k].is_object())
           throw openai::bad_request(fmt::format("tools[{}]", k), fmt::format("tools[{}] must be an object", k),
                                     "invalid_type");
-      if (!tools->empty()) extra["tools"] = *tools;
+      if (!tools->empty()) {
+        openai::refuse_tools_without_template(model);
+        extra["tools"] = *tools;
+      }
     }
     const bool add_generation_prompt = openai::get_bool(b, "add_generation_prompt", true);
     std::string prompt;

@@ -151,3 +151,12 @@ test('strata chat: an empty or binary template file fails at startup', () => {
     assert.equal(r.stdout, '', 'nothing generated');
   }
 });
+
+test('strata chat: /help lists the commands, /quit ends, an unknown /word is not sent to the model', () => {
+  const r = spawnSync(BINARY, ['chat', '-m', MODEL, '--temp', '0', '-t', '1', '-n', '2'],
+    { input: '/help\n/frobnicate now\n/quit\nhello\n', encoding: 'utf8' });
+  assert.equal(r.status, 0, r.stderr);
+  for (const cmd of ['/help', '/reset', '/exit, /quit', '//TEXT']) assert.ok(r.stderr.includes(cmd), r.stderr);
+  assert.ok(r.stderr.includes("unknown command '/frobnicate', see /help"), r.stderr);
+  assert.equal(r.stdout, '', 'nothing was generated: /quit came before "hello"');
+});

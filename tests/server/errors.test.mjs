@@ -250,3 +250,43 @@ test('slow clients do not hold /health: 120 connections with a partial body; idl
   assert.ok(took < 8000, `stalled connections closed after ${took} ms`);
   for (const s of sockets) s.destroy();
 });
+
+test('logit_bias: +100 forces a token at temperature 0, -100 bans it; bad keys and values are 400', async () => {
+  const base = { prompt: 'def f(x):', max_tokens: 3, temperature: 0, ignore_eos: true, logprobs: 1 };
+  const ids = async (body) => {
+    const r = await completion(body);
+    assert.equal(r.status, 200, r.text);
+    return r.body.choices[0].logprobs.tokens;
+  };
+  const plain = await ids(base);
+  // Token 5 forced: every generated token is token 5's text.
+  const tok5 = (await post(`${srv.url}/detokenize`, { tokens: [5] }, AUTH)).body.content;
+  const forced = await ids({ ...base, logit_bias: { 5: 100 } });
+  assert.deepEqual(forced, [tok5, tok5, tok5]);
+  // The greedy first token banned: the first token changes and never is that token.
+  const first = (await post(`${srv.url}/tokenize`, { content: plain[0] }, AUTH)).body.tokens;
+  assert.equal(first.length, 1, `the first piece '${plain[0]}' is one token`);
+  const banned = await ids({ ...base, logit_bias: { [first[0]]: -100 } });
+  assert.notEqual(banned[0], plain[0]);
+  const rc = await chat({ ...okChat, max_tokens: 2, logit_bias: { 5: 100 } });
+  assert.equal(rc.status, 200, rc.text);
+  assert.equal(rc.body.choices[0].message.content, tok5 + tok5);
+  assertError(await completion({ ...base, logit_bias: { 5: 101 } }), 400, 'invalid_value');
+  assertError(await completion({ ...base, logit_bias: { x: 1 } }), 400, 'invalid_value');
+  assertError(await completion({ ...base, logit_bias: { 99999999: 1 } }), 400, 'invalid_value');
+  assertError(await completion({ ...base, logit_bias: [1] }), 400, 'invalid_type');
+  assertError(await completion({ ...base, logit_bias: { 5: 'a' } }), 400, 'invalid_type');
+});
+
+test('tools with a chat template that never renders them: 400 unsupported, unless tool_choice is "none"', async () => {
+  // The shipped model's template is plain ChatML: tool definitions would silently vanish.
+  const tools = [{ type: 'function', function: { name: 'get_time', parameters: { type: 'object' } } }];
+  const r = await chat({ ...okChat, tools });
+  assertError(r, 400, 'unsupported');
+  assert.equal(r.body.error.param, 'tools');
+  assert.match(r.body.error.message, /does not render tools/);
+  assert.equal((await chat({ ...okChat, tools, tool_choice: 'none' })).status, 200);
+  assert.equal((await chat({ ...okChat, tools: [] })).status, 200);
+  const t = await post(`${srv.url}/apply-template`, { messages: okChat.messages, tools }, AUTH);
+  assertError(t, 400, 'unsupported');
+});

@@ -87,3 +87,31 @@ test('SIGTERM cancels what does not finish within --shutdown-grace', async () =>
   assert.match(srv.log(), /cancelled 1 unfinished request/);
   await pending.catch(() => {});
 });
+
+test('SIGTERM during a long prefill: stops within a layer, the request gets 503 "shutting down"', async () => {
+  // A small arena makes one prompt chunk take many seconds: the shutdown must not wait for it.
+  const srv = await startServer(['--ctx-size', '4096', '--parallel', '1', '--arena-mb', '8', '--shutdown-grace', '0.5']);
+  const prompt = 'def f(x): return x + 1\n'.repeat(300);
+  const pending = post(`${srv.url}/v1/completions`, { prompt, max_tokens: 4, temperature: 0 });
+  const pendingStream = post(`${srv.url}/v1/completions`, { prompt: 'def g():', max_tokens: 4, stream: true });
+  await new Promise((r) => setTimeout(r, 1000));
+  const t0 = Date.now();
+  const stopped = srv.stop();
+  await new Promise((r) => setTimeout(r, 100));
+  const late = await post(`${srv.url}/v1/completions`, { prompt: 'x', max_tokens: 2 }).catch(() => 'refused');
+  if (late !== 'refused') {
+    assert.equal(late.status, 503, late.text);
+    assert.equal(late.body.error.message, 'the server is shutting down');
+  }
+  assert.equal(await stopped, 0);
+  const ms = Date.now() - t0;
+  assert.ok(ms < 5000, `stopped ${ms} ms after SIGTERM with --shutdown-grace 0.5`);
+  const r = await pending;
+  assert.equal(r.status, 503, r.text);
+  assert.equal(r.body.error.message, 'the server is shutting down');
+  // The queued streamed request: an error event, then [DONE] (never a finish_reason "cancelled").
+  const s = await pendingStream;
+  assert.doesNotMatch(s.text, /"finish_reason":"cancelled"/);
+  assert.match(s.text, /the server is shutting down/);
+  assert.match(s.text, /data: \[DONE\]/);
+});
