@@ -15,7 +15,7 @@ t0=$(date +%s)
   strata_build -DSTRATA_TESTS=OFF -- strata
 } > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
 echo "built in $(( $(date +%s) - t0 )) s"
-[ -f "$M" ] || timeout 240 "$B/strata" synth --like qwen3moe-30b-a3b --type Q8_0 -q -o "$M" --tokenizer-from "$MODELS/qwen3moe-code-Q8_0.gguf" --json | tee "$OUT/synth.json"
+[ -f "$M" ] || [ "${RUNS:-basic}" = next80b ] || timeout 240 "$B/strata" synth --like qwen3moe-30b-a3b --type Q8_0 -q -o "$M" --tokenizer-from "$MODELS/qwen3moe-code-Q8_0.gguf" --json | tee "$OUT/synth.json"
 echo "synth done at $(( $(date +%s) - t0 )) s"
 run() {  # name, extra flags
   local name=$1; shift
@@ -40,7 +40,9 @@ PY
 # RUNS picks the sets (space-separated, run in order): basic (default: every expert in VRAM, then
 # a cold 6.5 GiB arena), tiers (the three tiers), nvme (prediction and chunk size with experts
 # from the drive, as the reference system reported them), mma1 (every expert in VRAM with the
-# former tensor-core staging, STRATA_CUDA_MMA=1, and STRATA_CUDA_PROFILE=1: docs/cuda.md "Profile").
+# former tensor-core staging, STRATA_CUDA_MMA=1, and STRATA_CUDA_PROFILE=1: docs/cuda.md "Profile"),
+# vram (every expert in VRAM only), vram-mma1 (the same with the former staging, no profiler),
+# next80b (the Qwen3-Next-80B-A3B shape, Q2_K, 6.5 GiB arena from NVMe, prediction on and off).
 vram_done=0
 vram() { [ $vram_done = 1 ] || run vram; vram_done=1; }
 for set in ${RUNS:-basic}; do
@@ -60,6 +62,15 @@ for set in ${RUNS:-basic}; do
     mma1)
       STRATA_CUDA_MMA=1 STRATA_CUDA_PROFILE=1 run vram-mma1
       grep "cuda profile" "$OUT/bench_vram-mma1.err" | head -24 ;;
-    *) echo "unknown RUNS set '$set' (basic, tiers, nvme, mma1)"; exit 2 ;;
+    vram) vram ;;
+    vram-mma1)
+      STRATA_CUDA_MMA=1 run vram-mma1-noprof ;;
+    next80b)  # the Qwen3-Next-80B-A3B shape, Q2_K experts, 6.5 GiB arena from NVMe: prediction on / off
+      N80=${NEXT80B:-/tmp/next80b-q2k.gguf}
+      [ -f "$N80" ] || timeout 200 "$B/strata" synth --like qwen3-next-80b-a3b --type Q2_K -q -o "$N80" \
+        --tokenizer-from "$MODELS/qwen3moe-code-Q8_0.gguf" --json | tee "$OUT/synth80b.json"
+      M=$N80 run next80b-predict-on --arena-mb 6656 --host-cache-mb 0 --cold
+      M=$N80 run next80b-predict-off --arena-mb 6656 --host-cache-mb 0 --cold --predict off ;;
+    *) echo "unknown RUNS set '$set' (basic, tiers, nvme, mma1, vram, vram-mma1, next80b)"; exit 2 ;;
   esac
 done
