@@ -39,9 +39,9 @@ PY
 }
 # RUNS picks the sets (space-separated, run in order): basic (default: every expert in VRAM, then
 # a cold 6.5 GiB arena), tiers (the three tiers), nvme (prediction and chunk size with experts
-# from the drive, as the reference system reported them), mma1 (every expert in VRAM with the
-# former tensor-core staging, STRATA_CUDA_MMA=1, and STRATA_CUDA_PROFILE=1: docs/cuda.md "Profile"),
-# vram (every expert in VRAM only), vram-mma1 (the same with the former staging, no profiler),
+# from the drive, as the reference system reported them), mma2 (every expert in VRAM with the
+# ldmatrix tensor-core staging, STRATA_CUDA_MMA=2, and STRATA_CUDA_PROFILE=1: docs/cuda.md "Profile"),
+# vram (every expert in VRAM only), vram-mma2 (the same with the ldmatrix staging, no profiler),
 # next80b (the Qwen3-Next-80B-A3B shape, Q2_K, 6.5 GiB arena from NVMe, prediction on and off).
 vram_done=0
 vram() { [ $vram_done = 1 ] || run vram; vram_done=1; }
@@ -59,18 +59,18 @@ for set in ${RUNS:-basic}; do
       PT=4096 PC=1024 CTX=8192 run nvme-chunk1024 --arena-mb 6656 --host-cache-mb 0 --cold
       PT=4096 PC=2048 CTX=8192 run nvme-chunk2048 --arena-mb 6656 --host-cache-mb 0 --cold
       PT=4096 PC=4096 CTX=8192 run nvme-chunk4096 --arena-mb 6656 --host-cache-mb 0 --cold ;;
-    mma1)
-      STRATA_CUDA_MMA=1 STRATA_CUDA_PROFILE=1 run vram-mma1
-      grep "cuda profile" "$OUT/bench_vram-mma1.err" | head -24 ;;
+    mma2)
+      STRATA_CUDA_MMA=2 STRATA_CUDA_PROFILE=1 run vram-mma2
+      grep "cuda profile" "$OUT/bench_vram-mma2.err" | head -24 ;;
     vram) vram ;;
-    vram-mma1)
-      STRATA_CUDA_MMA=1 run vram-mma1-noprof ;;
+    vram-mma2)
+      STRATA_CUDA_MMA=2 run vram-mma2-noprof ;;
     next80b)  # the Qwen3-Next-80B-A3B shape, Q2_K experts, 6.5 GiB arena from NVMe: prediction on / off
       N80=${NEXT80B:-/tmp/next80b-q2k.gguf}
       [ -f "$N80" ] || timeout 200 "$B/strata" synth --like qwen3-next-80b-a3b --type Q2_K -q -o "$N80" \
         --tokenizer-from "$MODELS/qwen3moe-code-Q8_0.gguf" --json | tee "$OUT/synth80b.json"
       M=$N80 run next80b-predict-on --arena-mb 6656 --host-cache-mb 0 --cold
       M=$N80 run next80b-predict-off --arena-mb 6656 --host-cache-mb 0 --cold --predict off ;;
-    *) echo "unknown RUNS set '$set' (basic, tiers, nvme, mma1, vram, vram-mma1, next80b)"; exit 2 ;;
+    *) echo "unknown RUNS set '$set' (basic, tiers, nvme, mma2, vram, vram-mma2, next80b)"; exit 2 ;;
   esac
 done

@@ -6,7 +6,7 @@
 # test_host_tier (its CUDA case; HOST_TIER_TEST=0 skips it) and `strata ssdbw` (the pinned
 # host-to-device probe) run too. The tensor-core kernel timings run with both stagings
 # (STRATA_CUDA_MMA=1 and 2, docs/cuda.md).
-#   RUNS: the bench sets of cuda_bench_30b.sh (basic, tiers, nvme, mma1; several: space-separated).
+#   RUNS: the bench sets of cuda_bench_30b.sh (basic, tiers, nvme, mma2, vram, vram-mma2, next80b; several: space-separated).
 #   SRC source tree (default: the repository root); DEPS, GTEST, MODELS as cuda_device_run.sh.
 set -u
 . "$(dirname "$0")/cuda_env.sh"
@@ -20,11 +20,11 @@ echo "== test_cuda_kernels"
 timeout 120 "$B/tests/test_cuda_kernels" > "$OUT/kernels.log" 2>&1
 rc=$?; echo "rc $rc"; grep -E "^\[  (FAILED|PASSED) |mma matmul|Failure|Expected|Which|mismatches" "$OUT/kernels.log" | head -30
 if [ $rc -ne 0 ] && [ "${MMA_FALLBACK:-0}" = 1 ]; then
-  # MMA_FALLBACK=1: when the default staging fails, test the former one and use it for the rest
-  echo "== test_cuda_kernels with STRATA_CUDA_MMA=1 (fallback)"
-  export STRATA_CUDA_MMA=1
-  timeout 120 "$B/tests/test_cuda_kernels" > "$OUT/kernels_mma1.log" 2>&1
-  echo "rc $?"; grep -E "^\[  (FAILED|PASSED) |Failure|Expected|mismatches" "$OUT/kernels_mma1.log" | head -20
+  # MMA_FALLBACK=1: when the default staging fails, test the other one and use it for the rest
+  echo "== test_cuda_kernels with STRATA_CUDA_MMA=2 (the ldmatrix staging)"
+  export STRATA_CUDA_MMA=2
+  timeout 120 "$B/tests/test_cuda_kernels" > "$OUT/kernels_mma2.log" 2>&1
+  echo "rc $?"; grep -E "^\[  (FAILED|PASSED) |Failure|Expected|mismatches" "$OUT/kernels_mma2.log" | head -20
 fi
 for v in 1 2; do  # the tensor-core kernels' two stagings side by side (cuda::mma_kernel_version)
   STRATA_CUDA_MMA=$v STRATA_CUDA_BENCH=1 timeout 60 "$B/tests/test_cuda_kernels" --gtest_filter='*Timings*' 2>&1 |

@@ -95,11 +95,12 @@ bool is_supported(GgmlType t);
 enum class MatmulPath { Auto, MatVec, Tiled, Mma };
 
 /// The staging of the tensor-core kernels (MatmulPath::Mma, grouped_matmul; not the <= 8-token
-/// mma_small): 2 (default) loads the MMA fragments from shared memory with ldmatrix and
-/// double-buffers the staging (one barrier per 32-column step); 1 is the former kernel (32-bit
+/// mma_small): 2 loads the MMA fragments from shared memory with ldmatrix and
+/// double-buffers the staging (one barrier per 32-column step); 1 (default) is the former kernel (32-bit
 /// fragment loads, one buffer, two barriers). Both feed the same words to the same MMAs in the
-/// same order, so their results are bit-identical (tested); 1 is kept for that test and for
-/// side-by-side timings. Process-wide; the first use reads STRATA_CUDA_MMA ("1": version 1).
+/// same order, so their results are bit-identical (tested); 1 is the default because 2 measured no
+/// faster (H200, 2026-12-02: prefill 2,418 vs 2,426 tok/s, decode 50.8 vs 48.3). Process-wide;
+/// the first use reads STRATA_CUDA_MMA ("2": version 2).
 int mma_kernel_version();
 /// Sets mma_kernel_version() for later launches. Throws std::invalid_argument unless 1 or 2.
 void set_mma_kernel_version(int version);

@@ -1240,7 +1240,7 @@ int mma_kernel_version() {
   int v = g_mma_version.load(std::memory_order_relaxed);
   if (v == 0) {
     const char* e = std::getenv("STRATA_CUDA_MMA");
-    v = e && std::string(e) == "1" ? 1 : 2;
+    v = e && std::string(e) == "2" ? 2 : 1;
     int expected = 0;
     if (!g_mma_version.compare_exchange_strong(expected, v)) v = expected;
   }
