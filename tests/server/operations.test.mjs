@@ -109,9 +109,10 @@ test('SIGTERM during a long prefill: stops within a layer, the request gets 503 
   const r = await pending;
   assert.equal(r.status, 503, r.text);
   assert.equal(r.body.error.message, 'the server is shutting down');
-  // The queued streamed request: an error event, then [DONE] (never a finish_reason "cancelled").
+  // The queued streamed request either gets the freed slot and finishes within the grace (on a
+  // fast machine) or ends with an error event; then [DONE]. Never a finish_reason "cancelled".
   const s = await pendingStream;
   assert.doesNotMatch(s.text, /"finish_reason":"cancelled"/);
-  assert.match(s.text, /the server is shutting down/);
+  assert.ok(/the server is shutting down/.test(s.text) || /"finish_reason":"(length|stop)"/.test(s.text), s.text);
   assert.match(s.text, /data: \[DONE\]/);
 });

@@ -105,6 +105,7 @@ async function useThePage(page, html, storage) {
 
   // Send and stream (the page sends no sampling fields: the server's defaults sample).
   page.extra.max_tokens = 64;  // the page sets no limit: keep the conversation short
+  page.extra.ignore_eos = true;  // the default sampling (random seed) may pick EOS first: an empty reply
   els.input.value = 'def fib(n):';
   els.input.dispatch('keydown', { key: 'Enter', shiftKey: false });
   await until(() => els.status.textContent === 'done' || els.status.textContent === 'error', 'the reply');
