@@ -267,22 +267,7 @@ TEST(ExpertParallel, PopularityPlacementBitIdenticalToo) {
   const RunResult plain = run(base, ids, {});
   // A static rank from the prompt's own routing.
   const std::string rank_path = testing::TempDir() + "strata-ep.strata-rank";
-  {
-    engine::EngineOptions o = base;
-    o.arena_mb = 64;
-    engine::Engine eng(test::shipped_model(), o);
-    model::SequenceState st = eng.new_sequence();
-    std::vector<float> logits;
-    model::RoutingTrace trace;
-    eng.prefill(st, ids, model::LogitsMode::None, logits, &trace);
-    engine::ExpertPopularity pop;
-    pop.counts.assign(trace.ids.size(), std::vector<uint64_t>(64, 0));
-    for (size_t l = 0; l < trace.ids.size(); ++l)
-      for (const auto& tok : trace.ids[l])
-        for (int32_t e : tok) pop.counts[l][size_t(e)]++;
-    pop.tokens = ids.size();
-    engine::write_popularity(rank_path, test::shipped_model(), pop);
-  }
+  test::write_prompt_rank(base, ids, rank_path);
   engine::EngineOptions o = base;
   o.static_rank = rank_path;
   const RunResult with_rank = run(o, ids, {});  // the static rank changes what is read ahead, never results

@@ -36,9 +36,7 @@ void register_profile(CLI::App& root) {
       model::SequenceState st = eng.new_sequence();
       model::RoutingTrace trace;
       eng.prefill(st, std::span(ids).subspan(b, n), model::LogitsMode::None, logits, &trace);
-      for (size_t l = 0; l < trace.ids.size(); ++l)
-        for (const auto& tok : trace.ids[l])
-          for (int32_t e : tok) pop.counts[l][e]++;
+      pop.count(trace);
       pop.tokens += n;
       fmt::print(stderr, "\rprofiled {}/{} tokens", b + n, ids.size());
     }

@@ -22,6 +22,12 @@ std::vector<std::vector<int32_t>> ExpertPopularity::rank() const {
   return out;
 }
 
+void ExpertPopularity::count(const model::RoutingTrace& trace) {
+  for (size_t l = 0; l < trace.ids.size(); ++l)
+    for (const auto& tok : trace.ids[l])
+      for (int32_t e : tok) counts.at(l).at(size_t(e))++;
+}
+
 std::string default_rank_path(const std::string& model_path) { return model_path + ".strata-rank"; }
 
 void write_popularity(const std::string& path, const std::string& model_path, const ExpertPopularity& pop) {

@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "model/model.h"
+
 namespace strata::engine {
 
 /// Pick counts per layer and expert: counts[layer][expert].
@@ -15,6 +17,10 @@ struct ExpertPopularity {
   uint64_t tokens = 0;  ///< tokens profiled
   /// Expert ids of each layer by descending count (ties: lower id first).
   std::vector<std::vector<int32_t>> rank() const;
+  /// Adds one pick per (layer, token, k) of a prefill's routing trace (trace.ids[layer][token]
+  /// holds the token's top-k expert ids) to `counts`, which must be sized n_layer x n_expert;
+  /// `tokens` is left to the caller. Throws std::out_of_range for an id outside `counts`.
+  void count(const model::RoutingTrace& trace);
 };
 
 /// The default sidecar path for a model: model_path + ".strata-rank".

@@ -12,9 +12,11 @@
 #include <span>
 #include <stdexcept>
 
+#include "engine/static_rank.h"
 #include "gguf/gguf.h"
 #include "gguf/gguf_writer.h"
 #include "support/gguf_edit.h"
+#include "support/paths.h"
 
 namespace strata::test {
 
@@ -244,6 +246,21 @@ void expect_nextn_block_skipped(const std::string& model, const engine::EngineOp
   ASSERT_EQ(got.size(), want.size());
   EXPECT_TRUE(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)) == 0)
       << "logits change with a NextN block appended";
+}
+
+void write_prompt_rank(const engine::EngineOptions& o, const std::vector<int32_t>& ids, const std::string& path) {
+  engine::EngineOptions all = o;
+  all.arena_mb = 64;
+  engine::Engine eng(test::shipped_model(), all);
+  model::SequenceState st = eng.new_sequence();
+  std::vector<float> logits;
+  model::RoutingTrace trace;
+  eng.prefill(st, ids, model::LogitsMode::None, logits, &trace);
+  engine::ExpertPopularity pop;
+  pop.counts.assign(size_t(eng.hparams().n_layer), std::vector<uint64_t>(size_t(eng.hparams().n_expert), 0));
+  pop.count(trace);
+  pop.tokens = ids.size();
+  engine::write_popularity(path, test::shipped_model(), pop);
 }
 
 }  // namespace strata::test

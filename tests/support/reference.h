@@ -63,6 +63,11 @@ void expect_greedy(engine::Engine& eng, const nlohmann::json& cases, const char*
 /// to be below the experts' total bytes (streaming: experts are evicted and re-read).
 void expect_invariance(const std::string& model, const engine::EngineOptions& base, const std::vector<int32_t>& ids);
 
+/// Writes a static rank (MODEL.strata-rank format, engine::write_popularity) to `path` made
+/// from the routing of one prefill of `ids` on the shipped model, with `o` but an arena that
+/// holds every expert (64 MiB).
+void write_prompt_rank(const engine::EngineOptions& o, const std::vector<int32_t>& ids, const std::string& path);
+
 /// The NextN / multi-token-prediction skip on a file made for it: copies `model` with one more
 /// block appended (a copy of the last block's tensors as blk.<block_count>.*, block_count + 1,
 /// nextn_predict_layers = 1, as GLM-4.5 and Qwen3.5 GGUFs carry it) and asserts that the copy
