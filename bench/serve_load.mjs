@@ -17,41 +17,29 @@
 // prompt chunk counts as prefill): experts the compute needed per generated token (the union of
 // each layer's experts over the batch, summed over layers and steps) and expert bytes read from
 // disk per generated token. --prefix-tokens 0 skips the prefix-cache part.
-import { spawn } from 'node:child_process';
+import { extraArgs, numberArg, parseArgs, startServer as spawnServer } from './common.mjs';
 
-const args = Object.fromEntries(
-  process.argv.slice(2).reduce((acc, a, i, all) => (a.startsWith('--') ? [...acc, [a.slice(2), all[i + 1]]] : acc), []),
-);
+const S = 'serve_load.mjs';
+const args = parseArgs(S, process.argv.slice(2), ['binary', 'model', 'arena-mb', 'parallel', 'clients', 'requests',
+  'max-tokens', 'threads', 'repeat', 'ctx-size', 'modes', 'prefix-tokens', 'prefix-repeat', 'extra']);
 const BINARY = args.binary ?? 'build/strata';
 const MODEL = args.model ?? 'models/qwen3moe-code-Q8_0.gguf';
 const ARENA = args['arena-mb'] ?? '8';
-const PARALLEL = Number(args.parallel ?? 32);
-const CLIENTS = (args.clients ?? '1,4,16,32').split(',').map(Number);
-const REQUESTS = Number(args.requests ?? 64);
-const MAX_TOKENS = Number(args['max-tokens'] ?? 32);
+const PARALLEL = numberArg(S, args, 'parallel', 32, { positive: true });
+const CLIENTS = (args.clients ?? '1,4,16,32').split(',').map((c) => numberArg(S, { clients: c }, 'clients', 0, { positive: true }));
+const REQUESTS = numberArg(S, args, 'requests', 64, { positive: true });
+const MAX_TOKENS = numberArg(S, args, 'max-tokens', 32, { positive: true });
 const THREADS = args.threads ?? '0';
-const REPEAT = Number(args.repeat ?? 1);
+const REPEAT = numberArg(S, args, 'repeat', 1, { positive: true });
 const CTX = args['ctx-size'] ?? '512';
 const MODES = (args.modes ?? 'batched,interleaved').split(',');
-const PREFIX_TOKENS = Number(args['prefix-tokens'] ?? 2000);
-const PREFIX_REPEAT = Number(args['prefix-repeat'] ?? 3);
-const EXTRA = (args.extra ?? '').split(' ').filter((x) => x);
+const PREFIX_TOKENS = numberArg(S, args, 'prefix-tokens', 2000, { min: 0 });
+const PREFIX_REPEAT = numberArg(S, args, 'prefix-repeat', 3, { positive: true });
+const EXTRA = extraArgs(args);
 const PROMPTS = ['def read_lines(path):', 'class Stack:\n    def __init__(self):', 'import os\n\ndef walk(root):', 'def fib(n):'];
 
-async function startServer(flags) {
-  const argv = ['serve', '-m', MODEL, '--port', '0', '-t', THREADS, '--arena-mb', ARENA, ...flags, ...EXTRA];
-  const proc = spawn(BINARY, argv, { stdio: ['ignore', 'ignore', 'pipe'] });
-  let log = '';
-  const url = await new Promise((resolve, reject) => {
-    proc.stderr.on('data', (d) => {
-      log += d;
-      const m = log.match(/listening on (http:\/\/[0-9.]+:[0-9]+)/);
-      if (m) resolve(m[1]);
-    });
-    proc.on('exit', (c) => reject(new Error(`server exited ${c}: ${log}`)));
-  });
-  const banner = log.match(/listening on [^\n]*/)[0];
-  return { url, banner, stop: () => new Promise((r) => { proc.once('exit', r); proc.kill('SIGTERM'); }) };
+function startServer(flags) {
+  return spawnServer(BINARY, ['serve', '-m', MODEL, '--port', '0', '-t', THREADS, '--arena-mb', ARENA, ...flags, ...EXTRA]);
 }
 
 async function scrape(url) {

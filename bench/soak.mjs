@@ -20,32 +20,26 @@
 // last byte), the server's RSS (VmRSS of /proc/PID/status, sampled every second) and its
 // prefix-cache bytes (/metrics). After the last client is done, the server's counters:
 // slots free (strata_slots - strata_requests_processing), queued, cancelled as it counted them.
-import { spawn } from 'node:child_process';
 import { readFileSync } from 'node:fs';
 import net from 'node:net';
 
-const args = Object.fromEntries(
-  process.argv.slice(2).reduce((acc, a, i, all) => (a.startsWith('--') ? [...acc, [a.slice(2), all[i + 1]]] : acc), []),
-);
+import { extraArgs, numberArg, parseArgs, startServer as spawnServer } from './common.mjs';
+
+const args = parseArgs('soak.mjs', process.argv.slice(2), ['binary', 'model', 'arena-mb', 'clients', 'minutes',
+  'parallel', 'ctx-size', 'hangup', 'max-tokens', 'threads', 'report-s', 'extra']);
 const BINARY = args.binary ?? 'build/strata';
 const MODEL = args.model ?? 'models/qwen3moe-code-Q8_0.gguf';
 const ARENA = args['arena-mb'] ?? '8';
-const CLIENTS = Number(args.clients ?? 32);
-const MINUTES = Number(args.minutes ?? 3);
+const CLIENTS = numberArg('soak.mjs', args, 'clients', 32, { positive: true });
+const MINUTES = numberArg('soak.mjs', args, 'minutes', 3, { positive: true });
 const PARALLEL = args.parallel ?? '8';
 const CTX = args['ctx-size'] ?? '1024';
-const HANGUP = Number(args.hangup ?? 0.25);
-const MAX_TOKENS = Number(args['max-tokens'] ?? 96);
+const HANGUP = numberArg('soak.mjs', args, 'hangup', 0.25, { min: 0, max: 1 });
+const MAX_TOKENS = numberArg('soak.mjs', args, 'max-tokens', 96, { positive: true });
 const THREADS = args.threads ?? '0';
-const REPORT_S = Number(args['report-s'] ?? 15);
+const REPORT_S = numberArg('soak.mjs', args, 'report-s', 15, { positive: true });
 const CLIENT_TIMEOUT_S = 120;
-const EXTRA = (args.extra ?? '').split(' ').filter((x) => x);
-for (const [k, v] of Object.entries({ clients: CLIENTS, minutes: MINUTES, hangup: HANGUP, 'max-tokens': MAX_TOKENS, 'report-s': REPORT_S })) {
-  if (!Number.isFinite(v) || v < 0 || (k !== 'hangup' && v <= 0) || (k === 'hangup' && v > 1)) {
-    console.error(`soak.mjs: --${k} ${args[k]}: must be a positive number${k === 'hangup' ? ' in [0, 1]' : ''}`);
-    process.exit(2);
-  }
-}
+const EXTRA = extraArgs(args);
 
 const SYSTEM = 'You are a careful Python assistant. Answer with short, correct code and no prose. ' +
   'Prefer the standard library, type hints and docstrings. '.repeat(4);
@@ -63,21 +57,9 @@ function rand() {
 const pick = (a) => a[Math.floor(rand() * a.length)];
 const uniform = (lo, hi) => lo + Math.floor(rand() * (hi - lo + 1));
 
-async function startServer() {
-  const argv = ['serve', '-m', MODEL, '--port', '0', '-t', THREADS, '--arena-mb', ARENA, '--parallel', PARALLEL,
-    '--ctx-size', CTX, ...EXTRA];
-  const proc = spawn(BINARY, argv, { stdio: ['ignore', 'ignore', 'pipe'] });
-  let log = '';
-  const url = await new Promise((resolve, reject) => {
-    proc.stderr.on('data', (d) => {
-      log += d;
-      const m = log.match(/listening on (http:\/\/[0-9.]+:[0-9]+)/);
-      if (m) resolve(m[1]);
-    });
-    proc.on('exit', (c) => reject(new Error(`server exited ${c}: ${log}`)));
-  });
-  const banner = log.match(/listening on [^\n]*/)[0];
-  return { url, banner, pid: proc.pid, log: () => log, stop: () => new Promise((r) => { proc.once('exit', r); proc.kill('SIGTERM'); }) };
+function startServer() {
+  return spawnServer(BINARY, ['serve', '-m', MODEL, '--port', '0', '-t', THREADS, '--arena-mb', ARENA, '--parallel',
+    PARALLEL, '--ctx-size', CTX, ...EXTRA]);
 }
 
 function rssMiB(pid) {

@@ -1,4 +1,5 @@
-# Sourced by the GPU-machine scripts (cuda_device_run.sh, cuda_perf_run.sh, cuda_bench_30b.sh):
+# Sourced by the GPU-machine scripts (cuda_device_run.sh, cuda_perf_run.sh, cuda_bench_30b.sh,
+# cuda_profile_run.sh, cuda_family_run.sh):
 # the paths, the environment and the configure/build step against the carried -dev package root.
 #   REPO  repository root (default: the working directory); SRC: source tree to build (default REPO)
 #   DEPS  the -dev package root (default: $REPO/.devdeps/root); GTEST: a googletest source tree

@@ -4,25 +4,20 @@
 # makes small models of each family's real shape with `strata synth` (the fixtures cannot travel),
 # runs test_cuda_kernels and test_cuda_backend (CUDA vs CPU per family), then the issue-14 GPU
 # benchmark on layer cuts of the real shapes (STEPS picks: "build tests bench"). Logs in $OUT.
+# Paths and the build step come from scripts/cuda_env.sh (OUT defaults to $REPO/cuda-family here).
 #   SRC     source tree to build (default: the repository root); REPO: the checkout with models/
 #   BUDGET  seconds after which the remaining steps are skipped (default 400)
 #   FAMILIES  which bench models (default: "gpt-oss glm4moe qwen35moe deepseek2")
 set -u
 REPO=${REPO:-$(pwd)}
-SRC=${SRC:-$REPO}
-DEPS=${DEPS:-$REPO/.devdeps/root}
-GTEST=${GTEST:-$REPO/.devdeps/googletest}
-MODELS=${MODELS:-$REPO/models}
 OUT=${OUT:-$REPO/cuda-family}
-B=${BUILD:-/tmp/strata-cuda-build}
+. "$(dirname "$0")/cuda_env.sh"  # SRC DEPS GTEST MODELS OUT B, LD_LIBRARY_PATH, STRATA_MODELS_DIR, strata_build
 FAM=${FAMDIR:-/tmp/strata-families}
 BUDGET=${BUDGET:-400}
 STEPS=${STEPS:-build tests bench}
 FAMILIES=${FAMILIES:-gpt-oss glm4moe qwen35moe deepseek2}
-mkdir -p "$OUT" "$FAM"
-export LD_LIBRARY_PATH=$DEPS/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-export STRATA_MODELS_DIR=$MODELS STRATA_CUDA_FAMILY_DIR=$FAM
-L=$DEPS/usr
+mkdir -p "$FAM"
+export STRATA_CUDA_FAMILY_DIR=$FAM
 t0=$(date +%s)
 el() { echo $(($(date +%s) - t0)); }
 left() { [ $(($(date +%s) - t0)) -lt "$BUDGET" ]; }
@@ -32,10 +27,7 @@ TOK=$MODELS/qwen3moe-code-Q8_0.gguf
 if has build; then
   {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-    cmake -S "$SRC" -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSTRATA_WERROR=OFF -DSTRATA_BENCH=OFF \
-      -DSTRATA_DEPS_ROOT="$DEPS" -DSTRATA_GTEST_SOURCE="$GTEST" -Dfmt_DIR=$L/lib/x86_64-linux-gnu/cmake/fmt \
-      -DCLI11_DIR=$L/share/cmake/CLI11 -Dnlohmann_json_DIR=$L/share/cmake/nlohmann_json &&
-      cmake --build "$B" -j"$(nproc)" --target strata test_cuda_backend test_cuda_kernels
+    strata_build -- strata test_cuda_backend test_cuda_kernels
   } > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
   echo "built at $(el) s"
 fi

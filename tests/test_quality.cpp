@@ -899,46 +899,80 @@ TEST(QualityMoce, BonusWithASmallArenaLowersMissesAndHasAKld) {
   EXPECT_THROW(eng.set_moce_bonus(NAN), engine::EngineError);
 }
 
+TEST(QualityMoce, BlockMeanErrorIsTheBatchMeansEstimate) {
+  // Two sequences, blocks of 2: block means 1, 3 | 5 (the trailing 7 counts in the mean only).
+  const std::vector<std::vector<double>> v = {{0, 2, 2, 4}, {4, 6, 7}};
+  const quality::MeanError m = quality::block_mean_error(v, 2);
+  EXPECT_DOUBLE_EQ(m.mean, 25.0 / 7.0);
+  // sd of {1, 3, 5} = 2, over sqrt(3) blocks.
+  EXPECT_NEAR(m.error, 2.0 / std::sqrt(3.0), 1e-12);
+  EXPECT_EQ(quality::block_mean_error(std::vector<std::vector<double>>{{1, 2, 3}}, 4).error, 0.0);
+  EXPECT_THROW(quality::block_mean_error(v, 0), std::invalid_argument);
+}
+
 TEST(QualityMoce, CalibratedBonusRespectsItsBudget) {
   engine::EngineOptions o;
   o.n_threads = 2;
   o.n_ctx = 128;
-  o.arena_mb = 5;
-  o.predict = false;  // residency from the routing alone: the bonus matters most, the budget binds
+  o.arena_mb = 5;     // 75 slots of the 512 experts (15 %)
+  o.predict = false;  // residency from the routing alone: deterministic, the bonus matters most
   engine::Engine eng(test::shipped_model(), o);
-  const std::vector<int32_t> cal = quality::moce_builtin_sample(eng, 32);
-  ASSERT_EQ(cal.size(), 32u);
-  const double budget = 0.05;
+  // The built-in calibration sample: the model's own text at temperature 1, fixed seeds.
+  const auto cal = quality::moce_sampled_texts(eng, quality::kMoceSampleSequences, quality::kMoceSampleTokens);
+  ASSERT_EQ(cal.size(), size_t(quality::kMoceSampleSequences));
+  for (const auto& t : cal) ASSERT_EQ(t.size(), size_t(quality::kMoceSampleTokens));
+  EXPECT_NE(cal[0], cal[1]);  // other seeds, other text
+  const auto again = quality::moce_sampled_texts(eng, 1, 24);
+  EXPECT_TRUE(std::equal(again[0].begin(), again[0].end(), cal[0].begin())) << "the sample is not reproducible";
+  const double budget = 0.01;
   const quality::MoceCalibration c = quality::calibrate_moce(eng, cal, budget);
-  ASSERT_EQ(c.grid.size(), std::size(quality::kMoceGrid));
-  EXPECT_LE(c.kld, budget);
+  ASSERT_FALSE(c.grid.empty());
   EXPECT_EQ(eng.options().moce_bonus, c.bonus);
-  for (const auto& g : c.grid)
-    if (g.bonus > c.bonus) {
-      EXPECT_GT(g.kld, budget) << "a larger bonus within the budget was not chosen: " << g.bonus;
+  EXPECT_EQ(c.tokens, size_t(quality::kMoceSampleSequences * quality::kMoceSampleTokens));
+  // The criterion: every point up to the chosen one has its bound within the budget; the search
+  // stops at the first point above it (or at the end of the grid).
+  for (size_t i = 0; i < c.grid.size(); ++i) {
+    const auto& g = c.grid[i];
+    EXPECT_DOUBLE_EQ(g.kld_bound, g.kld + quality::kMoceZ * g.kld_error);
+    EXPECT_GT(g.kld_error, 0.0) << g.bonus;
+    if (g.bonus <= c.bonus) {
+      EXPECT_LE(g.kld_bound, budget) << g.bonus;
     }
-  // Held back: another text, measured and reported (no bound asserted: the budget is a
-  // calibration on one text, not a guarantee on others).
-  const std::vector<int32_t> held = text_tokens(eng, 200, 32);
-  const MoceRun b0 = moce_run(eng, held, 0);
-  const MoceRun bc = moce_run(eng, held, c.bonus);
-  const double kld = quality::mean_kld_rows(b0.logp, bc.logp, eng.hparams().n_vocab);
-  std::printf(
-      "moce calibration, budget %.3f: chose %.2f (calibration KLD %.5f); held-back text KLD %.5f, misses %llu "
-      "vs %llu at bonus 0\n",
-      budget, c.bonus, c.kld, kld, (unsigned long long)bc.misses, (unsigned long long)b0.misses);
-  EXPECT_TRUE(std::isfinite(kld));
+    if (i + 1 == c.grid.size() && c.grid.size() < std::size(quality::kMoceGrid)) {
+      EXPECT_GT(g.kld_bound, budget);
+    }
+  }
+  // A bonus was chosen, so the held-back check below is not trivially 0.
+  ASSERT_GT(c.bonus, 0.0f) << "bound of the smallest grid bonus: " << c.grid[0].kld_bound;
+  EXPECT_LE(c.kld_bound, budget);
+  // Held back: two parts of kText (real code, not the model's own text), each from an empty arena.
+  for (const size_t skip : {size_t(0), size_t(200)}) {
+    const std::vector<int32_t> held = text_tokens(eng, skip, 64);
+    const MoceRun b0 = moce_run(eng, held, 0);
+    const MoceRun bc = moce_run(eng, held, c.bonus);
+    const double kld = quality::mean_kld_rows(b0.logp, bc.logp, eng.hparams().n_vocab);
+    std::printf(
+        "moce calibration, budget %.3f: chose %.2f (calibration KLD %.5f, bound %.5f); held-back tokens %zu..%zu: "
+        "KLD %.5f, misses %llu vs %llu at bonus 0\n",
+        budget, c.bonus, c.kld, c.kld_bound, skip, skip + 64, kld, (unsigned long long)bc.misses,
+        (unsigned long long)b0.misses);
+    EXPECT_LE(kld, budget) << "held-back tokens from " << skip;
+    EXPECT_LT(bc.misses, b0.misses) << "the chosen bonus should save reads";
+  }
   EXPECT_THROW(quality::calibrate_moce(eng, cal, 0.0), std::invalid_argument);
+  EXPECT_THROW(quality::calibrate_moce(eng, {}, budget), std::invalid_argument);
+  const std::vector<std::vector<int32_t>> short_text = {std::vector<int32_t>(cal[0].begin(), cal[0].begin() + 31)};
+  EXPECT_THROW(quality::calibrate_moce(eng, short_text, budget), std::invalid_argument);  // 1 block of 16
 }
 
 TEST(QualityMoce, MoceBenchReportsSpeedAndKldSideBySide) {
-  // Calibrate on a short file (the first 24 tokens of kText) and measure on a held-back part.
+  // Calibrate on a short file (the first 200 characters of kText, at least two blocks of 16 tokens) and measure on a held-back part.
   const std::string cal = scratch().path("moce-cal.txt");
   {
     std::ifstream in(kText);
     std::stringstream ss;
     ss << in.rdbuf();
-    std::ofstream(cal) << ss.str().substr(0, 100);
+    std::ofstream(cal) << ss.str().substr(0, 200);
   }
   const std::string held = text_ids(400, 24);
   const std::string args = "moce-bench " + model_flag() + " --arena-mb 5 --predict off -c 64 --prompt-ids " + held +

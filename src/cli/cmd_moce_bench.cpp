@@ -35,6 +35,7 @@ struct SweepRow {
   uint64_t substituted = 0, misses_avoided = 0;
   quality::MeanError kld, same_top;
   double kld_p99 = 0, kld_max = 0;
+  std::vector<double> kld_tokens;  ///< KL(bonus 0 || bonus B) of each teacher-forced token, in order
 };
 
 std::vector<float> parse_bonuses(const std::string& s) {
@@ -60,12 +61,12 @@ std::vector<float> parse_bonuses(const std::string& s) {
 
 // Per-row exact KL(p || q) (nats) and whether the argmaxes (lower id on ties) agree.
 void compare_rows(const std::vector<float>& p, const std::vector<float>& q, int V, SweepRow& row) {
-  const size_t n = p.size() / size_t(V);
-  std::vector<double> kld(n);
+  std::vector<double> kld = quality::kld_per_row(p, q, V);
+  const size_t n = kld.size();
+  row.kld_tokens = kld;
   double sum = 0, sum2 = 0, same = 0;
   for (size_t r = 0; r < n; ++r) {
     const std::span<const float> pr(p.data() + r * size_t(V), size_t(V)), qr(q.data() + r * size_t(V), size_t(V));
-    kld[r] = quality::mean_kld_rows(pr, qr, V);
     sum += kld[r];
     sum2 += kld[r] * kld[r];
     same +=
@@ -182,6 +183,7 @@ void register_moce_bench(CLI::App& root) {
                       {"kld_error", r.kld.error},
                       {"kld_p99", r.kld_p99},
                       {"kld_max", r.kld_max},
+                      {"kld_tokens", r.kld_tokens},
                       {"same_top1", r.same_top.mean},
                       {"same_top1_error", r.same_top.error}});
       nlohmann::json j = {{"model", f->engine.model},
@@ -195,11 +197,15 @@ void register_moce_bench(CLI::App& root) {
                           {"rows", jr}};
       if (calibrated) {
         nlohmann::json grid = nlohmann::json::array();
-        for (const auto& g : cal.grid) grid.push_back({{"bonus", g.bonus}, {"kld", g.kld}});
+        for (const auto& g : cal.grid)
+          grid.push_back({{"bonus", g.bonus}, {"kld", g.kld}, {"kld_error", g.kld_error}, {"kld_bound", g.kld_bound}});
         j["calibration"] = {{"budget", f->engine.moce_kld_budget},
                             {"text", f->engine.moce_calibrate.empty() ? "builtin" : f->engine.moce_calibrate},
+                            {"sequences", cal.sequences},
+                            {"tokens", cal.tokens},
                             {"bonus", cal.bonus},
                             {"kld", cal.kld},
+                            {"kld_bound", cal.kld_bound},
                             {"grid", grid}};
       }
       fmt::print("{}\n", j.dump());
@@ -226,11 +232,11 @@ void register_moce_bench(CLI::App& root) {
     }
     if (calibrated)
       fmt::print(
-          "calibrated: budget {} nats on {}: chose {:g} (its calibration KLD {:.5f}; its row is this "
-          "text's)\n",
+          "calibrated: budget {} nats on {} ({} tokens): chose {:g} (its calibration KLD {:.5f}, bound {:.5f}; its "
+          "row is this text's)\n",
           f->engine.moce_kld_budget,
-          f->engine.moce_calibrate.empty() ? std::string("the built-in greedy sample") : f->engine.moce_calibrate,
-          cal.bonus, cal.kld);
+          f->engine.moce_calibrate.empty() ? std::string("the built-in sampled text") : f->engine.moce_calibrate,
+          cal.tokens, cal.bonus, cal.kld, cal.kld_bound);
     std::fflush(stdout);
   });
 }

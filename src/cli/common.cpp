@@ -70,13 +70,16 @@ void EngineFlags::add(CLI::App& app) {
       ->capture_default_str();
   app.add_flag("--moce-prefill", opts.moce_prefill, "apply --moce-bonus to prefill (prompt) tokens too");
   app.add_option("--moce-kld-budget", moce_kld_budget,
-                 "choose --moce-bonus automatically: the largest of the grid 0.05 .. 1 whose teacher-forced mean KLD "
-                 "(nats, decode path, against bonus 0) on the calibration text is at most this; prints the grid and "
-                 "the choice, then runs with it")
+                 "choose --moce-bonus automatically: the largest of the grid 0.025 .. 1 such that it and every smaller "
+                 "grid bonus keep mean + 1.645 x standard error (16-token blocks) of the teacher-forced KLD (nats, "
+                 "decode path, against bonus 0) on the calibration text at most this: a 95 % upper bound, since the "
+                 "mean of a short sample is noisy and held-back text differs; prints the grid and the choice, then "
+                 "runs with it")
       ->check(CLI::PositiveNumber);
   app.add_option("--moce-calibrate", moce_calibrate,
-                 "calibration text for --moce-kld-budget (its first 128 tokens; default: 64 tokens of the model's "
-                 "own greedy text after a fixed prompt)")
+                 "calibration text for --moce-kld-budget (its first 256 tokens, as 4 sequences of 64; default: 4 x 64 "
+                 "tokens of the model's own text sampled at temperature 1 with fixed seeds after a fixed prompt, as "
+                 "uncertain as the model is on real text, where its greedy text would be over-confident)")
       ->check(CLI::ExistingFile);
   app.add_flag("--profile", opts.profile,
                "after the run, print the time of each forward stage (attention, gated delta net, router, expert "
@@ -169,27 +172,34 @@ quality::MoceCalibration EngineFlags::calibrate_moce(engine::Engine& eng) const 
     if (!moce_calibrate.empty()) throw std::invalid_argument("--moce-calibrate needs --moce-kld-budget X");
     return {};
   }
-  std::vector<int32_t> cal;
-  const size_t cap = size_t(std::min<int64_t>(128, eng.n_ctx()));
+  // Sequences of at most kMoceSampleTokens (each teacher-forced from an empty arena), at most
+  // kMoceSampleSequences of them: the file's first tokens, or the model's own sampled text.
+  const size_t len = size_t(std::min<int64_t>(quality::kMoceSampleTokens, eng.n_ctx()));
+  std::vector<std::vector<int32_t>> cal;
   if (!moce_calibrate.empty()) {
     std::ifstream in(moce_calibrate, std::ios::binary);
     std::stringstream ss;
     ss << in.rdbuf();
     if (!in) throw std::invalid_argument(fmt::format("cannot read the calibration file '{}'", moce_calibrate));
-    cal = eng.tokenizer().encode(ss.str());
-    if (cal.size() < 8)
-      throw std::invalid_argument(
-          fmt::format("the calibration file '{}' has {} tokens: give at least 8", moce_calibrate, cal.size()));
-    if (cal.size() > cap) cal.resize(cap);
+    const std::vector<int32_t> ids = eng.tokenizer().encode(ss.str());
+    if (ids.size() < size_t(2 * quality::kMoceBlock))
+      throw std::invalid_argument(fmt::format(
+          "the calibration file '{}' has {} tokens: give at least {} (two blocks of {} for the standard error)",
+          moce_calibrate, ids.size(), 2 * quality::kMoceBlock, quality::kMoceBlock));
+    for (size_t i = 0; i + 1 < ids.size() && cal.size() < size_t(quality::kMoceSampleSequences); i += len)
+      cal.emplace_back(ids.begin() + ptrdiff_t(i), ids.begin() + ptrdiff_t(std::min(ids.size(), i + len)));
   } else {
-    cal = quality::moce_builtin_sample(eng, int(std::min<size_t>(64, cap)));
+    cal = quality::moce_sampled_texts(eng, quality::kMoceSampleSequences, int(len));
   }
   const quality::MoceCalibration c = quality::calibrate_moce(eng, cal, moce_kld_budget);
-  fmt::print(stderr, "moce calibration on {} tokens ({}), teacher-forced decode, KLD vs bonus 0:", cal.size(),
-             moce_calibrate.empty() ? "the model's greedy text" : moce_calibrate);
-  for (const auto& g : c.grid) fmt::print(stderr, " {}:{:.5f}", g.bonus, g.kld);
-  fmt::print(stderr, "\nmoce calibration: chose --moce-bonus {} (KLD {:.6f} <= budget {})\n", c.bonus, c.kld,
-             moce_kld_budget);
+  fmt::print(stderr,
+             "moce calibration on {} sequences, {} tokens ({}), teacher-forced decode from an empty arena, KLD vs "
+             "bonus 0 (mean + {} x standard error):",
+             c.sequences, c.tokens,
+             moce_calibrate.empty() ? "the model's own text sampled at temperature 1" : moce_calibrate, quality::kMoceZ);
+  for (const auto& g : c.grid) fmt::print(stderr, " {}:{:.5f}+{:.5f}", g.bonus, g.kld, quality::kMoceZ * g.kld_error);
+  fmt::print(stderr, "\nmoce calibration: chose --moce-bonus {} (KLD {:.5f}, bound {:.5f} <= budget {})\n", c.bonus,
+             c.kld, c.kld_bound, moce_kld_budget);
   return c;
 }
 

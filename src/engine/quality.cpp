@@ -9,6 +9,8 @@
 #include <fstream>
 #include <limits>
 
+#include "engine/sampler.h"
+
 namespace strata::quality {
 
 ChunkPlan plan_chunks(size_t n_tokens, int n_ctx) {
@@ -373,20 +375,26 @@ KldBase read_kld_base(const std::string& path) {
   return base;
 }
 
-double mean_kld_rows(std::span<const float> p_log, std::span<const float> q_log, int n_vocab) {
+std::vector<double> kld_per_row(std::span<const float> p_log, std::span<const float> q_log, int n_vocab) {
   if (n_vocab <= 0 || p_log.size() != q_log.size() || p_log.size() % size_t(n_vocab) != 0)
-    throw std::invalid_argument("mean_kld_rows: the two sets of rows differ in size or are not whole rows");
+    throw std::invalid_argument("kld_per_row: the two sets of rows differ in size or are not whole rows");
   const size_t n = p_log.size() / size_t(n_vocab);
-  if (n == 0) return 0;
-  double total = 0;
+  std::vector<double> out(n);
   for (size_t r = 0; r < n; ++r) {
     const float* p = p_log.data() + r * size_t(n_vocab);
     const float* q = q_log.data() + r * size_t(n_vocab);
     double k = 0;
     for (int i = 0; i < n_vocab; ++i) k += std::exp(double(p[i])) * (double(p[i]) - double(q[i]));
-    total += std::max(0.0, k);
+    out[r] = std::max(0.0, k);
   }
-  return total / double(n);
+  return out;
+}
+
+double mean_kld_rows(std::span<const float> p_log, std::span<const float> q_log, int n_vocab) {
+  const std::vector<double> k = kld_per_row(p_log, q_log, n_vocab);
+  double total = 0;
+  for (double v : k) total += v;
+  return k.empty() ? 0.0 : total / double(k.size());
 }
 
 namespace {
@@ -396,6 +404,29 @@ void cold(engine::Engine& eng) {
   eng.stream().wait_idle();
   eng.stream().clear();
   eng.reset_stats();
+}
+
+// `n` tokens: the prompt, then the model's own continuation at bonus 0 from an empty arena,
+// each next token drawn by `next` from the logits (at most the context).
+template <class Next>
+std::vector<int32_t> continue_prompt(engine::Engine& eng, int n, Next next) {
+  const float keep = eng.options().moce_bonus;
+  eng.set_moce_bonus(0);
+  cold(eng);
+  std::vector<int32_t> ids = eng.tokenizer().encode(kMoceCalibrationPrompt);
+  if (ids.empty()) ids.push_back(0);
+  const size_t cap = size_t(std::max<int64_t>(2, eng.n_ctx()));
+  model::SequenceState st = eng.new_sequence();
+  std::vector<float> logits;
+  eng.prefill(st, ids, model::LogitsMode::Last, logits);
+  while (ids.size() < cap && int(ids.size()) < n) {
+    const int32_t id = next(logits, ids);
+    ids.push_back(id);
+    if (ids.size() >= cap || int(ids.size()) >= n) break;
+    eng.decode(st, id, logits);
+  }
+  eng.set_moce_bonus(keep);
+  return ids;
 }
 }  // namespace
 
@@ -413,41 +444,97 @@ std::vector<float> teacher_forced_logprobs(engine::Engine& eng, std::span<const 
 }
 
 std::vector<int32_t> moce_builtin_sample(engine::Engine& eng, int n) {
-  const float keep = eng.options().moce_bonus;
-  eng.set_moce_bonus(0);
-  cold(eng);
-  std::vector<int32_t> ids = eng.tokenizer().encode(kMoceCalibrationPrompt);
-  if (ids.empty()) ids.push_back(0);
-  const size_t cap = size_t(std::max<int64_t>(2, eng.n_ctx()));
-  model::SequenceState st = eng.new_sequence();
-  std::vector<float> logits;
-  eng.prefill(st, ids, model::LogitsMode::Last, logits);
-  while (ids.size() < cap && int(ids.size()) < n) {
-    const int32_t next = int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
-    ids.push_back(next);
-    if (ids.size() >= cap || int(ids.size()) >= n) break;
-    eng.decode(st, next, logits);
-  }
-  eng.set_moce_bonus(keep);
-  return ids;
+  return continue_prompt(eng, n, [](const std::vector<float>& logits, const std::vector<int32_t>&) {
+    return int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  });
 }
 
-MoceCalibration calibrate_moce(engine::Engine& eng, std::span<const int32_t> tokens, double budget) {
+std::vector<std::vector<int32_t>> moce_sampled_texts(engine::Engine& eng, int n_seq, int n) {
+  std::vector<std::vector<int32_t>> out;
+  for (int i = 0; i < n_seq; ++i) {
+    engine::SamplerParams sp;
+    sp.temp = 1.0f;
+    sp.top_k = 0;
+    sp.top_p = 1.0f;
+    sp.min_p = 0.0f;
+    sp.repeat_penalty = 1.0f;
+    sp.seed = kMoceSampleSeed + uint64_t(i);
+    engine::Sampler sampler(sp);
+    out.push_back(continue_prompt(eng, n, [&](const std::vector<float>& logits, const std::vector<int32_t>& ids) {
+      return sampler.sample(logits, ids);
+    }));
+  }
+  return out;
+}
+
+MeanError block_mean_error(std::span<const std::vector<double>> values, int block) {
+  if (block < 1) throw std::invalid_argument(fmt::format("block_mean_error: block of {} tokens", block));
+  double sum = 0;
+  size_t n = 0;
+  std::vector<double> means;
+  for (const auto& v : values) {
+    for (double x : v) sum += x;
+    n += v.size();
+    for (size_t i = 0; i + size_t(block) <= v.size(); i += size_t(block)) {
+      double s = 0;
+      for (int j = 0; j < block; ++j) s += v[i + size_t(j)];
+      means.push_back(s / block);
+    }
+  }
+  MeanError m;
+  if (n == 0) return m;
+  m.mean = sum / double(n);
+  if (means.size() >= 2) {
+    double s = 0, s2 = 0;
+    for (double x : means) s += x;
+    const double mb = s / double(means.size());
+    for (double x : means) s2 += (x - mb) * (x - mb);
+    m.error = std::sqrt(s2 / double(means.size() - 1) / double(means.size()));
+  }
+  return m;
+}
+
+MoceCalibration calibrate_moce(engine::Engine& eng, std::span<const std::vector<int32_t>> texts, double budget) {
   if (!(budget > 0) || !std::isfinite(budget))
     throw std::invalid_argument(fmt::format("--moce-kld-budget must be a finite KLD > 0 in nats, got {}", budget));
+  if (texts.empty()) throw std::invalid_argument("the MoCE calibration has no text");
+  MoceCalibration cal;
+  cal.sequences = texts.size();
+  size_t blocks = 0;
+  for (const auto& t : texts) {
+    if (t.size() < 2)
+      throw std::invalid_argument(
+          fmt::format("a MoCE calibration sequence has {} tokens: give at least 2", t.size()));
+    cal.tokens += t.size();
+    blocks += t.size() / size_t(kMoceBlock);
+  }
+  if (blocks < 2)
+    throw std::invalid_argument(fmt::format(
+        "the MoCE calibration text has {} whole blocks of {} tokens: give at least 2 (its standard error needs them)",
+        blocks, kMoceBlock));
   const int V = eng.hparams().n_vocab;
   eng.set_moce_bonus(0);
-  const std::vector<float> ref = teacher_forced_logprobs(eng, tokens);
-  MoceCalibration cal;
+  std::vector<std::vector<float>> ref;
+  for (const auto& t : texts) ref.push_back(teacher_forced_logprobs(eng, t));
   for (float b : kMoceGrid) {
     eng.set_moce_bonus(b);
-    const std::vector<float> q = teacher_forced_logprobs(eng, tokens);
-    const double kld = mean_kld_rows(ref, q, V);
-    cal.grid.push_back({b, kld, eng.decode_stats().stream.misses});
-    if (kld <= budget && b > cal.bonus) {
-      cal.bonus = b;
-      cal.kld = kld;
+    MoceGridPoint g;
+    g.bonus = b;
+    std::vector<std::vector<double>> kld;
+    for (size_t s = 0; s < texts.size(); ++s) {
+      const std::vector<float> q = teacher_forced_logprobs(eng, texts[s]);
+      kld.push_back(kld_per_row(ref[s], q, V));
+      g.misses += eng.decode_stats().stream.misses;
     }
+    const MeanError m = block_mean_error(kld, kMoceBlock);
+    g.kld = m.mean;
+    g.kld_error = m.error;
+    g.kld_bound = m.mean + kMoceZ * m.error;
+    cal.grid.push_back(g);
+    if (!(g.kld_bound <= budget)) break;
+    cal.bonus = b;
+    cal.kld = g.kld;
+    cal.kld_bound = g.kld_bound;
   }
   eng.set_moce_bonus(cal.bonus);
   cold(eng);

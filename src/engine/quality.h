@@ -166,23 +166,41 @@ uint64_t tokenizer_hash(const tokenizer::Tokenizer& tok);
 
 // ---- MoCE calibration (--moce-kld-budget; docs/tools.md, "MoCE") ----
 
-/// The prompt of the built-in calibration sample (the model's own greedy text after it).
+/// The prompt of the built-in samples (the model's own text after it).
 inline constexpr const char* kMoceCalibrationPrompt = "def fibonacci(n):";
 
-/// Exact mean KL(p || q) in nats over rows of log-probabilities p_log, q_log ([n][n_vocab],
-/// n_vocab contiguous; both log-softmax). Throws std::invalid_argument on mismatched sizes.
+/// Exact KL(p || q) = sum_i p_i (log p_i - log q_i) in nats of each row of log-probabilities
+/// p_log, q_log ([n][n_vocab], n_vocab contiguous; both log-softmax), summed in double over the
+/// whole vocabulary in index order; a row that rounds below 0 gives 0. Returns n values.
+/// Throws std::invalid_argument on mismatched sizes or rows that are not whole.
+std::vector<double> kld_per_row(std::span<const float> p_log, std::span<const float> q_log, int n_vocab);
+/// The mean of kld_per_row (0 for no rows). Throws as kld_per_row.
 double mean_kld_rows(std::span<const float> p_log, std::span<const float> q_log, int n_vocab);
 
-/// A grid point of the calibration: the bonus and its teacher-forced mean KLD vs bonus 0.
+/// The mean of per-token values pooled over several sequences (`values[s][t]`), and its standard
+/// error by batch means: each sequence is cut into consecutive blocks of `block` tokens (a last
+/// partial block counts in the mean, not in the error), error = sd(block means) / sqrt(blocks)
+/// (0 with fewer than 2 blocks). Blocks because a token's KLD is not independent of its
+/// neighbours' (a substitution changes what stays resident for the next tokens, and the KV cache
+/// carries it), so the per-token standard error would understate the uncertainty. Throws
+/// std::invalid_argument for block < 1.
+MeanError block_mean_error(std::span<const std::vector<double>> values, int block);
+
+/// A grid point of the calibration: the bonus and its teacher-forced KLD vs bonus 0 (nats).
 struct MoceGridPoint {
   float bonus = 0;
-  double kld = 0;
-  uint64_t misses = 0;  ///< decode misses of the run
+  double kld = 0;        ///< mean per-token KLD over every calibration token
+  double kld_error = 0;  ///< its standard error (block_mean_error with kMoceBlock)
+  double kld_bound = 0;  ///< kld + kMoceZ * kld_error: what is compared with the budget
+  uint64_t misses = 0;   ///< decode misses of the run, summed over the sequences
 };
 struct MoceCalibration {
-  float bonus = 0;  ///< the largest grid bonus whose KLD <= budget (0 if none)
-  double kld = 0;   ///< its KLD (0 for bonus 0)
-  std::vector<MoceGridPoint> grid;
+  float bonus = 0;         ///< the chosen bonus (0 if even the smallest grid point fails)
+  double kld = 0;          ///< its mean KLD (0 for bonus 0)
+  double kld_bound = 0;    ///< its upper bound kld + kMoceZ * error (0 for bonus 0)
+  size_t sequences = 0;    ///< calibration sequences (each from an empty arena)
+  size_t tokens = 0;       ///< calibration tokens over all sequences
+  std::vector<MoceGridPoint> grid;  ///< the points measured, ascending (the search stops at the first failure)
 };
 
 /// Log-softmax rows of `tokens` fed one at a time through Engine::decode on a fresh sequence
@@ -191,13 +209,41 @@ struct MoceCalibration {
 std::vector<float> teacher_forced_logprobs(engine::Engine& eng, std::span<const int32_t> tokens);
 
 /// `n` greedy tokens after kMoceCalibrationPrompt at bonus 0 (prompt included, at most the context).
+/// moce-bench's default text; not the calibration sample (greedy text is more certain than real
+/// text, so its KLD understates the bonus's: docs/tools.md, "MoCE").
 std::vector<int32_t> moce_builtin_sample(engine::Engine& eng, int n);
 
-/// Grid search (the grid is kMoceGrid, ascending): every point's teacher-forced mean KLD against
-/// bonus 0 over `tokens`; chooses the largest bonus whose KLD <= budget. Leaves the engine at
-/// the chosen bonus, its arena empty and its counters reset. Throws std::invalid_argument for a
-/// budget that is not > 0 and finite, EngineError as decode does.
-MoceCalibration calibrate_moce(engine::Engine& eng, std::span<const int32_t> tokens, double budget);
-inline constexpr float kMoceGrid[] = {0.05f, 0.1f, 0.15f, 0.25f, 0.35f, 0.5f, 0.65f, 0.85f, 1.0f};
+/// Seeds of the built-in calibration sample: sequence i is drawn with seed kMoceSampleSeed + i.
+inline constexpr uint64_t kMoceSampleSeed = 1;
+/// The built-in calibration sample: kMoceSampleSequences sequences of kMoceSampleTokens tokens.
+inline constexpr int kMoceSampleSequences = 4;
+inline constexpr int kMoceSampleTokens = 64;
+
+/// `n_seq` sequences of the model's own text after kMoceCalibrationPrompt, `n` tokens each
+/// (prompt included; at most the context), sampled at temperature 1 from the full distribution
+/// (no top-k, top-p, min-p or repetition penalty: text distributed as the model predicts it, so as
+/// uncertain as the model is on real text) with seeds kMoceSampleSeed + i, at bonus 0 from an
+/// empty arena. The same tokens for a model on every run (the draw is std::mt19937_64's). Leaves
+/// the engine's bonus as it was and its arena empty. Throws EngineError as decode does.
+std::vector<std::vector<int32_t>> moce_sampled_texts(engine::Engine& eng, int n_seq, int n);
+
+/// The criterion: a bonus keeps the budget when mean + kMoceZ * standard error <= budget, the
+/// standard error from blocks of kMoceBlock tokens (block_mean_error). kMoceZ = 1.645 is the
+/// one-sided 95 % normal quantile: the bound is exceeded by the true mean KLD (on text like the
+/// sample) about 1 time in 20.
+inline constexpr double kMoceZ = 1.645;
+inline constexpr int kMoceBlock = 16;
+
+/// Grid search over kMoceGrid (ascending) for the largest bonus that keeps the budget with every
+/// smaller grid bonus keeping it too: each point teacher-forces every sequence of `texts` from an
+/// empty arena (each sequence is its own residency history) and compares it with bonus 0 over the
+/// full vocabulary; the search stops at the first point whose bound exceeds the budget (the KLD is
+/// not monotone in the bonus, so a larger bonus that passes after a failure is taken for luck).
+/// Leaves the engine at the chosen bonus, its arena empty and its counters reset. Throws
+/// std::invalid_argument for a budget that is not > 0 and finite, texts that are empty, hold a
+/// sequence of fewer than 2 tokens or fewer than 2 whole blocks of kMoceBlock tokens in all (no
+/// standard error), EngineError as decode does.
+MoceCalibration calibrate_moce(engine::Engine& eng, std::span<const std::vector<int32_t>> texts, double budget);
+inline constexpr float kMoceGrid[] = {0.025f, 0.05f, 0.1f, 0.15f, 0.25f, 0.35f, 0.5f, 0.65f, 0.85f, 1.0f};
 
 }  // namespace strata::quality
