@@ -580,129 +580,246 @@ void attention_ref(const cuda::AttentionArgs& a, const std::vector<float>& q, co
 }  // namespace
 
 // Attention: against a double reference (tolerance below), and bit-identical between decode
-// (one query) and prefill in one chunk or several.
+// (one query) and prefill in one chunk or several; on both kernels (AttentionPath::Simt, and
+// ::Mma for head_dim 64 and 128; positions 417..716 span three of its 128-segments too).
 TEST(CudaKernels, AttentionMatchesReferenceAndDecodeEqualsPrefill) {
   REQUIRE_CUDA_DEVICE();
   std::mt19937 rng(9);
   struct Shape {
     int n_head, n_head_kv, head_dim;
   };
-  for (Shape sh : {Shape{8, 2, 64}, Shape{16, 2, 128}, Shape{4, 4, 256}, Shape{6, 1, 96}}) {
-    SCOPED_TRACE("heads " + std::to_string(sh.n_head) + "/" + std::to_string(sh.n_head_kv) + " dim " +
-                 std::to_string(sh.head_dim));
-    const int64_t pos0 = 417, n_tok = 300, n_ctx = pos0 + n_tok;  // positions 417..716: three 256-segments
-    cuda::AttentionArgs a;
-    a.n_head = sh.n_head, a.n_head_kv = sh.n_head_kv, a.head_dim = sh.head_dim;
-    a.q_stride = a.out_stride = int64_t(sh.n_head) * sh.head_dim;
-    a.kv_stride = int64_t(sh.n_head_kv) * sh.head_dim;
-    a.scale = 1.0f / std::sqrt(float(sh.head_dim));
-    const auto q = random_floats(size_t(n_tok * a.q_stride), rng, -2, 2);
-    const auto k = random_floats(size_t(n_ctx * a.kv_stride), rng, -2, 2);
-    const auto v = random_floats(size_t(n_ctx * a.kv_stride), rng, -1, 1);
-    auto dq = upload(q), dk = upload(k), dv = upload(v);
-    cuda::DeviceBuffer dout(size_t(n_tok * a.out_stride) * 4);
-    a.q = dq.as<float>(), a.k = dk.as<float>(), a.v = dv.as<float>(), a.out = dout.as<float>();
-    a.n_tok = n_tok, a.pos0 = pos0;
-    cuda::attention(a);
-    const auto out = download<float>(dout, size_t(n_tok * a.out_stride));
-    // |v| <= 1: the output error of fp32 online softmax is a few ulp per weight plus the fp32
-    // sums over <= 717 positions and 3 segment folds, ~ (717/32 + 50) * 2^-24 on this data;
-    // allow 4e-6 absolute.
-    double worst = 0;
-    std::vector<double> ref;
-    for (int64_t t : {int64_t(0), int64_t(1), int64_t(31), int64_t(150), n_tok - 1}) {
-      attention_ref(a, q, k, v, t, ref);
-      for (size_t i = 0; i < ref.size(); ++i) worst = std::max(worst, std::fabs(out[t * a.out_stride + i] - ref[i]));
+  for (Shape sh : {Shape{8, 2, 64}, Shape{16, 2, 128}, Shape{4, 4, 256}, Shape{6, 1, 96}})
+    for (cuda::AttentionPath path : {cuda::AttentionPath::Simt, cuda::AttentionPath::Mma}) {
+      if (path == cuda::AttentionPath::Mma && sh.head_dim != 64 && sh.head_dim != 128) continue;  // Simt only
+      SCOPED_TRACE("heads " + std::to_string(sh.n_head) + "/" + std::to_string(sh.n_head_kv) + " dim " +
+                   std::to_string(sh.head_dim) + (path == cuda::AttentionPath::Mma ? " mma" : " simt"));
+      const int64_t pos0 = 417, n_tok = 300, n_ctx = pos0 + n_tok;  // positions 417..716: three 256-segments
+      cuda::AttentionArgs a;
+      a.n_head = sh.n_head, a.n_head_kv = sh.n_head_kv, a.head_dim = sh.head_dim;
+      a.q_stride = a.out_stride = int64_t(sh.n_head) * sh.head_dim;
+      a.kv_stride = int64_t(sh.n_head_kv) * sh.head_dim;
+      a.scale = 1.0f / std::sqrt(float(sh.head_dim));
+      a.path = path;
+      const auto q = random_floats(size_t(n_tok * a.q_stride), rng, -2, 2);
+      const auto k = random_floats(size_t(n_ctx * a.kv_stride), rng, -2, 2);
+      const auto v = random_floats(size_t(n_ctx * a.kv_stride), rng, -1, 1);
+      auto dq = upload(q), dk = upload(k), dv = upload(v);
+      cuda::DeviceBuffer dout(size_t(n_tok * a.out_stride) * 4);
+      a.q = dq.as<float>(), a.k = dk.as<float>(), a.v = dv.as<float>(), a.out = dout.as<float>();
+      a.n_tok = n_tok, a.pos0 = pos0;
+      cuda::attention(a);
+      const auto out = download<float>(dout, size_t(n_tok * a.out_stride));
+      // |v| <= 1: the output error of fp32 online softmax is a few ulp per weight plus the fp32
+      // sums over <= 717 positions and 3 segment folds, ~ (717/32 + 50) * 2^-24 on this data;
+      // allow 4e-6 absolute.
+      double worst = 0;
+      std::vector<double> ref;
+      for (int64_t t : {int64_t(0), int64_t(1), int64_t(31), int64_t(150), n_tok - 1}) {
+        attention_ref(a, q, k, v, t, ref);
+        for (size_t i = 0; i < ref.size(); ++i) worst = std::max(worst, std::fabs(out[t * a.out_stride + i] - ref[i]));
+      }
+      std::printf("attention %d/%d heads, dim %d (%s): max |err| %.3g\n", sh.n_head, sh.n_head_kv, sh.head_dim,
+                  path == cuda::AttentionPath::Mma ? "mma" : "simt", worst);
+      EXPECT_LE(worst, 4e-6);
+      // decode: one query at a time (segments in parallel + fold)
+      int64_t mismatches = 0;
+      cuda::DeviceBuffer d1(size_t(a.out_stride) * 4);
+      for (int64_t t : {int64_t(0), int64_t(5), int64_t(32), int64_t(150), n_tok - 1}) {
+        cuda::AttentionArgs b = a;
+        b.q = a.q + t * a.q_stride, b.out = d1.as<float>(), b.n_tok = 1, b.pos0 = pos0 + t;
+        cuda::attention(b);
+        const auto o1 = download<float>(d1, size_t(a.out_stride));
+        for (int64_t i = 0; i < a.out_stride; ++i) mismatches += !bits_equal(o1[i], out[t * a.out_stride + i]);
+      }
+      // prefill in chunks of 100 (positions 417.., 517.., 617..)
+      cuda::DeviceBuffer dc(size_t(n_tok * a.out_stride) * 4);
+      for (int64_t c0 = 0; c0 < n_tok; c0 += 100) {
+        cuda::AttentionArgs b = a;
+        b.q = a.q + c0 * a.q_stride, b.out = dc.as<float>() + c0 * a.out_stride, b.n_tok = 100, b.pos0 = pos0 + c0;
+        cuda::attention(b);
+      }
+      const auto oc = download<float>(dc, size_t(n_tok * a.out_stride));
+      for (size_t i = 0; i < oc.size(); ++i) mismatches += !bits_equal(oc[i], out[i]);
+      EXPECT_EQ(mismatches, 0);
     }
-    std::printf("attention %d/%d heads, dim %d: max |err| %.3g\n", sh.n_head, sh.n_head_kv, sh.head_dim, worst);
-    EXPECT_LE(worst, 4e-6);
-    // decode: one query at a time (segments in parallel + fold)
-    int64_t mismatches = 0;
-    cuda::DeviceBuffer d1(size_t(a.out_stride) * 4);
-    for (int64_t t : {int64_t(0), int64_t(5), int64_t(32), int64_t(150), n_tok - 1}) {
-      cuda::AttentionArgs b = a;
-      b.q = a.q + t * a.q_stride, b.out = d1.as<float>(), b.n_tok = 1, b.pos0 = pos0 + t;
-      cuda::attention(b);
-      const auto o1 = download<float>(d1, size_t(a.out_stride));
-      for (int64_t i = 0; i < a.out_stride; ++i) mismatches += !bits_equal(o1[i], out[t * a.out_stride + i]);
-    }
-    // prefill in chunks of 100 (positions 417.., 517.., 617..)
-    cuda::DeviceBuffer dc(size_t(n_tok * a.out_stride) * 4);
-    for (int64_t c0 = 0; c0 < n_tok; c0 += 100) {
-      cuda::AttentionArgs b = a;
-      b.q = a.q + c0 * a.q_stride, b.out = dc.as<float>() + c0 * a.out_stride, b.n_tok = 100, b.pos0 = pos0 + c0;
-      cuda::attention(b);
-    }
-    const auto oc = download<float>(dc, size_t(n_tok * a.out_stride));
-    for (size_t i = 0; i < oc.size(); ++i) mismatches += !bits_equal(oc[i], out[i]);
-    EXPECT_EQ(mismatches, 0);
-  }
 }
 
 // Sliding window and attention sinks (gpt-oss): against the double reference with the window's
 // first position and the sink logit, and bit-identical between decode, prefill in one chunk and
 // in chunks. Window 100 over positions 417..716 puts rows' first positions in segments 1 and 2
 // (the folds then start there), and window 300 makes some rows start in one segment and end two
-// later. Same tolerance as the plain attention test (fewer positions; the sink is one more term).
+// later (for the Mma kernel's 128-segments: first positions in segments 2..5). Same tolerance as
+// the plain attention test (fewer positions; the sink is one more term). Both kernels.
 TEST(CudaKernels, AttentionWindowAndSinksMatchReference) {
   REQUIRE_CUDA_DEVICE();
   std::mt19937 rng(10);
-  for (int64_t window : {int64_t(100), int64_t(300), int64_t(1)}) {
-    const int n_head = 8, n_head_kv = 2, head_dim = 64;
-    SCOPED_TRACE("window " + std::to_string(window));
-    const int64_t pos0 = 417, n_tok = 300, n_ctx = pos0 + n_tok;
+  for (int64_t window : {int64_t(100), int64_t(300), int64_t(1)})
+    for (cuda::AttentionPath path : {cuda::AttentionPath::Simt, cuda::AttentionPath::Mma}) {
+      const int n_head = 8, n_head_kv = 2, head_dim = 64;
+      SCOPED_TRACE("window " + std::to_string(window) + (path == cuda::AttentionPath::Mma ? " mma" : " simt"));
+      const int64_t pos0 = 417, n_tok = 300, n_ctx = pos0 + n_tok;
+      cuda::AttentionArgs a;
+      a.n_head = n_head, a.n_head_kv = n_head_kv, a.head_dim = head_dim;
+      a.q_stride = a.out_stride = int64_t(n_head) * head_dim;
+      a.kv_stride = int64_t(n_head_kv) * head_dim;
+      a.scale = 1.0f / std::sqrt(float(head_dim));
+      a.window = window;
+      a.path = path;
+      const auto q = random_floats(size_t(n_tok * a.q_stride), rng, -2, 2);
+      const auto k = random_floats(size_t(n_ctx * a.kv_stride), rng, -2, 2);
+      const auto v = random_floats(size_t(n_ctx * a.kv_stride), rng, -1, 1);
+      const auto sinks = random_floats(size_t(n_head), rng, -1, 3);  // gpt-oss's sinks are O(1) logits
+      auto dq = upload(q), dk = upload(k), dv = upload(v), ds = upload(sinks);
+      cuda::DeviceBuffer dout(size_t(n_tok * a.out_stride) * 4);
+      a.q = dq.as<float>(), a.k = dk.as<float>(), a.v = dv.as<float>(), a.out = dout.as<float>();
+      a.sinks = ds.as<float>();
+      a.n_tok = n_tok, a.pos0 = pos0;
+      cuda::attention(a);
+      const auto out = download<float>(dout, size_t(n_tok * a.out_stride));
+      double worst = 0, moved = 0;
+      std::vector<double> ref, ref_plain;
+      for (int64_t t : {int64_t(0), int64_t(1), int64_t(38), int64_t(39), int64_t(150), n_tok - 1}) {
+        attention_ref(a, q, k, v, t, ref, sinks);
+        cuda::AttentionArgs full = a;
+        full.window = 0;
+        attention_ref(full, q, k, v, t, ref_plain);  // what a kernel ignoring window and sinks would give
+        for (size_t i = 0; i < ref.size(); ++i) {
+          worst = std::max(worst, std::fabs(out[t * a.out_stride + i] - ref[i]));
+          moved = std::max(moved, std::fabs(ref_plain[i] - ref[i]));
+        }
+      }
+      std::printf(
+          "attention window %lld + sinks (%s): max |err| %.3g (window and sinks move the output by up to %.3g)\n",
+          (long long)window, path == cuda::AttentionPath::Mma ? "mma" : "simt", worst, moved);
+      EXPECT_LE(worst, 4e-6);
+      EXPECT_GT(moved, 1e-2);  // the check can fail: ignoring the window or the sinks is far outside 4e-6
+      int64_t mismatches = 0;
+      cuda::DeviceBuffer d1(size_t(a.out_stride) * 4);
+      for (int64_t t : {int64_t(0), int64_t(5), int64_t(39), int64_t(150), n_tok - 1}) {
+        cuda::AttentionArgs b = a;
+        b.q = a.q + t * a.q_stride, b.out = d1.as<float>(), b.n_tok = 1, b.pos0 = pos0 + t;
+        cuda::attention(b);
+        const auto o1 = download<float>(d1, size_t(a.out_stride));
+        for (int64_t i = 0; i < a.out_stride; ++i) mismatches += !bits_equal(o1[i], out[t * a.out_stride + i]);
+      }
+      cuda::DeviceBuffer dc(size_t(n_tok * a.out_stride) * 4);
+      for (int64_t c0 = 0; c0 < n_tok; c0 += 100) {
+        cuda::AttentionArgs b = a;
+        b.q = a.q + c0 * a.q_stride, b.out = dc.as<float>() + c0 * a.out_stride, b.n_tok = 100, b.pos0 = pos0 + c0;
+        cuda::attention(b);
+      }
+      const auto oc = download<float>(dc, size_t(n_tok * a.out_stride));
+      for (size_t i = 0; i < oc.size(); ++i) mismatches += !bits_equal(oc[i], out[i]);
+      EXPECT_EQ(mismatches, 0);
+    }
+}
+
+// The tensor-core kernel (AttentionPath::Mma) at the shapes of the model families it takes
+// (GQA groups 1, 3, 5, 8; head_dim 64 and 128; gpt-oss's window 128 + sinks) and odd lengths:
+// a prompt of 2049 tokens (rows end mid-tile, mid-segment and one past a 2048 boundary) against
+// the double reference on rows at the tile / segment edges, within the plain test's bound
+// (4e-6 absolute, |v| <= 1: the piece products are exact to 2^-24 relative, the rest is the
+// fp32 sums, whose rounding grows with the ~2049/32 tiles and 17 segment folds: ~ (64 + 17 + 50)
+// * 2^-24 ~ 8e-6 relative to the largest partial, which the softmax weights scale below 1).
+// Then bit-identity of every row: the one-pass prefill of all 2049 tokens = chunks of 7 (the
+// split path, one block of <= 56 rows), 15 and 17 (odd chunks: a token's rows cross blocks when
+// the group is 3 or 5) = decode of single tokens, so no row's bits depend on the rows sharing
+// its tile. The Simt kernel's distance is printed (the same quantity, another rounding).
+TEST(CudaKernels, AttentionMmaOddLengthsGroupsAndChunking) {
+  REQUIRE_CUDA_DEVICE();
+  std::mt19937 rng(13);
+  struct Case {
+    int n_head, n_head_kv, head_dim;
+    int64_t n_tok;
+    int64_t window;
+    bool sinks;
+  };
+  for (Case c : {Case{32, 4, 128, 2049, 0, false}, Case{12, 4, 64, 2049, 0, false}, Case{10, 2, 128, 300, 0, false},
+                 Case{8, 8, 64, 17, 0, false}, Case{16, 2, 64, 1, 0, false}, Case{64, 8, 64, 2049, 128, true},
+                 Case{16, 4, 128, 15, 0, true}}) {
+    SCOPED_TRACE("heads " + std::to_string(c.n_head) + "/" + std::to_string(c.n_head_kv) + " dim " +
+                 std::to_string(c.head_dim) + " n_tok " + std::to_string(c.n_tok) + " window " +
+                 std::to_string(c.window));
     cuda::AttentionArgs a;
-    a.n_head = n_head, a.n_head_kv = n_head_kv, a.head_dim = head_dim;
-    a.q_stride = a.out_stride = int64_t(n_head) * head_dim;
-    a.kv_stride = int64_t(n_head_kv) * head_dim;
-    a.scale = 1.0f / std::sqrt(float(head_dim));
-    a.window = window;
+    a.n_head = c.n_head, a.n_head_kv = c.n_head_kv, a.head_dim = c.head_dim;
+    a.q_stride = a.out_stride = int64_t(c.n_head) * c.head_dim;
+    a.kv_stride = int64_t(c.n_head_kv) * c.head_dim;
+    a.scale = 1.0f / std::sqrt(float(c.head_dim));
+    a.window = c.window;
+    a.path = cuda::AttentionPath::Mma;
+    const int64_t n_tok = c.n_tok;
     const auto q = random_floats(size_t(n_tok * a.q_stride), rng, -2, 2);
-    const auto k = random_floats(size_t(n_ctx * a.kv_stride), rng, -2, 2);
-    const auto v = random_floats(size_t(n_ctx * a.kv_stride), rng, -1, 1);
-    const auto sinks = random_floats(size_t(n_head), rng, -1, 3);  // gpt-oss's sinks are O(1) logits
+    const auto k = random_floats(size_t(n_tok * a.kv_stride), rng, -2, 2);
+    const auto v = random_floats(size_t(n_tok * a.kv_stride), rng, -1, 1);
+    const auto sinks = c.sinks ? random_floats(size_t(c.n_head), rng, -1, 3) : std::vector<float>{};
     auto dq = upload(q), dk = upload(k), dv = upload(v), ds = upload(sinks);
     cuda::DeviceBuffer dout(size_t(n_tok * a.out_stride) * 4);
     a.q = dq.as<float>(), a.k = dk.as<float>(), a.v = dv.as<float>(), a.out = dout.as<float>();
-    a.sinks = ds.as<float>();
-    a.n_tok = n_tok, a.pos0 = pos0;
+    a.sinks = c.sinks ? ds.as<float>() : nullptr;
+    a.n_tok = n_tok, a.pos0 = 0;
+    ASSERT_TRUE(cuda::attention_has_mma(a));
     cuda::attention(a);
     const auto out = download<float>(dout, size_t(n_tok * a.out_stride));
-    double worst = 0, moved = 0;
-    std::vector<double> ref, ref_plain;
-    for (int64_t t : {int64_t(0), int64_t(1), int64_t(38), int64_t(39), int64_t(150), n_tok - 1}) {
+    double worst = 0;
+    std::vector<double> ref;
+    for (int64_t t : {int64_t(0), int64_t(1), int64_t(14), int64_t(15), int64_t(16), int64_t(31), int64_t(32),
+                      int64_t(127), int64_t(128), int64_t(129), int64_t(1000), int64_t(2047), int64_t(2048)}) {
+      if (t >= n_tok) continue;
       attention_ref(a, q, k, v, t, ref, sinks);
-      cuda::AttentionArgs full = a;
-      full.window = 0;
-      attention_ref(full, q, k, v, t, ref_plain);  // what a kernel ignoring window and sinks would give
-      for (size_t i = 0; i < ref.size(); ++i) {
-        worst = std::max(worst, std::fabs(out[t * a.out_stride + i] - ref[i]));
-        moved = std::max(moved, std::fabs(ref_plain[i] - ref[i]));
-      }
+      for (size_t i = 0; i < ref.size(); ++i) worst = std::max(worst, std::fabs(out[t * a.out_stride + i] - ref[i]));
     }
-    std::printf("attention window %lld + sinks: max |err| %.3g (window and sinks move the output by up to %.3g)\n",
-                (long long)window, worst, moved);
+    cuda::AttentionArgs simt = a;
+    simt.path = cuda::AttentionPath::Simt;
+    cuda::DeviceBuffer dsimt(size_t(n_tok * a.out_stride) * 4);
+    simt.out = dsimt.as<float>();
+    cuda::attention(simt);
+    const auto os = download<float>(dsimt, size_t(n_tok * a.out_stride));
+    double vs_simt = 0;
+    for (size_t i = 0; i < os.size(); ++i) vs_simt = std::max(vs_simt, double(std::fabs(os[i] - out[i])));
+    std::printf(
+        "attention mma %d/%d heads, dim %d, %lld tokens, window %lld%s: max |err| %.3g, max |mma - simt| %.3g\n",
+        c.n_head, c.n_head_kv, c.head_dim, (long long)n_tok, (long long)c.window, c.sinks ? " + sinks" : "", worst,
+        vs_simt);
     EXPECT_LE(worst, 4e-6);
-    EXPECT_GT(moved, 1e-2);  // the check can fail: ignoring the window or the sinks is far outside 4e-6
+    // Chunkings: every row against the one-pass prefill.
+    for (int64_t chunk : {int64_t(7), int64_t(15), int64_t(17)}) {
+      if (chunk >= n_tok) continue;
+      cuda::DeviceBuffer dc(size_t(n_tok * a.out_stride) * 4);
+      for (int64_t c0 = 0; c0 < n_tok; c0 += chunk) {
+        cuda::AttentionArgs b = a;
+        b.q = a.q + c0 * a.q_stride, b.out = dc.as<float>() + c0 * a.out_stride;
+        b.n_tok = std::min(chunk, n_tok - c0), b.pos0 = c0;
+        cuda::attention(b);
+      }
+      const auto oc = download<float>(dc, size_t(n_tok * a.out_stride));
+      int64_t mismatches = 0;
+      for (size_t i = 0; i < oc.size(); ++i) mismatches += !bits_equal(oc[i], out[i]);
+      EXPECT_EQ(mismatches, 0) << "chunks of " << chunk;
+    }
+    // Decode: single tokens.
     int64_t mismatches = 0;
     cuda::DeviceBuffer d1(size_t(a.out_stride) * 4);
-    for (int64_t t : {int64_t(0), int64_t(5), int64_t(39), int64_t(150), n_tok - 1}) {
+    for (int64_t t : {int64_t(0), int64_t(14), int64_t(16), int64_t(127), int64_t(128), int64_t(200), int64_t(1023),
+                      int64_t(2048)}) {
+      if (t >= n_tok) continue;
       cuda::AttentionArgs b = a;
-      b.q = a.q + t * a.q_stride, b.out = d1.as<float>(), b.n_tok = 1, b.pos0 = pos0 + t;
+      b.q = a.q + t * a.q_stride, b.out = d1.as<float>(), b.n_tok = 1, b.pos0 = t;
       cuda::attention(b);
       const auto o1 = download<float>(d1, size_t(a.out_stride));
       for (int64_t i = 0; i < a.out_stride; ++i) mismatches += !bits_equal(o1[i], out[t * a.out_stride + i]);
     }
-    cuda::DeviceBuffer dc(size_t(n_tok * a.out_stride) * 4);
-    for (int64_t c0 = 0; c0 < n_tok; c0 += 100) {
-      cuda::AttentionArgs b = a;
-      b.q = a.q + c0 * a.q_stride, b.out = dc.as<float>() + c0 * a.out_stride, b.n_tok = 100, b.pos0 = pos0 + c0;
-      cuda::attention(b);
-    }
-    const auto oc = download<float>(dc, size_t(n_tok * a.out_stride));
-    for (size_t i = 0; i < oc.size(); ++i) mismatches += !bits_equal(oc[i], out[i]);
-    EXPECT_EQ(mismatches, 0);
+    EXPECT_EQ(mismatches, 0) << "decode";
   }
+  // A shape the tensor-core kernel does not take is an error on AttentionPath::Mma (Auto runs Simt).
+  cuda::AttentionArgs bad;
+  bad.n_head = 4, bad.n_head_kv = 4, bad.head_dim = 96, bad.scale = 0.1f;
+  bad.q_stride = bad.out_stride = bad.kv_stride = 4 * 96;
+  cuda::DeviceBuffer buf(size_t(4 * 96) * 4);
+  bad.q = bad.k = bad.v = buf.as<float>(), bad.out = buf.as<float>() + 0;
+  bad.n_tok = 1, bad.pos0 = 0;
+  bad.path = cuda::AttentionPath::Mma;
+  EXPECT_FALSE(cuda::attention_has_mma(bad));
+  EXPECT_THROW(cuda::attention(bad), cuda::CudaError);
 }
 
 // RoPE in the NORM layout with YaRN's attention factor, and the NEOX layout with it: against
@@ -845,8 +962,8 @@ TEST(CudaKernels, GatedDeltaNetMatchesCpuBlock) {
 }
 
 // Timings, only with STRATA_CUDA_BENCH=1 (wall clock around synchronize, 20 repetitions after a
-// warm-up): matmul at n_tok = 1 (GB/s of weight bytes) and 512 (GFLOP/s), attention prefill and
-// decode. Weights 32768 x 4096, larger than the H200's L2.
+// warm-up): matmul at n_tok = 1 (GB/s of weight bytes) and 512 (GFLOP/s). Weights 32768 x 4096,
+// larger than the H200's L2. Attention: AttentionTimings.
 TEST(CudaKernels, Timings) {
   REQUIRE_CUDA_DEVICE();
   const char* env = std::getenv("STRATA_CUDA_BENCH");
@@ -876,21 +993,49 @@ TEST(CudaKernels, Timings) {
                 strata::ggml_type_name(t).c_str(), (long long)rows, (long long)cols, ms1, double(rb * rows) / ms1 / 1e6,
                 ms512, 2.0 * rows * cols * 512 / ms512 / 1e6);
   }
-  // attention: 32 query heads, 4 KV heads, dim 128 (the Qwen3-30B-A3B shape)
+}
+
+// Attention timings, only with STRATA_CUDA_BENCH=1 (as Timings): both kernels side by side at
+// the Qwen3-30B-A3B shape (32 query heads, 4 KV heads, dim 128): a 2048-token prefill from
+// position 0 (TFLOP/s of the causal product's useful FLOPs) and one decode token at KV 2048,
+// 4096 and 8192.
+TEST(CudaKernels, AttentionTimings) {
+  REQUIRE_CUDA_DEVICE();
+  const char* env = std::getenv("STRATA_CUDA_BENCH");
+  if (!env || std::string(env) != "1") GTEST_SKIP() << "set STRATA_CUDA_BENCH=1 to time the kernels";
+  std::mt19937 rng(1);
+  auto time_ms = [](auto&& fn) {
+    fn();
+    cuda::synchronize();
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 20; ++i) fn();
+    cuda::synchronize();
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / 20;
+  };
   cuda::AttentionArgs a;
   a.n_head = 32, a.n_head_kv = 4, a.head_dim = 128, a.scale = 1.0f / std::sqrt(128.0f);
   a.q_stride = a.out_stride = 32 * 128, a.kv_stride = 4 * 128;
-  const int64_t n_ctx = 4096;
+  const int64_t n_ctx = 8192;
   auto dq = upload(random_floats(size_t(2048 * a.q_stride), rng));
   auto dk = upload(random_floats(size_t(n_ctx * a.kv_stride), rng));
   auto dv = upload(random_floats(size_t(n_ctx * a.kv_stride), rng));
   cuda::DeviceBuffer dout(size_t(2048 * a.out_stride) * 4);
   a.q = dq.as<float>(), a.k = dk.as<float>(), a.v = dv.as<float>(), a.out = dout.as<float>();
-  a.n_tok = 2048, a.pos0 = 0;
-  const double pre = time_ms([&] { cuda::attention(a); });
-  a.n_tok = 1, a.pos0 = n_ctx - 1;
-  const double dec = time_ms([&] { cuda::attention(a); });
-  std::printf(
-      "timing attention 32/4 heads dim 128: prefill 2048 tokens %.2f ms (%.0f GFLOP/s), decode at 4096 %.3f ms\n", pre,
-      4.0 * 32 * 128 * 2048.0 * 2049 / 2 / pre / 1e6, dec);
+  // Useful FLOPs of a causal prefill of n from position 0: 2 (QK and PV) * 2 * heads * dim * n (n + 1) / 2.
+  for (cuda::AttentionPath path : {cuda::AttentionPath::Simt, cuda::AttentionPath::Mma}) {
+    a.path = path;
+    a.n_tok = 2048, a.pos0 = 0;
+    const double pre = time_ms([&] { cuda::attention(a); });
+    a.n_tok = 1, a.pos0 = 2047;
+    const double d2k = time_ms([&] { cuda::attention(a); });
+    a.n_tok = 1, a.pos0 = 4095;
+    const double d4k = time_ms([&] { cuda::attention(a); });
+    a.n_tok = 1, a.pos0 = n_ctx - 1;
+    const double d8k = time_ms([&] { cuda::attention(a); });
+    std::printf(
+        "timing attention %s 32/4 heads dim 128: prefill 2048 tokens %.3f ms (%.2f TFLOP/s) | decode at KV 2048 "
+        "%.4f ms, 4096 %.4f ms, 8192 %.4f ms\n",
+        path == cuda::AttentionPath::Mma ? "mma " : "simt", pre, 4.0 * 32 * 128 * 2048.0 * 2049 / 2 / pre / 1e9, d2k,
+        d4k, d8k);
+  }
 }

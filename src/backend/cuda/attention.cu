@@ -1,8 +1,13 @@
 // Causal GQA attention against an fp32 KV cache, flash-attention style (one kernel for decode
 // and prefill, so both give the same bits for a query at a given position). Contract: kernels.h.
+// This file holds AttentionPath::Simt (fp32 on the CUDA cores) and the dispatch; the tensor-core
+// kernel (AttentionPath::Mma, the default where attention_has_mma) is attention_mma.cu.
 #include <cmath>
 #include <string>
 
+#include <cstdlib>
+
+#include "backend/cuda/attention_mma.h"
 #include "backend/cuda/cuda_check.h"
 
 namespace strata::cuda {
@@ -232,6 +237,18 @@ void attention(const AttentionArgs& a, void* stream) {
                           a.kv_stride >= int64_t(a.n_head_kv) * a.head_dim,
                       "cuda::attention: a stride is smaller than its row");
   STRATA_CUDA_REQUIRE(a.q && a.k && a.v && a.out, "cuda::attention: null pointer");
+  STRATA_CUDA_REQUIRE(a.path != AttentionPath::Mma || attention_has_mma(a),
+                      "cuda::attention: AttentionPath::Mma takes head_dim 64 or 128 with 16-byte aligned q, k, v and "
+                      "strides of 4 floats (head_dim=" +
+                          std::to_string(a.head_dim) + ")");
+  static const bool simt_env = [] {
+    const char* e = std::getenv("STRATA_CUDA_ATTN");
+    return e && std::string(e) == "simt";
+  }();
+  if (a.path == AttentionPath::Mma || (a.path == AttentionPath::Auto && !simt_env && attention_has_mma(a))) {
+    detail::attention_mma(a, stream);
+    return;
+  }
   const int group = a.n_head / a.n_head_kv;
   auto st = static_cast<cudaStream_t>(stream);
   switch (a.head_dim / 32) {
@@ -247,5 +264,7 @@ void attention(const AttentionArgs& a, void* stream) {
     default: break;
   }
 }
+
+bool attention_has_mma(const AttentionArgs& a) { return detail::attention_mma_takes(a); }
 
 }  // namespace strata::cuda

@@ -214,6 +214,12 @@ void rope_neox(float* x, int64_t ld_tok, int64_t n_tok, int n_heads, int head_di
 // ---------------------------------------------------------------------------------------------
 // Attention
 
+/// Which attention kernel runs (cuda::attention). Auto: Mma where attention_has_mma() holds,
+/// else Simt; the environment variable STRATA_CUDA_ATTN=simt makes Auto pick Simt everywhere
+/// (read on first use; for side-by-side benchmarks). The two kernels give close but not
+/// identical bits; each one alone keeps the decode = prefill = any-chunking promise.
+enum class AttentionPath { Auto, Simt, Mma };
+
 /// Causal GQA attention of n_tok consecutive query tokens against an fp32 KV cache.
 struct AttentionArgs {
   const float* q = nullptr;  ///< device, [head_dim, n_head, n_tok], token rows q_stride floats apart
@@ -235,8 +241,15 @@ struct AttentionArgs {
   /// joining the softmax's max and denominator without a value row (gpt-oss attention sinks):
   /// out = sum_p e^(s_p - M) v_p / (sum_p e^(s_p - M) + e^(sink_h - M)).
   const float* sinks = nullptr;
+  AttentionPath path = AttentionPath::Auto;  ///< Mma where attention_has_mma() is false: CudaError
 };
 
+/// True if AttentionPath::Mma takes `a`: head_dim 64 or 128, q, k, v 16-byte aligned, q_stride
+/// and kv_stride multiples of 4 floats (the other shapes, e.g. head_dim 96, 256 and MLA's 576,
+/// run on the Simt kernel).
+bool attention_has_mma(const AttentionArgs& a);
+
+/// AttentionPath::Simt, fp32 on the CUDA cores.
 /// Flash-attention style: blocks of one KV head and up to 8 query rows (token, head of the
 /// group), KV in tiles of 32 positions through shared memory, online softmax. Per query row
 /// the arithmetic is fixed by its position alone: score = (sequential fp32 FMA over head_dim)
@@ -251,6 +264,28 @@ struct AttentionArgs {
 /// before it are skipped and the folds start at the segment that holds it, so a row's arithmetic
 /// is still fixed by its position alone. A sink joins after the last fold: M' = max(M, sink),
 /// L' = L e^(M-M') + e^(sink-M'), O' = O e^(M-M').
+///
+/// AttentionPath::Mma, on the tensor cores (mma.sync m16n8k16, bf16 inputs, fp32 accumulation).
+/// Blocks of one KV head and 64 query rows (4 warps x 16 rows: token, head of the group, so the
+/// K/V tiles are staged once for the GQA group); KV in tiles of 32 positions. Every fp32 input x
+/// (q, k, v, and the softmax weights p) is split into three bf16 pieces, hi = bf16(x),
+/// mid = bf16(x - hi), lo = bf16(x - hi - mid) (round to nearest; x = hi + mid + lo to 2^-24
+/// relative), and a product a·b is the six piece products a_i b_j with i + j <= 2 (dropped terms
+/// < 2^-24 |a b|), multiplied per 16-long step of the sum on the tensor cores from 0, smallest
+/// first ((2,0) (1,1) (0,2) (1,0) (0,1) (0,0)), then added to the fp32 sum in step order:
+/// score = (sum over 16-dim steps) * scale; per tile m' = max(m, tile max) over the row's 32
+/// positions (masked positions -inf), c = expf(m - m') (1 while m' = -inf), e = expf(s - m')
+/// (0 masked), l = l*c + (the row's 8 values per lane summed in order, then the quad's butterfly),
+/// o = o*c, then per 16-position step the pieces of e times those of v added to o. Segments of
+/// 128 positions (detail::kAttnMmaSegment) start fresh and are folded in position order with the
+/// Simt formula, the sink after the last fold, out = O / L. With few blocks (decode, small
+/// chunks) the segments run in parallel and a second kernel folds them; else one pass folds as
+/// it goes (the unnormalized O parked in `out` between folds): the same operations. A row's
+/// arithmetic depends on its position alone (tile and segment edges are multiples of 32 and
+/// 128 from position 0; a tile a row does not see is a no-op for it: m' = m, c = 1, e = 0), so
+/// decode, prefill and any chunking give the same bits, as on Simt. Error: the rounding of the
+/// fp32 sums, as Simt (tests/test_cuda_kernels.cpp: the same 4e-6 bound against a double
+/// reference). `out` must not overlap k or v.
 /// Errors: bad shapes (head_dim, divisibility, n_tok <= 0, window < 0) throw CudaError.
 void attention(const AttentionArgs& a, void* stream = nullptr);
 

@@ -1,0 +1,406 @@
+// Causal GQA attention on the tensor cores (mma.sync m16n8k16, bf16 pieces, fp32 accumulation),
+// flash order, split-KV decode. Contract and numerics: kernels.h (AttentionPath::Mma).
+#include <cuda_bf16.h>
+
+#include <cmath>
+#include <string>
+
+#include "backend/cuda/attention_mma.h"
+#include "backend/cuda/cuda_check.h"
+
+namespace strata::cuda::detail {
+
+namespace {
+
+constexpr int kFaWarps = 4;              // warps per block, 16 query rows each
+constexpr int kFaRows = 16 * kFaWarps;   // query rows per block
+constexpr int kFaTile = 32;              // cache positions per tile
+constexpr int kFaSeg = kAttnMmaSegment;  // cache positions per segment (fresh softmax state)
+constexpr int kFaPieces = 3;             // x = hi + mid + lo, each bf16
+static_assert(kFaSeg % kFaTile == 0, "a tile never crosses a segment boundary");
+
+/// Two floats as a bf16 pair, a in the low half (round to nearest even).
+__device__ __forceinline__ uint32_t fa_pack(float a, float b) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ __forceinline__ float fa_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+
+/// The three bf16 pieces of x (hi = bf16(x), mid = bf16(x - hi), lo = bf16(x - hi - mid); both
+/// differences are exact in fp32), as floats.
+__device__ __forceinline__ void fa_split(float x, float& h, float& m, float& l) {
+  h = fa_bf16(x);
+  const float r = __fsub_rn(x, h);
+  m = fa_bf16(r);
+  l = __fsub_rn(r, m);
+}
+
+/// Pieces of the pairs (a0, a1): p[0] = hi pair, p[1] = mid pair, p[2] = lo pair.
+__device__ __forceinline__ void fa_split_pair(float a0, float a1, uint32_t p[3]) {
+  float h0, m0, l0, h1, m1, l1;
+  fa_split(a0, h0, m0, l0);
+  fa_split(a1, h1, m1, l1);
+  p[0] = fa_pack(h0, h1), p[1] = fa_pack(m0, m1), p[2] = fa_pack(l0, l1);
+}
+
+// Not volatile: the compiler may interleave independent mma chains.
+__device__ __forceinline__ void fa_mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/// Four 16 x 8 outputs of one 16-long step, each the six piece products from 0, smallest first:
+/// t[n] = sum over (i, j) in (2,0) (1,1) (0,2) (1,0) (0,1) (0,0) of a_i b_j, where a = A pieces
+/// (a[i]: one A fragment) and b[u][j] = the B fragments (two 8-column tiles 2u, 2u+1: regs 0-1,
+/// 2-3) of piece j; n = 2u + v. The dropped (1,2) (2,1) (2,2) are below 2^-24 of |a b|. The four
+/// chains are independent (interleaved for the tensor pipe); each one's order is fixed.
+__device__ __forceinline__ void fa_mma6x4(float t[4][4], const uint32_t a[3][4], const uint32_t b[2][3][4]) {
+  constexpr int kI[6] = {2, 1, 0, 1, 0, 0}, kJ[6] = {0, 1, 2, 0, 1, 0};
+#pragma unroll
+  for (int n = 0; n < 4; ++n) t[n][0] = t[n][1] = t[n][2] = t[n][3] = 0.0f;
+#pragma unroll
+  for (int p = 0; p < 6; ++p)
+#pragma unroll
+    for (int n = 0; n < 4; ++n) fa_mma(t[n], a[kI[p]], b[n / 2][kJ[p]][2 * (n % 2)], b[n / 2][kJ[p]][2 * (n % 2) + 1]);
+}
+
+__device__ __forceinline__ void fa_ldsm_x4(uint32_t r[4], const void* p) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s)
+               : "memory");
+}
+__device__ __forceinline__ void fa_ldsm_x4_t(uint32_t r[4], const void* p) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s)
+               : "memory");
+}
+
+/// 4 floats of a row as the three pieces' 4-bf16 words, stored at dst[piece * piece_stride].
+__device__ __forceinline__ void fa_stage4(const float4 v, __nv_bfloat16* dst, int piece_stride) {
+  uint32_t p0[3], p1[3];
+  fa_split_pair(v.x, v.y, p0);
+  fa_split_pair(v.z, v.w, p1);
+#pragma unroll
+  for (int pc = 0; pc < kFaPieces; ++pc)
+    *reinterpret_cast<uint2*>(dst + pc * piece_stride) = make_uint2(p0[pc], p1[pc]);
+}
+
+__device__ __forceinline__ int64_t fa_first_pos(int64_t P, int64_t window) {
+  return window > 0 ? (P + 1 - window > 0 ? P + 1 - window : 0) : 0;
+}
+
+/// The segment fold (kernels.h): first: (M, L) = (m, l), O = o; else M' = max(M, m),
+/// ca = e^(M - M'), cb = e^(m - M'), L = L ca + l cb, O = O ca + o cb. The one-pass kernel and
+/// fa_combine call these same functions, so both give the same bits.
+__device__ __forceinline__ void fa_fold_ml(bool first, float& M, float& L, float m, float l, float& ca, float& cb) {
+  if (first) {
+    M = m, L = l, ca = 0.0f, cb = 1.0f;
+    return;
+  }
+  const float Mn = fmaxf(M, m);
+  ca = expf(__fsub_rn(M, Mn)), cb = expf(__fsub_rn(m, Mn));
+  L = __fadd_rn(__fmul_rn(L, ca), __fmul_rn(l, cb));
+  M = Mn;
+}
+__device__ __forceinline__ float fa_fold_o(bool first, float O, float o, float ca, float cb) {
+  return first ? o : __fadd_rn(__fmul_rn(O, ca), __fmul_rn(o, cb));
+}
+/// The sink (if any) after the last fold: M' = max(M, sink), cs = e^(M - M'),
+/// L = L cs + e^(sink - M'); O is then multiplied by cs. Returns cs (1 without a sink).
+__device__ __forceinline__ float fa_fold_sink(const float* sinks, int h, float M, float& L) {
+  if (!sinks) return 1.0f;
+  const float sk = sinks[h];
+  const float Mn = fmaxf(M, sk);
+  const float cs = expf(__fsub_rn(M, Mn));
+  L = __fadd_rn(__fmul_rn(L, cs), expf(__fsub_rn(sk, Mn)));
+  return cs;
+}
+__device__ __forceinline__ float fa_final(const float* sinks, float O, float cs, float L) {
+  return __fdiv_rn(sinks ? __fmul_rn(O, cs) : O, L);
+}
+
+template <int HD>
+struct FaShape {
+  static constexpr int kLd = HD + 8;              // bf16 per shared row (conflict-free ldmatrix)
+  static constexpr int kKvPiece = kFaTile * kLd;  // one piece of a K or V tile
+  static constexpr int kQPiece = 16 * kLd;        // one piece of a warp's 16 query rows
+  static constexpr int kQWarp = kFaPieces * kQPiece;
+  static constexpr size_t kSmem = sizeof(__nv_bfloat16) * size_t(2 * kFaPieces * kKvPiece + kFaWarps * kQWarp);
+};
+
+/// Block (kv head blockIdx.x, query rows [R0, R0 + 64), R = t * group + head-in-group); warp w
+/// holds rows R0 + 16 w .. + 15; lane (g = lane / 4, tq = lane % 4) holds rows g and g + 8 of
+/// its warp's 16 (mma accumulator layout). part == nullptr: one pass over the segments of the
+/// block's rows, row blocks in reverse order (the longest rows start first); else segment
+/// blockIdx.z only, its state [m, l, o[HD]] of row R written to part + ((kvh * n_rows + R) *
+/// n_seg + seg) * (HD + 2) for fa_combine.
+template <int HD>
+__global__ void __launch_bounds__(kFaWarps * 32, 2)
+    fa_kernel(AttentionArgs a, int group, float* __restrict__ part, int n_seg) {
+  using S = FaShape<HD>;
+  constexpr int LD = S::kLd, NT = HD / 8, KS = HD / 16;
+  extern __shared__ __align__(16) unsigned char fa_smem[];
+  __nv_bfloat16* Ks = reinterpret_cast<__nv_bfloat16*>(fa_smem);  // [piece][pos][LD]
+  __nv_bfloat16* Vs = Ks + kFaPieces * S::kKvPiece;               // [piece][pos][LD]
+  __nv_bfloat16* Qs = Vs + kFaPieces * S::kKvPiece;               // [warp][piece][row][LD]
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) & 31, g = lane >> 2, tq = lane & 3;
+  const int kvh = int(blockIdx.x);
+  const bool split = part != nullptr;
+  const int64_t n_rows = a.n_tok * group;
+  const int64_t blk = split ? int64_t(blockIdx.y) : int64_t(gridDim.y) - 1 - int64_t(blockIdx.y);
+  const int64_t R0 = blk * kFaRows, Rw = R0 + 16 * warp;
+  const int64_t Rb_last = (R0 + kFaRows < n_rows ? R0 + kFaRows : n_rows) - 1;
+  const int64_t p_max = a.pos0 + Rb_last / group;                  // last position any row sees
+  const int64_t bF = fa_first_pos(a.pos0 + R0 / group, a.window);  // first position any row sees
+  const bool warp_live = Rw < n_rows;
+  const int64_t Rw_last = (Rw + 16 < n_rows ? Rw + 16 : n_rows) - 1;
+  const int64_t wP = a.pos0 + Rw_last / group, wF = fa_first_pos(a.pos0 + Rw / group, a.window);
+  // The lane's rows.
+  int64_t Pr[2], Fr[2];
+  bool vr[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int64_t R = Rw + g + 8 * i;
+    vr[i] = R < n_rows;
+    Pr[i] = a.pos0 + (vr[i] ? R / group : 0);
+    Fr[i] = fa_first_pos(Pr[i], a.window);
+  }
+  // Stage the warp's query rows as pieces (zeros past the last row).
+  {
+    __nv_bfloat16* Qw = Qs + warp * S::kQWarp;
+    for (int idx = lane; idx < 16 * (HD / 4); idx += 32) {
+      const int r = idx / (HD / 4), d4 = idx % (HD / 4);
+      const int64_t R = Rw + r;
+      float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (R < n_rows) {
+        const int64_t t = R / group;
+        const int h = kvh * group + int(R % group);
+        v = *reinterpret_cast<const float4*>(a.q + t * a.q_stride + int64_t(h) * HD + 4 * d4);
+      }
+      fa_stage4(v, Qw + r * LD + 4 * d4, S::kQPiece);
+    }
+  }
+  float o[NT][4];
+  float m[2], l[2], M[2] = {0.0f, 0.0f}, L[2] = {0.0f, 0.0f};
+  const int64_t kv_off = int64_t(kvh) * HD;
+  const int64_t sg_first = split ? int64_t(blockIdx.z) : bF / kFaSeg;
+  const int64_t sg_last = split ? int64_t(blockIdx.z) : p_max / kFaSeg;
+  for (int64_t sg = sg_first; sg <= sg_last; ++sg) {
+    m[0] = m[1] = -INFINITY, l[0] = l[1] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+    const int64_t s_end = sg * kFaSeg + kFaSeg - 1 < p_max ? sg * kFaSeg + kFaSeg - 1 : p_max;
+    for (int64_t kb = sg * kFaSeg; kb <= s_end; kb += kFaTile) {
+      if (kb + kFaTile - 1 < bF) continue;  // wholly before every row's window (block-uniform)
+      __syncthreads();                      // the previous tile has been consumed
+#pragma unroll 4
+      for (int idx = int(threadIdx.x); idx < kFaTile * (HD / 4); idx += kFaWarps * 32) {
+        const int p = idx / (HD / 4), d4 = idx % (HD / 4);
+        const int64_t pos = kb + p;
+        float4 kv = make_float4(0.0f, 0.0f, 0.0f, 0.0f), vv = kv;
+        if (pos <= s_end) {
+          kv = *reinterpret_cast<const float4*>(a.k + pos * a.kv_stride + kv_off + 4 * d4);
+          vv = *reinterpret_cast<const float4*>(a.v + pos * a.kv_stride + kv_off + 4 * d4);
+        }
+        fa_stage4(kv, Ks + p * LD + 4 * d4, S::kKvPiece);
+        fa_stage4(vv, Vs + p * LD + 4 * d4, S::kKvPiece);
+      }
+      __syncthreads();
+      if (!warp_live || kb > wP || kb + kFaTile - 1 < wF) continue;  // no row of the warp sees the tile
+      // S = Q K^T: 16 rows x 32 positions (n-tiles j = positions 8j..8j+7), per 16-dim step the
+      // six piece products from 0, then added to S in fp32 in step order.
+      float Sc[4][4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) Sc[j][0] = Sc[j][1] = Sc[j][2] = Sc[j][3] = 0.0f;
+      const __nv_bfloat16* Qw = Qs + warp * S::kQWarp;
+#pragma unroll 2
+      for (int ks = 0; ks < KS; ++ks) {
+        uint32_t qa[3][4], kf[2][3][4];
+#pragma unroll
+        for (int pc = 0; pc < 3; ++pc)
+          fa_ldsm_x4(qa[pc],
+                     Qw + pc * S::kQPiece + ((lane & 7) + 8 * ((lane >> 3) & 1)) * LD + 16 * ks + 8 * (lane >> 4));
+#pragma unroll
+        for (int u = 0; u < 2; ++u)
+#pragma unroll
+          for (int pc = 0; pc < 3; ++pc)
+            fa_ldsm_x4(kf[u][pc], Ks + pc * S::kKvPiece + (16 * u + (lane & 7) + 8 * (lane >> 4)) * LD + 16 * ks +
+                                      8 * ((lane >> 3) & 1));
+        float t4[4][4];
+        fa_mma6x4(t4, qa, kf);
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) Sc[n][e] = __fadd_rn(Sc[n][e], t4[n][e]);
+      }
+      // Online softmax per row (i = 0: row g, elements 0, 1; i = 1: row g + 8, elements 2, 3).
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int64_t pos = kb + 8 * j + 2 * tq + c;
+            const bool live = vr[i] && pos <= Pr[i] && pos >= Fr[i];
+            const float s = live ? __fmul_rn(Sc[j][2 * i + c], a.scale) : -INFINITY;
+            Sc[j][2 * i + c] = s;
+            mx = fmaxf(mx, s);
+          }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mn = fmaxf(m[i], mx);
+        const float corr = mn == -INFINITY ? 1.0f : expf(__fsub_rn(m[i], mn));
+        float sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const float s = Sc[j][2 * i + c];
+            const float e = s == -INFINITY ? 0.0f : expf(__fsub_rn(s, mn));
+            Sc[j][2 * i + c] = e;
+            sum = __fadd_rn(sum, e);
+          }
+        sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
+        sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
+        l[i] = __fadd_rn(__fmul_rn(l[i], corr), sum);
+        m[i] = mn;
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+          o[j][2 * i] = __fmul_rn(o[j][2 * i], corr), o[j][2 * i + 1] = __fmul_rn(o[j][2 * i + 1], corr);
+      }
+      // o += P V: per 16-position step and 8-dim tile the six piece products from 0, then added in fp32.
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        uint32_t pa[3][4], w[3];
+        fa_split_pair(Sc[2 * kk][0], Sc[2 * kk][1], w);
+        pa[0][0] = w[0], pa[1][0] = w[1], pa[2][0] = w[2];
+        fa_split_pair(Sc[2 * kk][2], Sc[2 * kk][3], w);
+        pa[0][1] = w[0], pa[1][1] = w[1], pa[2][1] = w[2];
+        fa_split_pair(Sc[2 * kk + 1][0], Sc[2 * kk + 1][1], w);
+        pa[0][2] = w[0], pa[1][2] = w[1], pa[2][2] = w[2];
+        fa_split_pair(Sc[2 * kk + 1][2], Sc[2 * kk + 1][3], w);
+        pa[0][3] = w[0], pa[1][3] = w[1], pa[2][3] = w[2];
+#pragma unroll
+        for (int jq = 0; jq < HD / 32; ++jq) {  // dims 32 jq .. + 31: 8-dim tiles 4 jq .. 4 jq + 3
+          uint32_t vf[2][3][4];
+#pragma unroll
+          for (int u = 0; u < 2; ++u)
+#pragma unroll
+            for (int pc = 0; pc < 3; ++pc)
+              fa_ldsm_x4_t(vf[u][pc], Vs + pc * S::kKvPiece + (16 * kk + (lane & 7) + 8 * ((lane >> 3) & 1)) * LD +
+                                          32 * jq + 16 * u + 8 * (lane >> 4));
+          float t4[4][4];
+          fa_mma6x4(t4, pa, vf);
+#pragma unroll
+          for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[4 * jq + n][e] = __fadd_rn(o[4 * jq + n][e], t4[n][e]);
+        }
+      }
+    }
+    // The segment's end: fold (one pass) or write the state (split), for each row that sees it.
+    if (!warp_live) continue;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (!vr[i] || sg < Fr[i] / kFaSeg || sg > Pr[i] / kFaSeg) continue;
+      const int64_t R = Rw + g + 8 * i;
+      if (split) {
+        float* pr = part + ((int64_t(kvh) * n_rows + R) * n_seg + sg) * (HD + 2);
+        if (tq == 0) pr[0] = m[i], pr[1] = l[i];
+#pragma unroll
+        for (int j = 0; j < NT; ++j) pr[2 + 8 * j + 2 * tq] = o[j][2 * i], pr[3 + 8 * j + 2 * tq] = o[j][2 * i + 1];
+        continue;
+      }
+      const int64_t t = R / group;
+      const int h = kvh * group + int(R % group);
+      float* orow = a.out + t * a.out_stride + int64_t(h) * HD + 2 * tq;
+      const bool first = sg == Fr[i] / kFaSeg, last = sg == Pr[i] / kFaSeg;
+      float ca, cb;
+      fa_fold_ml(first, M[i], L[i], m[i], l[i], ca, cb);
+      float Lf = L[i];
+      const float cs = last ? fa_fold_sink(a.sinks, h, M[i], Lf) : 1.0f;
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const float O = fa_fold_o(first, first ? 0.0f : orow[8 * j + c], o[j][2 * i + c], ca, cb);
+          orow[8 * j + c] = last ? fa_final(a.sinks, O, cs, Lf) : O;  // between folds: O unnormalized
+        }
+    }
+  }
+}
+
+/// Block (row R = blockIdx.x, kv head blockIdx.y), thread d = one output dimension: folds the
+/// row's segment states fa_first_pos(P) / kFaSeg .. P / kFaSeg in order (the one-pass kernel's
+/// fold), then the sink, out = O / L.
+template <int HD>
+__global__ void fa_combine(AttentionArgs a, int group, const float* __restrict__ part, int n_seg) {
+  const int64_t R = int64_t(blockIdx.x), n_rows = a.n_tok * group;
+  const int kvh = int(blockIdx.y), d = int(threadIdx.x);
+  const int64_t t = R / group;
+  const int h = kvh * group + int(R % group);
+  const int64_t P = a.pos0 + t, fs = fa_first_pos(P, a.window) / kFaSeg;
+  float M = 0.0f, L = 0.0f, O = 0.0f;
+  for (int64_t sg = fs; sg <= P / kFaSeg; ++sg) {
+    const float* pr = part + ((int64_t(kvh) * n_rows + R) * n_seg + sg) * (HD + 2);
+    float ca, cb;
+    fa_fold_ml(sg == fs, M, L, pr[0], pr[1], ca, cb);
+    O = fa_fold_o(sg == fs, O, pr[2 + d], ca, cb);
+  }
+  const float cs = fa_fold_sink(a.sinks, h, M, L);
+  a.out[t * a.out_stride + int64_t(h) * HD + d] = fa_final(a.sinks, O, cs, L);
+}
+
+template <int HD>
+void launch_fa(const AttentionArgs& a, int group, cudaStream_t st) {
+  using S = FaShape<HD>;
+  STRATA_CUDA_CHECK(cudaFuncSetAttribute(fa_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::kSmem)));
+  const int64_t n_rows = a.n_tok * group;
+  const int64_t gy = (n_rows + kFaRows - 1) / kFaRows;
+  STRATA_CUDA_REQUIRE(gy <= 65535, "cuda::attention (mma): n_tok * n_head / n_head_kv = " + std::to_string(n_rows) +
+                                       " query rows exceed one launch (4194240)");
+  const int64_t n_seg = (a.pos0 + a.n_tok - 1) / kFaSeg + 1;
+  // Few blocks (decode, small chunks) and more than one segment: the segments in parallel, then
+  // fa_combine folds them (the same operations as the one pass, so the same bits).
+  if (n_seg >= 2 && int64_t(a.n_head_kv) * gy < 128) {
+    STRATA_CUDA_REQUIRE(n_seg <= 65535, "cuda::attention (mma): more than 65535 segments");
+    const size_t part_bytes = sizeof(float) * size_t(a.n_head_kv) * size_t(n_rows) * size_t(n_seg) * size_t(HD + 2);
+    float* part = nullptr;
+    STRATA_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&part), part_bytes, st));
+    const dim3 grid(unsigned(a.n_head_kv), unsigned(gy), unsigned(n_seg));
+    fa_kernel<HD><<<grid, kFaWarps * 32, S::kSmem, st>>>(a, group, part, int(n_seg));
+    STRATA_CUDA_CHECK_LAUNCH();
+    const dim3 cgrid(unsigned(n_rows), unsigned(a.n_head_kv));
+    fa_combine<HD><<<cgrid, HD, 0, st>>>(a, group, part, int(n_seg));
+    STRATA_CUDA_CHECK_LAUNCH();
+    STRATA_CUDA_CHECK(cudaFreeAsync(part, st));
+    return;
+  }
+  const dim3 grid(unsigned(a.n_head_kv), unsigned(gy));
+  fa_kernel<HD><<<grid, kFaWarps * 32, S::kSmem, st>>>(a, group, nullptr, 0);
+  STRATA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+bool attention_mma_takes(const AttentionArgs& a) {
+  auto al16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  return (a.head_dim == 64 || a.head_dim == 128) && al16(a.q) && al16(a.k) && al16(a.v) && a.q_stride % 4 == 0 &&
+         a.kv_stride % 4 == 0;
+}
+
+void attention_mma(const AttentionArgs& a, void* stream) {
+  const int group = a.n_head / a.n_head_kv;
+  auto st = static_cast<cudaStream_t>(stream);
+  if (a.head_dim == 64) return launch_fa<64>(a, group, st);
+  launch_fa<128>(a, group, st);
+}
+
+}  // namespace strata::cuda::detail
