@@ -17,6 +17,7 @@
 
 #include "backend/backend.h"
 #include "backend/cpu/gated_delta_net.h"
+#include "backend/cpu/kernels/act_q8.h"
 #include "backend/cpu/ops.h"
 #include "backend/cpu/thread_pool.h"
 #include "backend/cuda/family_kernels.h"
@@ -961,6 +962,214 @@ TEST(CudaKernels, GatedDeltaNetMatchesCpuBlock) {
   EXPECT_LE(e_cs, 1e-5);
 }
 
+// ---- q8 activations (quantize_q8, matmul_q8, grouped_matmul_q8) ----------------------------
+
+namespace {
+
+/// The contract of matmul_q8 (kernels.h) computed on the host: per element acc = 0, then per
+/// Q8_0 block in column order acc = fmaf(float(S_b), dw_b * dx_b, acc) with S_b the exact int32
+/// sum and the product rounded on its own.
+std::vector<float> q8_host(const std::vector<uint8_t>& w, size_t rb, int64_t rows, int64_t cols,
+                           const std::vector<int8_t>& q, const std::vector<float>& d, int64_t n_tok) {
+  const int64_t nb = cols / 32;
+  std::vector<float> y(size_t(n_tok * rows));
+  for (int64_t t = 0; t < n_tok; ++t)
+    for (int64_t r = 0; r < rows; ++r) {
+      float acc = 0.0f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = &w[size_t(r) * rb + size_t(b) * 34];
+        uint16_t h;
+        std::memcpy(&h, blk, 2);
+        int32_t s = 0;
+        for (int k = 0; k < 32; ++k) s += int32_t(int8_t(blk[2 + k])) * int32_t(q[size_t(t * cols + b * 32 + k)]);
+        volatile float p = quant::fp16_to_fp32(h) * d[size_t(t * nb + b)];  // rounded on its own
+        acc = std::fmaf(float(s), p, acc);
+      }
+      y[size_t(t * rows + r)] = acc;
+    }
+  return y;
+}
+
+/// Rows of random Q8_0 blocks, each row padded to `rb` bytes (rb >= the row size).
+std::vector<uint8_t> q8_rows(int64_t rows, int64_t cols, size_t rb, std::mt19937& rng) {
+  const size_t used = quant::row_size(GgmlType::Q8_0, cols);
+  const auto dense = random_rows(GgmlType::Q8_0, rows, cols, rng);
+  std::vector<uint8_t> w(rb * size_t(rows), 0xA5);
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(&w[size_t(r) * rb], &dense[size_t(r) * used], used);
+  return w;
+}
+
+}  // namespace
+
+// The codes and scales are the CPU's (cpu::kernels::detail::quantize_block_q8) bit for bit:
+// random magnitudes over many decades, an all-zero block, subnormals, exact ties (x * id = k + 0.5
+// for amax 127: x = k + 0.5), a NaN and an infinity (d = NaN, codes 0).
+TEST(CudaKernels, QuantizeQ8EqualsCpu) {
+  REQUIRE_CUDA_DEVICE();
+  std::mt19937 rng(21);
+  const int64_t cols = 4096, n = 7, ldx = cols + 12;
+  std::vector<float> x(size_t(n * ldx), 0.0f);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f), e(-30.0f, 30.0f);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t c = 0; c < cols; ++c) {
+      const int64_t b = c / 32;
+      float v = u(rng) * std::exp2(std::floor(e(rng) / 4) + float(b % 9) - 4);  // per-element spread too
+      if (b == 3) v = 0.0f;                                                     // all-zero block
+      if (b == 4) v = u(rng) * 1e-39f;                                          // subnormals
+      if (b == 5) v = c % 32 == 0 ? 127.0f : float(int(c % 32) - 16) + 0.5f;    // ties
+      x[size_t(t * ldx + c)] = v;
+    }
+  x[size_t(2 * ldx + 7 * 32 + 3)] = std::nanf("");
+  x[size_t(3 * ldx + 8 * 32 + 9)] = -INFINITY;
+  auto dx = upload(x);
+  cuda::DeviceBuffer dq(size_t(n * cols)), dd(size_t(n * cols / 32) * 4);
+  cuda::quantize_q8(dx.as<float>(), ldx, cols, n, dq.as<int8_t>(), dd.as<float>());
+  const auto q = download<int8_t>(dq, size_t(n * cols));
+  const auto d = download<float>(dd, size_t(n * cols / 32));
+  int64_t bad_codes = 0, bad_scales = 0, nonzero = 0;
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t b = 0; b < cols / 32; ++b) {
+      int8_t ref[32];
+      const float rd = cpu::kernels::detail::quantize_block_q8(&x[size_t(t * ldx + b * 32)], ref);
+      const float gd = d[size_t(t * (cols / 32) + b)];
+      bad_scales += std::isnan(rd) ? !std::isnan(gd) : !bits_equal(rd, gd);
+      for (int k = 0; k < 32; ++k) {
+        bad_codes += ref[k] != q[size_t(t * cols + b * 32 + k)];
+        nonzero += ref[k] != 0;
+      }
+    }
+  EXPECT_EQ(bad_codes, 0);
+  EXPECT_EQ(bad_scales, 0);
+  EXPECT_GT(nonzero, n * cols / 2);  // the data is not degenerate
+  EXPECT_TRUE(std::isnan(d[size_t(2 * (cols / 32) + 7)]) && std::isnan(d[size_t(3 * (cols / 32) + 8)]));
+  EXPECT_THROW(cuda::quantize_q8(dx.as<float>(), ldx, 100, n, dq.as<int8_t>(), dd.as<float>()), cuda::CudaError);
+}
+
+// matmul_q8 equals the scalar host definition bit for bit on every kernel (MatVec with 32-bit and
+// 16-bit weight loads, the GEMM) for n_tok 1, 3, 64, 300, odd row counts and a block count that
+// leaves a partial pipeline stage; and the result is within the stated error of the exact w·x.
+TEST(CudaKernels, MatmulQ8EqualsHostDefinition) {
+  REQUIRE_CUDA_DEVICE();
+  std::mt19937 rng(22);
+  struct Shape {
+    int64_t rows, cols;
+    size_t rb;
+  };
+  // 608 columns: 19 blocks (646 bytes: 2-byte aligned rows; 656: 16-byte aligned); 2048: 2176 bytes
+  const Shape shapes[] = {{203, 608, 646}, {203, 608, 656}, {130, 2048, 2176}, {77, 4160, 4432}};
+  for (const Shape& sh : shapes) {
+    const auto w = q8_rows(sh.rows, sh.cols, sh.rb, rng);
+    auto dw = upload(w);
+    for (int64_t n : {1, 3, 64, 300}) {
+      SCOPED_TRACE("rows=" + std::to_string(sh.rows) + " cols=" + std::to_string(sh.cols) +
+                   " row_bytes=" + std::to_string(sh.rb) + " n_tok=" + std::to_string(n));
+      const auto x = random_floats(size_t(n * sh.cols), rng, -2.0f, 2.0f);
+      auto dx = upload(x);
+      cuda::DeviceBuffer dq(size_t(n * sh.cols)), dd(size_t(n * sh.cols / 32) * 4);
+      cuda::quantize_q8(dx.as<float>(), sh.cols, sh.cols, n, dq.as<int8_t>(), dd.as<float>());
+      const auto q = download<int8_t>(dq, size_t(n * sh.cols));
+      const auto d = download<float>(dd, size_t(n * sh.cols / 32));
+      const auto ref = q8_host(w, sh.rb, sh.rows, sh.cols, q, d, n);
+      std::vector<cuda::MatmulPath> paths = {cuda::MatmulPath::Auto, cuda::MatmulPath::MatVec};
+      if (sh.rb % 8 == 0) paths.push_back(cuda::MatmulPath::Mma);
+      for (cuda::MatmulPath p : paths) {
+        std::vector<float> poison(size_t(n * sh.rows), std::nanf(""));
+        auto dy = upload(poison);
+        cuda::matmul_q8(GgmlType::Q8_0, dw.get(), sh.rb, sh.rows, sh.cols, dq.as<int8_t>(), dd.as<float>(), n,
+                        dy.as<float>(), sh.rows, nullptr, p);
+        const auto y = download<float>(dy, size_t(n * sh.rows));
+        int64_t mism = 0;
+        for (size_t i = 0; i < y.size(); ++i) mism += !bits_equal(y[i], ref[i]);
+        EXPECT_EQ(mism, 0) << "path " << int(p);
+      }
+      // the error statement of kernels.h against the exact (double) w·x
+      std::vector<float> wr(size_t(sh.cols));
+      double worst = 0;
+      for (int64_t r = 0; r < sh.rows; ++r) {
+        quant::dequantize_row(GgmlType::Q8_0, &w[size_t(r) * sh.rb], wr.data(), sh.cols);
+        for (int64_t t = 0; t < n; ++t) {
+          double exact = 0, quant_err = 0, mag = 0;
+          for (int64_t k = 0; k < sh.cols; ++k) {
+            const double wk = wr[size_t(k)], xk = x[size_t(t * sh.cols + k)], dk = d[size_t(t * sh.cols / 32 + k / 32)];
+            exact += wk * xk;
+            // |x - dx qx| <= dx (0.5 + 2^-17) + |x| 2^-23 (the roundings of x * id, 127 / amax, amax / 127)
+            quant_err += std::fabs(wk) * (dk * (0.5 + std::ldexp(1.0, -16)) + std::fabs(xk) * std::ldexp(1.0, -21));
+            mag += std::fabs(wk) * (std::fabs(xk) + dk * 0.5);
+          }
+          const double bound = quant_err + double(sh.cols / 32 + 1) * std::ldexp(1.0, -24) * mag;
+          worst = std::max(worst, std::fabs(ref[size_t(t * sh.rows + r)] - exact) / bound);
+        }
+      }
+      EXPECT_LE(worst, 1.0);
+      EXPECT_GT(worst, 0.0);
+    }
+  }
+  auto dw = upload(q8_rows(8, 608, 646, rng));
+  cuda::DeviceBuffer dq(608), dd(76), dy(64);
+  EXPECT_THROW(cuda::matmul_q8(GgmlType::Q8_0, dw.get(), 646, 8, 608, dq.as<int8_t>(), dd.as<float>(), 1,
+                               dy.as<float>(), 8, nullptr, cuda::MatmulPath::Mma),
+               cuda::CudaError);  // the GEMM needs 8-byte aligned rows
+  EXPECT_THROW(cuda::matmul_q8(GgmlType::Q4_K, dw.get(), 646, 8, 608, dq.as<int8_t>(), dd.as<float>(), 1,
+                               dy.as<float>(), 8),
+               cuda::CudaError);
+}
+
+// grouped_matmul_q8 equals matmul_q8 on each job alone (and swiglu of two of them), bit for bit, for
+// a prefill-like group (the GEMM) and a decode-like one (all <= 8 tokens: the mat-vec).
+TEST(CudaKernels, GroupedMatmulQ8EqualsPerJob) {
+  REQUIRE_CUDA_DEVICE();
+  std::mt19937 rng(23);
+  const std::vector<int64_t> size_sets[] = {{1, 5, 37, 64, 65, 130, 2, 300}, {1, 3, 8, 2, 1}};
+  for (const auto& sizes : size_sets) {
+    const int nj = int(sizes.size());
+    const int64_t rows = 200, cols = 800;  // 25 blocks
+    const size_t rb = 864;                 // 16-byte aligned rows
+    std::vector<cuda::DeviceBuffer> wg, wu;
+    for (int i = 0; i < nj; ++i) {
+      wg.push_back(upload(q8_rows(rows, cols, rb, rng)));
+      wu.push_back(upload(q8_rows(rows, cols, rb, rng)));
+    }
+    int64_t total = 0;
+    for (int64_t n : sizes) total += n;
+    auto dx = upload(random_floats(size_t(total * cols), rng));
+    cuda::DeviceBuffer dq(size_t(total * cols)), dd(size_t(total * cols / 32) * 4);
+    cuda::quantize_q8(dx.as<float>(), cols, cols, total, dq.as<int8_t>(), dd.as<float>());
+    for (bool pair : {false, true}) {
+      SCOPED_TRACE(std::string(pair ? "swiglu pair" : "plain") + " jobs=" + std::to_string(nj));
+      std::vector<cuda::GroupedMatmulJob> jobs(static_cast<size_t>(nj));
+      int64_t row0 = 0;
+      for (int i = 0; i < nj; ++i) {
+        jobs[size_t(i)].w = wg[size_t(i)].get(), jobs[size_t(i)].w2 = pair ? wu[size_t(i)].get() : nullptr;
+        jobs[size_t(i)].row0 = row0, jobs[size_t(i)].n_tok = sizes[i];
+        row0 += sizes[i];
+      }
+      const cuda::GroupedMatmulPlan plan = cuda::plan_grouped_q8(jobs.data(), nj, rows, cols, rb);
+      EXPECT_EQ(plan.tile_tokens, nj == 8 ? 64 : 8);
+      auto djobs = upload(jobs);
+      std::vector<float> poison(size_t(total * rows), std::nanf(""));
+      auto dy = upload(poison);
+      cuda::grouped_matmul_q8(plan, GgmlType::Q8_0, djobs.as<cuda::GroupedMatmulJob>(), nj, rb, rows, cols,
+                              dq.as<int8_t>(), dd.as<float>(), dy.as<float>(), rows, pair);
+      const auto y = download<float>(dy, size_t(total * rows));
+      int64_t mismatches = 0;
+      for (int i = 0; i < nj; ++i) {
+        const int64_t n = sizes[i], r0 = jobs[size_t(i)].row0;
+        cuda::DeviceBuffer g(size_t(n * rows) * 4), u(size_t(n * rows) * 4);
+        const int8_t* qi = dq.as<int8_t>() + r0 * cols;
+        const float* di = dd.as<float>() + r0 * (cols / 32);
+        cuda::matmul_q8(GgmlType::Q8_0, wg[size_t(i)].get(), rb, rows, cols, qi, di, n, g.as<float>(), rows);
+        if (pair) {
+          cuda::matmul_q8(GgmlType::Q8_0, wu[size_t(i)].get(), rb, rows, cols, qi, di, n, u.as<float>(), rows);
+          cuda::swiglu(g.as<float>(), u.as<float>(), g.as<float>(), n * rows);
+        }
+        const auto yi = download<float>(g, size_t(n * rows));
+        for (int64_t k = 0; k < n * rows; ++k) mismatches += !bits_equal(yi[size_t(k)], y[size_t(r0 * rows + k)]);
+      }
+      EXPECT_EQ(mismatches, 0);
+    }
+  }
+}
+
 // Timings, only with STRATA_CUDA_BENCH=1 (wall clock around synchronize, 20 repetitions after a
 // warm-up): matmul at n_tok = 1 (GB/s of weight bytes) and 512 (GFLOP/s). Weights 32768 x 4096,
 // larger than the H200's L2. Attention: AttentionTimings.
@@ -992,6 +1201,32 @@ TEST(CudaKernels, Timings) {
     std::printf("timing matmul %-6s %lldx%lld: n_tok=1 %.3f ms = %.0f GB/s | n_tok=512 %.2f ms = %.0f GFLOP/s\n",
                 strata::ggml_type_name(t).c_str(), (long long)rows, (long long)cols, ms1, double(rb * rows) / ms1 / 1e6,
                 ms512, 2.0 * rows * cols * 512 / ms512 / 1e6);
+    if (cuda::has_q8(t, cols)) {
+      // q8 activations: quantize_q8 + matmul_q8 (the quantizer included), next to the fp32 paths above
+      cuda::DeviceBuffer dq(size_t(2048 * cols)), dd(size_t(2048 * cols / 32) * 4);
+      auto q8 = [&](int64_t n, cuda::MatmulPath p) {
+        cuda::quantize_q8(dx.as<float>(), cols, cols, std::min<int64_t>(n, 512), dq.as<int8_t>(), dd.as<float>());
+        cuda::matmul_q8(t, dw.get(), rb, rows, cols, dq.as<int8_t>(), dd.as<float>(), n, dy.as<float>(), rows, nullptr,
+                        p);
+      };
+      const double mma1 = time_ms([&] {
+        cuda::matmul(t, dw.get(), rb, rows, cols, dx.as<float>(), cols, 1, dy.as<float>(), rows, nullptr,
+                     cuda::MatmulPath::Mma);
+      });
+      const double q1 = time_ms([&] { q8(1, cuda::MatmulPath::Auto); });
+      const double q8t = time_ms([&] { q8(8, cuda::MatmulPath::Auto); });
+      const double q512 = time_ms([&] { q8(512, cuda::MatmulPath::Auto); });
+      const double m512 = time_ms([&] {
+        cuda::matmul(t, dw.get(), rb, rows, cols, dx.as<float>(), cols, 512, dy.as<float>(), rows, nullptr,
+                     cuda::MatmulPath::Mma);
+      });
+      std::printf(
+          "timing matmul %-6s q8 act: n_tok=1 %.3f ms = %.0f GB/s (bf16x3 mma %.0f GB/s) | n_tok=8 %.3f ms = %.0f "
+          "GB/s | n_tok=512 %.2f ms = %.0f GFLOP/s (bf16x3 mma %.0f GFLOP/s)\n",
+          strata::ggml_type_name(t).c_str(), q1, double(rb * rows) / q1 / 1e6, double(rb * rows) / mma1 / 1e6, q8t,
+          double(rb * rows) / q8t / 1e6, q512, 2.0 * rows * cols * 512 / q512 / 1e6,
+          2.0 * rows * cols * 512 / m512 / 1e6);
+    }
   }
 }
 

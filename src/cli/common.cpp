@@ -46,7 +46,8 @@ void EngineFlags::add(CLI::App& app) {
       ->check(CLI::IsMember({"auto", "scalar", "avx2", "avx512"}));
   app.add_option("--act-quant", act_quant,
                  "activations of the quantized weights' matmuls: q8 (int8 dot products, as llama.cpp), f32 (exact, "
-                 "slower), auto (q8 with the avx2 and avx512 kernels, f32 with scalar)")
+                 "slower), auto (q8 with the avx2 and avx512 kernels, f32 with scalar); --backend cuda: q8 for Q8_0 "
+                 "weights (int8 tensor cores), fp32 activations for the other types")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "q8", "f32"}));
   app.add_option("--predict", predict, "read ahead the next layer's experts predicted from this layer (on|off)")

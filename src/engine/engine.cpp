@@ -88,7 +88,9 @@ std::unique_ptr<backend::Backend> make_backend(EngineOptions& opts, const cpu::k
   if (opts.device < 0 || opts.device >= n)
     throw EngineError(fmt::format("--device {}: there {} {} CUDA device{} (0..{})", opts.device, n == 1 ? "is" : "are",
                                   n, n == 1 ? "" : "s", n - 1));
-  return std::make_unique<cuda::CudaBackend>(cuda::CudaOptions{opts.device});
+  // --act-quant: q8 (auto resolves to q8 unless the scalar CPU family is forced) quantizes the
+  // activations of the CUDA q8 path's weight types (cuda::has_q8); the others stay fp32
+  return std::make_unique<cuda::CudaBackend>(cuda::CudaOptions{opts.device, kernels.act == cpu::kernels::ActQuant::Q8});
 #else
   throw EngineError(
       "--backend cuda: this strata was built without the CUDA backend (configure with nvcc installed, "

@@ -406,7 +406,7 @@ class ProfScope {
   size_t i_ = 0;
 };
 
-CudaBackend::CudaBackend(const CudaOptions& opts) : device_(opts.device) {
+CudaBackend::CudaBackend(const CudaOptions& opts) : device_(opts.device), act_q8_(opts.act_q8) {
   const int n = device_count();
   if (n == 0) throw CudaError("strata::cuda: no CUDA device found (cudaGetDeviceCount reports none)");
   if (opts.device < 0 || opts.device >= n)
@@ -427,6 +427,7 @@ CudaBackend::~CudaBackend() {
   prof_.reset();
   (void)cudaStreamSynchronize(ctx_->stream);
   if (scratch_) (void)cudaFreeAsync(scratch_, ctx_->stream);
+  if (q8_scratch_) (void)cudaFreeAsync(q8_scratch_, ctx_->stream);
   (void)cudaStreamSynchronize(ctx_->stream);
   host_free(ring_, ring_pinned_);
   inv_freq_.clear();
@@ -497,6 +498,33 @@ char* CudaBackend::scratch(size_t bytes) {
     scratch_bytes_ = want;
   }
   return static_cast<char*>(scratch_);
+}
+
+char* CudaBackend::q8_scratch(size_t bytes) {
+  if (bytes > q8_scratch_bytes_) {
+    if (q8_scratch_) STRATA_CUDA_CHECK(cudaFreeAsync(q8_scratch_, ctx_->stream));
+    q8_scratch_ = nullptr;
+    q8_scratch_bytes_ = 0;
+    const size_t want = std::max<size_t>(align_up(bytes + bytes / 4, 1 << 20), 1 << 20);
+    const cudaError_t e = cudaMallocAsync(&q8_scratch_, want, ctx_->stream);
+    if (e != cudaSuccess) throw_alloc_error(e, device_, want, "q8 activation scratch");
+    q8_scratch_bytes_ = want;
+  }
+  return static_cast<char*>(q8_scratch_);
+}
+
+void CudaBackend::mm(GgmlType type, const void* W, size_t row_bytes, int64_t rows, int64_t cols, const float* x,
+                     int64_t ldx, int64_t n_tok, float* y, int64_t ldy, void* st) {
+  if (!act_q8_ || !has_q8(type, cols) || n_tok <= 0) {
+    cuda::matmul(type, W, row_bytes, rows, cols, x, ldx, n_tok, y, ldy, st);
+    return;
+  }
+  const size_t codes = align_up(size_t(n_tok * cols), 256);
+  char* base = q8_scratch(codes + size_t(n_tok * cols / 32) * sizeof(float));
+  auto* q = reinterpret_cast<int8_t*>(base);
+  auto* d = reinterpret_cast<float*>(base + codes);
+  quantize_q8(x, ldx, cols, n_tok, q, d, st);
+  matmul_q8(type, W, row_bytes, rows, cols, q, d, n_tok, y, ldy, st);
 }
 
 void CudaBackend::upload(const Tensor& dst, const void* src, size_t bytes) {
@@ -573,7 +601,7 @@ void CudaBackend::matmul(const Tensor& W, const Tensor& x, const Tensor& y) {
   flush_experts();
   ProfScope ps(*this, "matmul", x.rows());
   require_device(W, "matmul: the weights");
-  cuda::matmul(W.type, W.data, W.row_bytes(), W.rows(), W.cols(), x.f(), ld(x), x.rows(), y.f(), ld(y), stream());
+  mm(W.type, W.data, W.row_bytes(), W.rows(), W.cols(), x.f(), ld(x), x.rows(), y.f(), ld(y), stream());
 }
 
 const double* CudaBackend::inv_freq(const backend::RopeSpec& rope) {
@@ -623,18 +651,17 @@ void CudaBackend::attention(const backend::AttentionSpec& s, const backend::Atte
   if (s.q_gate) {
     float* qg = c.take<float>(size_t(T * 2 * q_dim));
     gate = c.take<float>(size_t(T * q_dim));
-    cuda::matmul(w.wq.type, w.wq.data, w.wq.row_bytes(), w.wq.rows(), w.wq.cols(), h.f(), ldh, T, qg, 2 * q_dim,
-                 stream());
+    mm(w.wq.type, w.wq.data, w.wq.row_bytes(), w.wq.rows(), w.wq.cols(), h.f(), ldh, T, qg, 2 * q_dim, stream());
     if (!w.bq.empty()) add_bias(qg, 2 * q_dim, w.bq.f(), 2 * q_dim, T, stream());
     split_q_gate(qg, T, s.n_head, s.head_dim, q, gate, stream());
   } else {
-    cuda::matmul(w.wq.type, w.wq.data, w.wq.row_bytes(), w.wq.rows(), w.wq.cols(), h.f(), ldh, T, q, q_dim, stream());
+    mm(w.wq.type, w.wq.data, w.wq.row_bytes(), w.wq.rows(), w.wq.cols(), h.f(), ldh, T, q, q_dim, stream());
     if (!w.bq.empty()) add_bias(q, q_dim, w.bq.f(), q_dim, T, stream());
   }
   float* kc = kv.k.f() + pos0 * kv_dim;
   float* vc = kv.v.f() + pos0 * kv_dim;
-  cuda::matmul(w.wk.type, w.wk.data, w.wk.row_bytes(), w.wk.rows(), w.wk.cols(), h.f(), ldh, T, kc, kv_dim, stream());
-  cuda::matmul(w.wv.type, w.wv.data, w.wv.row_bytes(), w.wv.rows(), w.wv.cols(), h.f(), ldh, T, vc, kv_dim, stream());
+  mm(w.wk.type, w.wk.data, w.wk.row_bytes(), w.wk.rows(), w.wk.cols(), h.f(), ldh, T, kc, kv_dim, stream());
+  mm(w.wv.type, w.wv.data, w.wv.row_bytes(), w.wv.rows(), w.wv.cols(), h.f(), ldh, T, vc, kv_dim, stream());
   if (!w.bk.empty()) add_bias(kc, kv_dim, w.bk.f(), kv_dim, T, stream());
   if (!w.bv.empty()) add_bias(vc, kv_dim, w.bv.f(), kv_dim, T, stream());
   // Per-head RMSNorm of q and k: rows of head_dim.
@@ -677,8 +704,7 @@ void CudaBackend::attention(const backend::AttentionSpec& s, const backend::Atte
     cuda::attention(a, stream());
   }
   if (s.q_gate) sigmoid_mul(att, gate, T * q_dim, stream());
-  cuda::matmul(w.wo.type, w.wo.data, w.wo.row_bytes(), w.wo.rows(), w.wo.cols(), att, q_dim, T, out.f(), ld(out),
-               stream());
+  mm(w.wo.type, w.wo.data, w.wo.row_bytes(), w.wo.rows(), w.wo.cols(), att, q_dim, T, out.f(), ld(out), stream());
   if (!w.bo.empty()) add_bias(out.f(), ld(out), w.bo.f(), out.cols(), T, stream());
 }
 
@@ -712,7 +738,7 @@ void CudaBackend::mla_attention(const backend::MlaSpec& s, const backend::MlaWei
   float* o = c.take<float>(size_t(T * H * Vd));
   int32_t* pos = c.take<int32_t>(size_t(T));
   auto mm = [&](const Tensor& W, int64_t rows, const void* data, const float* x, int64_t ldx, float* y, int64_t ldy) {
-    cuda::matmul(W.type, data, W.row_bytes(), rows, W.cols(), x, ldx, T, y, ldy, stream());
+    this->mm(W.type, data, W.row_bytes(), rows, W.cols(), x, ldx, T, y, ldy, stream());
   };
   // Queries [T][H][N + P].
   if (QL > 0) {
@@ -776,7 +802,7 @@ void CudaBackend::gated_delta_net(const backend::GdnSpec& s, const backend::GdnW
   float* ba = c.take<float>(size_t(T * 2 * nv));
   const int64_t ldh = ld(h);
   auto mm = [&](const Tensor& W, const float* in, int64_t ldi, float* y, int64_t ldy) {
-    cuda::matmul(W.type, W.data, W.row_bytes(), W.rows(), W.cols(), in, ldi, T, y, ldy, stream());
+    this->mm(W.type, W.data, W.row_bytes(), W.rows(), W.cols(), in, ldi, T, y, ldy, stream());
   };
   mm(w.wqkv, h.f(), ldh, x, C);
   mm(w.wz, h.f(), ldh, z, VD);
@@ -801,10 +827,10 @@ void CudaBackend::swiglu_ffn(const backend::FfnWeights& w, const float* h, int64
   Carve c{base};
   float* g = c.take<float>(size_t(T * F));
   float* u = c.take<float>(size_t(T * F));
-  cuda::matmul(w.gate.type, w.gate.data, w.gate.row_bytes(), F, w.gate.cols(), h, ldh, T, g, F, stream());
-  cuda::matmul(w.up.type, w.up.data, w.up.row_bytes(), w.up.rows(), w.up.cols(), h, ldh, T, u, F, stream());
+  mm(w.gate.type, w.gate.data, w.gate.row_bytes(), F, w.gate.cols(), h, ldh, T, g, F, stream());
+  mm(w.up.type, w.up.data, w.up.row_bytes(), w.up.rows(), w.up.cols(), h, ldh, T, u, F, stream());
   swiglu(g, u, g, T * F, stream());
-  cuda::matmul(w.down.type, w.down.data, w.down.row_bytes(), w.down.rows(), w.down.cols(), g, F, T, out, ldo, stream());
+  mm(w.down.type, w.down.data, w.down.row_bytes(), w.down.rows(), w.down.cols(), g, F, T, out, ldo, stream());
 }
 
 // The dense FFN: SwiGLU without biases (as the CPU backend's ffn; the biased, clamped form is
@@ -861,7 +887,7 @@ void CudaBackend::ffn(const backend::FfnCall& call, const backend::FfnWeights& w
   float* gs = c.take<float>(size_t(T));
   swiglu_ffn(w, h.f(), ld(h), T, y, E, base);
   const Tensor& sg = call.scalar_gate;
-  cuda::matmul(sg.type, sg.data, sg.row_bytes(), 1, sg.cols(), h.f(), ld(h), T, gs, 1, stream());
+  mm(sg.type, sg.data, sg.row_bytes(), 1, sg.cols(), h.f(), ld(h), T, gs, 1, stream());
   gated_accumulate(out.f(), ld(out), y, E, gs, E, T, stream());
 }
 
@@ -873,7 +899,7 @@ void CudaBackend::router_logits(const Tensor& w, const Tensor& h, std::vector<fl
   float* d = Carve{scratch(sz<float>(size_t(T * n_expert)))}.take<float>(size_t(T * n_expert));
   {
     ProfScope ps(*this, "router_logits", T);
-    cuda::matmul(w.type, w.data, w.row_bytes(), n_expert, w.cols(), h.f(), ld(h), T, d, n_expert, stream());
+    mm(w.type, w.data, w.row_bytes(), n_expert, w.cols(), h.f(), ld(h), T, d, n_expert, stream());
     STRATA_CUDA_CHECK(
         cudaMemcpyAsync(logits.data(), d, logits.size() * sizeof(float), cudaMemcpyDeviceToHost, ctx_->stream));
   }
@@ -903,15 +929,15 @@ void CudaBackend::expert_ffn(const backend::FfnSpec& spec, const backend::Expert
     float* u = c.take<float>(size_t(n * F));
     upload_async(pairs, job.pairs.data(), size_t(n) * sizeof(int64_t));
     gather_rows(h.f(), ld(h), pairs, top_k, n, xg, E, E, stream());
-    cuda::matmul(w.gate.type, w.gate.data, w.gate.row_bytes(), F, w.gate.cols(), xg, E, n, g, F, stream());
-    cuda::matmul(w.up.type, w.up.data, w.up.row_bytes(), w.up.rows(), w.up.cols(), xg, E, n, u, F, stream());
+    mm(w.gate.type, w.gate.data, w.gate.row_bytes(), F, w.gate.cols(), xg, E, n, g, F, stream());
+    mm(w.up.type, w.up.data, w.up.row_bytes(), w.up.rows(), w.up.cols(), xg, E, n, u, F, stream());
     if (!w.gate_b.empty()) add_bias(g, F, w.gate_b.f(), F, n, stream());
     if (!w.up_b.empty()) add_bias(u, F, w.up_b.f(), F, n, stream());
     if (spec.act == backend::FfnSpec::Act::SwiGluOai)
       swiglu_oai(g, u, g, n * F, spec.alpha, spec.limit, stream());
     else
       swiglu(g, u, g, n * F, stream());
-    cuda::matmul(w.down.type, w.down.data, w.down.row_bytes(), w.down.rows(), w.down.cols(), g, F, n, y, E, stream());
+    mm(w.down.type, w.down.data, w.down.row_bytes(), w.down.rows(), w.down.cols(), g, F, n, y, E, stream());
     if (!w.down_b.empty()) add_bias(y, E, w.down_b.f(), E, n, stream());
     scatter_rows(y, E, pairs, n, expert_out.f(), ld(expert_out), E, stream());
     return;
@@ -980,6 +1006,35 @@ void CudaBackend::flush_experts() {
   upload_async(d_gu, gu.data(), gu.size() * sizeof(GroupedMatmulJob));
   upload_async(d_dn, dn.data(), dn.size() * sizeof(GroupedMatmulJob));
   gather_rows(g.h, g.ldh, d_pairs, g.top_k, N, xg, g.E, g.E, stream());
+  if (act_q8_ && has_q8(g.gate_type, g.E) && has_q8(g.down_type, g.F)) {
+    // q8 activations: the gathered rows quantized once for gate and up, the SwiGLU output once for down
+    const GroupedMatmulPlan qgu = plan_grouped_q8(gu.data(), nj, g.F, g.E, g.gate_rb),
+                            qdn = plan_grouped_q8(dn.data(), nj, g.E, g.F, g.down_rb);
+    const size_t jb = sz<GroupedMatmulJob>(size_t(nj)), cx = align_up(size_t(N * g.E), 256),
+                 sx = align_up(size_t(N * g.E / 32) * sizeof(float), 256), ca = align_up(size_t(N * g.F), 256);
+    char* qb = q8_scratch(2 * jb + cx + sx + ca + size_t(N * g.F / 32) * sizeof(float));
+    Carve cq{qb};
+    auto* q_gu = cq.take<GroupedMatmulJob>(size_t(nj));
+    auto* q_dn = cq.take<GroupedMatmulJob>(size_t(nj));
+    auto* xq = reinterpret_cast<int8_t*>(qb + 2 * jb);
+    auto* xd = reinterpret_cast<float*>(qb + 2 * jb + cx);
+    auto* aq = reinterpret_cast<int8_t*>(qb + 2 * jb + cx + sx);
+    auto* ad = reinterpret_cast<float*>(qb + 2 * jb + cx + sx + ca);
+    upload_async(q_gu, gu.data(), gu.size() * sizeof(GroupedMatmulJob));
+    upload_async(q_dn, dn.data(), dn.size() * sizeof(GroupedMatmulJob));
+    quantize_q8(xg, g.E, g.E, N, xq, xd, stream());
+    {
+      ProfScope pk(*this, "experts grouped gate/up (q8)", N / std::max(1, g.top_k));
+      grouped_matmul_q8(qgu, g.gate_type, q_gu, nj, g.gate_rb, g.F, g.E, xq, xd, act, g.F, true, stream());
+    }
+    quantize_q8(act, g.F, g.F, N, aq, ad, stream());
+    {
+      ProfScope pk(*this, "experts grouped down (q8)", N / std::max(1, g.top_k));
+      grouped_matmul_q8(qdn, g.down_type, q_dn, nj, g.down_rb, g.E, g.F, aq, ad, y, g.E, false, stream());
+    }
+    scatter_rows(y, g.E, d_pairs, N, g.out, g.ldo, g.E, stream());
+    return;
+  }
   {
     ProfScope pk(*this, "experts grouped gate/up", N / std::max(1, g.top_k));
     grouped_matmul(pgu, g.gate_type, d_gu, nj, g.gate_rb, g.F, g.E, xg, g.E, act, g.F, true, stream());

@@ -35,6 +35,10 @@ namespace strata::cuda {
 /// Settings of one CUDA backend instance.
 struct CudaOptions {
   int device = 0;  ///< CUDA device ordinal (cudaSetDevice)
+  /// --act-quant q8: matmuls of the weight types the q8 path takes (cuda::has_q8: Q8_0) quantize
+  /// their activations to int8 (cuda::quantize_q8) and run cuda::matmul_q8 / grouped_matmul_q8;
+  /// the other types keep the exact fp32-activation paths. false: every matmul has fp32 activations.
+  bool act_q8 = false;
 };
 
 /// Shared by the backend, its buffers and its arenas: the device, the compute stream (a
@@ -98,6 +102,13 @@ class CudaBackend final : public backend::Backend {
 
  private:
   void* stream() const;
+  /// cuda::matmul, or with act_q8_ and a has_q8 type: quantize_q8 of x into the q8 scratch, then
+  /// cuda::matmul_q8 (same arguments as cuda::matmul, on the compute stream).
+  void mm(GgmlType type, const void* W, size_t row_bytes, int64_t rows, int64_t cols, const float* x, int64_t ldx,
+          int64_t n_tok, float* y, int64_t ldy, void* stream);
+  /// Device scratch of at least `bytes` for the activation codes and scales of the q8 path, apart
+  /// from scratch() (whose buffers hold the fp32 inputs being quantized); grown stream-ordered.
+  char* q8_scratch(size_t bytes);
   /// Device scratch of at least `bytes` for the current call (grown stream-ordered; reused by
   /// the next call, which the stream orders after this one).
   char* scratch(size_t bytes);
@@ -145,6 +156,9 @@ class CudaBackend final : public backend::Backend {
   size_t weight_bytes_ = 0;
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
+  bool act_q8_ = false;  // CudaOptions::act_q8
+  void* q8_scratch_ = nullptr;
+  size_t q8_scratch_bytes_ = 0;
   uint8_t* ring_ = nullptr;  // pinned upload ring (or pageable when pinning failed)
   bool ring_pinned_ = false;
   size_t ring_bytes_ = 0, ring_off_ = 0;

@@ -158,6 +158,7 @@ struct GroupedMatmulJob {
 struct GroupedMatmulPlan {
   int tile_tokens = 0;
   int64_t blocks = 0;
+  bool words = false;  ///< plan_grouped_q8: every weight row is 4-byte aligned (the mat-vec loads 32-bit words)
 };
 /// Fills jobs[i].block0 (host memory) for `rows` x `cols` weights and returns the plan; the tile is
 /// chosen from the largest n_tok, at most 32 for a swiglu_pair (register budget); it does not
@@ -174,6 +175,61 @@ GroupedMatmulPlan plan_grouped(GroupedMatmulJob* jobs, int n_jobs, int64_t rows,
 void grouped_matmul(const GroupedMatmulPlan& plan, GgmlType type, const GroupedMatmulJob* jobs, int n_jobs,
                     size_t row_bytes, int64_t rows, int64_t cols, const float* x, int64_t ldx, float* y, int64_t ldy,
                     bool swiglu_pair, void* stream = nullptr);
+
+// ---------------------------------------------------------------------------------------------
+// q8 activations (--act-quant q8 on the CUDA backend; docs/cuda.md "q8 activations")
+
+/// True if the q8-activation path (matmul_q8, grouped_matmul_q8) takes weights of type `t` with
+/// `cols` columns: Q8_0 with cols a positive multiple of 32.
+bool has_q8(GgmlType t, int64_t cols);
+
+/// Quantizes n_tok rows of fp32 activations to int8 in blocks of 32, exactly as the CPU's
+/// cpu::kernels::detail::quantize_block_q8 (ggml's Q8_0 scheme): per block amax = max |x|,
+/// id = 127 / amax (0 when amax == 0), q = round-to-nearest-even(x * id) (the product rounded on
+/// its own), d = amax / 127; a block holding a NaN or an infinity gets q = 0 and d = NaN, and a
+/// block with amax < 127 / FLT_MAX (id overflows) gets q = 0, as the CPU's conversion gives. Same
+/// fp32 operations, so the codes and scales equal the CPU's bit for bit (tested).
+///   x: device, [cols, n_tok] fp32, rows ldx floats apart; q: device, [cols, n_tok] int8, rows
+///   `cols` bytes apart (16-byte aligned for matmul_q8); d: device, [cols/32, n_tok] fp32, rows
+///   cols/32 floats apart. Throws CudaError unless cols is a positive multiple of 32 and ldx >= cols.
+void quantize_q8(const float* x, int64_t ldx, int64_t cols, int64_t n_tok, int8_t* q, float* d, void* stream = nullptr);
+
+/// y[t][r] = sum over the Q8_0 blocks b of row r, for t < n_tok, with the activations given as
+/// quantize_q8's codes xq and scales xd (rows of cols bytes / cols/32 floats, token t at
+/// xq + t * cols and xd + t * cols / 32).
+/// Arithmetic (the definition, the same on every kernel): for each output element, acc = 0, then
+/// for each 32-column block b = 0, 1, ... in column order
+///     S_b = sum_{k in b} qw_k * qx_k            (exact int32: |S_b| <= 32 * 127 * 128 < 2^24)
+///     acc = fmaf(float(S_b), dw_b * dx_b, acc)  (dw_b * dx_b rounded to fp32 on its own)
+/// with dw_b the block's fp16 scale as fp32 and dx_b the activation scale; y = acc. The GEMM takes
+/// S_b from one int8 tensor-core MMA (mma.sync m16n8k32 s8.s8.s32, from 0), the mat-vec from 8
+/// __dp4a (from 0): both exact, so both kernels and every tile give the same bits for an element
+/// whatever n_tok, the other tokens or the batch (tested bit for bit against a scalar host
+/// definition). Error against the exact w·x: the activation rounding (|x - dx qx| <= dx/2 per
+/// element, the CPU --act-quant q8 error) plus the fp32 fold, <= (cols/32 + 1) 2^-24 sum |w dx qx|.
+/// Kernels: MatVec, up to 8 tokens per block of 16 rows; Mma, the GEMM, blocks of 128 rows x 64
+/// tokens (8 warps of 32 x 32), 4 blocks of columns per stage, a 3-stage cp.async pipeline; it
+/// needs W and row_bytes 8-byte aligned. Auto: the GEMM for n_tok > 8 when aligned, else MatVec.
+/// Requirements (CudaError otherwise): has_q8(type, cols); W 2-byte aligned, row_bytes even and
+/// >= cols/32 * 34; xq 16-byte aligned, xd 4-byte aligned; ldy >= rows; path Auto, MatVec or Mma.
+void matmul_q8(GgmlType type, const void* W, size_t row_bytes, int64_t rows, int64_t cols, const int8_t* xq,
+               const float* xd, int64_t n_tok, float* y, int64_t ldy, void* stream = nullptr,
+               MatmulPath path = MatmulPath::Auto);
+
+/// Fills jobs[i].block0 (host memory) for grouped_matmul_q8 with `rows` x `cols` weights of
+/// `row_bytes` per row and returns the plan: tile 64 (the GEMM) when some job has more than 8
+/// tokens and every job's weights (w, and w2 when set) are 8-byte aligned, else 8 (the mat-vec);
+/// it does not change any result. Throws CudaError on n_jobs < 1, a job without tokens, or more
+/// than 2^31 - 1 blocks.
+GroupedMatmulPlan plan_grouped_q8(GroupedMatmulJob* jobs, int n_jobs, int64_t rows, int64_t cols, size_t row_bytes);
+
+/// Every job's matmul_q8 in one launch (bit-identical with matmul_q8 on each job's rows alone):
+/// job j's tokens are rows [row0, row0 + n_tok) of the codes xq / scales xd and of y. swiglu_pair:
+/// y = silu(g) * u with g from w and u from w2 (the expression of swiglu()). jobs: device copy of
+/// the table plan_grouped_q8 filled. Requirements as matmul_q8.
+void grouped_matmul_q8(const GroupedMatmulPlan& plan, GgmlType type, const GroupedMatmulJob* jobs, int n_jobs,
+                       size_t row_bytes, int64_t rows, int64_t cols, const int8_t* xq, const float* xd, float* y,
+                       int64_t ldy, bool swiglu_pair, void* stream = nullptr);
 
 /// Embedding lookup: out[t][:] = dequantize_row(table row ids[t]) for t < n, bit-identical
 /// with quant::dequantize_row. table: device, [cols, n_rows_table] of `type`, rows row_bytes

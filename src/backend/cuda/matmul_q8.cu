@@ -1,0 +1,588 @@
+// The q8-activation matmul path (docs/cuda.md "q8 activations"): activations quantized per token
+// to int8 in blocks of 32 (quantize_q8, the CPU's quantize_block_q8 bit for bit), Q8_0 weights
+// multiplied with them in integers (int8 tensor cores, m16n8k32, for the GEMM; __dp4a for the
+// mat-vec), and the exact int32 block sums folded into an fp32 accumulator in column order.
+// Contract, arithmetic and error bound: kernels.h (matmul_q8).
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/kernels.h"
+
+namespace strata::cuda {
+
+namespace {
+
+// ---- quantizer ----
+
+/// One thread per activation, one warp per 32-block: amax by a shuffle max (exact, order-free),
+/// then the CPU's operations: id = 127 / amax, q = nearest-even(x * id), d = amax / 127.
+__global__ void quantize_q8_kernel(const float* __restrict__ x, int64_t ldx, int cols, int64_t n, int8_t* __restrict__ q,
+                                   float* __restrict__ d) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;  // blockDim.x % 32 == 0, cols % 32 == 0
+  const int64_t total = n * cols;
+  if (i - (threadIdx.x & 31) >= total) return;  // whole warps leave together
+  const bool ok = i < total;
+  const int64_t t = ok ? i / cols : 0;
+  const int c = ok ? int(i % cols) : 0;
+  const float v = ok ? x[t * ldx + c] : 0.0f;
+  const float a = fabsf(v);
+  const bool fin = a <= 3.4028234e38f;  // false for NaN and infinities
+  float amax = a;
+#pragma unroll
+  for (int off = 16; off >= 1; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  const bool all_fin = __all_sync(0xffffffffu, fin || !ok);
+  if (!ok) return;
+  if (!all_fin) {
+    q[t * cols + c] = 0;
+    if ((c & 31) == 0) d[t * (cols / 32) + c / 32] = __int_as_float(0x7fc00000);
+    return;
+  }
+  const float id = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+  // amax < 127 / FLT_MAX: id is infinite and v = x * id infinite or NaN, which the CPU's
+  // conversion turns into code 0 (x86's integer indefinite, truncated to 8 bits): the same here
+  const float p = __fmul_rn(v, id);
+  q[t * cols + c] = fabsf(p) <= 127.5f ? static_cast<int8_t>(__float2int_rn(p)) : int8_t(0);
+  if ((c & 31) == 0) d[t * (cols / 32) + c / 32] = __fdiv_rn(amax, 127.0f);
+}
+
+// ---- shared helpers ----
+
+__device__ __forceinline__ float half_at(const uint8_t* p) {
+  return __half2float(__ushort_as_half(*reinterpret_cast<const unsigned short*>(p)));
+}
+/// float(s) for |s| < 2^22, exactly, without the (quarter-rate) conversion instruction: the int
+/// added to the bits of 1.5 * 2^23 lands in the mantissa, then 1.5 * 2^23 is subtracted (exact).
+__device__ __forceinline__ float small_int_float(int s) {
+  return __fsub_rn(__int_as_float(0x4B400000 + s), 12582912.0f);
+}
+/// The fold step of the contract: acc + float(isum) * (dw * dx), the product rounded on its own
+/// (|isum| <= 32 * 127 * 128 < 2^22, so small_int_float is exact).
+__device__ __forceinline__ float fold(float acc, int isum, float dw, float dx) {
+  return __fmaf_rn(small_int_float(isum), __fmul_rn(dw, dx), acc);
+}
+/// silu(g) * u with the expression of cuda::swiglu.
+__device__ __forceinline__ float silu_mul(float g, float u) {
+  return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+}
+
+/// Which job block b of a grouped launch belongs to: the last j with jobs[j].block0 <= b.
+__device__ __forceinline__ const GroupedMatmulJob& find_job(const GroupedMatmulJob* __restrict__ jobs, int n_jobs,
+                                                            int64_t b) {
+  int lo = 0, hi = n_jobs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (jobs[mid].block0 <= b)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return jobs[lo];
+}
+
+// ---- int8 tensor-core GEMM (Q8_0) ----
+
+constexpr int kGThreads = 256;        // 8 warps: 4 along the rows x 2 along the tokens
+constexpr int kGRows = 128;           // weight rows per block (a warp: 32 rows = 2 m16 tiles)
+constexpr int kGTok = 64;             // tokens per block (a warp: 32 tokens = 4 n8 tiles)
+constexpr int kGKb = 4;               // Q8_0 blocks (32 columns) per pipeline stage
+constexpr int kGStages = 3;           // cp.async pipeline depth
+constexpr int kGWRow = 144;           // smem bytes per weight row and stage (4 x 34 = 136 used; 36 words: no conflicts)
+constexpr int kGXRow = 144;           // smem bytes per token's codes and stage (128 used)
+constexpr int kGWBytes = kGRows * kGWRow;
+constexpr int kGXBytes = kGTok * kGXRow;
+constexpr int kGDBytes = kGTok * kGKb * 4;
+template <bool DUAL>
+constexpr int gemm_stage_bytes() {
+  return (DUAL ? 2 : 1) * kGWBytes + kGXBytes + kGDBytes;
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+/// cp.async of `bytes` (4, 8 or 16) with src_bytes (< bytes: the rest zero-filled).
+template <int BYTES>
+__device__ __forceinline__ void cp_async(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(smem_addr(dst)), "l"(src), "n"(BYTES),
+               "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+/// The 4 bytes at p of shared memory, p 4-byte aligned (ALIGNED) or 2 bytes past an aligned word.
+template <bool ALIGNED>
+__device__ __forceinline__ uint32_t lds32(const uint8_t* p) {
+  if constexpr (ALIGNED) {
+    return *reinterpret_cast<const uint32_t*>(p);
+  } else {
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(p - 2);
+    return __funnelshift_r(w[0], w[1], 16);
+  }
+}
+
+__device__ __forceinline__ void mma_s8(int c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%10,%11,%12,%13};\n"
+      : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0), "r"(0), "r"(0), "r"(0));
+}
+
+/// Stage s of a tile into smem buffer `buf`: kGKb Q8_0 blocks of rows [r0, r0 + kGRows) of W (and
+/// W2), the tokens' codes and scales of those blocks. Parts outside the matrix are skipped (their
+/// smem is never folded into a stored output) or zero-filled (a block straddling a row's end).
+template <bool DUAL>
+__device__ __forceinline__ void gemm_load(uint8_t* buf, const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
+                                          size_t row_bytes, int64_t rows, int64_t r0, int nb, int s,
+                                          const int8_t* __restrict__ xq, const float* __restrict__ xd, int cols,
+                                          int nt) {
+  const int tid = threadIdx.x;
+  const int vb = min(kGKb, nb - s * kGKb);  // valid blocks of this stage
+  const int wbytes = vb * 34;
+  constexpr int kChunks = kGKb * 34 / 8;  // 17 chunks of 8 bytes per row
+#pragma unroll
+  for (int m = 0; m < (DUAL ? 2 : 1); ++m) {
+    const uint8_t* Wm = m == 0 ? W : W2;
+    uint8_t* sw = buf + m * kGWBytes;
+    for (int i = tid; i < kGRows * kChunks; i += kGThreads) {
+      const int r = i / kChunks, c = i % kChunks;
+      const int left = wbytes - 8 * c;
+      if (r0 + r < rows && left > 0)
+        cp_async<8>(sw + r * kGWRow + 8 * c, Wm + (r0 + r) * int64_t(row_bytes) + int64_t(s) * (kGKb * 34) + 8 * c,
+                    left < 8 ? left : 8);
+    }
+  }
+  uint8_t* sx = buf + (DUAL ? 2 : 1) * kGWBytes;
+  for (int i = tid; i < kGTok * 8; i += kGThreads) {  // 8 chunks of 16 codes per token
+    const int t = i / 8, c = i % 8;
+    if (t < nt && c / 2 < vb) cp_async<16>(sx + t * kGXRow + 16 * c, xq + int64_t(t) * cols + s * (kGKb * 32) + 16 * c, 16);
+  }
+  float* sd = reinterpret_cast<float*>(sx + kGXBytes);
+  for (int i = tid; i < kGTok * kGKb; i += kGThreads) {
+    const int t = i / kGKb, j = i % kGKb;
+    if (t < nt && j < vb) cp_async<4>(sd + t * kGKb + j, xd + int64_t(t) * (cols / 32) + s * kGKb + j, 4);
+  }
+}
+
+/// One block's tile: rows [r0, r0 + 128) x tokens [0, nt) (nt <= 64) of codes xq (rows cols bytes
+/// apart) and scales xd. Per output element, for each Q8_0 block b in order: isum = the block's
+/// exact int32 dot product (one m16n8k32 MMA from 0), acc = fold(acc, isum, dw_b, dx_b).
+template <bool DUAL>
+__device__ __forceinline__ void gemm_tile(uint8_t* smem, const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
+                                          size_t row_bytes, int64_t rows, int cols, int64_t r0,
+                                          const int8_t* __restrict__ xq, const float* __restrict__ xd, int nt,
+                                          float* __restrict__ y, int64_t ldy) {
+  constexpr int NW = DUAL ? 2 : 1;
+  constexpr int SB = gemm_stage_bytes<DUAL>();
+  const int nb = cols / 32;
+  const int ns = (nb + kGKb - 1) / kGKb;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+  const int wm = warp % 4, wn = warp / 4;
+  float acc[NW][2][4][4];
+#pragma unroll
+  for (int m = 0; m < NW; ++m)
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+      for (int b = 0; b < 4; ++b)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[m][a][b][e] = 0.0f;
+
+#pragma unroll
+  for (int s = 0; s < kGStages - 1; ++s) {
+    if (s < ns) gemm_load<DUAL>(smem + s * SB, W, W2, row_bytes, rows, r0, nb, s, xq, xd, cols, nt);
+    cp_commit();
+  }
+  for (int s = 0; s < ns; ++s) {
+    cp_wait<kGStages - 2>();
+    __syncthreads();
+    {
+      const int sn = s + kGStages - 1;
+      if (sn < ns) gemm_load<DUAL>(smem + (sn % kGStages) * SB, W, W2, row_bytes, rows, r0, nb, sn, xq, xd, cols, nt);
+      cp_commit();
+    }
+    const uint8_t* buf = smem + (s % kGStages) * SB;
+    const uint8_t* sx = buf + NW * kGWBytes;
+    const float* sd = reinterpret_cast<const float*>(sx + kGXBytes);
+    const int vb = min(kGKb, nb - s * kGKb);
+#pragma unroll
+    for (int j = 0; j < kGKb; ++j) {
+      if (j < vb) {
+        uint32_t bf[4][2];
+        float dx[4][2];
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+          const int tok = wn * 32 + n * 8;
+          const uint8_t* p = sx + (tok + g) * kGXRow + 32 * j + 4 * tq;
+          bf[n][0] = *reinterpret_cast<const uint32_t*>(p);
+          bf[n][1] = *reinterpret_cast<const uint32_t*>(p + 16);
+          dx[n][0] = sd[(tok + 2 * tq) * kGKb + j];
+          dx[n][1] = sd[(tok + 2 * tq + 1) * kGKb + j];
+        }
+#pragma unroll
+        for (int m = 0; m < NW; ++m) {
+          const uint8_t* sw = buf + m * kGWBytes;
+          uint32_t af[2][4];
+          float dw[2][2];
+#pragma unroll
+          for (int a = 0; a < 2; ++a) {
+            const uint8_t* row = sw + (wm * 32 + a * 16 + g) * kGWRow + 34 * j;
+            if ((34 * j + 2) % 4 == 0) {
+              af[a][0] = lds32<true>(row + 2 + 4 * tq);
+              af[a][1] = lds32<true>(row + 8 * kGWRow + 2 + 4 * tq);
+              af[a][2] = lds32<true>(row + 18 + 4 * tq);
+              af[a][3] = lds32<true>(row + 8 * kGWRow + 18 + 4 * tq);
+            } else {
+              af[a][0] = lds32<false>(row + 2 + 4 * tq);
+              af[a][1] = lds32<false>(row + 8 * kGWRow + 2 + 4 * tq);
+              af[a][2] = lds32<false>(row + 18 + 4 * tq);
+              af[a][3] = lds32<false>(row + 8 * kGWRow + 18 + 4 * tq);
+            }
+            dw[a][0] = half_at(row);
+            dw[a][1] = half_at(row + 8 * kGWRow);
+          }
+          int is[2][4][4];
+#pragma unroll
+          for (int a = 0; a < 2; ++a)
+#pragma unroll
+            for (int n = 0; n < 4; ++n) mma_s8(is[a][n], af[a], bf[n][0], bf[n][1]);
+#pragma unroll
+          for (int a = 0; a < 2; ++a)
+#pragma unroll
+            for (int n = 0; n < 4; ++n)
+#pragma unroll
+              for (int e = 0; e < 4; ++e)
+                acc[m][a][n][e] = fold(acc[m][a][n][e], is[a][n][e], dw[a][e / 2], dx[n][e % 2]);
+        }
+      }
+    }
+  }
+  cp_wait<0>();
+#pragma unroll
+  for (int a = 0; a < 2; ++a)
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t row = r0 + wm * 32 + a * 16 + g + 8 * (e / 2);
+        const int tok = wn * 32 + n * 8 + 2 * tq + e % 2;
+        if (row < rows && tok < nt) {
+          float o = acc[0][a][n][e];
+          if constexpr (DUAL) o = silu_mul(o, acc[NW - 1][a][n][e]);
+          y[tok * ldy + row] = o;
+        }
+      }
+}
+
+/// GEMM launch over jobs (jobs == nullptr: the single job `one`, x rows from row0). Block b:
+/// job j, row block (b - block0) % row_blocks, token tile (b - block0) / row_blocks.
+template <bool DUAL>
+__global__ void __launch_bounds__(kGThreads)
+    gemm_q8_kernel(const GroupedMatmulJob* __restrict__ jobs, int n_jobs, GroupedMatmulJob one, size_t row_bytes,
+                   int64_t rows, int cols, const int8_t* __restrict__ xq, const float* __restrict__ xd,
+                   float* __restrict__ y, int64_t ldy) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int64_t b = blockIdx.x;
+  const GroupedMatmulJob& jb = jobs ? find_job(jobs, n_jobs, b) : one;
+  const int64_t row_blocks = (rows + kGRows - 1) / kGRows;
+  const int64_t local = b - jb.block0, rb = local % row_blocks, tb = local / row_blocks;
+  const int64_t t0 = jb.row0 + tb * kGTok;
+  const int nt = int(min(int64_t(kGTok), jb.row0 + jb.n_tok - t0));
+  gemm_tile<DUAL>(smem, static_cast<const uint8_t*>(jb.w), static_cast<const uint8_t*>(jb.w2), row_bytes, rows, cols,
+                  rb * kGRows, xq + t0 * cols, xd + t0 * (cols / 32), nt, y + t0 * ldy, ldy);
+}
+
+// ---- mat-vec (__dp4a), up to 8 tokens ----
+
+constexpr int kVThreads = 256;
+constexpr int kVRows = 16;   // rows per block
+constexpr int kVTok = 8;     // tokens per block at most
+constexpr int kVPairs = 32;  // block pairs (64 columns) per stage: 2048 columns
+template <bool DUAL>
+constexpr int mv_smem_bytes() {
+  return (DUAL ? 2 : 1) * (kVRows * kVTok * 2 * kVPairs + kVRows * 2 * kVPairs) * 4;
+}
+
+/// The two Q8_0 blocks 2P, 2P + 1 of a row (the second only if `two`): codes as 16 words (block
+/// 0: words 0-7, block 1: 8-15) and scales. A4: the row is 4-byte aligned (the pair at 68P is).
+template <bool A4>
+__device__ __forceinline__ void load_pair(const uint8_t* __restrict__ p, bool two, uint32_t q[16], float& d0,
+                                          float& d1) {
+  if constexpr (A4) {
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(p);
+    uint32_t v[17];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = w[k];
+    v[8] = two ? w[8] : uint32_t(*reinterpret_cast<const uint16_t*>(p + 32));
+    if (two) {
+#pragma unroll
+      for (int k = 9; k < 17; ++k) v[k] = w[k];
+    } else {
+#pragma unroll
+      for (int k = 9; k < 17; ++k) v[k] = 0;
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) q[k] = __funnelshift_r(v[k], v[k + 1], 16);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) q[8 + k] = v[9 + k];
+    d0 = __half2float(__ushort_as_half(static_cast<unsigned short>(v[0] & 0xffff)));
+    d1 = __half2float(__ushort_as_half(static_cast<unsigned short>(v[8] >> 16)));
+  } else {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
+    d0 = __half2float(__ushort_as_half(h[0]));
+#pragma unroll
+    for (int k = 0; k < 8; ++k) q[k] = uint32_t(h[1 + 2 * k]) | (uint32_t(h[2 + 2 * k]) << 16);
+    if (two) {
+      d1 = __half2float(__ushort_as_half(h[17]));
+#pragma unroll
+      for (int k = 0; k < 8; ++k) q[8 + k] = uint32_t(h[18 + 2 * k]) | (uint32_t(h[19 + 2 * k]) << 16);
+    } else {
+      d1 = 0.0f;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) q[8 + k] = 0;
+    }
+  }
+}
+
+/// Rows [r0, r0 + 16) x tokens [0, nt) (nt <= 8). Per stage of 64 blocks: every (row, block pair)
+/// task computes the exact int32 block sums (8 __dp4a each, from 0) for each token into shared
+/// memory; then thread (row, token) folds the stage's blocks in column order, the GEMM's fold.
+template <bool DUAL, bool A4>
+__device__ __forceinline__ void mv_tile(float* smem, const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
+                                        size_t row_bytes, int64_t rows, int cols, int64_t r0,
+                                        const int8_t* __restrict__ xq, const float* __restrict__ xd, int nt,
+                                        float* __restrict__ y, int64_t ldy) {
+  constexpr int NW = DUAL ? 2 : 1;
+  constexpr int SB = kVTok * 2 * kVPairs;  // ints per row of sums
+  int* sS = reinterpret_cast<int*>(smem);                // [NW][kVRows][kVTok][64]
+  float* sD = smem + NW * kVRows * SB;                   // [NW][kVRows][64]
+  const int nb = cols / 32, np = (nb + 1) / 2;
+  const int tid = threadIdx.x;
+  const int fr = tid % kVRows, ft = tid / kVRows;  // fold thread: row, token
+  float acc[NW];
+#pragma unroll
+  for (int m = 0; m < NW; ++m) acc[m] = 0.0f;
+  for (int p0 = 0; p0 < np; p0 += kVPairs) {
+    for (int i = tid; i < NW * kVRows * kVPairs; i += kVThreads) {
+      const int m = i / (kVRows * kVPairs), r = (i / kVPairs) % kVRows, pp = i % kVPairs;
+      const int P = p0 + pp;
+      if (P >= np || r0 + r >= rows) continue;
+      const bool two = 2 * P + 1 < nb;
+      uint32_t q[16];
+      float d0, d1;
+      load_pair<A4>((m == 0 ? W : W2) + (r0 + r) * int64_t(row_bytes) + int64_t(P) * 68, two, q, d0, d1);
+      sD[(m * kVRows + r) * 64 + 2 * pp] = d0;
+      sD[(m * kVRows + r) * 64 + 2 * pp + 1] = d1;
+      for (int t = 0; t < nt; ++t) {
+        const uint4* xp = reinterpret_cast<const uint4*>(xq + int64_t(t) * cols + int64_t(P) * 64);
+        const uint4 x0 = xp[0], x1 = xp[1];
+        const uint32_t xa[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+        int s0 = 0;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) s0 = __dp4a(int(q[k]), int(xa[k]), s0);
+        int s1 = 0;
+        if (two) {
+          const uint4 x2 = xp[2], x3 = xp[3];
+          const uint32_t xb[8] = {x2.x, x2.y, x2.z, x2.w, x3.x, x3.y, x3.z, x3.w};
+#pragma unroll
+          for (int k = 0; k < 8; ++k) s1 = __dp4a(int(q[8 + k]), int(xb[k]), s1);
+        }
+        int* so = sS + ((m * kVRows + r) * kVTok + t) * 64 + 2 * pp;
+        so[0] = s0;
+        so[1] = s1;
+      }
+    }
+    __syncthreads();
+    if (ft < nt && r0 + fr < rows) {
+      const int nblk = min(64, nb - 2 * p0);
+      const float* xdt = xd + int64_t(ft) * (cols / 32) + 2 * p0;
+#pragma unroll
+      for (int m = 0; m < NW; ++m) {
+        const int* si = sS + ((m * kVRows + fr) * kVTok + ft) * 64;
+        const float* di = sD + (m * kVRows + fr) * 64;
+        float a = acc[m];
+        for (int k = 0; k < nblk; ++k) a = fold(a, si[k], di[k], xdt[k]);
+        acc[m] = a;
+      }
+    }
+    __syncthreads();
+  }
+  if (ft < nt && r0 + fr < rows) {
+    float o = acc[0];
+    if constexpr (DUAL) o = silu_mul(o, acc[NW - 1]);
+    y[int64_t(ft) * ldy + r0 + fr] = o;
+  }
+}
+
+template <bool DUAL, bool A4>
+__global__ void __launch_bounds__(kVThreads)
+    mv_q8_kernel(const GroupedMatmulJob* __restrict__ jobs, int n_jobs, GroupedMatmulJob one, size_t row_bytes,
+                 int64_t rows, int cols, const int8_t* __restrict__ xq, const float* __restrict__ xd,
+                 float* __restrict__ y, int64_t ldy) {
+  extern __shared__ __align__(16) float smem_f[];
+  const int64_t b = blockIdx.x;
+  const GroupedMatmulJob& jb = jobs ? find_job(jobs, n_jobs, b) : one;
+  const int64_t row_blocks = (rows + kVRows - 1) / kVRows;
+  const int64_t local = b - jb.block0, rb = local % row_blocks, tb = local / row_blocks;
+  const int64_t t0 = jb.row0 + tb * kVTok;
+  const int nt = int(min(int64_t(kVTok), jb.row0 + jb.n_tok - t0));
+  mv_tile<DUAL, A4>(smem_f, static_cast<const uint8_t*>(jb.w), static_cast<const uint8_t*>(jb.w2), row_bytes, rows,
+                    cols, rb * kVRows, xq + t0 * cols, xd + t0 * (cols / 32), nt, y + t0 * ldy, ldy);
+}
+
+// ---- host side ----
+
+/// The dynamic shared memory the kernels need is above 48 KiB: opt in once per device.
+void ensure_smem_attrs() {
+  static std::mutex mu;
+  static std::vector<bool> done;
+  int dev = 0;
+  STRATA_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  if (size_t(dev) < done.size() && done[size_t(dev)]) return;
+  STRATA_CUDA_CHECK(cudaFuncSetAttribute(gemm_q8_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         kGStages * gemm_stage_bytes<false>()));
+  STRATA_CUDA_CHECK(cudaFuncSetAttribute(gemm_q8_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         kGStages * gemm_stage_bytes<true>()));
+  STRATA_CUDA_CHECK(cudaFuncSetAttribute(mv_q8_kernel<false, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         mv_smem_bytes<false>()));
+  STRATA_CUDA_CHECK(cudaFuncSetAttribute(mv_q8_kernel<false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         mv_smem_bytes<false>()));
+  STRATA_CUDA_CHECK(cudaFuncSetAttribute(mv_q8_kernel<true, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         mv_smem_bytes<true>()));
+  STRATA_CUDA_CHECK(cudaFuncSetAttribute(mv_q8_kernel<true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         mv_smem_bytes<true>()));
+  if (done.size() <= size_t(dev)) done.resize(size_t(dev) + 1, false);
+  done[size_t(dev)] = true;
+}
+
+/// The GEMM's cp.async reads 8-byte pieces of the weight rows.
+bool gemm_aligned(const void* w, size_t row_bytes) {
+  return reinterpret_cast<uintptr_t>(w) % 8 == 0 && row_bytes % 8 == 0;
+}
+bool a4(const void* w, size_t row_bytes) { return reinterpret_cast<uintptr_t>(w) % 4 == 0 && row_bytes % 4 == 0; }
+
+void check_q8_common(const char* fn, GgmlType type, size_t row_bytes, int64_t rows, int64_t cols, const int8_t* xq,
+                     const float* xd, int64_t ldy) {
+  STRATA_CUDA_REQUIRE(has_q8(type, cols), std::string(fn) + ": the q8 path does not take " + ggml_type_name(type) +
+                                              " with cols=" + std::to_string(cols));
+  STRATA_CUDA_REQUIRE(cols <= (int64_t(1) << 30) && rows > 0 && rows <= (int64_t(1) << 31),
+                      std::string(fn) + ": bad shape rows=" + std::to_string(rows) + " cols=" + std::to_string(cols));
+  STRATA_CUDA_REQUIRE(row_bytes >= size_t(cols / 32) * 34 && row_bytes % 2 == 0,
+                      std::string(fn) + ": row_bytes=" + std::to_string(row_bytes) +
+                          " is odd or below the Q8_0 row size " + std::to_string(size_t(cols / 32) * 34));
+  STRATA_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(xq) % 16 == 0 && reinterpret_cast<uintptr_t>(xd) % 4 == 0,
+                      std::string(fn) + ": the codes must be 16-byte aligned and the scales 4-byte aligned");
+  STRATA_CUDA_REQUIRE(ldy >= rows, std::string(fn) + ": ldy=" + std::to_string(ldy) + " < rows=" + std::to_string(rows));
+}
+
+template <bool DUAL>
+void launch_q8(bool gemm, bool al4, unsigned grid, const GroupedMatmulJob* jobs, int n_jobs,
+               const GroupedMatmulJob& one, size_t row_bytes, int64_t rows, int cols, const int8_t* xq,
+               const float* xd, float* y, int64_t ldy, cudaStream_t st) {
+  ensure_smem_attrs();
+  if (gemm)
+    gemm_q8_kernel<DUAL><<<grid, kGThreads, kGStages * gemm_stage_bytes<DUAL>(), st>>>(jobs, n_jobs, one, row_bytes,
+                                                                                       rows, cols, xq, xd, y, ldy);
+  else if (al4)
+    mv_q8_kernel<DUAL, true><<<grid, kVThreads, mv_smem_bytes<DUAL>(), st>>>(jobs, n_jobs, one, row_bytes, rows, cols,
+                                                                            xq, xd, y, ldy);
+  else
+    mv_q8_kernel<DUAL, false><<<grid, kVThreads, mv_smem_bytes<DUAL>(), st>>>(jobs, n_jobs, one, row_bytes, rows, cols,
+                                                                             xq, xd, y, ldy);
+  STRATA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+bool has_q8(GgmlType t, int64_t cols) { return t == GgmlType::Q8_0 && cols > 0 && cols % 32 == 0; }
+
+void quantize_q8(const float* x, int64_t ldx, int64_t cols, int64_t n_tok, int8_t* q, float* d, void* stream) {
+  STRATA_CUDA_REQUIRE(cols > 0 && cols % 32 == 0 && cols <= (int64_t(1) << 30),
+                      "cuda::quantize_q8: cols=" + std::to_string(cols) + " is not a positive multiple of 32");
+  STRATA_CUDA_REQUIRE(n_tok >= 0 && ldx >= cols, "cuda::quantize_q8: n_tok < 0 or ldx < cols");
+  if (n_tok == 0) return;
+  const int64_t total = n_tok * cols;
+  const int64_t blocks = (total + 255) / 256;
+  STRATA_CUDA_REQUIRE(blocks <= INT32_MAX, "cuda::quantize_q8: too many activations");
+  quantize_q8_kernel<<<unsigned(blocks), 256, 0, static_cast<cudaStream_t>(stream)>>>(x, ldx, int(cols), n_tok, q, d);
+  STRATA_CUDA_CHECK_LAUNCH();
+}
+
+void matmul_q8(GgmlType type, const void* W, size_t row_bytes, int64_t rows, int64_t cols, const int8_t* xq,
+               const float* xd, int64_t n_tok, float* y, int64_t ldy, void* stream, MatmulPath path) {
+  check_q8_common("cuda::matmul_q8", type, row_bytes, rows, cols, xq, xd, ldy);
+  STRATA_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(W) % 2 == 0, "cuda::matmul_q8: W must be 2-byte aligned");
+  STRATA_CUDA_REQUIRE(n_tok >= 0, "cuda::matmul_q8: n_tok < 0");
+  STRATA_CUDA_REQUIRE(path == MatmulPath::Auto || path == MatmulPath::MatVec || path == MatmulPath::Mma,
+                      "cuda::matmul_q8: path must be Auto, MatVec or Mma");
+  const bool can_gemm = gemm_aligned(W, row_bytes);
+  STRATA_CUDA_REQUIRE(path != MatmulPath::Mma || can_gemm,
+                      "cuda::matmul_q8: the GEMM needs W and row_bytes 8-byte aligned");
+  if (n_tok == 0) return;
+  const bool gemm = path == MatmulPath::Mma || (path == MatmulPath::Auto && can_gemm && n_tok > kVTok);
+  const int rb = gemm ? kGRows : kVRows, tt = gemm ? kGTok : kVTok;
+  GroupedMatmulJob one;
+  one.w = W;
+  one.row0 = 0;
+  one.n_tok = n_tok;
+  one.block0 = 0;
+  const int64_t blocks = ((rows + rb - 1) / rb) * ((n_tok + tt - 1) / tt);
+  STRATA_CUDA_REQUIRE(blocks <= INT32_MAX, "cuda::matmul_q8: too many blocks");
+  launch_q8<false>(gemm, a4(W, row_bytes), unsigned(blocks), nullptr, 1, one, row_bytes, rows, int(cols), xq, xd, y,
+                   ldy, static_cast<cudaStream_t>(stream));
+}
+
+GroupedMatmulPlan plan_grouped_q8(GroupedMatmulJob* jobs, int n_jobs, int64_t rows, int64_t cols, size_t row_bytes) {
+  STRATA_CUDA_REQUIRE(n_jobs >= 1, "cuda::plan_grouped_q8: no jobs");
+  STRATA_CUDA_REQUIRE(rows > 0 && cols > 0, "cuda::plan_grouped_q8: rows or cols <= 0");
+  int64_t max_n = 0;
+  bool aligned = row_bytes % 8 == 0;
+  for (int i = 0; i < n_jobs; ++i) {
+    STRATA_CUDA_REQUIRE(jobs[i].n_tok >= 1, "cuda::plan_grouped_q8: job " + std::to_string(i) + " has no tokens");
+    max_n = std::max(max_n, jobs[i].n_tok);
+    aligned = aligned && gemm_aligned(jobs[i].w, row_bytes) && (!jobs[i].w2 || gemm_aligned(jobs[i].w2, row_bytes));
+  }
+  GroupedMatmulPlan p;
+  p.tile_tokens = aligned && max_n > kVTok ? kGTok : kVTok;
+  p.words = row_bytes % 4 == 0;
+  for (int i = 0; i < n_jobs; ++i)
+    p.words = p.words && a4(jobs[i].w, row_bytes) && (!jobs[i].w2 || a4(jobs[i].w2, row_bytes));
+  const int64_t rb = p.tile_tokens == kGTok ? kGRows : kVRows;
+  const int64_t row_blocks = (rows + rb - 1) / rb;
+  for (int i = 0; i < n_jobs; ++i) {
+    jobs[i].block0 = p.blocks;
+    p.blocks += row_blocks * ((jobs[i].n_tok + p.tile_tokens - 1) / p.tile_tokens);
+  }
+  STRATA_CUDA_REQUIRE(p.blocks <= int64_t(INT32_MAX), "cuda::plan_grouped_q8: too many blocks");
+  return p;
+}
+
+void grouped_matmul_q8(const GroupedMatmulPlan& plan, GgmlType type, const GroupedMatmulJob* jobs, int n_jobs,
+                       size_t row_bytes, int64_t rows, int64_t cols, const int8_t* xq, const float* xd, float* y,
+                       int64_t ldy, bool swiglu_pair, void* stream) {
+  check_q8_common("cuda::grouped_matmul_q8", type, row_bytes, rows, cols, xq, xd, ldy);
+  STRATA_CUDA_REQUIRE(n_jobs >= 1 && plan.blocks >= 1 && plan.blocks <= INT32_MAX &&
+                          (plan.tile_tokens == kVTok || plan.tile_tokens == kGTok),
+                      "cuda::grouped_matmul_q8: bad plan (use plan_grouped_q8)");
+  const bool gemm = plan.tile_tokens == kGTok;
+  const bool al4 = plan.words;  // the plan saw the (host) table's pointers
+  GroupedMatmulJob one;
+  auto st = static_cast<cudaStream_t>(stream);
+  if (swiglu_pair)
+    launch_q8<true>(gemm, al4, unsigned(plan.blocks), jobs, n_jobs, one, row_bytes, rows, int(cols), xq, xd, y, ldy,
+                    st);
+  else
+    launch_q8<false>(gemm, al4, unsigned(plan.blocks), jobs, n_jobs, one, row_bytes, rows, int(cols), xq, xd, y, ldy,
+                     st);
+}
+
+}  // namespace strata::cuda
