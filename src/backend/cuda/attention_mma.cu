@@ -7,6 +7,7 @@
 
 #include "backend/cuda/attention_mma.h"
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/device_common.cuh"
 
 namespace strata::cuda::detail {
 
@@ -64,21 +65,6 @@ __device__ __forceinline__ void fa_mma6x4(float t[4][4], const uint32_t a[3][4],
   for (int p = 0; p < 6; ++p)
 #pragma unroll
     for (int n = 0; n < 4; ++n) fa_mma(t[n], a[kI[p]], b[n / 2][kJ[p]][2 * (n % 2)], b[n / 2][kJ[p]][2 * (n % 2) + 1]);
-}
-
-__device__ __forceinline__ void fa_ldsm_x4(uint32_t r[4], const void* p) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s)
-               : "memory");
-}
-__device__ __forceinline__ void fa_ldsm_x4_t(uint32_t r[4], const void* p) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s)
-               : "memory");
 }
 
 /// 4 floats of a row as the three pieces' 4-bf16 words, stored at dst[piece * piece_stride].
@@ -224,14 +210,13 @@ __global__ void __launch_bounds__(kFaWarps * 32, 2)
         uint32_t qa[3][4], kf[2][3][4];
 #pragma unroll
         for (int pc = 0; pc < 3; ++pc)
-          fa_ldsm_x4(qa[pc],
-                     Qw + pc * S::kQPiece + ((lane & 7) + 8 * ((lane >> 3) & 1)) * LD + 16 * ks + 8 * (lane >> 4));
+          ldsm_x4(qa[pc], Qw + pc * S::kQPiece + ((lane & 7) + 8 * ((lane >> 3) & 1)) * LD + 16 * ks + 8 * (lane >> 4));
 #pragma unroll
         for (int u = 0; u < 2; ++u)
 #pragma unroll
           for (int pc = 0; pc < 3; ++pc)
-            fa_ldsm_x4(kf[u][pc], Ks + pc * S::kKvPiece + (16 * u + (lane & 7) + 8 * (lane >> 4)) * LD + 16 * ks +
-                                      8 * ((lane >> 3) & 1));
+            ldsm_x4(kf[u][pc], Ks + pc * S::kKvPiece + (16 * u + (lane & 7) + 8 * (lane >> 4)) * LD + 16 * ks +
+                                   8 * ((lane >> 3) & 1));
         float t4[4][4];
         fa_mma6x4(t4, qa, kf);
 #pragma unroll
@@ -294,8 +279,8 @@ __global__ void __launch_bounds__(kFaWarps * 32, 2)
           for (int u = 0; u < 2; ++u)
 #pragma unroll
             for (int pc = 0; pc < 3; ++pc)
-              fa_ldsm_x4_t(vf[u][pc], Vs + pc * S::kKvPiece + (16 * kk + (lane & 7) + 8 * ((lane >> 3) & 1)) * LD +
-                                          32 * jq + 16 * u + 8 * (lane >> 4));
+              ldsm_x4<true>(vf[u][pc], Vs + pc * S::kKvPiece + (16 * kk + (lane & 7) + 8 * ((lane >> 3) & 1)) * LD +
+                                           32 * jq + 16 * u + 8 * (lane >> 4));
           float t4[4][4];
           fa_mma6x4(t4, pa, vf);
 #pragma unroll

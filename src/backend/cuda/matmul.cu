@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/device_common.cuh"
 #include "quant/quant_impl.h"
 #include "quant/quant_tables.h"
 
@@ -416,16 +417,7 @@ __device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-/// Four 8x8 b16 matrices from shared memory (ldmatrix .x4): lane l gives the address of row l % 8
-/// of matrix l / 8 (16-byte aligned); r[j] receives matrix j's elements (row lane / 4, columns
-/// 2 (lane % 4) and + 1): exactly the 32-bit words the per-lane loads of the mma fragments read.
-__device__ __forceinline__ void ldsm_x4(uint32_t r[4], const void* p) {
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a)
-               : "memory");
-}
+using detail::ldsm_x4;  // device_common.cuh
 
 /// One block's tile: weight rows [r0, r0 + 64) x tokens [0, nt) of x (nt <= BN). DUAL: W and W2
 /// (the SwiGLU gate and up) share the activations and the tile writes silu(W x) * (W2 x).
@@ -1020,29 +1012,20 @@ __global__ void __launch_bounds__(kMmaThreads)
     grouped_kernel(const GroupedMatmulJob* __restrict__ jobs, int n_jobs, size_t row_bytes, int64_t rows, int cols,
                    const float* __restrict__ x, int64_t ldx, float* __restrict__ y, int64_t ldy) {
   const int64_t b = blockIdx.x;
-  int lo = 0, hi = n_jobs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (jobs[mid].block0 <= b)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  const GroupedMatmulJob& jb = jobs[lo];
+  const GroupedMatmulJob& jb = detail::find_job(jobs, n_jobs, b);
   constexpr int RB = SMALL ? 16 : kMmaRows;
-  const int64_t row_blocks = (rows + RB - 1) / RB;
-  const int64_t local = b - jb.block0, rb = local % row_blocks, tb = local / row_blocks;
-  const int64_t t0 = jb.row0 + tb * BN;
-  const int nt = int(min(int64_t(BN), jb.row0 + jb.n_tok - t0));
+  const detail::JobTile tile = detail::job_tile<RB, BN>(jb, b, rows);
+  const int64_t t0 = tile.t0, r0 = tile.r0;
+  const int nt = tile.nt;
   if constexpr (SMALL && V2)
     mma_small2<T, DUAL>(static_cast<const uint8_t*>(jb.w), static_cast<const uint8_t*>(jb.w2), row_bytes, rows, cols,
-                        rb * RB, x + t0 * ldx, ldx, nt, y + t0 * ldy, ldy);
+                        r0, x + t0 * ldx, ldx, nt, y + t0 * ldy, ldy);
   else if constexpr (SMALL)
-    mma_small<T, DUAL>(static_cast<const uint8_t*>(jb.w), static_cast<const uint8_t*>(jb.w2), row_bytes, rows, cols,
-                       rb * RB, x + t0 * ldx, ldx, nt, y + t0 * ldy, ldy);
+    mma_small<T, DUAL>(static_cast<const uint8_t*>(jb.w), static_cast<const uint8_t*>(jb.w2), row_bytes, rows, cols, r0,
+                       x + t0 * ldx, ldx, nt, y + t0 * ldy, ldy);
   else
     mma_tile<T, BN, DUAL, V2>(static_cast<const uint8_t*>(jb.w), static_cast<const uint8_t*>(jb.w2), row_bytes, rows,
-                              cols, rb * RB, x + t0 * ldx, ldx, nt, y + t0 * ldy, ldy);
+                              cols, r0, x + t0 * ldx, ldx, nt, y + t0 * ldy, ldy);
 }
 
 int mma_tile_tokens(int64_t n) { return n <= 8 ? 8 : n <= 32 ? 32 : 64; }
@@ -1136,10 +1119,11 @@ void check_weights(const char* fn, GgmlType type, const void* W, size_t row_byte
                           "-byte aligned");
 }
 
-#define STRATA_CUDA_FOR_EACH_TYPE(X)                                                                                \
-  X(F32)                                                                                                            \
-  X(F16) X(BF16) X(Q8_0) X(Q4_0) X(Q4_1) X(Q5_0) X(Q5_1) X(Q2_K) X(Q3_K) X(Q4_K) X(Q5_K) X(Q6_K) X(IQ2_XS) X(IQ3_S) \
-      X(IQ4_XS) X(IQ4_NL) X(MXFP4)
+#define STRATA_CUDA_FOR_EACH_TYPE(X)                                                                                   \
+  X(F32)                                                                                                               \
+  X(F16)                                                                                                               \
+  X(BF16) X(Q8_0) X(Q4_0) X(Q4_1) X(Q5_0) X(Q5_1) X(Q2_K) X(Q3_K) X(Q4_K) X(Q5_K) X(Q6_K) X(IQ2_XS) X(IQ3_S) X(IQ4_XS) \
+      X(IQ4_NL) X(MXFP4)
 
 template <GgmlType T>
 void launch_mm(const uint8_t* W, size_t row_bytes, int64_t rows, int cols, const float* x, int64_t ldx, int64_t n_tok,
@@ -1274,11 +1258,7 @@ GroupedMatmulPlan plan_grouped(GroupedMatmulJob* jobs, int n_jobs, int64_t rows,
   GroupedMatmulPlan p;
   p.tile_tokens = std::min(mma_tile_tokens(max_n), swiglu_pair ? 32 : 64);
   const int64_t rbk = row_block(p.tile_tokens, cols);
-  const int64_t row_blocks = (rows + rbk - 1) / rbk;
-  for (int i = 0; i < n_jobs; ++i) {
-    jobs[i].block0 = p.blocks;
-    p.blocks += row_blocks * ((jobs[i].n_tok + p.tile_tokens - 1) / p.tile_tokens);
-  }
+  p.blocks = detail::assign_job_blocks(jobs, n_jobs, (rows + rbk - 1) / rbk, p.tile_tokens);
   STRATA_CUDA_REQUIRE(p.blocks <= int64_t(INT32_MAX), "cuda::plan_grouped: too many blocks");
   return p;
 }

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/device_common.cuh"
 #include "backend/cuda/kernels.h"
 
 namespace strata::cuda {
@@ -21,8 +22,8 @@ namespace {
 
 /// One thread per activation, one warp per 32-block: amax by a shuffle max (exact, order-free),
 /// then the CPU's operations: id = 127 / amax, q = nearest-even(x * id), d = amax / 127.
-__global__ void quantize_q8_kernel(const float* __restrict__ x, int64_t ldx, int cols, int64_t n, int8_t* __restrict__ q,
-                                   float* __restrict__ d) {
+__global__ void quantize_q8_kernel(const float* __restrict__ x, int64_t ldx, int cols, int64_t n,
+                                   int8_t* __restrict__ q, float* __restrict__ d) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;  // blockDim.x % 32 == 0, cols % 32 == 0
   const int64_t total = n * cols;
   if (i - (threadIdx.x & 31) >= total) return;  // whole warps leave together
@@ -70,29 +71,18 @@ __device__ __forceinline__ float silu_mul(float g, float u) {
   return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
 }
 
-/// Which job block b of a grouped launch belongs to: the last j with jobs[j].block0 <= b.
-__device__ __forceinline__ const GroupedMatmulJob& find_job(const GroupedMatmulJob* __restrict__ jobs, int n_jobs,
-                                                            int64_t b) {
-  int lo = 0, hi = n_jobs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (jobs[mid].block0 <= b)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  return jobs[lo];
-}
+using detail::find_job;  // device_common.cuh
+using detail::job_tile;
 
 // ---- int8 tensor-core GEMM (Q8_0) ----
 
-constexpr int kGThreads = 256;        // 8 warps: 4 along the rows x 2 along the tokens
-constexpr int kGRows = 128;           // weight rows per block (a warp: 32 rows = 2 m16 tiles)
-constexpr int kGTok = 64;             // tokens per block (a warp: 32 tokens = 4 n8 tiles)
-constexpr int kGKb = 4;               // Q8_0 blocks (32 columns) per pipeline stage
-constexpr int kGStages = 3;           // cp.async pipeline depth
-constexpr int kGWRow = 144;           // smem bytes per weight row and stage (4 x 34 = 136 used; 36 words: no conflicts)
-constexpr int kGXRow = 144;           // smem bytes per token's codes and stage (128 used)
+constexpr int kGThreads = 256;  // 8 warps: 4 along the rows x 2 along the tokens
+constexpr int kGRows = 128;     // weight rows per block (a warp: 32 rows = 2 m16 tiles)
+constexpr int kGTok = 64;       // tokens per block (a warp: 32 tokens = 4 n8 tiles)
+constexpr int kGKb = 4;         // Q8_0 blocks (32 columns) per pipeline stage
+constexpr int kGStages = 3;     // cp.async pipeline depth
+constexpr int kGWRow = 144;     // smem bytes per weight row and stage (4 x 34 = 136 used; 36 words: no conflicts)
+constexpr int kGXRow = 144;     // smem bytes per token's codes and stage (128 used)
 constexpr int kGWBytes = kGRows * kGWRow;
 constexpr int kGXBytes = kGTok * kGXRow;
 constexpr int kGDBytes = kGTok * kGKb * 4;
@@ -163,7 +153,8 @@ __device__ __forceinline__ void gemm_load(uint8_t* buf, const uint8_t* __restric
   uint8_t* sx = buf + (DUAL ? 2 : 1) * kGWBytes;
   for (int i = tid; i < kGTok * 8; i += kGThreads) {  // 8 chunks of 16 codes per token
     const int t = i / 8, c = i % 8;
-    if (t < nt && c / 2 < vb) cp_async<16>(sx + t * kGXRow + 16 * c, xq + int64_t(t) * cols + s * (kGKb * 32) + 16 * c, 16);
+    if (t < nt && c / 2 < vb)
+      cp_async<16>(sx + t * kGXRow + 16 * c, xq + int64_t(t) * cols + s * (kGKb * 32) + 16 * c, 16);
   }
   float* sd = reinterpret_cast<float*>(sx + kGXBytes);
   for (int i = tid; i < kGTok * kGKb; i += kGThreads) {
@@ -292,12 +283,9 @@ __global__ void __launch_bounds__(kGThreads)
   extern __shared__ __align__(16) uint8_t smem[];
   const int64_t b = blockIdx.x;
   const GroupedMatmulJob& jb = jobs ? find_job(jobs, n_jobs, b) : one;
-  const int64_t row_blocks = (rows + kGRows - 1) / kGRows;
-  const int64_t local = b - jb.block0, rb = local % row_blocks, tb = local / row_blocks;
-  const int64_t t0 = jb.row0 + tb * kGTok;
-  const int nt = int(min(int64_t(kGTok), jb.row0 + jb.n_tok - t0));
+  const detail::JobTile t = job_tile<kGRows, kGTok>(jb, b, rows);
   gemm_tile<DUAL>(smem, static_cast<const uint8_t*>(jb.w), static_cast<const uint8_t*>(jb.w2), row_bytes, rows, cols,
-                  rb * kGRows, xq + t0 * cols, xd + t0 * (cols / 32), nt, y + t0 * ldy, ldy);
+                  t.r0, xq + t.t0 * cols, xd + t.t0 * (cols / 32), t.nt, y + t.t0 * ldy, ldy);
 }
 
 // ---- mat-vec (__dp4a), up to 8 tokens ----
@@ -362,8 +350,8 @@ __device__ __forceinline__ void mv_tile(float* smem, const uint8_t* __restrict__
                                         float* __restrict__ y, int64_t ldy) {
   constexpr int NW = DUAL ? 2 : 1;
   constexpr int SB = kVTok * 2 * kVPairs;  // ints per row of sums
-  int* sS = reinterpret_cast<int*>(smem);                // [NW][kVRows][kVTok][64]
-  float* sD = smem + NW * kVRows * SB;                   // [NW][kVRows][64]
+  int* sS = reinterpret_cast<int*>(smem);  // [NW][kVRows][kVTok][64]
+  float* sD = smem + NW * kVRows * SB;     // [NW][kVRows][64]
   const int nb = cols / 32, np = (nb + 1) / 2;
   const int tid = threadIdx.x;
   const int fr = tid % kVRows, ft = tid / kVRows;  // fold thread: row, token
@@ -430,12 +418,9 @@ __global__ void __launch_bounds__(kVThreads)
   extern __shared__ __align__(16) float smem_f[];
   const int64_t b = blockIdx.x;
   const GroupedMatmulJob& jb = jobs ? find_job(jobs, n_jobs, b) : one;
-  const int64_t row_blocks = (rows + kVRows - 1) / kVRows;
-  const int64_t local = b - jb.block0, rb = local % row_blocks, tb = local / row_blocks;
-  const int64_t t0 = jb.row0 + tb * kVTok;
-  const int nt = int(min(int64_t(kVTok), jb.row0 + jb.n_tok - t0));
+  const detail::JobTile t = job_tile<kVRows, kVTok>(jb, b, rows);
   mv_tile<DUAL, A4>(smem_f, static_cast<const uint8_t*>(jb.w), static_cast<const uint8_t*>(jb.w2), row_bytes, rows,
-                    cols, rb * kVRows, xq + t0 * cols, xd + t0 * (cols / 32), nt, y + t0 * ldy, ldy);
+                    cols, t.r0, xq + t.t0 * cols, xd + t.t0 * (cols / 32), t.nt, y + t.t0 * ldy, ldy);
 }
 
 // ---- host side ----
@@ -481,23 +466,24 @@ void check_q8_common(const char* fn, GgmlType type, size_t row_bytes, int64_t ro
                           " is odd or below the Q8_0 row size " + std::to_string(size_t(cols / 32) * 34));
   STRATA_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(xq) % 16 == 0 && reinterpret_cast<uintptr_t>(xd) % 4 == 0,
                       std::string(fn) + ": the codes must be 16-byte aligned and the scales 4-byte aligned");
-  STRATA_CUDA_REQUIRE(ldy >= rows, std::string(fn) + ": ldy=" + std::to_string(ldy) + " < rows=" + std::to_string(rows));
+  STRATA_CUDA_REQUIRE(ldy >= rows,
+                      std::string(fn) + ": ldy=" + std::to_string(ldy) + " < rows=" + std::to_string(rows));
 }
 
 template <bool DUAL>
 void launch_q8(bool gemm, bool al4, unsigned grid, const GroupedMatmulJob* jobs, int n_jobs,
-               const GroupedMatmulJob& one, size_t row_bytes, int64_t rows, int cols, const int8_t* xq,
-               const float* xd, float* y, int64_t ldy, cudaStream_t st) {
+               const GroupedMatmulJob& one, size_t row_bytes, int64_t rows, int cols, const int8_t* xq, const float* xd,
+               float* y, int64_t ldy, cudaStream_t st) {
   ensure_smem_attrs();
   if (gemm)
     gemm_q8_kernel<DUAL><<<grid, kGThreads, kGStages * gemm_stage_bytes<DUAL>(), st>>>(jobs, n_jobs, one, row_bytes,
                                                                                        rows, cols, xq, xd, y, ldy);
   else if (al4)
-    mv_q8_kernel<DUAL, true><<<grid, kVThreads, mv_smem_bytes<DUAL>(), st>>>(jobs, n_jobs, one, row_bytes, rows, cols,
-                                                                            xq, xd, y, ldy);
+    mv_q8_kernel<DUAL, true>
+        <<<grid, kVThreads, mv_smem_bytes<DUAL>(), st>>>(jobs, n_jobs, one, row_bytes, rows, cols, xq, xd, y, ldy);
   else
-    mv_q8_kernel<DUAL, false><<<grid, kVThreads, mv_smem_bytes<DUAL>(), st>>>(jobs, n_jobs, one, row_bytes, rows, cols,
-                                                                             xq, xd, y, ldy);
+    mv_q8_kernel<DUAL, false>
+        <<<grid, kVThreads, mv_smem_bytes<DUAL>(), st>>>(jobs, n_jobs, one, row_bytes, rows, cols, xq, xd, y, ldy);
   STRATA_CUDA_CHECK_LAUNCH();
 }
 
@@ -557,11 +543,7 @@ GroupedMatmulPlan plan_grouped_q8(GroupedMatmulJob* jobs, int n_jobs, int64_t ro
   for (int i = 0; i < n_jobs; ++i)
     p.words = p.words && a4(jobs[i].w, row_bytes) && (!jobs[i].w2 || a4(jobs[i].w2, row_bytes));
   const int64_t rb = p.tile_tokens == kGTok ? kGRows : kVRows;
-  const int64_t row_blocks = (rows + rb - 1) / rb;
-  for (int i = 0; i < n_jobs; ++i) {
-    jobs[i].block0 = p.blocks;
-    p.blocks += row_blocks * ((jobs[i].n_tok + p.tile_tokens - 1) / p.tile_tokens);
-  }
+  p.blocks = detail::assign_job_blocks(jobs, n_jobs, (rows + rb - 1) / rb, p.tile_tokens);
   STRATA_CUDA_REQUIRE(p.blocks <= int64_t(INT32_MAX), "cuda::plan_grouped_q8: too many blocks");
   return p;
 }
