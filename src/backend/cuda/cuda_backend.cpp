@@ -79,6 +79,22 @@ void require_vram(int device, size_t bytes, const char* what) {
                   double(total_b) / kMiB));
 }
 
+// A grow-only device buffer in stream order: when `bytes` exceeds `cap`, frees `p` after the work
+// queued on `stream` and allocates max(1 MiB, bytes + 25 %, rounded up to 1 MiB) there; returns p.
+// Throws CudaError naming `what` and the sizes when the allocation fails (p is then null, cap 0).
+char* grow_stream_buffer(void*& p, size_t& cap, size_t bytes, cudaStream_t stream, int device, const char* what) {
+  if (bytes > cap) {
+    if (p) STRATA_CUDA_CHECK(cudaFreeAsync(p, stream));
+    p = nullptr;
+    cap = 0;
+    const size_t want = std::max<size_t>(align_up(bytes + bytes / 4, 1 << 20), 1 << 20);
+    const cudaError_t e = cudaMallocAsync(&p, want, stream);
+    if (e != cudaSuccess) throw_alloc_error(e, device, want, what);
+    cap = want;
+  }
+  return static_cast<char*>(p);
+}
+
 // Pinned host memory, or 4 KiB-aligned pageable memory with a warning when pinning fails.
 // Pinned bytes held, per allocation (for pinned_host_bytes(): memory reporting).
 std::mutex g_pinned_mu;
@@ -488,29 +504,11 @@ void CudaBackend::upload_async(void* dst, const void* src, size_t bytes) {
 }
 
 char* CudaBackend::scratch(size_t bytes) {
-  if (bytes > scratch_bytes_) {
-    if (scratch_) STRATA_CUDA_CHECK(cudaFreeAsync(scratch_, ctx_->stream));
-    scratch_ = nullptr;
-    scratch_bytes_ = 0;
-    const size_t want = std::max<size_t>(align_up(bytes + bytes / 4, 1 << 20), 1 << 20);
-    const cudaError_t e = cudaMallocAsync(&scratch_, want, ctx_->stream);
-    if (e != cudaSuccess) throw_alloc_error(e, device_, want, "compute scratch");
-    scratch_bytes_ = want;
-  }
-  return static_cast<char*>(scratch_);
+  return grow_stream_buffer(scratch_, scratch_bytes_, bytes, ctx_->stream, device_, "compute scratch");
 }
 
 char* CudaBackend::q8_scratch(size_t bytes) {
-  if (bytes > q8_scratch_bytes_) {
-    if (q8_scratch_) STRATA_CUDA_CHECK(cudaFreeAsync(q8_scratch_, ctx_->stream));
-    q8_scratch_ = nullptr;
-    q8_scratch_bytes_ = 0;
-    const size_t want = std::max<size_t>(align_up(bytes + bytes / 4, 1 << 20), 1 << 20);
-    const cudaError_t e = cudaMallocAsync(&q8_scratch_, want, ctx_->stream);
-    if (e != cudaSuccess) throw_alloc_error(e, device_, want, "q8 activation scratch");
-    q8_scratch_bytes_ = want;
-  }
-  return static_cast<char*>(q8_scratch_);
+  return grow_stream_buffer(q8_scratch_, q8_scratch_bytes_, bytes, ctx_->stream, device_, "q8 activation scratch");
 }
 
 void CudaBackend::mm(GgmlType type, const void* W, size_t row_bytes, int64_t rows, int64_t cols, const float* x,
@@ -673,8 +671,7 @@ void CudaBackend::attention(const backend::AttentionSpec& s, const backend::Atte
     if (!w.q_norm.empty())
       cuda::rms_norm(q, s.head_dim, w.q_norm.f(), q, s.head_dim, s.head_dim, T * s.n_head, s.rms_eps, stream());
     if (!w.k_norm.empty())
-      cuda::rms_norm(kc, s.head_dim, w.k_norm.f(), kc, s.head_dim, s.head_dim, T * s.n_head_kv, s.rms_eps,
-                     stream());
+      cuda::rms_norm(kc, s.head_dim, w.k_norm.f(), kc, s.head_dim, s.head_dim, T * s.n_head_kv, s.rms_eps, stream());
   }
   if (rope && rope->n_rot > 0) {
     std::vector<int32_t> p(static_cast<size_t>(T));
