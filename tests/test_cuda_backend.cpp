@@ -76,6 +76,24 @@ std::vector<float> all_logits(const std::string& model, const engine::EngineOpti
   return logits;
 }
 
+// Prefills all but the last n_decode of ids, then decodes those one at a time; returns how many of
+// the decoded positions' logits are not bit-identical with rows of `ref` (all_logits of ids: one
+// row of V floats per token).
+size_t decode_positions_differing(const std::string& model, const engine::EngineOptions& o,
+                                  const std::vector<int32_t>& ids, const std::vector<float>& ref, size_t n_decode) {
+  engine::Engine eng(model, o);
+  model::SequenceState st = eng.new_sequence();
+  std::vector<float> logits;
+  const size_t V = ref.size() / ids.size(), n0 = ids.size() - n_decode;
+  eng.prefill(st, std::span<const int32_t>(ids.data(), n0), model::LogitsMode::Last, logits);
+  size_t differ = 0;
+  for (size_t t = n0; t < ids.size(); ++t) {
+    eng.decode(st, ids[t], logits);
+    differ += logits.size() != V || std::memcmp(logits.data(), ref.data() + t * V, V * sizeof(float)) != 0;
+  }
+  return differ;
+}
+
 std::vector<int32_t> greedy(const std::string& model, const engine::EngineOptions& o,
                             const std::vector<int32_t>& prompt, int n) {
   engine::Engine eng(model, o);
@@ -164,16 +182,7 @@ void cuda_invariance(const std::string& name, cpu::kernels::ActQuant act = cpu::
   small.arena_bytes = min_arena;  // one layer's worst case for 7 tokens: constant eviction
   EXPECT_TRUE(bit_equal(all_logits(model, small, ids), ref)) << name << ": the minimum arena differs";
   if (decode_too) {
-    engine::Engine eng(model, all);
-    model::SequenceState st = eng.new_sequence();
-    std::vector<float> logits;
-    const size_t V = ref.size() / ids.size(), n0 = ids.size() - 8;
-    eng.prefill(st, std::span<const int32_t>(ids.data(), n0), model::LogitsMode::Last, logits);
-    size_t differ = 0;
-    for (size_t t = n0; t < ids.size(); ++t) {
-      eng.decode(st, ids[t], logits);
-      differ += logits.size() != V || std::memcmp(logits.data(), ref.data() + t * V, V * sizeof(float)) != 0;
-    }
+    const size_t differ = decode_positions_differing(model, all, ids, ref, 8);
     EXPECT_EQ(differ, 0u) << name << ": decode differs from prefill at " << differ << " of 8 positions";
   }
   std::printf("%s: chunks 1, 7, %zu and the minimum arena (%.1f MiB): bit-identical logits checked\n", name.c_str(),
@@ -271,16 +280,7 @@ void family_check(const std::string& model, const char* name, size_t n_tokens = 
   }
   // decode: the last 30 tokens one at a time after a prefill of the rest
   {
-    engine::Engine eng(model, all);
-    model::SequenceState st = eng.new_sequence();
-    std::vector<float> logits;
-    const size_t n0 = ids.size() - 30;
-    eng.prefill(st, std::span<const int32_t>(ids.data(), n0), model::LogitsMode::Last, logits);
-    size_t differ = 0;
-    for (size_t t = n0; t < ids.size(); ++t) {
-      eng.decode(st, ids[t], logits);
-      differ += logits.size() != V || std::memcmp(logits.data(), gpu.data() + t * V, V * sizeof(float)) != 0;
-    }
+    const size_t differ = decode_positions_differing(model, all, ids, gpu, 30);
     EXPECT_EQ(differ, 0u) << name << ": decode differs from prefill at " << differ << " positions";
   }
   std::printf("%s: chunks 1, 7, %zu and decode of the last 30 tokens: bit-identical logits checked\n", name,

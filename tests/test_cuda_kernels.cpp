@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <random>
 #include <string>
 #include <vector>
@@ -578,6 +579,38 @@ void attention_ref(const cuda::AttentionArgs& a, const std::vector<float>& q, co
   }
 }
 
+// Bit-identity checks of an attention call `a` that wrote `out` (a.n_tok x a.out_stride floats):
+// the number of output floats that differ from single-token decode calls of the given rows (rows
+// >= a.n_tok are skipped), or from the same prefill in chunks of `chunk` tokens (the last one
+// shorter), each call at its own positions a.pos0 + row.
+int64_t attention_decode_mismatches(const cuda::AttentionArgs& a, const std::vector<float>& out,
+                                    std::initializer_list<int64_t> rows) {
+  int64_t mismatches = 0;
+  cuda::DeviceBuffer d1(size_t(a.out_stride) * 4);
+  for (int64_t t : rows) {
+    if (t >= a.n_tok) continue;
+    cuda::AttentionArgs b = a;
+    b.q = a.q + t * a.q_stride, b.out = d1.as<float>(), b.n_tok = 1, b.pos0 = a.pos0 + t;
+    cuda::attention(b);
+    const auto o1 = download<float>(d1, size_t(a.out_stride));
+    for (int64_t i = 0; i < a.out_stride; ++i) mismatches += !bits_equal(o1[i], out[t * a.out_stride + i]);
+  }
+  return mismatches;
+}
+int64_t attention_chunked_mismatches(const cuda::AttentionArgs& a, const std::vector<float>& out, int64_t chunk) {
+  cuda::DeviceBuffer dc(size_t(a.n_tok * a.out_stride) * 4);
+  for (int64_t c0 = 0; c0 < a.n_tok; c0 += chunk) {
+    cuda::AttentionArgs b = a;
+    b.q = a.q + c0 * a.q_stride, b.out = dc.as<float>() + c0 * a.out_stride;
+    b.n_tok = std::min(chunk, a.n_tok - c0), b.pos0 = a.pos0 + c0;
+    cuda::attention(b);
+  }
+  const auto oc = download<float>(dc, size_t(a.n_tok * a.out_stride));
+  int64_t mismatches = 0;
+  for (size_t i = 0; i < oc.size(); ++i) mismatches += !bits_equal(oc[i], out[i]);
+  return mismatches;
+}
+
 }  // namespace
 
 // Attention: against a double reference (tolerance below), and bit-identical between decode
@@ -622,26 +655,10 @@ TEST(CudaKernels, AttentionMatchesReferenceAndDecodeEqualsPrefill) {
       std::printf("attention %d/%d heads, dim %d (%s): max |err| %.3g\n", sh.n_head, sh.n_head_kv, sh.head_dim,
                   path == cuda::AttentionPath::Mma ? "mma" : "simt", worst);
       EXPECT_LE(worst, 4e-6);
-      // decode: one query at a time (segments in parallel + fold)
-      int64_t mismatches = 0;
-      cuda::DeviceBuffer d1(size_t(a.out_stride) * 4);
-      for (int64_t t : {int64_t(0), int64_t(5), int64_t(32), int64_t(150), n_tok - 1}) {
-        cuda::AttentionArgs b = a;
-        b.q = a.q + t * a.q_stride, b.out = d1.as<float>(), b.n_tok = 1, b.pos0 = pos0 + t;
-        cuda::attention(b);
-        const auto o1 = download<float>(d1, size_t(a.out_stride));
-        for (int64_t i = 0; i < a.out_stride; ++i) mismatches += !bits_equal(o1[i], out[t * a.out_stride + i]);
-      }
-      // prefill in chunks of 100 (positions 417.., 517.., 617..)
-      cuda::DeviceBuffer dc(size_t(n_tok * a.out_stride) * 4);
-      for (int64_t c0 = 0; c0 < n_tok; c0 += 100) {
-        cuda::AttentionArgs b = a;
-        b.q = a.q + c0 * a.q_stride, b.out = dc.as<float>() + c0 * a.out_stride, b.n_tok = 100, b.pos0 = pos0 + c0;
-        cuda::attention(b);
-      }
-      const auto oc = download<float>(dc, size_t(n_tok * a.out_stride));
-      for (size_t i = 0; i < oc.size(); ++i) mismatches += !bits_equal(oc[i], out[i]);
-      EXPECT_EQ(mismatches, 0);
+      // decode: one query at a time (segments in parallel + fold); prefill in chunks of 100
+      // (positions 417.., 517.., 617..)
+      EXPECT_EQ(attention_decode_mismatches(a, out, {0, 5, 32, 150, n_tok - 1}), 0);
+      EXPECT_EQ(attention_chunked_mismatches(a, out, 100), 0);
     }
 }
 
@@ -694,24 +711,8 @@ TEST(CudaKernels, AttentionWindowAndSinksMatchReference) {
           (long long)window, path == cuda::AttentionPath::Mma ? "mma" : "simt", worst, moved);
       EXPECT_LE(worst, 4e-6);
       EXPECT_GT(moved, 1e-2);  // the check can fail: ignoring the window or the sinks is far outside 4e-6
-      int64_t mismatches = 0;
-      cuda::DeviceBuffer d1(size_t(a.out_stride) * 4);
-      for (int64_t t : {int64_t(0), int64_t(5), int64_t(39), int64_t(150), n_tok - 1}) {
-        cuda::AttentionArgs b = a;
-        b.q = a.q + t * a.q_stride, b.out = d1.as<float>(), b.n_tok = 1, b.pos0 = pos0 + t;
-        cuda::attention(b);
-        const auto o1 = download<float>(d1, size_t(a.out_stride));
-        for (int64_t i = 0; i < a.out_stride; ++i) mismatches += !bits_equal(o1[i], out[t * a.out_stride + i]);
-      }
-      cuda::DeviceBuffer dc(size_t(n_tok * a.out_stride) * 4);
-      for (int64_t c0 = 0; c0 < n_tok; c0 += 100) {
-        cuda::AttentionArgs b = a;
-        b.q = a.q + c0 * a.q_stride, b.out = dc.as<float>() + c0 * a.out_stride, b.n_tok = 100, b.pos0 = pos0 + c0;
-        cuda::attention(b);
-      }
-      const auto oc = download<float>(dc, size_t(n_tok * a.out_stride));
-      for (size_t i = 0; i < oc.size(); ++i) mismatches += !bits_equal(oc[i], out[i]);
-      EXPECT_EQ(mismatches, 0);
+      EXPECT_EQ(attention_decode_mismatches(a, out, {0, 5, 39, 150, n_tok - 1}), 0);
+      EXPECT_EQ(attention_chunked_mismatches(a, out, 100), 0);
     }
 }
 
@@ -785,31 +786,10 @@ TEST(CudaKernels, AttentionMmaOddLengthsGroupsAndChunking) {
     // Chunkings: every row against the one-pass prefill.
     for (int64_t chunk : {int64_t(7), int64_t(15), int64_t(17)}) {
       if (chunk >= n_tok) continue;
-      cuda::DeviceBuffer dc(size_t(n_tok * a.out_stride) * 4);
-      for (int64_t c0 = 0; c0 < n_tok; c0 += chunk) {
-        cuda::AttentionArgs b = a;
-        b.q = a.q + c0 * a.q_stride, b.out = dc.as<float>() + c0 * a.out_stride;
-        b.n_tok = std::min(chunk, n_tok - c0), b.pos0 = c0;
-        cuda::attention(b);
-      }
-      const auto oc = download<float>(dc, size_t(n_tok * a.out_stride));
-      int64_t mismatches = 0;
-      for (size_t i = 0; i < oc.size(); ++i) mismatches += !bits_equal(oc[i], out[i]);
-      EXPECT_EQ(mismatches, 0) << "chunks of " << chunk;
+      EXPECT_EQ(attention_chunked_mismatches(a, out, chunk), 0) << "chunks of " << chunk;
     }
     // Decode: single tokens.
-    int64_t mismatches = 0;
-    cuda::DeviceBuffer d1(size_t(a.out_stride) * 4);
-    for (int64_t t : {int64_t(0), int64_t(14), int64_t(16), int64_t(127), int64_t(128), int64_t(200), int64_t(1023),
-                      int64_t(2048)}) {
-      if (t >= n_tok) continue;
-      cuda::AttentionArgs b = a;
-      b.q = a.q + t * a.q_stride, b.out = d1.as<float>(), b.n_tok = 1, b.pos0 = t;
-      cuda::attention(b);
-      const auto o1 = download<float>(d1, size_t(a.out_stride));
-      for (int64_t i = 0; i < a.out_stride; ++i) mismatches += !bits_equal(o1[i], out[t * a.out_stride + i]);
-    }
-    EXPECT_EQ(mismatches, 0) << "decode";
+    EXPECT_EQ(attention_decode_mismatches(a, out, {0, 14, 16, 127, 128, 200, 1023, 2048}), 0) << "decode";
   }
   // A shape the tensor-core kernel does not take is an error on AttentionPath::Mma (Auto runs Simt).
   cuda::AttentionArgs bad;
