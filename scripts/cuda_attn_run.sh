@@ -7,15 +7,6 @@
 # Every step has its own timeout; BENCH_AFTER: skip the benches when more seconds have passed.
 set -u
 . "$(dirname "$0")/cuda_env.sh"
-# A -dev root without the static libpcre2-8.a / liburing.a: a private copy whose .a names link
-# the shared objects (ld reads the file's format, not its name; LD_LIBRARY_PATH finds them).
-if [ ! -e "$DEPS/usr/lib/x86_64-linux-gnu/libpcre2-8.a" ]; then
-  rm -rf /tmp/strata-deps && cp -a "$DEPS" /tmp/strata-deps && DEPS=/tmp/strata-deps && L=$DEPS/usr
-  for x in pcre2-8 uring; do
-    ln -sf "$(readlink -f "$L/lib/x86_64-linux-gnu/lib$x.so")" "$L/lib/x86_64-linux-gnu/lib$x.a"
-  done
-  export LD_LIBRARY_PATH=$L/lib/x86_64-linux-gnu:$LD_LIBRARY_PATH
-fi
 t0=$(date +%s)
 ts() { echo "[$(($(date +%s) - t0)) s] $*"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader

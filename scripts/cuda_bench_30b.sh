@@ -22,19 +22,7 @@ run() {  # name, extra flags
   timeout 200 "$B/strata" bench -m "$M" --backend cuda --prompt-tokens "${PT:-2048}" --prompt-chunk "${PC:-2048}" --gen 32 -c "${CTX:-4096}" \
     --ssd-seconds 2 "$@" --json > "$OUT/bench_$name.json" 2> "$OUT/bench_$name.err"
   echo "== $name ($*): rc $? at $(( $(date +%s) - t0 )) s"
-  python3 - "$OUT/bench_$name.json" <<'PY'
-import json, sys
-try:
-    d = json.load(open(sys.argv[1]))
-except Exception as e:
-    print("no json:", e); sys.exit()
-for ph in ("prefill", "decode"):
-    p = d.get(ph, {})
-    print(f"{ph:8s} {p.get('tokens_per_s', 0):10.1f} tok/s  {p.get('seconds', 0):7.3f} s  needed {p.get('needed')} missed {p.get('missed')} "
-          f"read {p.get('bytes_read', 0)/2**30:.2f} GiB  wait {p.get('exposed_wait_s', 0):.3f} s  io floor {p.get('io_floor_s', 0):.3f} s  "
-          f"compute floor {p.get('compute_floor_s', 0):.3f} s  ratio {p.get('ratio_to_floor', 0):.2f}")
-print("arena", d.get("arena_bytes", 0) / 2**30, "GiB, ssd", d.get("ssd_gbps"), "GB/s")
-PY
+  bench_summary "$OUT/bench_$name.json"
   tail -3 "$OUT/bench_$name.err"
 }
 # RUNS picks the sets (space-separated, run in order): basic (default: every expert in VRAM, then

@@ -16,6 +16,36 @@ L=$DEPS/usr
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH=$DEPS/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export STRATA_MODELS_DIR=$MODELS
+# A -dev root without the static libpcre2-8.a / liburing.a (the build links them statically): a
+# private copy whose .a names link the shared objects (ld reads the file's format, not its name;
+# LD_LIBRARY_PATH finds them at run time).
+if [ ! -e "$DEPS/usr/lib/x86_64-linux-gnu/libpcre2-8.a" ] || [ ! -e "$DEPS/usr/lib/x86_64-linux-gnu/liburing.a" ]; then
+  rm -rf /tmp/strata-deps && cp -a "$DEPS" /tmp/strata-deps && DEPS=/tmp/strata-deps && L=$DEPS/usr
+  for x in pcre2-8 uring; do
+    [ -e "$L/lib/x86_64-linux-gnu/lib$x.a" ] ||
+      ln -sf "$(readlink -f "$L/lib/x86_64-linux-gnu/lib$x.so")" "$L/lib/x86_64-linux-gnu/lib$x.a"
+  done
+  export LD_LIBRARY_PATH=$L/lib/x86_64-linux-gnu:$LD_LIBRARY_PATH
+fi
+
+# bench_summary FILE: one line per phase of a `strata bench --json` file (tok/s, seconds, expert
+# counts, bytes read, exposed wait, the floors and time / max(floors)), then the arena, drive and
+# activation mode.
+bench_summary() {
+  python3 - "$1" <<'PY'
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+except Exception as e:
+    print("no json:", e); sys.exit()
+for ph in ("prefill", "decode"):
+    p = d.get(ph, {})
+    print(f"{ph:8s} {p.get('tokens_per_s', 0):10.1f} tok/s  {p.get('seconds', 0):7.3f} s  needed {p.get('needed')} missed {p.get('missed')} "
+          f"read {p.get('bytes_read', 0)/2**30:.2f} GiB  wait {p.get('exposed_wait_s', 0):.3f} s  io floor {p.get('io_floor_s', 0):.3f} s  "
+          f"compute floor {p.get('compute_floor_s', 0):.3f} s  ratio {p.get('ratio_to_floor', 0):.2f}")
+print("arena", d.get("arena_bytes", 0) / 2**30, "GiB, ssd", d.get("ssd_gbps"), "GB/s, act_quant", d.get("act_quant"))
+PY
+}
 
 # strata_build [cmake -D flags...] -- targets...: configures $SRC into $B (Release, Ninja) and
 # builds the targets with every core. Returns cmake's status.

@@ -26,17 +26,7 @@ for act in ${ACTS:-f32 q8}; do
   timeout 40 "$B/strata" bench -m "$M" --backend cuda --prompt-tokens 2048 --prompt-chunk 2048 --gen 32 -c 4096 \
     --ssd-seconds 1 --act-quant $act --json > "$OUT/bench_$act.json" 2> "$OUT/bench_$act.err"
   echo "bench act-quant $act rc $? $(since)"
-  python3 - "$OUT/bench_$act.json" <<'PY'
-import json, sys
-try:
-    d = json.load(open(sys.argv[1]))
-except Exception as e:
-    print("no json:", e); sys.exit()
-for ph in ("prefill", "decode"):
-    p = d.get(ph, {})
-    print(f"  {ph:8s} {p.get('tokens_per_s', 0):10.1f} tok/s  {p.get('seconds', 0):7.3f} s")
-print("  act_quant", d.get("act_quant"))
-PY
+  bench_summary "$OUT/bench_$act.json"
   tail -2 "$OUT/bench_$act.err"
 done
 BT=${BT:-$(( ${DEADLINE:-250} - ($(date +%s) - t0) ))}; [ "$BT" -gt 10 ] || BT=10
