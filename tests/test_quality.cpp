@@ -952,7 +952,7 @@ TEST(QualityMoce, CalibratedBonusRespectsItsBudget) {
     const MoceRun bc = moce_run(eng, held, c.bonus);
     const double kld = quality::mean_kld_rows(b0.logp, bc.logp, eng.hparams().n_vocab);
     std::printf(
-        "moce calibration, budget %.3f: chose %.2f (calibration KLD %.5f, bound %.5f); held-back tokens %zu..%zu: "
+        "moce calibration, budget %.3f: chose %g (calibration KLD %.5f, bound %.5f); held-back tokens %zu..%zu: "
         "KLD %.5f, misses %llu vs %llu at bonus 0\n",
         budget, c.bonus, c.kld, c.kld_bound, skip, skip + 64, kld, (unsigned long long)bc.misses,
         (unsigned long long)b0.misses);
@@ -1000,7 +1000,7 @@ TEST(QualityMoce, MoceBenchReportsSpeedAndKldSideBySide) {
   EXPECT_LE(j["calibration"]["kld"].get<double>(), 0.05);
   std::printf(
       "moce-bench, arena 5 MiB, read-ahead off, 24 held-back tokens: bonus 0 misses %llu; 0.5: misses %llu, "
-      "KLD %.5f; calibrated %.2f (budget 0.05, calibration KLD %.5f): held-back KLD %.5f, misses %llu\n",
+      "KLD %.5f; calibrated %g (budget 0.05, calibration KLD %.5f): held-back KLD %.5f, misses %llu\n",
       (unsigned long long)r0["misses"].get<uint64_t>(), (unsigned long long)r5["misses"].get<uint64_t>(),
       r5["kld_mean"].get<double>(), rc["bonus"].get<double>(), j["calibration"]["kld"].get<double>(),
       rc["kld_mean"].get<double>(), (unsigned long long)rc["misses"].get<uint64_t>());
