@@ -252,6 +252,7 @@ TEST(GptOssBlocks, ClampedSwiGluExpertWithBiases) {
   spec.act = backend::FfnSpec::Act::SwiGluOai;
   std::vector<float> out(2, -1.0f);
   be.expert_ffn(spec, job, 1, backend::Tensor::f32(h.data(), 2, 1), backend::Tensor::f32(out.data(), 2, 1));
+  be.synchronize();  // expert_ffn calls are queued until a flush (cpu_backend.h)
   double act[3];
   int clamped = 0;
   for (int r = 0; r < 3; ++r) {

@@ -65,22 +65,52 @@ void attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, const At
     }
   });
 
-  // Scaled dot-product attention, one (token, KV head) pair per work item: the query heads of
-  // a GQA group share the reads of their K/V rows.
+  // Scaled dot-product attention in tiles (attention_tile): kTileTokens tokens x the query heads
+  // of one GQA group (or a part of them), so the tile's queries share the reads of their K/V
+  // rows. A query's result does not depend on the tile it is in, so prefill, decode and any
+  // chunk give the same bits. Work items: (token tile, KV head, head part), the costliest (last)
+  // tiles first; the group is cut into parts only when there would be fewer than 4 items per
+  // thread (a decode step has one token).
   const float scale = s.scale != 0 ? s.scale : 1.0f / std::sqrt(float(s.head_dim));
   const int group = s.n_head / s.n_head_kv;
-  pool.parallel_for(T * s.n_head_kv, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scratch(size_t(std::min(group, 8)) * size_t(pos0 + T));
+  constexpr int64_t kTileTokens = 4;
+  const int64_t n_tiles = (T + kTileTokens - 1) / kTileTokens;
+  int parts = 1;
+  while (parts < group && n_tiles * s.n_head_kv * parts < 4 * int64_t(pool.n_threads())) parts *= 2;
+  parts = std::min(parts, group);
+  const int per_part = (group + parts - 1) / parts;
+  std::vector<int64_t> first(static_cast<size_t>(T)), last(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t) {
+    last[size_t(t)] = pos0 + t;
+    // positions [first, pos0 + t]: all of them, or the last `window`
+    first[size_t(t)] = s.window > 0 ? std::max<int64_t>(0, pos0 + t + 1 - s.window) : 0;
+  }
+  pool.parallel_for(n_tiles * s.n_head_kv * parts, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scratch;
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / s.n_head_kv;
-      const int g = int(i % s.n_head_kv);
-      const int64_t kv_off = int64_t(g) * s.head_dim;
-      const int64_t q_off = t * q_dim + int64_t(g) * group * s.head_dim;
-      // positions [first, pos0 + t]: all of them, or the last `window`
-      const int64_t first = s.window > 0 ? std::max<int64_t>(0, pos0 + t + 1 - s.window) : 0;
-      attention_one(kc, q.data() + q_off, k_cache + first * kv_dim + kv_off, v_cache + first * kv_dim + kv_off, kv_dim,
-                    pos0 + t + 1 - first, group, 1, s.head_dim, scale, att.data() + q_off, scratch.data(),
-                    w.sinks ? w.sinks + int64_t(g) * group : nullptr);
+      const int64_t tile = n_tiles - 1 - i / (int64_t(s.n_head_kv) * parts);
+      const int g = int(i / parts % s.n_head_kv);
+      const int h0 = int(i % parts) * per_part;
+      const int nh = std::min(group - h0, per_part);
+      if (nh <= 0) continue;
+      const int64_t t0 = tile * kTileTokens, nt = std::min(kTileTokens, T - t0);
+      AttentionTile at;
+      at.q = q.data() + t0 * q_dim + (int64_t(g) * group + h0) * s.head_dim;
+      at.q_stride = q_dim;
+      at.n_tok = int(nt);
+      at.n_head = nh;
+      at.head_dim = s.head_dim;
+      at.k = k_cache + int64_t(g) * s.head_dim;
+      at.v = v_cache + int64_t(g) * s.head_dim;
+      at.kv_stride = kv_dim;
+      at.first = first.data() + t0;
+      at.last = last.data() + t0;
+      at.scale = scale;
+      at.out = att.data() + t0 * q_dim + (int64_t(g) * group + h0) * s.head_dim;
+      at.out_stride = q_dim;
+      at.sinks = w.sinks ? w.sinks + int64_t(g) * group + h0 : nullptr;
+      scratch.resize(size_t(attention_tile_scratch(at)));
+      attention_tile(kc, at, scratch.data());
     }
   });
 

@@ -50,46 +50,6 @@ int64_t ld(const Tensor& t) { return int64_t(t.row_bytes() / sizeof(float)); }
 
 const float* values_or_null(const Tensor& t) { return t.empty() ? nullptr : static_cast<const float*>(t.data); }
 
-// y[j][i] += b[i] for n rows of m floats (b null: nothing).
-void add_rows(float* y, const float* b, int64_t n, int64_t m) {
-  if (!b) return;
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t i = 0; i < m; ++i) y[j * m + i] += b[i];
-}
-
-// g = x·gateᵀ and u = x·upᵀ for n tokens (x: n rows of `cols` floats; g, u: n rows of gate.rows
-// floats). When both take q8 activations of one weight type, x is quantized once (with that
-// type's lane order) and both matmuls run as one pool loop over the rows of gate then up, so the
-// threads split 2·rows row blocks instead of waiting at the end of each matmul; otherwise two
-// cpu::matmul calls. Either way every output has the bits cpu::matmul gives it.
-void gate_up(ThreadPool& pool, const kernels::KernelConfig& kc, const MatrixRef& gate, const MatrixRef& up,
-             const float* x, int64_t n, float* g, float* u) {
-  const int64_t cols = gate.cols, rows = gate.rows;
-  if (!kernels::has_q8_activations(kc, gate.type) || up.type != gate.type || up.cols != cols || up.rows != rows) {
-    cpu::matmul(pool, kc, gate, x, cols, n, g, rows);
-    cpu::matmul(pool, kc, up, x, cols, n, u, rows);
-    return;
-  }
-  thread_local kernels::ActQ8 tl_act;
-  kernels::ActQ8& act = tl_act;  // the pool's threads must see this thread's buffer
-  act.resize(n, cols, gate.type);
-  if (n * cols >= 32768) {
-    pool.parallel_for(n, 1, [&](int64_t t0, int64_t t1) { kernels::quantize_activations(kc, x, cols, t0, t1, act); });
-  } else {
-    kernels::quantize_activations(kc, x, cols, 0, n, act);
-  }
-  // row blocks of the same grain as cpu::matmul's, never straddling the two matrices
-  const int64_t grain = std::max<int64_t>(8, rows / (pool.n_threads() * 8));
-  const int64_t per = (rows + grain - 1) / grain;
-  pool.parallel_for(2 * per, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const MatrixRef& W = b < per ? gate : up;
-      const int64_t r0 = (b % per) * grain, r1 = std::min(rows, r0 + grain);
-      kernels::matmul_q8(kc, W.type, W.data, W.row_bytes, r0, r1, cols, act, b < per ? g : u, rows);
-    }
-  });
-}
-
 }  // namespace
 
 CpuBackend::CpuBackend(const CpuOptions& opts) : pool_(std::max(1, opts.n_threads)), kc_(opts.kernels) {}
@@ -104,16 +64,29 @@ std::unique_ptr<backend::Buffer> CpuBackend::alloc(backend::BufferRole role, siz
   return std::make_unique<HostBuffer>(role, bytes);
 }
 
-void CpuBackend::upload(const Tensor& dst, const void* src, size_t bytes) { std::memcpy(dst.data, src, bytes); }
-void CpuBackend::download(void* dst, const Tensor& src, size_t bytes) { std::memcpy(dst, src.data, bytes); }
-void CpuBackend::copy(const Tensor& dst, const Tensor& src, size_t bytes) { std::memmove(dst.data, src.data, bytes); }
-backend::EventPtr CpuBackend::record() { return std::make_shared<DoneEvent>(); }
+void CpuBackend::upload(const Tensor& dst, const void* src, size_t bytes) {
+  flush();
+  std::memcpy(dst.data, src, bytes);
+}
+void CpuBackend::download(void* dst, const Tensor& src, size_t bytes) {
+  flush();
+  std::memcpy(dst, src.data, bytes);
+}
+void CpuBackend::copy(const Tensor& dst, const Tensor& src, size_t bytes) {
+  flush();
+  std::memmove(dst.data, src.data, bytes);
+}
+backend::EventPtr CpuBackend::record() {
+  flush();
+  return std::make_shared<DoneEvent>();
+}
 
 std::unique_ptr<backend::ArenaMemory> CpuBackend::make_arena(size_t n_slots, size_t slot_bytes, int io_threads) {
   return std::make_unique<HostArena>(n_slots, slot_bytes, io_threads);
 }
 
 void CpuBackend::embed(const Tensor& table, std::span<const int32_t> ids, const Tensor& x) {
+  flush();
   const int64_t E = table.cols();
   for (size_t t = 0; t < ids.size(); ++t)
     quant::dequantize_row(table.type, static_cast<const uint8_t*>(table.data) + size_t(ids[t]) * table.row_bytes(),
@@ -121,6 +94,7 @@ void CpuBackend::embed(const Tensor& table, std::span<const int32_t> ids, const 
 }
 
 void CpuBackend::rms_norm(const Tensor& x, const Tensor& w, float eps, const Tensor& y) {
+  flush();
   const int64_t E = x.cols();
   const float* wv = w.f();
   pool_.parallel_for(x.rows(), 4, [&](int64_t t0, int64_t t1) {
@@ -129,6 +103,7 @@ void CpuBackend::rms_norm(const Tensor& x, const Tensor& w, float eps, const Ten
 }
 
 void CpuBackend::add(const Tensor& x, const Tensor& y) {
+  flush();
   const int64_t E = x.cols();
   for (int64_t t = 0; t < x.rows(); ++t) {
     float* a = x.row(t);
@@ -138,11 +113,13 @@ void CpuBackend::add(const Tensor& x, const Tensor& y) {
 }
 
 void CpuBackend::matmul(const Tensor& W, const Tensor& x, const Tensor& y) {
+  flush();
   cpu::matmul(pool_, kc_, as_matrix(W), x.f(), ld(x), x.rows(), y.f(), ld(y));
 }
 
 void CpuBackend::attention(const backend::AttentionSpec& spec, const backend::AttentionWeights& w,
                            const backend::KvCache& kv, int64_t pos0, const Tensor& h, const Tensor& out) {
+  flush();
   const AttentionWeights aw{as_matrix(w.wq),      as_matrix(w.wk),          as_matrix(w.wv),
                             as_matrix(w.wo),      values_or_null(w.q_norm), values_or_null(w.k_norm),
                             values_or_null(w.bq), values_or_null(w.bk),     values_or_null(w.bv),
@@ -152,6 +129,7 @@ void CpuBackend::attention(const backend::AttentionSpec& spec, const backend::At
 
 void CpuBackend::mla_attention(const backend::MlaSpec& spec, const backend::MlaWeights& w, const Tensor& cache,
                                int64_t pos0, const Tensor& h, const Tensor& out) {
+  flush();
   MlaWeights mw;
   mw.wq_a = as_matrix(w.wq_a);
   mw.wq_b = as_matrix(w.wq_b);
@@ -167,6 +145,7 @@ void CpuBackend::mla_attention(const backend::MlaSpec& spec, const backend::MlaW
 
 void CpuBackend::gated_delta_net(const backend::GdnSpec& spec, const backend::GdnWeights& w,
                                  const backend::RecurrentState& state, const Tensor& h, const Tensor& out) {
+  flush();
   const GatedDeltaNetWeights gw{as_matrix(w.wqkv),  as_matrix(w.wz),    as_matrix(w.wba), as_matrix(w.wout),
                                 w.conv.f(),         w.dt_bias.f(),      w.a.f(),          w.norm.f(),
                                 as_matrix(w.wbeta), as_matrix(w.walpha)};
@@ -174,6 +153,7 @@ void CpuBackend::gated_delta_net(const backend::GdnSpec& spec, const backend::Gd
 }
 
 void CpuBackend::ffn(const backend::FfnCall& call, const backend::FfnWeights& w, const Tensor& h, const Tensor& out) {
+  flush();
   if (call.spec.act != backend::FfnSpec::Act::SwiGLU || !w.gate_b.empty() || !w.up_b.empty() || !w.down_b.empty())
     throw std::invalid_argument("ffn: the dense FFN supports SwiGLU without biases only (see expert_ffn)");
   const FfnWeights fw{as_matrix(w.gate), as_matrix(w.up), as_matrix(w.down)};
@@ -197,45 +177,104 @@ void CpuBackend::ffn(const backend::FfnCall& call, const backend::FfnWeights& w,
 }
 
 void CpuBackend::router_logits(const Tensor& w, const Tensor& h, std::vector<float>& logits) {
+  flush();
   const int64_t n_expert = w.rows();
   logits.resize(size_t(h.rows() * n_expert));
   cpu::matmul(pool_, kc_, as_matrix(w), h.f(), ld(h), h.rows(), logits.data(), n_expert);
 }
 
+namespace {
+
+// [first, last) bytes of the rows of a 2-D fp32 view.
+std::pair<const char*, const char*> byte_range(const Tensor& t) {
+  const char* p = static_cast<const char*>(t.data);
+  return {p, p + (t.rows() > 0 ? size_t(t.rows() - 1) * t.row_bytes() + size_t(t.cols()) * sizeof(float) : 0)};
+}
+
+bool overlap(const Tensor& a, const Tensor& b) {
+  const auto [a0, a1] = byte_range(a);
+  const auto [b0, b1] = byte_range(b);
+  return a0 < b1 && b0 < a1;
+}
+
+void check_bias(const Tensor& b, int64_t n, const char* what) {
+  if (!b.empty() && (b.type != GgmlType::F32 || b.numel() != n))
+    throw std::invalid_argument(fmt::format("expert_ffn: {} must be F32 with {} values (has {})", what, n, b.numel()));
+}
+
+}  // namespace
+
 void CpuBackend::expert_ffn(const backend::FfnSpec& spec, const backend::ExpertJob& job, int top_k, const Tensor& h,
                             const Tensor& expert_out) {
-  // SwiGLU on all the expert's tokens at once: down(silu(gate x) * up x) into the (token, k) rows
-  // (biases, when given, added to each projection's output; SwiGluOai: the clamped variant).
-  const int64_t n_embd = h.cols(), n_ff = job.w.gate.rows(), n = int64_t(job.pairs.size());
-  x_.resize(size_t(n * n_embd));
-  g_.resize(size_t(n * n_ff));
-  u_.resize(size_t(n * n_ff));
-  for (int64_t j = 0; j < n; ++j) std::copy_n(h.row(job.pairs[j] / top_k), n_embd, x_.data() + j * n_embd);
-  gate_up(pool_, kc_, as_matrix(job.w.gate), as_matrix(job.w.up), x_.data(), n, g_.data(), u_.data());
-  add_rows(g_.data(), values_or_null(job.w.gate_b), n, n_ff);
-  add_rows(u_.data(), values_or_null(job.w.up_b), n, n_ff);
-  if (spec.act == backend::FfnSpec::Act::SwiGluOai) {
-    for (int64_t i = 0; i < n * n_ff; ++i) g_[i] = swiglu_oai(g_[i], u_[i], spec.alpha, spec.limit);
-  } else {
-    for (int64_t i = 0; i < n * n_ff; ++i) g_[i] = silu(g_[i]) * u_[i];
+  // Checked now, so that a bad call fails here and not at the flush.
+  const backend::FfnWeights& w = job.w;
+  const int64_t n_embd = h.cols(), n_ff = w.gate.rows();
+  if (h.type != GgmlType::F32 || expert_out.type != GgmlType::F32)
+    throw std::invalid_argument("expert_ffn: h and expert_out must be F32");
+  if (top_k < 1) throw std::invalid_argument(fmt::format("expert_ffn: top_k must be >= 1 (got {})", top_k));
+  if (w.gate.cols() != n_embd || w.up.cols() != n_embd || w.up.rows() != n_ff || w.down.cols() != n_ff ||
+      w.down.rows() != expert_out.cols())
+    throw std::invalid_argument(fmt::format(
+        "expert_ffn: expert {}: expected gate and up ne {{{}, n_ff}} and down ne {{n_ff, {}}}, got gate {{{}, {}}}, "
+        "up {{{}, {}}}, down {{{}, {}}}",
+        job.expert, n_embd, expert_out.cols(), w.gate.cols(), w.gate.rows(), w.up.cols(), w.up.rows(), w.down.cols(),
+        w.down.rows()));
+  check_bias(w.gate_b, n_ff, "the gate bias");
+  check_bias(w.up_b, n_ff, "the up bias");
+  check_bias(w.down_b, w.down.rows(), "the down bias");
+  for (const int64_t p : job.pairs)
+    if (p < 0 || p >= expert_out.rows() || p / top_k >= h.rows())
+      throw std::invalid_argument(
+          fmt::format("expert_ffn: expert {}: pair {} outside expert_out ({} rows) or h ({} rows)", job.expert, p,
+                      expert_out.rows(), h.rows()));
+  if (job.pairs.empty()) return;
+
+  // A call that depends on a queued one (it writes a row a queued call writes, or its rows
+  // overlap a queued call's input or output otherwise) runs after the queue.
+  if (!queue_.empty()) {
+    const Tensor& first = queue_.front().out;
+    bool conflict = false;
+    for (const ExpertCall& q : queue_)
+      conflict = conflict || overlap(expert_out, q.h) || overlap(h, q.out) ||
+                 (q.out.data != expert_out.data && overlap(expert_out, q.out));
+    const bool same_out = first.data == expert_out.data && first.row_bytes() == expert_out.row_bytes() &&
+                          first.rows() == expert_out.rows();
+    if (!same_out && overlap(expert_out, first)) conflict = true;
+    for (size_t j = 0; same_out && !conflict && j < job.pairs.size(); ++j)
+      conflict = written_[size_t(job.pairs[j])] != 0;
+    if (conflict) flush();
   }
-  cpu::matmul(pool_, kc_, as_matrix(job.w.down), g_.data(), n_ff, n, x_.data(), n_embd);
-  add_rows(x_.data(), values_or_null(job.w.down_b), n, n_embd);
-  for (int64_t j = 0; j < n; ++j) std::copy_n(x_.data() + j * n_embd, n_embd, expert_out.row(job.pairs[j]));
+  if (queue_.empty()) written_.assign(size_t(expert_out.rows()), 0);
+  if (queue_.empty() || queue_.front().out.data == expert_out.data)
+    for (const int64_t p : job.pairs) written_[size_t(p)] = 1;
+  queue_.push_back(ExpertCall{spec, w, std::vector<int64_t>(job.pairs.begin(), job.pairs.end()), top_k, h, expert_out});
+}
+
+void CpuBackend::flush() {
+  if (queue_.empty()) return;
+  std::vector<ExpertCall> calls;
+  calls.swap(queue_);  // emptied even when a kernel throws
+  run_expert_batch(pool_, kc_, calls, batch_);
+  calls.clear();
+  calls.swap(queue_);  // keep the capacity
 }
 
 void CpuBackend::moe_combine(const backend::Routing& r, const Tensor& expert_out, const Tensor& out) {
+  flush();
   const int K = r.top_k;
   const int64_t n_embd = out.cols();
-  for (int64_t t = 0; t < r.n_tokens(); ++t) {
-    float* o = out.row(t);
-    std::fill(o, o + n_embd, 0.0f);
-    for (int k = 0; k < K; ++k) {
-      const float wk = r.weights[t * K + k];
-      const float* eo = expert_out.row(t * K + k);
-      for (int64_t i = 0; i < n_embd; ++i) o[i] += wk * eo[i];
+  // tokens split over the pool (each token's sum is the same k-ordered loop on one thread)
+  pool_.parallel_for(r.n_tokens(), 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* o = out.row(t);
+      std::fill(o, o + n_embd, 0.0f);
+      for (int k = 0; k < K; ++k) {
+        const float wk = r.weights[t * K + k];
+        const float* eo = expert_out.row(t * K + k);
+        for (int64_t i = 0; i < n_embd; ++i) o[i] += wk * eo[i];
+      }
     }
-  }
+  });
 }
 
 }  // namespace strata::cpu

@@ -1,11 +1,18 @@
 #pragma once
 // The CPU backend: backend::Backend over host memory, the thread pool and the SIMD kernels of
 // src/backend/cpu (matmul over threads, attention, gated delta net, SwiGLU FFN). Every call
-// runs synchronously on the calling thread and the pool; events are always complete.
+// runs synchronously on the calling thread and the pool, except expert_ffn: those calls are
+// queued and run together, as one pool loop over the pieces of all the queued experts
+// (expert_batch.h), at flush() or at the next call of any other method (record, synchronize,
+// download, any compute call: so events are always complete when made, and the step's
+// one flush per layer is what batches a layer's experts). Until then the caller keeps the
+// expert's weights (its arena slot) and the rows of h alive and unchanged, as for any
+// asynchronous backend (backend.h).
 #include <memory>
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cpu/expert_batch.h"
 #include "backend/cpu/kernels/kernels.h"
 #include "backend/cpu/ops.h"
 #include "backend/cpu/thread_pool.h"
@@ -37,7 +44,13 @@ class CpuBackend final : public backend::Backend {
   void download(void* dst, const backend::Tensor& src, size_t bytes) override;
   void copy(const backend::Tensor& dst, const backend::Tensor& src, size_t bytes) override;
   backend::EventPtr record() override;
-  void synchronize() override {}
+  /// Runs the queued expert_ffn calls (if any) before returning.
+  void synchronize() override { flush(); }
+  /// Runs the queued expert_ffn calls now, in one pool loop (expert_batch.h); nothing when the
+  /// queue is empty. Rethrows what a kernel threw (the queue is emptied either way).
+  void flush() override;
+  /// expert_ffn calls queued and not yet run.
+  size_t queued_experts() const { return queue_.size(); }
   std::unique_ptr<backend::ArenaMemory> make_arena(size_t n_slots, size_t slot_bytes, int io_threads) override;
 
   void embed(const backend::Tensor& table, std::span<const int32_t> ids, const backend::Tensor& x) override;
@@ -53,6 +66,12 @@ class CpuBackend final : public backend::Backend {
   void ffn(const backend::FfnCall& call, const backend::FfnWeights& w, const backend::Tensor& h,
            const backend::Tensor& out) override;
   void router_logits(const backend::Tensor& w, const backend::Tensor& h, std::vector<float>& logits) override;
+  /// Queues the expert (backend::Backend::expert_ffn; run at flush()). Throws
+  /// std::invalid_argument at once for shapes that do not agree (gate/up ne {n_embd, n_ff} with
+  /// n_embd = h's columns, down ne {n_ff, out's columns}, biases of those lengths) or a pair
+  /// outside h or expert_out. A call that would write a row a queued call writes, or whose rows
+  /// overlap a queued call's input, flushes the queue first (so the results are those of
+  /// running the calls one by one).
   void expert_ffn(const backend::FfnSpec& spec, const backend::ExpertJob& job, int top_k, const backend::Tensor& h,
                   const backend::Tensor& expert_out) override;
   void moe_combine(const backend::Routing& routing, const backend::Tensor& expert_out,
@@ -61,7 +80,9 @@ class CpuBackend final : public backend::Backend {
  private:
   ThreadPool pool_;
   kernels::KernelConfig kc_;
-  std::vector<float> x_, g_, u_;    // expert_ffn scratch, reused across experts
+  std::vector<ExpertCall> queue_;   // expert_ffn calls not yet run
+  ExpertBatchScratch batch_;        // their scratch, reused across flushes
+  std::vector<uint8_t> written_;    // rows of queue_'s out tensor that a queued call writes
   std::vector<float> ffn_scratch_;  // ffn(accumulate) without a gate: the FFN's rows before the add
 };
 

@@ -122,4 +122,20 @@ void attention_one(const kernels::KernelConfig& kc, const float* q, const float*
   }
 }
 
+int64_t attention_tile_scratch(const AttentionTile& t) {
+  const int64_t len = t.last[t.n_tok - 1] + 1 - t.first[0];
+  return int64_t(t.n_tok) * t.n_head * len;
+}
+
+void attention_tile(const kernels::KernelConfig& kc, const AttentionTile& t, float* scratch) {
+  if (kc.family == kernels::CpuKernels::Avx2 && t.head_dim % 8 == 0) {
+    detail::attention_tile_avx2(t, scratch);
+    return;
+  }
+  for (int i = 0; i < t.n_tok; ++i)
+    attention_one(kc, t.q + int64_t(i) * t.q_stride, t.k + t.first[i] * t.kv_stride, t.v + t.first[i] * t.kv_stride,
+                  t.kv_stride, t.last[i] + 1 - t.first[i], t.n_head, 1, t.head_dim, t.scale,
+                  t.out + int64_t(i) * t.out_stride, scratch, t.sinks);
+}
+
 }  // namespace strata::cpu

@@ -66,7 +66,39 @@ void attention_one(const kernels::KernelConfig& kc, const float* q, const float*
                    int64_t kv_stride, int64_t n_pos, int n_head, int n_head_kv, int head_dim, float scale, float* out,
                    float* scratch, const float* sinks = nullptr);
 
+/// A tile of attention queries that share one KV head: `n_head` query heads (of one GQA group)
+/// for `n_tok` consecutive tokens. Query row (i, j) is at q + i * q_stride + j * head_dim
+/// (floats) and attends to positions first[i]..last[i] (inclusive; both non-decreasing in i) of
+/// k and v (rows kv_stride floats apart, already offset to the KV head); its result goes to
+/// out + i * out_stride + j * head_dim. sinks: null or [n_head] (attention_one's).
+struct AttentionTile {
+  const float* q = nullptr;
+  int64_t q_stride = 0;
+  int n_tok = 0, n_head = 0, head_dim = 0;
+  const float* k = nullptr;
+  const float* v = nullptr;
+  int64_t kv_stride = 0;
+  const int64_t* first = nullptr;  ///< [n_tok]
+  const int64_t* last = nullptr;   ///< [n_tok]
+  float scale = 1.0f;
+  float* out = nullptr;
+  int64_t out_stride = 0;
+  const float* sinks = nullptr;
+};
+
+/// Floats of scratch attention_tile needs for `t`.
+int64_t attention_tile_scratch(const AttentionTile& t);
+
+/// Attention of every query row of `t`. Each row's result has exactly the bits attention_one
+/// gives it alone (with kc's family), whatever the tile: with the avx2 family and head_dim % 8
+/// == 0 the tile runs in flash-attention order (attention_avx2.cpp: the tile's queries pass
+/// over blocks of 32 K rows, then of V rows, so each row is read once per tile); otherwise
+/// attention_one per token.
+void attention_tile(const kernels::KernelConfig& kc, const AttentionTile& t, float* scratch);
+
 namespace detail {
+/// AVX2 attention_tile (attention_avx2.cpp); precondition head_dim % 8 == 0.
+void attention_tile_avx2(const AttentionTile& t, float* scratch);
 /// AVX-512 attention_one (attention_avx512.cpp); same contract.
 void attention_one_avx512(const float* q, const float* k_cache, const float* v_cache, int64_t kv_stride, int64_t n_pos,
                           int n_head, int n_head_kv, int head_dim, float scale, float* out, float* scratch,
