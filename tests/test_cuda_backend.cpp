@@ -23,6 +23,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <random>
 #include <sstream>
 #include <thread>
 
@@ -330,6 +331,64 @@ TEST(CudaBackend, ArenaLandCopiesPieces) {
   be.download(back.data(), t, back.size());
   for (int i = 0; i < 8192; ++i) ASSERT_EQ(back[size_t(i)], uint8_t(i * 7 + (i < 4096 ? 0 : 1))) << i;
   EXPECT_THROW(be.make_arena(1, 1000, 1), std::invalid_argument);
+}
+
+// route() on the device against the host selection of the same backend's router logits
+// (backend::Backend::route: router_logits(_biased) + select_experts), for a softmax router with
+// a logit bias (gpt-oss style ffn_gate_inp.bias) and a grouped sigmoid router with a selection
+// bias (DeepSeek-V3 style): the same ids; probs and weights within route.h's bounds (8 / 16 ulp,
+// derived in tests/test_cuda_kernels.cpp RouteSelectMatchesHost); ids_only gives the same ids.
+TEST(CudaBackend, RouteOnDeviceMatchesHostSelection) {
+  REQUIRE_CUDA_DEVICE();
+  cuda::CudaBackend be(cuda::CudaOptions{0});
+  std::mt19937 rng(99);
+  std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+  const int64_t n_embd = 256, T = 333;
+  auto rnd = [&](size_t n, float scale) {
+    std::vector<float> v(n);
+    for (float& x : v) x = scale * uni(rng);
+    return v;
+  };
+  std::vector<float> h_host = rnd(size_t(n_embd * T), 1.0f);
+  auto act = be.alloc(backend::BufferRole::Activations, h_host.size() * sizeof(float));
+  const backend::Tensor h = act->f32(n_embd, T);
+  be.upload(h, h_host.data(), h_host.size() * sizeof(float));
+  for (int variant = 0; variant < 2; ++variant) {
+    const int n_expert = variant == 0 ? 128 : 256;
+    std::vector<float> w_host = rnd(size_t(n_embd * n_expert), 0.2f), b_host = rnd(size_t(n_expert), 0.5f);
+    const backend::Tensor w = be.weights(backend::Tensor::f32(w_host.data(), n_embd, n_expert));
+    backend::RouterSpec spec;
+    spec.n_expert = n_expert;
+    spec.top_k = 8;
+    backend::Tensor bias;
+    if (variant == 0) {
+      spec.gating = backend::RouterSpec::Gating::Softmax;
+      bias = be.weights(backend::Tensor::f32(b_host.data(), n_expert, 1));
+    } else {
+      spec.gating = backend::RouterSpec::Gating::Sigmoid;
+      spec.selection_bias = rnd(size_t(n_expert), 0.05f);
+      spec.n_group = 8, spec.n_group_used = 4, spec.weights_scale = 2.5f;
+    }
+    backend::Routing host, dev, ids;
+    const backend::RouteCall hc{&spec, w, bias, &host, false};
+    be.backend::Backend::route(std::span<const backend::RouteCall>(&hc, 1), h);  // the host selection
+    be.route(spec, w, bias, h, dev);
+    be.route(spec, w, bias, h, ids, /*ids_only=*/true);
+    ASSERT_EQ(host.ids.size(), size_t(T * 8));
+    EXPECT_EQ(host.ids, dev.ids) << "variant " << variant;
+    EXPECT_EQ(host.ids, ids.ids) << "variant " << variant;
+    ASSERT_EQ(dev.weights.size(), host.weights.size());
+    ASSERT_EQ(dev.next_prob.size(), size_t(T));
+    double max_w = 0;
+    for (size_t i = 0; i < host.weights.size(); ++i) {
+      const float a = host.weights[i], b = dev.weights[i];
+      const float m = std::max(std::fabs(a), std::fabs(b));
+      const double u = a == b ? 0.0 : std::fabs(double(a) - b) / double(std::nextafter(m, INFINITY) - m);
+      max_w = std::max(max_w, u);
+      EXPECT_LE(u, 16.0) << "variant " << variant << " pair " << i;
+    }
+    std::printf("route variant %d: ids equal, max weight difference %.0f ulp\n", variant, max_w);
+  }
 }
 
 TEST(CudaBackend, TooMuchVramIsAClearError) {

@@ -1254,3 +1254,195 @@ TEST(CudaKernels, AttentionTimings) {
         d4k, d8k);
   }
 }
+
+// ---- expert selection on the device (route.h) against backend::select_experts ----
+//
+// Both are given the same logits. The ids must be equal; probs and weights may differ only
+// through exp (device: exp in double rounded to float; host: glibc expf, <= 0.502 ulp), so each
+// exp differs by <= 1 ulp. Softmax: the double sum then differs by <= 2^-23 relative, 1/sum
+// rounded to float by <= 2^-22, each prob by <= 2^-21 relative (<= 8 ulp at the bottom of a
+// binade); a normalized weight divides by a sum of such probs: <= 2^-20 (16 ulp). Sigmoid:
+// 1 + e and its reciprocal add <= 2 roundings (< 8 ulp). Bounds: 8 ulp on probs / next_prob,
+// 16 ulp on weights. Measured maxima are printed.
+#include "backend/cuda/route.h"
+
+namespace {
+
+// |a - b| in units of the float ulp at max(|a|, |b|) (0 when both are equal, incl. both 0).
+double ulp_diff(float a, float b) {
+  if (a == b) return 0;
+  const float m = std::max(std::fabs(a), std::fabs(b));
+  const float ulp = std::nextafter(m, INFINITY) - m;
+  return double(std::fabs(a - b)) / double(ulp);
+}
+
+struct RouteCase {
+  const char* name;
+  strata::backend::RouterSpec spec;
+  int ties;        // 0: continuous logits; 1: logits on a coarse grid (many exact ties)
+  int minus_inf;   // every how-many-th logit is -inf (0: none)
+};
+
+strata::backend::RouterSpec make_spec(strata::backend::RouterSpec::Gating g, int n_expert, int top_k, bool norm,
+                                      int n_group = 0, int n_group_used = 0, float scale = 1.0f, bool bias = false,
+                                      uint32_t seed = 1) {
+  strata::backend::RouterSpec s;
+  s.gating = g;
+  s.n_expert = n_expert;
+  s.top_k = top_k;
+  s.norm_topk = norm;
+  s.n_group = n_group;
+  s.n_group_used = n_group_used;
+  s.weights_scale = scale;
+  if (bias) {
+    std::mt19937 rng(seed);
+    s.selection_bias = random_floats(size_t(n_expert), rng, -0.05f, 0.05f);
+  }
+  return s;
+}
+
+cuda::RouteSpec device_spec(const strata::backend::RouterSpec& s, const float* d_bias) {
+  cuda::RouteSpec r;
+  using G = strata::backend::RouterSpec::Gating;
+  r.gating = s.gating == G::Softmax ? 0 : s.gating == G::Sigmoid ? 1 : 2;
+  r.n_expert = s.n_expert;
+  r.top_k = s.top_k;
+  r.norm_topk = s.norm_topk;
+  r.n_group = s.n_group;
+  r.n_group_used = s.n_group_used;
+  r.weights_scale = s.weights_scale;
+  r.selection_bias = d_bias;
+  return r;
+}
+
+// Runs the device selection on `logits` ([T][n_expert]); returns the status and the routing.
+std::vector<int32_t> device_select(const strata::backend::RouterSpec& s, const std::vector<float>& logits, int64_t T,
+                                   strata::backend::Routing& r) {
+  const int K = s.top_k;
+  cuda::DeviceBuffer d_l = upload(logits), d_b = upload(s.selection_bias);
+  cuda::DeviceBuffer d_o(cuda::route_bytes(T, K));
+  const cuda::RouteOut o = cuda::route_layout(d_o.get(), T, K);
+  cuda::select_topk(device_spec(s, s.selection_bias.empty() ? nullptr : d_b.as<float>()), d_l.as<float>(),
+                    s.n_expert, T, o);
+  std::vector<uint8_t> host = download<uint8_t>(d_o, cuda::route_bytes(T, K));
+  const cuda::RouteOut h = cuda::route_layout(host.data(), T, K);
+  r.top_k = K;
+  r.ids.assign(h.ids, h.ids + T * K);
+  r.probs.assign(h.probs, h.probs + T * K);
+  r.weights.assign(h.weights, h.weights + T * K);
+  r.next_prob.assign(h.next_prob, h.next_prob + T);
+  return std::vector<int32_t>(h.status, h.status + T);
+}
+
+}  // namespace
+
+TEST(CudaKernels, RouteSelectMatchesHost) {
+  REQUIRE_CUDA_DEVICE();
+  using G = strata::backend::RouterSpec::Gating;
+  const RouteCase cases[] = {
+      {"qwen3moe softmax 128/8", make_spec(G::Softmax, 128, 8, true), 0, 0},
+      {"qwen3moe softmax 128/8 ties", make_spec(G::Softmax, 128, 8, true), 1, 0},
+      {"softmax 128/8 -inf", make_spec(G::Softmax, 128, 8, true), 0, 7},
+      {"qwen3next softmax 512/10", make_spec(G::Softmax, 512, 10, true), 0, 0},
+      {"mixtral softmax 8/2 ties", make_spec(G::Softmax, 8, 2, true), 1, 0},
+      {"softmax no norm 64/6", make_spec(G::Softmax, 64, 6, false), 0, 0},
+      {"deepseek-v3 sigmoid grouped 256/8", make_spec(G::Sigmoid, 256, 8, true, 8, 4, 2.5f, true), 0, 0},
+      {"deepseek-v3 sigmoid grouped ties", make_spec(G::Sigmoid, 256, 8, true, 8, 4, 2.5f, false), 1, 0},
+      {"glm4moe sigmoid 128/8 bias", make_spec(G::Sigmoid, 128, 8, true, 1, 1, 1.0f, true, 5), 0, 0},
+      {"sigmoid -inf ties", make_spec(G::Sigmoid, 160, 6, false, 0, 0, 16.0f), 1, 5},
+      {"gpt-oss softmax-topk 32/4", make_spec(G::SoftmaxTopK, 32, 4, true), 0, 0},
+      {"softmax-topk 128/4 ties -inf", make_spec(G::SoftmaxTopK, 128, 4, true), 1, 3},
+      {"top_k = n_expert", make_spec(G::Softmax, 16, 16, true), 0, 0},
+      {"2048 experts", make_spec(G::Softmax, 2048, 16, true), 0, 0},
+  };
+  std::mt19937 rng(4242);
+  double max_p = 0, max_w = 0;
+  for (const RouteCase& c : cases) {
+    const int n = c.spec.n_expert;
+    const int64_t T = 300;
+    std::vector<float> logits = random_floats(size_t(T * n), rng, -6.0f, 6.0f);
+    for (size_t i = 0; i < logits.size(); ++i) {
+      if (c.ties) logits[i] = std::round(logits[i] * 2) / 2;  // 25 values: exact ties in every row
+      if (c.minus_inf && i % size_t(c.minus_inf) == 0) logits[i] = -INFINITY;
+    }
+    strata::backend::Routing host, dev;
+    std::vector<float> copy = logits;
+    strata::backend::select_experts(c.spec, copy.data(), T, host);
+    const std::vector<int32_t> status = device_select(c.spec, logits, T, dev);
+    int64_t id_mismatch = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      ASSERT_EQ(status[size_t(t)], 0) << c.name << " token " << t;
+      for (int k = 0; k < c.spec.top_k; ++k) {
+        const size_t i = size_t(t * c.spec.top_k + k);
+        if (host.ids[i] != dev.ids[i]) {
+          ++id_mismatch;
+          continue;
+        }
+        const double dp = ulp_diff(host.probs[i], dev.probs[i]), dw = ulp_diff(host.weights[i], dev.weights[i]);
+        max_p = std::max(max_p, dp), max_w = std::max(max_w, dw);
+        EXPECT_LE(dp, 8.0) << c.name << " t " << t << " k " << k << ": " << host.probs[i] << " vs " << dev.probs[i];
+        EXPECT_LE(dw, 16.0) << c.name << " t " << t << " k " << k << ": " << host.weights[i] << " vs "
+                            << dev.weights[i];
+      }
+      const double dn = ulp_diff(host.next_prob[size_t(t)], dev.next_prob[size_t(t)]);
+      max_p = std::max(max_p, dn);
+      EXPECT_LE(dn, 8.0) << c.name << " t " << t << " next_prob";
+    }
+    EXPECT_EQ(id_mismatch, 0) << c.name;
+  }
+  std::printf("route select, device vs host: max %.0f ulp (probs, next_prob), %.0f ulp (weights)\n", max_p, max_w);
+}
+
+TEST(CudaKernels, RouteSelectDefectsAsHost) {
+  REQUIRE_CUDA_DEVICE();
+  using G = strata::backend::RouterSpec::Gating;
+  struct Defect {
+    G gating;
+    float value;
+    bool all;  // every logit of the token is `value`
+    int code;  // router_logits_defect's
+  };
+  const Defect defects[] = {{G::Softmax, NAN, false, 1},      {G::Sigmoid, NAN, false, 1},
+                            {G::SoftmaxTopK, NAN, false, 1},  {G::Softmax, INFINITY, false, 2},
+                            {G::SoftmaxTopK, INFINITY, false, 2}, {G::Softmax, -INFINITY, true, 3},
+                            {G::Sigmoid, INFINITY, false, 0}, {G::Sigmoid, -INFINITY, true, 0}};
+  std::mt19937 rng(7);
+  for (const Defect& d : defects) {
+    // (Sigmoid without norm_topk: all -inf gives probabilities 0, whose normalization would be 0 / 0.)
+    const strata::backend::RouterSpec spec = make_spec(d.gating, 64, 4, d.gating != G::Sigmoid);
+    const int64_t T = 40, bad = 17, also_bad = 29;
+    std::vector<float> logits = random_floats(size_t(T * 64), rng, -3.0f, 3.0f);
+    for (int64_t t : {bad, also_bad})
+      for (int e = 0; e < 64; ++e)
+        if (d.all || e == 5) logits[size_t(t * 64 + e)] = d.value;
+    strata::backend::Routing host, dev;
+    const std::vector<int32_t> status = device_select(spec, logits, T, dev);
+    EXPECT_EQ(strata::backend::router_logits_defect(d.gating, &logits[size_t(bad * 64)], 64), d.code);
+    std::vector<float> copy = logits;
+    if (d.code == 0) {
+      strata::backend::select_experts(spec, copy.data(), T, host);
+      for (int64_t t = 0; t < T; ++t) ASSERT_EQ(status[size_t(t)], 0);
+      EXPECT_EQ(host.ids, dev.ids);  // +inf -> p = 1, -inf -> p = 0 exactly on both
+      for (size_t i = 0; i < host.weights.size(); ++i) EXPECT_LE(ulp_diff(host.weights[i], dev.weights[i]), 8.0) << i;
+      for (int k = 0; k < 4; ++k) {
+        // The defective-looking tokens: +inf at expert 5 is chosen first with p = 1; all -inf:
+        // experts 0..3 (ties, lower id first) with p = 0.
+        const size_t i = size_t(bad * 4 + k);
+        if (d.all) {
+          EXPECT_TRUE(dev.ids[i] == k && dev.weights[i] == 0.0f) << k;
+        } else if (k == 0) {
+          EXPECT_TRUE(dev.ids[i] == 5 && dev.weights[i] == 1.0f);
+        }
+      }
+      continue;
+    }
+    for (int64_t t = 0; t < T; ++t)
+      EXPECT_EQ(status[size_t(t)], t == bad || t == also_bad ? d.code : 0) << "token " << t;
+    try {
+      strata::backend::select_experts(spec, copy.data(), T, host);
+      ADD_FAILURE() << "the host selection accepted defect " << d.code;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_EQ(std::string(e.what()), strata::backend::router_logits_defect_message(d.code, bad));
+    }
+  }
+}

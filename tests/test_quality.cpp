@@ -703,6 +703,62 @@ TEST(QualityDeterminism, PrefillAndDecodeBitIdenticalAcrossIoTiming) {
   }
 }
 
+// ---- defective router logits: a clear error naming the first bad token, on every path ----
+
+TEST(Routing, DefectiveLogitsAreAClearErrorForTheFirstBadToken) {
+  using G = backend::RouterSpec::Gating;
+  // T = 1200 runs the threaded selection (>= 512 tokens): the first bad token is reported
+  // whichever thread met it first.
+  const int64_t T = 1200, n = 32;
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> uni(-2.0f, 2.0f);
+  struct Case {
+    G gating;
+    float value;
+    bool all;
+    const char* what;
+  };
+  const Case cases[] = {{G::Softmax, NAN, false, "contain NaN"},
+                        {G::Sigmoid, NAN, false, "contain NaN"},
+                        {G::SoftmaxTopK, INFINITY, false, "contain +inf"},
+                        {G::Softmax, -INFINITY, true, "are all -inf"}};
+  for (const Case& c : cases) {
+    backend::RouterSpec spec;
+    spec.gating = c.gating;
+    spec.n_expert = int(n);
+    spec.top_k = 4;
+    std::vector<float> l(size_t(T * n));
+    for (float& x : l) x = uni(rng);
+    for (int64_t t : {int64_t(1100), int64_t(700)})
+      for (int64_t e = 0; e < n; ++e)
+        if (c.all || e == 9) l[size_t(t * n + e)] = c.value;
+    backend::Routing r;
+    try {
+      backend::select_experts(spec, l.data(), T, r);
+      ADD_FAILURE() << "accepted: " << c.what;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("token 700: the router logits " + std::string(c.what)), std::string::npos)
+          << e.what();
+    }
+  }
+  // Defined inputs: -inf is probability 0 (softmax), sigmoid takes +inf (probability 1).
+  backend::RouterSpec spec;
+  spec.n_expert = 4;
+  spec.top_k = 2;
+  std::vector<float> l = {-INFINITY, 1.0f, -INFINITY, 0.0f};
+  backend::Routing r;
+  backend::select_experts(spec, l.data(), 1, r);
+  EXPECT_EQ(r.ids, (std::vector<int32_t>{1, 3}));
+  EXPECT_EQ(r.next_prob[0], 0.0f);
+  spec.gating = G::Sigmoid;
+  spec.norm_topk = false;
+  l = {0.0f, INFINITY, -INFINITY, INFINITY};
+  backend::select_experts(spec, l.data(), 1, r);
+  EXPECT_EQ(r.ids, (std::vector<int32_t>{1, 3}));  // a tie at p = 1: the lower id first
+  EXPECT_EQ(r.weights, (std::vector<float>{1.0f, 1.0f}));
+  EXPECT_EQ(r.next_prob[0], 0.5f);
+}
+
 // ---- MoCE (--moce-bonus, arXiv:2412.00099) ----
 
 TEST(QualityMoce, SelectionWithBonusOnAHandComputedCase) {

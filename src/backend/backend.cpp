@@ -140,13 +140,15 @@ void for_token_ranges(int64_t T, const std::function<void(int64_t, int64_t)>& fn
 // Gating::SoftmaxTopK: the top_k largest raw logits (ties: lower id first), then a softmax
 // over those k values only (max-subtracted, sum in double, as softmax() above).
 // `sel` (null: the logits themselves) orders the experts; the weights use the original logits.
-void select_softmax_topk(const RouterSpec& spec, float* logits, const float* sel, int64_t T, Routing& r) {
+void select_softmax_topk(const RouterSpec& spec, float* logits, const float* sel, int64_t T, Routing& r,
+                         uint8_t* defect) {
   const int n_expert = spec.n_expert, top_k = spec.top_k;
   for_token_ranges(T, [&](int64_t t_begin, int64_t t_end) {
     std::vector<int32_t> order(n_expert);
     std::vector<float> e(size_t(top_k) + 1);
     for (int64_t t = t_begin; t < t_end; ++t) {
       const float* l = logits + t * n_expert;
+      if ((defect[t] = uint8_t(router_logits_defect(spec.gating, l, n_expert)))) continue;
       const float* o = sel ? sel + t * n_expert : l;
       std::iota(order.begin(), order.end(), 0);
       const int n_sorted = std::min(top_k + 1, n_expert);
@@ -181,6 +183,38 @@ void Backend::router_logits_biased(const Tensor& w, const Tensor& bias, const Te
   for (size_t i = 0; i < logits.size(); ++i) logits[i] += b[i % size_t(n_expert)];
 }
 
+int router_logits_defect(RouterSpec::Gating gating, const float* l, int n_expert) {
+  bool nan = false, pinf = false, finite = false;
+  for (int i = 0; i < n_expert; ++i) {
+    nan = nan || std::isnan(l[i]);
+    pinf = pinf || (std::isinf(l[i]) && l[i] > 0);
+    finite = finite || std::isfinite(l[i]);
+  }
+  if (nan) return 1;
+  if (gating == RouterSpec::Gating::Sigmoid) return 0;
+  if (pinf) return 2;
+  return finite ? 0 : 3;
+}
+
+std::string router_logits_defect_message(int code, int64_t t) {
+  const char* what = code == 1   ? "contain NaN"
+                     : code == 2 ? "contain +inf (a softmax router needs finite logits or -inf)"
+                     : code == 3 ? "are all -inf (a softmax router needs one finite logit)"
+                                 : "are unusable";
+  return "select_experts: token " + std::to_string(t) + ": the router logits " + what;
+}
+
+void Backend::route(std::span<const RouteCall> calls, const Tensor& h) {
+  std::vector<float> logits;
+  for (const RouteCall& c : calls) {
+    if (c.bias.empty())
+      router_logits(c.w, h, logits);
+    else
+      router_logits_biased(c.w, c.bias, h, logits);
+    select_experts(*c.spec, logits.data(), h.rows(), *c.out);
+  }
+}
+
 namespace {
 
 // The shared selection; `sel` ([T][n_expert] logits with the residency bonus, or null) replaces
@@ -205,8 +239,16 @@ void select_impl(const RouterSpec& spec, float* logits, const float* sel, int64_
   r.probs.assign(T * top_k, 0.0f);
   r.weights.assign(T * top_k, 0.0f);
   r.next_prob.assign(T, 0.0f);
+  // Tokens whose logits cannot be selected from are skipped, and the first is reported after
+  // the threads have stopped (the same token whatever the split).
+  std::vector<uint8_t> defect(size_t(T), 0);
+  auto report = [&] {
+    for (int64_t t = 0; t < T; ++t)
+      if (defect[size_t(t)]) throw std::invalid_argument(router_logits_defect_message(defect[size_t(t)], t));
+  };
   if (spec.gating == RouterSpec::Gating::SoftmaxTopK) {
-    select_softmax_topk(spec, logits, sel, T, r);
+    select_softmax_topk(spec, logits, sel, T, r, defect.data());
+    report();
     return;
   }
   for_token_ranges(T, [&](int64_t t_begin, int64_t t_end) {
@@ -218,6 +260,7 @@ void select_impl(const RouterSpec& spec, float* logits, const float* sel, int64_
     }
     for (int64_t t = t_begin; t < t_end; ++t) {
       float* p = logits + t * n_expert;
+      if ((defect[size_t(t)] = uint8_t(router_logits_defect(spec.gating, p, n_expert)))) continue;
       if (spec.gating == RouterSpec::Gating::Softmax) {
         softmax(p, n_expert);
       } else {
@@ -280,6 +323,7 @@ void select_impl(const RouterSpec& spec, float* logits, const float* sel, int64_
       }
     }
   });
+  report();
 }
 
 }  // namespace
@@ -303,6 +347,7 @@ void select_experts(const RouterSpec& spec, float* logits, int64_t T, Routing& r
     float* l = sel.data() + t * n_expert;
     const auto [lo, hi] = std::minmax_element(l, l + n_expert);
     const float add = bonus.bonus * (*hi - *lo);
+    if (!std::isfinite(add)) continue;  // a -inf (or defective) logit: no bonus, exact routing for the token
     for (int e = 0; e < n_expert; ++e)
       if (bonus.resident[size_t(e)]) l[e] += add;
   }

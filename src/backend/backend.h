@@ -396,8 +396,18 @@ void softmax(float* x, int64_t n);
 
 /// Selects experts from router logits [T][n_expert] on the host (replaced in place by the gating
 /// probabilities; left as they are for SoftmaxTopK), as `spec` says. The selection every backend shares; throws
-/// std::invalid_argument for a spec it cannot apply.
+/// std::invalid_argument for a spec it cannot apply, and for logits it cannot select from (the
+/// first such token t, in token order; router_logits_defect says which).
 void select_experts(const RouterSpec& spec, float* logits, int64_t T, Routing& out);
+
+/// What makes one token's router logits (n_expert values) unusable for `gating`: 0 = none;
+/// 1 = a NaN (any gating); 2 = +inf, 3 = no finite value (Softmax and SoftmaxTopK: the softmax's
+/// max-subtraction would give inf - inf). -inf is a defined input (probability 0; Sigmoid takes
+/// +inf too, probability 1). Checked in this order; every backend's selection uses these codes.
+int router_logits_defect(RouterSpec::Gating gating, const float* logits, int n_expert);
+
+/// The std::invalid_argument message for defect `code` (router_logits_defect) at token `t`.
+std::string router_logits_defect_message(int code, int64_t t);
 
 /// Cache-conditional routing (MoCE; Skliar et al., "Mixture of Cache-Conditional Experts",
 /// arXiv:2412.00099): experts already resident in the arena get a bonus in the *selection*
@@ -408,7 +418,8 @@ void select_experts(const RouterSpec& spec, float* logits, int64_t T, Routing& o
 /// while probs and weights come from the original l of the chosen experts, normalized as the
 /// family does (step 5; SoftmaxTopK: softmax over the chosen experts' original logits). The
 /// bonus is on the logits (the router's common pre-activation score for softmax, sigmoid and
-/// softmax-top-k gating, as the paper's cache prior is) and in units of the token's logit range,
+/// softmax-top-k gating, as the paper's cache prior is) and in units of the token's logit range
+/// (a token whose range is not finite, e.g. with a -inf logit, gets no bonus),
 /// so 0.5 means the same on every family: a resident expert beats a non-resident one whose logit
 /// is less than half the range higher; >= 1 puts every resident expert ahead of every other.
 struct ResidencyBonus {
@@ -420,6 +431,17 @@ struct ResidencyBonus {
 /// bonus.bonus == 0. Throws std::invalid_argument as the plain form does, and for a residency
 /// span that is not n_expert long or a bonus that is negative or not finite.
 void select_experts(const RouterSpec& spec, float* logits, int64_t T, Routing& out, const ResidencyBonus& bonus);
+
+/// One router of a Backend::route call.
+struct RouteCall {
+  const RouterSpec* spec = nullptr;  ///< the selection (n_expert = w.rows())
+  Tensor w;                          ///< ffn_gate_inp: ne {n_embd, n_expert}
+  Tensor bias;                       ///< ffn_gate_inp.bias: F32 ne {n_expert}, added to the logits; or empty
+  Routing* out = nullptr;            ///< the result
+  /// Only out->ids are needed (the next-layer prediction): probs, weights and next_prob may be
+  /// left empty.
+  bool ids_only = false;
+};
 
 /// One resident expert applied to the tokens routed to it.
 struct ExpertJob {
@@ -499,6 +521,21 @@ class Backend {
   /// with bias). The default calls router_logits, downloads the bias and adds it on the host,
   /// so every backend has it; a backend may add it on its device instead.
   virtual void router_logits_biased(const Tensor& w, const Tensor& bias, const Tensor& h, std::vector<float>& logits);
+  /// The whole expert selection of MoE routers on the same h (ne {n_embd, T}), one RouteCall
+  /// each (a layer's router and the next layer's for the prediction share the layer's MoE
+  /// input, so a device backend needs one round trip for both): logits[t][e] = h[t] . w[e]
+  /// (+ bias[e]), then select_experts(*spec, ...) into *out. Throws what select_experts throws,
+  /// for the same tokens (the calls in order). The default runs router_logits(_biased) and
+  /// select_experts on the host (the CPU backend); the CUDA backend selects on its device and
+  /// brings back only the [T][top_k] results (cuda_backend.h says which ids and weights it
+  /// guarantees equal to this default's).
+  virtual void route(std::span<const RouteCall> calls, const Tensor& h);
+  /// route() of one router.
+  void route(const RouterSpec& spec, const Tensor& w, const Tensor& bias, const Tensor& h, Routing& out,
+             bool ids_only = false) {
+    const RouteCall c{&spec, w, bias, &out, ids_only};
+    route(std::span<const RouteCall>(&c, 1), h);
+  }
   /// Applies one expert to its tokens: for each pair p of job.pairs, row p of expert_out
   /// (ne {n_embd, T * top_k}) = ffn(job.w, h[p / top_k]). Rows not in pairs are untouched.
   virtual void expert_ffn(const FfnSpec& spec, const ExpertJob& job, int top_k, const Tensor& h,

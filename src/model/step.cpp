@@ -172,18 +172,25 @@ Step::ReadAhead Step::plan_read_ahead(int layer, const MoeLayer* router_of, std:
   return ra;
 }
 
-void Step::read_ahead(const ReadAhead& ra, const Tensor& h) {
+void Step::read_ahead(const ReadAhead& ra, const Tensor& h, const backend::Routing* predicted) {
   if (ra.layer < 0) return;
   std::vector<int32_t> order;
   std::vector<char> queued(size_t(ra.n_expert), 0);
   if (ra.router_of) {
-    // The later layer's router on this layer's input, for every token.
-    std::vector<float> logits;
-    router_logits(*ra.router_of, h, logits);
-    backend::RouterSpec spec = ra.router_of->spec;
-    spec.top_k = ra.top_k;
+    // The later layer's router on this layer's input, for every token; only the ids come to the
+    // host (on the CUDA backend the selection runs on the device). `predicted`: already routed
+    // (with this layer's routing, in one backend call).
+    const MoeLayer& m = *ra.router_of;
     backend::Routing pr;
-    backend::select_experts(spec, logits.data(), T_, pr);
+    if (predicted) {
+      pr.ids = predicted->ids;
+    } else if (m.spec.top_k == ra.top_k) {
+      be_.route(m.spec, m.router, m.router_bias, h, pr, /*ids_only=*/true);
+    } else {
+      backend::RouterSpec spec = m.spec;
+      spec.top_k = ra.top_k;
+      be_.route(spec, m.router, m.router_bias, h, pr, /*ids_only=*/true);
+    }
     if (ra.predicted) *ra.predicted = pr.ids;
     // Count predicting tokens per expert; most-predicted first (ties: lower id).
     std::vector<int64_t> count(size_t(ra.n_expert), 0);
@@ -311,14 +318,18 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
     ++ctx_.profile->calls[st];
   };
   auto t_stage = std::chrono::steady_clock::now();
-  std::vector<float> logits;
-  router_logits(w, h_, logits);
   backend::Routing r;
   // With MoCE, `exact` is the routing without the bonus: the prediction is scored against it,
   // so residency the bonus created is never taken as evidence that the prediction was right.
+  // MoCE selects on the host (all logits downloaded); otherwise the backend selects (on the
+  // CUDA backend: on the device, only [T][top_k] results come back).
   backend::Routing exact;
+  backend::Routing pred;  // the next layer's predicted ids, when routed together with this layer
+  bool pred_ready = false;
   const bool moce = ctx_.moce_bonus > 0;
   if (moce) {
+    std::vector<float> logits;
+    router_logits(w, h_, logits);
     std::vector<uint8_t> resident(size_t(w.spec.n_expert));
     for (int e = 0; e < w.spec.n_expert; ++e)
       resident[size_t(e)] = (ctx_.ep ? ctx_.ep->resident(layer, e) : stream.resident(layer, e)) ? 1 : 0;
@@ -326,8 +337,16 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
     backend::select_experts(w.spec, copy.data(), T_, exact);
     backend::select_experts(w.spec, logits.data(), T_, r, backend::ResidencyBonus{ctx_.moce_bonus, resident});
     if (ctx_.moce) count_moce(r, exact, resident, *ctx_.moce);
+  } else if (ra.router_of && ra.router_of->spec.top_k == ra.top_k) {
+    // The next layer's prediction reads the same h_: both routers in one backend call (on the
+    // CUDA backend one synchronization instead of two).
+    const MoeLayer& nx = *ra.router_of;
+    const backend::RouteCall calls[2] = {{&w.spec, w.router, w.router_bias, &r, false},
+                                         {&nx.spec, nx.router, nx.router_bias, &pred, true}};
+    be_.route(calls, h_);
+    pred_ready = true;
   } else {
-    backend::select_experts(w.spec, logits.data(), T_, r);
+    be_.route(w.spec, w.router, w.router_bias, h_, r);
   }
 
   // Group the chunk's (token, k) pairs by expert: each resident expert is applied to all its
@@ -352,7 +371,7 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
   profile_from(StageProfile::StreamRequest, t_stage);
   // While this layer computes, the IO threads read ahead for the next one.
   t_stage = std::chrono::steady_clock::now();
-  read_ahead(ra, h_);
+  read_ahead(ra, h_, pred_ready ? &pred : nullptr);
   profile_from(StageProfile::ReadAhead, t_stage);
 
   // Expert outputs per (token, k), summed afterwards in k order for batch invariance.

@@ -93,7 +93,9 @@ class Step {
  private:
   struct ReadAhead;
   ReadAhead plan_read_ahead(int layer, const MoeLayer* router_of, std::vector<int32_t>* predicted) const;
-  void read_ahead(const ReadAhead& ra, const backend::Tensor& h);
+  /// Queues the read-ahead `ra` plans; the prediction (ra.router_of on h) is routed here unless
+  /// `predicted` already holds its ids (routed with the layer's own router in one call).
+  void read_ahead(const ReadAhead& ra, const backend::Tensor& h, const backend::Routing* predicted = nullptr);
   void score_prediction(int layer, const backend::Routing& r, const std::vector<int32_t>& predicted);
   /// `m`'s router logits on h (plus its bias, if it has one).
   void router_logits(const MoeLayer& m, const backend::Tensor& h, std::vector<float>& logits);

@@ -18,6 +18,7 @@
 #include "backend/cuda/backend_kernels.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/family_kernels.h"
+#include "backend/cuda/route.h"
 
 namespace strata::cuda {
 
@@ -436,6 +437,8 @@ CudaBackend::CudaBackend(const CudaOptions& opts) : device_(opts.device), act_q8
   ring_ = host_alloc(ring_bytes_, ring_pinned_, "the upload ring");
   if (const char* e = std::getenv("STRATA_CUDA_PROFILE"); e && *e && std::string_view(e) != "0")
     prof_ = std::make_unique<OpProfile>(ctx_->stream);
+  host_route_ = opts.host_route;
+  if (const char* e = std::getenv("STRATA_CUDA_HOST_ROUTE"); e && *e && std::string_view(e) != "0") host_route_ = true;
 }
 
 CudaBackend::~CudaBackend() {
@@ -446,7 +449,9 @@ CudaBackend::~CudaBackend() {
   if (q8_scratch_) (void)cudaFreeAsync(q8_scratch_, ctx_->stream);
   (void)cudaStreamSynchronize(ctx_->stream);
   host_free(ring_, ring_pinned_);
+  if (route_host_) host_free(route_host_, route_host_pinned_);
   inv_freq_.clear();
+  sel_bias_.clear();
   weights_.clear();
 }
 
@@ -907,6 +912,130 @@ void CudaBackend::router_logits(const Tensor& w, const Tensor& h, std::vector<fl
                      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
 }
 
+const float* CudaBackend::selection_bias(const std::vector<float>& bias) {
+  if (bias.empty()) return nullptr;
+  auto it = sel_bias_.find(bias.data());
+  if (it != sel_bias_.end() && it->second.host == bias) return it->second.dev.as<float>();
+  if (sel_bias_.size() >= 1024) sel_bias_.clear();  // keys of vectors gone; bounded
+  BiasCopy c{bias, DeviceBuffer(bias.size() * sizeof(float))};
+  // Synchronous: a new buffer, which no queued kernel reads; an old entry's buffer is freed by
+  // cudaFree, which waits for the device.
+  STRATA_CUDA_CHECK(cudaMemcpy(c.dev.get(), bias.data(), bias.size() * sizeof(float), cudaMemcpyHostToDevice));
+  it = sel_bias_.insert_or_assign(bias.data(), std::move(c)).first;
+  return it->second.dev.as<float>();
+}
+
+namespace {
+
+// Whether select_topk takes this router (what the host would reject goes to the host, so that
+// the error is the host's).
+bool device_routable(const backend::RouteCall& c) {
+  using G = backend::RouterSpec::Gating;
+  const backend::RouterSpec& s = *c.spec;
+  const int64_t n = c.w.rows();
+  const bool grouped = s.n_group > 1 && s.n_group_used < s.n_group;
+  return (s.gating == G::Softmax || s.gating == G::Sigmoid || s.gating == G::SoftmaxTopK) && s.n_expert == n &&
+         n >= 1 && n <= kMaxRouteExperts && s.top_k >= 1 && s.top_k <= n &&
+         (s.selection_bias.empty() || int64_t(s.selection_bias.size()) == n) && (c.bias.empty() || c.bias.numel() == n) &&
+         (!grouped || (s.n_group <= kMaxRouteGroups && n % s.n_group == 0 && s.n_group_used >= 1 &&
+                       int64_t(s.n_group_used) * (n / s.n_group) >= s.top_k));
+}
+
+}  // namespace
+
+void CudaBackend::route(std::span<const backend::RouteCall> calls, const Tensor& h) {
+  using G = backend::RouterSpec::Gating;
+  bool all_device = !host_route_;
+  for (const backend::RouteCall& c : calls) all_device = all_device && device_routable(c);
+  if (!all_device) {
+    backend::Backend::route(calls, h);
+    return;
+  }
+  flush_experts();
+  const int64_t T = h.rows();
+  for (const backend::RouteCall& c : calls) {
+    c.out->top_k = c.spec->top_k;
+    c.out->ids.clear(), c.out->probs.clear(), c.out->weights.clear(), c.out->next_prob.clear();
+  }
+  if (T == 0 || calls.empty()) return;
+  // Device scratch: per call the logits, then the RouteOut arrays; host: per call the
+  // downloaded part ([status][ids] for ids_only, else all of RouteOut), back to back.
+  // The first full (not ids_only) call's RouteOut goes to route_dev_ instead, where it outlives
+  // the scratch: moe_combine takes its weights from there (no upload of the weights).
+  size_t dev_bytes = 0, host_bytes = 0;
+  const backend::RouteCall* kept = nullptr;
+  for (const backend::RouteCall& c : calls) {
+    const int K = c.spec->top_k;
+    dev_bytes += sz<float>(size_t(T * c.w.rows())) + align_up(route_bytes(T, K), kAlign);
+    host_bytes += c.ids_only ? size_t(T) * size_t(K + 1) * 4 : route_bytes(T, K);
+    if (!kept && !c.ids_only) kept = &c;
+  }
+  route_w_.clear();  // route_dev_ is rewritten below (or stale)
+  if (kept && route_dev_.bytes() < route_bytes(T, kept->spec->top_k)) {
+    STRATA_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));  // queued kernels may still read it
+    route_dev_ = DeviceBuffer();
+    route_dev_ = DeviceBuffer(route_bytes(T, kept->spec->top_k));
+  }
+  char* base = scratch(dev_bytes);
+  if (route_host_bytes_ < host_bytes) {
+    if (route_host_) host_free(route_host_, route_host_pinned_);
+    route_host_ = nullptr, route_host_bytes_ = 0;
+    route_host_ = host_alloc(host_bytes, route_host_pinned_, "the routing download buffer");
+    route_host_bytes_ = host_bytes;
+  }
+  {
+    ProfScope ps(*this, "route (router + top-k)", T);
+    size_t dev_off = 0, host_off = 0;
+    for (const backend::RouteCall& c : calls) {
+      const backend::RouterSpec& spec = *c.spec;
+      const int64_t n_expert = c.w.rows();
+      const int K = spec.top_k;
+      float* d = reinterpret_cast<float*>(base + dev_off);
+      dev_off += sz<float>(size_t(T * n_expert));
+      const RouteOut ro = route_layout(&c == kept ? route_dev_.get() : base + dev_off, T, K);
+      dev_off += align_up(route_bytes(T, K), kAlign);
+      RouteSpec rs;
+      rs.gating = spec.gating == G::Softmax ? 0 : spec.gating == G::Sigmoid ? 1 : 2;
+      rs.n_expert = int(n_expert);
+      rs.top_k = K;
+      rs.norm_topk = spec.norm_topk;
+      rs.n_group = spec.n_group;
+      rs.n_group_used = spec.n_group_used;
+      rs.weights_scale = spec.weights_scale;
+      rs.selection_bias = selection_bias(spec.selection_bias);
+      const Tensor& w = c.w;
+      cuda::matmul(w.type, w.data, w.row_bytes(), n_expert, w.cols(), h.f(), ld(h), T, d, n_expert, stream());
+      if (!c.bias.empty()) add_bias(d, n_expert, c.bias.f(), n_expert, T, stream());
+      select_topk(rs, d, n_expert, T, ro, stream());
+      const size_t down = c.ids_only ? size_t(T) * size_t(K + 1) * 4 : route_bytes(T, K);
+      STRATA_CUDA_CHECK(
+          cudaMemcpyAsync(route_host_ + host_off, ro.status, down, cudaMemcpyDeviceToHost, ctx_->stream));
+      host_off += down;
+    }
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  STRATA_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));
+  if (prof_)
+    prof_->host_wait("host wait: route sync", T <= 1 ? " [decode]" : " [prefill]",
+                     std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  size_t host_off = 0;
+  for (const backend::RouteCall& c : calls) {
+    const int K = c.spec->top_k;
+    const RouteOut hr = route_layout(route_host_ + host_off, T, K);
+    host_off += c.ids_only ? size_t(T) * size_t(K + 1) * 4 : route_bytes(T, K);
+    for (int64_t t = 0; t < T; ++t)
+      if (hr.status[t]) throw std::invalid_argument(backend::router_logits_defect_message(hr.status[t], t));
+    const size_t TK = size_t(T) * size_t(K);
+    backend::Routing& out = *c.out;
+    out.ids.assign(hr.ids, hr.ids + TK);
+    if (c.ids_only) continue;
+    out.probs.assign(hr.probs, hr.probs + TK);
+    out.weights.assign(hr.weights, hr.weights + TK);
+    out.next_prob.assign(hr.next_prob, hr.next_prob + T);
+    if (&c == kept) route_w_ = out.weights, route_k_ = K;
+  }
+}
+
 void CudaBackend::expert_ffn(const backend::FfnSpec& spec, const backend::ExpertJob& job, int top_k, const Tensor& h,
                              const Tensor& expert_out) {
   const int64_t n = int64_t(job.pairs.size()), E = h.cols(), F = job.w.gate.rows();
@@ -999,9 +1128,19 @@ void CudaBackend::flush_experts() {
   float* xg = c.take<float>(size_t(N * g.E));
   float* act = c.take<float>(size_t(N * g.F));
   float* y = c.take<float>(size_t(N * g.E));
-  upload_async(d_pairs, pairs.data(), pairs.size() * sizeof(int64_t));
-  upload_async(d_gu, gu.data(), gu.size() * sizeof(GroupedMatmulJob));
-  upload_async(d_dn, dn.data(), dn.size() * sizeof(GroupedMatmulJob));
+  {
+    // The pairs and both job tables are contiguous in the carve: one upload (one copy call
+    // instead of three per flush; decode's host time per layer).
+    const size_t o_gu = size_t(reinterpret_cast<char*>(d_gu) - reinterpret_cast<char*>(d_pairs));
+    const size_t o_dn = size_t(reinterpret_cast<char*>(d_dn) - reinterpret_cast<char*>(d_pairs));
+    const size_t bytes = o_dn + dn.size() * sizeof(GroupedMatmulJob);
+    std::vector<uint8_t>& st = upload_stage_;
+    st.resize(bytes);
+    std::memcpy(st.data(), pairs.data(), pairs.size() * sizeof(int64_t));
+    std::memcpy(st.data() + o_gu, gu.data(), gu.size() * sizeof(GroupedMatmulJob));
+    std::memcpy(st.data() + o_dn, dn.data(), dn.size() * sizeof(GroupedMatmulJob));
+    upload_async(d_pairs, st.data(), bytes);
+  }
   gather_rows(g.h, g.ldh, d_pairs, g.top_k, N, xg, g.E, g.E, stream());
   if (act_q8_ && has_q8(g.gate_type, g.E) && has_q8(g.down_type, g.F)) {
     // q8 activations: the gathered rows quantized once for gate and up, the SwiGLU output once for down
@@ -1048,8 +1187,16 @@ void CudaBackend::moe_combine(const backend::Routing& r, const Tensor& expert_ou
   const int64_t T = r.n_tokens();
   if (T == 0) return;
   ProfScope ps(*this, "moe_combine", T);
-  float* w = Carve{scratch(sz<float>(r.weights.size()))}.take<float>(r.weights.size());
-  upload_async(w, r.weights.data(), r.weights.size() * sizeof(float));
+  const float* w = nullptr;
+  if (!route_w_.empty() && route_k_ == r.top_k && route_w_ == r.weights) {
+    // The weights of the last route(), still on the device (route_dev_): no upload. Compared by
+    // value, so a Routing edited on the host, or another routing, is uploaded as before.
+    w = route_layout(route_dev_.get(), T, r.top_k).weights;
+  } else {
+    float* up = Carve{scratch(sz<float>(r.weights.size()))}.take<float>(r.weights.size());
+    upload_async(up, r.weights.data(), r.weights.size() * sizeof(float));
+    w = up;
+  }
   cuda::moe_combine(expert_out.f(), ld(expert_out), w, r.top_k, T, out.f(), ld(out), out.cols(), stream());
 }
 

@@ -5,7 +5,8 @@
 // (cudaMalloc; activations stream-ordered with cudaMallocAsync); staging buffers are pinned
 // host memory (cudaHostAlloc, pageable with a warning when pinning fails). Every compute call
 // is queued on one compute stream and returns before it runs; only download(), router_logits()
-// (the routing decisions of the MoE cut), Event::wait() and synchronize() wait for the device.
+// and route() (the routing decisions of the MoE cut), Event::wait() and synchronize() wait for
+// the device.
 // Small host arrays a call needs (token ids, (token, k) pairs, positions, routing weights) go
 // through a pinned upload ring on the same stream.
 //
@@ -39,6 +40,10 @@ struct CudaOptions {
   /// their activations to int8 (cuda::quantize_q8) and run cuda::matmul_q8 / grouped_matmul_q8;
   /// the other types keep the exact fp32-activation paths. false: every matmul has fp32 activations.
   bool act_q8 = false;
+  /// route() selects on the host (backend::Backend::route: all logits downloaded) instead of on
+  /// the device; also set by the environment variable STRATA_CUDA_HOST_ROUTE=1. For before /
+  /// after measurements and tests (docs/cuda.md "Routing on the device").
+  bool host_route = false;
 };
 
 /// Shared by the backend, its buffers and its arenas: the device, the compute stream (a
@@ -95,6 +100,17 @@ class CudaBackend final : public backend::Backend {
   void ffn(const backend::FfnCall& call, const backend::FfnWeights& w, const backend::Tensor& h,
            const backend::Tensor& out) override;
   void router_logits(const backend::Tensor& w, const backend::Tensor& h, std::vector<float>& logits) override;
+  /// Each call's router matmul, its bias and the selection (cuda::select_topk, route.h) on the
+  /// device, queued together; one synchronization for all, one download per call of [T] status +
+  /// [T][top_k] ids (ids_only) or of ids, probs, weights and next_prob. The ids and weights equal
+  /// the host selection's as route.h states (bit for bit where the probabilities do; probs within
+  /// 8 ulp, weights within 16 ulp otherwise). All calls go to the host selection
+  /// (backend::Backend::route) with host_route, when one has a spec the host rejects (so the error
+  /// is the host's), n_expert > kMaxRouteExperts or a group limit over more than kMaxRouteGroups
+  /// groups. Throws std::invalid_argument as select_experts does, for the same token, when a
+  /// token's logits are defective (backend::router_logits_defect).
+  void route(std::span<const backend::RouteCall> calls, const backend::Tensor& h) override;
+  using backend::Backend::route;
   void expert_ffn(const backend::FfnSpec& spec, const backend::ExpertJob& job, int top_k, const backend::Tensor& h,
                   const backend::Tensor& expert_out) override;
   void moe_combine(const backend::Routing& routing, const backend::Tensor& expert_out,
@@ -163,6 +179,25 @@ class CudaBackend final : public backend::Backend {
   bool ring_pinned_ = false;
   size_t ring_bytes_ = 0, ring_off_ = 0;
   std::map<const backend::RopeSpec*, DeviceBuffer> inv_freq_;
+  /// Device copies of RouterSpec::selection_bias, keyed by the host vector's data and checked
+  /// against a host copy of its values on every use (route()).
+  struct BiasCopy {
+    std::vector<float> host;
+    DeviceBuffer dev;
+  };
+  std::map<const float*, BiasCopy> sel_bias_;
+  const float* selection_bias(const std::vector<float>& bias);
+  bool host_route_ = false;
+  /// The last route()'s first full RouteOut (status, ids, probs, weights, next_prob) on the
+  /// device, and its weights as downloaded (empty: none valid); moe_combine reads the device
+  /// weights when the Routing it is given has these weights.
+  DeviceBuffer route_dev_;
+  std::vector<float> route_w_;
+  int route_k_ = 0;
+  std::vector<uint8_t> upload_stage_;  // flush_experts' one upload
+  uint8_t* route_host_ = nullptr;  // pinned landing buffer of route()'s download
+  bool route_host_pinned_ = false;
+  size_t route_host_bytes_ = 0;
   /// STRATA_CUDA_PROFILE=1: per-call device time (CUDA events around each call) and host
   /// waits, printed to stderr when the backend is destroyed (docs/cuda.md "Profile"); null when off.
   std::unique_ptr<OpProfile> prof_;

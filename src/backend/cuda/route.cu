@@ -1,0 +1,191 @@
+// Expert selection on the device (contract in route.h): one warp per token.
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/route.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace strata::cuda {
+
+namespace {
+
+constexpr unsigned kFull = 0xffffffffu;
+constexpr int kMaxWarpsPerBlock = 4;
+constexpr size_t kSmemPerBlock = 48 * 1024;  // the default dynamic shared memory limit
+
+// Floats of shared memory one warp uses: probabilities, scores, group scores, group flags.
+__host__ __device__ size_t warp_floats(int n_expert) { return 2 * size_t(n_expert) + 2 * size_t(kMaxRouteGroups); }
+
+// exp in double, rounded once to float: the correctly rounded expf except within 1 double ulp
+// of a float midpoint (CUDA's double exp is within 1 ulp; CUDA C Programming Guide, "Double-
+// Precision Floating-Point Functions"). Closer to glibc's expf (<= 0.502 ulp) than CUDA's expf.
+__device__ __forceinline__ float exp_rounded(float x) { return float(exp(double(x))); }
+
+// The host's strict order: higher score first, ties: lower id first. id < 0: nothing yet.
+__device__ __forceinline__ void keep_better(float& v, int& id, float v2, int id2) {
+  if (id2 >= 0 && (id < 0 || v2 > v || (v2 == v && id2 < id))) v = v2, id = id2;
+}
+
+__global__ void select_topk_kernel(RouteSpec sp, const float* __restrict__ logits, int64_t ld, int64_t T,
+                                   RouteOut out) {
+  extern __shared__ float smem[];
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const int64_t t = int64_t(blockIdx.x) * (blockDim.x / 32) + warp;
+  if (t >= T) return;  // the whole warp; the kernel has no block-wide barrier
+  const int n = sp.n_expert, K = sp.top_k;
+  float* p = smem + size_t(warp) * warp_floats(n);
+  float* s = p + n;
+  float* gs = s + n;
+  int* gok = reinterpret_cast<int*>(gs + kMaxRouteGroups);
+  const float* l = logits + t * ld;
+
+  // Defects, in backend::router_logits_defect's order of codes.
+  bool nan = false, pinf = false, fin = false;
+  for (int i = lane; i < n; i += 32) {
+    const float v = l[i];
+    nan = nan || isnan(v);
+    pinf = pinf || (isinf(v) && v > 0);
+    fin = fin || isfinite(v);
+  }
+  nan = __any_sync(kFull, nan), pinf = __any_sync(kFull, pinf), fin = __any_sync(kFull, fin);
+  const int code = nan ? 1 : sp.gating == 1 ? 0 : pinf ? 2 : fin ? 0 : 3;
+  if (lane == 0) out.status[t] = code;
+  if (code) return;
+
+  // Gating (p) and selection scores (s): backend.cpp select_impl / softmax, operation for operation.
+  if (sp.gating == 2) {
+    for (int i = lane; i < n; i += 32) s[i] = l[i];
+  } else {
+    if (sp.gating == 0) {
+      float mx = -INFINITY;  // the exact max (no NaN here; the sign of a zero max does not matter)
+      for (int i = lane; i < n; i += 32) mx = fmaxf(mx, l[i]);
+      for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, o));
+      for (int i = lane; i < n; i += 32) p[i] = exp_rounded(__fsub_rn(l[i], mx));
+      __syncwarp();
+      float inv = 0;
+      if (lane == 0) {  // the host's sum: in double, experts in order
+        double sum = 0;
+        for (int i = 0; i < n; ++i) sum += double(p[i]);
+        inv = float(1.0 / sum);
+      }
+      inv = __shfl_sync(kFull, inv, 0);
+      for (int i = lane; i < n; i += 32) p[i] = __fmul_rn(p[i], inv);
+    } else {
+      for (int i = lane; i < n; i += 32) p[i] = __fdiv_rn(1.0f, __fadd_rn(1.0f, exp_rounded(-l[i])));
+    }
+    for (int i = lane; i < n; i += 32) s[i] = sp.selection_bias ? __fadd_rn(p[i], sp.selection_bias[i]) : p[i];
+  }
+  __syncwarp();
+
+  // Group limit: a group scores the sum of its two best s; the n_group_used best groups (ties:
+  // lower group first, as the host's stable sort) keep their experts, the others' s become NaN,
+  // which the top-k below skips (valid scores are never NaN).
+  int n_cand = n;
+  if (sp.n_group > 1 && sp.n_group_used < sp.n_group) {
+    const int gsz = n / sp.n_group;
+    for (int g = lane; g < sp.n_group; g += 32) {
+      float b1 = -INFINITY, b2 = -INFINITY;
+      for (int i = g * gsz; i < (g + 1) * gsz; ++i) {
+        if (s[i] > b1) {
+          b2 = b1;
+          b1 = s[i];
+        } else if (s[i] > b2) {
+          b2 = s[i];
+        }
+      }
+      gs[g] = gsz >= 2 ? __fadd_rn(b1, b2) : b1;
+      gok[g] = 0;
+    }
+    __syncwarp();
+    if (lane == 0) {
+      for (int r = 0; r < sp.n_group_used; ++r) {
+        int best = -1;
+        for (int g = 0; g < sp.n_group; ++g)
+          if (!gok[g] && (best < 0 || gs[g] > gs[best])) best = g;
+        gok[best] = 1;
+      }
+    }
+    __syncwarp();
+    for (int i = lane; i < n; i += 32)
+      if (!gok[i / gsz]) s[i] = NAN;
+    n_cand = sp.n_group_used * gsz;
+    __syncwarp();
+  }
+
+  // Top-k (+1 for the next candidate): rounds of a warp arg-max in the host's strict order.
+  const int n_sorted = min(K + 1, n_cand);
+  int next_id = -1;
+  for (int r = 0; r < n_sorted; ++r) {
+    float bv = 0;
+    int bi = -1;
+    for (int i = lane; i < n; i += 32)
+      if (!isnan(s[i])) keep_better(bv, bi, s[i], i);
+    for (int o = 16; o > 0; o /= 2) {
+      const float v2 = __shfl_xor_sync(kFull, bv, o);
+      const int i2 = __shfl_xor_sync(kFull, bi, o);
+      keep_better(bv, bi, v2, i2);
+    }
+    if (lane == 0) {
+      if (r < K)
+        out.ids[t * K + r] = bi;
+      else
+        next_id = bi;
+      s[bi] = NAN;
+    }
+    __syncwarp();
+  }
+  if (lane != 0) return;
+
+  // Probabilities and weights of the chosen, as the host computes them.
+  const int32_t* id = out.ids + t * K;
+  if (sp.gating == 2) {
+    float mx = l[id[0]];
+    for (int k = 1; k < K; ++k) mx = fmaxf(mx, l[id[k]]);
+    double sum = 0;
+    for (int k = 0; k < K; ++k) sum += double(exp_rounded(__fsub_rn(l[id[k]], mx)));
+    const float inv = float(1.0 / sum);
+    for (int k = 0; k < K; ++k) {
+      const float v = __fmul_rn(exp_rounded(__fsub_rn(l[id[k]], mx)), inv);
+      out.probs[t * K + k] = out.weights[t * K + k] = v;
+    }
+    out.next_prob[t] = next_id >= 0 ? __fmul_rn(exp_rounded(__fsub_rn(l[next_id], mx)), inv) : 0.0f;
+    return;
+  }
+  double sum = 0;
+  for (int k = 0; k < K; ++k) sum += double(p[id[k]]);
+  for (int k = 0; k < K; ++k) {
+    const float pk = p[id[k]];
+    float w = sp.norm_topk ? float(double(pk) / sum) : pk;
+    if (sp.weights_scale != 1.0f) w = __fmul_rn(w, sp.weights_scale);
+    out.probs[t * K + k] = pk;
+    out.weights[t * K + k] = w;
+  }
+  out.next_prob[t] = next_id >= 0 ? p[next_id] : 0.0f;
+}
+
+}  // namespace
+
+void select_topk(const RouteSpec& sp, const float* logits, int64_t ld, int64_t T, const RouteOut& out, void* stream) {
+  STRATA_CUDA_REQUIRE(sp.gating >= 0 && sp.gating <= 2, "select_topk: unknown gating");
+  STRATA_CUDA_REQUIRE(sp.n_expert >= 1 && sp.n_expert <= kMaxRouteExperts,
+                      "select_topk: n_expert must be in [1, " + std::to_string(kMaxRouteExperts) + "]");
+  STRATA_CUDA_REQUIRE(sp.top_k >= 1 && sp.top_k <= sp.n_expert, "select_topk: top_k must be in [1, n_expert]");
+  STRATA_CUDA_REQUIRE(ld >= sp.n_expert, "select_topk: ld must be >= n_expert");
+  if (sp.n_group > 1 && sp.n_group_used < sp.n_group) {
+    STRATA_CUDA_REQUIRE(sp.n_group <= kMaxRouteGroups,
+                        "select_topk: at most " + std::to_string(kMaxRouteGroups) + " groups");
+    STRATA_CUDA_REQUIRE(sp.n_expert % sp.n_group == 0 && sp.n_group_used >= 1 &&
+                            int64_t(sp.n_group_used) * (sp.n_expert / sp.n_group) >= sp.top_k,
+                        "select_topk: n_group must divide n_expert and n_group_used groups must hold top_k experts");
+  }
+  if (T <= 0) return;
+  const size_t per_warp = warp_floats(sp.n_expert) * sizeof(float);
+  const int wpb = int(std::clamp<size_t>(kSmemPerBlock / per_warp, 1, kMaxWarpsPerBlock));
+  const int64_t blocks = (T + wpb - 1) / wpb;
+  STRATA_CUDA_REQUIRE(blocks <= 0x7fffffff, "select_topk: too many tokens for one launch");
+  select_topk_kernel<<<unsigned(blocks), unsigned(32 * wpb), per_warp * size_t(wpb), static_cast<cudaStream_t>(stream)>>>(
+      sp, logits, ld, T, out);
+  STRATA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace strata::cuda

@@ -1,0 +1,75 @@
+#pragma once
+// Expert selection on the device: the MoE router's gating, selection bias, group limit, top-k
+// and weight normalization of backend::select_experts (src/backend/backend.cpp), one warp per
+// token, so that only [T][top_k] ids and weights cross to the host instead of [T][n_expert]
+// logits (issue 13 item 4; docs/cuda.md "Routing on the device"). Same conventions as
+// kernels.h: no CUDA header, streams as void*, device pointers, asynchronous launches,
+// CudaError on a bad argument or a failed launch.
+//
+// Equality with the host selection, given the same logits:
+//  - every comparison, max, add and product is the host's, in the host's order (the softmax
+//    sum and the top-k sum in double, sequentially over experts / k; __fadd_rn / __fmul_rn, no
+//    contraction), and the top-k order is the host's strict order (score descending, ties:
+//    lower id first), so equal probabilities give equal ids, probs and weights bit for bit;
+//  - the one difference is exp: the device takes exp in double and rounds it to float (correctly
+//    rounded unless the double result is within 1 ulp of a float rounding midpoint), the host
+//    takes glibc's expf (<= 0.502 ulp: sysdeps/ieee754/flt-32/e_expf.c). Measured on random
+//    logits (tests/test_cuda_kernels.cpp RouteSelectMatchesHost) the probs and weights agree
+//    within a few ulp (the test's bound: 8 ulp, derived there); the ids agree unless two experts'
+//    probabilities at the k-th / (k+1)-th boundary are within that rounding of each other.
+//  - defective logits (backend::router_logits_defect: NaN; +inf or no finite value for the
+//    softmax gatings) give the host's code in status[t] and no results for that token.
+#include <cstddef>
+#include <cstdint>
+
+namespace strata::cuda {
+
+/// The selection options of backend::RouterSpec, as the kernel takes them.
+struct RouteSpec {
+  int gating = 0;           ///< 0 Softmax, 1 Sigmoid, 2 SoftmaxTopK (backend::RouterSpec::Gating's order)
+  int n_expert = 0;         ///< experts; 1 ..= kMaxRouteExperts
+  int top_k = 0;            ///< 1 ..= n_expert
+  bool norm_topk = true;    ///< weights = probs / their sum (Softmax, Sigmoid)
+  int n_group = 0;          ///< groups of n_expert / n_group consecutive experts (<= 1: none)
+  int n_group_used = 0;     ///< groups that compete (n_group_used < n_group: the group limit is on)
+  float weights_scale = 1;  ///< factor on the final weights (applied when != 1, as the host does)
+  const float* selection_bias = nullptr;  ///< device, n_expert floats, or null
+};
+
+/// Experts per router the kernel takes (shared memory per warp: 2 * n_expert floats); a larger
+/// router goes through the host selection (CudaBackend::route).
+constexpr int kMaxRouteExperts = 2048;
+/// Groups the group limit takes at most on the device.
+constexpr int kMaxRouteGroups = 64;
+
+/// Where select_topk writes, all device arrays of one allocation (route_layout).
+struct RouteOut {
+  int32_t* status = nullptr;  ///< [T]: backend::router_logits_defect code, 0 = selected
+  int32_t* ids = nullptr;     ///< [T][top_k], by descending score
+  float* probs = nullptr;     ///< [T][top_k]
+  float* weights = nullptr;   ///< [T][top_k]
+  float* next_prob = nullptr; ///< [T]
+};
+
+/// Bytes of the RouteOut arrays for T tokens and top_k, laid out status, ids, probs, weights,
+/// next_prob contiguously (4-byte elements), so [status, ids] and the whole are each one copy.
+inline size_t route_bytes(int64_t T, int top_k) { return size_t(T) * (3 * size_t(top_k) + 2) * 4; }
+/// The RouteOut views of `base` (route_bytes(T, top_k) bytes, 4-byte aligned).
+inline RouteOut route_layout(void* base, int64_t T, int top_k) {
+  RouteOut o;
+  o.status = static_cast<int32_t*>(base);
+  o.ids = o.status + T;
+  o.probs = reinterpret_cast<float*>(o.ids + T * top_k);
+  o.weights = o.probs + T * top_k;
+  o.next_prob = o.weights + T * top_k;
+  return o;
+}
+
+/// Selects experts for T tokens from router logits (device, [T][n_expert], rows `ld` floats
+/// apart, left unchanged) as backend::select_experts does (see the header comment for what is
+/// equal to it). Throws CudaError for a spec outside the kernel's limits (n_expert, n_group) or
+/// that select_experts would reject (top_k, groups not dividing n_expert, too few used groups).
+void select_topk(const RouteSpec& spec, const float* logits, int64_t ld, int64_t T, const RouteOut& out,
+                 void* stream = nullptr);
+
+}  // namespace strata::cuda
