@@ -195,27 +195,24 @@ template <int DPL>
 void launch_attention(const AttentionArgs& a, int group, cudaStream_t st) {
   constexpr int HD = 32 * DPL;
   const size_t smem = sizeof(float) * (size_t(kKvTile) * (HD + 1) + size_t(kKvTile) * HD + size_t(kAttnWarps) * HD);
-  STRATA_CUDA_CHECK(
-      cudaFuncSetAttribute(attention_kernel<DPL>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  detail::opt_in_smem(reinterpret_cast<const void*>(attention_kernel<DPL>), int(smem));
   const int64_t n_rows = a.n_tok * group;
   const int64_t gy = (n_rows + kAttnWarps - 1) / kAttnWarps;
   STRATA_CUDA_REQUIRE(gy <= 65535, "cuda::attention: n_tok * n_head / n_head_kv = " + std::to_string(n_rows) +
                                        " query rows exceed one launch (524280)");
-  const int64_t p_last = a.pos0 + a.n_tok - 1;
-  const int n_seg = int(p_last / kKvSeg + 1);
+  const detail::SplitPlan plan = detail::split_plan(a, kAttnWarps, kKvSeg);
   // Few blocks (decode, small chunks) and a long cache: the segments in parallel, then the fold
   // (the same sums as the one-pass kernel, so the same bits).
-  if (n_seg >= 2 && int64_t(a.n_head_kv) * gy < 128) {
-    const size_t part_bytes = sizeof(float) * size_t(a.n_head_kv) * size_t(n_rows) * size_t(n_seg) * size_t(HD + 2);
-    float* part = nullptr;
-    STRATA_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&part), part_bytes, st));
+  if (plan.split) {
+    const int n_seg = int(plan.n_seg);
+    float* part = detail::acquire_part(a, plan.bytes, st);
     const dim3 grid(unsigned(a.n_head_kv), unsigned(gy), unsigned(n_seg));
     attention_kernel<DPL><<<grid, kAttnWarps * 32, smem, st>>>(a, group, part, n_seg);
     STRATA_CUDA_CHECK_LAUNCH();
     const dim3 cgrid(unsigned((n_rows + 3) / 4), unsigned(a.n_head_kv));
     attention_combine<DPL><<<cgrid, 128, 0, st>>>(a, group, part, n_seg);
     STRATA_CUDA_CHECK_LAUNCH();
-    STRATA_CUDA_CHECK(cudaFreeAsync(part, st));
+    detail::release_part(a, part, st);
     return;
   }
   const dim3 grid(unsigned(a.n_head_kv), unsigned(gy));
@@ -224,6 +221,26 @@ void launch_attention(const AttentionArgs& a, int group, cudaStream_t st) {
 }
 
 }  // namespace
+
+namespace {
+
+// The kernel cuda::attention picks: Mma when asked, or for Auto where it takes the shape and the
+// environment does not ask for Simt (STRATA_CUDA_ATTN=simt, for before / after measurements).
+bool takes_mma(const AttentionArgs& a) {
+  static const bool simt_env = [] {
+    const char* e = std::getenv("STRATA_CUDA_ATTN");
+    return e && std::string(e) == "simt";
+  }();
+  return a.path == AttentionPath::Mma || (a.path == AttentionPath::Auto && !simt_env && attention_has_mma(a));
+}
+
+}  // namespace
+
+size_t attention_scratch_bytes(const AttentionArgs& a) {
+  if (a.n_tok <= 0 || a.n_head_kv <= 0 || a.n_head % a.n_head_kv != 0) return 0;
+  return takes_mma(a) ? detail::split_plan(a, detail::kAttnMmaRows, detail::kAttnMmaSegment).bytes
+                      : detail::split_plan(a, kAttnWarps, kKvSeg).bytes;
+}
 
 void attention(const AttentionArgs& a, void* stream) {
   STRATA_CUDA_REQUIRE(a.head_dim > 0 && a.head_dim % 32 == 0 && (a.head_dim <= 256 || a.head_dim == 576),
@@ -241,11 +258,7 @@ void attention(const AttentionArgs& a, void* stream) {
                       "cuda::attention: AttentionPath::Mma takes head_dim 64 or 128 with 16-byte aligned q, k, v and "
                       "strides of 4 floats (head_dim=" +
                           std::to_string(a.head_dim) + ")");
-  static const bool simt_env = [] {
-    const char* e = std::getenv("STRATA_CUDA_ATTN");
-    return e && std::string(e) == "simt";
-  }();
-  if (a.path == AttentionPath::Mma || (a.path == AttentionPath::Auto && !simt_env && attention_has_mma(a))) {
+  if (takes_mma(a)) {
     detail::attention_mma(a, stream);
     return;
   }

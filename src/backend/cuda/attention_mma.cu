@@ -14,7 +14,7 @@ namespace strata::cuda::detail {
 namespace {
 
 constexpr int kFaWarps = 4;              // warps per block, 16 query rows each
-constexpr int kFaRows = 16 * kFaWarps;   // query rows per block
+constexpr int kFaRows = kAttnMmaRows;     // query rows per block
 constexpr int kFaTile = 32;              // cache positions per tile
 constexpr int kFaSeg = kAttnMmaSegment;  // cache positions per segment (fresh softmax state)
 constexpr int kFaPieces = 3;             // x = hi + mid + lo, each bf16
@@ -346,26 +346,24 @@ __global__ void fa_combine(AttentionArgs a, int group, const float* __restrict__
 template <int HD>
 void launch_fa(const AttentionArgs& a, int group, cudaStream_t st) {
   using S = FaShape<HD>;
-  STRATA_CUDA_CHECK(cudaFuncSetAttribute(fa_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::kSmem)));
+  opt_in_smem(reinterpret_cast<const void*>(fa_kernel<HD>), int(S::kSmem));
   const int64_t n_rows = a.n_tok * group;
   const int64_t gy = (n_rows + kFaRows - 1) / kFaRows;
   STRATA_CUDA_REQUIRE(gy <= 65535, "cuda::attention (mma): n_tok * n_head / n_head_kv = " + std::to_string(n_rows) +
                                        " query rows exceed one launch (4194240)");
-  const int64_t n_seg = (a.pos0 + a.n_tok - 1) / kFaSeg + 1;
+  const SplitPlan plan = split_plan(a, kFaRows, kFaSeg);
   // Few blocks (decode, small chunks) and more than one segment: the segments in parallel, then
   // fa_combine folds them (the same operations as the one pass, so the same bits).
-  if (n_seg >= 2 && int64_t(a.n_head_kv) * gy < 128) {
-    STRATA_CUDA_REQUIRE(n_seg <= 65535, "cuda::attention (mma): more than 65535 segments");
-    const size_t part_bytes = sizeof(float) * size_t(a.n_head_kv) * size_t(n_rows) * size_t(n_seg) * size_t(HD + 2);
-    float* part = nullptr;
-    STRATA_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&part), part_bytes, st));
-    const dim3 grid(unsigned(a.n_head_kv), unsigned(gy), unsigned(n_seg));
-    fa_kernel<HD><<<grid, kFaWarps * 32, S::kSmem, st>>>(a, group, part, int(n_seg));
+  if (plan.split) {
+    STRATA_CUDA_REQUIRE(plan.n_seg <= 65535, "cuda::attention (mma): more than 65535 segments");
+    float* part = acquire_part(a, plan.bytes, st);
+    const dim3 grid(unsigned(a.n_head_kv), unsigned(gy), unsigned(plan.n_seg));
+    fa_kernel<HD><<<grid, kFaWarps * 32, S::kSmem, st>>>(a, group, part, int(plan.n_seg));
     STRATA_CUDA_CHECK_LAUNCH();
     const dim3 cgrid(unsigned(n_rows), unsigned(a.n_head_kv));
-    fa_combine<HD><<<cgrid, HD, 0, st>>>(a, group, part, int(n_seg));
+    fa_combine<HD><<<cgrid, HD, 0, st>>>(a, group, part, int(plan.n_seg));
     STRATA_CUDA_CHECK_LAUNCH();
-    STRATA_CUDA_CHECK(cudaFreeAsync(part, st));
+    release_part(a, part, st);
     return;
   }
   const dim3 grid(unsigned(a.n_head_kv), unsigned(gy));

@@ -1,6 +1,7 @@
 #pragma once
 // The tensor-core attention kernel (attention_mma.cu), behind cuda::attention (kernels.h,
 // AttentionPath). Internal to src/backend/cuda.
+#include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels.h"
 
 namespace strata::cuda::detail {
@@ -8,6 +9,41 @@ namespace strata::cuda::detail {
 /// Cache positions per segment of the tensor-core kernel (its softmax state starts fresh at
 /// every multiple of this; kernels.h, AttentionPath::Mma).
 inline constexpr int kAttnMmaSegment = 128;
+/// Query rows (token, head of the GQA group) per block of the tensor-core kernel.
+inline constexpr int kAttnMmaRows = 64;
+
+/// How one attention call runs on either kernel: `n_seg` cache segments of `segment` positions;
+/// split (the segments in parallel blocks, then a fold kernel) when there are at least 2 and
+/// fewer than 128 blocks otherwise (n_head_kv x ceil(n_rows / rows_per_block)); `bytes` of fp32
+/// partial states (m, l, o[head_dim]) per KV head, query row and segment when split, else 0.
+struct SplitPlan {
+  int64_t n_seg = 0;
+  bool split = false;
+  size_t bytes = 0;
+};
+
+inline SplitPlan split_plan(const AttentionArgs& a, int rows_per_block, int segment) {
+  const int64_t n_rows = a.n_tok * (a.n_head / a.n_head_kv);
+  const int64_t gy = (n_rows + rows_per_block - 1) / rows_per_block;
+  SplitPlan p;
+  p.n_seg = (a.pos0 + a.n_tok - 1) / segment + 1;
+  p.split = p.n_seg >= 2 && int64_t(a.n_head_kv) * gy < 128;
+  if (p.split) p.bytes = sizeof(float) * size_t(a.n_head_kv) * size_t(n_rows) * size_t(p.n_seg) * size_t(a.head_dim + 2);
+  return p;
+}
+
+/// The partial-state buffer of a split call: a.part when it holds `bytes`, else a stream-ordered
+/// allocation that release_part frees after the fold.
+inline float* acquire_part(const AttentionArgs& a, size_t bytes, cudaStream_t st) {
+  if (a.part && a.part_bytes >= bytes) return static_cast<float*>(a.part);
+  float* p = nullptr;
+  STRATA_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&p), bytes, st));
+  return p;
+}
+
+inline void release_part(const AttentionArgs& a, float* p, cudaStream_t st) {
+  if (p != a.part) STRATA_CUDA_CHECK(cudaFreeAsync(p, st));
+}
 
 /// True if the tensor-core kernel takes these arguments: head_dim 64 or 128, q, k, v 16-byte
 /// aligned, q_stride and kv_stride multiples of 4 floats. The other checks are cuda::attention's.

@@ -42,6 +42,8 @@ namespace {
 
 constexpr size_t kAlign = 256;          // carve alignment of scratch regions (bytes)
 constexpr size_t kRingBytes = 8 << 20;  // pinned upload ring (bytes)
+constexpr uint64_t kPoolKeepBytes = uint64_t(256) << 20;  // freed pool memory kept across syncs
+constexpr size_t kMaxAttnPartBytes = size_t(64) << 20;  // the persistent attention partials' cap
 constexpr double kMiB = 1024.0 * 1024.0;
 
 size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
@@ -433,6 +435,20 @@ CudaBackend::CudaBackend(const CudaOptions& opts) : device_(opts.device), act_q8
   ctx_ = std::make_shared<CudaContext>();
   ctx_->device = device_;
   STRATA_CUDA_CHECK(cudaStreamCreateWithFlags(&ctx_->stream, cudaStreamNonBlocking));
+  {
+    // The stream-ordered allocations (cudaMallocAsync: scratch growth, activations) come from the
+    // device's default pool, which by default returns freed memory to the driver at every
+    // synchronization; decode synchronizes once per MoE layer, and remapping memory then costs far
+    // more than a launch. Keep up to kPoolKeepBytes of freed memory in the pool instead.
+    cudaMemPool_t pool = nullptr;
+    STRATA_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device_));
+    uint64_t keep = 0;
+    STRATA_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+    if (keep < kPoolKeepBytes) {
+      keep = kPoolKeepBytes;
+      STRATA_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+    }
+  }
   ring_bytes_ = kRingBytes;
   ring_ = host_alloc(ring_bytes_, ring_pinned_, "the upload ring");
   if (const char* e = std::getenv("STRATA_CUDA_PROFILE"); e && *e && std::string_view(e) != "0")
@@ -447,6 +463,7 @@ CudaBackend::~CudaBackend() {
   (void)cudaStreamSynchronize(ctx_->stream);
   if (scratch_) (void)cudaFreeAsync(scratch_, ctx_->stream);
   if (q8_scratch_) (void)cudaFreeAsync(q8_scratch_, ctx_->stream);
+  if (attn_part_) (void)cudaFreeAsync(attn_part_, ctx_->stream);
   (void)cudaStreamSynchronize(ctx_->stream);
   host_free(ring_, ring_pinned_);
   if (route_host_) host_free(route_host_, route_host_pinned_);
@@ -512,8 +529,23 @@ char* CudaBackend::scratch(size_t bytes) {
   return grow_stream_buffer(scratch_, scratch_bytes_, bytes, ctx_->stream, device_, "compute scratch");
 }
 
+void CudaBackend::attention_part(AttentionArgs& a) {
+  const size_t bytes = cuda::attention_scratch_bytes(a);
+  if (bytes == 0 || bytes > kMaxAttnPartBytes) return;  // one pass, or large: cuda::attention allocates
+  a.part = grow_stream_buffer(attn_part_, attn_part_bytes_, bytes, ctx_->stream, device_, "attention partial states");
+  a.part_bytes = attn_part_bytes_;
+}
+
 char* CudaBackend::q8_scratch(size_t bytes) {
   return grow_stream_buffer(q8_scratch_, q8_scratch_bytes_, bytes, ctx_->stream, device_, "q8 activation scratch");
+}
+
+CudaBackend::Q8Act CudaBackend::quantize_act(const float* x, int64_t ldx, int64_t cols, int64_t n_tok, void* st) {
+  const size_t codes = align_up(size_t(n_tok * cols), 256);
+  char* base = q8_scratch(codes + size_t(n_tok * cols / 32) * sizeof(float));
+  Q8Act a{reinterpret_cast<int8_t*>(base), reinterpret_cast<float*>(base + codes)};
+  quantize_q8(x, ldx, cols, n_tok, a.q, a.d, st);
+  return a;
 }
 
 void CudaBackend::mm(GgmlType type, const void* W, size_t row_bytes, int64_t rows, int64_t cols, const float* x,
@@ -522,12 +554,8 @@ void CudaBackend::mm(GgmlType type, const void* W, size_t row_bytes, int64_t row
     cuda::matmul(type, W, row_bytes, rows, cols, x, ldx, n_tok, y, ldy, st);
     return;
   }
-  const size_t codes = align_up(size_t(n_tok * cols), 256);
-  char* base = q8_scratch(codes + size_t(n_tok * cols / 32) * sizeof(float));
-  auto* q = reinterpret_cast<int8_t*>(base);
-  auto* d = reinterpret_cast<float*>(base + codes);
-  quantize_q8(x, ldx, cols, n_tok, q, d, st);
-  matmul_q8(type, W, row_bytes, rows, cols, q, d, n_tok, y, ldy, st);
+  const Q8Act a = quantize_act(x, ldx, cols, n_tok, st);
+  matmul_q8(type, W, row_bytes, rows, cols, a.q, a.d, n_tok, y, ldy, st);
 }
 
 void CudaBackend::upload(const Tensor& dst, const void* src, size_t bytes) {
@@ -650,21 +678,31 @@ void CudaBackend::attention(const backend::AttentionSpec& s, const backend::Atte
   float* gate = nullptr;
   int32_t* pos = c.take<int32_t>(size_t(T));
   const int64_t ldh = ld(h);
+  // q8 activations: h quantized once for the three projections (the codes mm would make for each).
+  Q8Act hq{};
+  if (act_q8_ && has_q8(w.wq.type, h.cols()) && has_q8(w.wk.type, h.cols()) && has_q8(w.wv.type, h.cols()))
+    hq = quantize_act(h.f(), ldh, h.cols(), T, stream());
+  auto proj = [&](const Tensor& W, float* y, int64_t ldy) {
+    if (hq.q)
+      matmul_q8(W.type, W.data, W.row_bytes(), W.rows(), W.cols(), hq.q, hq.d, T, y, ldy, stream());
+    else
+      mm(W.type, W.data, W.row_bytes(), W.rows(), W.cols(), h.f(), ldh, T, y, ldy, stream());
+  };
   // Projections; K and V go straight into the cache rows pos0.. (normed and rotated in place).
   if (s.q_gate) {
     float* qg = c.take<float>(size_t(T * 2 * q_dim));
     gate = c.take<float>(size_t(T * q_dim));
-    mm(w.wq.type, w.wq.data, w.wq.row_bytes(), w.wq.rows(), w.wq.cols(), h.f(), ldh, T, qg, 2 * q_dim, stream());
+    proj(w.wq, qg, 2 * q_dim);
     if (!w.bq.empty()) add_bias(qg, 2 * q_dim, w.bq.f(), 2 * q_dim, T, stream());
     split_q_gate(qg, T, s.n_head, s.head_dim, q, gate, stream());
   } else {
-    mm(w.wq.type, w.wq.data, w.wq.row_bytes(), w.wq.rows(), w.wq.cols(), h.f(), ldh, T, q, q_dim, stream());
+    proj(w.wq, q, q_dim);
     if (!w.bq.empty()) add_bias(q, q_dim, w.bq.f(), q_dim, T, stream());
   }
   float* kc = kv.k.f() + pos0 * kv_dim;
   float* vc = kv.v.f() + pos0 * kv_dim;
-  mm(w.wk.type, w.wk.data, w.wk.row_bytes(), w.wk.rows(), w.wk.cols(), h.f(), ldh, T, kc, kv_dim, stream());
-  mm(w.wv.type, w.wv.data, w.wv.row_bytes(), w.wv.rows(), w.wv.cols(), h.f(), ldh, T, vc, kv_dim, stream());
+  proj(w.wk, kc, kv_dim);
+  proj(w.wv, vc, kv_dim);
   if (!w.bk.empty()) add_bias(kc, kv_dim, w.bk.f(), kv_dim, T, stream());
   if (!w.bv.empty()) add_bias(vc, kv_dim, w.bv.f(), kv_dim, T, stream());
   // Per-head RMSNorm of q and k: rows of head_dim.
@@ -701,6 +739,7 @@ void CudaBackend::attention(const backend::AttentionSpec& s, const backend::Atte
   a.scale = s.scale != 0 ? s.scale : 1.0f / std::sqrt(float(s.head_dim));
   a.window = s.window;
   a.sinks = w.sinks.empty() ? nullptr : w.sinks.f();
+  attention_part(a);
   {
     ProfScope pk(*this, "attention kernel", T);
     cuda::attention(a, stream());
@@ -778,6 +817,7 @@ void CudaBackend::mla_attention(const backend::MlaSpec& s, const backend::MlaWei
   a.n_tok = T, a.pos0 = pos0;
   a.n_head = int(H), a.n_head_kv = 1, a.head_dim = int(C);
   a.scale = s.scale != 0 ? s.scale : 1.0f / std::sqrt(float(qk));
+  attention_part(a);
   cuda::attention(a, stream());
   // o[h] = v_b[h] ctx[h] (ctx: the first R dims of each head's output), then attn_output.
   for (int64_t hh = 0; hh < H; ++hh)
@@ -1116,8 +1156,13 @@ void CudaBackend::flush_experts() {
     gu[size_t(i)].n_tok = dn[size_t(i)].n_tok = int64_t(j.pairs.size());
     pairs.insert(pairs.end(), j.pairs.begin(), j.pairs.end());
   }
-  const GroupedMatmulPlan pgu = plan_grouped(gu.data(), nj, g.F, g.E, true),
-                          pdn = plan_grouped(dn.data(), nj, g.E, g.F, false);
+  // q8 activations: the gathered rows quantized once for gate and up, the SwiGLU output once
+  // for down. The plans fill in the job tables' block ranges, so plan before the upload.
+  const bool q8 = act_q8_ && has_q8(g.gate_type, g.E) && has_q8(g.down_type, g.F);
+  const GroupedMatmulPlan pgu = q8 ? plan_grouped_q8(gu.data(), nj, g.F, g.E, g.gate_rb)
+                                   : plan_grouped(gu.data(), nj, g.F, g.E, true),
+                          pdn = q8 ? plan_grouped_q8(dn.data(), nj, g.E, g.F, g.down_rb)
+                                   : plan_grouped(dn.data(), nj, g.E, g.F, false);
   const int64_t N = int64_t(pairs.size());
   ProfScope ps(*this, "experts grouped (all)", N / std::max(1, g.top_k));
   Carve c{scratch(sz<int64_t>(size_t(N)) + 2 * sz<GroupedMatmulJob>(size_t(nj)) + 2 * sz<float>(size_t(N * g.E)) +
@@ -1142,31 +1187,23 @@ void CudaBackend::flush_experts() {
     upload_async(d_pairs, st.data(), bytes);
   }
   gather_rows(g.h, g.ldh, d_pairs, g.top_k, N, xg, g.E, g.E, stream());
-  if (act_q8_ && has_q8(g.gate_type, g.E) && has_q8(g.down_type, g.F)) {
-    // q8 activations: the gathered rows quantized once for gate and up, the SwiGLU output once for down
-    const GroupedMatmulPlan qgu = plan_grouped_q8(gu.data(), nj, g.F, g.E, g.gate_rb),
-                            qdn = plan_grouped_q8(dn.data(), nj, g.E, g.F, g.down_rb);
-    const size_t jb = sz<GroupedMatmulJob>(size_t(nj)), cx = align_up(size_t(N * g.E), 256),
-                 sx = align_up(size_t(N * g.E / 32) * sizeof(float), 256), ca = align_up(size_t(N * g.F), 256);
-    char* qb = q8_scratch(2 * jb + cx + sx + ca + size_t(N * g.F / 32) * sizeof(float));
-    Carve cq{qb};
-    auto* q_gu = cq.take<GroupedMatmulJob>(size_t(nj));
-    auto* q_dn = cq.take<GroupedMatmulJob>(size_t(nj));
-    auto* xq = reinterpret_cast<int8_t*>(qb + 2 * jb);
-    auto* xd = reinterpret_cast<float*>(qb + 2 * jb + cx);
-    auto* aq = reinterpret_cast<int8_t*>(qb + 2 * jb + cx + sx);
-    auto* ad = reinterpret_cast<float*>(qb + 2 * jb + cx + sx + ca);
-    upload_async(q_gu, gu.data(), gu.size() * sizeof(GroupedMatmulJob));
-    upload_async(q_dn, dn.data(), dn.size() * sizeof(GroupedMatmulJob));
+  if (q8) {
+    const size_t cx = align_up(size_t(N * g.E), 256), sx = align_up(size_t(N * g.E / 32) * sizeof(float), 256),
+                 ca = align_up(size_t(N * g.F), 256);
+    char* qb = q8_scratch(cx + sx + ca + size_t(N * g.F / 32) * sizeof(float));
+    auto* xq = reinterpret_cast<int8_t*>(qb);
+    auto* xd = reinterpret_cast<float*>(qb + cx);
+    auto* aq = reinterpret_cast<int8_t*>(qb + cx + sx);
+    auto* ad = reinterpret_cast<float*>(qb + cx + sx + ca);
     quantize_q8(xg, g.E, g.E, N, xq, xd, stream());
     {
       ProfScope pk(*this, "experts grouped gate/up (q8)", N / std::max(1, g.top_k));
-      grouped_matmul_q8(qgu, g.gate_type, q_gu, nj, g.gate_rb, g.F, g.E, xq, xd, act, g.F, true, stream());
+      grouped_matmul_q8(pgu, g.gate_type, d_gu, nj, g.gate_rb, g.F, g.E, xq, xd, act, g.F, true, stream());
     }
     quantize_q8(act, g.F, g.F, N, aq, ad, stream());
     {
       ProfScope pk(*this, "experts grouped down (q8)", N / std::max(1, g.top_k));
-      grouped_matmul_q8(qdn, g.down_type, q_dn, nj, g.down_rb, g.E, g.F, aq, ad, y, g.E, false, stream());
+      grouped_matmul_q8(pdn, g.down_type, d_dn, nj, g.down_rb, g.E, g.F, aq, ad, y, g.E, false, stream());
     }
     scatter_rows(y, g.E, d_pairs, N, g.out, g.ldo, g.E, stream());
     return;

@@ -125,6 +125,17 @@ class CudaBackend final : public backend::Backend {
   /// Device scratch of at least `bytes` for the activation codes and scales of the q8 path, apart
   /// from scratch() (whose buffers hold the fp32 inputs being quantized); grown stream-ordered.
   char* q8_scratch(size_t bytes);
+  /// int8 codes [cols, n_tok] and one fp32 scale per 32 (quantize_q8) of an activation matrix.
+  struct Q8Act {
+    int8_t* q = nullptr;
+    float* d = nullptr;
+  };
+  /// Quantizes x ([cols, n_tok], rows ldx floats apart) into q8_scratch on stream `st` (valid
+  /// until the next q8_scratch user): the input of one or more matmul_q8 calls.
+  Q8Act quantize_act(const float* x, int64_t ldx, int64_t cols, int64_t n_tok, void* st);
+  /// Points a.part at the persistent partial-state buffer (grown as needed) when the call splits
+  /// its KV segments and needs at most 64 MiB (decode, small chunks): no allocation per call.
+  void attention_part(AttentionArgs& a);
   /// Device scratch of at least `bytes` for the current call (grown stream-ordered; reused by
   /// the next call, which the stream orders after this one).
   char* scratch(size_t bytes);
@@ -175,6 +186,8 @@ class CudaBackend final : public backend::Backend {
   bool act_q8_ = false;  // CudaOptions::act_q8
   void* q8_scratch_ = nullptr;
   size_t q8_scratch_bytes_ = 0;
+  void* attn_part_ = nullptr;  // split-KV attention's partial states (AttentionArgs::part), grow-only
+  size_t attn_part_bytes_ = 0;
   uint8_t* ring_ = nullptr;  // pinned upload ring (or pageable when pinning failed)
   bool ring_pinned_ = false;
   size_t ring_bytes_ = 0, ring_off_ = 0;

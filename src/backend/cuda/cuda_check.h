@@ -12,6 +12,12 @@ namespace strata::cuda::detail {
 /// Throws CudaError("<what> (file:line)") for an argument the kernels cannot take.
 [[noreturn]] void throw_arg_error(const std::string& what, const char* file, int line);
 
+/// cudaFuncSetAttribute(func, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) on the current
+/// device, skipped when this kernel was already opted in to `bytes` or more there: the call costs
+/// host time on every launch otherwise (decode launches each kernel hundreds of times a token).
+/// Thread-safe. Throws CudaError as STRATA_CUDA_CHECK.
+void opt_in_smem(const void* func, int bytes);
+
 }  // namespace strata::cuda::detail
 
 #define STRATA_CUDA_CHECK(expr)                                                              \

@@ -1,5 +1,8 @@
 // Device queries, memory helpers and the error paths of cuda_check.h.
+#include <map>
+#include <mutex>
 #include <string>
+#include <utility>
 
 #include "backend/cuda/cuda_check.h"
 
@@ -10,6 +13,18 @@ namespace detail {
 void throw_cuda_error(cudaError_t err, const char* expr, const char* file, int line) {
   throw CudaError(std::string("CUDA error ") + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ") in " + expr +
                   " at " + file + ":" + std::to_string(line));
+}
+
+void opt_in_smem(const void* func, int bytes) {
+  static std::mutex mu;
+  static std::map<std::pair<int, const void*>, int> done;
+  int dev = 0;
+  STRATA_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  int& have = done[{dev, func}];
+  if (have >= bytes) return;
+  STRATA_CUDA_CHECK(cudaFuncSetAttribute(func, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  have = bytes;
 }
 
 void throw_arg_error(const std::string& what, const char* file, int line) {

@@ -126,7 +126,7 @@ void gdn_recurrent(const float* xc, int64_t C, int64_t T, const float* ba, const
   STRATA_CUDA_REQUIRE(smem <= size_t(max_smem), "cuda::gdn_recurrent: a head's state (" + std::to_string(smem) +
                                                     " bytes) exceeds the shared memory of a block (" +
                                                     std::to_string(max_smem) + ")");
-  STRATA_CUDA_CHECK(cudaFuncSetAttribute(gdn_recurrent_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  detail::opt_in_smem(reinterpret_cast<const void*>(gdn_recurrent_kernel), int(smem));
   gdn_recurrent_kernel<<<unsigned(n_v_head), threads, smem, static_cast<cudaStream_t>(stream)>>>(
       xc, C, T, ba, dt_bias, A, n_k_head, n_v_head, dk, dv, state, o, separate_ba, tiled_heads);
   STRATA_CUDA_CHECK_LAUNCH();

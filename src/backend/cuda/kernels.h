@@ -298,7 +298,17 @@ struct AttentionArgs {
   /// out = sum_p e^(s_p - M) v_p / (sum_p e^(s_p - M) + e^(sink_h - M)).
   const float* sinks = nullptr;
   AttentionPath path = AttentionPath::Auto;  ///< Mma where attention_has_mma() is false: CudaError
+  /// device scratch for the split-KV partial states (decode, small chunks), at least
+  /// attention_scratch_bytes(*this) bytes, not in use by other queued work; null: each call
+  /// allocates and frees its own in stream order (a host cost per call that decode notices).
+  void* part = nullptr;
+  size_t part_bytes = 0;  ///< the bytes at `part`; fewer than needed: allocated per call as with null
 };
+
+/// Bytes of partial states cuda::attention needs for `a` (0 when it runs in one pass): per KV
+/// head, query row (token, head of the group) and 128- or 256-position segment of the cache,
+/// (m, l, o[head_dim]) in fp32. An upper bound over both paths.
+size_t attention_scratch_bytes(const AttentionArgs& a);
 
 /// True if AttentionPath::Mma takes `a`: head_dim 64 or 128, q, k, v 16-byte aligned, q_stride
 /// and kv_stride multiples of 4 floats (the other shapes, e.g. head_dim 96, 256 and MLA's 576,
