@@ -173,6 +173,10 @@ __global__ void __launch_bounds__(kFaWarps * 32, 2)
     }
   }
   float o[NT][4];
+  // One pass: the folded state O of the lane's two rows stays in registers across segments.
+  float Of[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) Of[j][0] = Of[j][1] = Of[j][2] = Of[j][3] = 0.0f;
   float m[2], l[2], M[2] = {0.0f, 0.0f}, L[2] = {0.0f, 0.0f};
   const int64_t kv_off = int64_t(kvh) * HD;
   const int64_t sg_first = split ? int64_t(blockIdx.z) : bF / kFaSeg;
@@ -303,21 +307,23 @@ __global__ void __launch_bounds__(kFaWarps * 32, 2)
         for (int j = 0; j < NT; ++j) pr[2 + 8 * j + 2 * tq] = o[j][2 * i], pr[3 + 8 * j + 2 * tq] = o[j][2 * i + 1];
         continue;
       }
-      const int64_t t = R / group;
-      const int h = kvh * group + int(R % group);
-      float* orow = a.out + t * a.out_stride + int64_t(h) * HD + 2 * tq;
       const bool first = sg == Fr[i] / kFaSeg, last = sg == Pr[i] / kFaSeg;
       float ca, cb;
       fa_fold_ml(first, M[i], L[i], m[i], l[i], ca, cb);
-      float Lf = L[i];
-      const float cs = last ? fa_fold_sink(a.sinks, h, M[i], Lf) : 1.0f;
 #pragma unroll
       for (int j = 0; j < NT; ++j)
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const float O = fa_fold_o(first, first ? 0.0f : orow[8 * j + c], o[j][2 * i + c], ca, cb);
-          orow[8 * j + c] = last ? fa_final(a.sinks, O, cs, Lf) : O;  // between folds: O unnormalized
-        }
+        for (int c = 0; c < 2; ++c) Of[j][2 * i + c] = fa_fold_o(first, Of[j][2 * i + c], o[j][2 * i + c], ca, cb);
+      if (!last) continue;
+      const int64_t t = R / group;
+      const int h = kvh * group + int(R % group);
+      float* orow = a.out + t * a.out_stride + int64_t(h) * HD + 2 * tq;
+      float Lf = L[i];
+      const float cs = fa_fold_sink(a.sinks, h, M[i], Lf);
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) orow[8 * j + c] = fa_final(a.sinks, Of[j][2 * i + c], cs, Lf);
     }
   }
 }

@@ -8,7 +8,7 @@ namespace strata::cuda::detail {
 
 /// Cache positions per segment of the tensor-core kernel (its softmax state starts fresh at
 /// every multiple of this; kernels.h, AttentionPath::Mma).
-inline constexpr int kAttnMmaSegment = 128;
+inline constexpr int kAttnMmaSegment = 32;
 /// Query rows (token, head of the GQA group) per block of the tensor-core kernel.
 inline constexpr int kAttnMmaRows = 64;
 

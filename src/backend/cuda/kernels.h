@@ -306,7 +306,7 @@ struct AttentionArgs {
 };
 
 /// Bytes of partial states cuda::attention needs for `a` (0 when it runs in one pass): per KV
-/// head, query row (token, head of the group) and 128- or 256-position segment of the cache,
+/// head, query row (token, head of the group) and 32- (Mma) or 256-position (Simt) segment of the cache,
 /// (m, l, o[head_dim]) in fp32. An upper bound over both paths.
 size_t attention_scratch_bytes(const AttentionArgs& a);
 
@@ -343,10 +343,10 @@ bool attention_has_mma(const AttentionArgs& a);
 /// positions (masked positions -inf), c = expf(m - m') (1 while m' = -inf), e = expf(s - m')
 /// (0 masked), l = l*c + (the row's 8 values per lane summed in order, then the quad's butterfly),
 /// o = o*c, then per 16-position step the pieces of e times those of v added to o. Segments of
-/// 128 positions (detail::kAttnMmaSegment) start fresh and are folded in position order with the
+/// 32 positions (detail::kAttnMmaSegment, one tile: decode splits a cache of P positions over P / 32 blocks per KV head) start fresh and are folded in position order with the
 /// Simt formula, the sink after the last fold, out = O / L. With few blocks (decode, small
 /// chunks) the segments run in parallel and a second kernel folds them; else one pass folds as
-/// it goes (the unnormalized O parked in `out` between folds): the same operations. A row's
+/// it goes (the folded O in registers): the same operations. A row's
 /// arithmetic depends on its position alone (tile and segment edges are multiples of 32 and
 /// 128 from position 0; a tile a row does not see is a no-op for it: m' = m, c = 1, e = 0), so
 /// decode, prefill and any chunking give the same bits, as on Simt. Error: the rounding of the
