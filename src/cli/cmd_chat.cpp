@@ -34,7 +34,7 @@ extern "C" void on_sigint(int) { g_interrupted.store(true); }
 
 struct ChatFlags {
   EngineFlags engine;
-  engine::SamplerParams sp;
+  SamplingFlags sampling;
   std::string system;
   int n_predict = -1;
   std::string chat_template_file;
@@ -47,18 +47,13 @@ void register_chat(CLI::App& root) {
       root.add_subcommand("chat", "interactive chat with the model's chat template (stdin lines; /exit ends)");
   f->engine.add(*app);
   app->add_option("--system", f->system, "system message");
-  app->add_option("-n,--n-predict", f->n_predict, "most tokens per reply (-1 = until end of turn or context)")
-      ->capture_default_str();
-  app->add_option("--temp", f->sp.temp, "temperature (0 = greedy)")->capture_default_str();
-  app->add_option("--top-k", f->sp.top_k, "top-k sampling (0 = off)")->capture_default_str();
-  app->add_option("--top-p", f->sp.top_p, "top-p sampling (1 = off)")->capture_default_str();
-  app->add_option("--min-p", f->sp.min_p, "min-p sampling (0 = off)")->capture_default_str();
-  app->add_option("--repeat-penalty", f->sp.repeat_penalty, "repetition penalty (1 = off)")->capture_default_str();
-  app->add_option("-s,--seed", f->sp.seed, "sampling seed (default: random)");
+  add_n_predict_option(*app, f->n_predict, "most tokens per reply (-1 = until end of turn or context)");
+  f->sampling.add(*app);
   app->add_option("--chat-template-file", f->chat_template_file, "Jinja chat template to use instead of the model's")
       ->check(CLI::ExistingFile);
   app->callback([f] {
     using J = nlohmann::ordered_json;
+    const engine::SamplerParams sp = f->sampling.resolve();  // bad flags fail before the model loads
     // SIGINT goes to this thread only (the engine's threads inherit it blocked), where it
     // interrupts the read of a line or sets the flag that stops a reply.
     sigset_t sigs;
@@ -83,7 +78,8 @@ void register_chat(CLI::App& root) {
                "reply\n",
                f->engine.model, eng.hparams().arch, eng.n_ctx());
 
-    engine::Sampler sampler(f->sp);
+    engine::Sampler sampler(sp);
+    if (f->sampling.seed == -1 && sp.temp > 0) fmt::print(stderr, "strata chat: seed {} (random)\n", sampler.seed());
     model::SequenceState st = eng.new_sequence();
     std::vector<int32_t> cached;  // tokens whose KV rows are in st
     J messages = J::array();

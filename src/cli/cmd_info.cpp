@@ -20,7 +20,8 @@ void register_tokenize(CLI::App& root) {
   CLI::App* app = root.add_subcommand("tokenize", "print the token ids of a text");
   app->add_option("-m,--model", f->model, "GGUF model file")->required()->check(CLI::ExistingFile);
   app->add_option("-p,--prompt", f->text, "text to tokenize");
-  app->add_option("-f,--file", f->file, "read the text from a file")->check(CLI::ExistingFile);
+  app->add_option("-f,--file", f->file, "read the text from a file ('-' = standard input)")
+      ->check(existing_file_or_stdin());
   app->add_flag("--no-parse-special", f->no_special, "treat special-token strings as plain text");
   app->add_flag("--json", f->json, "print {\"ids\": [...]}");
   app->callback([f] {
@@ -30,6 +31,7 @@ void register_tokenize(CLI::App& root) {
     PromptFlags p;
     p.text = f->text;
     p.file = f->file;
+    p.purpose = "tokenize";
     std::vector<int32_t> ids;
     if (f->no_special) {
       if (p.text.empty()) throw std::invalid_argument("--no-parse-special needs -p TEXT");

@@ -55,6 +55,7 @@ void register_perplexity(CLI::App& root) {
       "compares against them (mean, 99th and 99.9th percentile KLD, same top-1, RMS dp, PPL ratio)");
   f->engine.add(*app);
   f->prompt.add(*app);
+  f->prompt.purpose = "score";
   app->get_option("-c")->description(
       "tokens per chunk and context (default 512, or the base file's with --kl-divergence; at most the model's "
       "context)");

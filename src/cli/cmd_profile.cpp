@@ -19,12 +19,15 @@ void register_profile(CLI::App& root) {
       root.add_subcommand("profile", "record per-layer expert popularity over a text (static rank sidecar)");
   f->engine.add(*app);
   f->prompt.add(*app);
+  f->prompt.purpose = "profile";
   app->add_option("-o,--output", f->out, "where to write it (default: MODEL.strata-rank)");
   app->callback([f] {
     engine::EngineOptions o = f->engine.resolve();
     o.static_rank = "none";  // profile the model, not a previous profile's read-ahead
     engine::Engine eng(f->engine.model, o);
     const std::vector<int32_t> ids = f->prompt.tokens(eng.tokenizer());
+    // No tokens, no counts: a rank file of zeros would order the read-ahead by expert id alone.
+    if (ids.empty()) throw std::invalid_argument("the prompt has no tokens: nothing to profile");
     const auto& hp = eng.hparams();
     engine::ExpertPopularity pop;
     pop.counts.assign(hp.n_layer, std::vector<uint64_t>(hp.n_expert, 0));

@@ -22,10 +22,9 @@ struct RunFlags {
   EngineFlags engine;
   PromptFlags prompt;
   int n_predict = 64;
-  engine::SamplerParams sp;
+  SamplingFlags sampling;
   bool json = false;
   bool ignore_eos = false;
-  int64_t seed = -1;
 };
 
 // Set by SIGINT: the forward stops before its next layer and the stats are printed (a lock-free
@@ -40,33 +39,13 @@ void register_run(CLI::App& root) {
   CLI::App* app = root.add_subcommand("run", "generate text from a prompt");
   f->engine.add(*app);
   f->prompt.add(*app);
-  app->add_option("-n,--n-predict", f->n_predict,
-                  "tokens to generate (-1 = until the end-of-text token or a full context, as in chat)")
-      ->capture_default_str()
-      ->check(at_least(-1));
-  app->add_option("--temp", f->sp.temp, "temperature (0 = greedy)")->capture_default_str();
-  app->add_option("--top-k", f->sp.top_k, "top-k sampling (0 = off)")->capture_default_str();
-  app->add_option("--top-p", f->sp.top_p, "top-p sampling (1 = off)")->capture_default_str();
-  app->add_option("--min-p", f->sp.min_p, "min-p sampling (0 = off)")->capture_default_str();
-  app->add_option("--repeat-penalty", f->sp.repeat_penalty, "repetition penalty (1 = off)")->capture_default_str();
-  app->add_option("--repeat-last-n", f->sp.repeat_last_n,
-                  "tokens the repetition penalty looks back (0 = off, -1 = the whole context)")
-      ->capture_default_str();
-  add_seed_option(*app, f->seed);
+  add_n_predict_option(*app, f->n_predict,
+                       "tokens to generate (-1 = until the end-of-text token or a full context, as in chat)");
+  f->sampling.add(*app);
   app->add_flag("--ignore-eos", f->ignore_eos, "keep generating after the end-of-text token");
   app->add_flag("--json", f->json, "print one JSON object (prompt_ids, ids, text, stats) instead of streaming text");
   app->callback([f] {
-    const auto& sp = f->sp;
-    if (!std::isfinite(sp.temp) || sp.temp < 0)
-      throw std::invalid_argument(fmt::format("--temp must be >= 0, got {}", sp.temp));
-    if (!(sp.top_p > 0 && sp.top_p <= 1))
-      throw std::invalid_argument(fmt::format("--top-p must be in (0, 1], got {}", sp.top_p));
-    if (!(sp.min_p >= 0 && sp.min_p <= 1))
-      throw std::invalid_argument(fmt::format("--min-p must be in [0, 1], got {}", sp.min_p));
-    if (sp.top_k < 0) throw std::invalid_argument(fmt::format("--top-k must be >= 0 (0 = off), got {}", sp.top_k));
-    if (!(sp.repeat_penalty > 0) || !std::isfinite(sp.repeat_penalty))
-      throw std::invalid_argument(fmt::format("--repeat-penalty must be > 0 (1 = off), got {}", sp.repeat_penalty));
-    f->sp.seed = resolve_seed(f->seed);
+    const engine::SamplerParams sp = f->sampling.resolve();
     engine::Engine eng(f->engine.model, f->engine.resolve());
     f->engine.calibrate_moce(eng);
     const std::vector<int32_t> prompt = f->prompt.tokens(eng.tokenizer());
@@ -84,8 +63,9 @@ void register_run(CLI::App& root) {
                  f->engine.opts.prompt_chunk == 0 ? " (automatic)" : "", host, bi.name, bi.device);
     }
 
-    engine::Sampler sampler(f->sp);
-    if (f->seed == -1 && f->sp.temp > 0 && !f->json) fmt::print(stderr, "strata: seed {} (random)\n", sampler.seed());
+    engine::Sampler sampler(sp);
+    if (f->sampling.seed == -1 && sp.temp > 0 && !f->json)
+      fmt::print(stderr, "strata: seed {} (random)\n", sampler.seed());
     model::SequenceState st = eng.new_sequence();
     std::vector<float> logits;
     std::vector<int32_t> history = prompt, generated;

@@ -117,10 +117,8 @@ void register_serve(CLI::App& root) {
                   "seconds after which a request ends with finish_reason \"length\" (0 = never)")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
-  app->add_option("-n,--n-predict", s.n_predict,
-                  "max_tokens of requests that leave it unset (-1 = up to the end of the context)")
-      ->capture_default_str()
-      ->check(CLI::Range(-1, 1 << 30));
+  add_n_predict_option(*app, s.n_predict,
+                       "max_tokens of requests that leave it unset (-1 = up to the end of the context)");
   app->add_option("--shutdown-grace", f->shutdown_grace_s,
                   "on SIGINT/SIGTERM, seconds running requests get to finish before they are cancelled")
       ->capture_default_str()

@@ -5,7 +5,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
+#include <iostream>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
@@ -115,6 +117,40 @@ void add_seed_option(CLI::App& app, int64_t& seed) {
       ->check(at_least(-1));
 }
 
+void SamplingFlags::add(CLI::App& app) {
+  app.add_option("--temp", sp.temp, "temperature (0 = greedy)")->capture_default_str();
+  app.add_option("--top-k", sp.top_k, "top-k sampling (0 = off)")->capture_default_str();
+  app.add_option("--top-p", sp.top_p, "top-p sampling (1 = off)")->capture_default_str();
+  app.add_option("--min-p", sp.min_p, "min-p sampling (0 = off)")->capture_default_str();
+  app.add_option("--repeat-penalty", sp.repeat_penalty, "repetition penalty (1 = off)")->capture_default_str();
+  app.add_option("--repeat-last-n", sp.repeat_last_n,
+                 "tokens the repetition penalty looks back (0 = off, -1 = the whole context)")
+      ->capture_default_str();
+  add_seed_option(app, seed);
+}
+
+engine::SamplerParams SamplingFlags::resolve() const {
+  if (!std::isfinite(sp.temp) || sp.temp < 0)
+    throw std::invalid_argument(fmt::format("--temp must be a number >= 0 (0 = greedy), got {}", sp.temp));
+  if (!(sp.top_p > 0 && sp.top_p <= 1))
+    throw std::invalid_argument(fmt::format("--top-p must be in (0, 1], got {}", sp.top_p));
+  if (!(sp.min_p >= 0 && sp.min_p <= 1))
+    throw std::invalid_argument(fmt::format("--min-p must be in [0, 1], got {}", sp.min_p));
+  if (sp.top_k < 0) throw std::invalid_argument(fmt::format("--top-k must be >= 0 (0 = off), got {}", sp.top_k));
+  if (!(sp.repeat_penalty > 0) || !std::isfinite(sp.repeat_penalty))
+    throw std::invalid_argument(fmt::format("--repeat-penalty must be > 0 (1 = off), got {}", sp.repeat_penalty));
+  if (sp.repeat_last_n < -1)
+    throw std::invalid_argument(
+        fmt::format("--repeat-last-n must be >= -1 (-1 = the whole context, 0 = off), got {}", sp.repeat_last_n));
+  engine::SamplerParams out = sp;
+  out.seed = resolve_seed(seed);
+  return out;
+}
+
+CLI::Option* add_n_predict_option(CLI::App& app, int& n, const std::string& description) {
+  return app.add_option("-n,--n-predict", n, description)->capture_default_str()->check(at_least(-1));
+}
+
 uint64_t resolve_seed(int64_t seed) {
   if (seed < -1) throw std::invalid_argument(fmt::format("--seed must be >= -1 (-1 = random), got {}", seed));
   return seed == -1 ? uint64_t(0xFFFFFFFF) : uint64_t(seed);
@@ -204,9 +240,33 @@ quality::MoceCalibration EngineFlags::calibrate_moce(engine::Engine& eng) const 
   return c;
 }
 
+CLI::Validator existing_file_or_stdin() {
+  return CLI::Validator([](std::string& s) -> std::string { return s == "-" ? std::string() : CLI::ExistingFile(s); },
+                        "FILE|-");
+}
+
+std::string read_prompt_file(const std::string& path, const std::string& purpose) {
+  const bool stdin_ = path == "-";
+  const std::string name = stdin_ ? std::string("standard input (-f -)") : fmt::format("the prompt file '{}'", path);
+  std::stringstream ss;
+  if (stdin_) {
+    ss << std::cin.rdbuf();
+    if (std::cin.bad()) throw std::invalid_argument(fmt::format("cannot read the prompt from {}", name));
+  } else {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw std::invalid_argument(fmt::format("cannot read prompt file '{}'", path));
+    ss << in.rdbuf();
+    if (in.bad()) throw std::invalid_argument(fmt::format("cannot read prompt file '{}'", path));
+  }
+  std::string text = ss.str();
+  if (text.empty()) throw std::invalid_argument(fmt::format("{} is empty: nothing to {}", name, purpose));
+  return text;
+}
+
 void PromptFlags::add(CLI::App& app) {
   text_opt = app.add_option("-p,--prompt", text, "prompt text");
-  app.add_option("-f,--file", file, "read the prompt from a file")->check(CLI::ExistingFile);
+  app.add_option("-f,--file", file, "read the prompt from a file ('-' = standard input)")
+      ->check(existing_file_or_stdin());
   app.add_option("--prompt-ids", ids, "prompt as comma-separated token ids");
 }
 
@@ -239,14 +299,13 @@ std::vector<int32_t> PromptFlags::tokens(const tokenizer::Tokenizer& tok) const 
   if (has_text && text.empty()) throw std::invalid_argument("empty prompt: -p was given an empty text");
   if (!ids.empty()) return parse_id_list(ids);
   if (!file.empty()) {
-    std::ifstream in(file, std::ios::binary);
-    if (!in) throw std::invalid_argument(fmt::format("cannot read prompt file '{}'", file));
-    std::stringstream ss;
-    ss << in.rdbuf();
+    const std::string content = read_prompt_file(file, purpose);
     try {
-      return tok.encode(ss.str());
+      return tok.encode(content);
     } catch (const tokenizer::TokenizerError& e) {
-      throw tokenizer::TokenizerError(fmt::format("prompt file '{}' (-f): {}", file, e.what()));
+      throw tokenizer::TokenizerError(
+          fmt::format("{} (-f): {}", file == "-" ? std::string("standard input") : "prompt file '" + file + "'",
+                      e.what()));
     }
   }
   try {

@@ -7,6 +7,7 @@
 
 #include "engine/engine.h"
 #include "engine/quality.h"
+#include "engine/sampler.h"
 
 namespace strata::cli {
 
@@ -33,17 +34,29 @@ struct EngineFlags {
   engine::EngineOptions resolve() const;
 };
 
-/// Prompt flags: -p TEXT, -f FILE, --prompt-ids 1,2,3 (exactly one).
+/// Prompt flags: -p TEXT, -f FILE (`-f -` reads standard input), --prompt-ids 1,2,3 (exactly one).
 struct PromptFlags {
   std::string text;
   std::string file;
   std::string ids;
   const CLI::Option* text_opt = nullptr;  ///< -p, to tell `-p ""` from no -p
+  /// What the command does with the prompt, for the error on an empty file: "the prompt file
+  /// 'x' is empty: nothing to <purpose>".
+  std::string purpose = "run";
   void add(CLI::App& app);
   /// Token ids of the prompt; text and files go through the model's tokenizer.
-  /// Throws std::invalid_argument if none or several are given or ids do not parse.
+  /// Throws std::invalid_argument if none or several are given, ids do not parse, or the file
+  /// (or standard input, for `-f -`) cannot be read.
   std::vector<int32_t> tokens(const tokenizer::Tokenizer& tok) const;
 };
+
+/// CLI11 check for a -f option: an existing file, or "-" for standard input.
+CLI::Validator existing_file_or_stdin();
+
+/// The bytes of the prompt file `path` given to -f ("-" = all of standard input). Throws
+/// std::invalid_argument naming the file when it cannot be read, or when it is empty
+/// ("... is empty: nothing to <purpose>").
+std::string read_prompt_file(const std::string& path, const std::string& purpose);
 
 /// CLI11 check for an integer option: at least `lo`. Its message reads "--top: must be at least
 /// 1, got 0" (CLI11's PositiveNumber would print its range up to 1.8e308).
@@ -63,6 +76,24 @@ inline CLI::Validator at_least(long long lo) {
       },
       "INT>=" + std::to_string(lo));
 }
+
+/// Sampling flags, with llama.cpp's names and defaults, shared by every command that samples
+/// (run, chat): --temp, --top-k, --top-p, --min-p, --repeat-penalty, --repeat-last-n and
+/// -s/--seed. One validation for all of them (resolve()).
+struct SamplingFlags {
+  engine::SamplerParams sp;  ///< as parsed; sp.seed is set by resolve() from `seed`
+  int64_t seed = -1;         ///< -s/--seed: -1 = random
+  void add(CLI::App& app);
+  /// The sampler's parameters, checked: --temp finite and >= 0, --top-p in (0, 1], --min-p in
+  /// [0, 1], --top-k >= 0, --repeat-penalty finite and > 0, --repeat-last-n >= -1 (-1 = the
+  /// context, 0 = off, as llama.cpp), --seed >= -1. Throws std::invalid_argument naming the flag
+  /// (NaN fails every range).
+  engine::SamplerParams resolve() const;
+};
+
+/// -n/--n-predict: tokens to generate into `n`, an integer >= -1 (-1 = no limit but the end of
+/// text or of the context); the one check every generating command (run, chat, serve) uses.
+CLI::Option* add_n_predict_option(CLI::App& app, int& n, const std::string& description);
 
 /// -s/--seed as llama.cpp spells it: an integer >= -1 into `seed`, -1 (the default) = random.
 void add_seed_option(CLI::App& app, int64_t& seed);

@@ -1,13 +1,58 @@
 // strata: one binary, subcommands for running, inspecting and measuring MoE GGUF models.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <string>
+#include <vector>
 
 #include "cli/commands.h"
 #include "cli/common.h"
+
+namespace {
+
+// Edits (insertions, deletions, substitutions) that turn a into b (Levenshtein distance).
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// When argv[1] is a word that names no subcommand of `app`: the error naming it, the closest
+// commands (at most 2 edits away, as git suggests) and all commands; else "". CLI11 alone says
+// "The following argument was not expected".
+std::string unknown_command_error(const CLI::App& app, int argc, const char* const* argv) {
+  if (argc < 2 || argv[1][0] == '-' || argv[1][0] == '\0') return "";
+  const std::string word = argv[1];
+  std::vector<std::string> names;
+  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) {
+    if (sub->get_name() == word) return "";
+    names.push_back(sub->get_name());
+  }
+  std::string close;
+  for (const std::string& n : names)
+    if (edit_distance(word, n) <= 2 || (word.size() >= 3 && n.rfind(word, 0) == 0))
+      close += (close.empty() ? "" : " or ") + ("'" + n + "'");
+  std::string all;
+  for (const std::string& n : names) all += (all.empty() ? "" : ", ") + n;
+  return fmt::format(
+      "'{}' is not a strata command{}\nthe commands are: {}\nsee 'strata --help' or 'strata COMMAND --help'", word,
+      close.empty() ? "" : "; did you mean " + close + "?", all);
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"strata: run Mixture-of-Experts GGUF models larger than memory, streaming experts from disk"};
@@ -30,6 +75,10 @@ int main(int argc, char** argv) {
   strata::cli::register_template(app);
   // llama.cpp spellings CLI11 would misread ("-ngl 99" as "-n gl"): refused, naming strata's flag.
   if (const std::string err = strata::cli::llama_cpp_flag_error(argc, argv); !err.empty()) {
+    fmt::print(stderr, "strata: error: {}\n", err);
+    return 1;
+  }
+  if (const std::string err = unknown_command_error(app, argc, argv); !err.empty()) {
     fmt::print(stderr, "strata: error: {}\n", err);
     return 1;
   }

@@ -383,7 +383,17 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
     const std::string rp = opts_.static_rank.empty() ? default_rank_path(path) : opts_.static_rank;
     if (!opts_.static_rank.empty() && !std::filesystem::exists(rp))
       throw EngineError(fmt::format("static rank file {} does not exist", rp));
-    if (auto pop = read_popularity(rp, path, hp.n_layer, hp.n_expert)) {
+    std::optional<ExpertPopularity> pop;
+    try {
+      pop = read_popularity(rp, path, hp.n_layer, hp.n_expert);
+    } catch (const std::runtime_error& e) {
+      // A sidecar found beside the model stops nothing the user asked for: say how to go on.
+      throw EngineError(fmt::format(
+          "static rank file {}{}: run with --static-rank none to ignore it, or delete it or regenerate it with "
+          "`strata profile -m {} -f TEXT`",
+          e.what(), opts_.static_rank.empty() ? "; it is read because it lies beside the model" : "", path));
+    }
+    if (pop) {
       static_rank_ = pop->rank();
       static_rank_path_ = rp;
     }
