@@ -27,6 +27,7 @@
 #include "engine/quality.h"
 #include "model/model.h"
 #include "support/paths.h"
+#include "support/synth_model.h"
 
 namespace fs = std::filesystem;
 using namespace strata;
@@ -61,14 +62,9 @@ struct CmdResult {
 // Runs the strata binary; `with_stderr` merges stderr into out (else it is dropped).
 CmdResult run_strata(const std::string& args, bool with_stderr = true) {
   CmdResult r;
-  const std::string cmd = test::strata_binary() + " " + args + (with_stderr ? " 2>&1" : " 2>/dev/null");
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (!p) return r;
-  std::array<char, 4096> buf{};
-  size_t n;
-  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
-  const int st = ::pclose(p);
-  r.rc = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  int st = 0;
+  r.out = test::run_command(test::strata_binary() + " " + args + (with_stderr ? " 2>&1" : " 2>/dev/null"), &st);
+  r.rc = st != -1 && WIFEXITED(st) ? WEXITSTATUS(st) : -1;
   return r;
 }
 nlohmann::json run_json(const std::string& args) {

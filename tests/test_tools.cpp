@@ -30,6 +30,7 @@
 #include "stream/pack.h"
 #include "support/options.h"
 #include "support/paths.h"
+#include "support/synth_model.h"
 
 namespace fs = std::filesystem;
 using namespace strata;
@@ -64,18 +65,16 @@ struct CmdResult {
   std::string out;  // stdout and stderr
 };
 
-CmdResult run_strata(const std::string& args) {
+// Runs `cmd` through sh; `out` is what it wrote to stdout (and stderr where cmd sends it there).
+CmdResult run_cmd(const std::string& cmd) {
   CmdResult r;
-  const std::string cmd = test::strata_binary() + " " + args + " 2>&1";
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (!p) return r;
-  std::array<char, 4096> buf{};
-  size_t n;
-  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
-  const int st = ::pclose(p);
-  r.rc = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  int st = 0;
+  r.out = test::run_command(cmd, &st);
+  r.rc = st != -1 && WIFEXITED(st) ? WEXITSTATUS(st) : -1;
   return r;
 }
+
+CmdResult run_strata(const std::string& args) { return run_cmd(test::strata_binary() + " " + args + " 2>&1"); }
 
 std::vector<uint8_t> read_bytes(const std::string& path, uint64_t off, size_t n) {
   std::ifstream in(path, std::ios::binary);
@@ -903,20 +902,6 @@ TEST(NewUser, PerplexityChecksTheBaseFileIsWritableFirst) {
 
 // ---- a tester's CLI findings: the same checks everywhere, clear errors, stdin prompts ----
 
-namespace {
-// Runs `cmd` through sh; `out` is what it wrote to stdout (and stderr where cmd sends it there).
-CmdResult run_cmd(const std::string& cmd) {
-  CmdResult r;
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (!p) return r;
-  std::array<char, 4096> buf{};
-  size_t n;
-  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
-  const int st = ::pclose(p);
-  r.rc = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-  return r;
-}
-}  // namespace
 
 TEST(NewUser, EveryCommandThatSamplesChecksItsFlagsAsRunDoes) {
   // Each bad value, for run and chat: refused before the model loads, naming the flag and the range.

@@ -104,17 +104,23 @@ void attention_tile_avx2(const AttentionTile& t, float* scratch) {
   auto orow = [&](int i, int j) { return t.out + int64_t(i) * t.out_stride + int64_t(j) * t.head_dim; };
   // scratch row r = i * n_head + j holds the scores (then the weights) of positions [lo, hi)
 
-  // Scores, block by block of K rows.
-  for (int64_t b0 = lo; b0 < hi; b0 += kBlock) {
-    const int64_t b1 = std::min(hi, b0 + kBlock);
-    for (int i = 0; i < t.n_tok; ++i) {
-      const int64_t p0 = std::max(b0, t.first[i]), p1 = std::min(b1, t.last[i] + 1);
-      if (p0 >= p1) continue;
-      for (int j = 0; j < t.n_head; ++j)
-        scores(qrow(i, j), t.k, t.kv_stride, p0, p1 - p0, t.head_dim, t.scale,
-               scratch + int64_t(i * t.n_head + j) * len + (p0 - lo));
+  // fn(i, j, p0, p1) for every query row (token i, head j) and block of kBlock K/V rows: the
+  // row's positions [p0, p1) in that block, blocks in position order.
+  auto by_blocks = [&](auto&& fn) {
+    for (int64_t b0 = lo; b0 < hi; b0 += kBlock) {
+      const int64_t b1 = std::min(hi, b0 + kBlock);
+      for (int i = 0; i < t.n_tok; ++i) {
+        const int64_t p0 = std::max(b0, t.first[i]), p1 = std::min(b1, t.last[i] + 1);
+        if (p0 >= p1) continue;
+        for (int j = 0; j < t.n_head; ++j) fn(i, j, p0, p1);
+      }
     }
-  }
+  };
+  // Scores, block by block of K rows.
+  by_blocks([&](int i, int j, int64_t p0, int64_t p1) {
+    scores(qrow(i, j), t.k, t.kv_stride, p0, p1 - p0, t.head_dim, t.scale,
+           scratch + int64_t(i * t.n_head + j) * len + (p0 - lo));
+  });
   // Softmax per query row: max, exp and a double sum in position order (attention_one's).
   for (int r = 0; r < rows; ++r) {
     const int i = r / t.n_head, j = r % t.n_head;
@@ -134,16 +140,10 @@ void attention_tile_avx2(const AttentionTile& t, float* scratch) {
     std::fill(orow(i, j), orow(i, j) + t.head_dim, 0.0f);
   }
   // Weighted V sum, block by block of V rows.
-  for (int64_t b0 = lo; b0 < hi; b0 += kBlock) {
-    const int64_t b1 = std::min(hi, b0 + kBlock);
-    for (int i = 0; i < t.n_tok; ++i) {
-      const int64_t p0 = std::max(b0, t.first[i]), p1 = std::min(b1, t.last[i] + 1);
-      if (p0 >= p1) continue;
-      for (int j = 0; j < t.n_head; ++j)
-        accumulate(scratch + int64_t(i * t.n_head + j) * len + (p0 - lo), t.v, t.kv_stride, p0, p1 - p0, t.head_dim,
-                   orow(i, j));
-    }
-  }
+  by_blocks([&](int i, int j, int64_t p0, int64_t p1) {
+    accumulate(scratch + int64_t(i * t.n_head + j) * len + (p0 - lo), t.v, t.kv_stride, p0, p1 - p0, t.head_dim,
+               orow(i, j));
+  });
 }
 
 }  // namespace strata::cpu::detail
