@@ -1045,6 +1045,28 @@ TEST(NewUser, DashFileReadsThePromptFromStandardInput) {
   EXPECT_THAT(e.out, HasSubstr("/nonexistent/prompt.txt"));
 }
 
+TEST(NewUser, NoParseSpecialTakesAFileToo) {
+  // A special token's text in a file: one id (<|im_start|>) when parsed, its pieces with
+  // --no-parse-special, the same as -p gives for the same text.
+  const std::string file = scratch().path("special.txt");
+  {
+    std::ofstream t(file);
+    t << "<|im_start|>hi";
+  }
+  const std::string m = " -m " + test::shipped_model() + " --json";
+  const CmdResult parsed = run_strata("tokenize" + m + " -f " + file);
+  const CmdResult plain_f = run_strata("tokenize" + m + " -f " + file + " --no-parse-special");
+  const CmdResult plain_p = run_strata("tokenize" + m + " -p '<|im_start|>hi' --no-parse-special");
+  ASSERT_EQ(parsed.rc, 0) << parsed.out;
+  ASSERT_EQ(plain_f.rc, 0) << plain_f.out;
+  ASSERT_EQ(plain_p.rc, 0) << plain_p.out;
+  const auto ids_parsed = nlohmann::json::parse(parsed.out)["ids"], ids_plain = nlohmann::json::parse(plain_f.out)["ids"];
+  EXPECT_EQ(ids_plain, nlohmann::json::parse(plain_p.out)["ids"]);
+  ASSERT_EQ(ids_parsed.size(), 2u) << parsed.out;  // <|im_start|> and "hi"
+  EXPECT_GT(ids_plain.size(), ids_parsed.size()) << plain_f.out;
+  EXPECT_EQ(ids_plain.back(), ids_parsed.back());  // "hi" either way
+}
+
 TEST(NewUser, DemoScriptFlagsOverrideItsDefaults) {
   // STRATA_BIN skips the install and build. The script's defaults are -m models/qwen3moe-code-Q8_0.gguf
   // -f models/prompt.py -n 96 --temp 0 --arena-mb 8; a flag given here replaces its default.

@@ -32,13 +32,8 @@ void register_tokenize(CLI::App& root) {
     p.text = f->text;
     p.file = f->file;
     p.purpose = "tokenize";
-    std::vector<int32_t> ids;
-    if (f->no_special) {
-      if (p.text.empty()) throw std::invalid_argument("--no-parse-special needs -p TEXT");
-      ids = tok.encode(p.text, false);
-    } else {
-      ids = p.tokens(tok);
-    }
+    p.parse_special = !f->no_special;
+    const std::vector<int32_t> ids = p.tokens(tok);
     if (f->json) {
       fmt::print("{}\n", nlohmann::json{{"ids", ids}}.dump());
       return;

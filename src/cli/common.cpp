@@ -301,7 +301,7 @@ std::vector<int32_t> PromptFlags::tokens(const tokenizer::Tokenizer& tok) const 
   if (!file.empty()) {
     const std::string content = read_prompt_file(file, purpose);
     try {
-      return tok.encode(content);
+      return tok.encode(content, parse_special);
     } catch (const tokenizer::TokenizerError& e) {
       throw tokenizer::TokenizerError(
           fmt::format("{} (-f): {}", file == "-" ? std::string("standard input") : "prompt file '" + file + "'",
@@ -309,7 +309,7 @@ std::vector<int32_t> PromptFlags::tokens(const tokenizer::Tokenizer& tok) const 
     }
   }
   try {
-    return tok.encode(text);
+    return tok.encode(text, parse_special);
   } catch (const tokenizer::TokenizerError& e) {
     throw tokenizer::TokenizerError(fmt::format("the -p prompt: {}", e.what()));
   }

@@ -43,6 +43,8 @@ struct PromptFlags {
   /// What the command does with the prompt, for the error on an empty file: "the prompt file
   /// 'x' is empty: nothing to <purpose>".
   std::string purpose = "run";
+  /// false: special-token strings in the text (-p, -f) are plain text (`tokenize --no-parse-special`).
+  bool parse_special = true;
   void add(CLI::App& app);
   /// Token ids of the prompt; text and files go through the model's tokenizer.
   /// Throws std::invalid_argument if none or several are given, ids do not parse, or the file
