@@ -965,6 +965,12 @@ TEST(NewUser, AnEmptyPromptFileIsAnErrorAndProfileWritesNothing) {
   r = run_strata("run " + shipped() + " -f /dev/null -n 1");
   EXPECT_NE(r.rc, 0) << r.out;
   EXPECT_THAT(r.out, HasSubstr("the prompt file '/dev/null' is empty: nothing to run"));
+  r = run_strata("bench " + shipped() + " -f /dev/null --gen 1 --no-ssdbw");
+  EXPECT_NE(r.rc, 0) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("the prompt file '/dev/null' is empty: nothing to bench"));
+  r = run_cmd(test::strata_binary() + " bench " + shipped() + " -f - --gen 1 --no-ssdbw </dev/null 2>&1");
+  EXPECT_NE(r.rc, 0) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("standard input (-f -) is empty: nothing to bench"));
   // A text to profile writes the file.
   r = run_cmd("printf 'def f(x):\\n    return x\\n' | " + test::strata_binary() + " profile " + shipped() +
               " -f - -o " + out + " 2>&1");

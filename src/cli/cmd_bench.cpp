@@ -147,12 +147,8 @@ void run_phases(engine::Engine& eng, const std::vector<int32_t>& prompt, int gen
   dec.ranks = minus(rank_stats(eng), ranks1);
 }
 
-std::vector<int32_t> read_tokens(const tokenizer::Tokenizer& tok, const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::invalid_argument(fmt::format("cannot read {}", path));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return tok.encode(ss.str());
+std::vector<int32_t> read_tokens(const tokenizer::Tokenizer& tok, const std::string& path, const char* purpose) {
+  return tok.encode(read_prompt_file(path, purpose));
 }
 
 }  // namespace
@@ -165,8 +161,9 @@ void register_bench(CLI::App& root) {
   app->add_option("--prompt-tokens", f->prompt_tokens, "prompt length (random ids unless -f/--prompt-ids)")
       ->capture_default_str()
       ->check(at_least(1));
-  app->add_option("-f,--file", f->prompt_file, "prompt text file (its first --prompt-tokens tokens)")
-      ->check(CLI::ExistingFile);
+  app->add_option("-f,--file", f->prompt_file,
+                  "prompt text file (its first --prompt-tokens tokens; '-' = standard input)")
+      ->check(existing_file_or_stdin());
   app->add_option("--prompt-ids", f->prompt_ids, "prompt as comma-separated token ids");
   app->add_option("--gen", f->gen, "decode tokens")->capture_default_str()->check(at_least(0));
   app->add_option("--decode-from", f->decode_from, "teacher-forced decode: feed this text's tokens one at a time")
@@ -199,14 +196,14 @@ void register_bench(CLI::App& root) {
       if (!f->prompt_ids.empty()) {
         prompt = parse_id_list(f->prompt_ids);
       } else if (!f->prompt_file.empty()) {
-        prompt = read_tokens(tok, f->prompt_file);
+        prompt = read_tokens(tok, f->prompt_file, "bench");
         if (int(prompt.size()) > f->prompt_tokens) prompt.resize(size_t(f->prompt_tokens));
       } else {
         std::mt19937 rng(1234);
         std::uniform_int_distribution<int32_t> d(0, eng.hparams().n_vocab - 1);
         for (int i = 0; i < f->prompt_tokens; ++i) prompt.push_back(d(rng));
       }
-      if (!f->decode_from.empty()) forced = read_tokens(tok, f->decode_from);
+      if (!f->decode_from.empty()) forced = read_tokens(tok, f->decode_from, "teacher-force");
       record = eng.stream().slot_bytes();
       arena_bytes = eng.arena_bytes();
       n_slots = eng.expert_parallel() ? eng.expert_parallel()->n_slots() : eng.stream().n_slots();
