@@ -15,6 +15,7 @@
 
 #include "chat/chat_template.h"
 #include "chat/jinja.h"
+#include "chat/json_depth.h"
 #include "gguf/gguf.h"
 #include "support/paths.h"
 #include "tokenizer/tokenizer.h"
@@ -431,6 +432,35 @@ TEST(ChatTemplate, ListAppendPopAndFromJson) {
             "[1, 2.5, None, 'x']");
   EXPECT_THROW(Template("{{ '{bad' | from_json }}").render(J::object()), RenderError);
   EXPECT_THROW(Template("{{ 3 | from_json }}").render(J::object()), RenderError);
+}
+
+TEST(ChatTemplate, RunawayRecursionAndDeepJsonAreErrorsNotCrashes) {
+  // A macro that calls itself without end: the 65th nested call is refused (it used to recurse
+  // until the stack ran out: a template in a downloaded GGUF could crash chat and serve).
+  try {
+    Template("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}").render(J::object());
+    FAIL() << "no error";
+  } catch (const RenderError& e) {
+    EXPECT_NE(std::string(e.what()).find("macro recursion too deep"), std::string::npos) << e.what();
+  }
+  // Legitimate recursion below the cap still renders, and the count resets between renders.
+  const std::string count = "{% macro c(n) %}{% if n > 0 %}{{ n }}{{ c(n - 1) }}{% endif %}{% endmacro %}{{ c(60) }}";
+  for (int round = 0; round < 2; ++round) EXPECT_EQ(Template(count).render(J::object()).substr(0, 4), "6059");
+  // JSON nested 300 levels in the context (and through from_json): an error, not a stack overflow.
+  std::string deep;
+  for (int i = 0; i < 300; ++i) deep += "[";
+  for (int i = 0; i < 300; ++i) deep += "]";
+  const J ctx = J::object({{"x", J::parse(deep)}});
+  EXPECT_EQ(strata::chat::json_depth(ctx), 301u);
+  EXPECT_EQ(strata::chat::json_depth(J(1)), 0u);
+  EXPECT_EQ(strata::chat::json_depth(J::parse("[1, {\"a\": [2]}]")), 3u);
+  EXPECT_THROW(Template("{{ x | length }}").render(ctx), RenderError);
+  EXPECT_THROW(Template("{{ s | from_json }}").render(J::object({{"s", deep}})), RenderError);
+  // 256 levels are taken.
+  std::string ok;
+  for (int i = 0; i < 255; ++i) ok += "[";
+  for (int i = 0; i < 255; ++i) ok += "]";
+  EXPECT_EQ(Template("{{ x | length }}").render(J::object({{"x", J::parse(ok)}})), "1");
 }
 
 TEST(ChatTemplate, RenderErrors) {

@@ -1073,6 +1073,36 @@ TEST(NewUser, NoParseSpecialTakesAFileToo) {
   EXPECT_EQ(ids_plain.back(), ids_parsed.back());  // "hi" either way
 }
 
+TEST(NewUser, FifosDevicesAndPrintedSeedsBehave) {
+  // A FIFO as the model is refused at once (it used to wait for a writer forever).
+  const std::string fifo = scratch().path("model.fifo");
+  fs::remove(fifo);
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  CmdResult r = run_cmd("timeout 20 " + test::strata_binary() + " run -m " + fifo + " -p def -n 1 2>&1");
+  EXPECT_EQ(r.rc, 1) << r.out;  // not 124 (the timeout)
+  EXPECT_THAT(r.out, HasSubstr("not a regular file"));
+  // A device as the prompt file is refused (it used to read /dev/zero until memory ran out).
+  r = run_cmd("timeout 20 " + test::strata_binary() + " tokenize -m " + test::shipped_model() + " -f /dev/zero 2>&1");
+  EXPECT_EQ(r.rc, 1) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("'/dev/zero' is a device, not a text file"));
+  // The random seed run prints can be given back with --seed (it could exceed 2^63 - 1 before):
+  // the same text on standard output.
+  const std::string err = scratch().path("seed.err");
+  const std::string run = test::strata_binary() + " run " + shipped() + " -p 'def f(x):' -n 8 --temp 1";
+  for (int k = 0; k < 4; ++k) {
+    const CmdResult first = run_cmd(run + " 2>" + err);
+    ASSERT_EQ(first.rc, 0) << first.out;
+    std::ifstream in(err);
+    const std::string log((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const size_t at = log.find("seed ");
+    ASSERT_NE(at, std::string::npos) << log;
+    const std::string seed = log.substr(at + 5, log.find(' ', at + 5) - at - 5);
+    const CmdResult again = run_cmd(run + " --seed " + seed + " 2>/dev/null");
+    ASSERT_EQ(again.rc, 0) << "seed " << seed << ": " << again.out;
+    EXPECT_EQ(again.out, first.out) << "seed " << seed;
+  }
+}
+
 TEST(NewUser, DemoScriptFlagsOverrideItsDefaults) {
   // STRATA_BIN skips the install and build. The script's defaults are -m models/qwen3moe-code-Q8_0.gguf
   // -f models/prompt.py -n 96 --temp 0 --arena-mb 8; a flag given here replaces its default.

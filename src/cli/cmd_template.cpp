@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "chat/chat_template.h"
+#include "chat/json_depth.h"
 #include "cli/commands.h"
 #include "cli/common.h"
 #include "gguf/gguf.h"
@@ -36,6 +37,8 @@ nlohmann::ordered_json json_array_arg(const std::string& arg, const char* flag) 
     throw std::invalid_argument(fmt::format("{}: invalid JSON: {}", flag, e.what()));
   }
   if (!j.is_array()) throw std::invalid_argument(fmt::format("{}: must be a JSON array", flag));
+  if (const size_t d = chat::json_depth(j); d > chat::kMaxJsonDepth)
+    throw std::invalid_argument(fmt::format("{}: nests {} levels deep (at most {})", flag, d, chat::kMaxJsonDepth));
   return j;
 }
 

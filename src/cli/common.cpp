@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -248,17 +249,27 @@ CLI::Validator existing_file_or_stdin() {
 std::string read_prompt_file(const std::string& path, const std::string& purpose) {
   const bool stdin_ = path == "-";
   const std::string name = stdin_ ? std::string("standard input (-f -)") : fmt::format("the prompt file '{}'", path);
-  std::stringstream ss;
-  if (stdin_) {
-    ss << std::cin.rdbuf();
-    if (std::cin.bad()) throw std::invalid_argument(fmt::format("cannot read the prompt from {}", name));
-  } else {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw std::invalid_argument(fmt::format("cannot read prompt file '{}'", path));
-    ss << in.rdbuf();
-    if (in.bad()) throw std::invalid_argument(fmt::format("cannot read prompt file '{}'", path));
+  std::ifstream file;
+  if (!stdin_) {
+    // A device (/dev/zero, a terminal) would never end; pipes and FIFOs (`-f <(cmd)`) are fine.
+    std::error_code ec;
+    const auto st = std::filesystem::status(path, ec);
+    if (!ec && (st.type() == std::filesystem::file_type::character || st.type() == std::filesystem::file_type::block))
+      throw std::invalid_argument(fmt::format("{} is a device, not a text file", name));
+    file.open(path, std::ios::binary);
+    if (!file) throw std::invalid_argument(fmt::format("cannot read prompt file '{}'", path));
   }
-  std::string text = ss.str();
+  std::istream& in = stdin_ ? std::cin : file;
+  std::string text;
+  char buf[1 << 16];
+  while (in.read(buf, sizeof buf) || in.gcount() > 0) {
+    text.append(buf, size_t(in.gcount()));
+    if (text.size() > kMaxPromptFileBytes)
+      throw std::invalid_argument(fmt::format("{} is larger than {} MiB (tokenizing it would take minutes and "
+                                              "gigabytes); cut it first",
+                                              name, kMaxPromptFileBytes >> 20));
+  }
+  if (in.bad()) throw std::invalid_argument(fmt::format("cannot read the prompt from {}", name));
   if (text.empty()) throw std::invalid_argument(fmt::format("{} is empty: nothing to {}", name, purpose));
   return text;
 }

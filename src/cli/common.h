@@ -57,8 +57,11 @@ CLI::Validator existing_file_or_stdin();
 
 /// The bytes of the prompt file `path` given to -f ("-" = all of standard input). Throws
 /// std::invalid_argument naming the file when it cannot be read, or when it is empty
-/// ("... is empty: nothing to <purpose>").
+/// ("... is empty: nothing to <purpose>"), is a device (/dev/zero), or holds more than kMaxPromptFileBytes.
 std::string read_prompt_file(const std::string& path, const std::string& purpose);
+/// The largest prompt file read_prompt_file takes (bytes): 64 MiB of text is ~16 M tokens, more than
+/// any context or perplexity run needs; beyond it the error says so instead of growing without bound.
+inline constexpr size_t kMaxPromptFileBytes = size_t(64) << 20;
 
 /// CLI11 check for an integer option: at least `lo`. Its message reads "--top: must be at least
 /// 1, got 0" (CLI11's PositiveNumber would print its range up to 1.8e308).

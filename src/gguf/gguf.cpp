@@ -318,11 +318,14 @@ int TensorInfo::layer() const {
 // ---------------------------------------------------------------- File
 
 File File::open(const std::string& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  // O_NONBLOCK: opening a FIFO would otherwise wait for a writer before the check below can
+  // refuse it (no effect on regular files; cleared again for the reads).
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
   if (fd.get() < 0) fail(path, fmt::format("cannot open: {}", std::strerror(errno)));
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) fail(path, fmt::format("cannot stat: {}", std::strerror(errno)));
   if (!S_ISREG(st.st_mode)) fail(path, "not a regular file");
+  if (const int fl = ::fcntl(fd.get(), F_GETFL); fl >= 0) (void)::fcntl(fd.get(), F_SETFL, fl & ~O_NONBLOCK);
   const auto size = static_cast<uint64_t>(st.st_size);
   Reader r(path, fd.get(), size);
   return parse(r, path, size);

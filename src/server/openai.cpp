@@ -10,6 +10,7 @@
 #include <random>
 
 #include "chat/jinja.h"
+#include "chat/json_depth.h"
 #include "tokenizer/tokenizer.h"
 
 namespace strata::server::openai {
@@ -37,6 +38,9 @@ Json parse_body(std::string_view body) {
     throw bad_request("", fmt::format("the request body is not valid JSON: {}", e.what()), "invalid_json");
   }
   if (!b.is_object()) throw bad_request("", "the request body must be a JSON object", "invalid_json");
+  if (const size_t d = chat::json_depth(b); d > chat::kMaxJsonDepth)
+    throw bad_request("", fmt::format("the request body nests {} levels deep (at most {})", d, chat::kMaxJsonDepth),
+                      "invalid_json");
   return b;
 }
 

@@ -54,6 +54,25 @@ test('malformed JSON and non-object bodies: 400 invalid_json', async () => {
   assertError(await completion('', AUTH), 400, 'invalid_json');
 });
 
+test('JSON nested 5,000 levels deep (30,000 crashed the server before): 400, and the server lives on', async () => {
+  const n = 5000; // within --max-body-kb 64
+  const deep = '{"a":'.repeat(n) + '1' + '}'.repeat(n);
+  const body = `{"messages":[{"role":"user","content":"x"}],"max_tokens":1,"chat_template_kwargs":{"k":${deep}}}`;
+  assertError(await chat(body, AUTH), 400, 'invalid_json');
+  // nested inside a tool call's arguments string: the template refuses it
+  const args = JSON.stringify({
+    messages: [
+      { role: 'user', content: 'x' },
+      { role: 'assistant', content: '', tool_calls: [{ id: 'c1', type: 'function', function: { name: 'f', arguments: deep } }] },
+      { role: 'tool', tool_call_id: 'c1', content: 'r' },
+    ],
+    max_tokens: 1,
+  });
+  const r = await chat(args, AUTH);
+  assert.equal(r.status, 400);
+  assert.equal((await chat(okChat)).status, 200);
+});
+
 test('fields of the wrong type: 400 invalid_type naming the field', async () => {
   const cases = [
     [{ ...okChat, temperature: 'hot' }, 'temperature'],

@@ -259,15 +259,33 @@ void SetNode::render(Ctx& c, std::string& out) const {
 
 void ControlNode::render(Ctx& c, std::string&) const { c.flow = flow; }
 
+namespace {
+
+// Macro calls in progress on this thread (a render runs on one thread): a macro's closure sees
+// the context it was defined in, not its caller's, so the nesting is counted here.
+thread_local int g_macro_calls = 0;
+constexpr int kMaxMacroCalls = 64;
+
+struct MacroCall {
+  explicit MacroCall(int line) {
+    if (g_macro_calls >= kMaxMacroCalls)
+      fail(line, fmt::format("macro recursion too deep (more than {} nested macro calls)", kMaxMacroCalls));
+    ++g_macro_calls;
+  }
+  ~MacroCall() { --g_macro_calls; }
+  MacroCall(const MacroCall&) = delete;
+  MacroCall& operator=(const MacroCall&) = delete;
+};
+
+}  // namespace
+
 void MacroNode::render(Ctx& c, std::string&) const {
   const MacroNode* self = this;
-  Ctx* outer = &c;
   Scope* globals = c.globals;
-  c.scope->vars[name] = Value::function([self, outer, globals](Args& a) {
+  c.scope->vars[name] = Value::function([self, globals](Args& a) {
+    const MacroCall call(self->line);
     Scope scope{{}, globals};
     Ctx mc{&scope, globals};
-    mc.depth = outer->depth + 1;
-    if (mc.depth > 64) fail(self->line, "macro recursion too deep");
     if (a.pos.size() > self->params.size()) fail(self->line, "too many arguments to macro " + self->name);
     for (size_t k = 0; k < self->params.size(); ++k) {
       const auto& [pname, dflt] = self->params[k];

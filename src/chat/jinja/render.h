@@ -25,13 +25,12 @@ struct Scope {
   }
 };
 
-/// The state of one render: the innermost scope, the scope macros see, a pending break or
-/// continue, and the macro call depth (capped, against runaway recursion).
+/// The state of one render: the innermost scope, the scope macros see, and a pending break or
+/// continue. (Nested macro calls are capped at 64 per thread, against runaway recursion.)
 struct Ctx {
   Scope* scope;
   Scope* globals;
   Flow flow = Flow::Normal;
-  int depth = 0;
 };
 
 /// Renders the nodes of `body` in order into `out`, stopping early at a break or continue.

@@ -2,6 +2,8 @@
 // subscripts, comparisons and arithmetic.
 #include "chat/jinja/value.h"
 
+#include "chat/json_depth.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -27,7 +29,21 @@ const char* type_name(const Value& v) {
   return "?";
 }
 
+namespace {
+
+Value from_json_at(const nlohmann::ordered_json& j);
+
+}  // namespace
+
 Value from_json(const nlohmann::ordered_json& j) {
+  if (const size_t d = json_depth(j); d > kMaxJsonDepth)
+    throw RenderError(fmt::format("a JSON value nested {} levels deep (at most {})", d, kMaxJsonDepth));
+  return from_json_at(j);
+}
+
+namespace {
+
+Value from_json_at(const nlohmann::ordered_json& j) {
   switch (j.type()) {
     case nlohmann::ordered_json::value_t::null: return Value::none();
     case nlohmann::ordered_json::value_t::boolean: return Value::boolean(j.get<bool>());
@@ -37,17 +53,19 @@ Value from_json(const nlohmann::ordered_json& j) {
     case nlohmann::ordered_json::value_t::string: return Value::str(j.get<std::string>());
     case nlohmann::ordered_json::value_t::array: {
       Array a;
-      for (auto& e : j) a.push_back(from_json(e));
+      for (auto& e : j) a.push_back(from_json_at(e));
       return Value::array(std::move(a));
     }
     case nlohmann::ordered_json::value_t::object: {
       Object o;
-      for (auto it = j.begin(); it != j.end(); ++it) o.emplace_back(it.key(), from_json(it.value()));
+      for (auto it = j.begin(); it != j.end(); ++it) o.emplace_back(it.key(), from_json_at(it.value()));
       return Value::object(std::move(o));
     }
     default: return Value::none();
   }
 }
+
+}  // namespace
 
 // ---- UTF-8 helpers: Python strings count code points
 

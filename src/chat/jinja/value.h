@@ -131,7 +131,8 @@ struct Args {
 
 /// Python's type name of `v` ("int", "list", "tuple", "dict", "Namespace", ...).
 const char* type_name(const Value& v);
-/// The Value of a JSON document (objects keep their key order).
+/// The Value of a JSON document (objects keep their key order). Throws RenderError when it
+/// nests deeper than chat::kMaxJsonDepth (chat/json_depth.h).
 Value from_json(const nlohmann::ordered_json& j);
 
 // ---- strings: Python counts code points, these helpers work on UTF-8 bytes
