@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -208,6 +209,34 @@ TEST_F(Gguf, FromBytesErrors) {
   Bytes b = base_file();
   b[0] = 'X';
   EXPECT_THAT(error_of(b, SIZE_MAX), HasSubstr("img.gguf: bad magic"));
+}
+
+// A header whose tensors share data bytes (an edited or damaged file) is refused by name: one
+// tensor would otherwise read another's bytes and the run produce garbage without an error.
+TEST_F(Gguf, OverlappingTensorDataIsAnError) {
+  Bytes b = base_file();
+  const File f = File::from_bytes(b, "x");
+  std::vector<const TensorInfo*> ts;
+  for (const TensorInfo& t : f.tensors())
+    if (t.n_bytes > 0) ts.push_back(&t);
+  ASSERT_GE(ts.size(), 2u);
+  std::sort(ts.begin(), ts.end(), [](const TensorInfo* x, const TensorInfo* y) { return x->offset < y->offset; });
+  const TensorInfo& second = *ts[1];
+  // The second tensor's header entry: name, n_dims (u32), ne (u64 each), type (u32), offset (u64).
+  const auto at = std::search(b.begin(), b.begin() + ptrdiff_t(f.data_offset()), second.name.begin(), second.name.end());
+  ASSERT_NE(at, b.begin() + ptrdiff_t(f.data_offset()));
+  size_t pos = size_t(at - b.begin()) + second.name.size();
+  uint32_t n_dims = 0;
+  std::memcpy(&n_dims, &b[pos], 4);
+  pos += 4 + 8 * size_t(n_dims) + 4;
+  uint64_t rel = 0;
+  std::memcpy(&rel, &b[pos], 8);
+  ASSERT_EQ(rel, second.offset - f.data_offset());
+  const uint64_t first_rel = ts[0]->offset - f.data_offset();
+  std::memcpy(&b[pos], &first_rel, 8);
+  const std::string err = strata::test::error_of<GgufError>([&] { File::from_bytes(b, "img.gguf"); });
+  EXPECT_THAT(err, HasSubstr("overlap in the data section")) << err;
+  EXPECT_THAT(err, HasSubstr(second.name));
 }
 
 // "blk.N." with N decimal digits that fit in an int; anything else is not a layer tensor. (The

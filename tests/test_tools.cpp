@@ -965,6 +965,9 @@ TEST(NewUser, AnEmptyPromptFileIsAnErrorAndProfileWritesNothing) {
   r = run_strata("run " + shipped() + " -f /dev/null -n 1");
   EXPECT_NE(r.rc, 0) << r.out;
   EXPECT_THAT(r.out, HasSubstr("the prompt file '/dev/null' is empty: nothing to run"));
+  r = run_strata("bench " + shipped() + " --ssd-seconds -1 --gen 1");
+  EXPECT_NE(r.rc, 0) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("must be a number > 0, got '-1'"));
   r = run_strata("bench " + shipped() + " -f /dev/null --gen 1 --no-ssdbw");
   EXPECT_NE(r.rc, 0) << r.out;
   EXPECT_THAT(r.out, HasSubstr("the prompt file '/dev/null' is empty: nothing to bench"));
@@ -1081,10 +1084,10 @@ TEST(NewUser, FifosDevicesAndPrintedSeedsBehave) {
   CmdResult r = run_cmd("timeout 20 " + test::strata_binary() + " run -m " + fifo + " -p def -n 1 2>&1");
   EXPECT_EQ(r.rc, 1) << r.out;  // not 124 (the timeout)
   EXPECT_THAT(r.out, HasSubstr("not a regular file"));
-  // A device as the prompt file is refused (it used to read /dev/zero until memory ran out).
+  // A prompt file that never ends stops at 64 MiB (it used to read /dev/zero until memory ran out).
   r = run_cmd("timeout 20 " + test::strata_binary() + " tokenize -m " + test::shipped_model() + " -f /dev/zero 2>&1");
   EXPECT_EQ(r.rc, 1) << r.out;
-  EXPECT_THAT(r.out, HasSubstr("'/dev/zero' is a device, not a text file"));
+  EXPECT_THAT(r.out, HasSubstr("the prompt file '/dev/zero' is larger than 64 MiB"));
   // The random seed run prints can be given back with --seed (it could exceed 2^63 - 1 before):
   // the same text on standard output.
   const std::string err = scratch().path("seed.err");

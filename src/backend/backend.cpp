@@ -201,7 +201,8 @@ std::string router_logits_defect_message(int code, int64_t t) {
                      : code == 2 ? "contain +inf (a softmax router needs finite logits or -inf)"
                      : code == 3 ? "are all -inf (a softmax router needs one finite logit)"
                                  : "are unusable";
-  return "select_experts: token " + std::to_string(t) + ": the router logits " + what;
+  return "select_experts: token " + std::to_string(t) + ": the router logits " + what +
+         " (the activations are not finite: a damaged model file or expert pack, or a wrong tensor type in it)";
 }
 
 void Backend::route(std::span<const RouteCall> calls, const Tensor& h) {

@@ -169,7 +169,9 @@ void register_bench(CLI::App& root) {
   app->add_option("--decode-from", f->decode_from, "teacher-forced decode: feed this text's tokens one at a time")
       ->check(CLI::ExistingFile);
   app->add_flag("--cold", f->cold, "start with an empty arena");
-  app->add_option("--ssd-seconds", f->ssd_seconds, "seconds of the drive measurement")->capture_default_str();
+  app->add_option("--ssd-seconds", f->ssd_seconds, "seconds of the drive measurement (--no-ssdbw: none)")
+      ->capture_default_str()
+      ->check(positive_real());
   app->add_flag("--no-ssdbw", f->no_ssd, "skip the drive measurement (no IO floor)");
   app->add_flag("--json", f->json, "print JSON");
   app->callback([f] {

@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -251,11 +250,8 @@ std::string read_prompt_file(const std::string& path, const std::string& purpose
   const std::string name = stdin_ ? std::string("standard input (-f -)") : fmt::format("the prompt file '{}'", path);
   std::ifstream file;
   if (!stdin_) {
-    // A device (/dev/zero, a terminal) would never end; pipes and FIFOs (`-f <(cmd)`) are fine.
-    std::error_code ec;
-    const auto st = std::filesystem::status(path, ec);
-    if (!ec && (st.type() == std::filesystem::file_type::character || st.type() == std::filesystem::file_type::block))
-      throw std::invalid_argument(fmt::format("{} is a device, not a text file", name));
+    // Pipes, FIFOs (`-f <(cmd)`) and devices are read like files; one that never ends
+    // (/dev/zero) stops at kMaxPromptFileBytes below.
     file.open(path, std::ios::binary);
     if (!file) throw std::invalid_argument(fmt::format("cannot read prompt file '{}'", path));
   }

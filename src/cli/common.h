@@ -2,6 +2,7 @@
 // Flags shared by the subcommands (llama.cpp names where they exist) and helpers.
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -57,7 +58,7 @@ CLI::Validator existing_file_or_stdin();
 
 /// The bytes of the prompt file `path` given to -f ("-" = all of standard input). Throws
 /// std::invalid_argument naming the file when it cannot be read, or when it is empty
-/// ("... is empty: nothing to <purpose>"), is a device (/dev/zero), or holds more than kMaxPromptFileBytes.
+/// ("... is empty: nothing to <purpose>"), or holds more than kMaxPromptFileBytes (/dev/zero too).
 std::string read_prompt_file(const std::string& path, const std::string& purpose);
 /// The largest prompt file read_prompt_file takes (bytes): 64 MiB of text is ~16 M tokens, more than
 /// any context or perplexity run needs; beyond it the error says so instead of growing without bound.
@@ -80,6 +81,24 @@ inline CLI::Validator at_least(long long lo) {
         return std::string();
       },
       "INT>=" + std::to_string(lo));
+}
+
+/// CLI11 check for a real-valued option: a finite number above 0. Its message reads
+/// "must be a number > 0, got -1".
+inline CLI::Validator positive_real() {
+  return CLI::Validator(
+      [](std::string& s) -> std::string {
+        double v = 0;
+        size_t used = 0;
+        try {
+          v = std::stod(s, &used);
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        if (used == 0 || used != s.size() || !std::isfinite(v) || !(v > 0)) return "must be a number > 0, got '" + s + "'";
+        return std::string();
+      },
+      "NUM>0");
 }
 
 /// Sampling flags, with llama.cpp's names and defaults, shared by every command that samples

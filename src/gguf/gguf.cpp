@@ -433,6 +433,18 @@ File File::parse(Reader& r, std::string path_arg, uint64_t file_size) {
                              "end of the file ({} bytes)",
                              t.name, rel_offsets[i], t.n_bytes, f.data_offset_, f.file_size_));
   }
+  // No two tensors' data may overlap (a writer never aliases them; an edited or damaged header
+  // that does would make one tensor read another's bytes).
+  std::vector<size_t> order(f.tensors_.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return f.tensors_[a].offset < f.tensors_[b].offset; });
+  for (size_t k = 1; k < order.size(); ++k) {
+    const TensorInfo& a = f.tensors_[order[k - 1]];
+    const TensorInfo& b = f.tensors_[order[k]];
+    if (a.n_bytes > 0 && b.n_bytes > 0 && a.offset + a.n_bytes > b.offset)
+      fail(path, fmt::format("tensors '{}' (bytes {}..{}) and '{}' (from byte {}) overlap in the data section", a.name,
+                             a.offset, a.offset + a.n_bytes, b.name, b.offset));
+  }
   return f;
 }
 

@@ -224,7 +224,10 @@ Json chat_messages(const Json& b) {
                         "invalid_value");
     Json o = msg;
     const Json* content = field(msg, "content");
-    if (!content) {
+    if (!msg.contains("content") && *role != "assistant") {
+      // only an assistant turn (with tool_calls) may leave its content out (null is "")
+      throw bad_request(where + ".content", where + ".content is required", "missing_required_parameter");
+    } else if (!content) {
       o["content"] = "";
     } else if (content->is_array()) {
       std::string text;

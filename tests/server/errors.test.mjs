@@ -54,6 +54,11 @@ test('malformed JSON and non-object bodies: 400 invalid_json', async () => {
   assertError(await completion('', AUTH), 400, 'invalid_json');
 });
 
+test('a user message without content: 400 missing_required_parameter (null content is "")', async () => {
+  assertError(await chat({ messages: [{ role: 'user' }], max_tokens: 1 }), 400, 'missing_required_parameter');
+  assert.equal((await chat({ messages: [{ role: 'system', content: null }, { role: 'user', content: 'x' }], max_tokens: 1 })).status, 200);
+});
+
 test('JSON nested 5,000 levels deep (30,000 crashed the server before): 400, and the server lives on', async () => {
   const n = 5000; // within --max-body-kb 64
   const deep = '{"a":'.repeat(n) + '1' + '}'.repeat(n);
