@@ -43,17 +43,11 @@ std::vector<float> parse_bonuses(const std::string& s) {
   std::stringstream ss(s);
   std::string item;
   while (std::getline(ss, item, ',')) {
-    size_t used = 0;
-    double v = 0;
-    try {
-      v = std::stod(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used == 0 || used != item.size() || !std::isfinite(v) || v < 0)
+    const std::optional<double> v = parse_finite(item);
+    if (!v || *v < 0)
       throw std::invalid_argument(
           fmt::format("--bonuses '{}': '{}' is not a bonus (a finite number >= 0, comma-separated)", s, item));
-    out.push_back(float(v));
+    out.push_back(float(*v));
   }
   if (out.empty()) throw std::invalid_argument("--bonuses is empty: give e.g. 0,0.25,0.5,0.85");
   return out;

@@ -3,6 +3,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 #include <cmath>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -83,19 +84,27 @@ inline CLI::Validator at_least(long long lo) {
       "INT>=" + std::to_string(lo));
 }
 
+/// `s` read whole as a finite number (std::stod takes every character; no "1x", "", nan, inf);
+/// nullopt otherwise.
+inline std::optional<double> parse_finite(const std::string& s) {
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(s, &used);
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+  if (used != s.size() || !std::isfinite(v)) return std::nullopt;
+  return v;
+}
+
 /// CLI11 check for a real-valued option: a finite number above 0. Its message reads
-/// "must be a number > 0, got -1".
+/// "must be a number > 0, got '-1'".
 inline CLI::Validator positive_real() {
   return CLI::Validator(
       [](std::string& s) -> std::string {
-        double v = 0;
-        size_t used = 0;
-        try {
-          v = std::stod(s, &used);
-        } catch (const std::exception&) {
-          used = 0;
-        }
-        if (used == 0 || used != s.size() || !std::isfinite(v) || !(v > 0)) return "must be a number > 0, got '" + s + "'";
+        const std::optional<double> v = parse_finite(s);
+        if (!v || !(*v > 0)) return "must be a number > 0, got '" + s + "'";
         return std::string();
       },
       "NUM>0");
