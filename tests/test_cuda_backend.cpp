@@ -554,6 +554,66 @@ TEST(CudaBackend, PrefillAndDecodeBitIdenticalAcrossIoTiming) {
   }
 }
 
+// With every expert resident for good (an arena larger than all experts), decode runs each MoE
+// layer on the device with no host step between router and experts (Backend::moe_on_device). It
+// must give the bits of the host-driven path (STRATA_CUDA_HOST_MOE=1) and of a small arena where
+// every layer streams, count the same experts needed and hit, and actually be taken.
+TEST(CudaBackend, DecodeWithEveryExpertResidentRunsOnTheDeviceBitIdentical) {
+  REQUIRE_CUDA_DEVICE();
+  const std::string model = model_path("qwen3moe-code-Q8_0.gguf");
+  std::vector<int32_t> ids(96);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t((i * 131 + 7) % 8000 + 5);
+  struct Run {
+    std::vector<float> logits;
+    stream::StreamStats stats;
+    uint64_t device_layers = 0;
+    model::RoutingTrace trace;
+  };
+  auto run = [&](engine::EngineOptions o, bool host_moe) {
+    if (host_moe) ::setenv("STRATA_CUDA_HOST_MOE", "1", 1);
+    engine::Engine eng(model, o);
+    ::unsetenv("STRATA_CUDA_HOST_MOE");
+    model::SequenceState st = eng.new_sequence();
+    Run r;
+    std::vector<float> step;
+    eng.prefill(st, std::span(ids).first(64), model::LogitsMode::All, r.logits);
+    eng.stream().reset_stats();
+    for (size_t i = 64; i < ids.size(); ++i) {
+      eng.decode(st, ids[i], step, &r.trace);
+      r.logits.insert(r.logits.end(), step.begin(), step.end());
+    }
+    r.stats = eng.stream().stats();
+    r.device_layers = dynamic_cast<cuda::CudaBackend&>(eng.backend()).device_moe_layers();
+    return r;
+  };
+  for (const auto act : {cpu::kernels::ActQuant::F32, cpu::kernels::ActQuant::Q8}) {
+    SCOPED_TRACE(act == cpu::kernels::ActQuant::Q8 ? "act-quant q8" : "act-quant f32");
+    engine::EngineOptions big = options("cuda", act);
+    big.arena_mb = 64;  // the shipped model's experts are 25.5 MiB
+    big.host_cache_mb = 0;
+    big.prompt_chunk = 16;
+    engine::EngineOptions small = big;
+    small.arena_mb = 5;
+    const Run dev = run(big, false), host = run(big, true), streamed = run(small, false);
+    ASSERT_EQ(dev.logits.size(), 96u * 8192u);
+    EXPECT_TRUE(bit_equal(dev.logits, host.logits)) << "device MoE vs host-driven MoE";
+    EXPECT_TRUE(bit_equal(dev.logits, streamed.logits)) << "device MoE vs a 5 MiB arena";
+    EXPECT_GT(dev.device_layers, 0u) << "the device path was never taken";
+    EXPECT_EQ(host.device_layers, 0u) << "STRATA_CUDA_HOST_MOE=1 did not turn it off";
+    EXPECT_EQ(dev.stats.needed, host.stats.needed);
+    EXPECT_EQ(dev.stats.hits, host.stats.hits);
+    EXPECT_EQ(dev.stats.misses, host.stats.misses);
+    EXPECT_EQ(dev.trace.ids, host.trace.ids) << "the routing trace";
+    EXPECT_EQ(dev.trace.probs, host.trace.probs);
+    EXPECT_EQ(dev.trace.next_prob, host.trace.next_prob);
+    std::printf("cuda: decode of 32 tokens, %llu of %d MoE layer calls on the device, needed %llu hits %llu (host "
+                "path: %llu / %llu): bit-identical with the host path and a 5 MiB arena\n",
+                (unsigned long long)dev.device_layers, 32 * 8, (unsigned long long)dev.stats.needed,
+                (unsigned long long)dev.stats.hits, (unsigned long long)host.stats.needed,
+                (unsigned long long)host.stats.hits);
+  }
+}
+
 TEST(CudaBackend, GptOssMatchesCpuAndIsInvariant) {
   REQUIRE_CUDA_DEVICE();
   REQUIRE_FAMILY_MODEL(m, "gpt-oss.gguf");

@@ -258,6 +258,52 @@ TEST_F(StreamTest, LruEvictionAndExactCounters) {
   EXPECT_EQ(s.stats().misses, 1u);
 }
 
+// resident_layer: views of a whole layer only when the arena has a slot for every expert of the
+// model and the layer is all resident; count_resident_use counts hits as request() would; clear()
+// starts a new generation.
+TEST_F(StreamTest, ResidentLayerNeedsEveryExpertAndASlotForEach) {
+  std::vector<int32_t> all(10);
+  std::iota(all.begin(), all.end(), 0);
+  {
+    ExpertStream s(syn->path.string(), syn->layers, opts_slots(*syn, 29, 2));  // one slot short of all 30
+    s.request(0, all);
+    for (int e : all) (void)s.wait(0, e);
+    s.release(0);
+    EXPECT_EQ(s.resident_layer(0), nullptr) << "29 slots for 30 experts: a resident expert may be evicted";
+  }
+  ExpertStream s(syn->path.string(), syn->layers, opts_slots(*syn, 30, 2));
+  EXPECT_EQ(s.resident_layer(0), nullptr) << "nothing read yet";
+  EXPECT_EQ(s.resident_layer(3), nullptr) << "no such layer";
+  s.request(1, v({0, 1, 2}));
+  for (int e : {0, 1, 2}) (void)s.wait(1, e);
+  s.release(1);
+  EXPECT_EQ(s.resident_layer(1), nullptr) << "3 of 10 resident";
+  s.request(1, all);
+  std::vector<ExpertView> waited;
+  for (int e : all) waited.push_back(s.wait(1, e));
+  s.release(1);
+  const std::vector<ExpertView>* views = s.resident_layer(1);
+  ASSERT_NE(views, nullptr);
+  ASSERT_EQ(views->size(), 10u);
+  for (int e : all) {
+    EXPECT_TRUE(syn->view_ok(1, e, (*views)[size_t(e)]));
+    for (int p = 0; p < 3; ++p) EXPECT_EQ((*views)[size_t(e)].part[p], waited[size_t(e)].part[p]);
+  }
+  EXPECT_EQ(s.resident_layer(1), views) << "cached";
+  s.reset_stats();
+  s.count_resident_use(1, v({3, 7, 9}));
+  const auto st = s.stats();
+  EXPECT_EQ(st.needed, 3u);
+  EXPECT_EQ(st.hits, 3u);
+  EXPECT_EQ(st.misses, 0u);
+  EXPECT_EQ(st.reads, 0u);
+  EXPECT_THROW(s.count_resident_use(0, v({0})), std::logic_error) << "layer 0 was never read";
+  const uint64_t gen = s.generation();
+  s.clear();
+  EXPECT_NE(s.generation(), gen);
+  EXPECT_EQ(s.resident_layer(1), nullptr) << "emptied by clear()";
+}
+
 TEST_F(StreamTest, PinnedSlotsAreNeverEvicted) {
   ExpertStream s(syn->path.string(), syn->layers, opts_slots(*syn, 4, 2));
   s.request(0, v({0, 1}));

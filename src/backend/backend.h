@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -450,6 +451,27 @@ struct ExpertJob {
   std::span<const int64_t> pairs;  ///< (token, k) pairs as t * top_k + k, ascending
 };
 
+/// One routed-MoE layer for Backend::moe_on_device: router, selection, experts and the weighted
+/// sum in one call, with every expert of the layer resident for good (the arena holds every expert
+/// of the model: stream::ExpertStream::resident_layer).
+struct DeviceMoeCall {
+  const RouterSpec* spec = nullptr;  ///< the layer's selection (n_expert = router.rows())
+  Tensor router;                     ///< ffn_gate_inp: ne {n_embd, n_expert}
+  Tensor router_bias;                ///< ffn_gate_inp.bias: F32 ne {n_expert}, or empty
+  const FfnSpec* ffn = nullptr;      ///< the experts' activation
+  /// Which expert table this is: (owner, layer, generation) names one set of views; a backend
+  /// may keep its own copy of the table under that key and call `experts` only for a key it has
+  /// not seen (owner: the stream; generation: changes when the stream's slots were emptied).
+  const void* owner = nullptr;
+  int layer = -1;
+  uint64_t generation = 0;
+  /// Fills one FfnWeights per expert id (views into the arena slots; biases as in ExpertJob).
+  std::function<void(std::vector<FfnWeights>&)> experts;
+  Tensor h;           ///< the MoE input, ne {n_embd, T}
+  Tensor expert_out;  ///< scratch rows, ne {n_embd, T * top_k} (as for expert_ffn)
+  Tensor out;         ///< the layer's output (overwritten), ne {n_embd, T}
+};
+
 /// Names a backend and what it runs on, for logs and `info`.
 struct BackendInfo {
   std::string name;    ///< "cpu", "cuda"
@@ -543,6 +565,19 @@ class Backend {
   /// out[t] = sum over k in order of routing.weights[t][k] * expert_out[t * top_k + k]
   /// (overwrites out; the fixed k order keeps results independent of expert arrival order).
   virtual void moe_combine(const Routing& routing, const Tensor& expert_out, const Tensor& out) = 0;
+  /// The whole routed-MoE layer `c` with no host step between router and experts: route() of
+  /// the layer's router, expert_ffn for every (token, k) pair into c.expert_out, moe_combine into
+  /// c.out, queued, giving the same bits as those calls. Returns the host address where, once
+  /// the queued work is done (after the next synchronize() or download()), the selection will
+  /// be as 4-byte arrays back to back: [T] int32 statuses (router_logits_defect codes, 0 =
+  /// fine), [T][top_k] int32 ids, [T][top_k] probs, [T][top_k] weights, [T] next_prob (Routing's
+  /// fields); valid until moe_on_device is called again for the same c.layer. Returns null,
+  /// queuing nothing, when the backend does not take the call (then the caller routes on the
+  /// host's side as usual). Default: null (the CPU backend: the host is between them anyway).
+  virtual const int32_t* moe_on_device(const DeviceMoeCall& c) {
+    (void)c;
+    return nullptr;
+  }
 };
 
 }  // namespace strata::backend

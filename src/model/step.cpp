@@ -307,6 +307,12 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
     throw Interrupted(layer);
   }
   const int K = w.spec.top_k;
+  // Expert outputs per (token, k), summed afterwards in k order for batch invariance.
+  const size_t out_bytes = size_t(T_ * K * E_) * sizeof(float);
+  if (!expert_out_ || expert_out_->bytes() < out_bytes)
+    expert_out_ = be_.alloc(backend::BufferRole::Activations, out_bytes);
+  const Tensor expert_out = expert_out_->f32(E_, T_ * K);
+  if (moe_on_device(layer, w, next, expert_out)) return;
   std::vector<int32_t> pred_next;
   const ReadAhead ra = plan_read_ahead(layer + 1, next, &pred_next);
 
@@ -374,11 +380,6 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
   read_ahead(ra, h_, pred_ready ? &pred : nullptr);
   profile_from(StageProfile::ReadAhead, t_stage);
 
-  // Expert outputs per (token, k), summed afterwards in k order for batch invariance.
-  const size_t out_bytes = size_t(T_ * K * E_) * sizeof(float);
-  if (!expert_out_ || expert_out_->bytes() < out_bytes)
-    expert_out_ = be_.alloc(backend::BufferRole::Activations, out_bytes);
-  const Tensor expert_out = expert_out_->f32(E_, T_ * K);
   const auto t_start = std::chrono::steady_clock::now();
   double waited = 0;
   auto part = [](const ExpertPartShape& s, const uint8_t* data) {
@@ -454,6 +455,76 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
   pred_.swap(pred_next);
 }
 
+bool Step::moe_on_device(int layer, const MoeLayer& w, const MoeLayer* next, const Tensor& expert_out) {
+  // Needs the host between router and experts: MoCE (residency-aware selection), expert
+  // parallelism, a dump (intermediates named as the host path names them).
+  if (ctx_.moce_bonus > 0 || ctx_.ep || ctx_.dump) return false;
+  stream::ExpertStream& stream = ctx_.stream;
+  const std::vector<stream::ExpertView>* views = stream.resident_layer(layer);
+  // The next layer resident too: otherwise its read-ahead (from this layer's input) is wanted.
+  if (!views || views->empty() || (next && !stream.resident_layer(layer + 1))) return false;
+  StageTimer timer_(ctx_.profile, be_, StageProfile::ExpertMatmuls);
+  backend::DeviceMoeCall c;
+  c.spec = &w.spec;
+  c.router = w.router;
+  c.router_bias = w.router_bias;
+  c.ffn = &w.ffn;
+  c.owner = &stream;
+  c.layer = layer;
+  c.generation = stream.generation();
+  c.experts = [&](std::vector<backend::FfnWeights>& out) {
+    auto part = [](const ExpertPartShape& s, const uint8_t* data) {
+      return Tensor::matrix(s.type, data, s.cols, s.rows, s.row_bytes);
+    };
+    out.resize(views->size());
+    for (size_t e = 0; e < views->size(); ++e) {
+      const stream::ExpertView& v = (*views)[e];
+      backend::FfnWeights& f = out[e];
+      f = backend::FfnWeights{part(w.gate, v.part[0]), part(w.up, v.part[1]), part(w.down, v.part[2])};
+      if (!w.gate_bias.empty()) f.gate_b = w.gate_bias.rows_view(int64_t(e), 1);
+      if (!w.up_bias.empty()) f.up_b = w.up_bias.rows_view(int64_t(e), 1);
+      if (!w.down_bias.empty()) f.down_b = w.down_bias.rows_view(int64_t(e), 1);
+    }
+  };
+  c.h = h_;
+  c.expert_out = expert_out;
+  c.out = o_;
+  const int32_t* host = be_.moe_on_device(c);
+  if (!host) return false;
+  device_moe_.push_back({layer, w.spec.top_k, host});
+  pred_.clear();  // no read-ahead was needed for this layer, so none for the next
+  return true;
+}
+
+void Step::settle_device_moe() {
+  if (device_moe_.empty()) return;
+  be_.synchronize();
+  std::vector<DeviceMoeResult> done;
+  done.swap(device_moe_);
+  std::vector<int32_t> used;
+  for (const DeviceMoeResult& d : done) {
+    const int32_t* status = d.host;
+    for (int64_t t = 0; t < T_; ++t)
+      if (status[t]) throw std::invalid_argument(backend::router_logits_defect_message(status[t], t));
+    const size_t TK = size_t(T_) * size_t(d.top_k);
+    const int32_t* ids = d.host + T_;
+    used.assign(ids, ids + TK);
+    std::sort(used.begin(), used.end());
+    used.erase(std::unique(used.begin(), used.end()), used.end());
+    ctx_.stream.count_resident_use(d.layer, used);
+    if (ctx_.trace) {
+      backend::Routing r;
+      r.top_k = d.top_k;
+      r.ids.assign(ids, ids + TK);
+      const auto* f = reinterpret_cast<const float*>(ids + TK);
+      r.probs.assign(f, f + TK);
+      r.weights.assign(f + TK, f + 2 * TK);
+      r.next_prob.assign(f + 2 * TK, f + 2 * TK + T_);
+      record_routing(d.layer, r);
+    }
+  }
+}
+
 void Step::output(const Tensor& norm, const Tensor& head) {
   StageTimer timer_(ctx_.profile, be_, StageProfile::OutputHead);
   for (SeqInput& s : batch_) s.state->n_past += int64_t(s.ids.size());
@@ -467,7 +538,10 @@ void Step::output(const Tensor& norm, const Tensor& head) {
     rows += n - first;
     t0 += n;
   }
-  if (rows == 0) return;
+  if (rows == 0) {
+    settle_or_roll_back();
+    return;
+  }
   name(h_.rows_view(0, rows), "result_norm");
   const int64_t V = model_.hparams().n_vocab;
   auto buf = be_.alloc(backend::BufferRole::Activations, size_t(rows * V) * sizeof(float));
@@ -482,6 +556,16 @@ void Step::output(const Tensor& norm, const Tensor& head) {
     s.logits->resize(size_t(k * V));
     be_.download(s.logits->data(), logits.rows_view(r, k), size_t(k * V) * sizeof(float));
     r += k;
+  }
+  settle_or_roll_back();
+}
+
+void Step::settle_or_roll_back() {
+  try {
+    settle_device_moe();
+  } catch (...) {
+    for (SeqInput& s : batch_) s.state->n_past -= int64_t(s.ids.size());  // the call's tokens are not done
+    throw;
   }
 }
 

@@ -86,6 +86,12 @@ class Step {
   /// The final norm and output head for the rows each sequence's mode asks for, into its
   /// logits. Names "result_norm" and "result_output".
   void output(const backend::Tensor& norm, const backend::Tensor& head);
+  /// After the backend's queued work is done: checks and counts the layers that ran on the
+  /// device (Backend::moe_on_device): a non-zero selection status throws the host's
+  /// std::invalid_argument, the experts used are counted in the stream's counters and the
+  /// routing goes to the trace (if any), in layer order. output()
+  /// calls it; a forward without output() must call it before its results are used.
+  void settle_device_moe();
 
   /// Offers tensor `t` under `name` (and `layer` >= 0 as "-<layer>") to the dumper, if any.
   void name(const backend::Tensor& t, std::string_view name, int layer = -1);
@@ -100,6 +106,11 @@ class Step {
   /// `m`'s router logits on h (plus its bias, if it has one).
   void router_logits(const MoeLayer& m, const backend::Tensor& h, std::vector<float>& logits);
   void record_routing(int layer, const backend::Routing& r);
+  /// The whole layer on the device when every expert of it (and of the next MoE layer) is
+  /// resident for good and the backend takes it; false: nothing was queued.
+  /// settle_device_moe() at the end of output(): on its error the call's n_past advance is undone.
+  void settle_or_roll_back();
+  bool moe_on_device(int layer, const MoeLayer& w, const MoeLayer* next, const backend::Tensor& expert_out);
   /// MoCE counters of one layer: `r` (with the bonus) against `exact`, `resident` as it routed.
   static void count_moce(const backend::Routing& r, const backend::Routing& exact, std::span<const uint8_t> resident,
                          MoceStats& out);
@@ -113,6 +124,12 @@ class Step {
   backend::Tensor x_, h_, o_;
   std::unique_ptr<backend::Buffer> expert_out_;  // [T * top_k] rows, grown on demand
   std::vector<int32_t> pred_;                    // the prediction for the next MoE layer, per token [T][top_k]
+  struct DeviceMoeResult {
+    int layer;
+    int top_k;
+    const int32_t* host;  // [T] status, [T][top_k] ids, probs, weights, [T] next_prob, once the queue is done
+  };
+  std::vector<DeviceMoeResult> device_moe_;  // layers moe_on_device took, not yet settled
 };
 
 /// One layer of the plain attention + routed-MoE decoder (qwen3moe, gpt-oss, Mixtral):

@@ -231,6 +231,9 @@ struct ExpertStream::Impl {
   HostTier host;
   std::vector<int64_t> layer_base;  // key of (layer, expert) = layer_base[layer] + expert
   std::vector<ReadPlan> plan;       // per arena slot: the plan of its read in flight
+  uint64_t generation = 0;          // clear() count: resident_layer()'s views are new after it
+  bool holds_all = false;           // a slot for every expert of the model: nothing is evicted
+  std::vector<std::vector<ExpertView>> all_views;  // per layer: resident_layer()'s cache (empty: not yet)
 
   const LayerExperts& layer(int l) const { return layers[static_cast<size_t>(l)]; }
   int64_t key(int l, int32_t e) const { return layer_base[size_t(l)] + e; }
@@ -422,6 +425,8 @@ ExpertStream::ExpertStream(const std::string& path, std::vector<LayerExperts> la
   // More slots than experts can never be used: don't allocate them.
   n = std::min(n, static_cast<size_t>(std::max<int64_t>(total, static_cast<int64_t>(min_slots))));
   m.n_slots = n;
+  m.holds_all = int64_t(n) >= total;
+  m.all_views.assign(m.layers.size(), {});
   const int threads = std::max(1, opts.io_threads);
 
   if (!make_arena) throw std::invalid_argument("expert stream: no arena factory");
@@ -576,6 +581,37 @@ bool ExpertStream::resident(int layer, int32_t expert) const {
   return impl_->table->resident(layer, expert);
 }
 
+const std::vector<ExpertView>* ExpertStream::resident_layer(int layer) {
+  Impl& m = *impl_;
+  if (!m.holds_all || layer < 0 || size_t(layer) >= m.layers.size()) return nullptr;
+  std::vector<ExpertView>& v = m.all_views[size_t(layer)];
+  if (!v.empty()) return &v;
+  const LayerExperts& L = m.layer(layer);
+  if (L.n_expert <= 0) return &v;  // no experts: nothing to wait for (an empty table)
+  std::lock_guard lk(m.mu);
+  SlotTable& t = *m.table;
+  std::vector<ExpertView> out(size_t(L.n_expert));
+  for (int32_t e = 0; e < L.n_expert; ++e) {
+    const int s = t.slot_of(layer, e);
+    if (s < 0 || t.state(s) != SlotState::Resident) return nullptr;
+    const ExpertRanges r(L, e);
+    const uint8_t* base = m.arena->slot_data(static_cast<size_t>(s));
+    for (int p = 0; p < 3; ++p) out[size_t(e)].part[p] = base + r.view_off[p];
+  }
+  v = std::move(out);
+  return &v;
+}
+
+uint64_t ExpertStream::generation() const { return impl_->generation; }
+
+void ExpertStream::count_resident_use(int layer, std::span<const int32_t> experts) {
+  std::lock_guard lk(impl_->mu);
+  for (const int32_t e : experts)
+    if (!impl_->table->count_hit(layer, e))
+      throw std::logic_error(
+          fmt::format("expert stream: layer {} expert {} was used from the device but is not resident", layer, e));
+}
+
 void ExpertStream::wait_idle() {
   Impl& m = *impl_;
   std::unique_lock lk(m.mu);
@@ -612,6 +648,8 @@ void ExpertStream::clear() {
   m.done_cv.wait(lk, [&] { return m.table->reading() == 0; });
   m.table->reset();
   for (size_t e = 0; e < m.host.n; ++e) m.host.drop(int(e));
+  for (auto& v : m.all_views) v.clear();
+  ++m.generation;
 }
 
 }  // namespace strata::stream

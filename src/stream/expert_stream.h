@@ -152,6 +152,20 @@ class ExpertStream {
   /// True if `expert` of `layer` is resident now (its bytes are in a slot). For MoCE-style
   /// residency-aware routing and for diagnostics; does not touch LRU order or counters.
   bool resident(int layer, int32_t expert) const;
+  /// Every expert of `layer`, one view per expert id, when the arena has a slot for every expert
+  /// of the model (so nothing resident is ever evicted: slots never change hands) and all of this
+  /// layer's experts are resident now; null otherwise. The views stay valid until clear(). A
+  /// backend that routes and computes a whole MoE layer on its device uses them with no host
+  /// step between router and experts (backend::Backend::moe_on_device); the layer's use is
+  /// counted afterwards with count_resident_use. Cheap once true (cached per layer). A layer
+  /// without experts gives an empty table.
+  const std::vector<ExpertView>* resident_layer(int layer);
+  /// Counts `experts` of `layer` (distinct; a layer computed from resident_layer()'s views) as
+  /// request() counts hits, without pinning. Throws std::logic_error if one is not resident (the
+  /// precondition of resident_layer was broken), std::out_of_range for a bad layer or expert.
+  void count_resident_use(int layer, std::span<const int32_t> experts);
+  /// Changes whenever resident_layer()'s views may have changed (each clear()).
+  uint64_t generation() const;
   /// Blocks until both queues are empty and no read is in flight (tests, benchmarks).
   /// Does not count as exposed wait. Returns at once while IO is paused.
   void wait_idle();

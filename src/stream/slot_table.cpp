@@ -283,6 +283,21 @@ bool SlotTable::resident(int layer, int32_t e) const {
   return s >= 0 && slots_[static_cast<size_t>(s)].state == SlotState::Resident;
 }
 
+bool SlotTable::count_hit(int layer, int32_t e) {
+  const int s = slot_of(layer, e);
+  if (s < 0) return false;
+  Slot& sl = slots_[static_cast<size_t>(s)];
+  if (sl.state != SlotState::Resident) return false;
+  ++st_.needed;
+  ++st_.hits;
+  if (sl.ahead) ++st_.streamed_ahead;
+  sl.ahead = false;
+  sl.pending = false;
+  sl.tick = ++clock_;
+  reindex(s);
+  return true;
+}
+
 std::vector<int> SlotTable::lru_order() const {
   std::vector<int> out;
   out.reserve(lru_normal_.size() + lru_pending_.size());

@@ -106,6 +106,11 @@ class SlotTable {
   std::exception_ptr error(int slot) const { return slots_[static_cast<size_t>(slot)].err; }
   /// True if (layer, e) is resident. Does not touch LRU order or counters.
   bool resident(int layer, int32_t e) const;
+  /// Counts a use of resident (layer, e) as request() counts a hit (needed, hits, streamed_ahead;
+  /// LRU touch) without pinning it: for a layer a backend computed on its device from slots that
+  /// cannot be evicted (ExpertStream::resident_layer). Returns false, counting nothing, if
+  /// (layer, e) is not resident. Throws std::out_of_range for a bad layer or expert.
+  bool count_hit(int layer, int32_t e);
   /// Unpinned evictable slots from least to most recently used, normal ones first, then
   /// pending read-aheads (the order victims are taken in, before last-use events are looked at).
   std::vector<int> lru_order() const;

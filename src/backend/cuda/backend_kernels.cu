@@ -26,6 +26,37 @@ __global__ void gather_rows_kernel(const float* __restrict__ src, int64_t lds, c
   dst[j * ldd + i] = src[(pairs[j] / top_k) * lds + i];
 }
 
+__global__ void repeat_rows_kernel(const float* __restrict__ src, int64_t lds, int top_k, float* __restrict__ dst,
+                                   int64_t ldd, int64_t cols, int64_t j0) {
+  const int64_t j = j0 + blockIdx.y;
+  const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= cols) return;
+  dst[j * ldd + i] = src[(j / top_k) * lds + i];
+}
+
+__global__ void pair_jobs_kernel(const int32_t* __restrict__ ids, int64_t n_pairs, const void* const* __restrict__ table,
+                                 int n_expert, int64_t blocks_gu, int64_t blocks_dn, GroupedMatmulJob* gu,
+                                 GroupedMatmulJob* dn) {
+  const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= n_pairs) return;
+  int e = ids[j];
+  if (e < 0 || e >= n_expert) e = 0;
+  GroupedMatmulJob g;
+  g.w = table[3 * e];
+  g.w2 = table[3 * e + 1];
+  g.row0 = j;
+  g.n_tok = 1;
+  g.block0 = j * blocks_gu;
+  gu[j] = g;
+  GroupedMatmulJob d;
+  d.w = table[3 * e + 2];
+  d.w2 = nullptr;
+  d.row0 = j;
+  d.n_tok = 1;
+  d.block0 = j * blocks_dn;
+  dn[j] = d;
+}
+
 __global__ void scatter_rows_kernel(const float* __restrict__ src, int64_t lds, const int64_t* __restrict__ pairs,
                                     float* __restrict__ dst, int64_t ldd, int64_t cols, int64_t j0) {
   const int64_t j = j0 + blockIdx.y;
@@ -98,6 +129,24 @@ void gather_rows(const float* src, int64_t lds, const int64_t* pairs, int top_k,
   by_rows(n, [&](int64_t j0, int64_t m) {
     gather_rows_kernel<<<grid_for(cols, m), kThreads, 0, as_stream(stream)>>>(src, lds, pairs, top_k, dst, ldd, cols, j0);
   });
+}
+
+void repeat_rows(const float* src, int64_t lds, int top_k, int64_t n, float* dst, int64_t ldd, int64_t cols,
+                 void* stream) {
+  STRATA_CUDA_REQUIRE(top_k > 0 && n >= 0 && cols >= 0, "cuda::repeat_rows: bad shape");
+  if (n == 0 || cols == 0) return;
+  by_rows(n, [&](int64_t j0, int64_t m) {
+    repeat_rows_kernel<<<grid_for(cols, m), kThreads, 0, as_stream(stream)>>>(src, lds, top_k, dst, ldd, cols, j0);
+  });
+}
+
+void pair_jobs(const int32_t* ids, int64_t n_pairs, const void* const* table, int n_expert, int64_t blocks_gu,
+               int64_t blocks_dn, GroupedMatmulJob* gate_up, GroupedMatmulJob* down, void* stream) {
+  STRATA_CUDA_REQUIRE(n_pairs >= 0 && n_expert >= 1 && blocks_gu >= 1 && blocks_dn >= 1, "cuda::pair_jobs: bad shape");
+  if (n_pairs == 0) return;
+  pair_jobs_kernel<<<blocks_1d(n_pairs), kThreads, 0, as_stream(stream)>>>(ids, n_pairs, table, n_expert, blocks_gu,
+                                                                            blocks_dn, gate_up, down);
+  STRATA_CUDA_CHECK_LAUNCH();
 }
 
 void scatter_rows(const float* src, int64_t lds, const int64_t* pairs, int64_t n, float* dst, int64_t ldd,

@@ -11,6 +11,8 @@
 // except where an expf is involved (CUDA's expf: <= 2 ulp).
 #include <cstdint>
 
+#include "backend/cuda/kernels.h"
+
 namespace strata::cuda {
 
 /// dst row j = src row (pairs[j] / top_k), `cols` floats, for j < n. pairs: device, n int64
@@ -18,6 +20,19 @@ namespace strata::cuda {
 void gather_rows(const float* src, int64_t lds, const int64_t* pairs, int top_k, int64_t n, float* dst, int64_t ldd,
                  int64_t cols, void* stream = nullptr);
 
+/// dst row j = src row (j / top_k), `cols` floats, for j < n: every (token, k) pair of a layer in
+/// pair order (gather_rows with pairs[j] = j). src rows lds apart; dst rows ldd apart.
+void repeat_rows(const float* src, int64_t lds, int top_k, int64_t n, float* dst, int64_t ldd, int64_t cols,
+                 void* stream = nullptr);
+/// The grouped-matmul job tables of a MoE layer with one job per (token, k) pair, built on the
+/// device from the routed ids (no host step): for j < n_pairs, with e = ids[j] (an id outside
+/// [0, n_expert) is taken as 0: its token's selection failed and its status says so),
+///   gate_up[j] = {w = table[3e], w2 = table[3e + 1], row0 = j, n_tok = 1, block0 = j * blocks_gu}
+///   down[j]    = {w = table[3e + 2], w2 = null, row0 = j, n_tok = 1, block0 = j * blocks_dn}
+/// table: device, [n_expert][3] weight pointers (gate, up, down); blocks_*: the blocks of one job
+/// in the plan of that launch (every job has the same shape). ids: device, n_pairs int32.
+void pair_jobs(const int32_t* ids, int64_t n_pairs, const void* const* table, int n_expert, int64_t blocks_gu,
+               int64_t blocks_dn, GroupedMatmulJob* gate_up, GroupedMatmulJob* down, void* stream = nullptr);
 /// dst row pairs[j] = src row j, `cols` floats, for j < n (pairs distinct). src rows lds apart,
 /// dst rows ldd apart.
 void scatter_rows(const float* src, int64_t lds, const int64_t* pairs, int64_t n, float* dst, int64_t ldd, int64_t cols,

@@ -455,6 +455,7 @@ CudaBackend::CudaBackend(const CudaOptions& opts) : device_(opts.device), act_q8
     prof_ = std::make_unique<OpProfile>(ctx_->stream);
   host_route_ = opts.host_route;
   if (const char* e = std::getenv("STRATA_CUDA_HOST_ROUTE"); e && *e && std::string_view(e) != "0") host_route_ = true;
+  if (const char* e = std::getenv("STRATA_CUDA_HOST_MOE"); e && *e && std::string_view(e) != "0") host_moe_ = true;
 }
 
 CudaBackend::~CudaBackend() {
@@ -467,6 +468,8 @@ CudaBackend::~CudaBackend() {
   (void)cudaStreamSynchronize(ctx_->stream);
   host_free(ring_, ring_pinned_);
   if (route_host_) host_free(route_host_, route_host_pinned_);
+  if (moe_host_) host_free(reinterpret_cast<uint8_t*>(moe_host_), moe_host_pinned_);
+  moe_tables_.clear();
   inv_freq_.clear();
   sel_bias_.clear();
   weights_.clear();
@@ -983,8 +986,26 @@ bool device_routable(const backend::RouteCall& c) {
 
 }  // namespace
 
-void CudaBackend::route(std::span<const backend::RouteCall> calls, const Tensor& h) {
+void CudaBackend::launch_route(const backend::RouteCall& c, const Tensor& h, float* logits, const RouteOut& ro) {
   using G = backend::RouterSpec::Gating;
+  const backend::RouterSpec& spec = *c.spec;
+  const int64_t n_expert = c.w.rows(), T = h.rows();
+  RouteSpec rs;
+  rs.gating = spec.gating == G::Softmax ? 0 : spec.gating == G::Sigmoid ? 1 : 2;
+  rs.n_expert = int(n_expert);
+  rs.top_k = spec.top_k;
+  rs.norm_topk = spec.norm_topk;
+  rs.n_group = spec.n_group;
+  rs.n_group_used = spec.n_group_used;
+  rs.weights_scale = spec.weights_scale;
+  rs.selection_bias = selection_bias(spec.selection_bias);
+  const Tensor& w = c.w;
+  cuda::matmul(w.type, w.data, w.row_bytes(), n_expert, w.cols(), h.f(), ld(h), T, logits, n_expert, stream());
+  if (!c.bias.empty()) add_bias(logits, n_expert, c.bias.f(), n_expert, T, stream());
+  select_topk(rs, logits, n_expert, T, ro, stream());
+}
+
+void CudaBackend::route(std::span<const backend::RouteCall> calls, const Tensor& h) {
   bool all_device = !host_route_;
   for (const backend::RouteCall& c : calls) all_device = all_device && device_routable(c);
   if (!all_device) {
@@ -1027,26 +1048,13 @@ void CudaBackend::route(std::span<const backend::RouteCall> calls, const Tensor&
     ProfScope ps(*this, "route (router + top-k)", T);
     size_t dev_off = 0, host_off = 0;
     for (const backend::RouteCall& c : calls) {
-      const backend::RouterSpec& spec = *c.spec;
       const int64_t n_expert = c.w.rows();
-      const int K = spec.top_k;
+      const int K = c.spec->top_k;
       float* d = reinterpret_cast<float*>(base + dev_off);
       dev_off += sz<float>(size_t(T * n_expert));
       const RouteOut ro = route_layout(&c == kept ? route_dev_.get() : base + dev_off, T, K);
       dev_off += align_up(route_bytes(T, K), kAlign);
-      RouteSpec rs;
-      rs.gating = spec.gating == G::Softmax ? 0 : spec.gating == G::Sigmoid ? 1 : 2;
-      rs.n_expert = int(n_expert);
-      rs.top_k = K;
-      rs.norm_topk = spec.norm_topk;
-      rs.n_group = spec.n_group;
-      rs.n_group_used = spec.n_group_used;
-      rs.weights_scale = spec.weights_scale;
-      rs.selection_bias = selection_bias(spec.selection_bias);
-      const Tensor& w = c.w;
-      cuda::matmul(w.type, w.data, w.row_bytes(), n_expert, w.cols(), h.f(), ld(h), T, d, n_expert, stream());
-      if (!c.bias.empty()) add_bias(d, n_expert, c.bias.f(), n_expert, T, stream());
-      select_topk(rs, d, n_expert, T, ro, stream());
+      launch_route(c, h, d, ro);
       const size_t down = c.ids_only ? size_t(T) * size_t(K + 1) * 4 : route_bytes(T, K);
       STRATA_CUDA_CHECK(
           cudaMemcpyAsync(route_host_ + host_off, ro.status, down, cudaMemcpyDeviceToHost, ctx_->stream));
@@ -1217,6 +1225,124 @@ void CudaBackend::flush_experts() {
     grouped_matmul(pdn, g.down_type, d_dn, nj, g.down_rb, g.E, g.F, act, g.F, y, g.E, false, stream());
   }
   scatter_rows(y, g.E, d_pairs, N, g.out, g.ldo, g.E, stream());
+}
+
+const CudaBackend::DeviceMoeTable& CudaBackend::moe_table(const backend::DeviceMoeCall& c) {
+  DeviceMoeTable& t = moe_tables_[{c.owner, c.layer}];
+  if (t.generation == c.generation && (t.ok || t.n_expert < 0)) return t;
+  t = DeviceMoeTable{};
+  t.generation = c.generation;
+  t.n_expert = -1;  // checked, not usable (until the generation changes)
+  std::vector<backend::FfnWeights> ws;
+  c.experts(ws);
+  const int64_t n = int64_t(ws.size()), E = c.h.cols();
+  if (n < 1 || n != c.router.rows() || n > INT32_MAX / 3) return t;
+  const backend::FfnWeights& w0 = ws[0];
+  const int64_t F = w0.gate.rows();
+  std::vector<const void*> ptrs(size_t(3 * n));
+  std::vector<GroupedMatmulJob> gu(static_cast<size_t>(n)), dn(static_cast<size_t>(n));
+  for (int64_t e = 0; e < n; ++e) {
+    const backend::FfnWeights& w = ws[size_t(e)];
+    if (general_expert(*c.ffn, w)) return t;  // biases or the clamped SwiGLU: one expert at a time
+    const bool same = w.gate.type == w0.gate.type && w.up.type == w0.gate.type && w.down.type == w0.down.type &&
+                      w.gate.row_bytes() == w0.gate.row_bytes() && w.up.row_bytes() == w0.gate.row_bytes() &&
+                      w.down.row_bytes() == w0.down.row_bytes() && w.gate.rows() == F && w.up.rows() == F &&
+                      w.gate.cols() == E && w.up.cols() == E && w.down.rows() == E && w.down.cols() == F;
+    if (!same) return t;
+    ptrs[size_t(3 * e)] = w.gate.data, ptrs[size_t(3 * e + 1)] = w.up.data, ptrs[size_t(3 * e + 2)] = w.down.data;
+    gu[size_t(e)].w = w.gate.data, gu[size_t(e)].w2 = w.up.data, gu[size_t(e)].n_tok = 1;
+    dn[size_t(e)].w = w.down.data, dn[size_t(e)].n_tok = 1;
+    gu[size_t(e)].row0 = dn[size_t(e)].row0 = e;
+  }
+  if (!has_mma(w0.gate.type, E) || !has_mma(w0.down.type, F)) return t;  // what flush_experts groups
+  t.E = E, t.F = F;
+  t.gate_type = w0.gate.type, t.down_type = w0.down.type;
+  t.gate_rb = w0.gate.row_bytes(), t.down_rb = w0.down.row_bytes();
+  t.q8 = act_q8_ && has_q8(t.gate_type, E) && has_q8(t.down_type, F);
+  // The plans flush_experts would make for one token per expert (the tile and the weight-word
+  // alignment over every expert of the layer); blocks per job = blocks / n.
+  t.pgu = t.q8 ? plan_grouped_q8(gu.data(), int(n), F, E, t.gate_rb) : plan_grouped(gu.data(), int(n), F, E, true);
+  t.pdn = t.q8 ? plan_grouped_q8(dn.data(), int(n), E, F, t.down_rb) : plan_grouped(dn.data(), int(n), E, F, false);
+  t.pgu.blocks /= n;
+  t.pdn.blocks /= n;
+  t.ptrs = DeviceBuffer(ptrs.size() * sizeof(void*));
+  STRATA_CUDA_CHECK(cudaMemcpy(t.ptrs.get(), ptrs.data(), ptrs.size() * sizeof(void*), cudaMemcpyHostToDevice));
+  t.n_expert = int(n);
+  t.ok = true;
+  return t;
+}
+
+int32_t* CudaBackend::moe_landing(int layer, size_t n) {
+  if (size_t(layer) >= moe_host_layers_ || n > moe_host_stride_) {
+    STRATA_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));  // queued copies land in the old area
+    const size_t layers = std::max(moe_host_layers_, size_t(layer) + 1), stride = std::max(moe_host_stride_, n);
+    bool pinned = false;
+    auto* fresh = reinterpret_cast<int32_t*>(host_alloc(layers * stride * 4, pinned, "the MoE routing landing area"));
+    for (size_t l = 0; l < moe_host_layers_; ++l)
+      std::memcpy(fresh + l * stride, moe_host_ + l * moe_host_stride_, moe_host_stride_ * 4);
+    if (moe_host_) host_free(reinterpret_cast<uint8_t*>(moe_host_), moe_host_pinned_);
+    moe_host_ = fresh, moe_host_pinned_ = pinned, moe_host_layers_ = layers, moe_host_stride_ = stride;
+  }
+  return moe_host_ + size_t(layer) * moe_host_stride_;
+}
+
+const int32_t* CudaBackend::moe_on_device(const backend::DeviceMoeCall& c) {
+  if (host_route_ || host_moe_ || !c.spec || !c.ffn || !c.experts || c.layer < 0) return nullptr;
+  const backend::RouteCall rc{c.spec, c.router, c.router_bias, nullptr, false};
+  if (!device_routable(rc) || c.ffn->act != backend::FfnSpec::Act::SwiGLU) return nullptr;
+  const int64_t T = c.h.rows();
+  const int K = c.spec->top_k;
+  const int64_t TK = T * K;
+  if (T < 1 || TK > kDeviceMoeMaxPairs || c.expert_out.rows() < TK) return nullptr;
+  flush_experts();
+  const DeviceMoeTable& tb = moe_table(c);
+  if (!tb.ok || tb.E != c.h.cols()) return nullptr;
+  ProfScope ps(*this, "moe on device (route, experts, combine)", T);
+  route_w_.clear();  // route_dev_ is rewritten below
+  if (route_dev_.bytes() < route_bytes(T, K)) {
+    STRATA_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));  // queued kernels may still read it
+    route_dev_ = DeviceBuffer();
+    route_dev_ = DeviceBuffer(route_bytes(T, K));
+  }
+  const RouteOut ro = route_layout(route_dev_.get(), T, K);
+  const int64_t E = tb.E, F = tb.F;
+  Carve cv{scratch(sz<float>(size_t(T) * size_t(tb.n_expert)) + 2 * sz<GroupedMatmulJob>(size_t(TK)) +
+                   sz<float>(size_t(TK * E)) + sz<float>(size_t(TK * F)))};
+  float* logits = cv.take<float>(size_t(T) * size_t(tb.n_expert));
+  auto* d_gu = cv.take<GroupedMatmulJob>(size_t(TK));
+  auto* d_dn = cv.take<GroupedMatmulJob>(size_t(TK));
+  float* xg = cv.take<float>(size_t(TK * E));
+  float* act = cv.take<float>(size_t(TK * F));
+  launch_route(rc, c.h, logits, ro);
+  pair_jobs(ro.ids, TK, static_cast<const void* const*>(tb.ptrs.get()), tb.n_expert, tb.pgu.blocks, tb.pdn.blocks,
+            d_gu, d_dn, stream());
+  repeat_rows(c.h.f(), ld(c.h), K, TK, xg, E, E, stream());
+  GroupedMatmulPlan pgu = tb.pgu, pdn = tb.pdn;
+  pgu.blocks *= TK;
+  pdn.blocks *= TK;
+  float* y = c.expert_out.f();
+  const int64_t ldy = ld(c.expert_out);
+  if (tb.q8) {
+    const size_t cx = align_up(size_t(TK * E), 256), sx = align_up(size_t(TK * E / 32) * sizeof(float), 256),
+                 ca = align_up(size_t(TK * F), 256);
+    char* qb = q8_scratch(cx + sx + ca + size_t(TK * F / 32) * sizeof(float));
+    auto* xq = reinterpret_cast<int8_t*>(qb);
+    auto* xd = reinterpret_cast<float*>(qb + cx);
+    auto* aq = reinterpret_cast<int8_t*>(qb + cx + sx);
+    auto* ad = reinterpret_cast<float*>(qb + cx + sx + ca);
+    quantize_q8(xg, E, E, TK, xq, xd, stream());
+    grouped_matmul_q8(pgu, tb.gate_type, d_gu, int(TK), tb.gate_rb, F, E, xq, xd, act, F, true, stream());
+    quantize_q8(act, F, F, TK, aq, ad, stream());
+    grouped_matmul_q8(pdn, tb.down_type, d_dn, int(TK), tb.down_rb, E, F, aq, ad, y, ldy, false, stream());
+  } else {
+    grouped_matmul(pgu, tb.gate_type, d_gu, int(TK), tb.gate_rb, F, E, xg, E, act, F, true, stream());
+    grouped_matmul(pdn, tb.down_type, d_dn, int(TK), tb.down_rb, E, F, act, F, y, ldy, false, stream());
+  }
+  cuda::moe_combine(y, ldy, ro.weights, K, T, c.out.f(), ld(c.out), c.out.cols(), stream());
+  int32_t* land = moe_landing(c.layer, route_bytes(T, K) / 4);
+  STRATA_CUDA_CHECK(cudaMemcpyAsync(land, ro.status, route_bytes(T, K), cudaMemcpyDeviceToHost, ctx_->stream));
+  ++device_moe_layers_;
+  return land;
 }
 
 void CudaBackend::moe_combine(const backend::Routing& r, const Tensor& expert_out, const Tensor& out) {

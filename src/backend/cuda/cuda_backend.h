@@ -30,6 +30,7 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/route.h"
 
 namespace strata::cuda {
 
@@ -115,8 +116,52 @@ class CudaBackend final : public backend::Backend {
                   const backend::Tensor& expert_out) override;
   void moe_combine(const backend::Routing& routing, const backend::Tensor& expert_out,
                    const backend::Tensor& out) override;
+  /// The layer with nothing on the host between router and experts (backend::Backend::
+  /// moe_on_device): the router matmul and select_topk (as route()), a kernel that writes one
+  /// grouped-matmul job per (token, k) pair from the ids (backend_kernels.h pair_jobs, from the
+  /// layer's expert table uploaded once per DeviceMoeCall key), the grouped gate/up and down
+  /// launches of flush_experts (q8 or fp32 as it would choose) with the down rows landing straight
+  /// in c.expert_out, and moe_combine with the device weights; then the RouteOut arrays (status,
+  /// ids, probs, weights, next_prob: route.h's layout) to a pinned landing area of the layer. One job per pair computes each element with the same
+  /// arithmetic as one job per expert (kernels.h: a grouped matmul's element does not depend on
+  /// n_tok or the other jobs), so the results are flush_experts' bits. Null (nothing queued) when
+  /// route() would select on the host (host_route, a router it does not take), T * top_k >
+  /// kDeviceMoeMaxPairs (prefill: grouping by expert reads each expert once), the activation is
+  /// not plain SwiGLU, an expert has biases, or the experts are not one grouped launch's types and
+  /// shapes; STRATA_CUDA_HOST_MOE=1 turns it off (comparisons).
+  const int32_t* moe_on_device(const backend::DeviceMoeCall& c) override;
+  /// (token, k) pairs moe_on_device takes at most (a decode step of 8 tokens at top-8).
+  static constexpr int64_t kDeviceMoeMaxPairs = 64;
+  /// Layers moe_on_device has taken since construction (tests, diagnostics).
+  uint64_t device_moe_layers() const { return device_moe_layers_; }
 
  private:
+  /// Queues call c's router matmul (+ bias) on h into `logits` (device, [T][n_expert]) and
+  /// select_topk into `ro`.
+  void launch_route(const backend::RouteCall& c, const backend::Tensor& h, float* logits, const RouteOut& ro);
+  /// moe_on_device's expert table of one (owner, layer): device pointers [n_expert][3] and the
+  /// launch shapes; ok = false when the layer's experts cannot take that path (cached too).
+  struct DeviceMoeTable {
+    uint64_t generation = 0;
+    bool ok = false;
+    DeviceBuffer ptrs;
+    int n_expert = 0;
+    int64_t E = 0, F = 0;
+    GgmlType gate_type = GgmlType::F32, down_type = GgmlType::F32;
+    size_t gate_rb = 0, down_rb = 0;
+    bool q8 = false;
+    GroupedMatmulPlan pgu, pdn;  // for one job; blocks = per job
+  };
+  std::map<std::pair<const void*, int>, DeviceMoeTable> moe_tables_;
+  const DeviceMoeTable& moe_table(const backend::DeviceMoeCall& c);
+  /// The pinned landing area of layer `layer`'s RouteOut arrays (n 4-byte words), kept
+  /// across calls (grown with a synchronization, old contents copied).
+  int32_t* moe_landing(int layer, size_t n);
+  int32_t* moe_host_ = nullptr;
+  bool moe_host_pinned_ = false;
+  size_t moe_host_layers_ = 0, moe_host_stride_ = 0;
+  bool host_moe_ = false;  // STRATA_CUDA_HOST_MOE=1
+  uint64_t device_moe_layers_ = 0;
   void* stream() const;
   /// cuda::matmul, or with act_q8_ and a has_q8 type: quantize_q8 of x into the q8 scratch, then
   /// cuda::matmul_q8 (same arguments as cuda::matmul, on the compute stream).
