@@ -573,6 +573,7 @@ TEST(CudaBackend, DecodeWithEveryExpertResidentRunsOnTheDeviceBitIdentical) {
     if (host_moe) ::setenv("STRATA_CUDA_HOST_MOE", "1", 1);
     engine::Engine eng(model, o);
     ::unsetenv("STRATA_CUDA_HOST_MOE");
+    EXPECT_EQ(eng.preload(), o.arena_mb >= 64);  // every expert read before the prompt, when they fit
     model::SequenceState st = eng.new_sequence();
     Run r;
     std::vector<float> step;

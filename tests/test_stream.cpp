@@ -298,6 +298,22 @@ TEST_F(StreamTest, ResidentLayerNeedsEveryExpertAndASlotForEach) {
   EXPECT_EQ(st.misses, 0u);
   EXPECT_EQ(st.reads, 0u);
   EXPECT_THROW(s.count_resident_use(0, v({0})), std::logic_error) << "layer 0 was never read";
+  {
+    ExpertStream f(syn->path.string(), syn->layers, opts_slots(*syn, 30, 2));
+    f.request(2, v({4}));
+    (void)f.wait(2, 4);
+    f.release(2);
+    EXPECT_EQ(f.fill_all(), 29u) << "every expert but the one already resident";
+    f.wait_idle();
+    for (int l = 0; l < 3; ++l) {
+      const auto* lv = f.resident_layer(l);
+      ASSERT_NE(lv, nullptr) << "layer " << l;
+      for (int e : all) EXPECT_TRUE(syn->view_ok(l, e, (*lv)[size_t(e)]));
+    }
+    EXPECT_EQ(f.fill_all(), 0u);
+    ExpertStream g(syn->path.string(), syn->layers, opts_slots(*syn, 29, 2));
+    EXPECT_EQ(g.fill_all(), 0u) << "29 slots cannot hold all 30";
+  }
   const uint64_t gen = s.generation();
   s.clear();
   EXPECT_NE(s.generation(), gen);

@@ -120,11 +120,13 @@ std::vector<stream::StreamStats> minus(const std::vector<stream::StreamStats>& b
 
 // Prefill `prompt`, then decode: free-running greedy for `gen` tokens, or teacher-forced over
 // `forced` when given. The trace of both phases is recorded.
-// Without `cold`, one untimed prefill of the prompt warms the arena first.
+// Without `cold`, the arena is warmed first: every expert when it holds them all (Engine::preload),
+// then one untimed prefill of the prompt.
 void run_phases(engine::Engine& eng, const std::vector<int32_t>& prompt, int gen, const std::vector<int32_t>& forced,
                 bool cold, PhaseRun& pre, PhaseRun& dec) {
   std::vector<float> logits;
   if (!cold) {
+    eng.preload();  // an arena that holds every expert gets all of them (as with every weight in VRAM)
     model::SequenceState warm = eng.new_sequence();
     eng.prefill(warm, prompt, model::LogitsMode::None, logits);
   }

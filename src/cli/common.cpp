@@ -42,6 +42,9 @@ void EngineFlags::add(CLI::App& app) {
   app.add_option("--io-threads", opts.io_threads, "threads reading experts from disk")->capture_default_str();
   app.add_flag("--no-direct-io", no_direct_io, "read experts through the page cache instead of O_DIRECT");
   app.add_flag("--no-pack", no_pack, "read experts from the GGUF even when a valid MODEL.strata-pack exists");
+  app.add_flag("--preload", opts.preload,
+               "when the arena holds every expert, read them all at start (then decode runs each MoE layer "
+               "without a host round trip on --backend cuda); otherwise a warning");
   app.add_option("--cpu-kernels", cpu_kernels,
                  "matrix kernels: auto (the best this CPU has, from CPUID), scalar, avx2, avx512")
       ->capture_default_str()

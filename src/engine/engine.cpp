@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <numeric>
 #include <regex>
 #include <sstream>
 #include <thread>
@@ -420,9 +421,35 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
       throw EngineError(e.what());
     }
   }
+  if (opts_.preload) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const stream::StreamStats s0 = stream_stats();
+    if (preload()) {
+      const stream::StreamStats s1 = stream_stats();
+      fmt::print(stderr, "strata: --preload: read {} experts ({:.2f} GiB) in {:.1f} s; every expert is resident\n",
+                 s1.reads - s0.reads, double(s1.bytes_read - s0.bytes_read) / double(1ull << 30), seconds_since(t0));
+    } else {
+      fmt::print(stderr,
+                 "strata: warning: --preload ignored: the arena ({:.0f} MiB) does not hold every expert ({:.0f} MiB){}; "
+                 "experts stream as usual\n",
+                 double(arena_bytes()) / double(1 << 20), double(expert_bytes_) / double(1 << 20),
+                 ep_ ? " or --ep-ranks is on" : "");
+    }
+  }
 }
 
 Engine::~Engine() = default;
+
+bool Engine::preload() {
+  if (ep_) return false;
+  if (stream_->n_slots() < size_t(std::accumulate(
+                               model_->expert_layout().begin(), model_->expert_layout().end(), int64_t(0),
+                               [](int64_t a, const stream::LayerExperts& L) { return a + L.n_expert; })))
+    return false;
+  stream_->fill_all();
+  stream_->wait_idle();
+  return true;
+}
 
 std::unique_ptr<parallel::ExpertParallel> Engine::make_expert_parallel(const std::vector<stream::LayerExperts>& layers,
                                                                        const stream::StreamOptions& so) {

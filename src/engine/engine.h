@@ -44,6 +44,9 @@ struct EngineOptions {
   int io_threads = 8;        ///< expert-reading threads
   bool direct_io = true;     ///< O_DIRECT expert reads (buffered fallback with a warning)
   bool use_pack = true;      ///< read experts from MODEL.strata-pack when it is valid (--no-pack: never)
+  /// --preload: when the arena holds every expert, read them all before the first forward
+  /// (Engine::preload); otherwise a warning, and experts stream as usual.
+  bool preload = false;
   cpu::kernels::CpuKernels kernels = cpu::kernels::CpuKernels::Auto;  ///< --cpu-kernels (auto: CPUID)
   /// --act-quant: activations of Q8_0/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ2_XS/IQ3_S/IQ4_XS matmuls quantized to int8 (Q8, as
   /// llama.cpp does) or kept fp32 (F32: exact, slower); Auto (default) is Q8 with the AVX-512
@@ -157,6 +160,12 @@ class Engine {
   const std::vector<std::vector<int32_t>>& static_rank() const { return static_rank_; }
   const std::string& static_rank_path() const { return static_rank_path_; }
   void reset_stats();
+  /// When the arena has a slot for every expert of the model (and no --ep-ranks): reads every
+  /// expert not resident yet and waits for the reads; afterwards every MoE layer can run with no
+  /// host step between router and experts (backend::Backend::moe_on_device). Returns false,
+  /// reading nothing, when the arena is smaller. Rethrows nothing: a failed read is retried (and
+  /// its error thrown) when a forward needs that expert. Not counted in the phase stats.
+  bool preload();
   /// Later forwards (prefill, decode, forward_batch) stop between layers with model::Interrupted
   /// once `*flag` is true (null: never). A prefill so stopped counts only its finished chunks
   /// in prefill_stats(). The flag must outlive the engine's use of it.

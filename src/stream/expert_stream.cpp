@@ -602,6 +602,23 @@ const std::vector<ExpertView>* ExpertStream::resident_layer(int layer) {
   return &v;
 }
 
+size_t ExpertStream::fill_all() {
+  Impl& m = *impl_;
+  if (!m.holds_all || m.fake) return 0;
+  size_t queued = 0;
+  std::vector<int32_t> todo;
+  std::lock_guard lk(m.mu);
+  for (int l = 0; l < int(m.layers.size()); ++l) {
+    todo.clear();
+    for (int32_t e = 0; e < m.layers[size_t(l)].n_expert; ++e)
+      if (m.table->slot_of(l, e) < 0) todo.push_back(e);
+    m.table->prefetch(l, todo);
+    queued += todo.size();
+  }
+  m.notify();
+  return queued;
+}
+
 uint64_t ExpertStream::generation() const { return impl_->generation; }
 
 void ExpertStream::count_resident_use(int layer, std::span<const int32_t> experts) {

@@ -164,6 +164,10 @@ class ExpertStream {
   /// request() counts hits, without pinning. Throws std::logic_error if one is not resident (the
   /// precondition of resident_layer was broken), std::out_of_range for a bad layer or expert.
   void count_resident_use(int layer, std::span<const int32_t> experts);
+  /// When the arena has a slot for every expert of the model: queues a read-ahead of every expert
+  /// not resident yet (all layers, in layer order) and returns how many; 0 otherwise (nothing is
+  /// queued). wait_idle() then waits for them. --preload; the reads count as read-aheads.
+  size_t fill_all();
   /// Changes whenever resident_layer()'s views may have changed (each clear()).
   uint64_t generation() const;
   /// Blocks until both queues are empty and no read is in flight (tests, benchmarks).
