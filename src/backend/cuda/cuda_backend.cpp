@@ -468,7 +468,7 @@ CudaBackend::~CudaBackend() {
   (void)cudaStreamSynchronize(ctx_->stream);
   host_free(ring_, ring_pinned_);
   if (route_host_) host_free(route_host_, route_host_pinned_);
-  if (moe_host_) host_free(reinterpret_cast<uint8_t*>(moe_host_), moe_host_pinned_);
+  for (MoeLanding& m : moe_host_) host_free(reinterpret_cast<uint8_t*>(m.p), m.pinned);
   moe_tables_.clear();
   inv_freq_.clear();
   sel_bias_.clear();
@@ -1273,17 +1273,19 @@ const CudaBackend::DeviceMoeTable& CudaBackend::moe_table(const backend::DeviceM
 }
 
 int32_t* CudaBackend::moe_landing(int layer, size_t n) {
-  if (size_t(layer) >= moe_host_layers_ || n > moe_host_stride_) {
-    STRATA_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));  // queued copies land in the old area
-    const size_t layers = std::max(moe_host_layers_, size_t(layer) + 1), stride = std::max(moe_host_stride_, n);
-    bool pinned = false;
-    auto* fresh = reinterpret_cast<int32_t*>(host_alloc(layers * stride * 4, pinned, "the MoE routing landing area"));
-    for (size_t l = 0; l < moe_host_layers_; ++l)
-      std::memcpy(fresh + l * stride, moe_host_ + l * moe_host_stride_, moe_host_stride_ * 4);
-    if (moe_host_) host_free(reinterpret_cast<uint8_t*>(moe_host_), moe_host_pinned_);
-    moe_host_ = fresh, moe_host_pinned_ = pinned, moe_host_layers_ = layers, moe_host_stride_ = stride;
+  if (size_t(layer) >= moe_host_.size()) moe_host_.resize(size_t(layer) + 1);
+  MoeLanding& m = moe_host_[size_t(layer)];
+  if (n > m.words) {
+    // Only this layer's area is replaced: the addresses handed out for the other layers stay valid.
+    if (m.p) {
+      STRATA_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));  // a queued copy may still land in it
+      host_free(reinterpret_cast<uint8_t*>(m.p), m.pinned);
+    }
+    m = MoeLanding{};
+    m.p = reinterpret_cast<int32_t*>(host_alloc(n * 4, m.pinned, "the MoE routing landing area"));
+    m.words = n;
   }
-  return moe_host_ + size_t(layer) * moe_host_stride_;
+  return m.p;
 }
 
 const int32_t* CudaBackend::moe_on_device(const backend::DeviceMoeCall& c) {

@@ -154,12 +154,16 @@ class CudaBackend final : public backend::Backend {
   };
   std::map<std::pair<const void*, int>, DeviceMoeTable> moe_tables_;
   const DeviceMoeTable& moe_table(const backend::DeviceMoeCall& c);
-  /// The pinned landing area of layer `layer`'s RouteOut arrays (n 4-byte words), kept
-  /// across calls (grown with a synchronization, old contents copied).
+  /// The pinned landing area of layer `layer`'s RouteOut arrays (at least n 4-byte words): one
+  /// allocation per layer, kept across calls, so growing one never moves another's (the step
+  /// reads every layer's after the token's synchronization).
   int32_t* moe_landing(int layer, size_t n);
-  int32_t* moe_host_ = nullptr;
-  bool moe_host_pinned_ = false;
-  size_t moe_host_layers_ = 0, moe_host_stride_ = 0;
+  struct MoeLanding {
+    int32_t* p = nullptr;
+    bool pinned = false;
+    size_t words = 0;
+  };
+  std::vector<MoeLanding> moe_host_;
   bool host_moe_ = false;  // STRATA_CUDA_HOST_MOE=1
   uint64_t device_moe_layers_ = 0;
   void* stream() const;
