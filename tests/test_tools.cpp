@@ -460,6 +460,29 @@ TEST_F(PackTest, StalePackIsIgnoredWithAWarning) {
   const std::string err = testing::internal::GetCapturedStderr();
   EXPECT_THAT(err, HasSubstr("stale"));
   EXPECT_THAT(err, ::testing::Not(HasSubstr("using packed")));
+
+  // Expert data rewritten in place with the size, tensor table and mtime kept (cp -p, rsync -a,
+  // touch -r): the sampled data hash catches it, and the warning says how to go on.
+  stream::write_pack(model, "", po);
+  ASSERT_EQ(stream::check_pack(model, layers).status, stream::PackStatus::Ok);
+  const auto mtime = fs::last_write_time(model);
+  {
+    std::fstream f(model, std::ios::in | std::ios::out | std::ios::binary);
+    const auto at = std::streamoff(layers[3].part[1].offset(layers[3].n_expert - 1) + 7);
+    f.seekg(at);
+    char b = 0;
+    f.read(&b, 1);
+    b = char(b ^ 0x40);
+    f.seekp(at);
+    f.write(&b, 1);
+  }
+  fs::last_write_time(model, mtime);
+  const stream::PackCheck d = stream::check_pack(model, layers);
+  EXPECT_EQ(d.status, stream::PackStatus::Stale) << d.message;
+  EXPECT_THAT(d.message, HasSubstr("expert data"));
+  testing::internal::CaptureStderr();
+  EXPECT_FALSE(stream::open_pack(model, layers).has_value());
+  EXPECT_THAT(testing::internal::GetCapturedStderr(), HasSubstr("re-run: strata pack -m " + model));
 }
 
 TEST_F(PackTest, TruncatedOrCorruptPackIsRejected) {
@@ -493,6 +516,30 @@ TEST_F(PackTest, TruncatedOrCorruptPackIsRejected) {
   c = stream::check_pack(model, layers, pack);
   EXPECT_EQ(c.status, stream::PackStatus::BadHeader);
   EXPECT_THAT(c.message, HasSubstr("checksum"));
+
+  // Damaged records (the header intact): the pack's sampled slices differ from the GGUF's.
+  stream::write_pack(model, pack, po);
+  {
+    const stream::PackedLayout lay = stream::check_pack(model, layers, pack).layout;
+    std::fstream f(pack, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(std::streamoff(lay.layers[0].part[0].offset(0)));
+    f.write("\0\0\0\0\0\0\0\0", 8);
+  }
+  c = stream::check_pack(model, layers, pack);
+  EXPECT_EQ(c.status, stream::PackStatus::Corrupt) << c.message;
+  EXPECT_THAT(c.message, HasSubstr("corrupt"));
+
+  // A pack of the previous format (version 1, no data hash) is refused by its version.
+  stream::write_pack(model, pack, po);
+  {
+    std::fstream f(pack, std::ios::in | std::ios::out | std::ios::binary);
+    const uint32_t v1 = 1;
+    f.seekp(8);
+    f.write(reinterpret_cast<const char*>(&v1), 4);
+  }
+  c = stream::check_pack(model, layers, pack);
+  EXPECT_EQ(c.status, stream::PackStatus::BadHeader);
+  EXPECT_THAT(c.message, HasSubstr("pack version 1"));
 
   // Geometry that does not match the model's is refused.
   stream::write_pack(model, pack, po);
