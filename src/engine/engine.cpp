@@ -413,7 +413,8 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
   }
   // The stream allocates no more slots than there are experts: a larger --arena-mb is not an
   // error (the model fits), but the size used is said rather than silently differing.
-  if (slot > 0 && opts_.arena_mb > 0 && opts_.arena_bytes == 0 && (uint64_t(opts_.arena_mb) << 20) > arena_bytes())
+  // (Slots of the asked size beyond the expert count; not the rounding down to whole slots.)
+  if (slot > 0 && opts_.arena_mb > 0 && opts_.arena_bytes == 0 && pinned_bytes / slot > all_slots / slot)
     fmt::print(stderr,
                "strata: --arena-mb {} is more than every expert of the model takes: the arena is {:.1f} MiB, all {} "
                "experts resident\n",
