@@ -461,6 +461,17 @@ TEST(ChatTemplate, RunawayRecursionAndDeepJsonAreErrorsNotCrashes) {
   for (int i = 0; i < 255; ++i) ok += "[";
   for (int i = 0; i < 255; ++i) ok += "]";
   EXPECT_EQ(Template("{{ x | length }}").render(J::object({{"x", J::parse(ok)}})), "1");
+  // The conversion counts depth as it recurses (no second walk): exactly json_depth's limit, a
+  // value of 256 levels taken and one of 257 refused.
+  const auto nested = [](size_t n) { return J::parse(std::string(n, '[') + std::string(n, ']')); };
+  EXPECT_EQ(strata::chat::json_depth(nested(256)), strata::chat::kMaxJsonDepth);
+  EXPECT_EQ(Template("{{ x | length }}").render(J::object({{"x", nested(256)}})), "1");
+  try {
+    Template("{{ x | length }}").render(J::object({{"x", nested(257)}}));
+    ADD_FAILURE() << "257 levels rendered";
+  } catch (const RenderError& e) {
+    EXPECT_NE(std::string(e.what()).find("more than 256 levels deep"), std::string::npos) << e.what();
+  }
 }
 
 TEST(ChatTemplate, RenderErrors) {

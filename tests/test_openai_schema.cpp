@@ -551,3 +551,30 @@ TEST(OpenAISchema, ToolCallPiecesChunk) {
   EXPECT_EQ(tc[1]["function"], Json({{"name", "g"}, {"arguments", "{\"b\": 2"}}));
   EXPECT_FALSE(c["choices"][0]["delta"].contains("content"));
 }
+
+TEST(OpenAISchema, ContentLengthIsCheckedBeforeTheBody) {
+  EXPECT_FALSE(content_length_error({}, 1024).has_value());  // absent: a chunked or empty body
+  EXPECT_FALSE(content_length_error({"0"}, 1024).has_value());
+  EXPECT_FALSE(content_length_error({"1024"}, 1024).has_value());
+  EXPECT_FALSE(content_length_error({"12", "12"}, 1024).has_value());  // repeated, the same
+  // Not a plain decimal number of bytes (httplib's strtoull read "-5" as 2^64 - 5, "abc" as 0).
+  for (const char* bad : {"-5", "abc", "5x", "+5", "", " 5", "0x10", "99999999999999999999999"}) {
+    const auto e = content_length_error({bad}, 1024);
+    ASSERT_TRUE(e.has_value()) << "'" << bad << "'";
+    EXPECT_EQ(e->status, 400) << bad;
+    EXPECT_EQ(e->code, "invalid_content_length") << bad;
+    EXPECT_NE(e->message.find(std::string("'") + bad + "'"), std::string::npos) << e->message;
+  }
+  const auto twice = content_length_error({"12", "13"}, 1024);
+  ASSERT_TRUE(twice.has_value());
+  EXPECT_EQ(twice->code, "invalid_content_length");
+  const auto big = content_length_error({"1025"}, 1024);
+  ASSERT_TRUE(big.has_value());
+  EXPECT_EQ(big->status, 413);
+  EXPECT_EQ(big->code, "request_too_large");
+  EXPECT_NE(big->message.find("1025 bytes; at most 1024"), std::string::npos) << big->message;
+  // httplib's own statuses get their own messages and codes, not "HTTP 400".
+  EXPECT_EQ(http_status_error(400, "GET", "/").code, "invalid_http_request");
+  EXPECT_EQ(http_status_error(414, "GET", "/").code, "uri_too_long");
+  EXPECT_EQ(http_status_error(416, "GET", "/").code, "range_not_satisfiable");
+}

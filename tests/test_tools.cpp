@@ -460,6 +460,29 @@ TEST_F(PackTest, StalePackIsIgnoredWithAWarning) {
   const std::string err = testing::internal::GetCapturedStderr();
   EXPECT_THAT(err, HasSubstr("stale"));
   EXPECT_THAT(err, ::testing::Not(HasSubstr("using packed")));
+
+  // Expert data rewritten in place with the size, tensor table and mtime kept (cp -p, rsync -a,
+  // touch -r): the sampled data hash catches it, and the warning says how to go on.
+  stream::write_pack(model, "", po);
+  ASSERT_EQ(stream::check_pack(model, layers).status, stream::PackStatus::Ok);
+  const auto mtime = fs::last_write_time(model);
+  {
+    std::fstream f(model, std::ios::in | std::ios::out | std::ios::binary);
+    const auto at = std::streamoff(layers[3].part[1].offset(layers[3].n_expert - 1) + 7);
+    f.seekg(at);
+    char b = 0;
+    f.read(&b, 1);
+    b = char(b ^ 0x40);
+    f.seekp(at);
+    f.write(&b, 1);
+  }
+  fs::last_write_time(model, mtime);
+  const stream::PackCheck d = stream::check_pack(model, layers);
+  EXPECT_EQ(d.status, stream::PackStatus::Stale) << d.message;
+  EXPECT_THAT(d.message, HasSubstr("expert data"));
+  testing::internal::CaptureStderr();
+  EXPECT_FALSE(stream::open_pack(model, layers).has_value());
+  EXPECT_THAT(testing::internal::GetCapturedStderr(), HasSubstr("re-run: strata pack -m " + model));
 }
 
 TEST_F(PackTest, TruncatedOrCorruptPackIsRejected) {
@@ -493,6 +516,30 @@ TEST_F(PackTest, TruncatedOrCorruptPackIsRejected) {
   c = stream::check_pack(model, layers, pack);
   EXPECT_EQ(c.status, stream::PackStatus::BadHeader);
   EXPECT_THAT(c.message, HasSubstr("checksum"));
+
+  // Damaged records (the header intact): the pack's sampled slices differ from the GGUF's.
+  stream::write_pack(model, pack, po);
+  {
+    const stream::PackedLayout lay = stream::check_pack(model, layers, pack).layout;
+    std::fstream f(pack, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(std::streamoff(lay.layers[0].part[0].offset(0)));
+    f.write("\0\0\0\0\0\0\0\0", 8);
+  }
+  c = stream::check_pack(model, layers, pack);
+  EXPECT_EQ(c.status, stream::PackStatus::Corrupt) << c.message;
+  EXPECT_THAT(c.message, HasSubstr("corrupt"));
+
+  // A pack of the previous format (version 1, no data hash) is refused by its version.
+  stream::write_pack(model, pack, po);
+  {
+    std::fstream f(pack, std::ios::in | std::ios::out | std::ios::binary);
+    const uint32_t v1 = 1;
+    f.seekp(8);
+    f.write(reinterpret_cast<const char*>(&v1), 4);
+  }
+  c = stream::check_pack(model, layers, pack);
+  EXPECT_EQ(c.status, stream::PackStatus::BadHeader);
+  EXPECT_THAT(c.message, HasSubstr("pack version 1"));
 
   // Geometry that does not match the model's is refused.
   stream::write_pack(model, pack, po);
@@ -902,13 +949,13 @@ TEST(NewUser, PerplexityChecksTheBaseFileIsWritableFirst) {
 
 // ---- a tester's CLI findings: the same checks everywhere, clear errors, stdin prompts ----
 
-
 TEST(NewUser, EveryCommandThatSamplesChecksItsFlagsAsRunDoes) {
   // Each bad value, for run and chat: refused before the model loads, naming the flag and the range.
   const std::vector<std::pair<std::string, std::string>> bad = {
       {"--temp -1", "--temp must be a number >= 0 (0 = greedy), got -1"},
       {"--temp nan", "--temp must be a number >= 0 (0 = greedy), got nan"},
-      {"--top-p 0", "--top-p must be in (0, 1], got 0"},
+      {"--top-p 1.5", "--top-p must be in [0, 1] (1 = off, 0 = only the most likely token), got 1.5"},
+      {"--top-p -0.1", "--top-p must be in [0, 1] (1 = off, 0 = only the most likely token), got -0.1"},
       {"--min-p nan", "--min-p must be in [0, 1], got nan"},
       {"--top-k -3", "--top-k must be >= 0 (0 = off), got -3"},
       {"--repeat-penalty inf", "--repeat-penalty must be > 0 (1 = off), got inf"},
@@ -933,6 +980,13 @@ TEST(NewUser, EveryCommandThatSamplesChecksItsFlagsAsRunDoes) {
         run_strata("run " + shipped() + " -p hi -n 2 --temp 0 --repeat-penalty 1.3 --repeat-last-n " + n);
     EXPECT_EQ(r.rc, 0) << n << "\n" << r.out;
   }
+  // --top-p 0 keeps only the most likely token (llama.cpp's meaning, and the server's top_p 0):
+  // at temperature 1 it decodes the greedy text, whatever the seed.
+  const CmdResult greedy = run_strata("run " + shipped() + " -p 'def f(x):' -n 8 --temp 0 --json");
+  const CmdResult top_p0 = run_strata("run " + shipped() + " -p 'def f(x):' -n 8 --temp 1 --top-p 0 -s 7 --json");
+  ASSERT_EQ(greedy.rc, 0) << greedy.out;
+  ASSERT_EQ(top_p0.rc, 0) << top_p0.out;
+  EXPECT_EQ(nlohmann::json::parse(top_p0.out)["ids"], nlohmann::json::parse(greedy.out)["ids"]);
   // chat runs with the shared flags, and -s -1 is random there too (printed, as run prints it).
   const CmdResult c = run_cmd("printf 'def f(x):\\n' | " + test::strata_binary() + " chat " + shipped() +
                               " -n 2 --temp 0.5 --repeat-last-n -1 -s -1 2>&1");
@@ -965,9 +1019,6 @@ TEST(NewUser, AnEmptyPromptFileIsAnErrorAndProfileWritesNothing) {
   r = run_strata("run " + shipped() + " -f /dev/null -n 1");
   EXPECT_NE(r.rc, 0) << r.out;
   EXPECT_THAT(r.out, HasSubstr("the prompt file '/dev/null' is empty: nothing to run"));
-  r = run_strata("bench " + shipped() + " --ssd-seconds -1 --gen 1");
-  EXPECT_NE(r.rc, 0) << r.out;
-  EXPECT_THAT(r.out, HasSubstr("must be a number > 0, got '-1'"));
   r = run_strata("bench " + shipped() + " -f /dev/null --gen 1 --no-ssdbw");
   EXPECT_NE(r.rc, 0) << r.out;
   EXPECT_THAT(r.out, HasSubstr("the prompt file '/dev/null' is empty: nothing to bench"));
@@ -1069,7 +1120,8 @@ TEST(NewUser, NoParseSpecialTakesAFileToo) {
   ASSERT_EQ(parsed.rc, 0) << parsed.out;
   ASSERT_EQ(plain_f.rc, 0) << plain_f.out;
   ASSERT_EQ(plain_p.rc, 0) << plain_p.out;
-  const auto ids_parsed = nlohmann::json::parse(parsed.out)["ids"], ids_plain = nlohmann::json::parse(plain_f.out)["ids"];
+  const auto ids_parsed = nlohmann::json::parse(parsed.out)["ids"],
+             ids_plain = nlohmann::json::parse(plain_f.out)["ids"];
   EXPECT_EQ(ids_plain, nlohmann::json::parse(plain_p.out)["ids"]);
   ASSERT_EQ(ids_parsed.size(), 2u) << parsed.out;  // <|im_start|> and "hi"
   EXPECT_GT(ids_plain.size(), ids_parsed.size()) << plain_f.out;
@@ -1132,4 +1184,107 @@ TEST(NewUser, DemoScriptFlagsOverrideItsDefaults) {
   const CmdResult o = run_cmd(demo + flags + " 2>/dev/null");
   same_run(flags, o, run_strata("run " + shipped() + " " + flags + " --json --ignore-eos 2>/dev/null"));
   EXPECT_EQ(nlohmann::json::parse(o.out)["ids"].size(), 3u);
+}
+
+TEST(NewUser, BenchChecksItsFlagsAndReportsTheTokensItRan) {
+  CmdResult r = run_strata("bench " + shipped() + " --ssd-seconds -1 --gen 1");
+  EXPECT_NE(r.rc, 0) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("--ssd-seconds: must be a number > 0, got '-1'"));
+  // Prompt + --gen past the context: refused up front (it decoded what fit and reported --gen).
+  r = run_strata("bench " + shipped() + " -c 64 --prompt-tokens 60 --gen 10 --no-ssdbw");
+  EXPECT_EQ(r.rc, 1) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("the prompt's 60 tokens and --gen 10 need 70 positions, more than the context of 64 "
+                               "tokens (-c/--ctx-size); decode at most 4 tokens"));
+  // --decode-from: the same check on the file's tokens, and a file shorter than --gen decodes (and
+  // reports) its own count.
+  const std::string text = scratch().path("bench-decode.txt");
+  {
+    std::ofstream t(text);
+    for (int i = 0; i < 20; ++i) t << "def f" << i << "(x):\n    return x + " << i << "\n";
+  }
+  r = run_strata("bench " + shipped() + " -c 64 --prompt-tokens 60 --gen 32 --decode-from " + text + " --no-ssdbw");
+  EXPECT_EQ(r.rc, 1) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("--decode-from '" + text + "' (32 of its"));
+  EXPECT_THAT(r.out, HasSubstr("more than the context of 64 tokens"));
+  const std::string few = scratch().path("bench-few.txt");
+  {
+    std::ofstream t(few);
+    t << "def f(x):";
+  }
+  r = run_strata("bench " + shipped() + " -c 64 --prompt-tokens 8 --gen 32 --decode-from " + few +
+                 " --no-ssdbw --json");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out.substr(r.out.find('{')));
+  const int64_t decoded = j["decode"]["tokens"].get<int64_t>();
+  EXPECT_GT(decoded, 0);
+  EXPECT_LT(decoded, 32);
+  r = run_strata("bench " + shipped() + " -c 64 --prompt-tokens 8 --gen 32 --decode-from " + few + " --no-ssdbw");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("running 8 prompt tokens, " + std::to_string(decoded) + " decode token"));
+  EXPECT_THAT(r.out, HasSubstr("fewer than --gen 32"));
+}
+
+TEST(NewUser, FlagErrorsNameTheFlagAndValueAndIgnoredFlagsAreSaid) {
+  const std::string model = test::shipped_model();
+  // An option before any command: the error, the usage, exit 2 (a CLI11 exception text before).
+  CmdResult r = run_strata("-x");
+  EXPECT_EQ(r.rc, 2) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("strata: error: unknown option '-x' before the command"));
+  EXPECT_THAT(r.out, HasSubstr("Usage: strata"));
+  // ssdbw: the flag and its value in the message; a copy size beyond RAM refused before measuring.
+  r = run_strata("ssdbw -f " + model + " --threads abc --no-h2d");
+  EXPECT_EQ(r.rc, 1) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("--threads 'abc': 'abc' is not a thread count"));
+  r = run_strata("ssdbw -f " + model + " --threads 1,,2 --no-h2d");
+  EXPECT_THAT(r.out, HasSubstr("--threads '1,,2': entry 2 is empty"));
+  r = run_strata("ssdbw -f " + model + " --threads 1 --reads 4 --h2d-size 1000000G");
+  EXPECT_EQ(r.rc, 1) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("--h2d-size 1000000G (976.6 TiB): the copy probes need two buffers of it"));
+  EXPECT_THAT(r.out, ::testing::Not(HasSubstr("bad_alloc")));
+  EXPECT_THAT(r.out, ::testing::Not(HasSubstr("GB/s"))) << "refused before the drive is measured";
+  r = run_strata("ssdbw -f " + model + " --threads 1 --reads 4 --h2d-size 1e300G");
+  EXPECT_THAT(r.out, HasSubstr("--h2d-size: '1e300G' is too large a size"));
+  // Out-of-range reals: the value as written, no 300-digit range.
+  r = run_strata("run " + shipped() + " -p hi -n 1 --moce-kld-budget 0");
+  EXPECT_NE(r.rc, 0);
+  EXPECT_THAT(r.out, HasSubstr("--moce-kld-budget: must be a number > 0, got '0'"));
+  EXPECT_LT(r.out.size(), 200u) << r.out;
+  r = run_strata("route-parity " + shipped() + " -f /dev/null --a '' --b '' --tie-tol -1");
+  EXPECT_THAT(r.out, HasSubstr("--tie-tol: must be a number >= 0, got '-1'"));
+  EXPECT_LT(r.out.size(), 200u) << r.out;
+  // -t out of range: one error, no warning before it.
+  r = run_strata("run -m " + model + " -p hi -n 1 -t 100000");
+  EXPECT_EQ(r.rc, 1) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("-t/--threads must be between 0 (all cores) and 1024, got 100000"));
+  EXPECT_THAT(r.out, ::testing::Not(HasSubstr("warning")));
+  // --prompt-ids: an empty list or an empty entry is an error (a trailing comma was dropped).
+  r = run_strata("run " + shipped() + " --prompt-ids '' -n 1");
+  EXPECT_EQ(r.rc, 1) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("--prompt-ids: empty list"));
+  r = run_strata("run " + shipped() + " --prompt-ids 1,2, -n 1");
+  EXPECT_EQ(r.rc, 1) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("--prompt-ids '1,2,': entry 3 is empty"));
+  r = run_strata("bench " + shipped() + " --prompt-ids '' --gen 1 --no-ssdbw");
+  EXPECT_EQ(r.rc, 1) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("--prompt-ids: empty list"));
+  // Flags that would do nothing: an error, or one line saying they are ignored.
+  r = run_strata("run " + shipped() + " -p hi -n 1 --backend cpu --device -1");
+  EXPECT_EQ(r.rc, 1) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("--device -1: a CUDA device ordinal is 0 or more"));
+  r = run_strata("run " + shipped() + " -p hi -n 1 --dump-filter 'l_out-.*'");
+  EXPECT_EQ(r.rc, 1) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("--dump-filter selects what --dump DIR writes"));
+  r = run_strata("run " + shipped() + " -p hi -n 1 --ep-placement id");
+  EXPECT_EQ(r.rc, 1) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("--ep-placement places experts on the ranks of --ep-ranks N"));
+  r = run_strata("run " + shipped() + " -p hi -n 1 --temp 0 --backend cpu --device 1 --arena-mb 10000000");
+  EXPECT_EQ(r.rc, 0) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("warning: --device 1 is ignored: --backend cpu runs on no GPU"));
+  EXPECT_THAT(r.out, HasSubstr("--arena-mb 10000000 is more than every expert of the model takes: the arena is"));
+  // Counts of one are singular.
+  r = run_strata("run -m " + model + " -t 1 -p hi -n 1 --temp 0");
+  EXPECT_EQ(r.rc, 0) << r.out;
+  EXPECT_THAT(r.out, HasSubstr(", 1 prompt token, "));
+  EXPECT_THAT(r.out, HasSubstr("(1 thread, "));
+  EXPECT_THAT(r.out, ::testing::Not(HasSubstr("1 threads")));
 }

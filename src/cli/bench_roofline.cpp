@@ -7,6 +7,7 @@
 
 #include "backend/cpu/kernels/kernels.h"
 #include "backend/cpu/kernels/peak_probe.h"
+#include "cli/common.h"
 #include "gguf/gguf.h"
 
 namespace strata::cli {
@@ -71,9 +72,10 @@ nlohmann::json bench_roofline(const std::string& model, const nlohmann::json& be
 
 void print_roofline(const nlohmann::json& r) {
   const auto& p = r["peak"];
-  fmt::print("roofline: int8 peak {:.1f} GOPS ({}, {} threads; bare vpmaddubsw {:.1f}), memory read {:.1f} GB/s\n",
-             p["int8_gops"].get<double>(), p["int8_how"].get<std::string>(), p["threads"].get<int>(),
-             p["maddubs_gops"].get<double>(), p["read_gbps"].get<double>());
+  fmt::print("roofline: int8 peak {:.1f} GOPS ({}, {}; bare vpmaddubsw {:.1f}), memory read {:.1f} GB/s\n",
+             p["int8_gops"].get<double>(), p["int8_how"].get<std::string>(),
+             count_of(p["threads"].get<int>(), "thread"), p["maddubs_gops"].get<double>(),
+             p["read_gbps"].get<double>());
   for (const char* name : {"prefill", "decode"}) {
     if (!r.contains(name)) continue;
     const auto& j = r[name];

@@ -26,6 +26,7 @@ struct BenchFlags {
   int gen = 64;
   bool cold = false, json = false, no_ssd = false;
   double ssd_seconds = 3.0;
+  const CLI::Option* prompt_ids_opt = nullptr;  // to tell `--prompt-ids ""` from none
 };
 
 // The fewest expert reads any schedule could do for this run with this arena: Belady's
@@ -166,7 +167,7 @@ void register_bench(CLI::App& root) {
   app->add_option("-f,--file", f->prompt_file,
                   "prompt text file (its first --prompt-tokens tokens; '-' = standard input)")
       ->check(existing_file_or_stdin());
-  app->add_option("--prompt-ids", f->prompt_ids, "prompt as comma-separated token ids");
+  f->prompt_ids_opt = app->add_option("--prompt-ids", f->prompt_ids, "prompt as comma-separated token ids");
   app->add_option("--gen", f->gen, "decode tokens")->capture_default_str()->check(at_least(0));
   app->add_option("--decode-from", f->decode_from, "teacher-forced decode: feed this text's tokens one at a time")
       ->check(CLI::ExistingFile);
@@ -197,8 +198,8 @@ void register_bench(CLI::App& root) {
       backend_device = eng.backend_info().device;
       n_threads = eng.options().n_threads;
       const auto& tok = eng.tokenizer();
-      if (!f->prompt_ids.empty()) {
-        prompt = parse_id_list(f->prompt_ids);
+      if (f->prompt_ids_opt->count() > 0) {
+        prompt = parse_id_list(f->prompt_ids, "--prompt-ids");
       } else if (!f->prompt_file.empty()) {
         prompt = read_tokens(tok, f->prompt_file, "bench");
         if (int(prompt.size()) > f->prompt_tokens) prompt.resize(size_t(f->prompt_tokens));
@@ -208,6 +209,21 @@ void register_bench(CLI::App& root) {
         for (int i = 0; i < f->prompt_tokens; ++i) prompt.push_back(d(rng));
       }
       if (!f->decode_from.empty()) forced = read_tokens(tok, f->decode_from, "teacher-force");
+      // Decode tokens this run feeds: --gen, or the file's tokens when --decode-from has fewer.
+      // Prompt and decode share the context: refused up front rather than stopping early and
+      // reporting --gen tokens that were never decoded.
+      const size_t n_decode = forced.empty() ? size_t(f->gen) : std::min(forced.size(), size_t(f->gen));
+      const int64_t n_ctx = eng.n_ctx();
+      if (int64_t(prompt.size() + n_decode) > n_ctx) {
+        const std::string decode = forced.empty() ? fmt::format("--gen {}", f->gen)
+                                                  : fmt::format("--decode-from '{}' ({} of its {} tokens, --gen {})",
+                                                                f->decode_from, n_decode, forced.size(), f->gen);
+        throw std::invalid_argument(fmt::format(
+            "the prompt's {} tokens and {} need {} positions, more than the context of {} tokens (-c/--ctx-size); "
+            "decode at most {} tokens, shorten the prompt or raise -c",
+            prompt.size(), decode, prompt.size() + n_decode, n_ctx,
+            std::max<int64_t>(0, n_ctx - int64_t(prompt.size()))));
+      }
       record = eng.stream().slot_bytes();
       arena_bytes = eng.arena_bytes();
       n_slots = eng.expert_parallel() ? eng.expert_parallel()->n_slots() : eng.stream().n_slots();
@@ -219,7 +235,12 @@ void register_bench(CLI::App& root) {
                      human_bytes(double(record)), f->ssd_seconds);
         ssd_gbps = io::measure_read_gbps(expert_file, record, opts.io_threads, f->ssd_seconds);
       }
-      if (!f->json) fmt::print(stderr, "running {} prompt tokens, {} decode tokens ...\n", prompt.size(), f->gen);
+      if (!f->json)
+        fmt::print(stderr, "running {} prompt token{}, {} decode token{}{} ...\n", prompt.size(),
+                   prompt.size() == 1 ? "" : "s", n_decode, n_decode == 1 ? "" : "s",
+                   !forced.empty() && forced.size() < size_t(f->gen)
+                       ? fmt::format(" (all of --decode-from '{}', fewer than --gen {})", f->decode_from, f->gen)
+                       : std::string());
       // ---- tiers: the copy probe runs where the run copies (a GPU arena or a host tier) ----
       const bool device_arena = eng.backend_info().name == "cuda";
       host_bytes = eng.host_cache_bytes();
@@ -313,11 +334,13 @@ void register_bench(CLI::App& root) {
       fmt::print("{}\n", out.dump(2));
       return;
     }
-    const std::string drive = ssd_gbps > 0 ? fmt::format("{:.2f} GB/s (random {} reads, {} threads)", ssd_gbps,
-                                                         human_bytes(double(record)), opts.io_threads)
-                                           : std::string("not measured (no IO floor)");
-    fmt::print("drive: {}   arena: {} in {} slots   predict: {}   compute: {} threads, {} kernels, {} activations\n",
-               drive, human_bytes(double(arena_bytes)), n_slots, opts.predict ? "on" : "off", n_threads, kernels, actq);
+    const std::string drive = ssd_gbps > 0
+                                  ? fmt::format("{:.2f} GB/s (random {} reads, {})", ssd_gbps,
+                                                human_bytes(double(record)), count_of(opts.io_threads, "thread"))
+                                  : std::string("not measured (no IO floor)");
+    fmt::print("drive: {}   arena: {} in {}   predict: {}   compute: {}, {} kernels, {} activations\n", drive,
+               human_bytes(double(arena_bytes)), count_of(n_slots, "slot"), opts.predict ? "on" : "off",
+               count_of(n_threads, "thread"), kernels, actq);
     fmt::print("backend: {} ({})\n", backend_name, backend_device);
     for (const char* name : {"prefill", "decode"}) {
       const auto& j = out[name];

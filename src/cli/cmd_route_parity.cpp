@@ -196,12 +196,12 @@ void register_route_parity(CLI::App& root) {
   app->add_option("--decode", f->decode,
                   "the last N prompt tokens are decoded one at a time (teacher-forced) to compare decode routing too")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(at_least(0));
   app->add_option("--tie-tol", f->tie_tol,
                   "a differing token is a tie when exactly one expert is swapped and, in either run, "
                   "(p_k - p_k+1) <= TOL * p_k for its k-th and (k+1)-th router probabilities")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(non_negative_real());
   app->add_flag("--json", f->json, "print one JSON object instead of the table");
   app->callback([f] {
     const bool from_dumps = !f->dump_a.empty() || !f->dump_b.empty();

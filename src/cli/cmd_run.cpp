@@ -52,14 +52,13 @@ void register_run(CLI::App& root) {
     if (!f->json) {
       // The CPU backend's description already names its threads, kernels and activations.
       const backend::BackendInfo bi = eng.backend_info();
-      const std::string host = bi.name == "cpu"
-                                   ? std::string()
-                                   : fmt::format("{} threads, {} kernels, {} activations, ", eng.options().n_threads,
-                                                 eng.cpu_kernels(), eng.act_quant());
-      fmt::print(stderr,
-                 "strata: {} ({}), {} prompt tokens, arena {} ({} slots), prompt chunk {}{}, {}backend {} ({})\n",
-                 f->engine.model, eng.hparams().arch, prompt.size(), human_bytes(double(eng.arena_bytes())),
-                 eng.stream().n_slots(), eng.options().prompt_chunk,
+      const std::string host = bi.name == "cpu" ? std::string()
+                                                : fmt::format("{}, {} kernels, {} activations, ",
+                                                              count_of(eng.options().n_threads, "thread"),
+                                                              eng.cpu_kernels(), eng.act_quant());
+      fmt::print(stderr, "strata: {} ({}), {}, arena {} ({}), prompt chunk {}{}, {}backend {} ({})\n", f->engine.model,
+                 eng.hparams().arch, count_of(prompt.size(), "prompt token"), human_bytes(double(eng.arena_bytes())),
+                 count_of(eng.stream().n_slots(), "slot"), eng.options().prompt_chunk,
                  f->engine.opts.prompt_chunk == 0 ? " (automatic)" : "", host, bi.name, bi.device);
     }
 

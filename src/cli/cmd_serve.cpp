@@ -116,13 +116,13 @@ void register_serve(CLI::App& root) {
   app->add_option("--request-timeout", sc.request_timeout_s,
                   "seconds after which a request ends with finish_reason \"length\" (0 = never)")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(non_negative_real());
   add_n_predict_option(*app, s.n_predict,
                        "max_tokens of requests that leave it unset (-1 = up to the end of the context)");
   app->add_option("--shutdown-grace", f->shutdown_grace_s,
                   "on SIGINT/SIGTERM, seconds running requests get to finish before they are cancelled")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(non_negative_real());
   app->add_option("--alias", s.model_name, "model id reported by /v1/models (default: the file name)");
   app->add_option("--chat-template-file", f->chat_template_file, "Jinja chat template to use instead of the model's")
       ->check(CLI::ExistingFile);
@@ -145,10 +145,10 @@ void register_serve(CLI::App& root) {
     server::Server srv(eng, std::move(tmpl), opts);
     const int port = srv.bind();
     fmt::print(stderr,
-               "strata serve: listening on http://{}:{} ({}, {} slots of {} tokens, queue {}, arena {} in {} slots, "
+               "strata serve: listening on http://{}:{} ({}, {} of {} tokens, queue {}, arena {} in {}, "
                "{}, prefix cache {})\n",
-               opts.host, port, f->engine.model, opts.parallel, eng.n_ctx(), opts.queue_size,
-               human_bytes(double(eng.arena_bytes())), eng.stream().n_slots(),
+               opts.host, port, f->engine.model, count_of(opts.parallel, "slot"), eng.n_ctx(), opts.queue_size,
+               human_bytes(double(eng.arena_bytes())), count_of(eng.stream().n_slots(), "slot"),
                opts.scheduling.batching ? fmt::format("continuous batching of up to {} tokens",
                                                       opts.scheduling.batch_tokens > 0 ? opts.scheduling.batch_tokens
                                                                                        : eng.options().prompt_chunk)

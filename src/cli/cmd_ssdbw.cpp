@@ -34,9 +34,20 @@ uint64_t parse_size(const std::string& s) {
     mul = 1024.0 * 1024;
   else if (unit == "G")
     mul = 1024.0 * 1024 * 1024;
-  if (used == 0 || mul == 0 || !(v > 0))
+  if (used == 0 || mul == 0 || !(v > 0) || !std::isfinite(v))
     throw std::invalid_argument(fmt::format("'{}' is not a size (bytes, or with K, M, G)", s));
+  // 2^62 bytes is far past any RAM or drive and still fits uint64_t after rounding.
+  if (v * mul > double(uint64_t(1) << 62)) throw std::invalid_argument(fmt::format("'{}' is too large a size", s));
   return uint64_t(std::llround(v * mul));
+}
+
+// parse_size for the value of `flag`, its errors naming the flag.
+uint64_t parse_size_flag(const std::string& flag, const std::string& s) {
+  try {
+    return parse_size(s);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(fmt::format("{}: {}", flag, e.what()));
+  }
 }
 
 struct SsdbwFlags {
@@ -84,13 +95,24 @@ void register_ssdbw(CLI::App& root) {
   app->add_flag("--no-h2d", f->no_h2d, "skip the copy probes");
   app->callback([f] {
     io::ReadBwOptions o;
-    o.record_bytes = size_t(parse_size(f->size));
+    o.record_bytes = size_t(parse_size_flag("--size", f->size));
+    size_t cb = 0;  // bytes per copy of the copy probes, checked before the drive is measured
+    if (!f->no_h2d) {
+      cb = size_t(parse_size_flag("--h2d-size", f->h2d_size));
+      // The memcpy probe holds two buffers of this size (the pinned probe one more): more than
+      // the RAM there is would end in std::bad_alloc or the OOM killer.
+      if (const uint64_t avail = engine::mem_available_bytes(); avail > 0 && 2 * uint64_t(cb) > avail)
+        throw std::invalid_argument(fmt::format(
+            "--h2d-size {} ({}): the copy probes need two buffers of it, {}, more than the {} of memory available; "
+            "give a smaller size (default 256M) or --no-h2d",
+            f->h2d_size, human_bytes(double(cb)), human_bytes(2.0 * double(cb)), human_bytes(double(avail))));
+    }
     o.seconds = f->seconds;
     o.reads = f->reads;
-    std::vector<int32_t> counts = parse_id_list(f->threads);
+    std::vector<int32_t> counts = parse_id_list(f->threads, "--threads", "thread count");
     for (int32_t c : counts)
       if (c < 1 || c > 1024)
-        throw std::invalid_argument(fmt::format("--threads: {} is not a thread count in 1..1024", c));
+        throw std::invalid_argument(fmt::format("--threads '{}': {} is not a thread count in 1..1024", f->threads, c));
     nlohmann::json results = nlohmann::json::array();
     bool direct = true;
     uint64_t rec = 0;
@@ -120,7 +142,6 @@ void register_ssdbw(CLI::App& root) {
     nlohmann::json h2d = nullptr, host_copy = nullptr;
     std::string h2d_skip;
     if (!f->no_h2d) {
-      const size_t cb = size_t(parse_size(f->h2d_size));
       if (!engine::cuda_device_present()) {
 #ifdef STRATA_HAVE_CUDA
         h2d_skip = "no CUDA device";

@@ -23,7 +23,7 @@ void EngineFlags::add(CLI::App& app) {
                  "device is present, else cpu)")
       ->capture_default_str()
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
-  app.add_option("--device", opts.device, "CUDA device ordinal for --backend cuda")->capture_default_str();
+  device_opt = app.add_option("--device", opts.device, "CUDA device ordinal for --backend cuda")->capture_default_str();
   app.add_option("--arena-mb", opts.arena_mb,
                  "expert arena size in MiB (0 = automatic: half of available RAM minus dense weights "
                  "and KV cache, capped at all experts)")
@@ -81,7 +81,7 @@ void EngineFlags::add(CLI::App& app) {
                  "decode path, against bonus 0) on the calibration text at most this: a 95 % upper bound, since the "
                  "mean of a short sample is noisy and held-back text differs; prints the grid and the choice, then "
                  "runs with it")
-      ->check(CLI::PositiveNumber);
+      ->check(positive_real());
   app.add_option("--moce-calibrate", moce_calibrate,
                  "calibration text for --moce-kld-budget (its first 256 tokens, as 4 sequences of 64; default: 4 x 64 "
                  "tokens of the model's own text sampled at temperature 1 with fixed seeds after a fixed prompt, as "
@@ -97,22 +97,25 @@ void EngineFlags::add(CLI::App& app) {
                  "--backend cpu the N ranks are simulated in this process; with --backend cuda one GPU per rank "
                  "(N > 1 needs NCCL, not built yet). 0 = off")
       ->capture_default_str();
-  app.add_option("--ep-placement", opts.ep_placement,
-                 "with --ep-ranks: which rank owns each expert: id (contiguous id ranges), popularity (balance the "
-                 "static rank's pick counts over the ranks), auto (popularity when a static rank is loaded, else id)")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"auto", "id", "popularity"}));
-  app.add_option("--dump-filter", opts.dump_filter,
-                 "with --dump: only tensors whose whole name matches this ECMAScript regex, e.g. 'ffn_moe_out-.*'");
+  ep_placement_opt =
+      app.add_option(
+             "--ep-placement", opts.ep_placement,
+             "with --ep-ranks: which rank owns each expert: id (contiguous id ranges), popularity (balance the "
+             "static rank's pick counts over the ranks), auto (popularity when a static rank is loaded, else id)")
+          ->capture_default_str()
+          ->check(CLI::IsMember({"auto", "id", "popularity"}));
+  dump_filter_opt =
+      app.add_option("--dump-filter", opts.dump_filter,
+                     "with --dump: only tensors whose whole name matches this ECMAScript regex, e.g. 'ffn_moe_out-.*'");
 }
 
 std::string threads_warning(int n_threads) {
   const unsigned hw = std::thread::hardware_concurrency();
   if (hw == 0 || n_threads <= int(hw)) return "";
   return fmt::format(
-      "strata: warning: -t {} is more than the {} hardware threads of this machine; compute threads beyond them "
+      "strata: warning: -t {} is more than the {} hardware thread{} of this machine; compute threads beyond them "
       "only take turns (use -t {} or 0 = all)",
-      n_threads, hw, hw);
+      n_threads, hw, hw == 1 ? "" : "s", hw);
 }
 
 void add_seed_option(CLI::App& app, int64_t& seed) {
@@ -123,7 +126,8 @@ void add_seed_option(CLI::App& app, int64_t& seed) {
 void SamplingFlags::add(CLI::App& app) {
   app.add_option("--temp", sp.temp, "temperature (0 = greedy)")->capture_default_str();
   app.add_option("--top-k", sp.top_k, "top-k sampling (0 = off)")->capture_default_str();
-  app.add_option("--top-p", sp.top_p, "top-p sampling (1 = off)")->capture_default_str();
+  app.add_option("--top-p", sp.top_p, "top-p sampling (1 = off, 0 = only the most likely token)")
+      ->capture_default_str();
   app.add_option("--min-p", sp.min_p, "min-p sampling (0 = off)")->capture_default_str();
   app.add_option("--repeat-penalty", sp.repeat_penalty, "repetition penalty (1 = off)")->capture_default_str();
   app.add_option("--repeat-last-n", sp.repeat_last_n,
@@ -135,8 +139,11 @@ void SamplingFlags::add(CLI::App& app) {
 engine::SamplerParams SamplingFlags::resolve() const {
   if (!std::isfinite(sp.temp) || sp.temp < 0)
     throw std::invalid_argument(fmt::format("--temp must be a number >= 0 (0 = greedy), got {}", sp.temp));
-  if (!(sp.top_p > 0 && sp.top_p <= 1))
-    throw std::invalid_argument(fmt::format("--top-p must be in (0, 1], got {}", sp.top_p));
+  // [0, 1] as the server's top_p (OpenAI's range): 0 keeps only the most likely token, as
+  // llama.cpp's top-p sampler does (it keeps the first token whose running sum reaches p).
+  if (!(sp.top_p >= 0 && sp.top_p <= 1))
+    throw std::invalid_argument(
+        fmt::format("--top-p must be in [0, 1] (1 = off, 0 = only the most likely token), got {}", sp.top_p));
   if (!(sp.min_p >= 0 && sp.min_p <= 1))
     throw std::invalid_argument(fmt::format("--min-p must be in [0, 1], got {}", sp.min_p));
   if (sp.top_k < 0) throw std::invalid_argument(fmt::format("--top-k must be >= 0 (0 = off), got {}", sp.top_k));
@@ -196,6 +203,22 @@ std::string llama_cpp_flag_error(int argc, const char* const* argv) {
 }
 
 engine::EngineOptions EngineFlags::resolve() const {
+  // Out of range: one error (the engine would refuse it too), not the warning first.
+  if (opts.n_threads < 0 || opts.n_threads > engine::kMaxThreads)
+    throw std::invalid_argument(
+        fmt::format("-t/--threads must be between 0 (all cores) and {}, got {}", engine::kMaxThreads, opts.n_threads));
+  if (opts.device < 0)
+    throw std::invalid_argument(fmt::format("--device {}: a CUDA device ordinal is 0 or more", opts.device));
+  if (dump_filter_opt && dump_filter_opt->count() > 0 && opts.dump_dir.empty())
+    throw std::invalid_argument("--dump-filter selects what --dump DIR writes: give --dump DIR too");
+  if (ep_placement_opt && ep_placement_opt->count() > 0 && opts.ep_ranks <= 0)
+    throw std::invalid_argument(
+        "--ep-placement places experts on the ranks of --ep-ranks N: give --ep-ranks N too (expert parallelism is "
+        "off)");
+  if (device_opt && device_opt->count() > 0 &&
+      (opts.backend == "cpu" || (opts.backend == "auto" && !engine::cuda_device_present())))
+    fmt::print(stderr, "strata: warning: --device {} is ignored: {}\n", opts.device,
+               opts.backend == "cpu" ? "--backend cpu runs on no GPU" : "no CUDA device, so the CPU backend runs");
   const std::string tw = threads_warning(opts.n_threads);
   if (!tw.empty()) fmt::print(stderr, "{}\n", tw);
   engine::EngineOptions o = opts;
@@ -236,7 +259,8 @@ quality::MoceCalibration EngineFlags::calibrate_moce(engine::Engine& eng) const 
              "moce calibration on {} sequences, {} tokens ({}), teacher-forced decode from an empty arena, KLD vs "
              "bonus 0 (mean + {} x standard error):",
              c.sequences, c.tokens,
-             moce_calibrate.empty() ? "the model's own text sampled at temperature 1" : moce_calibrate, quality::kMoceZ);
+             moce_calibrate.empty() ? "the model's own text sampled at temperature 1" : moce_calibrate,
+             quality::kMoceZ);
   for (const auto& g : c.grid) fmt::print(stderr, " {}:{:.5f}+{:.5f}", g.bonus, g.kld, quality::kMoceZ * g.kld_error);
   fmt::print(stderr, "\nmoce calibration: chose --moce-bonus {} (KLD {:.5f}, bound {:.5f} <= budget {})\n", c.bonus,
              c.kld, c.kld_bound, moce_kld_budget);
@@ -264,9 +288,10 @@ std::string read_prompt_file(const std::string& path, const std::string& purpose
   while (in.read(buf, sizeof buf) || in.gcount() > 0) {
     text.append(buf, size_t(in.gcount()));
     if (text.size() > kMaxPromptFileBytes)
-      throw std::invalid_argument(fmt::format("{} is larger than {} MiB (tokenizing it would take minutes and "
-                                              "gigabytes); cut it first",
-                                              name, kMaxPromptFileBytes >> 20));
+      throw std::invalid_argument(
+          fmt::format("{} is larger than {} MiB (tokenizing it would take minutes and "
+                      "gigabytes); cut it first",
+                      name, kMaxPromptFileBytes >> 20));
   }
   if (in.bad()) throw std::invalid_argument(fmt::format("cannot read the prompt from {}", name));
   if (text.empty()) throw std::invalid_argument(fmt::format("{} is empty: nothing to {}", name, purpose));
@@ -277,16 +302,23 @@ void PromptFlags::add(CLI::App& app) {
   text_opt = app.add_option("-p,--prompt", text, "prompt text");
   app.add_option("-f,--file", file, "read the prompt from a file ('-' = standard input)")
       ->check(existing_file_or_stdin());
-  app.add_option("--prompt-ids", ids, "prompt as comma-separated token ids");
+  ids_opt = app.add_option("--prompt-ids", ids, "prompt as comma-separated token ids");
 }
 
-std::vector<int32_t> parse_id_list(const std::string& s) {
+std::vector<int32_t> parse_id_list(const std::string& s, const std::string& flag, const std::string& what) {
+  // "--prompt-ids '1,2,'" names where the list came from; without a flag, the list alone.
+  const std::string where = flag.empty() ? fmt::format("'{}'", s) : fmt::format("{} '{}'", flag, s);
+  if (s.find_first_not_of(" \t\n") == std::string::npos)
+    throw std::invalid_argument(
+        fmt::format("{}: empty list (give comma-separated {}s, e.g. 1,2,3)", flag.empty() ? where : flag, what));
   std::vector<int32_t> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    size_t b = item.find_first_not_of(" \t\n"), e = item.find_last_not_of(" \t\n");
-    if (b == std::string::npos) throw std::invalid_argument(fmt::format("empty entry in id list '{}'", s));
+  size_t start = 0;
+  for (size_t n = 1;; ++n) {
+    const size_t comma = s.find(',', start);
+    std::string item = s.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    const size_t b = item.find_first_not_of(" \t\n"), e = item.find_last_not_of(" \t\n");
+    if (b == std::string::npos)
+      throw std::invalid_argument(fmt::format("{}: entry {} is empty (a stray comma?)", where, n));
     item = item.substr(b, e - b + 1);
     size_t used = 0;
     long long v = 0;
@@ -296,18 +328,21 @@ std::vector<int32_t> parse_id_list(const std::string& s) {
       used = 0;
     }
     if (used != item.size() || v < INT32_MIN || v > INT32_MAX)
-      throw std::invalid_argument(fmt::format("'{}' is not a token id", item));
+      throw std::invalid_argument(fmt::format("{}: '{}' is not a {} (an integer)", where, item, what));
     out.push_back(int32_t(v));
+    if (comma == std::string::npos) break;
+    start = comma + 1;
   }
   return out;
 }
 
 std::vector<int32_t> PromptFlags::tokens(const tokenizer::Tokenizer& tok) const {
   const bool has_text = !text.empty() || (text_opt != nullptr && text_opt->count() > 0);
-  const int given = int(has_text) + int(!file.empty()) + int(!ids.empty());
+  const bool has_ids = !ids.empty() || (ids_opt != nullptr && ids_opt->count() > 0);
+  const int given = int(has_text) + int(!file.empty()) + int(has_ids);
   if (given != 1) throw std::invalid_argument("give exactly one of -p TEXT, -f FILE or --prompt-ids IDS");
   if (has_text && text.empty()) throw std::invalid_argument("empty prompt: -p was given an empty text");
-  if (!ids.empty()) return parse_id_list(ids);
+  if (has_ids) return parse_id_list(ids, "--prompt-ids");
   if (!file.empty()) {
     const std::string content = read_prompt_file(file, purpose);
     try {
@@ -470,12 +505,12 @@ void print_stats(engine::Engine& e) {
   uint64_t total_experts = 0;
   for (const auto& L : e.model().expert_layout()) total_experts += uint64_t(L.n_expert);
   const size_t n_slots = e.expert_parallel() ? e.expert_parallel()->n_slots() : e.stream().n_slots();
-  fmt::print(
-      stderr,
-      "arena    {} slots x {} = {} (room for {:.0f} % of the {} experts, {} of expert bytes), {} reads, {} threads\n",
-      n_slots, human_bytes(double(e.stream().slot_bytes())), human_bytes(double(e.arena_bytes())),
-      100.0 * double(n_slots) / double(std::max<uint64_t>(1, total_experts)), total_experts,
-      human_bytes(double(e.expert_bytes())), e.stream().direct() ? "O_DIRECT" : "buffered", e.options().n_threads);
+  fmt::print(stderr, "arena    {} x {} = {} (room for {:.0f} % of the {} experts, {} of expert bytes), {} reads, {}\n",
+             count_of(n_slots, "slot"), human_bytes(double(e.stream().slot_bytes())),
+             human_bytes(double(e.arena_bytes())),
+             100.0 * double(n_slots) / double(std::max<uint64_t>(1, total_experts)), total_experts,
+             human_bytes(double(e.expert_bytes())), e.stream().direct() ? "O_DIRECT" : "buffered",
+             count_of(e.options().n_threads, "thread"));
   fmt::print(stderr, "{}", ep_rank_lines(e));
   if (e.options().moce_bonus > 0)
     fmt::print(stderr, "moce     bonus {} on {} (results depend on residency)\n", e.options().moce_bonus,
@@ -498,14 +533,15 @@ std::string ep_rank_lines(const engine::Engine& e) {
     for (int l = 0; l < p.n_layers(); ++l) owned += p.owned(r, l).size();
     const stream::StreamStats s = ep->rank_stats(r);
     out += fmt::format(
-        "ep rank {}: owns {} experts ({}, by {}) | arena {} slots, {} IO threads | needed {} missed {} | reads {} "
+        "ep rank {}: owns {} ({}, by {}) | arena {}, {} | needed {} missed {} | reads {} "
         "read {} | combine sent {}\n",
-        r, owned, human_bytes(double(p.rank_bytes(r))), p.kind(), ep->stream(r).n_slots(), io, s.needed, s.misses,
-        s.reads, human_bytes(double(s.bytes_read)), human_bytes(double(sent[size_t(r)])));
+        r, count_of(owned, "expert"), human_bytes(double(p.rank_bytes(r))), p.kind(),
+        count_of(ep->stream(r).n_slots(), "slot"), count_of(io, "IO thread"), s.needed, s.misses, s.reads,
+        human_bytes(double(s.bytes_read)), human_bytes(double(sent[size_t(r)])));
   }
   const auto& cs = ep->communicator().stats();
-  out += fmt::format("ep       {} ranks ({} communicator): {} collectives in {:.3f} s\n", ep->n_ranks(),
-                     ep->communicator().name(), cs.calls, cs.seconds);
+  out += fmt::format("ep       {} ({} communicator): {} in {:.3f} s\n", count_of(ep->n_ranks(), "rank"),
+                     ep->communicator().name(), count_of(cs.calls, "collective"), cs.seconds);
   return out;
 }
 

@@ -1,8 +1,8 @@
 #pragma once
 // Flags shared by the subcommands (llama.cpp names where they exist) and helpers.
 #include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
 #include <cmath>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
@@ -26,13 +26,20 @@ struct EngineFlags {
   std::string predict = "on";
   double moce_kld_budget = 0;  ///< --moce-kld-budget (nats; 0 = no calibration)
   std::string moce_calibrate;  ///< --moce-calibrate FILE ("" = the built-in greedy sample)
+  // Given on the command line (count() > 0), to refuse or name flags that would be ignored.
+  const CLI::Option* device_opt = nullptr;
+  const CLI::Option* dump_filter_opt = nullptr;
+  const CLI::Option* ep_placement_opt = nullptr;
   void add(CLI::App& app);
   /// With --moce-kld-budget: picks the bonus (quality::calibrate_moce) on the calibration text,
   /// prints the grid and the choice to stderr, leaves `eng` at it and returns it (with its grid);
   /// else does nothing and returns an empty calibration (bonus 0, no grid). Throws
   /// std::invalid_argument for an unreadable or too short file, EngineError as decode does.
   quality::MoceCalibration calibrate_moce(engine::Engine& eng) const;
-  /// The options with string flags resolved. Throws std::invalid_argument on bad values.
+  /// The options with string flags resolved. Throws std::invalid_argument on bad values and on
+  /// flags that would do nothing: -t outside 0..1024, a negative --device, --dump-filter
+  /// without --dump, --ep-placement without --ep-ranks. Prints one warning line to stderr for
+  /// -t beyond the hardware threads, and for --device where no CUDA backend runs (it is ignored).
   engine::EngineOptions resolve() const;
 };
 
@@ -42,6 +49,7 @@ struct PromptFlags {
   std::string file;
   std::string ids;
   const CLI::Option* text_opt = nullptr;  ///< -p, to tell `-p ""` from no -p
+  const CLI::Option* ids_opt = nullptr;   ///< --prompt-ids, to tell `--prompt-ids ""` from none
   /// What the command does with the prompt, for the error on an empty file: "the prompt file
   /// 'x' is empty: nothing to <purpose>".
   std::string purpose = "run";
@@ -110,6 +118,18 @@ inline CLI::Validator positive_real() {
       "NUM>0");
 }
 
+/// CLI11 check for a real-valued option: a finite number >= 0. Its message reads
+/// "must be a number >= 0, got '-1'" (CLI11's NonNegativeNumber would print 1.8e308 in full).
+inline CLI::Validator non_negative_real() {
+  return CLI::Validator(
+      [](std::string& s) -> std::string {
+        const std::optional<double> v = parse_finite(s);
+        if (!v || !(*v >= 0)) return "must be a number >= 0, got '" + s + "'";
+        return std::string();
+      },
+      "NUM>=0");
+}
+
 /// Sampling flags, with llama.cpp's names and defaults, shared by every command that samples
 /// (run, chat): --temp, --top-k, --top-p, --min-p, --repeat-penalty, --repeat-last-n and
 /// -s/--seed. One validation for all of them (resolve()).
@@ -117,7 +137,7 @@ struct SamplingFlags {
   engine::SamplerParams sp;  ///< as parsed; sp.seed is set by resolve() from `seed`
   int64_t seed = -1;         ///< -s/--seed: -1 = random
   void add(CLI::App& app);
-  /// The sampler's parameters, checked: --temp finite and >= 0, --top-p in (0, 1], --min-p in
+  /// The sampler's parameters, checked: --temp finite and >= 0, --top-p in [0, 1] (as the server's top_p), --min-p in
   /// [0, 1], --top-k >= 0, --repeat-penalty finite and > 0, --repeat-last-n >= -1 (-1 = the
   /// context, 0 = off, as llama.cpp), --seed >= -1. Throws std::invalid_argument naming the flag
   /// (NaN fails every range).
@@ -144,8 +164,12 @@ std::string llama_cpp_flag_error(int argc, const char* const* argv);
 /// the count is unknown).
 std::string threads_warning(int n_threads);
 
-/// Parses "1,2,3" (spaces allowed). Throws std::invalid_argument.
-std::vector<int32_t> parse_id_list(const std::string& s);
+/// Parses a comma-separated integer list "1,2,3" (spaces around entries allowed) given to
+/// `flag` ("" = not from a flag), whose entries are each a `what` ("token id", "thread count").
+/// Throws std::invalid_argument naming the flag and the list: an empty list, an empty entry
+/// ("1,,2", "1,2,") or an entry that is not an integer in the int32 range.
+std::vector<int32_t> parse_id_list(const std::string& s, const std::string& flag = "",
+                                   const std::string& what = "token id");
 
 /// Per-layer prediction recall (predicted / picks; null where no prediction was made).
 nlohmann::json recall_json(const model::PredictionStats& p);
@@ -170,6 +194,12 @@ std::string ep_rank_lines(const engine::Engine& e);
 /// With --profile: seconds per forward stage of prefill and decode, and their share of the
 /// phase's wall time (to stderr); the CUDA backend's note that its times are host-side.
 void print_profile(engine::Engine& e);
+
+/// `n` and `noun` with English plural: "1 thread", "2 threads", "0 threads" (noun in the singular).
+template <class N>
+std::string count_of(N n, const std::string& noun) {
+  return std::to_string(n) + " " + noun + (n == 1 ? "" : "s");
+}
 
 /// Human-readable byte count ("3.2 MiB").
 std::string human_bytes(double bytes);

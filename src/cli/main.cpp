@@ -55,7 +55,7 @@ std::string unknown_command_error(const CLI::App& app, int argc, const char* con
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"strata: run Mixture-of-Experts GGUF models larger than memory, streaming experts from disk"};
+  CLI::App app{"strata: run Mixture-of-Experts GGUF models larger than memory, streaming experts from disk", "strata"};
   app.set_version_flag("--version", std::string("strata ") + STRATA_VERSION);
   app.require_subcommand(1);
   strata::cli::register_run(app);
@@ -81,6 +81,18 @@ int main(int argc, char** argv) {
   if (const std::string err = unknown_command_error(app, argc, argv); !err.empty()) {
     fmt::print(stderr, "strata: error: {}\n", err);
     return 1;
+  }
+  // An option before any command (`strata -x`, `strata -m M run`): the top level takes only
+  // --help and --version, every other option belongs to a command. A usage error: exit 2.
+  if (argc >= 2 && argv[1][0] == '-') {
+    const std::string a = argv[1];
+    if (a != "-h" && a != "--help" && a != "--version") {
+      fmt::print(stderr,
+                 "strata: error: unknown option '{}' before the command: options go after it (strata COMMAND "
+                 "[OPTIONS]; 'strata COMMAND --help' lists them)\n\n{}",
+                 a, app.help());
+      return 2;
+    }
   }
   int rc = 0;
   try {

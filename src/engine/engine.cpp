@@ -249,10 +249,11 @@ stream::StreamStats& operator+=(stream::StreamStats& a, const stream::StreamStat
 Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts) {
   if (opts_.prompt_chunk < 0)
     throw EngineError(fmt::format("--prompt-chunk must be at least 1 (or 0 = automatic), got {}", opts_.prompt_chunk));
-  if (opts_.n_threads < 0 || opts_.n_threads > 1024)
-    throw EngineError(fmt::format("--threads must be between 0 (all cores) and 1024, got {}", opts_.n_threads));
-  if (opts_.io_threads > 1024)
-    throw EngineError(fmt::format("--io-threads must be at most 1024, got {}", opts_.io_threads));
+  if (opts_.n_threads < 0 || opts_.n_threads > kMaxThreads)
+    throw EngineError(
+        fmt::format("--threads must be between 0 (all cores) and {}, got {}", kMaxThreads, opts_.n_threads));
+  if (opts_.io_threads > kMaxThreads)
+    throw EngineError(fmt::format("--io-threads must be at most {}, got {}", kMaxThreads, opts_.io_threads));
   if (opts_.io_threads < 1) throw EngineError(fmt::format("--io-threads must be at least 1, got {}", opts_.io_threads));
   if (opts_.arena_mb < 0) throw EngineError(fmt::format("--arena-mb must be positive, got {}", opts_.arena_mb));
   if (opts_.host_cache_mb < -1)
@@ -411,6 +412,14 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
       throw stream::ArenaTooSmall(fmt::format("{}, or --prompt-chunk {} or less", e.what(), fit), e.min_bytes);
     throw;
   }
+  // The stream allocates no more slots than there are experts: a larger --arena-mb is not an
+  // error (the model fits), but the size used is said rather than silently differing.
+  // (Slots of the asked size beyond the expert count; not the rounding down to whole slots.)
+  if (slot > 0 && opts_.arena_mb > 0 && opts_.arena_bytes == 0 && pinned_bytes / slot > all_slots / slot)
+    fmt::print(stderr,
+               "strata: --arena-mb {} is more than every expert of the model takes: the arena is {:.1f} MiB, all {} "
+               "experts resident\n",
+               opts_.arena_mb, double(arena_bytes()) / 1048576.0, all_slots / slot);
   if (!opts_.dump_dir.empty()) {
     try {
       dump_ = std::make_unique<model::Dumper>(opts_.dump_dir, opts_.dump_filter);

@@ -26,8 +26,11 @@ class EngineError : public std::runtime_error {
 };
 
 /// Run settings (from the user), as opposed to model hyper-parameters (from the file).
+/// The most compute (-t) or IO (--io-threads) threads the engine starts.
+inline constexpr int kMaxThreads = 1024;
+
 struct EngineOptions {
-  int n_threads = 0;  ///< compute threads; 0 = all hardware threads
+  int n_threads = 0;  ///< compute threads; 0 = all hardware threads, at most kMaxThreads
   /// --backend: "cpu", "cuda" (the CudaBackend on `device`; an EngineError without a device or
   /// in a build without CUDA) or "auto" (cuda when the build has it and a device is present).
   std::string backend = "cpu";

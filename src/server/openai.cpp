@@ -29,6 +29,7 @@ Json error_json(const ApiError& e) {
 std::string dump(const Json& j) { return j.dump(-1, ' ', false, Json::error_handler_t::replace); }
 
 Json parse_body(std::string_view body) {
+  if (body.empty()) throw bad_request("", "the request body is empty: expected a JSON object", "invalid_json");
   if (auto at = tokenizer::find_invalid_utf8(body))
     throw bad_request("", fmt::format("the request body is not valid UTF-8 (byte {})", *at), "invalid_utf8");
   Json b;
@@ -407,7 +408,14 @@ ApiError internal_error(const std::string& what) {
 
 ApiError http_status_error(int status, const std::string& method, const std::string& path) {
   ApiError e{status, fmt::format("HTTP {}", status)};
-  if (status == 404)
+  if (status == 400)
+    e = ApiError(400, "malformed HTTP request: the request line or a header does not parse", "invalid_request_error",
+                 "invalid_http_request");
+  else if (status == 414)
+    e = ApiError(414, "the request URI is too long", "invalid_request_error", "uri_too_long");
+  else if (status == 416)
+    e = ApiError(416, "the Range header cannot be satisfied", "invalid_request_error", "range_not_satisfiable");
+  else if (status == 404)
     e = ApiError(404, fmt::format("no endpoint {} {}", method, path), "invalid_request_error", "not_found");
   else if (status == 413)
     e = ApiError(413, "the request body is too large", "invalid_request_error", "request_too_large");
@@ -416,6 +424,26 @@ ApiError http_status_error(int status, const std::string& method, const std::str
   else if (status >= 500)
     e.type = "server_error";
   return e;
+}
+
+std::optional<ApiError> content_length_error(const std::vector<std::string>& values, size_t max_body) {
+  if (values.empty()) return std::nullopt;
+  uint64_t length = 0;
+  for (size_t i = 0; i < values.size(); ++i) {
+    const std::string& v = values[i];
+    const bool digits = !v.empty() && v.size() <= 19 && v.find_first_not_of("0123456789") == std::string::npos;
+    if (!digits)
+      return bad_request("", fmt::format("invalid Content-Length header '{}': expected a number of bytes", v),
+                         "invalid_content_length");
+    const uint64_t n = std::stoull(v);
+    if (i > 0 && n != length)
+      return bad_request("", "several Content-Length headers with different values", "invalid_content_length");
+    length = n;
+  }
+  if (length > max_body)
+    return ApiError(413, fmt::format("the request body is too large ({} bytes; at most {})", length, max_body),
+                    "invalid_request_error", "request_too_large");
+  return std::nullopt;
 }
 
 Json usage_json(int prompt_tokens, int completion_tokens) {

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -167,9 +168,19 @@ ApiError shutting_down();
 ApiError auth_error(bool key_missing);
 /// The 500 (server_error, internal_error) for an unexpected exception's `what`.
 ApiError internal_error(const std::string& what);
-/// The error answered for an HTTP `status` that no handler answered (404 for `method` and
-/// `path`, 405, 413; a status >= 500 as a server_error).
+/// The error answered for an HTTP `status` that no handler answered, each with its own message
+/// and code: 400 (a request line or header httplib could not parse: invalid_http_request), 404
+/// for `method` and `path` (not_found), 405, 413 (request_too_large), 414 (uri_too_long), 416
+/// (range_not_satisfiable); a status >= 500 as a server_error.
 ApiError http_status_error(int status, const std::string& method, const std::string& path);
+
+/// The error for a request's Content-Length header before its body is read, or nullopt when it
+/// is fine. `values` are the header's values (none when absent: fine, e.g. a chunked body).
+/// RFC 9110 8.6: the value is one or more decimal digits; anything else (empty, "-5", "5x",
+/// "+5", a number past 2^64) or several differing values is a 400 invalid_content_length (the
+/// body's end is then unknown, so the connection must close); a valid length over `max_body`
+/// bytes is the 413 request_too_large, answered without reading the body.
+std::optional<ApiError> content_length_error(const std::vector<std::string>& values, size_t max_body);
 
 /// {"prompt_tokens", "completion_tokens", "total_tokens"}.
 Json usage_json(int prompt_tokens, int completion_tokens);

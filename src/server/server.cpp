@@ -473,8 +473,8 @@ struct Server::Impl {
         body.append(data, n);
         return true;
       });
-      const std::string length = req.get_header_value("Content-Length");
-      if (too_large || (!length.empty() && std::strtoull(length.c_str(), nullptr, 10) > opts.max_body_bytes)) {
+      // (A Content-Length over the limit was answered before routing; this is a chunked body.)
+      if (too_large) {
         send_error(res, openai::http_status_error(413, req.method, req.path));
         return;
       }
@@ -506,6 +506,26 @@ struct Server::Impl {
     http.set_write_timeout(10);
     http.set_keep_alive_timeout(std::min(5, std::max(1, opts.read_timeout_s)));
     http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+      // Body framing first, before httplib or a route reads the body: httplib reads a
+      // Content-Length with strtoull, so "-5" became 2^64 - 5 and the read waited for the
+      // timeout, "abc" became 0 and "5x" 5.
+      std::vector<std::string> lengths;
+      for (size_t i = 0, n = req.get_header_value_count("Content-Length"); i < n; ++i)
+        lengths.push_back(req.get_header_value("Content-Length", i));
+      std::optional<ApiError> err = openai::content_length_error(lengths, opts.max_body_bytes);
+      // A POST with neither a length nor chunked encoding (`curl -X POST` without -d; an empty
+      // "Content-Length:" line, which httplib drops): httplib would read it until the client
+      // closes, so the client waited for the read timeout.
+      if (!err && lengths.empty() && req.method == "POST" && !req.has_header("Transfer-Encoding"))
+        err = ApiError(411, "a POST needs a Content-Length header (or chunked Transfer-Encoding)",
+                       "invalid_request_error", "length_required");
+      if (err) {
+        // The body is unread, so the stream is out of step: close (httplib adds the header itself
+        // when the request asked for it).
+        if (req.get_header_value("Connection") != "close") res.set_header("Connection", "close");
+        send_error(res, *err);
+        return httplib::Server::HandlerResponse::Handled;
+      }
       if (opts.api_key.empty() || req.path == "/health" || req.path == "/")
         return httplib::Server::HandlerResponse::Unhandled;
       const std::string auth = req.get_header_value("Authorization");

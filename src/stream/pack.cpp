@@ -25,8 +25,9 @@ namespace strata::stream {
 namespace {
 
 constexpr char kMagic[8] = {'S', 'T', 'R', 'A', 'P', 'A', 'C', 'K'};
-constexpr uint32_t kVersion = 1;
-constexpr uint64_t kFixedBytes = 64;
+constexpr uint32_t kVersion = 2;  // 2: the sampled expert-data hash at byte 64
+constexpr uint64_t kFixedBytes = 72;
+constexpr uint64_t kSampleBytes = 4096;  // bytes hashed at the start of each sampled slice
 constexpr uint64_t kEntryBytes = 72;
 constexpr uint64_t kAlign = io::kDirectAlign;
 constexpr uint64_t kBatchBytes = uint64_t(64) << 20;  // records assembled per write
@@ -101,6 +102,33 @@ SourceId source_id(const std::string& path, uint64_t hashed_bytes) {
   return id;
 }
 
+// The experts whose slices are sampled for the data hash: the first and the last of each layer
+// (the ones a partial rewrite or a truncated copy most likely reaches; two per layer keeps the
+// check at load to a few small reads per layer, not a read of the file).
+std::vector<int> sampled_experts(int n_expert) {
+  if (n_expert <= 0) return {};
+  if (n_expert == 1) return {0};
+  return {0, n_expert - 1};
+}
+
+// FNV-1a 64 of the first kSampleBytes (or fewer) bytes of every part of the sampled experts of
+// every layer, read from `fd` at the offsets `offset_of(layer, expert, part)` gives. nullopt
+// when a read fails (a file shorter than its layout says).
+template <typename OffsetOf>
+std::optional<uint64_t> sample_hash(const Fd& fd, const std::vector<LayerExperts>& layers, OffsetOf offset_of) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  std::vector<uint8_t> buf(kSampleBytes);
+  for (size_t l = 0; l < layers.size(); ++l)
+    for (int e : sampled_experts(layers[l].n_expert))
+      for (int p = 0; p < 3; ++p) {
+        const size_t n = size_t(std::min<uint64_t>(kSampleBytes, layers[l].part[p].expert_bytes));
+        if (n == 0) continue;
+        if (!fd.read_exact(offset_of(l, e, p), buf.data(), n)) return std::nullopt;
+        h = fnv1a(buf.data(), n, h);
+      }
+  return h;
+}
+
 // Where everything goes in a pack of `layers` (GGUF layout).
 struct PackGeometry {
   uint64_t header_bytes = 0, total_bytes = 0;
@@ -134,7 +162,7 @@ PackGeometry geometry_for(const std::vector<LayerExperts>& layers) {
   return g;
 }
 
-std::vector<uint8_t> build_header(const PackGeometry& g, const SourceId& src) {
+std::vector<uint8_t> build_header(const PackGeometry& g, const SourceId& src, uint64_t data_hash) {
   std::vector<uint8_t> h(size_t(g.header_bytes), 0);
   std::memcpy(h.data(), kMagic, 8);
   put<uint32_t>(h, 8, kVersion);
@@ -145,6 +173,7 @@ std::vector<uint8_t> build_header(const PackGeometry& g, const SourceId& src) {
   put<uint64_t>(h, 40, src.hashed_bytes);
   put<uint32_t>(h, 48, uint32_t(g.layers.size()));
   put<uint64_t>(h, 56, g.total_bytes);
+  put<uint64_t>(h, 64, data_hash);
   size_t at = kFixedBytes;
   for (const auto& L : g.layers) {
     put<uint32_t>(h, at, L.n_expert);
@@ -244,7 +273,10 @@ PackResult write_pack(const std::string& gguf_path, const std::string& out_path_
 
   const SourceId src_id = source_id(gguf_path, g.data_offset());
   const PackGeometry geo = geometry_for(layers);
-  const std::vector<uint8_t> header = build_header(geo, src_id);
+  const std::optional<uint64_t> data_hash =
+      sample_hash(Fd(gguf_path), layers, [&](size_t l, int e, int p) { return layers[l].part[p].offset(e); });
+  if (!data_hash) throw io::IoError(fmt::format("cannot read the expert data of {}", gguf_path));
+  const std::vector<uint8_t> header = build_header(geo, src_id, *data_hash);
   const std::unique_ptr<io::File> src = io::File::open(gguf_path, true);
 
   std::unique_ptr<io::WriteFile> out = io::WriteFile::create(out_path);
@@ -407,6 +439,23 @@ PackCheck check_pack(const std::string& gguf_path, const std::vector<LayerExpert
     if (!sane) return fail(PackStatus::BadHeader, fmt::format("{}: corrupt layer {} entry", path, l));
     g.layers.push_back(L);
   }
+  // Expert data, sampled (the first bytes of each part of the first and last expert of every
+  // layer), in both files: catches a GGUF rewritten in place with its size, tensor table and mtime
+  // kept (cp -p, rsync -a, touch -r), and damaged or zeroed pack records, without reading either
+  // file whole.
+  const uint64_t want_hash = get<uint64_t>(h, 64);
+  const std::optional<uint64_t> gguf_hash =
+      sample_hash(Fd(gguf_path), layers, [&](size_t l, int e, int p) { return layers[l].part[p].offset(e); });
+  if (!gguf_hash || *gguf_hash != want_hash)
+    return fail(PackStatus::Stale,
+                fmt::format("{}: stale: the expert data of {} differs from when the pack was written (sampled)", path,
+                            gguf_path));
+  const std::optional<uint64_t> pack_hash = sample_hash(fd, layers, [&](size_t l, int e, int p) {
+    return g.layers[l].first + uint64_t(e) * g.layers[l].record + g.layers[l].part_off[p];
+  });
+  if (!pack_hash || *pack_hash != want_hash)
+    return fail(PackStatus::Corrupt,
+                fmt::format("{}: corrupt: its expert records differ from {} (sampled)", path, gguf_path));
   PackCheck ok;
   ok.status = PackStatus::Ok;
   ok.layout = layout_of(path, g);

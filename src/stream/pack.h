@@ -5,19 +5,24 @@
 //
 // Layout (little-endian):
 //   [header, padded to a 4 KiB multiple]
-//     0  char[8] magic "STRAPACK"      8  u32 version (1)       12 u32 header_bytes
+//     0  char[8] magic "STRAPACK"      8  u32 version (2)       12 u32 header_bytes
 //    16  u64 source file size         24  i64 source mtime (ns) 32  u64 source header hash
 //    40  u64 source header bytes (the GGUF's [0, data_offset) that was hashed, FNV-1a 64)
 //    48  u32 n_layers                 52  u32 reserved (0)      56  u64 total file bytes
-//    64  n_layers x 72-byte entries:
+//    64  u64 sampled data hash: FNV-1a 64 of the first 4 KiB (or less) of each part of the
+//        first and last expert of every layer, in layer, expert, part order
+//    72  n_layers x 72-byte entries:
 //          u32 n_expert, u32 reserved, u64 first record offset, u64 record bytes,
 //          u64 part offset within the record [gate, up, down], u64 part bytes [gate, up, down]
 //    ..  u64 FNV-1a 64 of all header bytes before it
 //   [layer 0: n_expert records][layer 1: ...] ...
 //     record = [gate slice][up slice][down slice][zero padding to a 4 KiB multiple]
-// A pack is valid for a GGUF when the GGUF's size, mtime and header hash match the ones
-// recorded and the per-layer expert geometry matches what the model reports; anything else
-// (a changed model, a truncated or corrupt pack) makes open_pack fall back to the GGUF.
+// A pack is valid for a GGUF when the GGUF's size, mtime and header hash (its metadata and
+// tensor table: names, types, shapes, offsets) match the ones recorded, the per-layer expert
+// geometry matches what the model reports, and the sampled data hash matches both the GGUF's
+// and the pack's own bytes at those places (a few 4 KiB reads per layer, never the whole file);
+// anything else (a changed model, a truncated or corrupt pack, a pack of an older version)
+// makes open_pack fall back to the GGUF with one warning that says to re-run `strata pack`.
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -74,7 +79,9 @@ struct PackResult {
 PackResult write_pack(const std::string& gguf_path, const std::string& out_path = "", const PackOptions& opts = {});
 
 /// Why a pack is or is not usable.
-enum class PackStatus { Ok, Missing, Unreadable, BadHeader, Truncated, Stale, Mismatch };
+/// Stale: the GGUF changed since the pack was written; Corrupt: the pack's sampled records
+/// differ from the GGUF's slices.
+enum class PackStatus { Ok, Missing, Unreadable, BadHeader, Truncated, Stale, Mismatch, Corrupt };
 
 struct PackCheck {
   PackStatus status = PackStatus::Missing;

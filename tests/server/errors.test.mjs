@@ -146,6 +146,77 @@ test('a body over --max-body-kb: 413 request_too_large', async () => {
   assertError(await completion(big), 413, 'request_too_large');
 });
 
+// One request written as raw bytes on its own connection; resolves to {status, body (parsed
+// JSON or null), text, ms} of the answer, read until the server closes or `timeoutMs` passes.
+function rawRequest(text, timeoutMs = 4000) {
+  return new Promise((resolve) => {
+    const t0 = Date.now();
+    const s = connect(Number(new URL(srv.url).port), '127.0.0.1');
+    let got = '';
+    const done = () => {
+      clearTimeout(timer);
+      s.destroy();
+      const status = Number((got.match(/^HTTP\/1\.1 (\d+)/) || [])[1] || 0);
+      const body = got.slice(got.indexOf('\r\n\r\n') + 4);
+      let json = null;
+      try {
+        json = JSON.parse(body);
+      } catch {}
+      resolve({ status, body: json, text: got, ms: Date.now() - t0 });
+    };
+    const timer = setTimeout(done, timeoutMs);
+    s.on('error', done);
+    s.on('data', (d) => {
+      got += d.toString('latin1');
+      // one complete answer is enough: its headers, then Content-Length bytes of body
+      const end = got.indexOf('\r\n\r\n');
+      const len = Number((got.match(/\r\nContent-Length: (\d+)/i) || [])[1]);
+      if (end >= 0 && !Number.isNaN(len) && got.length >= end + 4 + len) done();
+    });
+    s.on('close', done);
+    s.write(text);
+  });
+}
+
+test('a Content-Length that is no number of bytes: 400 invalid_content_length at once; past the limit: 413 unread',
+  async () => {
+    const body = '{"prompt": "def f(", "max_tokens": 2}';
+    const head = (length) => `POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ${KEY}\r\n` +
+      `Content-Type: application/json\r\nContent-Length: ${length}\r\n\r\n`;
+    // "-5" was read as 2^64 - 5 (the answer came only at the read timeout), "abc" as 0, "5x" as 5.
+    for (const length of ['-5', 'abc', '5x', '+5', '99999999999999999999999']) {
+      const r = await rawRequest(head(length) + body);
+      assertError(r, 400, 'invalid_content_length');
+      assert.ok(r.ms < 1500, `Content-Length '${length}' answered after ${r.ms} ms`);
+      assert.match(r.text, /\r\nConnection: close\r\n/i);
+    }
+    // No length at all (an empty "Content-Length:" line is dropped by httplib): 411 at once, where
+    // httplib read the body until the client closed.
+    const noLength = await rawRequest(head('').replace('Content-Length: \r\n', '') + body);
+    assertError(noLength, 411, 'length_required');
+    assert.ok(noLength.ms < 1500, `answered after ${noLength.ms} ms`);
+    assertError(await rawRequest(head('') + body), 411, 'length_required');
+    // Over --max-body-kb 64 by its header: 413 before a byte of the body arrives.
+    const big = await rawRequest(head(2000000) + body);
+    assertError(big, 413, 'request_too_large');
+    assert.ok(big.ms < 1500, `answered after ${big.ms} ms`);
+    assert.match(big.body.error.message, /2000000 bytes; at most 65536/);
+    // Two different lengths: the body's end is unknown.
+    assertError(await rawRequest(head(5).replace('\r\n\r\n', '\r\nContent-Length: 6\r\n\r\n') + body), 400,
+      'invalid_content_length');
+    // A request line httplib cannot parse: a specific message, not "HTTP 400".
+    const garbage = await rawRequest('GARBAGE\r\n\r\n');
+    assertError(garbage, 400, 'invalid_http_request');
+    assert.doesNotMatch(garbage.body.error.message, /^HTTP 400$/);
+    const longUri = await rawRequest(`GET /${'a'.repeat(10000)} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n`);
+    assertError(longUri, 414, 'uri_too_long');
+    // An empty body says so.
+    const empty = await completion('', AUTH);
+    assertError(empty, 400, 'invalid_json');
+    assert.match(empty.body.error.message, /empty/);
+    assert.equal((await completion({ prompt: 'def f(', max_tokens: 2 })).status, 200);
+  });
+
 test('unknown endpoint: 404; template rejections are 400', async () => {
   assertError(await post(`${srv.url}/v1/nothing`, {}, AUTH), 404, 'not_found');
   const r = await chat({ ...okChat, messages: [{ role: 'user', content: [{ type: 'image_url', image_url: { url: 'x' } }] }] });

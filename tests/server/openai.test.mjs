@@ -131,6 +131,14 @@ test('sampling with a seed is reproducible; different seeds differ', async () =>
   assert.notEqual(a.choices[0].text, c.choices[0].text);
 });
 
+test('top_p 0 keeps only the most likely token (as llama.cpp, and strata run --top-p 0): the greedy text', async () => {
+  const greedy = await client.completions.create({ model: 'x', prompt: CODE_PROMPT, max_tokens: 12, temperature: 0 });
+  for (const seed of [1, 2]) {
+    const r = await client.completions.create({ model: 'x', prompt: CODE_PROMPT, max_tokens: 12, temperature: 1, top_p: 0, seed });
+    assert.equal(r.choices[0].text, greedy.choices[0].text);
+  }
+});
+
 test('max_tokens bounds the completion', async () => {
   const r = await client.completions.create({ model: 'x', prompt: CODE_PROMPT, max_tokens: 3, temperature: 0 });
   assert.equal(r.usage.completion_tokens, 3);

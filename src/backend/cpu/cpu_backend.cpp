@@ -56,8 +56,9 @@ CpuBackend::CpuBackend(const CpuOptions& opts) : pool_(std::max(1, opts.n_thread
 CpuBackend::~CpuBackend() = default;
 
 backend::BackendInfo CpuBackend::info() const {
-  return {"cpu", fmt::format("{} threads, {} kernels, {} activations", pool_.n_threads(),
-                             kernels::cpu_kernels_name(kc_.family), kernels::act_quant_name(kc_.act))};
+  return {"cpu",
+          fmt::format("{} thread{}, {} kernels, {} activations", pool_.n_threads(), pool_.n_threads() == 1 ? "" : "s",
+                      kernels::cpu_kernels_name(kc_.family), kernels::act_quant_name(kc_.act))};
 }
 
 std::unique_ptr<backend::Buffer> CpuBackend::alloc(backend::BufferRole role, size_t bytes) {

@@ -31,19 +31,21 @@ const char* type_name(const Value& v) {
 
 namespace {
 
-Value from_json_at(const nlohmann::ordered_json& j);
+Value from_json_at(const nlohmann::ordered_json& j, size_t depth);
 
 }  // namespace
 
-Value from_json(const nlohmann::ordered_json& j) {
-  if (const size_t d = json_depth(j); d > kMaxJsonDepth)
-    throw RenderError(fmt::format("a JSON value nested {} levels deep (at most {})", d, kMaxJsonDepth));
-  return from_json_at(j);
-}
+Value from_json(const nlohmann::ordered_json& j) { return from_json_at(j, 0); }
 
 namespace {
 
-Value from_json_at(const nlohmann::ordered_json& j) {
+// `j` converted, `depth` the arrays and objects around it. The conversion counts the depth as
+// it recurses (the same count as json_depth) and stops past kMaxJsonDepth, so the recursion is
+// bounded without a separate walk of the document first (the server has already walked the
+// request body once in parse_body).
+Value from_json_at(const nlohmann::ordered_json& j, size_t depth) {
+  if (j.is_structured() && depth + 1 > kMaxJsonDepth)
+    throw RenderError(fmt::format("a JSON value nested more than {} levels deep", kMaxJsonDepth));
   switch (j.type()) {
     case nlohmann::ordered_json::value_t::null: return Value::none();
     case nlohmann::ordered_json::value_t::boolean: return Value::boolean(j.get<bool>());
@@ -53,12 +55,12 @@ Value from_json_at(const nlohmann::ordered_json& j) {
     case nlohmann::ordered_json::value_t::string: return Value::str(j.get<std::string>());
     case nlohmann::ordered_json::value_t::array: {
       Array a;
-      for (auto& e : j) a.push_back(from_json_at(e));
+      for (auto& e : j) a.push_back(from_json_at(e, depth + 1));
       return Value::array(std::move(a));
     }
     case nlohmann::ordered_json::value_t::object: {
       Object o;
-      for (auto it = j.begin(); it != j.end(); ++it) o.emplace_back(it.key(), from_json_at(it.value()));
+      for (auto it = j.begin(); it != j.end(); ++it) o.emplace_back(it.key(), from_json_at(it.value(), depth + 1));
       return Value::object(std::move(o));
     }
     default: return Value::none();
