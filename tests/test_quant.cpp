@@ -1066,7 +1066,7 @@ TEST(QuantQ8, Avx512Q8_0TokenLanesEqualDefinition) {
         if (extreme)
           for (int64_t b = 0; b < rows * cols / 32; ++b) std::memset(w.data() + 34 * b + 2, b % 3 ? 0x80 : 0x7f, 32);
         const size_t rb = q::row_size(t, cols);
-        for (int64_t n_tok : {1, 2, 7, 15, 16, 17, 33, 64, 511, 512}) {
+        for (int64_t n_tok : {1, 2, 3, 4, 5, 7, 15, 16, 17, 33, 64, 511, 512}) {
           if (cols == 4096 && n_tok > 64 && n_tok != 512) continue;
           std::vector<float> x = random_x(n_tok * cols, rng);
           if (extreme)

@@ -17,6 +17,7 @@
 #include "backend/cpu/kernels/simd_intrin.h"
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <vector>
 
@@ -29,6 +30,7 @@ namespace {
 constexpr int kRows = 4;    // rows per register tile
 constexpr int kGroups = 3;  // token groups (of 16) per register tile
 constexpr int64_t kXBytes = int64_t{512} << 10;  // token codes per block of groups (L2)
+constexpr int64_t kQ8_0MatVecMax = 4;  // up to this many tokens take the mat-vec (measured: docs/kernels.md)
 
 /// acc + per int32 lane the sum of its 4 products u * s (u unsigned, s signed bytes), exactly:
 /// vpdpbusd, or (without VNNI) vpmaddwd on the even and odd bytes widened to 16 bits (u up to
@@ -131,6 +133,125 @@ void tile_groups(int G, const uint8_t* const* w, const float* dw, const int32_t*
   if (G == 1) tile<R, 1, VNNI>(w, dw, nc, nb, x, dx, valid, y, ldy);
 }
 
+// ---- mat-vec (decode: few tokens, memory-bound) ---------------------------------------------
+// 16 rows at a time, one token's codes in a register: per block, rows i and i + 8 share a zmm
+// (their 32 codes in the two halves, plus 128: unsigned), one vpdpbusd against the token's signed
+// codes in both halves gives per row 8 lane sums of S_b + 128 sum x; a transpose-add tree turns the
+// 8 zmm into one with the 16 rows' sums (in the lane order kRowOfLane), the token's 128 sum x is
+// removed, and the float part runs with the 16 rows in the lanes, block after block, as defined.
+
+/// The transpose-add tree: z[i] = [8 lanes of row i | 8 lanes of row i + 8] -> lane L holds the
+/// sum of row row_of_lane()[L]'s 8 lanes.
+inline __m512i reduce_rows(const __m512i (&z)[8]) {
+  __m512i p[4], q[2];
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)
+    p[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(z[2 * i], z[2 * i + 1]), _mm512_unpackhi_epi32(z[2 * i], z[2 * i + 1]));
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i)
+    q[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_epi64(p[2 * i], p[2 * i + 1]));
+  // 128-bit lanes: q[i] lane k holds row-quarter sums; add lanes (0, 1) and (2, 3) of both
+  return _mm512_add_epi32(_mm512_shuffle_i64x2(q[0], q[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_i64x2(q[0], q[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/// Which row of the 16 each lane of reduce_rows' result holds (found by running it on row tags).
+const std::array<int, 16>& row_of_lane() {
+  static const std::array<int, 16> map = [] {
+    __m512i z[8];
+    for (int i = 0; i < 8; ++i)
+      z[i] = _mm512_inserti64x4(_mm512_set1_epi32(1 << i), _mm256_set1_epi32(1 << (i + 8)), 1);
+    alignas(64) int32_t v[16];
+    _mm512_store_si512(v, reduce_rows(z));
+    std::array<int, 16> m{};
+    for (int L = 0; L < 16; ++L) m[static_cast<size_t>(L)] = __builtin_ctz(static_cast<unsigned>(v[L] / 8));
+    return m;
+  }();
+  return map;
+}
+
+/// 16 rows (`w[i]`, rows i of the tile; rows past the range repeat the last one) against TB
+/// tokens (codes q + t * cols, scales d + t * nb, 16-sums s + t * nb * 2); out[t][L] = the output
+/// of row row_of_lane()[L].
+template <int TB, bool VNNI>
+void matvec16(const uint8_t* const* w, int64_t nb, const int8_t* q, const float* d, const int16_t* s, int64_t cols,
+              const uint16_t* dwt, float (*out)[16]) {
+  __m512 acc[TB];
+#pragma GCC unroll 4
+  for (int t = 0; t < TB; ++t) acc[t] = _mm512_setzero_ps();
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dwt + 16 * b)));
+    __m512i wz[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      if ((b & 1) == 0) {  // one prefetch per row and 68 bytes
+        _mm_prefetch(reinterpret_cast<const char*>(w[i] + 34 * b) + kQ8Prefetch, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w[i + 8] + 34 * b) + kQ8Prefetch, _MM_HINT_T0);
+      }
+      const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[i] + 34 * b + 2));
+      const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[i + 8] + 34 * b + 2));
+      wz[i] = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), bias);
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < TB; ++t) {
+      const __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + t * cols + 32 * b)));
+      __m512i xe = x, xo = x;
+      if constexpr (!VNNI) {
+        xe = _mm512_srai_epi16(_mm512_slli_epi16(x, 8), 8);
+        xo = _mm512_srai_epi16(x, 8);
+      }
+      __m512i z[8];
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) z[i] = dot4<VNNI>(_mm512_setzero_si512(), wz[i], x, xe, xo);
+      // S_b = sum (qw + 128) qx - 128 sum qx
+      const int sx = s[t * 2 * nb + 2 * b] + s[t * 2 * nb + 2 * b + 1];
+      const __m512i S = _mm512_sub_epi32(reduce_rows(z), _mm512_set1_epi32(128 * sx));
+      const __m512 f = _mm512_mul_ps(dw, _mm512_set1_ps(d[t * nb + b]));  // dw_b * dx_b, rounded
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), f, acc[t]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int t = 0; t < TB; ++t) _mm512_storeu_ps(out[t], acc[t]);
+}
+
+template <bool VNNI>
+void matvec(const MatmulArgs& m, const ActQ8& a) {
+  const int64_t nb = m.cols / 32;
+  const std::array<int, 16>& row = row_of_lane();
+  thread_local std::vector<uint16_t> dwt;
+  dwt.resize(static_cast<size_t>(16 * nb));
+  for (int64_t r0 = m.row_begin; r0 < m.row_end; r0 += 16) {
+    const int64_t n = std::min<int64_t>(16, m.row_end - r0);
+    const uint8_t* w[16];
+    for (int i = 0; i < 16; ++i) w[i] = m.W + static_cast<size_t>(r0 + std::min<int64_t>(i, n - 1)) * m.row_bytes;
+    // the 16 rows' fp16 scales per block, in lane order (a gather per block is slower)
+    const uint8_t* wl[16];
+    for (int L = 0; L < 16; ++L) wl[L] = w[row[static_cast<size_t>(L)]];
+    for (int64_t b = 0; b < nb; ++b) {
+      uint16_t* o = dwt.data() + 16 * b;
+#pragma GCC unroll 16
+      for (int L = 0; L < 16; ++L) o[L] = load_u16(wl[L] + 34 * b);
+    }
+    for (int64_t t0 = 0; t0 < m.n_tok; t0 += 4) {
+      const int TB = static_cast<int>(std::min<int64_t>(4, m.n_tok - t0));
+      alignas(64) float out[4][16];
+      const int8_t* q = a.qt(t0);
+      const float* d = a.dt(t0);
+      const int16_t* s = a.st(t0);
+      switch (TB) {
+        case 4: matvec16<4, VNNI>(w, nb, q, d, s, m.cols, dwt.data(), out); break;
+        case 3: matvec16<3, VNNI>(w, nb, q, d, s, m.cols, dwt.data(), out); break;
+        case 2: matvec16<2, VNNI>(w, nb, q, d, s, m.cols, dwt.data(), out); break;
+        default: matvec16<1, VNNI>(w, nb, q, d, s, m.cols, dwt.data(), out); break;
+      }
+      for (int t = 0; t < TB; ++t)
+        for (int L = 0; L < 16; ++L)
+          if (row[static_cast<size_t>(L)] < n) m.y[(t0 + t) * m.ldy + r0 + row[static_cast<size_t>(L)]] = out[t][L];
+    }
+  }
+}
+
 template <bool VNNI>
 void gemm(const MatmulArgs& m, const ActQ8& a) {
   const TokenLanes tl = token_lanes_of(a);
@@ -170,6 +291,14 @@ void gemm(const MatmulArgs& m, const ActQ8& a) {
 }  // namespace
 
 void matmul_q8_0_avx512(const MatmulArgs& m, const ActQ8& a, bool vnni) {
+  if (m.n_tok <= kQ8_0MatVecMax) {
+    if (vnni) {
+      matvec<true>(m, a);
+    } else {
+      matvec<false>(m, a);
+    }
+    return;
+  }
   if (vnni) {
     gemm<true>(m, a);
   } else {
