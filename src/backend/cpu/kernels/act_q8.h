@@ -246,6 +246,10 @@ LaneTokens lane_tokens(GgmlType t, const ActQ8& a, int64_t t0, int64_t t1);
 /// disjoint token ranges.
 void token_lanes(const ActQ8& a, int64_t t0, int64_t t1, uint8_t* xg, float* dxg);
 
+/// Up to this many tokens the AVX-512 Q8_0 path takes the mat-vec (16 rows per register, natural
+/// code order), from kQ8_0MatVecMax + 1 the tokens-in-the-lanes GEMM; same bits either way.
+inline constexpr int64_t kQ8_0MatVecMax = 4;
+
 /// The tokens of `a` with the tokens in the lanes: xg/dxg as in ActQ8, `groups` groups of 16.
 struct TokenLanes {
   const uint8_t* x;

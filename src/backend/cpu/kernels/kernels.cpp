@@ -106,7 +106,8 @@ void ActQ8::resize(int64_t n_tok_, int64_t cols_, GgmlType for_type) {
     grow(dxl, n_tok * cols / 16);
     grow(xs, n_tok * cols / 32);
   }
-  tok16 = for_type == GgmlType::Q8_0;
+  // (the Q8_0 mat-vec reads the natural order: no layout for decode-sized inputs)
+  tok16 = for_type == GgmlType::Q8_0 && n_tok > detail::kQ8_0MatVecMax;
   if (tok16) {
     const int64_t groups = (n_tok + 15) / 16;
     grow(xg, groups * 16 * cols);

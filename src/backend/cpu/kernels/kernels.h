@@ -70,8 +70,8 @@ bool has_q8_activations(const KernelConfig& k, GgmlType t);
 /// kernel, cols % 256 == 0) the codes are also kept in that type's lane order (ql, n_tok x cols;
 /// dxl, n_tok x cols/16 per-lane block scales; xs, n_tok x cols/32, Q4_K/Q5_K only: d times the
 /// block's code sum), which the SIMD kernels read directly (act_q8.h; otherwise every matmul call
-/// rearranges the codes itself). For Q8_0 weights the codes are also kept with the tokens in the
-/// lanes (tok16; the AVX-512 Q8_0 GEMM, act_q8.h "Tokens in the lanes"): groups of 16 tokens,
+/// rearranges the codes itself). For Q8_0 weights and more than 4 tokens (the GEMM's sizes) the
+/// codes are also kept with the tokens in the lanes (tok16; the AVX-512 Q8_0 GEMM, act_q8.h "Tokens in the lanes"): groups of 16 tokens,
 /// per group g and 32-block b 8 runs j of 64 bytes, run j holding for each of the 16 tokens
 /// (lane l = token 16g + l) its codes 4j..4j+3 of block b plus 128 as unsigned bytes:
 ///   xg[((g * cols/32 + b) * 8 + j) * 64 + 4 l + i] = q(16g + l)[32 b + 4 j + i] + 128
@@ -85,7 +85,7 @@ struct ActQ8 {
   GgmlType lanes = GgmlType::F32;  ///< the type ql/dxl/xs are arranged for; F32: none
   std::vector<int8_t> ql;
   std::vector<float> dxl, xs;
-  bool tok16 = false;  ///< xg/dxg are kept (resize() for Q8_0)
+  bool tok16 = false;  ///< xg/dxg are kept (resize() for Q8_0 and more than 4 tokens)
   std::vector<uint8_t> xg;
   std::vector<float> dxg;
   /// Sizes the buffers for n_tok x cols (only grows) and chooses the lane order to keep

@@ -30,7 +30,6 @@ namespace {
 constexpr int kRows = 4;    // rows per register tile
 constexpr int kGroups = 3;  // token groups (of 16) per register tile
 constexpr int64_t kXBytes = int64_t{512} << 10;  // token codes per block of groups (L2)
-constexpr int64_t kQ8_0MatVecMax = 4;  // up to this many tokens take the mat-vec (measured: docs/kernels.md)
 
 /// acc + per int32 lane the sum of its 4 products u * s (u unsigned, s signed bytes), exactly:
 /// vpdpbusd, or (without VNNI) vpmaddwd on the even and odd bytes widened to 16 bits (u up to

@@ -292,13 +292,17 @@ float dot_q8_0_serial(const uint8_t* w, int64_t cols, const int8_t* qx, const fl
 
 void token_lanes(const ActQ8& a, int64_t t0, int64_t t1, uint8_t* xg, float* dxg) {
   const int64_t nb = a.cols / 32;
+  // 4 codes at a time: + 128 on each byte is a flip of its top bit
   const auto put = [&](int64_t t, const int8_t* q, const float* d) {
     const int64_t g = t / 16, l = t % 16;
     for (int64_t b = 0; b < nb; ++b) {
       uint8_t* run = xg + (g * nb + b) * 512 + 4 * l;
-      for (int j = 0; j < 8; ++j)
-        for (int i = 0; i < 4; ++i)
-          run[64 * j + i] = static_cast<uint8_t>(q ? q[32 * b + 4 * j + i] + 128 : 128);
+      for (int j = 0; j < 8; ++j) {
+        uint32_t v = 0;
+        if (q) std::memcpy(&v, q + 32 * b + 4 * j, 4);
+        v ^= 0x80808080u;
+        std::memcpy(run + 64 * j, &v, 4);
+      }
       dxg[(g * nb + b) * 16 + l] = d ? d[b] : 0.0f;
     }
   };
