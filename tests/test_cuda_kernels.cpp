@@ -1135,8 +1135,8 @@ TEST(CudaKernels, MatmulQ8EqualsCpuAvx512Bits) {
     for (cuda::MatmulPath p : {cuda::MatmulPath::Auto, cuda::MatmulPath::MatVec, cuda::MatmulPath::Mma}) {
       std::vector<float> poison(size_t(n * rows), std::nanf(""));
       auto dy = upload(poison);
-      cuda::matmul_q8(GgmlType::Q8_0, dw.get(), rb, rows, cols, dq.as<int8_t>(), dd.as<float>(), n, dy.as<float>(), rows,
-                      nullptr, p);
+      cuda::matmul_q8(GgmlType::Q8_0, dw.get(), rb, rows, cols, dq.as<int8_t>(), dd.as<float>(), n, dy.as<float>(),
+                      rows, nullptr, p);
       const auto y = download<float>(dy, size_t(n * rows));
       int64_t mism = 0;
       for (size_t i = 0; i < y.size(); ++i) mism += !bits_equal(y[i], cpu_y[i]);

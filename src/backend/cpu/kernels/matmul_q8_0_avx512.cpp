@@ -27,8 +27,8 @@ namespace strata::cpu::kernels::detail {
 
 namespace {
 
-constexpr int kRows = 4;    // rows per register tile
-constexpr int kGroups = 3;  // token groups (of 16) per register tile
+constexpr int kRows = 4;                         // rows per register tile
+constexpr int kGroups = 3;                       // token groups (of 16) per register tile
 constexpr int64_t kXBytes = int64_t{512} << 10;  // token codes per block of groups (L2)
 
 /// acc + per int32 lane the sum of its 4 products u * s (u unsigned, s signed bytes), exactly:
@@ -145,10 +145,12 @@ inline __m512i reduce_rows(const __m512i (&z)[8]) {
   __m512i p[4], q[2];
 #pragma GCC unroll 4
   for (int i = 0; i < 4; ++i)
-    p[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(z[2 * i], z[2 * i + 1]), _mm512_unpackhi_epi32(z[2 * i], z[2 * i + 1]));
+    p[i] =
+        _mm512_add_epi32(_mm512_unpacklo_epi32(z[2 * i], z[2 * i + 1]), _mm512_unpackhi_epi32(z[2 * i], z[2 * i + 1]));
 #pragma GCC unroll 2
   for (int i = 0; i < 2; ++i)
-    q[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_epi64(p[2 * i], p[2 * i + 1]));
+    q[i] =
+        _mm512_add_epi32(_mm512_unpacklo_epi64(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_epi64(p[2 * i], p[2 * i + 1]));
   // 128-bit lanes: q[i] lane k holds row-quarter sums; add lanes (0, 1) and (2, 3) of both
   return _mm512_add_epi32(_mm512_shuffle_i64x2(q[0], q[1], _MM_SHUFFLE(2, 0, 2, 0)),
                           _mm512_shuffle_i64x2(q[0], q[1], _MM_SHUFFLE(3, 1, 3, 1)));
@@ -194,7 +196,8 @@ void matvec16(const uint8_t* const* w, int64_t nb, const int8_t* q, const float*
     }
 #pragma GCC unroll 4
     for (int t = 0; t < TB; ++t) {
-      const __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + t * cols + 32 * b)));
+      const __m512i x =
+          _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + t * cols + 32 * b)));
       __m512i xe = x, xo = x;
       if constexpr (!VNNI) {
         xe = _mm512_srai_epi16(_mm512_slli_epi16(x, 8), 8);
