@@ -1094,6 +1094,57 @@ TEST(CudaKernels, MatmulQ8EqualsHostDefinition) {
                cuda::CudaError);
 }
 
+// The CPU's AVX-512 Q8_0 definition (cpu::kernels::detail::matmul_q8_scalar_avx512, which the
+// tokens-in-the-lanes GEMM follows bit for bit) is the CUDA q8 one: from the same fp32 x, each
+// backend quantizing it itself (identical codes, QuantizeQ8EqualsCpu), every CUDA path gives the
+// CPU's bits; and so does the CPU's AVX-512 kernel where this CPU has AVX-512.
+TEST(CudaKernels, MatmulQ8EqualsCpuAvx512Bits) {
+  REQUIRE_CUDA_DEVICE();
+  namespace ck = cpu::kernels;
+  std::mt19937 rng(23);
+  const int64_t rows = 203, cols = 2048;
+  const size_t rb = quant::row_size(GgmlType::Q8_0, cols);
+  const auto w = q8_rows(rows, cols, rb, rng);
+  auto dw = upload(w);
+  bool avx512 = true;
+  try {
+    ck::resolve_kernels(ck::CpuKernels::Avx512, ck::ActQuant::Q8);
+  } catch (const std::runtime_error&) {
+    avx512 = false;
+  }
+  for (int64_t n : {1, 17, 300}) {
+    SCOPED_TRACE("n_tok=" + std::to_string(n));
+    const auto x = random_floats(size_t(n * cols), rng, -2.0f, 2.0f);
+    ck::ActQ8 act;
+    act.resize(n, cols, GgmlType::Q8_0);
+    ck::quantize_activations(ck::resolve_kernels(ck::CpuKernels::Scalar, ck::ActQuant::Q8), x.data(), cols, 0, n, act);
+    std::vector<float> cpu_y(size_t(n * rows));
+    const ck::detail::MatmulArgs a{GgmlType::Q8_0, w.data(), rb, 0, rows, cols, x.data(), cols, n, cpu_y.data(), rows};
+    ck::detail::matmul_q8_scalar_avx512(a, act);
+    if (avx512) {
+      std::vector<float> y(cpu_y.size());
+      ck::matmul(ck::resolve_kernels(ck::CpuKernels::Avx512, ck::ActQuant::Q8), GgmlType::Q8_0, w.data(), rb, 0, rows,
+                 cols, x.data(), cols, n, y.data(), rows);
+      int64_t mism = 0;
+      for (size_t i = 0; i < y.size(); ++i) mism += !bits_equal(y[i], cpu_y[i]);
+      EXPECT_EQ(mism, 0) << "CPU AVX-512 kernel against its definition";
+    }
+    auto dx = upload(x);
+    cuda::DeviceBuffer dq(size_t(n * cols)), dd(size_t(n * cols / 32) * 4);
+    cuda::quantize_q8(dx.as<float>(), cols, cols, n, dq.as<int8_t>(), dd.as<float>());
+    for (cuda::MatmulPath p : {cuda::MatmulPath::Auto, cuda::MatmulPath::MatVec, cuda::MatmulPath::Mma}) {
+      std::vector<float> poison(size_t(n * rows), std::nanf(""));
+      auto dy = upload(poison);
+      cuda::matmul_q8(GgmlType::Q8_0, dw.get(), rb, rows, cols, dq.as<int8_t>(), dd.as<float>(), n, dy.as<float>(),
+                      rows, nullptr, p);
+      const auto y = download<float>(dy, size_t(n * rows));
+      int64_t mism = 0;
+      for (size_t i = 0; i < y.size(); ++i) mism += !bits_equal(y[i], cpu_y[i]);
+      EXPECT_EQ(mism, 0) << "CUDA path " << int(p) << " against the CPU's AVX-512 definition";
+    }
+  }
+}
+
 // grouped_matmul_q8 equals matmul_q8 on each job alone (and swiglu of two of them), bit for bit, for
 // a prefill-like group (the GEMM) and a decode-like one (all <= 8 tokens: the mat-vec).
 TEST(CudaKernels, GroupedMatmulQ8EqualsPerJob) {

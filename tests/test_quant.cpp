@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "backend/cpu/kernels/act_q8.h"
@@ -766,10 +767,13 @@ TEST(QuantQ8, AllFamiliesBitIdentical) {
           act_lanes.resize(n_tok, cols, t);
           k::quantize_activations(config(k::CpuKernels::Auto), x.data(), cols, 0, n_tok, act_lanes);
           const kd::MatmulArgs base{t, w.data(), rb, 0, rows, cols, x.data(), cols, n_tok, nullptr, rows};
-          std::vector<float> ref(static_cast<size_t>(rows * n_tok), NAN), y(ref.size(), NAN);
+          // the definitions: the scalar family's (AVX2 too) and the AVX-512 family's (Q8_0: serial)
+          std::vector<float> ref(static_cast<size_t>(rows * n_tok), NAN), ref512(ref.size(), NAN), y(ref.size(), NAN);
           auto a = base;
           a.y = ref.data();
           kd::matmul_q8_scalar(a, act);
+          a.y = ref512.data();
+          kd::matmul_q8_scalar_avx512(a, act);
           for (int isa = -1; isa < static_cast<int>(levels.size()); ++isa)  // -1: the AVX2 family
             for (const k::ActQ8* ap : {&act, &act_lanes}) {
               std::fill(y.begin(), y.end(), NAN);
@@ -779,8 +783,9 @@ TEST(QuantQ8, AllFamiliesBitIdentical) {
               } else {
                 ASSERT_TRUE(kd::matmul_q8_avx512(a, *ap, levels[static_cast<size_t>(isa)]));
               }
+              const std::vector<float>& want = isa < 0 ? ref : ref512;
               for (size_t i = 0; i < y.size(); ++i)
-                ASSERT_EQ(bits(y[i]), bits(ref[i]))
+                ASSERT_EQ(bits(y[i]), bits(want[i]))
                     << strata::quant::detail::type_name(t) << " "
                     << (isa < 0 ? "avx2" : kLevelName[static_cast<int>(levels[static_cast<size_t>(isa)])])
                     << (ap == &act ? "" : " lanes kept") << " rows=" << rows << " cols=" << cols << " n_tok=" << n_tok
@@ -791,19 +796,27 @@ TEST(QuantQ8, AllFamiliesBitIdentical) {
       }
     }
   }
-  // and through the public entry point, per family
+  // and through the public entry point, per family: the scalar family's bits, except Q8_0 in the
+  // AVX-512 family (its serial definition)
   for (GgmlType t : kQ8Types) {
     const int64_t rows = 9, cols = 512, n_tok = 6;
     const auto w = random_rows(t, rows, cols, rng);
     const auto x = random_x(n_tok * cols, rng);
-    std::vector<float> first;
+    k::ActQ8 act;
+    act.resize(n_tok, cols);
+    k::quantize_activations(config(k::CpuKernels::Scalar), x.data(), cols, 0, n_tok, act);
+    std::vector<float> ref(static_cast<size_t>(rows * n_tok)), ref512(ref.size());
+    kd::MatmulArgs a{t, w.data(), q::row_size(t, cols), 0, rows, cols, x.data(), cols, n_tok, ref.data(), rows};
+    kd::matmul_q8_scalar(a, act);
+    a.y = ref512.data();
+    kd::matmul_q8_scalar_avx512(a, act);
     for (k::CpuKernels fam : families()) {
       const k::KernelConfig kc = config(fam, k::ActQuant::Q8);
       ASSERT_TRUE(k::has_q8_activations(kc, t));
       std::vector<float> y(static_cast<size_t>(rows * n_tok));
       k::matmul(kc, t, w.data(), q::row_size(t, cols), 0, rows, cols, x.data(), cols, n_tok, y.data(), rows);
-      if (first.empty()) first = y;
-      for (size_t i = 0; i < y.size(); ++i) ASSERT_EQ(bits(y[i]), bits(first[i])) << k::cpu_kernels_name(fam);
+      const std::vector<float>& want = fam == k::CpuKernels::Avx512 ? ref512 : ref;
+      for (size_t i = 0; i < y.size(); ++i) ASSERT_EQ(bits(y[i]), bits(want[i])) << k::cpu_kernels_name(fam);
     }
   }
   std::string names = " / avx2";
@@ -881,7 +894,11 @@ TEST(QuantQ8, EqualsExactProductOfDequantizedOperands) {
           const double yv = y[static_cast<size_t>(tk * rows + r)];
           // fp32 rounding of the block factors (<= 4 ulp) and of the lane sums (cols/64 FMAs
           // per lane, then 5 adds), relative to the magnitudes that enter them
-          const double fmt_tol = (static_cast<double>(cols) / 64.0 + 16.0) * 0x1p-24 * mag;
+          // (the AVX-512 family's Q8_0 is serial: one product and one FMA per 32-block, in order)
+          const bool serial = kc.family == k::CpuKernels::Avx512 && t == GgmlType::Q8_0;
+          const double fmt_tol =
+              (serial ? static_cast<double>(cols) / 32.0 + 2.0 : static_cast<double>(cols) / 64.0 + 16.0) * 0x1p-24 *
+              mag;
           ASSERT_LE(std::fabs(yv - dq), fmt_tol) << strata::quant::detail::type_name(t) << " cols=" << cols;
           ASSERT_LE(std::fabs(dq - exact), qbound) << "activation rounding beyond d/2 per element";
           worst_fmt = std::max(worst_fmt, std::fabs(yv - dq) / std::max(mag, 1e-30));
@@ -1011,4 +1028,128 @@ TEST(QuantQ8, Avx2TilesEqualDefinitionAndRowKernels) {
   }
   std::printf("[quant] avx2 tiles: %lld outputs equal to the definition and to single-token calls\n",
               static_cast<long long>(checked));
+}
+
+namespace {
+
+bool cpu_has_avx512_q8() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+         __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+
+/// The AVX-512 levels this CPU has (each a superset of the one before).
+std::vector<kd::Q8Isa> avx512_levels() {
+  std::vector<kd::Q8Isa> v = {kd::Q8Isa::Avx512};
+  if (kd::best_q8_isa() != kd::Q8Isa::Avx512) v.push_back(kd::Q8Isa::Avx512Vnni);
+  return v;
+}
+
+}  // namespace
+
+// The AVX-512 Q8_0 GEMM with the tokens in the lanes (matmul_q8_0_avx512.cpp) against its scalar
+// definition (matmul_q8_scalar_avx512: serial, the CUDA q8 arithmetic), bit for bit: rows that are
+// not a multiple of the 4-row tile, 1 to 128 blocks per row, every token count around the
+// 16-token group and the 3-group tile, the row range split over 1 and 2 threads, the layout kept
+// in ActQ8 (tok16) and made by the kernel, and the extreme codes (weights -128 / +127 against
+// activation codes +-127: |S_b| = 32 * 128 * 127).
+TEST(QuantQ8, Avx512Q8_0TokenLanesEqualDefinition) {
+  if (!cpu_has_avx512_q8()) GTEST_SKIP() << "no AVX-512 on this CPU";
+  std::mt19937_64 rng(test_seed() ^ 0x51a0);
+  const GgmlType t = GgmlType::Q8_0;
+  int64_t checked = 0;
+  for (kd::Q8Isa isa : avx512_levels()) {
+    for (bool extreme : {false, true}) {
+      for (int64_t cols : {32, 96, 800, 4096}) {
+        const int64_t rows = cols == 4096 ? 13 : 30;
+        auto w = random_rows(t, rows, cols, rng);
+        if (extreme)
+          for (int64_t b = 0; b < rows * cols / 32; ++b) std::memset(w.data() + 34 * b + 2, b % 3 ? 0x80 : 0x7f, 32);
+        const size_t rb = q::row_size(t, cols);
+        for (int64_t n_tok : {1, 2, 3, 4, 5, 7, 15, 16, 17, 33, 64, 511, 512}) {
+          if (cols == 4096 && n_tok > 64 && n_tok != 512) continue;
+          std::vector<float> x = random_x(n_tok * cols, rng);
+          if (extreme)
+            for (int64_t i = 0; i < n_tok * cols; ++i) x[static_cast<size_t>(i)] = (i / 32) % 2 ? -0.5f : 0.5f;
+          k::ActQ8 kept, bare;  // with the token-lane layout kept, and without (the kernel makes it)
+          kept.resize(n_tok, cols, t);
+          bare.resize(n_tok, cols);
+          ASSERT_EQ(kept.tok16, n_tok > kd::kQ8_0MatVecMax);
+          ASSERT_FALSE(bare.tok16);
+          // quantized in two token ranges (as the thread pool does): the layout must not care
+          k::quantize_activations(config(k::CpuKernels::Auto), x.data(), cols, 0, n_tok / 2, kept);
+          k::quantize_activations(config(k::CpuKernels::Auto), x.data(), cols, n_tok / 2, n_tok, kept);
+          k::quantize_activations(config(k::CpuKernels::Auto), x.data(), cols, 0, n_tok, bare);
+          const int64_t ldy = rows + 1;
+          std::vector<float> ref(static_cast<size_t>(ldy * n_tok), NAN);
+          kd::MatmulArgs a{t, w.data(), rb, 0, rows, cols, nullptr, cols, n_tok, ref.data(), ldy};
+          kd::matmul_q8_scalar_avx512(a, bare);
+          for (int threads : {1, 2})
+            for (const k::ActQ8* ap : {&kept, &bare}) {
+              std::vector<float> y(ref.size(), NAN);
+              // rows split at an odd row (inside a 4-row tile) for 2 threads
+              const int64_t split = threads == 1 ? rows : rows / 2 + 1;
+              auto run = [&](int64_t r0, int64_t r1) {
+                kd::MatmulArgs s = a;
+                s.row_begin = r0;
+                s.row_end = r1;
+                s.y = y.data();
+                ASSERT_TRUE(kd::matmul_q8_avx512(s, *ap, isa));
+              };
+              if (threads == 1) {
+                run(0, rows);
+              } else {
+                std::thread other([&] { run(split, rows); });
+                run(0, split);
+                other.join();
+              }
+              for (int64_t tk = 0; tk < n_tok; ++tk)
+                for (int64_t r = 0; r < ldy; ++r) {
+                  const size_t i = static_cast<size_t>(tk * ldy + r);
+                  if (r >= rows) {
+                    ASSERT_TRUE(std::isnan(y[i])) << "column past the rows written";
+                    continue;
+                  }
+                  ASSERT_EQ(bits(y[i]), bits(ref[i]))
+                      << (isa == kd::Q8Isa::Avx512 ? "avx512" : "avx512-vnni") << (extreme ? " extreme" : "")
+                      << " cols=" << cols << " n_tok=" << n_tok << " threads=" << threads
+                      << (ap == &kept ? " kept" : " made") << " token " << tk << " row " << r;
+                  ++checked;
+                }
+            }
+        }
+      }
+    }
+  }
+  std::printf("[quant] avx512 Q8_0 token lanes: %lld outputs equal to the serial definition\n",
+              static_cast<long long>(checked));
+}
+
+// Batch invariance of the token-lane GEMM: a token's outputs are the same bits alone, at every
+// position of a group of 16, and at several positions of a batch of 512 (the other tokens random).
+TEST(QuantQ8, Avx512Q8_0TokenLanesBatchInvariant) {
+  if (!cpu_has_avx512_q8()) GTEST_SKIP() << "no AVX-512 on this CPU";
+  std::mt19937_64 rng(test_seed() ^ 0x16);
+  const GgmlType t = GgmlType::Q8_0;
+  const int64_t rows = 11, cols = 1024;
+  const size_t rb = q::row_size(t, cols);
+  const auto w = random_rows(t, rows, cols, rng);
+  const std::vector<float> probe = random_x(cols, rng);
+  const k::KernelConfig kc = config(k::CpuKernels::Avx512, k::ActQuant::Q8);
+  auto outputs = [&](int64_t n_tok, int64_t pos) {  // the probe's outputs at `pos` of n_tok tokens
+    std::vector<float> x = random_x(n_tok * cols, rng);
+    std::copy(probe.begin(), probe.end(), x.begin() + pos * cols);
+    std::vector<float> y(static_cast<size_t>(n_tok * rows));
+    k::matmul(kc, t, w.data(), rb, 0, rows, cols, x.data(), cols, n_tok, y.data(), rows);
+    return std::vector<float>(y.begin() + pos * rows, y.begin() + (pos + 1) * rows);
+  };
+  const std::vector<float> alone = outputs(1, 0);
+  auto same = [&](const std::vector<float>& v, const char* what, int64_t pos) {
+    for (int64_t r = 0; r < rows; ++r)
+      ASSERT_EQ(bits(v[static_cast<size_t>(r)]), bits(alone[static_cast<size_t>(r)]))
+          << what << " position " << pos << " row " << r;
+  };
+  for (int64_t pos = 0; pos < 16; ++pos) same(outputs(16, pos), "group of 16", pos);
+  for (int64_t pos : {0, 1, 15, 16, 47, 48, 255, 497, 511}) same(outputs(512, pos), "batch of 512", pos);
+  for (int64_t pos : {0, 6}) same(outputs(7, pos), "batch of 7", pos);
 }

@@ -11,7 +11,9 @@
 //
 // The float part of every dot product is fixed here, lane by lane: the scalar family computes
 // it with the same lane structure as the AVX-512 family (see matmul_q8_ref.cpp), so in q8 mode
-// every family gives bit-identical results and the fast kernels are tested bit for bit.
+// every family gives bit-identical results and the fast kernels are tested bit for bit; the
+// exception is Q8_0 on AVX-512, whose tokens-in-the-lanes GEMM follows the serial definition
+// of matmul_q8_scalar_avx512 (the CUDA one), also spelled out in scalar code.
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -231,6 +233,38 @@ static void with_lane_type(GgmlType t, Fn&& fn) {
 /// the thread's next call).
 LaneTokens lane_tokens(GgmlType t, const ActQ8& a, int64_t t0, int64_t t1);
 
+// Tokens in the lanes (Q8_0 on AVX-512; ActQ8::tok16, the layout in kernels.h). The GEMM keeps
+// the weights in GGUF row order and puts 16 tokens in the 16 int32 lanes of vpdpbusd: run j of
+// a (group, block) holds every token's codes 4j..4j+3 plus 128 (unsigned), and the weight
+// codes 4j..4j+3 of (row, block) are one embedded 4-byte broadcast, so 8 vpdpbusd give per
+// token S' = sum (qx + 128) qw and S_b = S' - 128 sum qw (exact). The float part is the serial
+// definition of matmul_q8_scalar_avx512 (the CUDA q8 one).
+
+/// Writes tokens [t0, t1) of `a` in the token-lane layout of ActQ8::xg / dxg into xg / dxg
+/// (buffers laid out as those for all of a.n_tok: token t at group t/16, lane t%16); when
+/// t1 == a.n_tok also the padding lanes of the last group (code 0, scale 0). Thread-safe for
+/// disjoint token ranges.
+void token_lanes(const ActQ8& a, int64_t t0, int64_t t1, uint8_t* xg, float* dxg);
+
+/// Up to this many tokens the AVX-512 Q8_0 path takes the mat-vec (16 rows per register, natural
+/// code order), from kQ8_0MatVecMax + 1 the tokens-in-the-lanes GEMM; same bits either way.
+inline constexpr int64_t kQ8_0MatVecMax = 4;
+
+/// The tokens of `a` with the tokens in the lanes: xg/dxg as in ActQ8, `groups` groups of 16.
+struct TokenLanes {
+  const uint8_t* x;
+  const float* dx;
+  int64_t groups;
+};
+/// All tokens of `a` in the token-lane layout: a's own copy when a.tok16, else one made now
+/// into this thread's buffers (valid until the thread's next call).
+TokenLanes token_lanes_of(const ActQ8& a);
+
+/// The AVX-512 Q8_0 GEMM (matmul_q8_0_avx512.cpp), tokens in the lanes: y[t][r] for rows
+/// [row_begin, row_end) and all a.n_tok tokens with the bits of matmul_q8_scalar_avx512. VNNI:
+/// vpdpbusd; otherwise the same integers from vpmaddwd on 16-bit halves.
+void matmul_q8_0_avx512(const MatmulArgs& m, const ActQ8& a, bool vnni);
+
 /// Tokens per block of the q8 SIMD driver: their codes stay in L2 while every row passes.
 inline constexpr int64_t kQ8TokBlock = 64;
 
@@ -275,6 +309,14 @@ static bool run_q8_blocks(const MatmulArgs& m, const ActQ8& a, K& k) {
 /// Scalar q8 family (the definition of the arithmetic): y[t][r] for rows [row_begin, row_end).
 void matmul_q8_scalar(const MatmulArgs& m, const ActQ8& a);
 
+/// The definition of the AVX-512 q8 family: matmul_q8_scalar for every type but Q8_0, whose
+/// arithmetic is the serial one of the CUDA q8 path (src/backend/cuda/kernels.h, matmul_q8):
+/// per (row, token) acc = 0, then for each 32-block b in column order
+///     S_b = sum_k qw_k * qx_k                   (exact int32, |S_b| <= 32 * 128 * 127 < 2^24)
+///     acc = fma(float(S_b), dw_b * dx_b, acc)    (the product rounded to fp32 on its own)
+/// with dw_b the block's fp16 scale and dx_b the activation's; y = acc.
+void matmul_q8_scalar_avx512(const MatmulArgs& m, const ActQ8& a);
+
 /// AVX2 q8 family (+ FMA, F16C, BMI2; the CPU must have them): y[t][r] with the bits of
 /// matmul_q8_scalar. Returns false for types without a kernel (!has_q8_kernel).
 bool matmul_q8_avx2(const MatmulArgs& m, const ActQ8& a);
@@ -287,8 +329,8 @@ enum class Q8Isa {
 };
 /// The best level this CPU has (only meaningful where AVX-512 F/BW/VL/DQ exist).
 Q8Isa best_q8_isa();
-/// AVX-512 q8 family at level `isa` (which the CPU must have). Returns false for types without
-/// a kernel.
+/// AVX-512 q8 family at level `isa` (which the CPU must have): the bits of
+/// matmul_q8_scalar_avx512. Returns false for types without a kernel.
 bool matmul_q8_avx512(const MatmulArgs& m, const ActQ8& a, Q8Isa isa);
 /// The IQ2_XS rows of the Icl level (matmul_q8_iq2xs_avx512icl.cpp): rows [r0, r1) of W (rows
 /// `row_bytes` apart) against tokens 0..n_tok-1 of `tk`, writing y[t * ldy + r] with the bits of

@@ -28,7 +28,8 @@ CpuKernels best_family() {
 }
 
 // The q8 family of k: AVX-512 or AVX2 kernels (the type has one in both), else the scalar
-// definition; all give the same bits.
+// definition; all give the same bits except Q8_0 in the AVX-512 family, whose definition is
+// the serial one of matmul_q8_scalar_avx512 (the CUDA q8 arithmetic).
 void run_q8(const KernelConfig& k, const detail::MatmulArgs& a, const ActQ8& act) {
   // the AVX-512 sub-level (VNNI, GFNI/VBMI) is a property of the CPU, not a choice
   static const detail::Q8Isa isa = cpu_has_avx512() ? detail::best_q8_isa() : detail::Q8Isa::Avx512;
@@ -105,6 +106,13 @@ void ActQ8::resize(int64_t n_tok_, int64_t cols_, GgmlType for_type) {
     grow(dxl, n_tok * cols / 16);
     grow(xs, n_tok * cols / 32);
   }
+  // (the Q8_0 mat-vec reads the natural order: no layout for decode-sized inputs)
+  tok16 = for_type == GgmlType::Q8_0 && n_tok > detail::kQ8_0MatVecMax;
+  if (tok16) {
+    const int64_t groups = (n_tok + 15) / 16;
+    grow(xg, groups * 16 * cols);
+    grow(dxg, groups * 16 * (cols / 32));
+  }
 }
 
 void quantize_activations(const KernelConfig& k, const float* x, int64_t ldx, int64_t t0, int64_t t1, ActQ8& a) {
@@ -137,6 +145,7 @@ void quantize_activations(const KernelConfig& k, const float* x, int64_t ldx, in
   if (a.lanes != GgmlType::F32)
     detail::lane_order(a.lanes, a, t0, t1, a.ql.data() + t0 * a.cols, a.dxl.data() + t0 * (a.cols / 16),
                        a.xs.data() + t0 * (a.cols / 32));
+  if (a.tok16) detail::token_lanes(a, t0, t1, a.xg.data(), a.dxg.data());
 }
 
 void matmul_q8(const KernelConfig& k, GgmlType t, const void* W, size_t row_bytes, int64_t row_begin, int64_t row_end,

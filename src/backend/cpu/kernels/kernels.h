@@ -70,7 +70,14 @@ bool has_q8_activations(const KernelConfig& k, GgmlType t);
 /// kernel, cols % 256 == 0) the codes are also kept in that type's lane order (ql, n_tok x cols;
 /// dxl, n_tok x cols/16 per-lane block scales; xs, n_tok x cols/32, Q4_K/Q5_K only: d times the
 /// block's code sum), which the SIMD kernels read directly (act_q8.h; otherwise every matmul call
-/// rearranges the codes itself).
+/// rearranges the codes itself). For Q8_0 weights and more than 4 tokens (the GEMM's sizes) the
+/// codes are also kept with the tokens in the lanes (tok16; the AVX-512 Q8_0 GEMM, act_q8.h
+/// "Tokens in the lanes"): groups of 16 tokens, per group g and 32-block b 8 runs j of 64 bytes,
+/// run j holding for each of the 16 tokens (lane l = token 16g + l) its codes 4j..4j+3 of block b
+/// plus 128 as unsigned bytes:
+///   xg[((g * cols/32 + b) * 8 + j) * 64 + 4 l + i] = q(16g + l)[32 b + 4 j + i] + 128
+///   dxg[(g * cols/32 + b) * 16 + l] = d(16g + l)[b]
+/// and the lanes of tokens >= n_tok in the last group hold code 0 (byte 128) and scale 0.
 struct ActQ8 {
   int64_t cols = 0, n_tok = 0;
   std::vector<int8_t> q;
@@ -79,6 +86,9 @@ struct ActQ8 {
   GgmlType lanes = GgmlType::F32;  ///< the type ql/dxl/xs are arranged for; F32: none
   std::vector<int8_t> ql;
   std::vector<float> dxl, xs;
+  bool tok16 = false;  ///< xg/dxg are kept (resize() for Q8_0 and more than 4 tokens)
+  std::vector<uint8_t> xg;
+  std::vector<float> dxg;
   /// Sizes the buffers for n_tok x cols (only grows) and chooses the lane order to keep
   /// (`for_type`; any type without one keeps none). Throws std::runtime_error if cols % 32.
   void resize(int64_t n_tok, int64_t cols, GgmlType for_type = GgmlType::F32);
@@ -115,7 +125,8 @@ void matmul_q8(const KernelConfig& k, GgmlType t, const void* W, size_t row_byte
 /// weights are expanded to fp32 exactly as quant::dequantize_row does; the fast families differ
 /// from the scalar reference (double accumulation) only by fp32 accumulation, at most
 /// (cols/16 + 8) * 2^-24 * sum_k |w_k x_k|. In Q8 mode (has_q8_activations(k, t)) every family
-/// computes the same bits (the arithmetic is defined in matmul_q8_ref.cpp). Throws
+/// computes the same bits (the arithmetic is defined in matmul_q8_ref.cpp), except Q8_0 in the
+/// AVX-512 family, which has its own serial definition (the CUDA q8 one; act_q8.h). Throws
 /// std::runtime_error for an unsupported type, a ragged `cols`, a bad row range or
 /// row_bytes < quant::row_size(t, cols).
 void matmul(const KernelConfig& k, GgmlType t, const void* W, size_t row_bytes, int64_t row_begin, int64_t row_end,

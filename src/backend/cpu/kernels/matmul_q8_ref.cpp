@@ -1,6 +1,7 @@
 // The q8-activation path, scalar: activation quantization and the definition of every dot
 // product's arithmetic. Integer sums are exact; the fp32 part is spelled out lane by lane with
 // the structure the AVX-512 kernels use (matmul_q8_avx512.cpp), so both give identical bits.
+// Q8_0 on AVX-512 has its own, serial definition (dot_q8_0_serial, matmul_q8_scalar_avx512).
 //
 // Notation per (row, token): qx = int8 codes of the token, dx[b] = scale of its 32-block b,
 // s16[g] = sum of its codes 16g..16g+15. "lane L" of a 64-weight chunk covers elements
@@ -271,7 +272,66 @@ float dot_iq2_xs(const uint8_t* w, int64_t cols, const int8_t* qx, const float* 
   return hsum16(acc);
 }
 
+// Q8_0 in the serial definition of the AVX-512 family (matmul_q8_scalar_avx512 in act_q8.h,
+// the CUDA q8 arithmetic): S_b exact in integers, then acc = fma(float(S_b), dw_b * dx_b, acc)
+// block after block, the product rounded on its own.
+float dot_q8_0_serial(const uint8_t* w, int64_t cols, const int8_t* qx, const float* dx) {
+  float acc = 0.0f;
+  for (int64_t b = 0; b < cols / 32; ++b) {
+    const uint8_t* wb = w + 34 * b;
+    int S = 0;
+    for (int k = 0; k < 32; ++k) S += static_cast<int8_t>(wb[2 + k]) * qx[32 * b + k];
+    float f = half_to_float(load_u16(wb)) * dx[b];
+    __asm__("" : "+x"(f));  // no contraction of the product into the FMA
+    acc = std::fma(static_cast<float>(S), f, acc);
+  }
+  return acc;
+}
+
 }  // namespace
+
+void token_lanes(const ActQ8& a, int64_t t0, int64_t t1, uint8_t* xg, float* dxg) {
+  const int64_t nb = a.cols / 32;
+  // 4 codes at a time: + 128 on each byte is a flip of its top bit
+  const auto put = [&](int64_t t, const int8_t* q, const float* d) {
+    const int64_t g = t / 16, l = t % 16;
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t* run = xg + (g * nb + b) * 512 + 4 * l;
+      for (int j = 0; j < 8; ++j) {
+        uint32_t v = 0;
+        if (q) std::memcpy(&v, q + 32 * b + 4 * j, 4);
+        v ^= 0x80808080u;
+        std::memcpy(run + 64 * j, &v, 4);
+      }
+      dxg[(g * nb + b) * 16 + l] = d ? d[b] : 0.0f;
+    }
+  };
+  for (int64_t t = t0; t < t1; ++t) put(t, a.qt(t), a.dt(t));
+  if (t1 == a.n_tok)
+    for (int64_t t = a.n_tok; t % 16 != 0; ++t) put(t, nullptr, nullptr);
+}
+
+TokenLanes token_lanes_of(const ActQ8& a) {
+  const int64_t groups = (a.n_tok + 15) / 16;
+  if (a.tok16) return {a.xg.data(), a.dxg.data(), groups};
+  thread_local std::vector<uint8_t> xg;
+  thread_local std::vector<float> dxg;
+  xg.resize(static_cast<size_t>(groups * 16 * a.cols));
+  dxg.resize(static_cast<size_t>(groups * 16 * (a.cols / 32)));
+  token_lanes(a, 0, a.n_tok, xg.data(), dxg.data());
+  return {xg.data(), dxg.data(), groups};
+}
+
+void matmul_q8_scalar_avx512(const MatmulArgs& m, const ActQ8& a) {
+  if (m.type != GgmlType::Q8_0) {
+    matmul_q8_scalar(m, a);
+    return;
+  }
+  for (int64_t r = m.row_begin; r < m.row_end; ++r) {
+    const uint8_t* w = m.W + static_cast<size_t>(r) * m.row_bytes;
+    for (int64_t t = 0; t < m.n_tok; ++t) m.y[t * m.ldy + r] = dot_q8_0_serial(w, m.cols, a.qt(t), a.dt(t));
+  }
+}
 
 void lane_order(GgmlType type, const ActQ8& a, int64_t t0, int64_t t1, int8_t* xp, float* dxl, float* xs) {
   // source dword of each destination dword of a 256-block (a lane's 4 elements are consecutive)
