@@ -477,6 +477,90 @@ TEST(CudaKernels, RmsNormMatchesCpu) {
   EXPECT_LE(worst, 4 * 0x1p-24);
 }
 
+// The fused residual add + RMSNorm against add then rms_norm: bit for bit (x and out), on rows of
+// several widths (one under the block's 256 threads, one over several strides).
+TEST(CudaKernels, AddRmsNormEqualsAddThenRmsNorm) {
+  REQUIRE_CUDA_DEVICE();
+  std::mt19937 rng(31);
+  for (int64_t n : {int64_t(100), int64_t(2048), int64_t(4099)}) {
+    SCOPED_TRACE("n=" + std::to_string(n));
+    const int64_t n_rows = 7, ldx = n + 5, ldy = n + 3, ldo = n + 1;
+    const auto x = random_floats(size_t(n_rows * ldx), rng, -3, 3);
+    const auto y = random_floats(size_t(n_rows * ldy), rng, -3, 3);
+    const auto w = random_floats(size_t(n), rng, 0.5f, 1.5f);
+    auto dx1 = upload(x), dx2 = upload(x), dy = upload(y), dw = upload(w);
+    cuda::DeviceBuffer do1(size_t(n_rows * ldo) * 4), do2(size_t(n_rows * ldo) * 4);
+    for (int64_t r = 0; r < n_rows; ++r)
+      cuda::add(dx1.as<float>() + r * ldx, dy.as<float>() + r * ldy, dx1.as<float>() + r * ldx, n);
+    cuda::rms_norm(dx1.as<float>(), ldx, dw.as<float>(), do1.as<float>(), ldo, n, n_rows, 1e-6f);
+    cuda::add_rms_norm(dx2.as<float>(), ldx, dy.as<float>(), ldy, dw.as<float>(), do2.as<float>(), ldo, n, n_rows,
+                       1e-6f);
+    const auto x1 = download<float>(dx1, x.size()), x2 = download<float>(dx2, x.size());
+    const auto o1 = download<float>(do1, size_t(n_rows * ldo)), o2 = download<float>(do2, size_t(n_rows * ldo));
+    int64_t differ = 0;
+    for (int64_t r = 0; r < n_rows; ++r)
+      for (int64_t i = 0; i < n; ++i)
+        differ += !bits_equal(x1[r * ldx + i], x2[r * ldx + i]) + !bits_equal(o1[r * ldo + i], o2[r * ldo + i]);
+    EXPECT_EQ(differ, 0);
+  }
+  EXPECT_THROW(cuda::add_rms_norm(nullptr, 4, nullptr, 8, nullptr, nullptr, 8, 8, 1, 1e-6f), cuda::CudaError);
+}
+
+// The fused q/k RMSNorm + NEOX RoPE against rms_norm per head then rope_neox on q and k: bit for
+// bit, with full and partial rotation, with and without norm weights, one token (decode) and many.
+TEST(CudaKernels, QkNormRopeEqualsSeparateKernels) {
+  REQUIRE_CUDA_DEVICE();
+  std::mt19937 rng(32);
+  struct Case {
+    int n_head, n_head_kv, head_dim, n_rot;
+    bool q_norm, k_norm;
+    int64_t n_tok, pos0;
+  };
+  const Case cases[] = {{32, 4, 128, 128, true, true, 1, 2047},  {32, 4, 128, 128, true, true, 19, 300},
+                        {6, 2, 64, 32, true, false, 5, 0},       {6, 3, 64, 64, false, false, 3, 70000},
+                        {8, 8, 256, 64, false, true, 2, 12},     {4, 1, 576, 64, true, true, 2, 5}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE("heads " + std::to_string(c.n_head) + "/" + std::to_string(c.n_head_kv) + " dim " +
+                 std::to_string(c.head_dim) + " rot " + std::to_string(c.n_rot) + " T " + std::to_string(c.n_tok));
+    const int64_t ldq = int64_t(c.n_head) * c.head_dim + 8, ldk = int64_t(c.n_head_kv) * c.head_dim;
+    const auto q = random_floats(size_t(c.n_tok * ldq), rng, -3, 3);
+    const auto k = random_floats(size_t(c.n_tok * ldk), rng, -3, 3);
+    const auto qw = random_floats(size_t(c.head_dim), rng, 0.5f, 1.5f);
+    const auto kw = random_floats(size_t(c.head_dim), rng, 0.5f, 1.5f);
+    const auto rope = strata::backend::RopeSpec::standard(c.n_rot, 1e6);
+    std::vector<int32_t> pos(size_t(c.n_tok));
+    for (int64_t t = 0; t < c.n_tok; ++t) pos[size_t(t)] = int32_t(c.pos0 + t);
+    auto dq1 = upload(q), dq2 = upload(q), dk1 = upload(k), dk2 = upload(k), dqw = upload(qw), dkw = upload(kw);
+    auto dpos = upload(pos), dfreq = upload(rope.inv_freq);
+    const float eps = 1e-6f;
+    // rows of head_dim inside rows of ldq: norm token by token (ldq has padding after the heads)
+    for (int64_t t = 0; t < c.n_tok; ++t) {
+      if (c.q_norm)
+        cuda::rms_norm(dq1.as<float>() + t * ldq, c.head_dim, dqw.as<float>(), dq1.as<float>() + t * ldq, c.head_dim,
+                       c.head_dim, c.n_head, eps);
+      if (c.k_norm)
+        cuda::rms_norm(dk1.as<float>() + t * ldk, c.head_dim, dkw.as<float>(), dk1.as<float>() + t * ldk, c.head_dim,
+                       c.head_dim, c.n_head_kv, eps);
+    }
+    cuda::rope_neox(dq1.as<float>(), ldq, c.n_tok, c.n_head, c.head_dim, c.n_rot, dpos.as<int32_t>(),
+                    dfreq.as<double>());
+    cuda::rope_neox(dk1.as<float>(), ldk, c.n_tok, c.n_head_kv, c.head_dim, c.n_rot, dpos.as<int32_t>(),
+                    dfreq.as<double>());
+    cuda::qk_norm_rope(dq2.as<float>(), ldq, c.n_head, dk2.as<float>(), ldk, c.n_head_kv, c.head_dim, c.n_tok,
+                       c.q_norm ? dqw.as<float>() : nullptr, c.k_norm ? dkw.as<float>() : nullptr, eps, c.n_rot,
+                       c.pos0, dfreq.as<double>());
+    const auto q1 = download<float>(dq1, q.size()), q2 = download<float>(dq2, q.size());
+    const auto k1 = download<float>(dk1, k.size()), k2 = download<float>(dk2, k.size());
+    int64_t differ = 0, changed = 0;
+    for (size_t i = 0; i < q.size(); ++i) differ += !bits_equal(q1[i], q2[i]), changed += !bits_equal(q1[i], q[i]);
+    for (size_t i = 0; i < k.size(); ++i) differ += !bits_equal(k1[i], k2[i]);
+    EXPECT_EQ(differ, 0);
+    EXPECT_GT(changed, 0);  // the reference did rotate (and norm) something
+  }
+  EXPECT_THROW(cuda::qk_norm_rope(nullptr, 128, 1, nullptr, 128, 1, 128, 1, nullptr, nullptr, 1e-6f, 3, 0, nullptr),
+               cuda::CudaError);
+}
+
 TEST(CudaKernels, AddSwigluSoftmaxMatchCpu) {
   REQUIRE_CUDA_DEVICE();
   std::mt19937 rng(4);

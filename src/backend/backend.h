@@ -518,6 +518,14 @@ class Backend {
   virtual void rms_norm(const Tensor& x, const Tensor& w, float eps, const Tensor& y) = 0;
   /// x += y, elementwise.
   virtual void add(const Tensor& x, const Tensor& y) = 0;
+  /// x += y, then out[t] = RMSNorm(x[t]) * w: a residual add and the next block's norm. The same
+  /// results as add(x, y) followed by rms_norm(x, w, eps, out), which is what this default does;
+  /// a backend overrides it to do both in one pass (CUDA: one launch per layer boundary instead of
+  /// two). out must not alias x or y.
+  virtual void add_rms_norm(const Tensor& x, const Tensor& y, const Tensor& w, float eps, const Tensor& out) {
+    add(x, y);
+    rms_norm(x, w, eps, out);
+  }
   /// y = x W^T: y[t][r] = sum_k W[r][k] x[t][k]. W ne {cols, rows}; x ne {cols, T}; y ne {rows, T}.
   virtual void matmul(const Tensor& W, const Tensor& x, const Tensor& y) = 0;
   /// Causal self-attention for T consecutive tokens at positions [pos0, pos0 + T) of one

@@ -15,6 +15,19 @@ namespace strata::model {
 using backend::Tensor;
 
 namespace {
+/// Expert e's weights as the backend takes them: its three parts in the arena slot `v` (shapes
+/// from the layer's table) and its rows of the layer's resident biases, if any.
+backend::FfnWeights expert_weights(const MoeLayer& w, const stream::ExpertView& v, int64_t e) {
+  auto part = [](const ExpertPartShape& s, const uint8_t* data) {
+    return Tensor::matrix(s.type, data, s.cols, s.rows, s.row_bytes);
+  };
+  backend::FfnWeights f{part(w.gate, v.part[0]), part(w.up, v.part[1]), part(w.down, v.part[2])};
+  if (!w.gate_bias.empty()) f.gate_b = w.gate_bias.rows_view(e, 1);
+  if (!w.up_bias.empty()) f.up_b = w.up_bias.rows_view(e, 1);
+  if (!w.down_bias.empty()) f.down_b = w.down_bias.rows_view(e, 1);
+  return f;
+}
+
 double seconds_between(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
@@ -105,6 +118,13 @@ void Step::residual(const char* nm, int layer) {
   StageTimer timer_(ctx_.profile, be_, StageProfile::Residual);
   be_.add(x_, o_);
   name(x_, nm, layer);
+}
+
+void Step::residual_norm(const char* nm, int layer, const Tensor& w, const char* norm_name, int norm_layer) {
+  StageTimer timer_(ctx_.profile, be_, StageProfile::Residual);
+  be_.add_rms_norm(x_, o_, w, model_.hparams().rms_eps, h_);
+  name(x_, nm, layer);
+  name(h_, norm_name, norm_layer);
 }
 
 void Step::attention(int layer, const backend::AttentionSpec& spec, const backend::AttentionWeights& w) {
@@ -382,19 +402,13 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
 
   const auto t_start = std::chrono::steady_clock::now();
   double waited = 0;
-  auto part = [](const ExpertPartShape& s, const uint8_t* data) {
-    return Tensor::matrix(s.type, data, s.cols, s.rows, s.row_bytes);
-  };
   auto run_expert = [&](stream::ExpertStream& from, int32_t e, const Tensor& rows) {
     const auto t_wait = std::chrono::steady_clock::now();
     const stream::ExpertView view = from.wait(layer, e);
     waited += seconds_between(t_wait, std::chrono::steady_clock::now());
     backend::ExpertJob job;
     job.expert = e;
-    job.w = backend::FfnWeights{part(w.gate, view.part[0]), part(w.up, view.part[1]), part(w.down, view.part[2])};
-    if (!w.gate_bias.empty()) job.w.gate_b = w.gate_bias.rows_view(e, 1);
-    if (!w.up_bias.empty()) job.w.up_b = w.up_bias.rows_view(e, 1);
-    if (!w.down_bias.empty()) job.w.down_b = w.down_bias.rows_view(e, 1);
+    job.w = expert_weights(w, view, e);
     job.pairs = pairs[size_t(e)];
     be_.expert_ffn(w.ffn, job, K, h_, rows);
   };
@@ -473,18 +487,8 @@ bool Step::moe_on_device(int layer, const MoeLayer& w, const MoeLayer* next, con
   c.layer = layer;
   c.generation = stream.generation();
   c.experts = [&](std::vector<backend::FfnWeights>& out) {
-    auto part = [](const ExpertPartShape& s, const uint8_t* data) {
-      return Tensor::matrix(s.type, data, s.cols, s.rows, s.row_bytes);
-    };
     out.resize(views->size());
-    for (size_t e = 0; e < views->size(); ++e) {
-      const stream::ExpertView& v = (*views)[e];
-      backend::FfnWeights& f = out[e];
-      f = backend::FfnWeights{part(w.gate, v.part[0]), part(w.up, v.part[1]), part(w.down, v.part[2])};
-      if (!w.gate_bias.empty()) f.gate_b = w.gate_bias.rows_view(int64_t(e), 1);
-      if (!w.up_bias.empty()) f.up_b = w.up_bias.rows_view(int64_t(e), 1);
-      if (!w.down_bias.empty()) f.down_b = w.down_bias.rows_view(int64_t(e), 1);
-    }
+    for (size_t e = 0; e < views->size(); ++e) out[e] = expert_weights(w, (*views)[e], int64_t(e));
   };
   c.h = h_;
   c.expert_out = expert_out;
@@ -603,14 +607,16 @@ void AttnMoeModel::forward(ForwardContext& ctx, std::span<SeqInput> batch) {
   s.embed(tok_embd_);
   s.read_ahead_first(layers_[0].moe, layers_[0].ffn_norm);  // layer 0's experts load during attention
   const int n = int(layers_.size());
+  if (n > 0) s.norm(layers_[0].attn_norm, "attn_norm", 0);
   for (int l = 0; l < n; ++l) {
     const AttnMoeLayer& L = layers_[size_t(l)];
-    s.norm(L.attn_norm, "attn_norm", l);
     s.attention(l, *L.spec, L.attn);
-    s.residual("ffn_inp", l);
-    s.norm(L.ffn_norm, ffn_norm_name_, l);
+    s.residual_norm("ffn_inp", l, L.ffn_norm, ffn_norm_name_, l);
     s.moe(l, L.moe, l + 1 < n ? &layers_[size_t(l + 1)].moe : nullptr);
-    s.residual("l_out", l);
+    if (l + 1 < n)
+      s.residual_norm("l_out", l, layers_[size_t(l + 1)].attn_norm, "attn_norm", l + 1);  // the next layer's norm
+    else
+      s.residual("l_out", l);
   }
   s.output(output_norm_, output_);
 }

@@ -66,6 +66,9 @@ class Step {
   void norm(const backend::Tensor& w, const char* name, int layer);
   /// x += o; names x "<name>-<layer>".
   void residual(const char* name, int layer);
+  /// residual(name, layer) then norm(w, norm_name, norm_layer), through Backend::add_rms_norm
+  /// (one pass on backends that fuse them; the same results as the two calls).
+  void residual_norm(const char* name, int layer, const backend::Tensor& w, const char* norm_name, int norm_layer);
   /// o = attention(h) per sequence, with `layer`'s KV cache of each. Names "attn_out-<layer>".
   void attention(int layer, const backend::AttentionSpec& spec, const backend::AttentionWeights& w);
   /// o = multi-head latent attention(h) per sequence, with `layer`'s latent cache of each (the

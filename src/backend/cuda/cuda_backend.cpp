@@ -543,6 +543,14 @@ char* CudaBackend::q8_scratch(size_t bytes) {
   return grow_stream_buffer(q8_scratch_, q8_scratch_bytes_, bytes, ctx_->stream, device_, "q8 activation scratch");
 }
 
+CudaBackend::Q8Ffn CudaBackend::q8_ffn_scratch(int64_t n, int64_t E, int64_t F) {
+  const size_t cx = align_up(size_t(n * E), 256), sx = align_up(size_t(n * E / 32) * sizeof(float), 256),
+               ca = align_up(size_t(n * F), 256);
+  char* qb = q8_scratch(cx + sx + ca + size_t(n * F / 32) * sizeof(float));
+  return {reinterpret_cast<int8_t*>(qb), reinterpret_cast<float*>(qb + cx), reinterpret_cast<int8_t*>(qb + cx + sx),
+          reinterpret_cast<float*>(qb + cx + sx + ca)};
+}
+
 CudaBackend::Q8Act CudaBackend::quantize_act(const float* x, int64_t ldx, int64_t cols, int64_t n_tok, void* st) {
   const size_t codes = align_up(size_t(n_tok * cols), 256);
   char* base = q8_scratch(codes + size_t(n_tok * cols / 32) * sizeof(float));
@@ -631,6 +639,12 @@ void CudaBackend::add(const Tensor& x, const Tensor& y) {
   add_rows(x.f(), ld(x), y.f(), ld(y), x.cols(), x.rows(), stream());
 }
 
+void CudaBackend::add_rms_norm(const Tensor& x, const Tensor& y, const Tensor& w, float eps, const Tensor& out) {
+  flush_experts();
+  ProfScope ps(*this, "add + rms_norm", x.rows());
+  cuda::add_rms_norm(x.f(), ld(x), y.f(), ld(y), w.f(), out.f(), ld(out), x.cols(), x.rows(), eps, stream());
+}
+
 void CudaBackend::matmul(const Tensor& W, const Tensor& x, const Tensor& y) {
   flush_experts();
   ProfScope ps(*this, "matmul", x.rows());
@@ -708,9 +722,15 @@ void CudaBackend::attention(const backend::AttentionSpec& s, const backend::Atte
   proj(w.wv, vc, kv_dim);
   if (!w.bk.empty()) add_bias(kc, kv_dim, w.bk.f(), kv_dim, T, stream());
   if (!w.bv.empty()) add_bias(vc, kv_dim, w.bv.f(), kv_dim, T, stream());
-  // Per-head RMSNorm of q and k: rows of head_dim.
-  // RMSNorm of q and k: per head (rows of head_dim), or over the whole projection row (MiniMax-M2).
-  if (s.qk_norm_full) {
+  // RMSNorm of q and k: per head (rows of head_dim), or over the whole projection row (MiniMax-M2);
+  // then RoPE. The common case (per-head norms, NEOX without YaRN's factor) is one launch with the
+  // positions pos0.. as an argument (the same bits as the separate kernels below).
+  const bool fused = !s.qk_norm_full && rope && rope->n_rot > 0 && rope->mode == backend::RopeSpec::Mode::Neox &&
+                     rope->attn_factor == 1.0;
+  if (fused) {
+    qk_norm_rope(q, q_dim, s.n_head, kc, kv_dim, s.n_head_kv, s.head_dim, T, w.q_norm.empty() ? nullptr : w.q_norm.f(),
+                 w.k_norm.empty() ? nullptr : w.k_norm.f(), s.rms_eps, rope->n_rot, pos0, inv_freq(*rope), stream());
+  } else if (s.qk_norm_full) {
     if (!w.q_norm.empty()) cuda::rms_norm(q, q_dim, w.q_norm.f(), q, q_dim, q_dim, T, s.rms_eps, stream());
     if (!w.k_norm.empty()) cuda::rms_norm(kc, kv_dim, w.k_norm.f(), kc, kv_dim, kv_dim, T, s.rms_eps, stream());
   } else {
@@ -719,7 +739,7 @@ void CudaBackend::attention(const backend::AttentionSpec& s, const backend::Atte
     if (!w.k_norm.empty())
       cuda::rms_norm(kc, s.head_dim, w.k_norm.f(), kc, s.head_dim, s.head_dim, T * s.n_head_kv, s.rms_eps, stream());
   }
-  if (rope && rope->n_rot > 0) {
+  if (!fused && rope && rope->n_rot > 0) {
     std::vector<int32_t> p(static_cast<size_t>(T));
     for (int64_t t = 0; t < T; ++t) p[size_t(t)] = int32_t(pos0 + t);
     upload_async(pos, p.data(), p.size() * sizeof(int32_t));
@@ -1084,6 +1104,19 @@ void CudaBackend::route(std::span<const backend::RouteCall> calls, const Tensor&
   }
 }
 
+namespace {
+
+// Whether an expert of n_embd E and n_ff F can join a grouped launch (flush_experts): gate and up
+// of one type and row size, the shapes of an F x E / E x F SwiGLU, and types with the grouped
+// (tensor-core) kernels.
+bool groupable(const backend::FfnWeights& w, int64_t E, int64_t F) {
+  return w.gate.type == w.up.type && w.gate.row_bytes() == w.up.row_bytes() && w.gate.rows() == F &&
+         w.up.rows() == F && w.gate.cols() == E && w.up.cols() == E && w.down.rows() == E && w.down.cols() == F &&
+         has_mma(w.gate.type, E) && has_mma(w.down.type, F);
+}
+
+}  // namespace
+
 void CudaBackend::expert_ffn(const backend::FfnSpec& spec, const backend::ExpertJob& job, int top_k, const Tensor& h,
                              const Tensor& expert_out) {
   const int64_t n = int64_t(job.pairs.size()), E = h.cols(), F = job.w.gate.rows();
@@ -1116,10 +1149,7 @@ void CudaBackend::expert_ffn(const backend::FfnSpec& spec, const backend::Expert
     scatter_rows(y, E, pairs, n, expert_out.f(), ld(expert_out), E, stream());
     return;
   }
-  const bool groupable = w.gate.type == w.up.type && w.gate.row_bytes() == w.up.row_bytes() && w.up.rows() == F &&
-                         w.down.rows() == E && w.down.cols() == F && w.gate.cols() == E && has_mma(w.gate.type, E) &&
-                         has_mma(w.down.type, F);
-  if (groupable) {
+  if (groupable(w, E, F)) {
     // Queued; the layer's experts run as one grouped launch per projection (flush_experts).
     const bool same = !pending_.empty() && pend_.h == h.f() && pend_.ldh == ld(h) && pend_.out == expert_out.f() &&
                       pend_.ldo == ld(expert_out) && pend_.top_k == top_k && pend_.E == E && pend_.F == F &&
@@ -1196,13 +1226,7 @@ void CudaBackend::flush_experts() {
   }
   gather_rows(g.h, g.ldh, d_pairs, g.top_k, N, xg, g.E, g.E, stream());
   if (q8) {
-    const size_t cx = align_up(size_t(N * g.E), 256), sx = align_up(size_t(N * g.E / 32) * sizeof(float), 256),
-                 ca = align_up(size_t(N * g.F), 256);
-    char* qb = q8_scratch(cx + sx + ca + size_t(N * g.F / 32) * sizeof(float));
-    auto* xq = reinterpret_cast<int8_t*>(qb);
-    auto* xd = reinterpret_cast<float*>(qb + cx);
-    auto* aq = reinterpret_cast<int8_t*>(qb + cx + sx);
-    auto* ad = reinterpret_cast<float*>(qb + cx + sx + ca);
+    const auto [xq, xd, aq, ad] = q8_ffn_scratch(N, g.E, g.F);
     quantize_q8(xg, g.E, g.E, N, xq, xd, stream());
     {
       ProfScope pk(*this, "experts grouped gate/up (q8)", N / std::max(1, g.top_k));
@@ -1244,17 +1268,15 @@ const CudaBackend::DeviceMoeTable& CudaBackend::moe_table(const backend::DeviceM
   for (int64_t e = 0; e < n; ++e) {
     const backend::FfnWeights& w = ws[size_t(e)];
     if (general_expert(*c.ffn, w)) return t;  // biases or the clamped SwiGLU: one expert at a time
-    const bool same = w.gate.type == w0.gate.type && w.up.type == w0.gate.type && w.down.type == w0.down.type &&
-                      w.gate.row_bytes() == w0.gate.row_bytes() && w.up.row_bytes() == w0.gate.row_bytes() &&
-                      w.down.row_bytes() == w0.down.row_bytes() && w.gate.rows() == F && w.up.rows() == F &&
-                      w.gate.cols() == E && w.up.cols() == E && w.down.rows() == E && w.down.cols() == F;
+    // what flush_experts groups, with every expert of the layer in one group (expert 0's types)
+    const bool same = groupable(w, E, F) && w.gate.type == w0.gate.type && w.down.type == w0.down.type &&
+                      w.gate.row_bytes() == w0.gate.row_bytes() && w.down.row_bytes() == w0.down.row_bytes();
     if (!same) return t;
     ptrs[size_t(3 * e)] = w.gate.data, ptrs[size_t(3 * e + 1)] = w.up.data, ptrs[size_t(3 * e + 2)] = w.down.data;
     gu[size_t(e)].w = w.gate.data, gu[size_t(e)].w2 = w.up.data, gu[size_t(e)].n_tok = 1;
     dn[size_t(e)].w = w.down.data, dn[size_t(e)].n_tok = 1;
     gu[size_t(e)].row0 = dn[size_t(e)].row0 = e;
   }
-  if (!has_mma(w0.gate.type, E) || !has_mma(w0.down.type, F)) return t;  // what flush_experts groups
   t.E = E, t.F = F;
   t.gate_type = w0.gate.type, t.down_type = w0.down.type;
   t.gate_rb = w0.gate.row_bytes(), t.down_rb = w0.down.row_bytes();
@@ -1325,13 +1347,7 @@ const int32_t* CudaBackend::moe_on_device(const backend::DeviceMoeCall& c) {
   float* y = c.expert_out.f();
   const int64_t ldy = ld(c.expert_out);
   if (tb.q8) {
-    const size_t cx = align_up(size_t(TK * E), 256), sx = align_up(size_t(TK * E / 32) * sizeof(float), 256),
-                 ca = align_up(size_t(TK * F), 256);
-    char* qb = q8_scratch(cx + sx + ca + size_t(TK * F / 32) * sizeof(float));
-    auto* xq = reinterpret_cast<int8_t*>(qb);
-    auto* xd = reinterpret_cast<float*>(qb + cx);
-    auto* aq = reinterpret_cast<int8_t*>(qb + cx + sx);
-    auto* ad = reinterpret_cast<float*>(qb + cx + sx + ca);
+    const auto [xq, xd, aq, ad] = q8_ffn_scratch(TK, E, F);
     quantize_q8(xg, E, E, TK, xq, xd, stream());
     grouped_matmul_q8(pgu, tb.gate_type, d_gu, int(TK), tb.gate_rb, F, E, xq, xd, act, F, true, stream());
     quantize_q8(act, F, F, TK, aq, ad, stream());

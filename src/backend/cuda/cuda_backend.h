@@ -86,6 +86,8 @@ class CudaBackend final : public backend::Backend {
   void embed(const backend::Tensor& table, std::span<const int32_t> ids, const backend::Tensor& x) override;
   void rms_norm(const backend::Tensor& x, const backend::Tensor& w, float eps, const backend::Tensor& y) override;
   void add(const backend::Tensor& x, const backend::Tensor& y) override;
+  void add_rms_norm(const backend::Tensor& x, const backend::Tensor& y, const backend::Tensor& w, float eps,
+                    const backend::Tensor& out) override;
   void matmul(const backend::Tensor& W, const backend::Tensor& x, const backend::Tensor& y) override;
   void attention(const backend::AttentionSpec& spec, const backend::AttentionWeights& w, const backend::KvCache& kv,
                  int64_t pos0, const backend::Tensor& h, const backend::Tensor& out) override;
@@ -182,6 +184,15 @@ class CudaBackend final : public backend::Backend {
   /// Quantizes x ([cols, n_tok], rows ldx floats apart) into q8_scratch on stream `st` (valid
   /// until the next q8_scratch user): the input of one or more matmul_q8 calls.
   Q8Act quantize_act(const float* x, int64_t ldx, int64_t cols, int64_t n_tok, void* st);
+  /// The q8 scratch of a grouped SwiGLU over n rows: codes / scales of its [E, n] input (xq, xd)
+  /// and of its [F, n] activation (aq, ad), carved from q8_scratch (valid until its next user).
+  struct Q8Ffn {
+    int8_t* xq;
+    float* xd;
+    int8_t* aq;
+    float* ad;
+  };
+  Q8Ffn q8_ffn_scratch(int64_t n, int64_t E, int64_t F);
   /// Points a.part at the persistent partial-state buffer (grown as needed) when the call splits
   /// its KV segments and needs at most 64 MiB (decode, small chunks): no allocation per call.
   void attention_part(AttentionArgs& a);

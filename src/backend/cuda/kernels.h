@@ -118,8 +118,9 @@ bool has_mma(GgmlType t, int64_t cols);
 /// contraction); the row is cut into 256-column chunks and lane l (0..31) of a warp owns
 /// columns [256i + 8l, 256i + 8l + 8) of every chunk i, accumulating w·x with fp32 FMA in
 /// column order; the 32 lane sums are combined by a fixed butterfly (xor 16, 8, 4, 2, 1).
-/// MatVec: one warp per (row, token). Tiled: one warp per row and tile of 8 tokens, each
-/// weight expanded once for the tile (8 accumulators, each the MatVec sequence).
+/// MatVec: one warp per (row, token). Tiled: one warp per 4 rows and tile of 8 tokens, each
+/// weight expanded once for the tile and each x load fed to the 4 rows (32 accumulators, each
+/// the MatVec sequence).
 /// Error against the exact sum (fp32 accumulation of cols/32 terms, then 5 additions):
 /// |y - sum| <= (cols/32 + 6) * 2^-24 * sum_k |w_k x_k| (to first order).
 /// Mma (tensor cores, mma.sync m16n8k16 bf16 with fp32 accumulation): the weights enter as
@@ -266,6 +267,27 @@ void softmax_rows(float* x, int64_t ld, int64_t n, int64_t n_rows, void* stream 
 /// n_tok int32 positions; inv_freq: device, n_rot/2 doubles (cpu::Rope::inv_freq).
 void rope_neox(float* x, int64_t ld_tok, int64_t n_tok, int n_heads, int head_dim, int n_rot, const int32_t* pos,
                const double* inv_freq, void* stream = nullptr);
+
+/// The per-head RMSNorm of q and k, then the NEOX rotation of both, in one launch: bit-identical
+/// with rms_norm(q, head_dim, q_norm, q, head_dim, head_dim, n_tok * n_head, eps) and the same on
+/// k (each skipped when its norm weight is null), followed by rope_neox on q and k with
+/// pos[t] = pos0 + t (skipped when n_rot == 0). One block of 256 threads per (token, head) row,
+/// the norm's sum tree and the rotation's operations those of the two kernels.
+///   q: device, [head_dim, n_head, n_tok] fp32, token t at q + t * ldq; k: device, [head_dim,
+///   n_head_kv, n_tok], token t at k + t * ldk (in place, e.g. the KV cache rows); q_norm /
+///   k_norm: device [head_dim] or null; inv_freq: device, n_rot/2 doubles.
+/// Throws CudaError for head_dim < 1, n_rot odd or > head_dim, ldq < n_head * head_dim or
+/// ldk < n_head_kv * head_dim, or pos0 + n_tok beyond int32.
+void qk_norm_rope(float* q, int64_t ldq, int n_head, float* k, int64_t ldk, int n_head_kv, int head_dim,
+                  int64_t n_tok, const float* q_norm, const float* k_norm, float eps, int n_rot, int64_t pos0,
+                  const double* inv_freq, void* stream = nullptr);
+
+/// The residual add and the next RMSNorm in one launch: x = x + y, then out = rms_norm(x, w, eps),
+/// per row; bit-identical with add (x, y, x) followed by rms_norm(x, ldx, w, out, ldo, ...).
+/// x: device [n, n_rows], rows ldx apart (updated in place); y: rows ldy apart; out: rows ldo
+/// apart (must not alias x or y). Throws CudaError for n < 1 or a leading dimension below n.
+void add_rms_norm(float* x, int64_t ldx, const float* y, int64_t ldy, const float* w, float* out, int64_t ldo,
+                  int64_t n, int64_t n_rows, float eps, void* stream = nullptr);
 
 // ---------------------------------------------------------------------------------------------
 // Attention

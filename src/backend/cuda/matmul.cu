@@ -264,54 +264,67 @@ __device__ __forceinline__ void decode8(const uint8_t* __restrict__ row, int c, 
   }
 }
 
-constexpr int kWarpsPerBlock = 8;  // rows per block (one warp each)
+constexpr int kWarpsPerBlock = 8;  // warps per block
 constexpr int kTileTokens = 8;     // tokens per warp on the tiled path
+constexpr int kTileRows = 4;       // rows per warp on the tiled path
 
-/// One warp per row r and NT consecutive tokens from blockIdx.y * NT. Lane l owns columns
-/// [256i + 8l, 256i + 8l + 8); per token one FMA chain in column order; butterfly at the end.
-template <GgmlType T, int NT>
+/// One warp per R consecutive rows from (blockIdx.x * kWarpsPerBlock + warp) * R and NT
+/// consecutive tokens from blockIdx.y * NT. Lane l owns columns [256i + 8l, 256i + 8l + 8); per
+/// (row, token) one FMA chain in column order; butterfly at the end. R and NT change only which
+/// elements a warp computes, never an element's operations, so every (R, NT) gives the same bits.
+/// With R > 1 each x load feeds R rows (the tiled path's loads of x, not its FMAs, were its bound).
+template <GgmlType T, int NT, int R>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     mm_kernel(const uint8_t* __restrict__ W, size_t row_bytes, int64_t rows, int cols, const float* __restrict__ x,
               int64_t ldx, int64_t n_tok, int64_t tok_base, float* __restrict__ y, int64_t ldy) {
   const int lane = threadIdx.x & 31;
-  const int64_t r = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
-  if (r >= rows) return;
+  const int64_t r0 = (int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32) * R;
+  if (r0 >= rows) return;
+  const int nr = rows - r0 < R ? int(rows - r0) : R;
   const int64_t t0 = tok_base + int64_t(blockIdx.y) * NT;
   const int64_t left = n_tok - t0;
   const int nt = left < NT ? int(left) : NT;
-  const uint8_t* row = W + r * int64_t(row_bytes);
   const float* xt = x + t0 * ldx;
-  float acc[NT];
+  float acc[R][NT];
 #pragma unroll
-  for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
+  for (int i = 0; i < R; ++i)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[i][t] = 0.0f;
   for (int c = 8 * lane; c < cols; c += 256) {
-    float w[8];
-    decode8<T>(row, c, w);
+    float w[R][8];
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+      if (i < nr) decode8<T>(W + (r0 + i) * int64_t(row_bytes), c, w[i]);
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
       if (t < nt) {
         const float4 a = *reinterpret_cast<const float4*>(xt + t * ldx + c);
         const float4 bq = *reinterpret_cast<const float4*>(xt + t * ldx + c + 4);
-        float s = acc[t];
-        s = __fmaf_rn(w[0], a.x, s);
-        s = __fmaf_rn(w[1], a.y, s);
-        s = __fmaf_rn(w[2], a.z, s);
-        s = __fmaf_rn(w[3], a.w, s);
-        s = __fmaf_rn(w[4], bq.x, s);
-        s = __fmaf_rn(w[5], bq.y, s);
-        s = __fmaf_rn(w[6], bq.z, s);
-        s = __fmaf_rn(w[7], bq.w, s);
-        acc[t] = s;
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+          float s = acc[i][t];
+          s = __fmaf_rn(w[i][0], a.x, s);
+          s = __fmaf_rn(w[i][1], a.y, s);
+          s = __fmaf_rn(w[i][2], a.z, s);
+          s = __fmaf_rn(w[i][3], a.w, s);
+          s = __fmaf_rn(w[i][4], bq.x, s);
+          s = __fmaf_rn(w[i][5], bq.y, s);
+          s = __fmaf_rn(w[i][6], bq.z, s);
+          s = __fmaf_rn(w[i][7], bq.w, s);
+          acc[i][t] = s;
+        }
       }
     }
   }
 #pragma unroll
-  for (int t = 0; t < NT; ++t) {
-    float s = acc[t];
+  for (int i = 0; i < R; ++i)
 #pragma unroll
-    for (int off = 16; off >= 1; off /= 2) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, off));
-    if (lane == 0 && t < nt) y[(t0 + t) * ldy + r] = s;
-  }
+    for (int t = 0; t < NT; ++t) {
+      float s = acc[i][t];
+#pragma unroll
+      for (int off = 16; off >= 1; off /= 2) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, off));
+      if (lane == 0 && t < nt && i < nr) y[(t0 + t) * ldy + r0 + i] = s;
+    }
 }
 
 /// Embedding rows: thread i of row t decodes columns 8i..8i+7 of table row ids[t].
@@ -1129,16 +1142,17 @@ template <GgmlType T>
 void launch_mm(const uint8_t* W, size_t row_bytes, int64_t rows, int cols, const float* x, int64_t ldx, int64_t n_tok,
                float* y, int64_t ldy, cudaStream_t st, bool tiled) {
   const dim3 block(kWarpsPerBlock * 32);
-  const int64_t gx = (rows + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  const int64_t rows_per_block = int64_t(kWarpsPerBlock) * (tiled ? kTileRows : 1);
+  const int64_t gx = (rows + rows_per_block - 1) / rows_per_block;
   const int nt = tiled ? kTileTokens : 1;
   constexpr int64_t kMaxGridY = 65535;
   for (int64_t base = 0; base < n_tok; base += kMaxGridY * nt) {
     const int64_t n_here = std::min<int64_t>(n_tok - base, kMaxGridY * nt);
     const dim3 grid(unsigned(gx), unsigned((n_here + nt - 1) / nt));
     if (tiled) {
-      mm_kernel<T, kTileTokens><<<grid, block, 0, st>>>(W, row_bytes, rows, cols, x, ldx, base + n_here, base, y, ldy);
+      mm_kernel<T, kTileTokens, kTileRows><<<grid, block, 0, st>>>(W, row_bytes, rows, cols, x, ldx, base + n_here, base, y, ldy);
     } else {
-      mm_kernel<T, 1><<<grid, block, 0, st>>>(W, row_bytes, rows, cols, x, ldx, base + n_here, base, y, ldy);
+      mm_kernel<T, 1, 1><<<grid, block, 0, st>>>(W, row_bytes, rows, cols, x, ldx, base + n_here, base, y, ldy);
     }
     STRATA_CUDA_CHECK_LAUNCH();
   }

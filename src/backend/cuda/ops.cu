@@ -100,6 +100,62 @@ __global__ void rope_neox_kernel(float* x, int64_t ld_tok, int64_t n_tok, int n_
   xh[i + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
 }
 
+/// One block per (token, head) row of q (heads 0..n_head-1) or k (the next n_head_kv): the row
+/// normed as rms_norm_kernel does (same loop, tree and products), then rotated as
+/// rope_neox_kernel does, through shared memory (head_dim floats).
+__global__ void __launch_bounds__(kRowThreads)
+    qk_norm_rope_kernel(float* q, int64_t ldq, int n_head, float* k, int64_t ldk, int n_head_kv, int head_dim,
+                        const float* __restrict__ qw, const float* __restrict__ kw, float eps, int half, int64_t pos0,
+                        const double* __restrict__ inv_freq) {
+  extern __shared__ float row[];
+  __shared__ double sh[kRowThreads];
+  const int heads = n_head + n_head_kv;
+  const int64_t t = int64_t(blockIdx.x) / heads;
+  const int h = int(int64_t(blockIdx.x) % heads);
+  float* xr = h < n_head ? q + t * ldq + int64_t(h) * head_dim : k + t * ldk + int64_t(h - n_head) * head_dim;
+  const float* w = h < n_head ? qw : kw;
+  if (w) {
+    double ss = 0;
+    for (int i = threadIdx.x; i < head_dim; i += kRowThreads) ss += double(xr[i]) * double(xr[i]);
+    ss = block_sum(ss, sh);
+    const float scale = float(1.0 / sqrt(ss / double(head_dim) + double(eps)));
+    for (int i = threadIdx.x; i < head_dim; i += kRowThreads) row[i] = __fmul_rn(__fmul_rn(xr[i], scale), w[i]);
+  } else {
+    for (int i = threadIdx.x; i < head_dim; i += kRowThreads) row[i] = xr[i];
+  }
+  __syncthreads();
+  const double p = double(int32_t(pos0 + t));
+  for (int i = threadIdx.x; i < half; i += kRowThreads) {
+    const double theta = p * inv_freq[i];
+    const float c = float(cos(theta)), s = float(sin(theta));
+    const float a = row[i], b = row[i + half];
+    row[i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+    row[i + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < head_dim; i += kRowThreads) xr[i] = row[i];
+}
+
+/// One block per row: x += y as add_kernel, then out = the RMSNorm of the sum as rms_norm_kernel.
+/// Each thread reads back only the sums it wrote itself, so no barrier is needed between the two.
+__global__ void __launch_bounds__(kRowThreads)
+    add_rms_norm_kernel(float* x, int64_t ldx, const float* __restrict__ y, int64_t ldy, const float* __restrict__ w,
+                        float* __restrict__ out, int64_t ldo, int64_t n, float eps) {
+  __shared__ double sh[kRowThreads];
+  float* xr = x + int64_t(blockIdx.x) * ldx;
+  const float* yr = y + int64_t(blockIdx.x) * ldy;
+  float* orow = out + int64_t(blockIdx.x) * ldo;
+  double ss = 0;
+  for (int64_t i = threadIdx.x; i < n; i += kRowThreads) {
+    const float v = __fadd_rn(xr[i], yr[i]);
+    xr[i] = v;
+    ss += double(v) * double(v);
+  }
+  ss = block_sum(ss, sh);
+  const float scale = float(1.0 / sqrt(ss / double(n) + double(eps)));
+  for (int64_t i = threadIdx.x; i < n; i += kRowThreads) orow[i] = __fmul_rn(__fmul_rn(xr[i], scale), w[i]);
+}
+
 unsigned elementwise_blocks(int64_t n) {
   const int64_t b = (n + 255) / 256;
   return unsigned(b < 65536 ? b : 65536);
@@ -148,6 +204,35 @@ void rope_neox(float* x, int64_t ld_tok, int64_t n_tok, int n_heads, int head_di
   STRATA_CUDA_REQUIRE((total + 255) / 256 <= 0x7fffffff, "cuda::rope_neox: too many elements");
   rope_neox_kernel<<<unsigned((total + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
       x, ld_tok, n_tok, n_heads, head_dim, n_rot / 2, pos, inv_freq);
+  STRATA_CUDA_CHECK_LAUNCH();
+}
+
+void qk_norm_rope(float* q, int64_t ldq, int n_head, float* k, int64_t ldk, int n_head_kv, int head_dim,
+                  int64_t n_tok, const float* q_norm, const float* k_norm, float eps, int n_rot, int64_t pos0,
+                  const double* inv_freq, void* stream) {
+  STRATA_CUDA_REQUIRE(head_dim >= 1 && n_head >= 0 && n_head_kv >= 0 && n_tok >= 0, "cuda::qk_norm_rope: bad shape");
+  STRATA_CUDA_REQUIRE(n_rot >= 0 && n_rot % 2 == 0 && n_rot <= head_dim,
+                      "cuda::qk_norm_rope: n_rot must be even, in [0, head_dim]");
+  STRATA_CUDA_REQUIRE(ldq >= int64_t(n_head) * head_dim && ldk >= int64_t(n_head_kv) * head_dim,
+                      "cuda::qk_norm_rope: ldq / ldk below the heads' width");
+  STRATA_CUDA_REQUIRE(pos0 >= 0 && pos0 + n_tok <= 0x7fffffff, "cuda::qk_norm_rope: positions beyond int32");
+  const int64_t blocks = n_tok * (int64_t(n_head) + n_head_kv);
+  if (blocks == 0) return;
+  STRATA_CUDA_REQUIRE(blocks <= 0x7fffffff, "cuda::qk_norm_rope: too many rows for one launch");
+  const size_t smem = size_t(head_dim) * sizeof(float);
+  STRATA_CUDA_REQUIRE(smem <= 48 * 1024, "cuda::qk_norm_rope: head_dim above 12288");
+  qk_norm_rope_kernel<<<unsigned(blocks), kRowThreads, smem, static_cast<cudaStream_t>(stream)>>>(
+      q, ldq, n_head, k, ldk, n_head_kv, head_dim, q_norm, k_norm, eps, n_rot / 2, pos0, inv_freq);
+  STRATA_CUDA_CHECK_LAUNCH();
+}
+
+void add_rms_norm(float* x, int64_t ldx, const float* y, int64_t ldy, const float* w, float* out, int64_t ldo,
+                  int64_t n, int64_t n_rows, float eps, void* stream) {
+  STRATA_CUDA_REQUIRE(n > 0 && ldx >= n && ldy >= n && ldo >= n, "cuda::add_rms_norm: bad n/ldx/ldy/ldo");
+  STRATA_CUDA_REQUIRE(n_rows >= 0 && n_rows <= 0x7fffffff, "cuda::add_rms_norm: bad n_rows");
+  if (n_rows == 0) return;
+  add_rms_norm_kernel<<<unsigned(n_rows), kRowThreads, 0, static_cast<cudaStream_t>(stream)>>>(x, ldx, y, ldy, w, out,
+                                                                                               ldo, n, eps);
   STRATA_CUDA_CHECK_LAUNCH();
 }
 
