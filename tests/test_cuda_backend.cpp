@@ -558,7 +558,7 @@ TEST(CudaBackend, PrefillAndDecodeBitIdenticalAcrossIoTiming) {
 // layer on the device with no host step between router and experts (Backend::moe_on_device). It
 // must give the bits of the host-driven path (STRATA_CUDA_HOST_MOE=1) and of a small arena where
 // every layer streams, count the same experts needed and hit, and actually be taken.
-TEST(CudaBackend, DecodeWithEveryExpertResidentRunsOnTheDeviceBitIdentical) {
+TEST(CudaBackend, EveryExpertResidentRunsMoeLayersOnTheDeviceBitIdentical) {
   REQUIRE_CUDA_DEVICE();
   const std::string model = model_path("qwen3moe-code-Q8_0.gguf");
   std::vector<int32_t> ids(96);
@@ -599,7 +599,10 @@ TEST(CudaBackend, DecodeWithEveryExpertResidentRunsOnTheDeviceBitIdentical) {
     ASSERT_EQ(dev.logits.size(), 96u * 8192u);
     EXPECT_TRUE(bit_equal(dev.logits, host.logits)) << "device MoE vs host-driven MoE";
     EXPECT_TRUE(bit_equal(dev.logits, streamed.logits)) << "device MoE vs a 5 MiB arena";
-    EXPECT_GT(dev.device_layers, 0u) << "the device path was never taken";
+    // decode: 32 tokens x 8 layers; prefill (4 chunks of 16 tokens x 8 experts = 128 pairs, grouped
+    // by expert on the device) too with q8 activations (the grouped GEMM), not with f32
+    const bool q8 = act == cpu::kernels::ActQuant::Q8;
+    EXPECT_EQ(dev.device_layers, q8 ? 32u * 8u + 4u * 8u : 32u * 8u) << "MoE layer calls on the device";
     EXPECT_EQ(host.device_layers, 0u) << "STRATA_CUDA_HOST_MOE=1 did not turn it off";
     EXPECT_EQ(dev.stats.needed, host.stats.needed);
     EXPECT_EQ(dev.stats.hits, host.stats.hits);
@@ -607,8 +610,8 @@ TEST(CudaBackend, DecodeWithEveryExpertResidentRunsOnTheDeviceBitIdentical) {
     EXPECT_EQ(dev.trace.ids, host.trace.ids) << "the routing trace";
     EXPECT_EQ(dev.trace.probs, host.trace.probs);
     EXPECT_EQ(dev.trace.next_prob, host.trace.next_prob);
-    std::printf("cuda: decode of 32 tokens, %llu of %d MoE layer calls on the device, needed %llu hits %llu (host "
-                "path: %llu / %llu): bit-identical with the host path and a 5 MiB arena\n",
+    std::printf("cuda: prefill of 64 and decode of 32 tokens, %llu MoE layer calls on the device (decode: %d), needed "
+                "%llu hits %llu (host path: %llu / %llu): bit-identical with the host path and a 5 MiB arena\n",
                 (unsigned long long)dev.device_layers, 32 * 8, (unsigned long long)dev.stats.needed,
                 (unsigned long long)dev.stats.hits, (unsigned long long)host.stats.needed,
                 (unsigned long long)host.stats.hits);

@@ -1119,8 +1119,9 @@ TEST(CudaKernels, MatmulQ8EqualsHostDefinition) {
     int64_t rows, cols;
     size_t rb;
   };
-  // 608 columns: 19 blocks (646 bytes: 2-byte aligned rows; 656: 16-byte aligned); 2048: 2176 bytes
-  const Shape shapes[] = {{203, 608, 646}, {203, 608, 656}, {130, 2048, 2176}, {77, 4160, 4432}};
+  // 608 columns: 19 blocks (646 bytes: 2-byte aligned rows; 656: 16-byte aligned); 2048: 2176 bytes;
+  // 4250 rows: the mat-vec's 16-row blocks (fewer rows take its 4-row blocks)
+  const Shape shapes[] = {{203, 608, 646}, {203, 608, 656}, {130, 2048, 2176}, {77, 4160, 4432}, {4250, 160, 170}};
   for (const Shape& sh : shapes) {
     const auto w = q8_rows(sh.rows, sh.cols, sh.rb, rng);
     auto dw = upload(w);

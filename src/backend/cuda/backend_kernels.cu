@@ -34,27 +34,50 @@ __global__ void repeat_rows_kernel(const float* __restrict__ src, int64_t lds, i
   dst[j * ldd + i] = src[(j / top_k) * lds + i];
 }
 
-__global__ void pair_jobs_kernel(const int32_t* __restrict__ ids, int64_t n_pairs, const void* const* __restrict__ table,
-                                 int n_expert, int64_t blocks_gu, int64_t blocks_dn, GroupedMatmulJob* gu,
-                                 GroupedMatmulJob* dn) {
-  const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (j >= n_pairs) return;
-  int e = ids[j];
-  if (e < 0 || e >= n_expert) e = 0;
-  GroupedMatmulJob g;
-  g.w = table[3 * e];
-  g.w2 = table[3 * e + 1];
-  g.row0 = j;
-  g.n_tok = 1;
-  g.block0 = j * blocks_gu;
-  gu[j] = g;
-  GroupedMatmulJob d;
-  d.w = table[3 * e + 2];
-  d.w2 = nullptr;
-  d.row0 = j;
-  d.n_tok = 1;
-  d.block0 = j * blocks_dn;
-  dn[j] = d;
+constexpr int kGroupThreads = 1024;
+
+__global__ void __launch_bounds__(kGroupThreads)
+    group_pairs_kernel(const int32_t* __restrict__ ids, int64_t n_pairs, const void* const* __restrict__ table,
+                       int n_expert, int tile_gu, int64_t rb_gu, int tile_dn, int64_t rb_dn,
+                       int64_t* __restrict__ pairs,
+                       GroupedMatmulJob* __restrict__ gu, GroupedMatmulJob* __restrict__ dn) {
+  extern __shared__ int gp_smem[];
+  int* count = gp_smem;                 // [n_expert]
+  int* cursor = gp_smem + n_expert;     // [n_expert]: next free slot of each expert
+  auto expert_of = [&](int64_t j) {
+    const int e = ids[j];
+    return e < 0 || e >= n_expert ? 0 : e;
+  };
+  for (int e = threadIdx.x; e < n_expert; e += kGroupThreads) count[e] = 0;
+  __syncthreads();
+  for (int64_t j = threadIdx.x; j < n_pairs; j += kGroupThreads) atomicAdd(&count[expert_of(j)], 1);
+  __syncthreads();
+  if (threadIdx.x == 0) {  // exclusive scans of the rows and of the token tiles, in expert order
+    int64_t off = 0, tiles_gu = 0, tiles_dn = 0;
+    for (int e = 0; e < n_expert; ++e) {
+      const int c = count[e];
+      GroupedMatmulJob g;
+      g.w = table[3 * e];
+      g.w2 = table[3 * e + 1];
+      g.row0 = off;
+      g.n_tok = c;
+      g.block0 = rb_gu * tiles_gu;
+      gu[e] = g;
+      GroupedMatmulJob d;
+      d.w = table[3 * e + 2];
+      d.w2 = nullptr;
+      d.row0 = off;
+      d.n_tok = c;
+      d.block0 = rb_dn * tiles_dn;
+      dn[e] = d;
+      cursor[e] = int(off);
+      off += c;
+      tiles_gu += (c + tile_gu - 1) / tile_gu;
+      tiles_dn += (c + tile_dn - 1) / tile_dn;
+    }
+  }
+  __syncthreads();
+  for (int64_t j = threadIdx.x; j < n_pairs; j += kGroupThreads) pairs[atomicAdd(&cursor[expert_of(j)], 1)] = j;
 }
 
 __global__ void scatter_rows_kernel(const float* __restrict__ src, int64_t lds, const int64_t* __restrict__ pairs,
@@ -140,12 +163,14 @@ void repeat_rows(const float* src, int64_t lds, int top_k, int64_t n, float* dst
   });
 }
 
-void pair_jobs(const int32_t* ids, int64_t n_pairs, const void* const* table, int n_expert, int64_t blocks_gu,
-               int64_t blocks_dn, GroupedMatmulJob* gate_up, GroupedMatmulJob* down, void* stream) {
-  STRATA_CUDA_REQUIRE(n_pairs >= 0 && n_expert >= 1 && blocks_gu >= 1 && blocks_dn >= 1, "cuda::pair_jobs: bad shape");
-  if (n_pairs == 0) return;
-  pair_jobs_kernel<<<blocks_1d(n_pairs), kThreads, 0, as_stream(stream)>>>(ids, n_pairs, table, n_expert, blocks_gu,
-                                                                            blocks_dn, gate_up, down);
+void group_pairs(const int32_t* ids, int64_t n_pairs, const void* const* table, int n_expert, int tile_gu,
+                 int64_t rb_gu, int tile_dn, int64_t rb_dn, int64_t* pairs, GroupedMatmulJob* gate_up,
+                 GroupedMatmulJob* down, void* stream) {
+  STRATA_CUDA_REQUIRE(n_pairs >= 0 && n_pairs <= INT32_MAX && n_expert >= 1 && n_expert <= 4096 && tile_gu >= 1 &&
+                          tile_dn >= 1 && rb_gu >= 1 && rb_dn >= 1,
+                      "cuda::group_pairs: bad shape");
+  group_pairs_kernel<<<1, kGroupThreads, 2 * size_t(n_expert) * sizeof(int), as_stream(stream)>>>(
+      ids, n_pairs, table, n_expert, tile_gu, rb_gu, tile_dn, rb_dn, pairs, gate_up, down);
   STRATA_CUDA_CHECK_LAUNCH();
 }
 

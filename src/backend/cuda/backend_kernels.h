@@ -24,15 +24,23 @@ void gather_rows(const float* src, int64_t lds, const int64_t* pairs, int top_k,
 /// pair order (gather_rows with pairs[j] = j). src rows lds apart; dst rows ldd apart.
 void repeat_rows(const float* src, int64_t lds, int top_k, int64_t n, float* dst, int64_t ldd, int64_t cols,
                  void* stream = nullptr);
-/// The grouped-matmul job tables of a MoE layer with one job per (token, k) pair, built on the
-/// device from the routed ids (no host step): for j < n_pairs, with e = ids[j] (an id outside
-/// [0, n_expert) is taken as 0: its token's selection failed and its status says so),
-///   gate_up[j] = {w = table[3e], w2 = table[3e + 1], row0 = j, n_tok = 1, block0 = j * blocks_gu}
-///   down[j]    = {w = table[3e + 2], w2 = null, row0 = j, n_tok = 1, block0 = j * blocks_dn}
-/// table: device, [n_expert][3] weight pointers (gate, up, down); blocks_*: the blocks of one job
-/// in the plan of that launch (every job has the same shape). ids: device, n_pairs int32.
-void pair_jobs(const int32_t* ids, int64_t n_pairs, const void* const* table, int n_expert, int64_t blocks_gu,
-               int64_t blocks_dn, GroupedMatmulJob* gate_up, GroupedMatmulJob* down, void* stream = nullptr);
+/// The (token, k) pairs of a MoE layer grouped by expert on the device, for one grouped launch per
+/// projection with every expert of the layer resident (CudaBackend::moe_on_device in prefill):
+/// with e_j = ids[j] (an id outside [0, n_expert) counts as 0: its token's selection failed and
+/// its status says so) and c_e the pairs of expert e,
+///   pairs[o_e .. o_e + c_e) = the j with e_j = e (o_e = c_0 + ... + c_{e-1}; their order within
+///                             an expert is not fixed, which changes no result: a grouped
+///                             matmul's element depends only on its own row of x),
+///   gate_up[e] = {w = table[3e], w2 = table[3e + 1], row0 = o_e, n_tok = c_e,
+///                 block0 = rb_gu * (sum over e' < e of ceil(c_e' / tile_gu))}
+///   down[e]    = {w = table[3e + 2], w2 = null, row0 = o_e, n_tok = c_e, block0 likewise with
+///                 rb_dn and tile_dn}
+/// for every e < n_expert (c_e may be 0: such a job has no blocks). One block; n_expert <= 4096.
+/// ids: device, n_pairs int32; table: device, [n_expert][3] weight pointers; pairs: device,
+/// n_pairs int64; gate_up / down: device, n_expert jobs each.
+void group_pairs(const int32_t* ids, int64_t n_pairs, const void* const* table, int n_expert, int tile_gu,
+                 int64_t rb_gu, int tile_dn, int64_t rb_dn, int64_t* pairs, GroupedMatmulJob* gate_up,
+                 GroupedMatmulJob* down, void* stream = nullptr);
 /// dst row pairs[j] = src row j, `cols` floats, for j < n (pairs distinct). src rows lds apart,
 /// dst rows ldd apart.
 void scatter_rows(const float* src, int64_t lds, const int64_t* pairs, int64_t n, float* dst, int64_t ldd, int64_t cols,

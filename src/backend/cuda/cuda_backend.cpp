@@ -1006,7 +1006,8 @@ bool device_routable(const backend::RouteCall& c) {
 
 }  // namespace
 
-void CudaBackend::launch_route(const backend::RouteCall& c, const Tensor& h, float* logits, const RouteOut& ro) {
+void CudaBackend::launch_route(const backend::RouteCall& c, const Tensor& h, float* logits, const RouteOut& ro,
+                               const PairJobs* jobs) {
   using G = backend::RouterSpec::Gating;
   const backend::RouterSpec& spec = *c.spec;
   const int64_t n_expert = c.w.rows(), T = h.rows();
@@ -1022,7 +1023,7 @@ void CudaBackend::launch_route(const backend::RouteCall& c, const Tensor& h, flo
   const Tensor& w = c.w;
   cuda::matmul(w.type, w.data, w.row_bytes(), n_expert, w.cols(), h.f(), ld(h), T, logits, n_expert, stream());
   if (!c.bias.empty()) add_bias(logits, n_expert, c.bias.f(), n_expert, T, stream());
-  select_topk(rs, logits, n_expert, T, ro, stream());
+  select_topk(rs, logits, n_expert, T, ro, stream(), jobs);
 }
 
 void CudaBackend::route(std::span<const backend::RouteCall> calls, const Tensor& h) {
@@ -1265,6 +1266,7 @@ const CudaBackend::DeviceMoeTable& CudaBackend::moe_table(const backend::DeviceM
   const int64_t F = w0.gate.rows();
   std::vector<const void*> ptrs(size_t(3 * n));
   std::vector<GroupedMatmulJob> gu(static_cast<size_t>(n)), dn(static_cast<size_t>(n));
+  bool al8_gu = true, al8_dn = true, al4 = true;
   for (int64_t e = 0; e < n; ++e) {
     const backend::FfnWeights& w = ws[size_t(e)];
     if (general_expert(*c.ffn, w)) return t;  // biases or the clamped SwiGLU: one expert at a time
@@ -1273,6 +1275,11 @@ const CudaBackend::DeviceMoeTable& CudaBackend::moe_table(const backend::DeviceM
                       w.gate.row_bytes() == w0.gate.row_bytes() && w.down.row_bytes() == w0.down.row_bytes();
     if (!same) return t;
     ptrs[size_t(3 * e)] = w.gate.data, ptrs[size_t(3 * e + 1)] = w.up.data, ptrs[size_t(3 * e + 2)] = w.down.data;
+    for (int p = 0; p < 3; ++p) {
+      const auto a = reinterpret_cast<uintptr_t>(ptrs[size_t(3 * e + p)]);
+      (p < 2 ? al8_gu : al8_dn) = (p < 2 ? al8_gu : al8_dn) && a % 8 == 0;
+      al4 = al4 && a % 4 == 0;
+    }
     gu[size_t(e)].w = w.gate.data, gu[size_t(e)].w2 = w.up.data, gu[size_t(e)].n_tok = 1;
     dn[size_t(e)].w = w.down.data, dn[size_t(e)].n_tok = 1;
     gu[size_t(e)].row0 = dn[size_t(e)].row0 = e;
@@ -1281,6 +1288,9 @@ const CudaBackend::DeviceMoeTable& CudaBackend::moe_table(const backend::DeviceM
   t.gate_type = w0.gate.type, t.down_type = w0.down.type;
   t.gate_rb = w0.gate.row_bytes(), t.down_rb = w0.down.row_bytes();
   t.q8 = act_q8_ && has_q8(t.gate_type, E) && has_q8(t.down_type, F);
+  t.gemm_gu = al8_gu && t.gate_rb % 8 == 0;
+  t.gemm_dn = al8_dn && t.down_rb % 8 == 0;
+  t.words = al4 && t.gate_rb % 4 == 0 && t.down_rb % 4 == 0;
   // The plans flush_experts would make for one token per expert (the tile and the weight-word
   // alignment over every expert of the layer); blocks per job = blocks / n.
   t.pgu = t.q8 ? plan_grouped_q8(gu.data(), int(n), F, E, t.gate_rb) : plan_grouped(gu.data(), int(n), F, E, true);
@@ -1317,10 +1327,14 @@ const int32_t* CudaBackend::moe_on_device(const backend::DeviceMoeCall& c) {
   const int64_t T = c.h.rows();
   const int K = c.spec->top_k;
   const int64_t TK = T * K;
-  if (T < 1 || TK > kDeviceMoeMaxPairs || c.expert_out.rows() < TK) return nullptr;
+  if (T < 1 || TK > INT32_MAX || c.expert_out.rows() < TK) return nullptr;
   flush_experts();
   const DeviceMoeTable& tb = moe_table(c);
   if (!tb.ok || tb.E != c.h.cols()) return nullptr;
+  // More pairs than a decode step (prefill): grouped by expert on the device, so that each
+  // expert's weights are read once per projection (the q8 GEMM only; else the host path).
+  const bool grouped = TK > kDeviceMoeMaxPairs;
+  if (grouped && (!tb.q8 || tb.n_expert > 4096)) return nullptr;
   ProfScope ps(*this, "moe on device (route, experts, combine)", T);
   route_w_.clear();  // route_dev_ is rewritten below
   if (route_dev_.bytes() < route_bytes(T, K)) {
@@ -1330,6 +1344,13 @@ const int32_t* CudaBackend::moe_on_device(const backend::DeviceMoeCall& c) {
   }
   const RouteOut ro = route_layout(route_dev_.get(), T, K);
   const int64_t E = tb.E, F = tb.F;
+  if (grouped) {
+    moe_grouped_on_device(c, rc, tb, ro, T, K);
+    int32_t* land = moe_landing(c.layer, route_bytes(T, K) / 4);
+    STRATA_CUDA_CHECK(cudaMemcpyAsync(land, ro.status, route_bytes(T, K), cudaMemcpyDeviceToHost, ctx_->stream));
+    ++device_moe_layers_;
+    return land;
+  }
   Carve cv{scratch(sz<float>(size_t(T) * size_t(tb.n_expert)) + 2 * sz<GroupedMatmulJob>(size_t(TK)) +
                    sz<float>(size_t(TK * E)) + sz<float>(size_t(TK * F)))};
   float* logits = cv.take<float>(size_t(T) * size_t(tb.n_expert));
@@ -1337,10 +1358,11 @@ const int32_t* CudaBackend::moe_on_device(const backend::DeviceMoeCall& c) {
   auto* d_dn = cv.take<GroupedMatmulJob>(size_t(TK));
   float* xg = cv.take<float>(size_t(TK * E));
   float* act = cv.take<float>(size_t(TK * F));
-  launch_route(rc, c.h, logits, ro);
-  pair_jobs(ro.ids, TK, static_cast<const void* const*>(tb.ptrs.get()), tb.n_expert, tb.pgu.blocks, tb.pdn.blocks,
-            d_gu, d_dn, stream());
-  repeat_rows(c.h.f(), ld(c.h), K, TK, xg, E, E, stream());
+  PairJobs pj;
+  pj.table = static_cast<const void* const*>(tb.ptrs.get());
+  pj.blocks_gu = tb.pgu.blocks, pj.blocks_dn = tb.pdn.blocks;
+  pj.gate_up = d_gu, pj.down = d_dn;
+  launch_route(rc, c.h, logits, ro, &pj);
   GroupedMatmulPlan pgu = tb.pgu, pdn = tb.pdn;
   pgu.blocks *= TK;
   pdn.blocks *= TK;
@@ -1348,11 +1370,12 @@ const int32_t* CudaBackend::moe_on_device(const backend::DeviceMoeCall& c) {
   const int64_t ldy = ld(c.expert_out);
   if (tb.q8) {
     const auto [xq, xd, aq, ad] = q8_ffn_scratch(TK, E, F);
-    quantize_q8(xg, E, E, TK, xq, xd, stream());
+    quantize_q8(c.h.f(), ld(c.h), E, TK, xq, xd, stream(), K);  // row j: token j / K's codes
     grouped_matmul_q8(pgu, tb.gate_type, d_gu, int(TK), tb.gate_rb, F, E, xq, xd, act, F, true, stream());
     quantize_q8(act, F, F, TK, aq, ad, stream());
     grouped_matmul_q8(pdn, tb.down_type, d_dn, int(TK), tb.down_rb, E, F, aq, ad, y, ldy, false, stream());
   } else {
+    repeat_rows(c.h.f(), ld(c.h), K, TK, xg, E, E, stream());
     grouped_matmul(pgu, tb.gate_type, d_gu, int(TK), tb.gate_rb, F, E, xg, E, act, F, true, stream());
     grouped_matmul(pdn, tb.down_type, d_dn, int(TK), tb.down_rb, E, F, act, F, y, ldy, false, stream());
   }
@@ -1361,6 +1384,43 @@ const int32_t* CudaBackend::moe_on_device(const backend::DeviceMoeCall& c) {
   STRATA_CUDA_CHECK(cudaMemcpyAsync(land, ro.status, route_bytes(T, K), cudaMemcpyDeviceToHost, ctx_->stream));
   ++device_moe_layers_;
   return land;
+}
+
+void CudaBackend::moe_grouped_on_device(const backend::DeviceMoeCall& c, const backend::RouteCall& rc,
+                                        const DeviceMoeTable& tb, const RouteOut& ro, int64_t T, int K) {
+  const int64_t TK = T * K, E = tb.E, F = tb.F;
+  const int nj = tb.n_expert;
+  int64_t rb_gu = 0, rb_dn = 0;
+  const GroupedMatmulPlan pgu = plan_grouped_q8_bound(nj, TK, F, tb.gemm_gu, tb.words, rb_gu),
+                          pdn = plan_grouped_q8_bound(nj, TK, E, tb.gemm_dn, tb.words, rb_dn);
+  Carve cv{scratch(sz<float>(size_t(T) * size_t(nj)) + sz<int64_t>(size_t(TK)) + 2 * sz<GroupedMatmulJob>(size_t(nj)) +
+                   2 * sz<float>(size_t(TK * E)) + sz<float>(size_t(TK * F)))};
+  float* logits = cv.take<float>(size_t(T) * size_t(nj));
+  int64_t* d_pairs = cv.take<int64_t>(size_t(TK));
+  auto* d_gu = cv.take<GroupedMatmulJob>(size_t(nj));
+  auto* d_dn = cv.take<GroupedMatmulJob>(size_t(nj));
+  float* xg = cv.take<float>(size_t(TK * E));
+  float* act = cv.take<float>(size_t(TK * F));
+  float* y = cv.take<float>(size_t(TK * E));
+  launch_route(rc, c.h, logits, ro);
+  group_pairs(ro.ids, TK, static_cast<const void* const*>(tb.ptrs.get()), nj, pgu.tile_tokens, rb_gu,
+              pdn.tile_tokens, rb_dn, d_pairs, d_gu, d_dn, stream());
+  // flush_experts' sequence from here on, with the device's job tables
+  gather_rows(c.h.f(), ld(c.h), d_pairs, K, TK, xg, E, E, stream());
+  const auto [xq, xd, aq, ad] = q8_ffn_scratch(TK, E, F);
+  quantize_q8(xg, E, E, TK, xq, xd, stream());
+  {
+    ProfScope pk(*this, "experts grouped gate/up (q8)", T);
+    grouped_matmul_q8(pgu, tb.gate_type, d_gu, nj, tb.gate_rb, F, E, xq, xd, act, F, true, stream());
+  }
+  quantize_q8(act, F, F, TK, aq, ad, stream());
+  {
+    ProfScope pk(*this, "experts grouped down (q8)", T);
+    grouped_matmul_q8(pdn, tb.down_type, d_dn, nj, tb.down_rb, E, F, aq, ad, y, E, false, stream());
+  }
+  scatter_rows(y, E, d_pairs, TK, c.expert_out.f(), ld(c.expert_out), E, stream());
+  cuda::moe_combine(c.expert_out.f(), ld(c.expert_out), ro.weights, K, T, c.out.f(), ld(c.out), c.out.cols(),
+                    stream());
 }
 
 void CudaBackend::moe_combine(const backend::Routing& r, const Tensor& expert_out, const Tensor& out) {

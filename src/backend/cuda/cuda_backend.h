@@ -120,7 +120,7 @@ class CudaBackend final : public backend::Backend {
                    const backend::Tensor& out) override;
   /// The layer with nothing on the host between router and experts (backend::Backend::
   /// moe_on_device): the router matmul and select_topk (as route()), a kernel that writes one
-  /// grouped-matmul job per (token, k) pair from the ids (backend_kernels.h pair_jobs, from the
+  /// grouped-matmul job per (token, k) pair from the ids (route.h PairJobs, in select_topk's launch, from the
   /// layer's expert table uploaded once per DeviceMoeCall key), the grouped gate/up and down
   /// launches of flush_experts (q8 or fp32 as it would choose) with the down rows landing straight
   /// in c.expert_out, and moe_combine with the device weights; then the RouteOut arrays (status,
@@ -128,11 +128,12 @@ class CudaBackend final : public backend::Backend {
   /// arithmetic as one job per expert (kernels.h: a grouped matmul's element does not depend on
   /// n_tok or the other jobs), so the results are flush_experts' bits. Null (nothing queued) when
   /// route() would select on the host (host_route, a router it does not take), T * top_k >
-  /// kDeviceMoeMaxPairs (prefill: grouping by expert reads each expert once), the activation is
-  /// not plain SwiGLU, an expert has biases, or the experts are not one grouped launch's types and
+  /// kDeviceMoeMaxPairs without q8 activations or 8-byte aligned experts (the grouped GEMM that
+  /// moe_grouped_on_device needs), the activation is not plain SwiGLU, an expert has biases, or the experts are not one grouped launch's types and
   /// shapes; STRATA_CUDA_HOST_MOE=1 turns it off (comparisons).
   const int32_t* moe_on_device(const backend::DeviceMoeCall& c) override;
-  /// (token, k) pairs moe_on_device takes at most (a decode step of 8 tokens at top-8).
+  /// (token, k) pairs moe_on_device runs as one job per pair (a decode step of 8 tokens at top-8);
+  /// more are grouped by expert on the device (moe_grouped_on_device).
   static constexpr int64_t kDeviceMoeMaxPairs = 64;
   /// Layers moe_on_device has taken since construction (tests, diagnostics).
   uint64_t device_moe_layers() const { return device_moe_layers_; }
@@ -140,7 +141,8 @@ class CudaBackend final : public backend::Backend {
  private:
   /// Queues call c's router matmul (+ bias) on h into `logits` (device, [T][n_expert]) and
   /// select_topk into `ro`.
-  void launch_route(const backend::RouteCall& c, const backend::Tensor& h, float* logits, const RouteOut& ro);
+  void launch_route(const backend::RouteCall& c, const backend::Tensor& h, float* logits, const RouteOut& ro,
+                    const PairJobs* jobs = nullptr);
   /// moe_on_device's expert table of one (owner, layer): device pointers [n_expert][3] and the
   /// launch shapes; ok = false when the layer's experts cannot take that path (cached too).
   struct DeviceMoeTable {
@@ -152,10 +154,18 @@ class CudaBackend final : public backend::Backend {
     GgmlType gate_type = GgmlType::F32, down_type = GgmlType::F32;
     size_t gate_rb = 0, down_rb = 0;
     bool q8 = false;
+    // prefill's grouped launches (moe_grouped_on_device): the q8 GEMM where every expert's rows
+    // of that projection are 8-byte aligned, else the mat-vec (32-bit word loads when 4-aligned)
+    bool gemm_gu = false, gemm_dn = false, words = false;
     GroupedMatmulPlan pgu, pdn;  // for one job; blocks = per job
   };
   std::map<std::pair<const void*, int>, DeviceMoeTable> moe_tables_;
   const DeviceMoeTable& moe_table(const backend::DeviceMoeCall& c);
+  /// moe_on_device for more than kDeviceMoeMaxPairs pairs (prefill): route, group the pairs by
+  /// expert on the device (group_pairs), then flush_experts' gather, q8 GEMMs, scatter and
+  /// combine with one job per expert, as flush_experts would run them (the same bits).
+  void moe_grouped_on_device(const backend::DeviceMoeCall& c, const backend::RouteCall& rc, const DeviceMoeTable& tb,
+                             const RouteOut& ro, int64_t T, int K);
   /// The pinned landing area of layer `layer`'s RouteOut arrays (at least n 4-byte words): one
   /// allocation per layer, kept across calls, so growing one never moves another's (the step
   /// reads every layer's after the token's synchronization).

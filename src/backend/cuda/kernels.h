@@ -192,8 +192,11 @@ bool has_q8(GgmlType t, int64_t cols);
 /// fp32 operations, so the codes and scales equal the CPU's bit for bit (tested).
 ///   x: device, [cols, n_tok] fp32, rows ldx floats apart; q: device, [cols, n_tok] int8, rows
 ///   `cols` bytes apart (16-byte aligned for matmul_q8); d: device, [cols/32, n_tok] fp32, rows
-///   cols/32 floats apart. Throws CudaError unless cols is a positive multiple of 32 and ldx >= cols.
-void quantize_q8(const float* x, int64_t ldx, int64_t cols, int64_t n_tok, int8_t* q, float* d, void* stream = nullptr);
+///   cols/32 floats apart. rep > 1: output row t is input row t / rep (each input row repeated
+///   rep times in a row: the (token, k) pairs of a MoE layer, without copying x first).
+/// Throws CudaError unless cols is a positive multiple of 32, ldx >= cols and rep >= 1.
+void quantize_q8(const float* x, int64_t ldx, int64_t cols, int64_t n_tok, int8_t* q, float* d, void* stream = nullptr,
+                 int rep = 1);
 
 /// y[t][r] = sum over the Q8_0 blocks b of row r, for t < n_tok, with the activations given as
 /// quantize_q8's codes xq and scales xd (rows of cols bytes / cols/32 floats, token t at
@@ -208,7 +211,8 @@ void quantize_q8(const float* x, int64_t ldx, int64_t cols, int64_t n_tok, int8_
 /// whatever n_tok, the other tokens or the batch (tested bit for bit against a scalar host
 /// definition). Error against the exact w·x: the activation rounding (|x - dx qx| <= dx/2 per
 /// element, the CPU --act-quant q8 error) plus the fp32 fold, <= (cols/32 + 1) 2^-24 sum |w dx qx|.
-/// Kernels: MatVec, up to 8 tokens per block of 16 rows; Mma, the GEMM, blocks of 128 rows x 64
+/// Kernels: MatVec, up to 8 tokens per block of 16 rows (of 4 rows below 4224 rows, for more
+/// blocks); Mma, the GEMM, blocks of 128 rows x 64
 /// tokens (8 warps of 32 x 32), 4 blocks of columns per stage, a 3-stage cp.async pipeline; it
 /// needs W and row_bytes 8-byte aligned. Auto: the GEMM for n_tok > 8 when aligned, else MatVec.
 /// Requirements (CudaError otherwise): has_q8(type, cols); W 2-byte aligned, row_bytes even and
@@ -223,6 +227,17 @@ void matmul_q8(GgmlType type, const void* W, size_t row_bytes, int64_t rows, int
 /// it does not change any result. Throws CudaError on n_jobs < 1, a job without tokens, or more
 /// than 2^31 - 1 blocks.
 GroupedMatmulPlan plan_grouped_q8(GroupedMatmulJob* jobs, int n_jobs, int64_t rows, int64_t cols, size_t row_bytes);
+
+/// The plan of a grouped_matmul_q8 launch whose job table is written on the device (group_pairs):
+/// `n_jobs` jobs with `n_tok` tokens in all, of `rows`-row weights. gemm: every job's weights and
+/// row_bytes are 8-byte aligned (the caller checks), so the GEMM runs, else the mat-vec; words:
+/// 4-byte aligned (the mat-vec's word loads). tile_tokens: that kernel's token tile; blocks: an
+/// upper bound, row_blocks x (ceil(n_tok / tile) + n_jobs), the blocks past a job's tiles
+/// returning at once; row_blocks: one job's row blocks, which the device numbering multiplies by
+/// each job's token tiles. Either kernel gives the same bits. Throws CudaError for a bound above
+/// 2^31 - 1 blocks.
+GroupedMatmulPlan plan_grouped_q8_bound(int n_jobs, int64_t n_tok, int64_t rows, bool gemm, bool words,
+                                        int64_t& row_blocks);
 
 /// Every job's matmul_q8 in one launch (bit-identical with matmul_q8 on each job's rows alone):
 /// job j's tokens are rows [row0, row0 + n_tok) of the codes xq / scales xd and of y. swiglu_pair:

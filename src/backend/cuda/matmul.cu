@@ -268,7 +268,7 @@ constexpr int kWarpsPerBlock = 8;  // warps per block
 constexpr int kTileTokens = 8;     // tokens per warp on the tiled path
 constexpr int kTileRows = 4;       // rows per warp on the tiled path
 
-/// One warp per R consecutive rows from (blockIdx.x * kWarpsPerBlock + warp) * R and NT
+/// One warp per R consecutive rows from (blockIdx.x * warps per block + warp) * R and NT
 /// consecutive tokens from blockIdx.y * NT. Lane l owns columns [256i + 8l, 256i + 8l + 8); per
 /// (row, token) one FMA chain in column order; butterfly at the end. R and NT change only which
 /// elements a warp computes, never an element's operations, so every (R, NT) gives the same bits.
@@ -278,7 +278,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     mm_kernel(const uint8_t* __restrict__ W, size_t row_bytes, int64_t rows, int cols, const float* __restrict__ x,
               int64_t ldx, int64_t n_tok, int64_t tok_base, float* __restrict__ y, int64_t ldy) {
   const int lane = threadIdx.x & 31;
-  const int64_t r0 = (int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32) * R;
+  const int64_t r0 = (int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) * R;
   if (r0 >= rows) return;
   const int nr = rows - r0 < R ? int(rows - r0) : R;
   const int64_t t0 = tok_base + int64_t(blockIdx.y) * NT;
@@ -1141,8 +1141,11 @@ void check_weights(const char* fn, GgmlType type, const void* W, size_t row_byte
 template <GgmlType T>
 void launch_mm(const uint8_t* W, size_t row_bytes, int64_t rows, int cols, const float* x, int64_t ldx, int64_t n_tok,
                float* y, int64_t ldy, cudaStream_t st, bool tiled) {
-  const dim3 block(kWarpsPerBlock * 32);
-  const int64_t rows_per_block = int64_t(kWarpsPerBlock) * (tiled ? kTileRows : 1);
+  // The mat-vec of a small matrix (a router: 128 rows) in blocks of 2 warps, so that it spreads
+  // over more SMs; a block's warps compute independent rows, so this changes no result.
+  const int warps = !tiled && rows < 2048 ? 2 : kWarpsPerBlock;
+  const dim3 block(unsigned(warps * 32));
+  const int64_t rows_per_block = int64_t(warps) * (tiled ? kTileRows : 1);
   const int64_t gx = (rows + rows_per_block - 1) / rows_per_block;
   const int nt = tiled ? kTileTokens : 1;
   constexpr int64_t kMaxGridY = 65535;

@@ -23,14 +23,14 @@ namespace {
 /// One thread per activation, one warp per 32-block: amax by a shuffle max (exact, order-free),
 /// then the CPU's operations: id = 127 / amax, q = nearest-even(x * id), d = amax / 127.
 __global__ void quantize_q8_kernel(const float* __restrict__ x, int64_t ldx, int cols, int64_t n,
-                                   int8_t* __restrict__ q, float* __restrict__ d) {
+                                   int8_t* __restrict__ q, float* __restrict__ d, int rep) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;  // blockDim.x % 32 == 0, cols % 32 == 0
   const int64_t total = n * cols;
   if (i - (threadIdx.x & 31) >= total) return;  // whole warps leave together
   const bool ok = i < total;
   const int64_t t = ok ? i / cols : 0;
   const int c = ok ? int(i % cols) : 0;
-  const float v = ok ? x[t * ldx + c] : 0.0f;
+  const float v = ok ? x[(rep == 1 ? t : t / rep) * ldx + c] : 0.0f;
   const float a = fabsf(v);
   const bool fin = a <= 3.4028234e38f;  // false for NaN and infinities
   float amax = a;
@@ -284,6 +284,7 @@ __global__ void __launch_bounds__(kGThreads)
   const int64_t b = blockIdx.x;
   const GroupedMatmulJob& jb = jobs ? find_job(jobs, n_jobs, b) : one;
   const detail::JobTile t = job_tile<kGRows, kGTok>(jb, b, rows);
+  if (t.nt <= 0) return;  // past the job's tiles: a bound-sized launch (plan_grouped_q8_bound)
   gemm_tile<DUAL>(smem, static_cast<const uint8_t*>(jb.w), static_cast<const uint8_t*>(jb.w2), row_bytes, rows, cols,
                   t.r0, xq + t.t0 * cols, xd + t.t0 * (cols / 32), t.nt, y + t.t0 * ldy, ldy);
 }
@@ -291,12 +292,15 @@ __global__ void __launch_bounds__(kGThreads)
 // ---- mat-vec (__dp4a), up to 8 tokens ----
 
 constexpr int kVThreads = 256;
-constexpr int kVRows = 16;   // rows per block
+constexpr int kVRows = 16;   // rows per block (large matrices)
+constexpr int kVRowsSmall = 4;     // rows per block for matrices of fewer than kVSmallBelow 16-row blocks
+constexpr int kVThreadsSmall = 128;
+constexpr int64_t kVSmallBelow = 264;  // two blocks per SM of a 132-SM H200 at 16 rows a block
 constexpr int kVTok = 8;     // tokens per block at most
 constexpr int kVPairs = 32;  // block pairs (64 columns) per stage: 2048 columns
-template <bool DUAL>
+template <bool DUAL, int RB = kVRows>
 constexpr int mv_smem_bytes() {
-  return (DUAL ? 2 : 1) * (kVRows * kVTok * 2 * kVPairs + kVRows * 2 * kVPairs) * 4;
+  return (DUAL ? 2 : 1) * (RB * kVTok * 2 * kVPairs + RB * 2 * kVPairs) * 4;
 }
 
 /// The two Q8_0 blocks 2P, 2P + 1 of a row (the second only if `two`): codes as 16 words (block
@@ -340,35 +344,42 @@ __device__ __forceinline__ void load_pair(const uint8_t* __restrict__ p, bool tw
   }
 }
 
-/// Rows [r0, r0 + 16) x tokens [0, nt) (nt <= 8). Per stage of 64 blocks: every (row, block pair)
+/// Rows per block of the mat-vec for a matrix of `rows` rows: 4 (more blocks, so that a small
+/// matrix still spreads over the SMs) below kVSmallBelow blocks of 16, else 16. The rows a
+/// block holds change no element's operations.
+__host__ __device__ constexpr int mv_rows_per_block(int64_t rows) {
+  return (rows + kVRows - 1) / kVRows < kVSmallBelow ? kVRowsSmall : kVRows;
+}
+
+/// Rows [r0, r0 + RB) x tokens [0, nt) (nt <= 8), NTH threads. Per stage of 64 blocks: every (row, block pair)
 /// task computes the exact int32 block sums (8 __dp4a each, from 0) for each token into shared
 /// memory; then thread (row, token) folds the stage's blocks in column order, the GEMM's fold.
-template <bool DUAL, bool A4>
+template <bool DUAL, bool A4, int RB, int NTH>
 __device__ __forceinline__ void mv_tile(float* smem, const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
                                         size_t row_bytes, int64_t rows, int cols, int64_t r0,
                                         const int8_t* __restrict__ xq, const float* __restrict__ xd, int nt,
                                         float* __restrict__ y, int64_t ldy) {
   constexpr int NW = DUAL ? 2 : 1;
   constexpr int SB = kVTok * 2 * kVPairs;  // ints per row of sums
-  int* sS = reinterpret_cast<int*>(smem);  // [NW][kVRows][kVTok][64]
-  float* sD = smem + NW * kVRows * SB;     // [NW][kVRows][64]
+  int* sS = reinterpret_cast<int*>(smem);  // [NW][RB][kVTok][64]
+  float* sD = smem + NW * RB * SB;     // [NW][RB][64]
   const int nb = cols / 32, np = (nb + 1) / 2;
   const int tid = threadIdx.x;
-  const int fr = tid % kVRows, ft = tid / kVRows;  // fold thread: row, token
+  const int fr = tid % RB, ft = tid / RB;  // fold thread: row, token
   float acc[NW];
 #pragma unroll
   for (int m = 0; m < NW; ++m) acc[m] = 0.0f;
   for (int p0 = 0; p0 < np; p0 += kVPairs) {
-    for (int i = tid; i < NW * kVRows * kVPairs; i += kVThreads) {
-      const int m = i / (kVRows * kVPairs), r = (i / kVPairs) % kVRows, pp = i % kVPairs;
+    for (int i = tid; i < NW * RB * kVPairs; i += NTH) {
+      const int m = i / (RB * kVPairs), r = (i / kVPairs) % RB, pp = i % kVPairs;
       const int P = p0 + pp;
       if (P >= np || r0 + r >= rows) continue;
       const bool two = 2 * P + 1 < nb;
       uint32_t q[16];
       float d0, d1;
       load_pair<A4>((m == 0 ? W : W2) + (r0 + r) * int64_t(row_bytes) + int64_t(P) * 68, two, q, d0, d1);
-      sD[(m * kVRows + r) * 64 + 2 * pp] = d0;
-      sD[(m * kVRows + r) * 64 + 2 * pp + 1] = d1;
+      sD[(m * RB + r) * 64 + 2 * pp] = d0;
+      sD[(m * RB + r) * 64 + 2 * pp + 1] = d1;
       for (int t = 0; t < nt; ++t) {
         const uint4* xp = reinterpret_cast<const uint4*>(xq + int64_t(t) * cols + int64_t(P) * 64);
         const uint4 x0 = xp[0], x1 = xp[1];
@@ -383,7 +394,7 @@ __device__ __forceinline__ void mv_tile(float* smem, const uint8_t* __restrict__
 #pragma unroll
           for (int k = 0; k < 8; ++k) s1 = __dp4a(int(q[8 + k]), int(xb[k]), s1);
         }
-        int* so = sS + ((m * kVRows + r) * kVTok + t) * 64 + 2 * pp;
+        int* so = sS + ((m * RB + r) * kVTok + t) * 64 + 2 * pp;
         so[0] = s0;
         so[1] = s1;
       }
@@ -394,8 +405,8 @@ __device__ __forceinline__ void mv_tile(float* smem, const uint8_t* __restrict__
       const float* xdt = xd + int64_t(ft) * (cols / 32) + 2 * p0;
 #pragma unroll
       for (int m = 0; m < NW; ++m) {
-        const int* si = sS + ((m * kVRows + fr) * kVTok + ft) * 64;
-        const float* di = sD + (m * kVRows + fr) * 64;
+        const int* si = sS + ((m * RB + fr) * kVTok + ft) * 64;
+        const float* di = sD + (m * RB + fr) * 64;
         float a = acc[m];
         for (int k = 0; k < nblk; ++k) a = fold(a, si[k], di[k], xdt[k]);
         acc[m] = a;
@@ -410,16 +421,17 @@ __device__ __forceinline__ void mv_tile(float* smem, const uint8_t* __restrict__
   }
 }
 
-template <bool DUAL, bool A4>
-__global__ void __launch_bounds__(kVThreads)
+template <bool DUAL, bool A4, int RB = kVRows, int NTH = kVThreads>
+__global__ void __launch_bounds__(NTH)
     mv_q8_kernel(const GroupedMatmulJob* __restrict__ jobs, int n_jobs, GroupedMatmulJob one, size_t row_bytes,
                  int64_t rows, int cols, const int8_t* __restrict__ xq, const float* __restrict__ xd,
                  float* __restrict__ y, int64_t ldy) {
   extern __shared__ __align__(16) float smem_f[];
   const int64_t b = blockIdx.x;
   const GroupedMatmulJob& jb = jobs ? find_job(jobs, n_jobs, b) : one;
-  const detail::JobTile t = job_tile<kVRows, kVTok>(jb, b, rows);
-  mv_tile<DUAL, A4>(smem_f, static_cast<const uint8_t*>(jb.w), static_cast<const uint8_t*>(jb.w2), row_bytes, rows,
+  const detail::JobTile t = job_tile<RB, kVTok>(jb, b, rows);
+  if (t.nt <= 0) return;
+  mv_tile<DUAL, A4, RB, NTH>(smem_f, static_cast<const uint8_t*>(jb.w), static_cast<const uint8_t*>(jb.w2), row_bytes, rows,
                     cols, t.r0, xq + t.t0 * cols, xd + t.t0 * (cols / 32), t.nt, y + t.t0 * ldy, ldy);
 }
 
@@ -445,6 +457,7 @@ void ensure_smem_attrs() {
                                          mv_smem_bytes<true>()));
   STRATA_CUDA_CHECK(cudaFuncSetAttribute(mv_q8_kernel<true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          mv_smem_bytes<true>()));
+  // the small-matrix variants stay under the 48 KiB default (4 rows: 9 / 18 KiB)
   if (done.size() <= size_t(dev)) done.resize(size_t(dev) + 1, false);
   done[size_t(dev)] = true;
 }
@@ -471,13 +484,21 @@ void check_q8_common(const char* fn, GgmlType type, size_t row_bytes, int64_t ro
 }
 
 template <bool DUAL>
-void launch_q8(bool gemm, bool al4, unsigned grid, const GroupedMatmulJob* jobs, int n_jobs,
+void launch_q8(bool gemm, bool al4, bool small, unsigned grid, const GroupedMatmulJob* jobs, int n_jobs,
                const GroupedMatmulJob& one, size_t row_bytes, int64_t rows, int cols, const int8_t* xq, const float* xd,
                float* y, int64_t ldy, cudaStream_t st) {
   ensure_smem_attrs();
   if (gemm)
     gemm_q8_kernel<DUAL><<<grid, kGThreads, kGStages * gemm_stage_bytes<DUAL>(), st>>>(jobs, n_jobs, one, row_bytes,
                                                                                        rows, cols, xq, xd, y, ldy);
+  else if (small && al4)
+    mv_q8_kernel<DUAL, true, kVRowsSmall, kVThreadsSmall><<<grid, kVThreadsSmall, mv_smem_bytes<DUAL, kVRowsSmall>(),
+                                                            st>>>(jobs, n_jobs, one, row_bytes, rows, cols, xq, xd, y,
+                                                                  ldy);
+  else if (small)
+    mv_q8_kernel<DUAL, false, kVRowsSmall, kVThreadsSmall><<<grid, kVThreadsSmall, mv_smem_bytes<DUAL, kVRowsSmall>(),
+                                                             st>>>(jobs, n_jobs, one, row_bytes, rows, cols, xq, xd, y,
+                                                                   ldy);
   else if (al4)
     mv_q8_kernel<DUAL, true>
         <<<grid, kVThreads, mv_smem_bytes<DUAL>(), st>>>(jobs, n_jobs, one, row_bytes, rows, cols, xq, xd, y, ldy);
@@ -491,15 +512,15 @@ void launch_q8(bool gemm, bool al4, unsigned grid, const GroupedMatmulJob* jobs,
 
 bool has_q8(GgmlType t, int64_t cols) { return t == GgmlType::Q8_0 && cols > 0 && cols % 32 == 0; }
 
-void quantize_q8(const float* x, int64_t ldx, int64_t cols, int64_t n_tok, int8_t* q, float* d, void* stream) {
+void quantize_q8(const float* x, int64_t ldx, int64_t cols, int64_t n_tok, int8_t* q, float* d, void* stream, int rep) {
   STRATA_CUDA_REQUIRE(cols > 0 && cols % 32 == 0 && cols <= (int64_t(1) << 30),
                       "cuda::quantize_q8: cols=" + std::to_string(cols) + " is not a positive multiple of 32");
-  STRATA_CUDA_REQUIRE(n_tok >= 0 && ldx >= cols, "cuda::quantize_q8: n_tok < 0 or ldx < cols");
+  STRATA_CUDA_REQUIRE(n_tok >= 0 && ldx >= cols && rep >= 1, "cuda::quantize_q8: n_tok < 0, ldx < cols or rep < 1");
   if (n_tok == 0) return;
   const int64_t total = n_tok * cols;
   const int64_t blocks = (total + 255) / 256;
   STRATA_CUDA_REQUIRE(blocks <= INT32_MAX, "cuda::quantize_q8: too many activations");
-  quantize_q8_kernel<<<unsigned(blocks), 256, 0, static_cast<cudaStream_t>(stream)>>>(x, ldx, int(cols), n_tok, q, d);
+  quantize_q8_kernel<<<unsigned(blocks), 256, 0, static_cast<cudaStream_t>(stream)>>>(x, ldx, int(cols), n_tok, q, d, rep);
   STRATA_CUDA_CHECK_LAUNCH();
 }
 
@@ -515,7 +536,7 @@ void matmul_q8(GgmlType type, const void* W, size_t row_bytes, int64_t rows, int
                       "cuda::matmul_q8: the GEMM needs W and row_bytes 8-byte aligned");
   if (n_tok == 0) return;
   const bool gemm = path == MatmulPath::Mma || (path == MatmulPath::Auto && can_gemm && n_tok > kVTok);
-  const int rb = gemm ? kGRows : kVRows, tt = gemm ? kGTok : kVTok;
+  const int rb = gemm ? kGRows : mv_rows_per_block(rows), tt = gemm ? kGTok : kVTok;
   GroupedMatmulJob one;
   one.w = W;
   one.row0 = 0;
@@ -523,8 +544,21 @@ void matmul_q8(GgmlType type, const void* W, size_t row_bytes, int64_t rows, int
   one.block0 = 0;
   const int64_t blocks = ((rows + rb - 1) / rb) * ((n_tok + tt - 1) / tt);
   STRATA_CUDA_REQUIRE(blocks <= INT32_MAX, "cuda::matmul_q8: too many blocks");
-  launch_q8<false>(gemm, a4(W, row_bytes), unsigned(blocks), nullptr, 1, one, row_bytes, rows, int(cols), xq, xd, y,
+  launch_q8<false>(gemm, a4(W, row_bytes), rb == kVRowsSmall, unsigned(blocks), nullptr, 1, one, row_bytes, rows, int(cols), xq, xd, y,
                    ldy, static_cast<cudaStream_t>(stream));
+}
+
+GroupedMatmulPlan plan_grouped_q8_bound(int n_jobs, int64_t n_tok, int64_t rows, bool gemm, bool words,
+                                        int64_t& row_blocks) {
+  STRATA_CUDA_REQUIRE(n_jobs >= 1 && n_tok >= 0 && rows > 0, "cuda::plan_grouped_q8_bound: bad shape");
+  GroupedMatmulPlan p;
+  p.tile_tokens = gemm ? kGTok : kVTok;
+  p.words = gemm || words;  // 8-byte aligned rows are 4-byte aligned
+  const int64_t rb = gemm ? kGRows : mv_rows_per_block(rows);
+  row_blocks = (rows + rb - 1) / rb;
+  p.blocks = row_blocks * ((n_tok + p.tile_tokens - 1) / p.tile_tokens + n_jobs);
+  STRATA_CUDA_REQUIRE(p.blocks >= 1 && p.blocks <= int64_t(INT32_MAX), "cuda::plan_grouped_q8_bound: too many blocks");
+  return p;
 }
 
 GroupedMatmulPlan plan_grouped_q8(GroupedMatmulJob* jobs, int n_jobs, int64_t rows, int64_t cols, size_t row_bytes) {
@@ -542,7 +576,7 @@ GroupedMatmulPlan plan_grouped_q8(GroupedMatmulJob* jobs, int n_jobs, int64_t ro
   p.words = row_bytes % 4 == 0;
   for (int i = 0; i < n_jobs; ++i)
     p.words = p.words && a4(jobs[i].w, row_bytes) && (!jobs[i].w2 || a4(jobs[i].w2, row_bytes));
-  const int64_t rb = p.tile_tokens == kGTok ? kGRows : kVRows;
+  const int64_t rb = p.tile_tokens == kGTok ? kGRows : mv_rows_per_block(rows);
   p.blocks = detail::assign_job_blocks(jobs, n_jobs, (rows + rb - 1) / rb, p.tile_tokens);
   STRATA_CUDA_REQUIRE(p.blocks <= int64_t(INT32_MAX), "cuda::plan_grouped_q8: too many blocks");
   return p;
@@ -560,10 +594,10 @@ void grouped_matmul_q8(const GroupedMatmulPlan& plan, GgmlType type, const Group
   GroupedMatmulJob one;
   auto st = static_cast<cudaStream_t>(stream);
   if (swiglu_pair)
-    launch_q8<true>(gemm, al4, unsigned(plan.blocks), jobs, n_jobs, one, row_bytes, rows, int(cols), xq, xd, y, ldy,
+    launch_q8<true>(gemm, al4, !gemm && mv_rows_per_block(rows) == kVRowsSmall, unsigned(plan.blocks), jobs, n_jobs, one, row_bytes, rows, int(cols), xq, xd, y, ldy,
                     st);
   else
-    launch_q8<false>(gemm, al4, unsigned(plan.blocks), jobs, n_jobs, one, row_bytes, rows, int(cols), xq, xd, y, ldy,
+    launch_q8<false>(gemm, al4, !gemm && mv_rows_per_block(rows) == kVRowsSmall, unsigned(plan.blocks), jobs, n_jobs, one, row_bytes, rows, int(cols), xq, xd, y, ldy,
                      st);
 }
 

@@ -1,5 +1,6 @@
 // Expert selection on the device (contract in route.h): one warp per token.
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/kernels.h"
 #include "backend/cuda/route.h"
 
 #include <algorithm>
@@ -26,8 +27,31 @@ __device__ __forceinline__ void keep_better(float& v, int& id, float v2, int id2
   if (id2 >= 0 && (id < 0 || v2 > v || (v2 == v && id2 < id))) v = v2, id = id2;
 }
 
+/// Token t's top_k pair jobs (PairJobs) from its ids, lane k writing pairs k, k + 32, ... (after a
+/// __syncwarp that orders lane 0's ids before these reads); ok == false: expert 0 for each.
+__device__ void write_pair_jobs(const PairJobs& pj, const int32_t* ids, int64_t t, int K, bool ok, int lane) {
+  for (int k = lane; k < K; k += 32) {
+    const int64_t j = t * K + k;
+    const int e = ok ? ids[j] : 0;
+    GroupedMatmulJob g;
+    g.w = pj.table[3 * e];
+    g.w2 = pj.table[3 * e + 1];
+    g.row0 = j;
+    g.n_tok = 1;
+    g.block0 = j * pj.blocks_gu;
+    pj.gate_up[j] = g;
+    GroupedMatmulJob d;
+    d.w = pj.table[3 * e + 2];
+    d.w2 = nullptr;
+    d.row0 = j;
+    d.n_tok = 1;
+    d.block0 = j * pj.blocks_dn;
+    pj.down[j] = d;
+  }
+}
+
 __global__ void select_topk_kernel(RouteSpec sp, const float* __restrict__ logits, int64_t ld, int64_t T,
-                                   RouteOut out) {
+                                   RouteOut out, PairJobs pj) {
   extern __shared__ float smem[];
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   const int64_t t = int64_t(blockIdx.x) * (blockDim.x / 32) + warp;
@@ -50,7 +74,10 @@ __global__ void select_topk_kernel(RouteSpec sp, const float* __restrict__ logit
   nan = __any_sync(kFull, nan), pinf = __any_sync(kFull, pinf), fin = __any_sync(kFull, fin);
   const int code = nan ? 1 : sp.gating == 1 ? 0 : pinf ? 2 : fin ? 0 : 3;
   if (lane == 0) out.status[t] = code;
-  if (code) return;
+  if (code) {
+    if (pj.table) write_pair_jobs(pj, out.ids, t, sp.top_k, false, lane);
+    return;
+  }
 
   // Gating (p) and selection scores (s): backend.cpp select_impl / softmax, operation for operation.
   if (sp.gating == 2) {
@@ -134,6 +161,7 @@ __global__ void select_topk_kernel(RouteSpec sp, const float* __restrict__ logit
     }
     __syncwarp();
   }
+  if (pj.table) write_pair_jobs(pj, out.ids, t, K, true, lane);  // the loop ended on a __syncwarp
   if (lane != 0) return;
 
   // Probabilities and weights of the chosen, as the host computes them.
@@ -165,7 +193,8 @@ __global__ void select_topk_kernel(RouteSpec sp, const float* __restrict__ logit
 
 }  // namespace
 
-void select_topk(const RouteSpec& sp, const float* logits, int64_t ld, int64_t T, const RouteOut& out, void* stream) {
+void select_topk(const RouteSpec& sp, const float* logits, int64_t ld, int64_t T, const RouteOut& out, void* stream,
+                 const PairJobs* jobs) {
   STRATA_CUDA_REQUIRE(sp.gating >= 0 && sp.gating <= 2, "select_topk: unknown gating");
   STRATA_CUDA_REQUIRE(sp.n_expert >= 1 && sp.n_expert <= kMaxRouteExperts,
                       "select_topk: n_expert must be in [1, " + std::to_string(kMaxRouteExperts) + "]");
@@ -178,13 +207,16 @@ void select_topk(const RouteSpec& sp, const float* logits, int64_t ld, int64_t T
                             int64_t(sp.n_group_used) * (sp.n_expert / sp.n_group) >= sp.top_k,
                         "select_topk: n_group must divide n_expert and n_group_used groups must hold top_k experts");
   }
+  STRATA_CUDA_REQUIRE(!jobs || (jobs->table && jobs->gate_up && jobs->down && jobs->blocks_gu >= 1 &&
+                                jobs->blocks_dn >= 1),
+                      "select_topk: the pair jobs need a table, both job arrays and blocks >= 1");
   if (T <= 0) return;
   const size_t per_warp = warp_floats(sp.n_expert) * sizeof(float);
   const int wpb = int(std::clamp<size_t>(kSmemPerBlock / per_warp, 1, kMaxWarpsPerBlock));
   const int64_t blocks = (T + wpb - 1) / wpb;
   STRATA_CUDA_REQUIRE(blocks <= 0x7fffffff, "select_topk: too many tokens for one launch");
   select_topk_kernel<<<unsigned(blocks), unsigned(32 * wpb), per_warp * size_t(wpb), static_cast<cudaStream_t>(stream)>>>(
-      sp, logits, ld, T, out);
+      sp, logits, ld, T, out, jobs ? *jobs : PairJobs{});
   STRATA_CUDA_CHECK_LAUNCH();
 }
 

@@ -65,11 +65,28 @@ inline RouteOut route_layout(void* base, int64_t T, int top_k) {
   return o;
 }
 
+struct GroupedMatmulJob;  // kernels.h
+
+/// Optional output of select_topk for a MoE layer run on the device (CudaBackend::
+/// moe_on_device): one grouped-matmul job per (token, k) pair, j = t * top_k + k, e = ids[j]
+/// (expert 0 for a token whose selection failed: its status says so, and the jobs stay valid):
+///   gate_up[j] = {w = table[3e], w2 = table[3e + 1], row0 = j, n_tok = 1, block0 = j * blocks_gu}
+///   down[j]    = {w = table[3e + 2], w2 = null, row0 = j, n_tok = 1, block0 = j * blocks_dn}
+/// table: device, [n_expert][3] weight pointers (gate, up, down); blocks_*: the blocks of one job
+/// in the plan of that launch (every job has the same shape); gate_up / down: device, T * top_k.
+struct PairJobs {
+  const void* const* table = nullptr;
+  int64_t blocks_gu = 0, blocks_dn = 0;
+  GroupedMatmulJob* gate_up = nullptr;
+  GroupedMatmulJob* down = nullptr;
+};
+
 /// Selects experts for T tokens from router logits (device, [T][n_expert], rows `ld` floats
 /// apart, left unchanged) as backend::select_experts does (see the header comment for what is
 /// equal to it). Throws CudaError for a spec outside the kernel's limits (n_expert, n_group) or
 /// that select_experts would reject (top_k, groups not dividing n_expert, too few used groups).
+/// With `jobs` (not null) the same launch also writes the pair jobs (PairJobs) from the ids.
 void select_topk(const RouteSpec& spec, const float* logits, int64_t ld, int64_t T, const RouteOut& out,
-                 void* stream = nullptr);
+                 void* stream = nullptr, const PairJobs* jobs = nullptr);
 
 }  // namespace strata::cuda
