@@ -1,11 +1,15 @@
-// The AVX-512 Q8_0 GEMM with the tokens in the lanes (act_q8.h "Tokens in the lanes"; the
-// layout is ActQ8::xg / dxg, kernels.h). No weight repack: the rows stay in GGUF order, and the
-// 4 weight codes 4j..4j+3 of (row r, block b) are one embedded broadcast, multiplied by run j
-// of a group of 16 tokens (their codes 4j..4j+3 plus 128, unsigned). After the 8 runs of a
-// block, int32 lane l holds S' = sum_k (qx_k + 128) qw_k of token 16g + l; it starts from
-// -128 sum_k qw_k (per row and block, computed once per weight tile), so it ends at S_b exactly.
-// Then per (row, block, group) one conversion, one product dw_b * dx (16 tokens) and one FMA:
-// acc = fma(float(S_b), dw_b * dx_b, acc), block after block (matmul_q8_scalar_avx512).
+// The AVX-512 Q8_0 and Q4_K GEMMs with the tokens in the lanes (act_q8.h "Tokens in the lanes";
+// the layout is ActQ8::xg / dxg / xsg, kernels.h), and their mat-vecs for decode. Q8_0: no
+// weight repack: the rows stay in GGUF order, and the 4 weight codes 4j..4j+3 of (row r, block b)
+// are one embedded broadcast, multiplied by run j of a group of 16 tokens (their codes 4j..4j+3
+// plus 128, unsigned). After the 8 runs of a block, int32 lane l holds S' = sum_k (qx_k + 128) qw_k
+// of token 16g + l; it starts from -128 sum_k qw_k (per row and block, computed once per weight
+// tile), so it ends at S_b exactly. Then per (row, block, group) one conversion, one product
+// dw_b * dx (16 tokens) and one FMA: acc = fma(float(S_b), dw_b * dx_b, acc), block after block
+// (matmul_q8_scalar_avx512). Q4_K: the 4-bit codes of a 4-row weight tile are unpacked once per
+// block of token groups into bytes (32 per 32-block, in L1) with dw_b = d * sc_s and
+// gm_b = -(dmin * m_s) per block, then the same loop runs with one more FMA per (row, block,
+// group): acc = fma(gm_b, xs_b, acc), xs the tokens' scaled code sums (ActQ8::xsg).
 //
 // Every token's lane runs that sequence whatever the tile, the group or the number of tokens
 // (padding lanes hold code 0 and scale 0 and are never stored), so results are batch
@@ -63,13 +67,26 @@ inline void row_factors(const uint8_t* w, int64_t nb, float* dw, int32_t* nc) {
   }
 }
 
-/// R rows x G groups of 16 tokens over all nb blocks; w[r]: row r's bytes; dw/nc: row r's
-/// factors at r * nb; x/dx: the first group's runs and scales (groups nb*512 bytes / nb*16
-/// floats apart). Writes y[(16 g + l) * ldy + r] for the `valid` first tokens of the tiles'
+/// The weight tile of the GEMM: per row r (at r * nb) and block b the codes' address w[r] + WB * b
+/// (32 signed bytes), dw = the block's fp32 factor, nc = -128 * (sum of its codes), and with MIN
+/// (Q4_K) gm = -(dmin * m) of the block's sub-block.
+struct WTile {
+  const uint8_t* w[4];
+  const float* dw;
+  const int32_t* nc;
+  const float* gm;
+};
+
+/// R rows x G groups of 16 tokens over all nb blocks (weights: WTile, blocks WB bytes apart);
+/// x/dx/xs: the first group's runs, scales and (MIN) scaled code sums (groups nb*512 bytes /
+/// nb*16 floats apart). Writes y[(16 g + l) * ldy + r] for the `valid` first tokens of the tiles'
 /// groups (tokens counted from the first group's first).
-template <int R, int G, bool VNNI>
-void tile(const uint8_t* const* w, const float* dw, const int32_t* nc, int64_t nb, const uint8_t* x, const float* dx,
-          int64_t valid, float* y, int64_t ldy) {
+template <int R, int G, bool VNNI, int WB, bool MIN>
+void tile(const WTile& wt, int64_t nb, const uint8_t* x, const float* dx, const float* xs, int64_t valid, float* y,
+          int64_t ldy) {
+  const uint8_t* const* w = wt.w;
+  const float* dw = wt.dw;
+  const int32_t* nc = wt.nc;
   __m512 acc[R][G];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
@@ -92,7 +109,7 @@ void tile(const uint8_t* const* w, const float* dw, const int32_t* nc, int64_t n
       for (int g = 0; g < G; ++g) xr[g] = _mm512_loadu_si512(xb + g * gx + 64 * j);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        const __m512i wv = _mm512_set1_epi32(static_cast<int>(load_u32(w[r] + 34 * b + 2 + 4 * j)));
+        const __m512i wv = _mm512_set1_epi32(static_cast<int>(load_u32(w[r] + WB * b + 4 * j)));
         __m512i se = wv, so = wv;
         if constexpr (!VNNI) {
           se = _mm512_srai_epi16(_mm512_slli_epi16(wv, 8), 8);
@@ -110,6 +127,11 @@ void tile(const uint8_t* const* w, const float* dw, const int32_t* nc, int64_t n
         const __m512 f = _mm512_mul_ps(_mm512_set1_ps(dw[r * nb + b]), d);  // dw_b * dx_b, rounded
         acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][g]), f, acc[r][g]);
       }
+      if constexpr (MIN) {
+        const __m512 xv = _mm512_loadu_ps(xs + g * gd + 16 * b);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) acc[r][g] = _mm512_fmadd_ps(_mm512_set1_ps(wt.gm[r * nb + b]), xv, acc[r][g]);
+      }
     }
   }
   alignas(64) float out[16];
@@ -124,12 +146,39 @@ void tile(const uint8_t* const* w, const float* dw, const int32_t* nc, int64_t n
   }
 }
 
-template <int R, bool VNNI>
-void tile_groups(int G, const uint8_t* const* w, const float* dw, const int32_t* nc, int64_t nb, const uint8_t* x,
-                 const float* dx, int64_t valid, float* y, int64_t ldy) {
-  if (G == 3) tile<R, 3, VNNI>(w, dw, nc, nb, x, dx, valid, y, ldy);
-  if (G == 2) tile<R, 2, VNNI>(w, dw, nc, nb, x, dx, valid, y, ldy);
-  if (G == 1) tile<R, 1, VNNI>(w, dw, nc, nb, x, dx, valid, y, ldy);
+template <int R, bool VNNI, int WB, bool MIN>
+void tile_groups(int G, const WTile& wt, int64_t nb, const uint8_t* x, const float* dx, const float* xs,
+                 int64_t valid, float* y, int64_t ldy) {
+  if (G == 3) tile<R, 3, VNNI, WB, MIN>(wt, nb, x, dx, xs, valid, y, ldy);
+  if (G == 2) tile<R, 2, VNNI, WB, MIN>(wt, nb, x, dx, xs, valid, y, ldy);
+  if (G == 1) tile<R, 1, VNNI, WB, MIN>(wt, nb, x, dx, xs, valid, y, ldy);
+}
+
+/// One Q4_K row unpacked for the GEMM: for every 32-block b = 8i + s (sub-block s of super-block
+/// i) its 32 codes (0..15) as bytes at codes + 32 b, dw[b] = d * sc_s, gm[b] = -(dmin * m_s) (each
+/// product rounded, as in matmul_q8_scalar_avx512) and nc[b] = -128 * (sum of the codes).
+void unpack_q4_k_row(const uint8_t* w, int64_t nsb, uint8_t* codes, float* dw, float* gm, int32_t* nc) {
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  for (int64_t i = 0; i < nsb; ++i, w += 144) {
+    const float d = _cvtsh_ss(load_u16(w)), dmin = _cvtsh_ss(load_u16(w + 2));
+    for (int s = 0; s < 8; ++s) {
+      int sc = 0, m = 0;
+      k4_scale_min(w + 4, s, sc, m);
+      dw[8 * i + s] = d * static_cast<float>(sc);
+      gm[8 * i + s] = -(dmin * static_cast<float>(m));
+    }
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 + 32 * j));
+      const __m256i c[2] = {_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16(v, 4), low)};
+      for (int h = 0; h < 2; ++h) {
+        const int64_t b = 8 * i + 2 * j + h;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 32 * b), c[h]);
+        const __m256i sad = _mm256_sad_epu8(c[h], _mm256_setzero_si256());
+        const __m128i q = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
+        nc[b] = static_cast<int32_t>(-128 * _mm_cvtsi128_si64(_mm_add_epi64(q, _mm_unpackhi_epi64(q, q))));
+      }
+    }
+  }
 }
 
 // ---- mat-vec (decode: few tokens, memory-bound) ---------------------------------------------
@@ -220,6 +269,114 @@ void matvec16(const uint8_t* const* w, int64_t nb, const int8_t* q, const float*
   for (int t = 0; t < TB; ++t) _mm512_storeu_ps(out[t], acc[t]);
 }
 
+/// The Q4_K mat-vec: 16 rows (`w[i]` as in matvec16; `off[L]`: the byte offset of row
+/// row_of_lane()[L] from w[0]) against TB tokens, nsb super-blocks. Per super-block the 16 rows'
+/// scales and mins are decoded in lane order from 4 gathers (d/dmin, scales bytes 0-3, 4-7, 8-11);
+/// per sub-block s rows i and i + 8 share a zmm of codes 0..15 (unsigned), one vpdpbusd against
+/// the token's 32 codes in both halves gives 8 lane sums per row, the tree gives S_b, and
+/// acc = fma(float(S_b), (d sc) dx, acc), acc = fma(-(dmin m), xs, acc) as defined.
+template <int TB, bool VNNI>
+void matvec16_q4k(const uint8_t* const* w, __m512i off, int64_t nsb, const int8_t* q, const float* d,
+                  const int16_t* s16, int64_t cols, const uint8_t* next, float (*out)[16]) {
+  __m512 acc[TB];
+#pragma GCC unroll 4
+  for (int t = 0; t < TB; ++t) acc[t] = _mm512_setzero_ps();
+  const int64_t nb = 8 * nsb;
+  const __m512i low = _mm512_set1_epi8(0x0f), m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(15),
+                m2 = _mm512_set1_epi32(3);
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  for (int64_t i = 0; i < nsb; ++i) {
+    for (int o = 0; o < 2304; o += 64) _mm_prefetch(reinterpret_cast<const char*>(next) + 2304 * i + o, _MM_HINT_T1);
+    const __m512i oi = _mm512_add_epi32(off, _mm512_set1_epi32(static_cast<int>(144 * i)));
+    const __m512i H = _mm512_i32gather_epi32(oi, w[0], 1);
+    const __m512i A = _mm512_i32gather_epi32(oi, w[0] + 4, 1);
+    const __m512i B = _mm512_i32gather_epi32(oi, w[0] + 8, 1);
+    const __m512i C = _mm512_i32gather_epi32(oi, w[0] + 12, 1);
+    const __m512 dd = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_and_si512(H, _mm512_set1_epi32(0xffff))));
+    const __m512 dm = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(H, 16)));
+    alignas(64) float fs[8][16], gs[8][16];
+#pragma GCC unroll 4
+    for (int s = 0; s < 4; ++s) {  // k4_scale_min: s < 4 from bytes s and s + 4; s >= 4 from s + 4, s - 4, s
+      const __m512i sc = _mm512_and_si512(_mm512_srli_epi32(A, 8 * s), m6);
+      const __m512i mn = _mm512_and_si512(_mm512_srli_epi32(B, 8 * s), m6);
+      const __m512i sc2 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(C, 8 * s), m4),
+                                          _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(A, 8 * s + 6), m2), 4));
+      const __m512i mn2 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(C, 8 * s + 4), m4),
+                                          _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(B, 8 * s + 6), m2), 4));
+      _mm512_store_ps(fs[s], _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sc)));
+      _mm512_store_ps(gs[s], _mm512_xor_ps(_mm512_mul_ps(dm, _mm512_cvtepi32_ps(mn)), sign));
+      _mm512_store_ps(fs[s + 4], _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sc2)));
+      _mm512_store_ps(gs[s + 4], _mm512_xor_ps(_mm512_mul_ps(dm, _mm512_cvtepi32_ps(mn2)), sign));
+    }
+    for (int s = 0; s < 8; ++s) {
+      const int64_t b = 8 * i + s;
+      __m512i wz[8];
+#pragma GCC unroll 8
+      for (int p = 0; p < 8; ++p) {
+        const size_t o = static_cast<size_t>(144 * i + 16 + 32 * (s / 2));
+        const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p] + o));
+        const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p + 8] + o));
+        __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        if (s % 2) z = _mm512_srli_epi16(z, 4);
+        wz[p] = _mm512_and_si512(z, low);
+      }
+      const __m512 fv = _mm512_load_ps(fs[s]), gv = _mm512_load_ps(gs[s]);
+#pragma GCC unroll 4
+      for (int t = 0; t < TB; ++t) {
+        const __m512i x =
+            _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + t * cols + 32 * b)));
+        __m512i xe = x, xo = x;
+        if constexpr (!VNNI) {
+          xe = _mm512_srai_epi16(_mm512_slli_epi16(x, 8), 8);
+          xo = _mm512_srai_epi16(x, 8);
+        }
+        __m512i z[8];
+#pragma GCC unroll 8
+        for (int p = 0; p < 8; ++p) z[p] = dot4<VNNI>(_mm512_setzero_si512(), wz[p], x, xe, xo);
+        const __m512i S = reduce_rows(z);
+        const float dx = d[t * nb + b];
+        const float xs = token_xs(dx, s16[t * 2 * nb + 2 * b], s16[t * 2 * nb + 2 * b + 1]);
+        const __m512 f = _mm512_mul_ps(fv, _mm512_set1_ps(dx));  // (d sc) * dx, rounded
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), f, acc[t]);
+        acc[t] = _mm512_fmadd_ps(gv, _mm512_set1_ps(xs), acc[t]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int t = 0; t < TB; ++t) _mm512_storeu_ps(out[t], acc[t]);
+}
+
+template <bool VNNI>
+void matvec_q4k(const MatmulArgs& m, const ActQ8& a) {
+  const int64_t nsb = m.cols / 256;
+  const std::array<int, 16>& row = row_of_lane();
+  for (int64_t r0 = m.row_begin; r0 < m.row_end; r0 += 16) {
+    const int64_t n = std::min<int64_t>(16, m.row_end - r0);
+    const uint8_t* w[16];
+    for (int i = 0; i < 16; ++i) w[i] = m.W + static_cast<size_t>(r0 + std::min<int64_t>(i, n - 1)) * m.row_bytes;
+    alignas(64) int32_t o[16];
+    for (int L = 0; L < 16; ++L) o[L] = static_cast<int32_t>(w[row[static_cast<size_t>(L)]] - w[0]);
+    const __m512i off = _mm512_load_si512(o);
+    const uint8_t* next = w[0] + 16 * m.row_bytes;  // as in matvec: one sequential prefetch stream
+    for (int64_t t0 = 0; t0 < m.n_tok; t0 += 4) {
+      const int TB = static_cast<int>(std::min<int64_t>(4, m.n_tok - t0));
+      alignas(64) float out[4][16];
+      const int8_t* q = a.qt(t0);
+      const float* d = a.dt(t0);
+      const int16_t* s = a.st(t0);
+      switch (TB) {
+        case 4: matvec16_q4k<4, VNNI>(w, off, nsb, q, d, s, m.cols, next, out); break;
+        case 3: matvec16_q4k<3, VNNI>(w, off, nsb, q, d, s, m.cols, next, out); break;
+        case 2: matvec16_q4k<2, VNNI>(w, off, nsb, q, d, s, m.cols, next, out); break;
+        default: matvec16_q4k<1, VNNI>(w, off, nsb, q, d, s, m.cols, next, out); break;
+      }
+      for (int t = 0; t < TB; ++t)
+        for (int L = 0; L < 16; ++L)
+          if (row[static_cast<size_t>(L)] < n) m.y[(t0 + t) * m.ldy + r0 + row[static_cast<size_t>(L)]] = out[t][L];
+    }
+  }
+}
+
 template <bool VNNI>
 void matvec(const MatmulArgs& m, const ActQ8& a) {
   const int64_t nb = m.cols / 32;
@@ -253,36 +410,51 @@ void matvec(const MatmulArgs& m, const ActQ8& a) {
   }
 }
 
-template <bool VNNI>
+template <bool VNNI, bool Q4K>
 void gemm(const MatmulArgs& m, const ActQ8& a) {
-  const TokenLanes tl = token_lanes_of(a);
+  const TokenLanes tl = token_lanes_of(a, Q4K);
   const int64_t nb = m.cols / 32;
-  thread_local std::vector<float> dw;
+  thread_local std::vector<float> dw, gm;
   thread_local std::vector<int32_t> nc;
+  thread_local std::vector<uint8_t> codes;
   dw.resize(static_cast<size_t>(kRows * nb));
   nc.resize(static_cast<size_t>(kRows * nb));
+  if (Q4K) {
+    gm.resize(static_cast<size_t>(kRows * nb));
+    codes.resize(static_cast<size_t>(kRows * nb * 32));
+  }
+  constexpr int WB = Q4K ? 32 : 34;  // bytes from one block's codes to the next
   // groups per block: as many as fit kXBytes, a multiple of the register tile
-  const int64_t fit = std::max<int64_t>(kGroups, kXBytes / (nb * 576) / kGroups * kGroups);
+  const int64_t per_group = nb * (Q4K ? 640 : 576);
+  const int64_t fit = std::max<int64_t>(kGroups, kXBytes / per_group / kGroups * kGroups);
   for (int64_t g0 = 0; g0 < tl.groups; g0 += fit) {
     const int64_t g1 = std::min(tl.groups, g0 + fit);
     for (int64_t r0 = m.row_begin; r0 < m.row_end; r0 += kRows) {
       const int R = static_cast<int>(std::min<int64_t>(kRows, m.row_end - r0));
-      const uint8_t* w[kRows];
+      WTile wt{{}, dw.data(), nc.data(), Q4K ? gm.data() : nullptr};
       for (int r = 0; r < R; ++r) {
-        w[r] = m.W + static_cast<size_t>(r0 + r) * m.row_bytes;
-        row_factors(w[r], nb, dw.data() + r * nb, nc.data() + r * nb);
+        const uint8_t* row = m.W + static_cast<size_t>(r0 + r) * m.row_bytes;
+        if constexpr (Q4K) {
+          uint8_t* c = codes.data() + r * nb * 32;
+          unpack_q4_k_row(row, nb / 8, c, dw.data() + r * nb, gm.data() + r * nb, nc.data() + r * nb);
+          wt.w[r] = c;
+        } else {
+          row_factors(row, nb, dw.data() + r * nb, nc.data() + r * nb);
+          wt.w[r] = row + 2;
+        }
       }
       for (int64_t g = g0; g < g1; g += kGroups) {
         const int G = static_cast<int>(std::min<int64_t>(kGroups, g1 - g));
         const uint8_t* x = tl.x + g * nb * 512;
         const float* dx = tl.dx + g * nb * 16;
+        const float* xs = Q4K ? tl.xs + g * nb * 16 : nullptr;
         const int64_t valid = m.n_tok - 16 * g;
         float* y = m.y + 16 * g * m.ldy + r0;
         switch (R) {
-          case 4: tile_groups<4, VNNI>(G, w, dw.data(), nc.data(), nb, x, dx, valid, y, m.ldy); break;
-          case 3: tile_groups<3, VNNI>(G, w, dw.data(), nc.data(), nb, x, dx, valid, y, m.ldy); break;
-          case 2: tile_groups<2, VNNI>(G, w, dw.data(), nc.data(), nb, x, dx, valid, y, m.ldy); break;
-          default: tile_groups<1, VNNI>(G, w, dw.data(), nc.data(), nb, x, dx, valid, y, m.ldy); break;
+          case 4: tile_groups<4, VNNI, WB, Q4K>(G, wt, nb, x, dx, xs, valid, y, m.ldy); break;
+          case 3: tile_groups<3, VNNI, WB, Q4K>(G, wt, nb, x, dx, xs, valid, y, m.ldy); break;
+          case 2: tile_groups<2, VNNI, WB, Q4K>(G, wt, nb, x, dx, xs, valid, y, m.ldy); break;
+          default: tile_groups<1, VNNI, WB, Q4K>(G, wt, nb, x, dx, xs, valid, y, m.ldy); break;
         }
       }
     }
@@ -291,19 +463,20 @@ void gemm(const MatmulArgs& m, const ActQ8& a) {
 
 }  // namespace
 
-void matmul_q8_0_avx512(const MatmulArgs& m, const ActQ8& a, bool vnni) {
+void matmul_tok16_avx512(const MatmulArgs& m, const ActQ8& a, bool vnni) {
+  const bool q4k = m.type == GgmlType::Q4_K;
   if (m.n_tok <= kQ8_0MatVecMax) {
-    if (vnni) {
-      matvec<true>(m, a);
+    if (q4k) {
+      vnni ? matvec_q4k<true>(m, a) : matvec_q4k<false>(m, a);
     } else {
-      matvec<false>(m, a);
+      vnni ? matvec<true>(m, a) : matvec<false>(m, a);
     }
     return;
   }
-  if (vnni) {
-    gemm<true>(m, a);
+  if (q4k) {
+    vnni ? gemm<true, true>(m, a) : gemm<false, true>(m, a);
   } else {
-    gemm<false>(m, a);
+    vnni ? gemm<true, false>(m, a) : gemm<false, false>(m, a);
   }
 }
 
