@@ -894,11 +894,13 @@ TEST(QuantQ8, EqualsExactProductOfDequantizedOperands) {
           const double yv = y[static_cast<size_t>(tk * rows + r)];
           // fp32 rounding of the block factors (<= 4 ulp) and of the lane sums (cols/64 FMAs
           // per lane, then 5 adds), relative to the magnitudes that enter them
-          // (the AVX-512 family's Q8_0 is serial: one product and one FMA per 32-block, in order;
-          // its Q4_K two products and two FMAs per 32-block, the scale's and the min's)
+          // (the AVX-512 family's Q8_0 and IQ4_XS are serial: one product and one FMA per 32-block
+          // (IQ4_XS: two products), in order; its Q4_K two products and two FMAs per 32-block, the
+          // scale's and the min's)
           const bool avx512 = kc.family == k::CpuKernels::Avx512;
           const double blocks = static_cast<double>(cols) / 32.0;
-          const double fmt_tol = (avx512 && t == GgmlType::Q8_0   ? blocks + 2.0
+          const double fmt_tol = (avx512 && t == GgmlType::Q8_0     ? blocks + 2.0
+                                  : avx512 && t == GgmlType::IQ4_XS ? blocks + 3.0
                                   : avx512 && t == GgmlType::Q4_K ? 2.0 * blocks + 4.0
                                                                   : static_cast<double>(cols) / 64.0 + 16.0) *
                                  0x1p-24 * mag;
@@ -1060,19 +1062,24 @@ std::vector<kd::Q8Isa> avx512_levels() {
 // mins 63 against +-127).
 static void token_lanes_equal_definition(GgmlType t) {
   std::mt19937_64 rng(test_seed() ^ 0x51a0 ^ static_cast<uint64_t>(t));
-  const bool q4k = t == GgmlType::Q4_K;
+  const bool q4k = t == GgmlType::Q4_K, sb = t != GgmlType::Q8_0;  // sb: a 256-weight super-block type
   int64_t checked = 0;
   for (kd::Q8Isa isa : avx512_levels()) {
     for (bool extreme : {false, true}) {
-      for (int64_t cols : q4k ? std::vector<int64_t>{256, 512, 2304, 4096} : std::vector<int64_t>{32, 96, 800, 4096}) {
+      for (int64_t cols : sb ? std::vector<int64_t>{256, 512, 2304, 4096} : std::vector<int64_t>{32, 96, 800, 4096}) {
         const int64_t rows = cols == 4096 ? 13 : 30;
         auto w = random_rows(t, rows, cols, rng);
-        if (extreme && !q4k)
+        if (extreme && !sb)
           for (int64_t b = 0; b < rows * cols / 32; ++b) std::memset(w.data() + 34 * b + 2, b % 3 ? 0x80 : 0x7f, 32);
         if (extreme && q4k)  // scales and mins 63 (k4_scale_min of all-ones bytes), codes 15 or 0
           for (int64_t b = 0; b < rows * cols / 256; ++b) {
             std::memset(w.data() + 144 * b + 4, 0xff, 12);
             std::memset(w.data() + 144 * b + 16, b % 3 ? 0xff : 0x0f, 128);
+          }
+        if (extreme && t == GgmlType::IQ4_XS)  // scales 63 - 32 or 0 - 32, codes 0 (value -127) or 15 (113)
+          for (int64_t b = 0; b < rows * cols / 256; ++b) {
+            std::memset(w.data() + 136 * b + 2, b % 2 ? 0xff : 0x00, 6);
+            std::memset(w.data() + 136 * b + 8, b % 3 ? 0x00 : 0xff, 128);
           }
         const size_t rb = q::row_size(t, cols);
         for (int64_t n_tok : {1, 2, 3, 4, 5, 7, 15, 16, 17, 33, 64, 511, 512}) {
@@ -1147,6 +1154,11 @@ TEST(QuantQ8, Avx512Q4_KTokenLanesEqualDefinition) {
   token_lanes_equal_definition(GgmlType::Q4_K);
 }
 
+TEST(QuantQ8, Avx512IQ4_XSTokenLanesEqualDefinition) {
+  if (!cpu_has_avx512_q8()) GTEST_SKIP() << "no AVX-512 on this CPU";
+  token_lanes_equal_definition(GgmlType::IQ4_XS);
+}
+
 // Batch invariance of the token-lane GEMM: a token's outputs are the same bits alone, at every
 // position of a group of 16, and at several positions of a batch of 512 (the other tokens random).
 static void token_lanes_batch_invariant(GgmlType t) {
@@ -1182,4 +1194,9 @@ TEST(QuantQ8, Avx512Q8_0TokenLanesBatchInvariant) {
 TEST(QuantQ8, Avx512Q4_KTokenLanesBatchInvariant) {
   if (!cpu_has_avx512_q8()) GTEST_SKIP() << "no AVX-512 on this CPU";
   token_lanes_batch_invariant(GgmlType::Q4_K);
+}
+
+TEST(QuantQ8, Avx512IQ4_XSTokenLanesBatchInvariant) {
+  if (!cpu_has_avx512_q8()) GTEST_SKIP() << "no AVX-512 on this CPU";
+  token_lanes_batch_invariant(GgmlType::IQ4_XS);
 }

@@ -12,7 +12,7 @@
 // The float part of every dot product is fixed here, lane by lane: the scalar family computes
 // it with the same lane structure as the AVX-512 family (see matmul_q8_ref.cpp), so in q8 mode
 // every family gives bit-identical results and the fast kernels are tested bit for bit; the
-// exceptions are Q8_0 and Q4_K on AVX-512, whose tokens-in-the-lanes GEMMs follow the serial
+// exceptions are Q8_0, Q4_K and IQ4_XS on AVX-512, whose tokens-in-the-lanes GEMMs follow the serial
 // definitions of matmul_q8_scalar_avx512 (for Q8_0 the CUDA one), also spelled out in scalar code.
 #include <cmath>
 #include <cstdint>
@@ -242,7 +242,9 @@ LaneTokens lane_tokens(GgmlType t, const ActQ8& a, int64_t t0, int64_t t1);
 
 /// The weight types of the AVX-512 tokens-in-the-lanes kernels, which have their own serial
 /// definition (matmul_q8_scalar_avx512).
-static constexpr bool has_tok16(GgmlType t) { return t == GgmlType::Q8_0 || t == GgmlType::Q4_K; }
+static constexpr bool has_tok16(GgmlType t) {
+  return t == GgmlType::Q8_0 || t == GgmlType::Q4_K || t == GgmlType::IQ4_XS;
+}
 
 /// xs of a 32-block of one token, as every Q4_K path of the AVX-512 family forms it:
 /// dx * float(s0 + s1) (s0, s1: the block's two 16-sums), one fp32 product rounded on its own.
@@ -258,7 +260,7 @@ static inline float token_xs(float dx, int16_t s0, int16_t s1) {
 /// xs 0). Thread-safe for disjoint token ranges.
 void token_lanes(const ActQ8& a, int64_t t0, int64_t t1, uint8_t* xg, float* dxg, float* xsg);
 
-/// Up to this many tokens the AVX-512 Q8_0 and Q4_K paths take the mat-vec (16 rows per register,
+/// Up to this many tokens the AVX-512 Q8_0, Q4_K and IQ4_XS paths take the mat-vec (16 rows per register,
 /// natural code order), from kQ8_0MatVecMax + 1 the tokens-in-the-lanes GEMM; same bits either way.
 inline constexpr int64_t kQ8_0MatVecMax = 4;
 
@@ -275,7 +277,7 @@ struct TokenLanes {
 /// until the thread's next call).
 TokenLanes token_lanes_of(const ActQ8& a, bool with_xs);
 
-/// The AVX-512 Q8_0 and Q4_K GEMMs and mat-vecs (matmul_q8_0_avx512.cpp), tokens in the lanes:
+/// The AVX-512 Q8_0, Q4_K and IQ4_XS GEMMs and mat-vecs (matmul_q8_0_avx512.cpp), tokens in the lanes:
 /// y[t][r] for rows [row_begin, row_end) and all a.n_tok tokens with the bits of
 /// matmul_q8_scalar_avx512 (m.type: has_tok16). VNNI: vpdpbusd; otherwise the same integers from
 /// vpmaddwd on 16-bit halves.
@@ -325,8 +327,8 @@ static bool run_q8_blocks(const MatmulArgs& m, const ActQ8& a, K& k) {
 /// Scalar q8 family (the definition of the arithmetic): y[t][r] for rows [row_begin, row_end).
 void matmul_q8_scalar(const MatmulArgs& m, const ActQ8& a);
 
-/// The definition of the AVX-512 q8 family: matmul_q8_scalar for every type but Q8_0 and Q4_K
-/// (has_tok16). Q8_0's arithmetic is the serial one of the CUDA q8 path (src/backend/cuda/kernels.h,
+/// The definition of the AVX-512 q8 family: matmul_q8_scalar for every type but Q8_0, Q4_K and
+/// IQ4_XS (has_tok16). Q8_0's arithmetic is the serial one of the CUDA q8 path (src/backend/cuda/kernels.h,
 /// matmul_q8): per (row, token) acc = 0, then for each 32-block b in column order
 ///     S_b = sum_k qw_k * qx_k                   (exact int32, |S_b| <= 32 * 128 * 127 < 2^24)
 ///     acc = fma(float(S_b), dw_b * dx_b, acc)    (the product rounded to fp32 on its own)
@@ -335,7 +337,10 @@ void matmul_q8_scalar(const MatmulArgs& m, const ActQ8& a);
 ///     S_b = sum_k q_k * qx_k                              (exact int32)
 ///     acc = fma(float(S_b), (d * sc_s) * dx_b, acc)       (each product rounded)
 ///     acc = fma(-(dmin * m_s), token_xs(dx_b, s16), acc)   (the min times the block's code sum)
-/// (this CPU definition is not the CUDA one for Q4_K).
+/// and IQ4_XS's, per 32-block b = group g of super-block i (kv = kvalues_iq4nl of the codes):
+///     S_b = sum_k kv_k * qx_k                             (exact int32)
+///     acc = fma(float(S_b), (d * (ls_g - 32)) * dx_b, acc) (each product rounded)
+/// (these CPU definitions are not the CUDA ones for Q4_K and IQ4_XS).
 void matmul_q8_scalar_avx512(const MatmulArgs& m, const ActQ8& a);
 
 /// AVX2 q8 family (+ FMA, F16C, BMI2; the CPU must have them): y[t][r] with the bits of

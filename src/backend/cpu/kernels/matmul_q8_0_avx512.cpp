@@ -1,4 +1,4 @@
-// The AVX-512 Q8_0 and Q4_K GEMMs with the tokens in the lanes (act_q8.h "Tokens in the lanes";
+// The AVX-512 Q8_0, Q4_K and IQ4_XS GEMMs with the tokens in the lanes (act_q8.h "Tokens in the lanes";
 // the layout is ActQ8::xg / dxg / xsg, kernels.h), and their mat-vecs for decode. Q8_0: no
 // weight repack: the rows stay in GGUF order, and the 4 weight codes 4j..4j+3 of (row r, block b)
 // are one embedded broadcast, multiplied by run j of a group of 16 tokens (their codes 4j..4j+3
@@ -9,7 +9,9 @@
 // (matmul_q8_scalar_avx512). Q4_K: the 4-bit codes of a 4-row weight tile are unpacked once per
 // block of token groups into bytes (32 per 32-block, in L1) with dw_b = d * sc_s and
 // gm_b = -(dmin * m_s) per block, then the same loop runs with one more FMA per (row, block,
-// group): acc = fma(gm_b, xs_b, acc), xs the tokens' scaled code sums (ActQ8::xsg).
+// group): acc = fma(gm_b, xs_b, acc), xs the tokens' scaled code sums (ActQ8::xsg). IQ4_XS: the
+// codes become their kvalues_iq4nl values (vpshufb) at unpack time, dw_b = d * (ls - 32), and
+// the loop is Q8_0's.
 //
 // Every token's lane runs that sequence whatever the tile, the group or the number of tokens
 // (padding lanes hold code 0 and scale 0 and are never stored), so results are batch
@@ -23,6 +25,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <stdexcept>
 #include <vector>
 
 #include "backend/cpu/kernels/act_q8.h"
@@ -181,6 +184,30 @@ void unpack_q4_k_row(const uint8_t* w, int64_t nsb, uint8_t* codes, float* dw, f
   }
 }
 
+/// One IQ4_XS row unpacked for the GEMM: for every 32-block b = 8i + g its 32 values
+/// kvalues_iq4nl[code] (signed bytes) at codes + 32 b, dw[b] = d * (ls_g - 32) (rounded, as in
+/// matmul_q8_scalar_avx512) and nc[b] = -128 * (sum of the values).
+void unpack_iq4_xs_row(const uint8_t* w, int64_t nsb, uint8_t* codes, float* dw, int32_t* nc) {
+  const __m128i low = _mm_set1_epi8(0x0f);
+  const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tables::kvalues_iq4nl)));
+  const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t i = 0; i < nsb; ++i, w += 136) {
+    const float d = _cvtsh_ss(load_u16(w));
+    for (int g = 0; g < 8; ++g) {
+      const int64_t b = 8 * i + g;
+      dw[b] = d * static_cast<float>(iq4xs_scale(w, g));
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 8 + 16 * g));
+      const __m256i idx = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+      const __m256i c = _mm256_shuffle_epi8(kv, idx);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 32 * b), c);
+      // sum of the signed values: vpsadbw of (value + 128), minus 32 * 128
+      const __m256i sad = _mm256_sad_epu8(_mm256_xor_si256(c, bias), _mm256_setzero_si256());
+      const __m128i q = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
+      nc[b] = static_cast<int32_t>(-128 * (_mm_cvtsi128_si64(_mm_add_epi64(q, _mm_unpackhi_epi64(q, q))) - 32 * 128));
+    }
+  }
+}
+
 // ---- mat-vec (decode: few tokens, memory-bound) ---------------------------------------------
 // 16 rows at a time, one token's codes in a register: per block, rows i and i + 8 share a zmm
 // (their 32 codes in the two halves, plus 128: unsigned), one vpdpbusd against the token's signed
@@ -269,58 +296,89 @@ void matvec16(const uint8_t* const* w, int64_t nb, const int8_t* q, const float*
   for (int t = 0; t < TB; ++t) _mm512_storeu_ps(out[t], acc[t]);
 }
 
-/// The Q4_K mat-vec: 16 rows (`w[i]` as in matvec16; `off[L]`: the byte offset of row
+/// The Q4_K and IQ4_XS mat-vec: 16 rows (`w[i]` as in matvec16; `off[L]`: the byte offset of row
 /// row_of_lane()[L] from w[0]) against TB tokens, nsb super-blocks. Per super-block the 16 rows'
-/// scales and mins are decoded in lane order from 4 gathers (d/dmin, scales bytes 0-3, 4-7, 8-11);
-/// per sub-block s rows i and i + 8 share a zmm of codes 0..15 (unsigned), one vpdpbusd against
-/// the token's 32 codes in both halves gives 8 lane sums per row, the tree gives S_b, and
-/// acc = fma(float(S_b), (d sc) dx, acc), acc = fma(-(dmin m), xs, acc) as defined.
-template <int TB, bool VNNI>
-void matvec16_q4k(const uint8_t* const* w, __m512i off, int64_t nsb, const int8_t* q, const float* d,
-                  const int16_t* s16, int64_t cols, const uint8_t* next, float (*out)[16]) {
+/// factors are decoded in lane order from gathers (Q4_K: d/dmin and the 12 scale bytes, giving
+/// d * sc and -(dmin * m) per sub-block; IQ4_XS: d/scales_h and scales_l, giving d * (ls - 32));
+/// per 32-block rows i and i + 8 share a zmm of unsigned codes (Q4_K: 0..15; IQ4_XS:
+/// kvalues_iq4nl + 128), one vpdpbusd against the token's 32 codes in both halves gives 8 lane
+/// sums per row, the tree gives the rows' sums (IQ4_XS: minus 128 * the block's code sum: S_b),
+/// and acc = fma(float(S_b), f * dx, acc) (Q4_K: then acc = fma(-(dmin m), xs, acc)) as defined.
+template <GgmlType T, int TB, bool VNNI>
+void matvec16_sb(const uint8_t* const* w, __m512i off, int64_t nsb, const int8_t* q, const float* d,
+                 const int16_t* s16, int64_t cols, const uint8_t* next, float (*out)[16]) {
+  constexpr bool Q4K = T == GgmlType::Q4_K;
+  constexpr int kBytes = Q4K ? 144 : 136;  // bytes per super-block
   __m512 acc[TB];
 #pragma GCC unroll 4
   for (int t = 0; t < TB; ++t) acc[t] = _mm512_setzero_ps();
   const int64_t nb = 8 * nsb;
   const __m512i low = _mm512_set1_epi8(0x0f), m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(15),
                 m2 = _mm512_set1_epi32(3);
+  const __m512i kv = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tables::kvalues_iq4nl)));
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
   const __m512 sign = _mm512_set1_ps(-0.0f);
   for (int64_t i = 0; i < nsb; ++i) {
-    for (int o = 0; o < 2304; o += 64) _mm_prefetch(reinterpret_cast<const char*>(next) + 2304 * i + o, _MM_HINT_T1);
-    const __m512i oi = _mm512_add_epi32(off, _mm512_set1_epi32(static_cast<int>(144 * i)));
+    for (int o = 0; o < 16 * kBytes; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(next) + 16 * kBytes * i + o, _MM_HINT_T1);
+    const __m512i oi = _mm512_add_epi32(off, _mm512_set1_epi32(static_cast<int>(kBytes * i)));
     const __m512i H = _mm512_i32gather_epi32(oi, w[0], 1);
     const __m512i A = _mm512_i32gather_epi32(oi, w[0] + 4, 1);
-    const __m512i B = _mm512_i32gather_epi32(oi, w[0] + 8, 1);
-    const __m512i C = _mm512_i32gather_epi32(oi, w[0] + 12, 1);
     const __m512 dd = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_and_si512(H, _mm512_set1_epi32(0xffff))));
-    const __m512 dm = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(H, 16)));
     alignas(64) float fs[8][16], gs[8][16];
+    if constexpr (Q4K) {
+      const __m512i B = _mm512_i32gather_epi32(oi, w[0] + 8, 1);
+      const __m512i C = _mm512_i32gather_epi32(oi, w[0] + 12, 1);
+      const __m512 dm = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(H, 16)));
 #pragma GCC unroll 4
-    for (int s = 0; s < 4; ++s) {  // k4_scale_min: s < 4 from bytes s and s + 4; s >= 4 from s + 4, s - 4, s
-      const __m512i sc = _mm512_and_si512(_mm512_srli_epi32(A, 8 * s), m6);
-      const __m512i mn = _mm512_and_si512(_mm512_srli_epi32(B, 8 * s), m6);
-      const __m512i sc2 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(C, 8 * s), m4),
-                                          _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(A, 8 * s + 6), m2), 4));
-      const __m512i mn2 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(C, 8 * s + 4), m4),
-                                          _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(B, 8 * s + 6), m2), 4));
-      _mm512_store_ps(fs[s], _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sc)));
-      _mm512_store_ps(gs[s], _mm512_xor_ps(_mm512_mul_ps(dm, _mm512_cvtepi32_ps(mn)), sign));
-      _mm512_store_ps(fs[s + 4], _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sc2)));
-      _mm512_store_ps(gs[s + 4], _mm512_xor_ps(_mm512_mul_ps(dm, _mm512_cvtepi32_ps(mn2)), sign));
+      for (int s = 0; s < 4; ++s) {  // k4_scale_min: s < 4 from bytes s, s + 4; s + 4 from s + 8, s, s + 4
+        const __m512i sc = _mm512_and_si512(_mm512_srli_epi32(A, 8 * s), m6);
+        const __m512i mn = _mm512_and_si512(_mm512_srli_epi32(B, 8 * s), m6);
+        const __m512i sc2 = _mm512_or_si512(
+            _mm512_and_si512(_mm512_srli_epi32(C, 8 * s), m4),
+            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(A, 8 * s + 6), m2), 4));
+        const __m512i mn2 = _mm512_or_si512(
+            _mm512_and_si512(_mm512_srli_epi32(C, 8 * s + 4), m4),
+            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(B, 8 * s + 6), m2), 4));
+        _mm512_store_ps(fs[s], _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sc)));
+        _mm512_store_ps(gs[s], _mm512_xor_ps(_mm512_mul_ps(dm, _mm512_cvtepi32_ps(mn)), sign));
+        _mm512_store_ps(fs[s + 4], _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sc2)));
+        _mm512_store_ps(gs[s + 4], _mm512_xor_ps(_mm512_mul_ps(dm, _mm512_cvtepi32_ps(mn2)), sign));
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; ++g) {  // iq4xs_scale: nibble g of scales_l (bits 4g..), 2 bits 2g of scales_h
+        const __m512i ls = _mm512_or_si512(
+            _mm512_and_si512(_mm512_srli_epi32(A, 4 * g), m4),
+            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(H, 16 + 2 * g), m2), 4));
+        const __m512 sc = _mm512_cvtepi32_ps(_mm512_sub_epi32(ls, _mm512_set1_epi32(32)));
+        _mm512_store_ps(fs[g], _mm512_mul_ps(dd, sc));
+      }
     }
     for (int s = 0; s < 8; ++s) {
       const int64_t b = 8 * i + s;
       __m512i wz[8];
 #pragma GCC unroll 8
       for (int p = 0; p < 8; ++p) {
-        const size_t o = static_cast<size_t>(144 * i + 16 + 32 * (s / 2));
-        const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p] + o));
-        const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p + 8] + o));
-        __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-        if (s % 2) z = _mm512_srli_epi16(z, 4);
-        wz[p] = _mm512_and_si512(z, low);
+        if constexpr (Q4K) {
+          const size_t o = static_cast<size_t>(kBytes * i + 16 + 32 * (s / 2));
+          const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p] + o));
+          const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p + 8] + o));
+          __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+          if (s % 2) z = _mm512_srli_epi16(z, 4);
+          wz[p] = _mm512_and_si512(z, low);
+        } else {
+          // per half: the 16 bytes twice (128-bit lanes 0-1 / 2-3), low nibbles then high ones
+          const size_t o = static_cast<size_t>(kBytes * i + 8 + 16 * s);
+          const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[p] + o));
+          const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[p + 8] + o));
+          const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_broadcastsi128_si256(lo)),
+                                               _mm256_broadcastsi128_si256(hi), 1);
+          const __m512i idx = _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xff00ff00u, v, 4), low);
+          wz[p] = _mm512_xor_si512(_mm512_shuffle_epi8(kv, idx), bias);
+        }
       }
-      const __m512 fv = _mm512_load_ps(fs[s]), gv = _mm512_load_ps(gs[s]);
+      const __m512 fv = _mm512_load_ps(fs[s]);
 #pragma GCC unroll 4
       for (int t = 0; t < TB; ++t) {
         const __m512i x =
@@ -333,12 +391,13 @@ void matvec16_q4k(const uint8_t* const* w, __m512i off, int64_t nsb, const int8_
         __m512i z[8];
 #pragma GCC unroll 8
         for (int p = 0; p < 8; ++p) z[p] = dot4<VNNI>(_mm512_setzero_si512(), wz[p], x, xe, xo);
-        const __m512i S = reduce_rows(z);
+        const int16_t s0 = s16[t * 2 * nb + 2 * b], s1 = s16[t * 2 * nb + 2 * b + 1];
+        __m512i S = reduce_rows(z);
+        if constexpr (!Q4K) S = _mm512_sub_epi32(S, _mm512_set1_epi32(128 * (s0 + s1)));
         const float dx = d[t * nb + b];
-        const float xs = token_xs(dx, s16[t * 2 * nb + 2 * b], s16[t * 2 * nb + 2 * b + 1]);
         const __m512 f = _mm512_mul_ps(fv, _mm512_set1_ps(dx));  // (d sc) * dx, rounded
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), f, acc[t]);
-        acc[t] = _mm512_fmadd_ps(gv, _mm512_set1_ps(xs), acc[t]);
+        if constexpr (Q4K) acc[t] = _mm512_fmadd_ps(_mm512_load_ps(gs[s]), _mm512_set1_ps(token_xs(dx, s0, s1)), acc[t]);
       }
     }
   }
@@ -346,15 +405,15 @@ void matvec16_q4k(const uint8_t* const* w, __m512i off, int64_t nsb, const int8_
   for (int t = 0; t < TB; ++t) _mm512_storeu_ps(out[t], acc[t]);
 }
 
-template <bool VNNI>
-void matvec_q4k(const MatmulArgs& m, const ActQ8& a) {
+template <GgmlType T, bool VNNI>
+void matvec_sb(const MatmulArgs& m, const ActQ8& a) {
   const int64_t nsb = m.cols / 256;
   const std::array<int, 16>& row = row_of_lane();
   for (int64_t r0 = m.row_begin; r0 < m.row_end; r0 += 16) {
     const int64_t n = std::min<int64_t>(16, m.row_end - r0);
     const uint8_t* w[16];
     for (int i = 0; i < 16; ++i) w[i] = m.W + static_cast<size_t>(r0 + std::min<int64_t>(i, n - 1)) * m.row_bytes;
-    alignas(64) int32_t o[16];
+    alignas(64) int32_t o[16];  // < 2^31: matmul_tok16_avx512 checks 16 * row_bytes
     for (int L = 0; L < 16; ++L) o[L] = static_cast<int32_t>(w[row[static_cast<size_t>(L)]] - w[0]);
     const __m512i off = _mm512_load_si512(o);
     const uint8_t* next = w[0] + 16 * m.row_bytes;  // as in matvec: one sequential prefetch stream
@@ -365,10 +424,10 @@ void matvec_q4k(const MatmulArgs& m, const ActQ8& a) {
       const float* d = a.dt(t0);
       const int16_t* s = a.st(t0);
       switch (TB) {
-        case 4: matvec16_q4k<4, VNNI>(w, off, nsb, q, d, s, m.cols, next, out); break;
-        case 3: matvec16_q4k<3, VNNI>(w, off, nsb, q, d, s, m.cols, next, out); break;
-        case 2: matvec16_q4k<2, VNNI>(w, off, nsb, q, d, s, m.cols, next, out); break;
-        default: matvec16_q4k<1, VNNI>(w, off, nsb, q, d, s, m.cols, next, out); break;
+        case 4: matvec16_sb<T, 4, VNNI>(w, off, nsb, q, d, s, m.cols, next, out); break;
+        case 3: matvec16_sb<T, 3, VNNI>(w, off, nsb, q, d, s, m.cols, next, out); break;
+        case 2: matvec16_sb<T, 2, VNNI>(w, off, nsb, q, d, s, m.cols, next, out); break;
+        default: matvec16_sb<T, 1, VNNI>(w, off, nsb, q, d, s, m.cols, next, out); break;
       }
       for (int t = 0; t < TB; ++t)
         for (int L = 0; L < 16; ++L)
@@ -410,8 +469,9 @@ void matvec(const MatmulArgs& m, const ActQ8& a) {
   }
 }
 
-template <bool VNNI, bool Q4K>
+template <bool VNNI, GgmlType T>
 void gemm(const MatmulArgs& m, const ActQ8& a) {
+  constexpr bool Q4K = T == GgmlType::Q4_K, SB = T != GgmlType::Q8_0;  // SB: codes unpacked per tile
   const TokenLanes tl = token_lanes_of(a, Q4K);
   const int64_t nb = m.cols / 32;
   thread_local std::vector<float> dw, gm;
@@ -419,11 +479,9 @@ void gemm(const MatmulArgs& m, const ActQ8& a) {
   thread_local std::vector<uint8_t> codes;
   dw.resize(static_cast<size_t>(kRows * nb));
   nc.resize(static_cast<size_t>(kRows * nb));
-  if (Q4K) {
-    gm.resize(static_cast<size_t>(kRows * nb));
-    codes.resize(static_cast<size_t>(kRows * nb * 32));
-  }
-  constexpr int WB = Q4K ? 32 : 34;  // bytes from one block's codes to the next
+  if (Q4K) gm.resize(static_cast<size_t>(kRows * nb));
+  if (SB) codes.resize(static_cast<size_t>(kRows * nb * 32));
+  constexpr int WB = SB ? 32 : 34;  // bytes from one block's codes to the next
   // groups per block: as many as fit kXBytes, a multiple of the register tile
   const int64_t per_group = nb * (Q4K ? 640 : 576);
   const int64_t fit = std::max<int64_t>(kGroups, kXBytes / per_group / kGroups * kGroups);
@@ -434,14 +492,15 @@ void gemm(const MatmulArgs& m, const ActQ8& a) {
       WTile wt{{}, dw.data(), nc.data(), Q4K ? gm.data() : nullptr};
       for (int r = 0; r < R; ++r) {
         const uint8_t* row = m.W + static_cast<size_t>(r0 + r) * m.row_bytes;
+        uint8_t* c = SB ? codes.data() + r * nb * 32 : nullptr;
         if constexpr (Q4K) {
-          uint8_t* c = codes.data() + r * nb * 32;
           unpack_q4_k_row(row, nb / 8, c, dw.data() + r * nb, gm.data() + r * nb, nc.data() + r * nb);
-          wt.w[r] = c;
+        } else if constexpr (SB) {
+          unpack_iq4_xs_row(row, nb / 8, c, dw.data() + r * nb, nc.data() + r * nb);
         } else {
           row_factors(row, nb, dw.data() + r * nb, nc.data() + r * nb);
-          wt.w[r] = row + 2;
         }
+        wt.w[r] = SB ? c : row + 2;
       }
       for (int64_t g = g0; g < g1; g += kGroups) {
         const int G = static_cast<int>(std::min<int64_t>(kGroups, g1 - g));
@@ -461,22 +520,29 @@ void gemm(const MatmulArgs& m, const ActQ8& a) {
   }
 }
 
+template <GgmlType T, bool VNNI>
+void run(const MatmulArgs& m, const ActQ8& a) {
+  if (m.n_tok > kQ8_0MatVecMax) {
+    gemm<VNNI, T>(m, a);
+  } else if constexpr (T == GgmlType::Q8_0) {
+    matvec<VNNI>(m, a);
+  } else {
+    matvec_sb<T, VNNI>(m, a);
+  }
+}
+
 }  // namespace
 
 void matmul_tok16_avx512(const MatmulArgs& m, const ActQ8& a, bool vnni) {
-  const bool q4k = m.type == GgmlType::Q4_K;
-  if (m.n_tok <= kQ8_0MatVecMax) {
-    if (q4k) {
-      vnni ? matvec_q4k<true>(m, a) : matvec_q4k<false>(m, a);
-    } else {
-      vnni ? matvec<true>(m, a) : matvec<false>(m, a);
-    }
-    return;
-  }
-  if (q4k) {
-    vnni ? gemm<true, true>(m, a) : gemm<false, true>(m, a);
-  } else {
-    vnni ? gemm<true, false>(m, a) : gemm<false, false>(m, a);
+  // the mat-vec gathers with int32 offsets of up to 15 rows
+  if (m.n_tok <= kQ8_0MatVecMax && m.type != GgmlType::Q8_0 && m.row_bytes > (size_t{1} << 27))
+    throw std::runtime_error("cpu::kernels: AVX-512 mat-vec rows over 128 MiB are not supported");
+  using G = GgmlType;
+  switch (m.type) {
+    case G::Q8_0: vnni ? run<G::Q8_0, true>(m, a) : run<G::Q8_0, false>(m, a); break;
+    case G::Q4_K: vnni ? run<G::Q4_K, true>(m, a) : run<G::Q4_K, false>(m, a); break;
+    case G::IQ4_XS: vnni ? run<G::IQ4_XS, true>(m, a) : run<G::IQ4_XS, false>(m, a); break;
+    default: throw std::runtime_error("cpu::kernels: no tokens-in-the-lanes kernel for this type");
   }
 }
 

@@ -1,8 +1,8 @@
 // The q8-activation path, scalar: activation quantization and the definition of every dot
 // product's arithmetic. Integer sums are exact; the fp32 part is spelled out lane by lane with
 // the structure the AVX-512 kernels use (matmul_q8_avx512.cpp), so both give identical bits.
-// Q8_0 and Q4_K on AVX-512 have their own, serial definitions (dot_q8_0_serial, dot_q4_k_serial;
-// matmul_q8_scalar_avx512).
+// Q8_0, Q4_K and IQ4_XS on AVX-512 have their own, serial definitions (dot_q8_0_serial,
+// dot_q4_k_serial, dot_iq4_xs_serial; matmul_q8_scalar_avx512).
 //
 // Notation per (row, token): qx = int8 codes of the token, dx[b] = scale of its 32-block b,
 // s16[g] = sum of its codes 16g..16g+15. "lane L" of a 64-weight chunk covers elements
@@ -321,6 +321,30 @@ float dot_q4_k_serial(const uint8_t* w, int64_t cols, const int8_t* qx, const fl
   return acc;
 }
 
+// IQ4_XS in the serial definition of the AVX-512 family (matmul_q8_scalar_avx512): per 32-block
+// b = 8i + g in column order, with kv_k = kvalues_iq4nl[code k] (code k: nibble k / 16 of
+// qs[16g + k % 16]) and ls_g its 6-bit scale (iq4xs_scale: ls - 32):
+//   S_b = sum_k kv_k * qx[32b + k]                      (exact int32)
+//   acc = fma(float(S_b), (d * (ls_g - 32)) * dx[b], acc)  (two fp32 products, each rounded)
+float dot_iq4_xs_serial(const uint8_t* w, int64_t cols, const int8_t* qx, const float* dx) {
+  float acc = 0.0f;
+  for (int64_t i = 0; i < cols / 256; ++i, w += 136) {
+    const float d = half_to_float(load_u16(w));
+    for (int g = 0; g < 8; ++g) {
+      const int64_t b = 8 * i + g;
+      int S = 0;
+      for (int k = 0; k < 32; ++k)
+        S += tables::kvalues_iq4nl[(w[8 + 16 * g + k % 16] >> (4 * (k / 16))) & 0xf] * qx[32 * b + k];
+      float fs = d * static_cast<float>(iq4xs_scale(w, g));
+      __asm__("" : "+x"(fs));  // each product rounded on its own (no contraction)
+      float f = fs * dx[b];
+      __asm__("" : "+x"(f));
+      acc = std::fma(static_cast<float>(S), f, acc);
+    }
+  }
+  return acc;
+}
+
 }  // namespace
 
 void token_lanes(const ActQ8& a, int64_t t0, int64_t t1, uint8_t* xg, float* dxg, float* xsg) {
@@ -365,8 +389,9 @@ void matmul_q8_scalar_avx512(const MatmulArgs& m, const ActQ8& a) {
   for (int64_t r = m.row_begin; r < m.row_end; ++r) {
     const uint8_t* w = m.W + static_cast<size_t>(r) * m.row_bytes;
     for (int64_t t = 0; t < m.n_tok; ++t)
-      m.y[t * m.ldy + r] = m.type == GgmlType::Q8_0 ? dot_q8_0_serial(w, m.cols, a.qt(t), a.dt(t))
-                                                    : dot_q4_k_serial(w, m.cols, a.qt(t), a.dt(t), a.st(t));
+      m.y[t * m.ldy + r] = m.type == GgmlType::Q8_0   ? dot_q8_0_serial(w, m.cols, a.qt(t), a.dt(t))
+                           : m.type == GgmlType::Q4_K ? dot_q4_k_serial(w, m.cols, a.qt(t), a.dt(t), a.st(t))
+                                                      : dot_iq4_xs_serial(w, m.cols, a.qt(t), a.dt(t));
   }
 }
 
