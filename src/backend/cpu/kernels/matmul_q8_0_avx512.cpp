@@ -297,7 +297,8 @@ void matvec16(const uint8_t* const* w, int64_t nb, const int8_t* q, const float*
 }
 
 /// The Q4_K and IQ4_XS mat-vec: 16 rows (`w[i]` as in matvec16; `off[L]`: the byte offset of row
-/// row_of_lane()[L] from w[0]) against TB tokens, nsb super-blocks. Per super-block the 16 rows'
+/// row_of_lane()[L] from w[0]) against TB tokens (codes q + t * cols, scales d + t * nb, 16-sums
+/// s16 + t * 2 nb; Q4_K: each block's token_xs at xs + t * nb), nsb super-blocks. Per super-block the 16 rows'
 /// factors are decoded in lane order from gathers (Q4_K: d/dmin and the 12 scale bytes, giving
 /// d * sc and -(dmin * m) per sub-block; IQ4_XS: d/scales_h and scales_l, giving d * (ls - 32));
 /// per 32-block rows i and i + 8 share a zmm of unsigned codes (Q4_K: 0..15; IQ4_XS:
@@ -306,7 +307,7 @@ void matvec16(const uint8_t* const* w, int64_t nb, const int8_t* q, const float*
 /// and acc = fma(float(S_b), f * dx, acc) (Q4_K: then acc = fma(-(dmin m), xs, acc)) as defined.
 template <GgmlType T, int TB, bool VNNI>
 void matvec16_sb(const uint8_t* const* w, __m512i off, int64_t nsb, const int8_t* q, const float* d,
-                 const int16_t* s16, int64_t cols, const uint8_t* next, float (*out)[16]) {
+                 const int16_t* s16, const float* xs, int64_t cols, const uint8_t* next, float (*out)[16]) {
   constexpr bool Q4K = T == GgmlType::Q4_K;
   constexpr int kBytes = Q4K ? 144 : 136;  // bytes per super-block
   __m512 acc[TB];
@@ -355,49 +356,59 @@ void matvec16_sb(const uint8_t* const* w, __m512i off, int64_t nsb, const int8_t
         _mm512_store_ps(fs[g], _mm512_mul_ps(dd, sc));
       }
     }
-    for (int s = 0; s < 8; ++s) {
-      const int64_t b = 8 * i + s;
-      __m512i wz[8];
+    // sub-blocks in pairs (2j, 2j + 1): Q4_K's are the low and high nibbles of one 32-byte run,
+    // IQ4_XS's two consecutive 16-byte runs; the rows' bytes are loaded once per pair
+    for (int j = 0; j < 4; ++j) {
+      __m512i raw[8];
 #pragma GCC unroll 8
       for (int p = 0; p < 8; ++p) {
         if constexpr (Q4K) {
-          const size_t o = static_cast<size_t>(kBytes * i + 16 + 32 * (s / 2));
-          const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p] + o));
-          const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p + 8] + o));
-          __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-          if (s % 2) z = _mm512_srli_epi16(z, 4);
-          wz[p] = _mm512_and_si512(z, low);
-        } else {
-          // per half: the 16 bytes twice (128-bit lanes 0-1 / 2-3), low nibbles then high ones
-          const size_t o = static_cast<size_t>(kBytes * i + 8 + 16 * s);
-          const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[p] + o));
-          const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[p + 8] + o));
-          const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_broadcastsi128_si256(lo)),
-                                               _mm256_broadcastsi128_si256(hi), 1);
-          const __m512i idx = _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xff00ff00u, v, 4), low);
-          wz[p] = _mm512_xor_si512(_mm512_shuffle_epi8(kv, idx), bias);
+          const size_t o = static_cast<size_t>(kBytes * i + 16 + 32 * j);
+          raw[p] = _mm512_inserti64x4(
+              _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p] + o))),
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p + 8] + o)), 1);
+        } else {  // per half: the 32 bytes of the pair, 128-bit lanes (g 2j, g 2j + 1)
+          const size_t o = static_cast<size_t>(kBytes * i + 8 + 32 * j);
+          raw[p] = _mm512_inserti64x4(
+              _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p] + o))),
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p + 8] + o)), 1);
         }
       }
-      const __m512 fv = _mm512_load_ps(fs[s]);
-#pragma GCC unroll 4
-      for (int t = 0; t < TB; ++t) {
-        const __m512i x =
-            _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + t * cols + 32 * b)));
-        __m512i xe = x, xo = x;
-        if constexpr (!VNNI) {
-          xe = _mm512_srai_epi16(_mm512_slli_epi16(x, 8), 8);
-          xo = _mm512_srai_epi16(x, 8);
-        }
-        __m512i z[8];
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const int s = 2 * j + h;
+        const int64_t b = 8 * i + s;
+        __m512i wz[8];
 #pragma GCC unroll 8
-        for (int p = 0; p < 8; ++p) z[p] = dot4<VNNI>(_mm512_setzero_si512(), wz[p], x, xe, xo);
-        const int16_t s0 = s16[t * 2 * nb + 2 * b], s1 = s16[t * 2 * nb + 2 * b + 1];
-        __m512i S = reduce_rows(z);
-        if constexpr (!Q4K) S = _mm512_sub_epi32(S, _mm512_set1_epi32(128 * (s0 + s1)));
-        const float dx = d[t * nb + b];
-        const __m512 f = _mm512_mul_ps(fv, _mm512_set1_ps(dx));  // (d sc) * dx, rounded
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), f, acc[t]);
-        if constexpr (Q4K) acc[t] = _mm512_fmadd_ps(_mm512_load_ps(gs[s]), _mm512_set1_ps(token_xs(dx, s0, s1)), acc[t]);
+        for (int p = 0; p < 8; ++p) {
+          if constexpr (Q4K) {
+            wz[p] = _mm512_and_si512(h ? _mm512_srli_epi16(raw[p], 4) : raw[p], low);
+          } else {
+            // the run of g = s (128-bit lane h of each half) twice: low nibbles, then high ones
+            const __m512i v = _mm512_shuffle_i64x2(raw[p], raw[p], h ? _MM_SHUFFLE(3, 3, 1, 1) : _MM_SHUFFLE(2, 2, 0, 0));
+            const __m512i idx = _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xff00ff00u, v, 4), low);
+            wz[p] = _mm512_xor_si512(_mm512_shuffle_epi8(kv, idx), bias);
+          }
+        }
+        const __m512 fv = _mm512_load_ps(fs[s]);
+#pragma GCC unroll 4
+        for (int t = 0; t < TB; ++t) {
+          const __m512i x =
+              _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + t * cols + 32 * b)));
+          __m512i xe = x, xo = x;
+          if constexpr (!VNNI) {
+            xe = _mm512_srai_epi16(_mm512_slli_epi16(x, 8), 8);
+            xo = _mm512_srai_epi16(x, 8);
+          }
+          __m512i z[8];
+#pragma GCC unroll 8
+          for (int p = 0; p < 8; ++p) z[p] = dot4<VNNI>(_mm512_setzero_si512(), wz[p], x, xe, xo);
+          __m512i S = reduce_rows(z);
+          if constexpr (!Q4K) S = _mm512_sub_epi32(S, _mm512_set1_epi32(128 * (s16[t * 2 * nb + 2 * b] + s16[t * 2 * nb + 2 * b + 1])));
+          const __m512 f = _mm512_mul_ps(fv, _mm512_set1_ps(d[t * nb + b]));  // (d sc) * dx, rounded
+          acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), f, acc[t]);
+          if constexpr (Q4K) acc[t] = _mm512_fmadd_ps(_mm512_load_ps(gs[s]), _mm512_set1_ps(xs[t * nb + b]), acc[t]);
+        }
       }
     }
   }
@@ -407,7 +418,14 @@ void matvec16_sb(const uint8_t* const* w, __m512i off, int64_t nsb, const int8_t
 
 template <GgmlType T, bool VNNI>
 void matvec_sb(const MatmulArgs& m, const ActQ8& a) {
-  const int64_t nsb = m.cols / 256;
+  const int64_t nsb = m.cols / 256, nb = m.cols / 32;
+  // Q4_K: the tokens' xs (token_xs per block) once per call, not once per 16-row tile
+  thread_local std::vector<float> xs;
+  if constexpr (T == GgmlType::Q4_K) {
+    xs.resize(static_cast<size_t>(m.n_tok * nb));
+    for (int64_t t = 0; t < m.n_tok; ++t)
+      for (int64_t b = 0; b < nb; ++b) xs[static_cast<size_t>(t * nb + b)] = token_xs(a.dt(t)[b], a.st(t)[2 * b], a.st(t)[2 * b + 1]);
+  }
   const std::array<int, 16>& row = row_of_lane();
   for (int64_t r0 = m.row_begin; r0 < m.row_end; r0 += 16) {
     const int64_t n = std::min<int64_t>(16, m.row_end - r0);
@@ -423,11 +441,12 @@ void matvec_sb(const MatmulArgs& m, const ActQ8& a) {
       const int8_t* q = a.qt(t0);
       const float* d = a.dt(t0);
       const int16_t* s = a.st(t0);
+      const float* x = T == GgmlType::Q4_K ? xs.data() + t0 * nb : nullptr;
       switch (TB) {
-        case 4: matvec16_sb<T, 4, VNNI>(w, off, nsb, q, d, s, m.cols, next, out); break;
-        case 3: matvec16_sb<T, 3, VNNI>(w, off, nsb, q, d, s, m.cols, next, out); break;
-        case 2: matvec16_sb<T, 2, VNNI>(w, off, nsb, q, d, s, m.cols, next, out); break;
-        default: matvec16_sb<T, 1, VNNI>(w, off, nsb, q, d, s, m.cols, next, out); break;
+        case 4: matvec16_sb<T, 4, VNNI>(w, off, nsb, q, d, s, x, m.cols, next, out); break;
+        case 3: matvec16_sb<T, 3, VNNI>(w, off, nsb, q, d, s, x, m.cols, next, out); break;
+        case 2: matvec16_sb<T, 2, VNNI>(w, off, nsb, q, d, s, x, m.cols, next, out); break;
+        default: matvec16_sb<T, 1, VNNI>(w, off, nsb, q, d, s, x, m.cols, next, out); break;
       }
       for (int t = 0; t < TB; ++t)
         for (int L = 0; L < 16; ++L)
