@@ -316,8 +316,10 @@ void matvec16_sb(const uint8_t* const* w, __m512i off, int64_t nsb, const int8_t
   const int64_t nb = 8 * nsb;
   const __m512i low = _mm512_set1_epi8(0x0f), m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(15),
                 m2 = _mm512_set1_epi32(3);
-  const __m512i kv = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tables::kvalues_iq4nl)));
-  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  // kvalues_iq4nl + 128 (unsigned bytes), one table per 128-bit lane
+  const __m512i kv = _mm512_xor_si512(
+      _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tables::kvalues_iq4nl))),
+      _mm512_set1_epi8(static_cast<char>(0x80)));
   const __m512 sign = _mm512_set1_ps(-0.0f);
   for (int64_t i = 0; i < nsb; ++i) {
     for (int o = 0; o < 16 * kBytes; o += 64)
@@ -387,7 +389,7 @@ void matvec16_sb(const uint8_t* const* w, __m512i off, int64_t nsb, const int8_t
             // the run of g = s (128-bit lane h of each half) twice: low nibbles, then high ones
             const __m512i v = _mm512_shuffle_i64x2(raw[p], raw[p], h ? _MM_SHUFFLE(3, 3, 1, 1) : _MM_SHUFFLE(2, 2, 0, 0));
             const __m512i idx = _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xff00ff00u, v, 4), low);
-            wz[p] = _mm512_xor_si512(_mm512_shuffle_epi8(kv, idx), bias);
+            wz[p] = _mm512_shuffle_epi8(kv, idx);
           }
         }
         const __m512 fv = _mm512_load_ps(fs[s]);
