@@ -233,12 +233,13 @@ static void with_lane_type(GgmlType t, Fn&& fn) {
 /// the thread's next call).
 LaneTokens lane_tokens(GgmlType t, const ActQ8& a, int64_t t0, int64_t t1);
 
-// Tokens in the lanes (Q8_0 on AVX-512; ActQ8::tok16, the layout in kernels.h). The GEMM keeps
-// the weights in GGUF row order and puts 16 tokens in the 16 int32 lanes of vpdpbusd: run j of
-// a (group, block) holds every token's codes 4j..4j+3 plus 128 (unsigned), and the weight
-// codes 4j..4j+3 of (row, block) are one embedded 4-byte broadcast, so 8 vpdpbusd give per
-// token S' = sum (qx + 128) qw and S_b = S' - 128 sum qw (exact). The float part is the serial
-// definition of matmul_q8_scalar_avx512 (the CUDA q8 one).
+// Tokens in the lanes (Q8_0, Q4_K and IQ4_XS on AVX-512; ActQ8::tok16, the layout in kernels.h).
+// The GEMM keeps Q8_0 weights in GGUF row order (Q4_K and IQ4_XS: unpacked per 4-row tile into
+// signed bytes, 32 per block) and puts 16 tokens in the 16 int32 lanes of vpdpbusd: run j of a
+// (group, block) holds every token's codes 4j..4j+3 plus 128 (unsigned), and the weight codes
+// 4j..4j+3 of (row, block) are one 4-byte broadcast, so 8 vpdpbusd give per token
+// S' = sum (qx + 128) qw and S_b = S' - 128 sum qw (exact). The float part is the serial
+// definition of matmul_q8_scalar_avx512 (for Q8_0 the CUDA q8 one).
 
 /// The weight types of the AVX-512 tokens-in-the-lanes kernels, which have their own serial
 /// definition (matmul_q8_scalar_avx512).
