@@ -901,8 +901,8 @@ TEST(QuantQ8, EqualsExactProductOfDequantizedOperands) {
           const double blocks = static_cast<double>(cols) / 32.0;
           const double fmt_tol = (avx512 && t == GgmlType::Q8_0     ? blocks + 2.0
                                   : avx512 && t == GgmlType::IQ4_XS ? blocks + 3.0
-                                  : avx512 && t == GgmlType::Q4_K ? 2.0 * blocks + 4.0
-                                                                  : static_cast<double>(cols) / 64.0 + 16.0) *
+                                  : avx512 && t == GgmlType::Q4_K   ? 2.0 * blocks + 4.0
+                                                                    : static_cast<double>(cols) / 64.0 + 16.0) *
                                  0x1p-24 * mag;
           ASSERT_LE(std::fabs(yv - dq), fmt_tol) << strata::quant::detail::type_name(t) << " cols=" << cols;
           ASSERT_LE(std::fabs(dq - exact), qbound) << "activation rounding beyond d/2 per element";

@@ -150,8 +150,8 @@ void tile(const WTile& wt, int64_t nb, const uint8_t* x, const float* dx, const 
 }
 
 template <int R, bool VNNI, int WB, bool MIN>
-void tile_groups(int G, const WTile& wt, int64_t nb, const uint8_t* x, const float* dx, const float* xs,
-                 int64_t valid, float* y, int64_t ldy) {
+void tile_groups(int G, const WTile& wt, int64_t nb, const uint8_t* x, const float* dx, const float* xs, int64_t valid,
+                 float* y, int64_t ldy) {
   if (G == 3) tile<R, 3, VNNI, WB, MIN>(wt, nb, x, dx, xs, valid, y, ldy);
   if (G == 2) tile<R, 2, VNNI, WB, MIN>(wt, nb, x, dx, xs, valid, y, ldy);
   if (G == 1) tile<R, 1, VNNI, WB, MIN>(wt, nb, x, dx, xs, valid, y, ldy);
@@ -189,7 +189,8 @@ void unpack_q4_k_row(const uint8_t* w, int64_t nsb, uint8_t* codes, float* dw, f
 /// matmul_q8_scalar_avx512) and nc[b] = -128 * (sum of the values).
 void unpack_iq4_xs_row(const uint8_t* w, int64_t nsb, uint8_t* codes, float* dw, int32_t* nc) {
   const __m128i low = _mm_set1_epi8(0x0f);
-  const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tables::kvalues_iq4nl)));
+  const __m256i kv =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tables::kvalues_iq4nl)));
   const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
   for (int64_t i = 0; i < nsb; ++i, w += 136) {
     const float d = _cvtsh_ss(load_u16(w));
@@ -306,8 +307,8 @@ void matvec16(const uint8_t* const* w, int64_t nb, const int8_t* q, const float*
 /// sums per row, the tree gives the rows' sums (IQ4_XS: minus 128 * the block's code sum: S_b),
 /// and acc = fma(float(S_b), f * dx, acc) (Q4_K: then acc = fma(-(dmin m), xs, acc)) as defined.
 template <GgmlType T, int TB, bool VNNI>
-void matvec16_sb(const uint8_t* const* w, __m512i off, int64_t nsb, const int8_t* q, const float* d,
-                 const int16_t* s16, const float* xs, int64_t cols, const uint8_t* next, float (*out)[16]) {
+void matvec16_sb(const uint8_t* const* w, __m512i off, int64_t nsb, const int8_t* q, const float* d, const int16_t* s16,
+                 const float* xs, int64_t cols, const uint8_t* next, float (*out)[16]) {
   constexpr bool Q4K = T == GgmlType::Q4_K;
   constexpr int kBytes = Q4K ? 144 : 136;  // bytes per super-block
   __m512 acc[TB];
@@ -317,9 +318,9 @@ void matvec16_sb(const uint8_t* const* w, __m512i off, int64_t nsb, const int8_t
   const __m512i low = _mm512_set1_epi8(0x0f), m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(15),
                 m2 = _mm512_set1_epi32(3);
   // kvalues_iq4nl + 128 (unsigned bytes), one table per 128-bit lane
-  const __m512i kv = _mm512_xor_si512(
-      _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tables::kvalues_iq4nl))),
-      _mm512_set1_epi8(static_cast<char>(0x80)));
+  const __m512i kv =
+      _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tables::kvalues_iq4nl))),
+                       _mm512_set1_epi8(static_cast<char>(0x80)));
   const __m512 sign = _mm512_set1_ps(-0.0f);
   for (int64_t i = 0; i < nsb; ++i) {
     for (int o = 0; o < 16 * kBytes; o += 64)
@@ -337,12 +338,12 @@ void matvec16_sb(const uint8_t* const* w, __m512i off, int64_t nsb, const int8_t
       for (int s = 0; s < 4; ++s) {  // k4_scale_min: s < 4 from bytes s, s + 4; s + 4 from s + 8, s, s + 4
         const __m512i sc = _mm512_and_si512(_mm512_srli_epi32(A, 8 * s), m6);
         const __m512i mn = _mm512_and_si512(_mm512_srli_epi32(B, 8 * s), m6);
-        const __m512i sc2 = _mm512_or_si512(
-            _mm512_and_si512(_mm512_srli_epi32(C, 8 * s), m4),
-            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(A, 8 * s + 6), m2), 4));
-        const __m512i mn2 = _mm512_or_si512(
-            _mm512_and_si512(_mm512_srli_epi32(C, 8 * s + 4), m4),
-            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(B, 8 * s + 6), m2), 4));
+        const __m512i sc2 =
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(C, 8 * s), m4),
+                            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(A, 8 * s + 6), m2), 4));
+        const __m512i mn2 =
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(C, 8 * s + 4), m4),
+                            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(B, 8 * s + 6), m2), 4));
         _mm512_store_ps(fs[s], _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sc)));
         _mm512_store_ps(gs[s], _mm512_xor_ps(_mm512_mul_ps(dm, _mm512_cvtepi32_ps(mn)), sign));
         _mm512_store_ps(fs[s + 4], _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sc2)));
@@ -351,9 +352,9 @@ void matvec16_sb(const uint8_t* const* w, __m512i off, int64_t nsb, const int8_t
     } else {
 #pragma GCC unroll 8
       for (int g = 0; g < 8; ++g) {  // iq4xs_scale: nibble g of scales_l (bits 4g..), 2 bits 2g of scales_h
-        const __m512i ls = _mm512_or_si512(
-            _mm512_and_si512(_mm512_srli_epi32(A, 4 * g), m4),
-            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(H, 16 + 2 * g), m2), 4));
+        const __m512i ls =
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(A, 4 * g), m4),
+                            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(H, 16 + 2 * g), m2), 4));
         const __m512 sc = _mm512_cvtepi32_ps(_mm512_sub_epi32(ls, _mm512_set1_epi32(32)));
         _mm512_store_ps(fs[g], _mm512_mul_ps(dd, sc));
       }
@@ -366,14 +367,14 @@ void matvec16_sb(const uint8_t* const* w, __m512i off, int64_t nsb, const int8_t
       for (int p = 0; p < 8; ++p) {
         if constexpr (Q4K) {
           const size_t o = static_cast<size_t>(kBytes * i + 16 + 32 * j);
-          raw[p] = _mm512_inserti64x4(
-              _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p] + o))),
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p + 8] + o)), 1);
+          raw[p] =
+              _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p] + o))),
+                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p + 8] + o)), 1);
         } else {  // per half: the 32 bytes of the pair, 128-bit lanes (g 2j, g 2j + 1)
           const size_t o = static_cast<size_t>(kBytes * i + 8 + 32 * j);
-          raw[p] = _mm512_inserti64x4(
-              _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p] + o))),
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p + 8] + o)), 1);
+          raw[p] =
+              _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p] + o))),
+                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p + 8] + o)), 1);
         }
       }
 #pragma GCC unroll 2
@@ -387,7 +388,8 @@ void matvec16_sb(const uint8_t* const* w, __m512i off, int64_t nsb, const int8_t
             wz[p] = _mm512_and_si512(h ? _mm512_srli_epi16(raw[p], 4) : raw[p], low);
           } else {
             // the run of g = s (128-bit lane h of each half) twice: low nibbles, then high ones
-            const __m512i v = _mm512_shuffle_i64x2(raw[p], raw[p], h ? _MM_SHUFFLE(3, 3, 1, 1) : _MM_SHUFFLE(2, 2, 0, 0));
+            const __m512i v =
+                _mm512_shuffle_i64x2(raw[p], raw[p], h ? _MM_SHUFFLE(3, 3, 1, 1) : _MM_SHUFFLE(2, 2, 0, 0));
             const __m512i idx = _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xff00ff00u, v, 4), low);
             wz[p] = _mm512_shuffle_epi8(kv, idx);
           }
@@ -406,7 +408,8 @@ void matvec16_sb(const uint8_t* const* w, __m512i off, int64_t nsb, const int8_t
 #pragma GCC unroll 8
           for (int p = 0; p < 8; ++p) z[p] = dot4<VNNI>(_mm512_setzero_si512(), wz[p], x, xe, xo);
           __m512i S = reduce_rows(z);
-          if constexpr (!Q4K) S = _mm512_sub_epi32(S, _mm512_set1_epi32(128 * (s16[t * 2 * nb + 2 * b] + s16[t * 2 * nb + 2 * b + 1])));
+          if constexpr (!Q4K)
+            S = _mm512_sub_epi32(S, _mm512_set1_epi32(128 * (s16[t * 2 * nb + 2 * b] + s16[t * 2 * nb + 2 * b + 1])));
           const __m512 f = _mm512_mul_ps(fv, _mm512_set1_ps(d[t * nb + b]));  // (d sc) * dx, rounded
           acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), f, acc[t]);
           if constexpr (Q4K) acc[t] = _mm512_fmadd_ps(_mm512_load_ps(gs[s]), _mm512_set1_ps(xs[t * nb + b]), acc[t]);
@@ -426,7 +429,8 @@ void matvec_sb(const MatmulArgs& m, const ActQ8& a) {
   if constexpr (T == GgmlType::Q4_K) {
     xs.resize(static_cast<size_t>(m.n_tok * nb));
     for (int64_t t = 0; t < m.n_tok; ++t)
-      for (int64_t b = 0; b < nb; ++b) xs[static_cast<size_t>(t * nb + b)] = token_xs(a.dt(t)[b], a.st(t)[2 * b], a.st(t)[2 * b + 1]);
+      for (int64_t b = 0; b < nb; ++b)
+        xs[static_cast<size_t>(t * nb + b)] = token_xs(a.dt(t)[b], a.st(t)[2 * b], a.st(t)[2 * b + 1]);
   }
   const std::array<int, 16>& row = row_of_lane();
   for (int64_t r0 = m.row_begin; r0 < m.row_end; r0 += 16) {
