@@ -894,11 +894,16 @@ TEST(QuantQ8, EqualsExactProductOfDequantizedOperands) {
           const double yv = y[static_cast<size_t>(tk * rows + r)];
           // fp32 rounding of the block factors (<= 4 ulp) and of the lane sums (cols/64 FMAs
           // per lane, then 5 adds), relative to the magnitudes that enter them
-          // (the AVX-512 family's Q8_0 is serial: one product and one FMA per 32-block, in order)
-          const bool serial = kc.family == k::CpuKernels::Avx512 && t == GgmlType::Q8_0;
-          const double fmt_tol =
-              (serial ? static_cast<double>(cols) / 32.0 + 2.0 : static_cast<double>(cols) / 64.0 + 16.0) * 0x1p-24 *
-              mag;
+          // (the AVX-512 family's Q8_0 and IQ4_XS are serial: one product and one FMA per 32-block
+          // (IQ4_XS: two products), in order; its Q4_K two products and two FMAs per 32-block, the
+          // scale's and the min's)
+          const bool avx512 = kc.family == k::CpuKernels::Avx512;
+          const double blocks = static_cast<double>(cols) / 32.0;
+          const double fmt_tol = (avx512 && t == GgmlType::Q8_0     ? blocks + 2.0
+                                  : avx512 && t == GgmlType::IQ4_XS ? blocks + 3.0
+                                  : avx512 && t == GgmlType::Q4_K   ? 2.0 * blocks + 4.0
+                                                                    : static_cast<double>(cols) / 64.0 + 16.0) *
+                                 0x1p-24 * mag;
           ASSERT_LE(std::fabs(yv - dq), fmt_tol) << strata::quant::detail::type_name(t) << " cols=" << cols;
           ASSERT_LE(std::fabs(dq - exact), qbound) << "activation rounding beyond d/2 per element";
           worst_fmt = std::max(worst_fmt, std::fabs(yv - dq) / std::max(mag, 1e-30));
@@ -1047,27 +1052,41 @@ std::vector<kd::Q8Isa> avx512_levels() {
 
 }  // namespace
 
-// The AVX-512 Q8_0 GEMM with the tokens in the lanes (matmul_q8_0_avx512.cpp) against its scalar
-// definition (matmul_q8_scalar_avx512: serial, the CUDA q8 arithmetic), bit for bit: rows that are
-// not a multiple of the 4-row tile, 1 to 128 blocks per row, every token count around the
-// 16-token group and the 3-group tile, the row range split over 1 and 2 threads, the layout kept
-// in ActQ8 (tok16) and made by the kernel, and the extreme codes (weights -128 / +127 against
-// activation codes +-127: |S_b| = 32 * 128 * 127).
-TEST(QuantQ8, Avx512Q8_0TokenLanesEqualDefinition) {
-  if (!cpu_has_avx512_q8()) GTEST_SKIP() << "no AVX-512 on this CPU";
-  std::mt19937_64 rng(test_seed() ^ 0x51a0);
-  const GgmlType t = GgmlType::Q8_0;
+// The AVX-512 Q8_0 and Q4_K GEMMs with the tokens in the lanes (matmul_q8_0_avx512.cpp), and their
+// mat-vecs, against their scalar definitions (matmul_q8_scalar_avx512: serial; for Q8_0 the CUDA
+// q8 arithmetic), bit for bit: rows that are not a multiple of the 4-row tile (nor of the
+// mat-vec's 16), 1 to 128 blocks per row (Q4_K: 1 to 16 super-blocks), every token count around
+// the 16-token group and the 3-group tile, the row range split over 1 and 2 threads, the layout
+// kept in ActQ8 (tok16) and made by the kernel, and the extreme codes (Q8_0: weights -128 / +127
+// against activation codes +-127, |S_b| = 32 * 128 * 127; Q4_K: codes 15 and 6-bit scales and
+// mins 63 against +-127).
+static void token_lanes_equal_definition(GgmlType t) {
+  std::mt19937_64 rng(test_seed() ^ 0x51a0 ^ static_cast<uint64_t>(t));
+  const bool q4k = t == GgmlType::Q4_K, sb = t != GgmlType::Q8_0;  // sb: a 256-weight super-block type
   int64_t checked = 0;
   for (kd::Q8Isa isa : avx512_levels()) {
     for (bool extreme : {false, true}) {
-      for (int64_t cols : {32, 96, 800, 4096}) {
-        const int64_t rows = cols == 4096 ? 13 : 30;
+      // (16384 columns: the unpacked weight tile, 64 KiB, no longer fits in L1; one 3-group block)
+      for (int64_t cols :
+           sb ? std::vector<int64_t>{256, 512, 2304, 4096, 16384} : std::vector<int64_t>{32, 96, 800, 4096}) {
+        const int64_t rows = cols == 16384 ? 5 : cols == 4096 ? 13 : 30;
         auto w = random_rows(t, rows, cols, rng);
-        if (extreme)
+        if (extreme && !sb)
           for (int64_t b = 0; b < rows * cols / 32; ++b) std::memset(w.data() + 34 * b + 2, b % 3 ? 0x80 : 0x7f, 32);
+        if (extreme && q4k)  // scales and mins 63 (k4_scale_min of all-ones bytes), codes 15 or 0
+          for (int64_t b = 0; b < rows * cols / 256; ++b) {
+            std::memset(w.data() + 144 * b + 4, 0xff, 12);
+            std::memset(w.data() + 144 * b + 16, b % 3 ? 0xff : 0x0f, 128);
+          }
+        if (extreme && t == GgmlType::IQ4_XS)  // scales 63 - 32 or 0 - 32, codes 0 (value -127) or 15 (113)
+          for (int64_t b = 0; b < rows * cols / 256; ++b) {
+            std::memset(w.data() + 136 * b + 2, b % 2 ? 0xff : 0x00, 6);
+            std::memset(w.data() + 136 * b + 8, b % 3 ? 0x00 : 0xff, 128);
+          }
         const size_t rb = q::row_size(t, cols);
         for (int64_t n_tok : {1, 2, 3, 4, 5, 7, 15, 16, 17, 33, 64, 511, 512}) {
           if (cols == 4096 && n_tok > 64 && n_tok != 512) continue;
+          if (cols == 16384 && n_tok != 1 && n_tok != 17 && n_tok != 64) continue;
           std::vector<float> x = random_x(n_tok * cols, rng);
           if (extreme)
             for (int64_t i = 0; i < n_tok * cols; ++i) x[static_cast<size_t>(i)] = (i / 32) % 2 ? -0.5f : 0.5f;
@@ -1075,6 +1094,7 @@ TEST(QuantQ8, Avx512Q8_0TokenLanesEqualDefinition) {
           kept.resize(n_tok, cols, t);
           bare.resize(n_tok, cols);
           ASSERT_EQ(kept.tok16, n_tok > kd::kQ8_0MatVecMax);
+          ASSERT_EQ(kept.tok16_xs, q4k && n_tok > kd::kQ8_0MatVecMax);
           ASSERT_FALSE(bare.tok16);
           // quantized in two token ranges (as the thread pool does): the layout must not care
           k::quantize_activations(config(k::CpuKernels::Auto), x.data(), cols, 0, n_tok / 2, kept);
@@ -1110,7 +1130,9 @@ TEST(QuantQ8, Avx512Q8_0TokenLanesEqualDefinition) {
                     ASSERT_TRUE(std::isnan(y[i])) << "column past the rows written";
                     continue;
                   }
+                  ASSERT_FALSE(std::isnan(ref[i]));
                   ASSERT_EQ(bits(y[i]), bits(ref[i]))
+                      << strata::quant::detail::type_name(t) << " "
                       << (isa == kd::Q8Isa::Avx512 ? "avx512" : "avx512-vnni") << (extreme ? " extreme" : "")
                       << " cols=" << cols << " n_tok=" << n_tok << " threads=" << threads
                       << (ap == &kept ? " kept" : " made") << " token " << tk << " row " << r;
@@ -1121,16 +1143,29 @@ TEST(QuantQ8, Avx512Q8_0TokenLanesEqualDefinition) {
       }
     }
   }
-  std::printf("[quant] avx512 Q8_0 token lanes: %lld outputs equal to the serial definition\n",
-              static_cast<long long>(checked));
+  std::printf("[quant] avx512 %s token lanes: %lld outputs equal to the serial definition\n",
+              strata::quant::detail::type_name(t), static_cast<long long>(checked));
+}
+
+TEST(QuantQ8, Avx512Q8_0TokenLanesEqualDefinition) {
+  if (!cpu_has_avx512_q8()) GTEST_SKIP() << "no AVX-512 on this CPU";
+  token_lanes_equal_definition(GgmlType::Q8_0);
+}
+
+TEST(QuantQ8, Avx512Q4_KTokenLanesEqualDefinition) {
+  if (!cpu_has_avx512_q8()) GTEST_SKIP() << "no AVX-512 on this CPU";
+  token_lanes_equal_definition(GgmlType::Q4_K);
+}
+
+TEST(QuantQ8, Avx512IQ4_XSTokenLanesEqualDefinition) {
+  if (!cpu_has_avx512_q8()) GTEST_SKIP() << "no AVX-512 on this CPU";
+  token_lanes_equal_definition(GgmlType::IQ4_XS);
 }
 
 // Batch invariance of the token-lane GEMM: a token's outputs are the same bits alone, at every
 // position of a group of 16, and at several positions of a batch of 512 (the other tokens random).
-TEST(QuantQ8, Avx512Q8_0TokenLanesBatchInvariant) {
-  if (!cpu_has_avx512_q8()) GTEST_SKIP() << "no AVX-512 on this CPU";
-  std::mt19937_64 rng(test_seed() ^ 0x16);
-  const GgmlType t = GgmlType::Q8_0;
+static void token_lanes_batch_invariant(GgmlType t) {
+  std::mt19937_64 rng(test_seed() ^ 0x16 ^ static_cast<uint64_t>(t));
   const int64_t rows = 11, cols = 1024;
   const size_t rb = q::row_size(t, cols);
   const auto w = random_rows(t, rows, cols, rng);
@@ -1147,9 +1182,24 @@ TEST(QuantQ8, Avx512Q8_0TokenLanesBatchInvariant) {
   auto same = [&](const std::vector<float>& v, const char* what, int64_t pos) {
     for (int64_t r = 0; r < rows; ++r)
       ASSERT_EQ(bits(v[static_cast<size_t>(r)]), bits(alone[static_cast<size_t>(r)]))
-          << what << " position " << pos << " row " << r;
+          << strata::quant::detail::type_name(t) << " " << what << " position " << pos << " row " << r;
   };
   for (int64_t pos = 0; pos < 16; ++pos) same(outputs(16, pos), "group of 16", pos);
   for (int64_t pos : {0, 1, 15, 16, 47, 48, 255, 497, 511}) same(outputs(512, pos), "batch of 512", pos);
   for (int64_t pos : {0, 6}) same(outputs(7, pos), "batch of 7", pos);
+}
+
+TEST(QuantQ8, Avx512Q8_0TokenLanesBatchInvariant) {
+  if (!cpu_has_avx512_q8()) GTEST_SKIP() << "no AVX-512 on this CPU";
+  token_lanes_batch_invariant(GgmlType::Q8_0);
+}
+
+TEST(QuantQ8, Avx512Q4_KTokenLanesBatchInvariant) {
+  if (!cpu_has_avx512_q8()) GTEST_SKIP() << "no AVX-512 on this CPU";
+  token_lanes_batch_invariant(GgmlType::Q4_K);
+}
+
+TEST(QuantQ8, Avx512IQ4_XSTokenLanesBatchInvariant) {
+  if (!cpu_has_avx512_q8()) GTEST_SKIP() << "no AVX-512 on this CPU";
+  token_lanes_batch_invariant(GgmlType::IQ4_XS);
 }

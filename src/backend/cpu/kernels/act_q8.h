@@ -12,8 +12,8 @@
 // The float part of every dot product is fixed here, lane by lane: the scalar family computes
 // it with the same lane structure as the AVX-512 family (see matmul_q8_ref.cpp), so in q8 mode
 // every family gives bit-identical results and the fast kernels are tested bit for bit; the
-// exception is Q8_0 on AVX-512, whose tokens-in-the-lanes GEMM follows the serial definition
-// of matmul_q8_scalar_avx512 (the CUDA one), also spelled out in scalar code.
+// exceptions are Q8_0, Q4_K and IQ4_XS on AVX-512, whose tokens-in-the-lanes GEMMs follow the serial
+// definitions of matmul_q8_scalar_avx512 (for Q8_0 the CUDA one), also spelled out in scalar code.
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -233,37 +233,56 @@ static void with_lane_type(GgmlType t, Fn&& fn) {
 /// the thread's next call).
 LaneTokens lane_tokens(GgmlType t, const ActQ8& a, int64_t t0, int64_t t1);
 
-// Tokens in the lanes (Q8_0 on AVX-512; ActQ8::tok16, the layout in kernels.h). The GEMM keeps
-// the weights in GGUF row order and puts 16 tokens in the 16 int32 lanes of vpdpbusd: run j of
-// a (group, block) holds every token's codes 4j..4j+3 plus 128 (unsigned), and the weight
-// codes 4j..4j+3 of (row, block) are one embedded 4-byte broadcast, so 8 vpdpbusd give per
-// token S' = sum (qx + 128) qw and S_b = S' - 128 sum qw (exact). The float part is the serial
-// definition of matmul_q8_scalar_avx512 (the CUDA q8 one).
+// Tokens in the lanes (Q8_0, Q4_K and IQ4_XS on AVX-512; ActQ8::tok16, the layout in kernels.h).
+// The GEMM keeps Q8_0 weights in GGUF row order (Q4_K and IQ4_XS: unpacked per 4-row tile into
+// signed bytes, 32 per block) and puts 16 tokens in the 16 int32 lanes of vpdpbusd: run j of a
+// (group, block) holds every token's codes 4j..4j+3 plus 128 (unsigned), and the weight codes
+// 4j..4j+3 of (row, block) are one 4-byte broadcast, so 8 vpdpbusd give per token
+// S' = sum (qx + 128) qw and S_b = S' - 128 sum qw (exact). The float part is the serial
+// definition of matmul_q8_scalar_avx512 (for Q8_0 the CUDA q8 one).
 
-/// Writes tokens [t0, t1) of `a` in the token-lane layout of ActQ8::xg / dxg into xg / dxg
-/// (buffers laid out as those for all of a.n_tok: token t at group t/16, lane t%16); when
-/// t1 == a.n_tok also the padding lanes of the last group (code 0, scale 0). Thread-safe for
-/// disjoint token ranges.
-void token_lanes(const ActQ8& a, int64_t t0, int64_t t1, uint8_t* xg, float* dxg);
+/// The weight types of the AVX-512 tokens-in-the-lanes kernels, which have their own serial
+/// definition (matmul_q8_scalar_avx512).
+static constexpr bool has_tok16(GgmlType t) {
+  return t == GgmlType::Q8_0 || t == GgmlType::Q4_K || t == GgmlType::IQ4_XS;
+}
 
-/// Up to this many tokens the AVX-512 Q8_0 path takes the mat-vec (16 rows per register, natural
-/// code order), from kQ8_0MatVecMax + 1 the tokens-in-the-lanes GEMM; same bits either way.
+/// xs of a 32-block of one token, as every Q4_K path of the AVX-512 family forms it:
+/// dx * float(s0 + s1) (s0, s1: the block's two 16-sums), one fp32 product rounded on its own.
+static inline float token_xs(float dx, int16_t s0, int16_t s1) {
+  float xs = dx * static_cast<float>(s0 + s1);
+  __asm__("" : "+x"(xs));  // rounded here, never contracted into a later FMA
+  return xs;
+}
+
+/// Writes tokens [t0, t1) of `a` in the token-lane layout of ActQ8::xg / dxg / xsg into xg / dxg
+/// and, when xsg is not null, xsg (buffers laid out as those for all of a.n_tok: token t at group
+/// t/16, lane t%16); when t1 == a.n_tok also the padding lanes of the last group (code 0, scale 0,
+/// xs 0). Thread-safe for disjoint token ranges.
+void token_lanes(const ActQ8& a, int64_t t0, int64_t t1, uint8_t* xg, float* dxg, float* xsg);
+
+/// Up to this many tokens the AVX-512 Q8_0, Q4_K and IQ4_XS paths take the mat-vec (16 rows per register,
+/// natural code order), from kQ8_0MatVecMax + 1 the tokens-in-the-lanes GEMM; same bits either way.
 inline constexpr int64_t kQ8_0MatVecMax = 4;
 
-/// The tokens of `a` with the tokens in the lanes: xg/dxg as in ActQ8, `groups` groups of 16.
+/// The tokens of `a` with the tokens in the lanes: xg/dxg/xsg as in ActQ8 (xs null when not
+/// asked for), `groups` groups of 16.
 struct TokenLanes {
   const uint8_t* x;
   const float* dx;
+  const float* xs;
   int64_t groups;
 };
-/// All tokens of `a` in the token-lane layout: a's own copy when a.tok16, else one made now
-/// into this thread's buffers (valid until the thread's next call).
-TokenLanes token_lanes_of(const ActQ8& a);
+/// All tokens of `a` in the token-lane layout (with xsg when with_xs): a's own copy when it was
+/// kept (a.tok16, and a.tok16_xs if with_xs), else one made now into this thread's buffers (valid
+/// until the thread's next call).
+TokenLanes token_lanes_of(const ActQ8& a, bool with_xs);
 
-/// The AVX-512 Q8_0 GEMM (matmul_q8_0_avx512.cpp), tokens in the lanes: y[t][r] for rows
-/// [row_begin, row_end) and all a.n_tok tokens with the bits of matmul_q8_scalar_avx512. VNNI:
-/// vpdpbusd; otherwise the same integers from vpmaddwd on 16-bit halves.
-void matmul_q8_0_avx512(const MatmulArgs& m, const ActQ8& a, bool vnni);
+/// The AVX-512 Q8_0, Q4_K and IQ4_XS GEMMs and mat-vecs (matmul_q8_0_avx512.cpp), tokens in the lanes:
+/// y[t][r] for rows [row_begin, row_end) and all a.n_tok tokens with the bits of
+/// matmul_q8_scalar_avx512 (m.type: has_tok16). VNNI: vpdpbusd; otherwise the same integers from
+/// vpmaddwd on 16-bit halves.
+void matmul_tok16_avx512(const MatmulArgs& m, const ActQ8& a, bool vnni);
 
 /// Tokens per block of the q8 SIMD driver: their codes stay in L2 while every row passes.
 inline constexpr int64_t kQ8TokBlock = 64;
@@ -309,12 +328,20 @@ static bool run_q8_blocks(const MatmulArgs& m, const ActQ8& a, K& k) {
 /// Scalar q8 family (the definition of the arithmetic): y[t][r] for rows [row_begin, row_end).
 void matmul_q8_scalar(const MatmulArgs& m, const ActQ8& a);
 
-/// The definition of the AVX-512 q8 family: matmul_q8_scalar for every type but Q8_0, whose
-/// arithmetic is the serial one of the CUDA q8 path (src/backend/cuda/kernels.h, matmul_q8):
-/// per (row, token) acc = 0, then for each 32-block b in column order
+/// The definition of the AVX-512 q8 family: matmul_q8_scalar for every type but Q8_0, Q4_K and
+/// IQ4_XS (has_tok16). Q8_0's arithmetic is the serial one of the CUDA q8 path (src/backend/cuda/kernels.h,
+/// matmul_q8): per (row, token) acc = 0, then for each 32-block b in column order
 ///     S_b = sum_k qw_k * qx_k                   (exact int32, |S_b| <= 32 * 128 * 127 < 2^24)
 ///     acc = fma(float(S_b), dw_b * dx_b, acc)    (the product rounded to fp32 on its own)
-/// with dw_b the block's fp16 scale and dx_b the activation's; y = acc.
+/// with dw_b the block's fp16 scale and dx_b the activation's; y = acc. Q4_K's is serial in the
+/// same way, per 32-block b = sub-block s of super-block i (scale sc_s, min m_s, codes q 0..15):
+///     S_b = sum_k q_k * qx_k                              (exact int32)
+///     acc = fma(float(S_b), (d * sc_s) * dx_b, acc)       (each product rounded)
+///     acc = fma(-(dmin * m_s), token_xs(dx_b, s16), acc)   (the min times the block's code sum)
+/// and IQ4_XS's, per 32-block b = group g of super-block i (kv = kvalues_iq4nl of the codes):
+///     S_b = sum_k kv_k * qx_k                             (exact int32)
+///     acc = fma(float(S_b), (d * (ls_g - 32)) * dx_b, acc) (each product rounded)
+/// (these CPU definitions are not the CUDA ones for Q4_K and IQ4_XS).
 void matmul_q8_scalar_avx512(const MatmulArgs& m, const ActQ8& a);
 
 /// AVX2 q8 family (+ FMA, F16C, BMI2; the CPU must have them): y[t][r] with the bits of

@@ -107,11 +107,13 @@ void ActQ8::resize(int64_t n_tok_, int64_t cols_, GgmlType for_type) {
     grow(xs, n_tok * cols / 32);
   }
   // (the Q8_0 mat-vec reads the natural order: no layout for decode-sized inputs)
-  tok16 = for_type == GgmlType::Q8_0 && n_tok > detail::kQ8_0MatVecMax;
+  tok16 = detail::has_tok16(for_type) && n_tok > detail::kQ8_0MatVecMax;
+  tok16_xs = tok16 && for_type == GgmlType::Q4_K;
   if (tok16) {
     const int64_t groups = (n_tok + 15) / 16;
     grow(xg, groups * 16 * cols);
     grow(dxg, groups * 16 * (cols / 32));
+    if (tok16_xs) grow(xsg, groups * 16 * (cols / 32));
   }
 }
 
@@ -145,7 +147,7 @@ void quantize_activations(const KernelConfig& k, const float* x, int64_t ldx, in
   if (a.lanes != GgmlType::F32)
     detail::lane_order(a.lanes, a, t0, t1, a.ql.data() + t0 * a.cols, a.dxl.data() + t0 * (a.cols / 16),
                        a.xs.data() + t0 * (a.cols / 32));
-  if (a.tok16) detail::token_lanes(a, t0, t1, a.xg.data(), a.dxg.data());
+  if (a.tok16) detail::token_lanes(a, t0, t1, a.xg.data(), a.dxg.data(), a.tok16_xs ? a.xsg.data() : nullptr);
 }
 
 void matmul_q8(const KernelConfig& k, GgmlType t, const void* W, size_t row_bytes, int64_t row_begin, int64_t row_end,

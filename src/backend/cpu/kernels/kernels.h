@@ -77,7 +77,10 @@ bool has_q8_activations(const KernelConfig& k, GgmlType t);
 /// plus 128 as unsigned bytes:
 ///   xg[((g * cols/32 + b) * 8 + j) * 64 + 4 l + i] = q(16g + l)[32 b + 4 j + i] + 128
 ///   dxg[(g * cols/32 + b) * 16 + l] = d(16g + l)[b]
-/// and the lanes of tokens >= n_tok in the last group hold code 0 (byte 128) and scale 0.
+/// and the lanes of tokens >= n_tok in the last group hold code 0 (byte 128) and scale 0. For Q4_K
+/// and IQ4_XS weights and more than 4 tokens the same layout is kept (their AVX-512 GEMMs), for
+/// Q4_K together with the per-block code sums scaled, for the weights' mins (tok16_xs):
+///   xsg[(g * cols/32 + b) * 16 + l] = d(16g + l)[b] * float(s16[2b] + s16[2b+1])   (0 in padding)
 struct ActQ8 {
   int64_t cols = 0, n_tok = 0;
   std::vector<int8_t> q;
@@ -86,9 +89,10 @@ struct ActQ8 {
   GgmlType lanes = GgmlType::F32;  ///< the type ql/dxl/xs are arranged for; F32: none
   std::vector<int8_t> ql;
   std::vector<float> dxl, xs;
-  bool tok16 = false;  ///< xg/dxg are kept (resize() for Q8_0 and more than 4 tokens)
+  bool tok16 = false;     ///< xg/dxg are kept (resize() for Q8_0, Q4_K, IQ4_XS and > 4 tokens)
+  bool tok16_xs = false;  ///< xsg is kept too (Q4_K)
   std::vector<uint8_t> xg;
-  std::vector<float> dxg;
+  std::vector<float> dxg, xsg;
   /// Sizes the buffers for n_tok x cols (only grows) and chooses the lane order to keep
   /// (`for_type`; any type without one keeps none). Throws std::runtime_error if cols % 32.
   void resize(int64_t n_tok, int64_t cols, GgmlType for_type = GgmlType::F32);
@@ -125,8 +129,9 @@ void matmul_q8(const KernelConfig& k, GgmlType t, const void* W, size_t row_byte
 /// weights are expanded to fp32 exactly as quant::dequantize_row does; the fast families differ
 /// from the scalar reference (double accumulation) only by fp32 accumulation, at most
 /// (cols/16 + 8) * 2^-24 * sum_k |w_k x_k|. In Q8 mode (has_q8_activations(k, t)) every family
-/// computes the same bits (the arithmetic is defined in matmul_q8_ref.cpp), except Q8_0 in the
-/// AVX-512 family, which has its own serial definition (the CUDA q8 one; act_q8.h). Throws
+/// computes the same bits (the arithmetic is defined in matmul_q8_ref.cpp), except Q8_0, Q4_K and
+/// IQ4_XS in the AVX-512 family, which have their own serial definitions (act_q8.h,
+/// matmul_q8_scalar_avx512; for Q8_0 the CUDA q8 one). Throws
 /// std::runtime_error for an unsupported type, a ragged `cols`, a bad row range or
 /// row_bytes < quant::row_size(t, cols).
 void matmul(const KernelConfig& k, GgmlType t, const void* W, size_t row_bytes, int64_t row_begin, int64_t row_end,

@@ -1,11 +1,17 @@
-// The AVX-512 Q8_0 GEMM with the tokens in the lanes (act_q8.h "Tokens in the lanes"; the
-// layout is ActQ8::xg / dxg, kernels.h). No weight repack: the rows stay in GGUF order, and the
-// 4 weight codes 4j..4j+3 of (row r, block b) are one embedded broadcast, multiplied by run j
-// of a group of 16 tokens (their codes 4j..4j+3 plus 128, unsigned). After the 8 runs of a
-// block, int32 lane l holds S' = sum_k (qx_k + 128) qw_k of token 16g + l; it starts from
-// -128 sum_k qw_k (per row and block, computed once per weight tile), so it ends at S_b exactly.
-// Then per (row, block, group) one conversion, one product dw_b * dx (16 tokens) and one FMA:
-// acc = fma(float(S_b), dw_b * dx_b, acc), block after block (matmul_q8_scalar_avx512).
+// The AVX-512 Q8_0, Q4_K and IQ4_XS GEMMs with the tokens in the lanes (act_q8.h "Tokens in the lanes";
+// the layout is ActQ8::xg / dxg / xsg, kernels.h), and their mat-vecs for decode. Q8_0: no
+// weight repack: the rows stay in GGUF order, and the 4 weight codes 4j..4j+3 of (row r, block b)
+// are one embedded broadcast, multiplied by run j of a group of 16 tokens (their codes 4j..4j+3
+// plus 128, unsigned). After the 8 runs of a block, int32 lane l holds S' = sum_k (qx_k + 128) qw_k
+// of token 16g + l; it starts from -128 sum_k qw_k (per row and block, computed once per weight
+// tile), so it ends at S_b exactly. Then per (row, block, group) one conversion, one product
+// dw_b * dx (16 tokens) and one FMA: acc = fma(float(S_b), dw_b * dx_b, acc), block after block
+// (matmul_q8_scalar_avx512). Q4_K: the 4-bit codes of a 4-row weight tile are unpacked once per
+// block of token groups into bytes (32 per 32-block, in L1) with dw_b = d * sc_s and
+// gm_b = -(dmin * m_s) per block, then the same loop runs with one more FMA per (row, block,
+// group): acc = fma(gm_b, xs_b, acc), xs the tokens' scaled code sums (ActQ8::xsg). IQ4_XS: the
+// codes become their kvalues_iq4nl values (vpshufb) at unpack time, dw_b = d * (ls - 32), and
+// the loop is Q8_0's.
 //
 // Every token's lane runs that sequence whatever the tile, the group or the number of tokens
 // (padding lanes hold code 0 and scale 0 and are never stored), so results are batch
@@ -19,6 +25,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <stdexcept>
 #include <vector>
 
 #include "backend/cpu/kernels/act_q8.h"
@@ -63,13 +70,26 @@ inline void row_factors(const uint8_t* w, int64_t nb, float* dw, int32_t* nc) {
   }
 }
 
-/// R rows x G groups of 16 tokens over all nb blocks; w[r]: row r's bytes; dw/nc: row r's
-/// factors at r * nb; x/dx: the first group's runs and scales (groups nb*512 bytes / nb*16
-/// floats apart). Writes y[(16 g + l) * ldy + r] for the `valid` first tokens of the tiles'
+/// The weight tile of the GEMM: per row r (at r * nb) and block b the codes' address w[r] + WB * b
+/// (32 signed bytes), dw = the block's fp32 factor, nc = -128 * (sum of its codes), and with MIN
+/// (Q4_K) gm = -(dmin * m) of the block's sub-block.
+struct WTile {
+  const uint8_t* w[4];
+  const float* dw;
+  const int32_t* nc;
+  const float* gm;
+};
+
+/// R rows x G groups of 16 tokens over all nb blocks (weights: WTile, blocks WB bytes apart);
+/// x/dx/xs: the first group's runs, scales and (MIN) scaled code sums (groups nb*512 bytes /
+/// nb*16 floats apart). Writes y[(16 g + l) * ldy + r] for the `valid` first tokens of the tiles'
 /// groups (tokens counted from the first group's first).
-template <int R, int G, bool VNNI>
-void tile(const uint8_t* const* w, const float* dw, const int32_t* nc, int64_t nb, const uint8_t* x, const float* dx,
-          int64_t valid, float* y, int64_t ldy) {
+template <int R, int G, bool VNNI, int WB, bool MIN>
+void tile(const WTile& wt, int64_t nb, const uint8_t* x, const float* dx, const float* xs, int64_t valid, float* y,
+          int64_t ldy) {
+  const uint8_t* const* w = wt.w;
+  const float* dw = wt.dw;
+  const int32_t* nc = wt.nc;
   __m512 acc[R][G];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
@@ -92,7 +112,7 @@ void tile(const uint8_t* const* w, const float* dw, const int32_t* nc, int64_t n
       for (int g = 0; g < G; ++g) xr[g] = _mm512_loadu_si512(xb + g * gx + 64 * j);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        const __m512i wv = _mm512_set1_epi32(static_cast<int>(load_u32(w[r] + 34 * b + 2 + 4 * j)));
+        const __m512i wv = _mm512_set1_epi32(static_cast<int>(load_u32(w[r] + WB * b + 4 * j)));
         __m512i se = wv, so = wv;
         if constexpr (!VNNI) {
           se = _mm512_srai_epi16(_mm512_slli_epi16(wv, 8), 8);
@@ -110,6 +130,11 @@ void tile(const uint8_t* const* w, const float* dw, const int32_t* nc, int64_t n
         const __m512 f = _mm512_mul_ps(_mm512_set1_ps(dw[r * nb + b]), d);  // dw_b * dx_b, rounded
         acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][g]), f, acc[r][g]);
       }
+      if constexpr (MIN) {
+        const __m512 xv = _mm512_loadu_ps(xs + g * gd + 16 * b);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) acc[r][g] = _mm512_fmadd_ps(_mm512_set1_ps(wt.gm[r * nb + b]), xv, acc[r][g]);
+      }
     }
   }
   alignas(64) float out[16];
@@ -124,12 +149,64 @@ void tile(const uint8_t* const* w, const float* dw, const int32_t* nc, int64_t n
   }
 }
 
-template <int R, bool VNNI>
-void tile_groups(int G, const uint8_t* const* w, const float* dw, const int32_t* nc, int64_t nb, const uint8_t* x,
-                 const float* dx, int64_t valid, float* y, int64_t ldy) {
-  if (G == 3) tile<R, 3, VNNI>(w, dw, nc, nb, x, dx, valid, y, ldy);
-  if (G == 2) tile<R, 2, VNNI>(w, dw, nc, nb, x, dx, valid, y, ldy);
-  if (G == 1) tile<R, 1, VNNI>(w, dw, nc, nb, x, dx, valid, y, ldy);
+template <int R, bool VNNI, int WB, bool MIN>
+void tile_groups(int G, const WTile& wt, int64_t nb, const uint8_t* x, const float* dx, const float* xs, int64_t valid,
+                 float* y, int64_t ldy) {
+  if (G == 3) tile<R, 3, VNNI, WB, MIN>(wt, nb, x, dx, xs, valid, y, ldy);
+  if (G == 2) tile<R, 2, VNNI, WB, MIN>(wt, nb, x, dx, xs, valid, y, ldy);
+  if (G == 1) tile<R, 1, VNNI, WB, MIN>(wt, nb, x, dx, xs, valid, y, ldy);
+}
+
+/// One Q4_K row unpacked for the GEMM: for every 32-block b = 8i + s (sub-block s of super-block
+/// i) its 32 codes (0..15) as bytes at codes + 32 b, dw[b] = d * sc_s, gm[b] = -(dmin * m_s) (each
+/// product rounded, as in matmul_q8_scalar_avx512) and nc[b] = -128 * (sum of the codes).
+void unpack_q4_k_row(const uint8_t* w, int64_t nsb, uint8_t* codes, float* dw, float* gm, int32_t* nc) {
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  for (int64_t i = 0; i < nsb; ++i, w += 144) {
+    const float d = _cvtsh_ss(load_u16(w)), dmin = _cvtsh_ss(load_u16(w + 2));
+    for (int s = 0; s < 8; ++s) {
+      int sc = 0, m = 0;
+      k4_scale_min(w + 4, s, sc, m);
+      dw[8 * i + s] = d * static_cast<float>(sc);
+      gm[8 * i + s] = -(dmin * static_cast<float>(m));
+    }
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 + 32 * j));
+      const __m256i c[2] = {_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16(v, 4), low)};
+      for (int h = 0; h < 2; ++h) {
+        const int64_t b = 8 * i + 2 * j + h;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 32 * b), c[h]);
+        const __m256i sad = _mm256_sad_epu8(c[h], _mm256_setzero_si256());
+        const __m128i q = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
+        nc[b] = static_cast<int32_t>(-128 * _mm_cvtsi128_si64(_mm_add_epi64(q, _mm_unpackhi_epi64(q, q))));
+      }
+    }
+  }
+}
+
+/// One IQ4_XS row unpacked for the GEMM: for every 32-block b = 8i + g its 32 values
+/// kvalues_iq4nl[code] (signed bytes) at codes + 32 b, dw[b] = d * (ls_g - 32) (rounded, as in
+/// matmul_q8_scalar_avx512) and nc[b] = -128 * (sum of the values).
+void unpack_iq4_xs_row(const uint8_t* w, int64_t nsb, uint8_t* codes, float* dw, int32_t* nc) {
+  const __m128i low = _mm_set1_epi8(0x0f);
+  const __m256i kv =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tables::kvalues_iq4nl)));
+  const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t i = 0; i < nsb; ++i, w += 136) {
+    const float d = _cvtsh_ss(load_u16(w));
+    for (int g = 0; g < 8; ++g) {
+      const int64_t b = 8 * i + g;
+      dw[b] = d * static_cast<float>(iq4xs_scale(w, g));
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 8 + 16 * g));
+      const __m256i idx = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+      const __m256i c = _mm256_shuffle_epi8(kv, idx);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 32 * b), c);
+      // sum of the signed values: vpsadbw of (value + 128), minus 32 * 128
+      const __m256i sad = _mm256_sad_epu8(_mm256_xor_si256(c, bias), _mm256_setzero_si256());
+      const __m128i q = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
+      nc[b] = static_cast<int32_t>(-128 * (_mm_cvtsi128_si64(_mm_add_epi64(q, _mm_unpackhi_epi64(q, q))) - 32 * 128));
+    }
+  }
 }
 
 // ---- mat-vec (decode: few tokens, memory-bound) ---------------------------------------------
@@ -220,6 +297,170 @@ void matvec16(const uint8_t* const* w, int64_t nb, const int8_t* q, const float*
   for (int t = 0; t < TB; ++t) _mm512_storeu_ps(out[t], acc[t]);
 }
 
+/// The Q4_K and IQ4_XS mat-vec: 16 rows (`w[i]` as in matvec16; `off[L]`: the byte offset of row
+/// row_of_lane()[L] from w[0]) against TB tokens (codes q + t * cols, scales d + t * nb, 16-sums
+/// s16 + t * 2 nb; Q4_K: each block's token_xs at xs + t * nb), nsb super-blocks. Per super-block the 16 rows'
+/// factors are decoded in lane order from gathers (Q4_K: d/dmin and the 12 scale bytes, giving
+/// d * sc and -(dmin * m) per sub-block; IQ4_XS: d/scales_h and scales_l, giving d * (ls - 32));
+/// per 32-block rows i and i + 8 share a zmm of unsigned codes (Q4_K: 0..15; IQ4_XS:
+/// kvalues_iq4nl + 128), one vpdpbusd against the token's 32 codes in both halves gives 8 lane
+/// sums per row, the tree gives the rows' sums (IQ4_XS: minus 128 * the block's code sum: S_b),
+/// and acc = fma(float(S_b), f * dx, acc) (Q4_K: then acc = fma(-(dmin m), xs, acc)) as defined.
+template <GgmlType T, int TB, bool VNNI>
+void matvec16_sb(const uint8_t* const* w, __m512i off, int64_t nsb, const int8_t* q, const float* d, const int16_t* s16,
+                 const float* xs, int64_t cols, const uint8_t* next, float (*out)[16]) {
+  constexpr bool Q4K = T == GgmlType::Q4_K;
+  constexpr int kBytes = Q4K ? 144 : 136;  // bytes per super-block
+  __m512 acc[TB];
+#pragma GCC unroll 4
+  for (int t = 0; t < TB; ++t) acc[t] = _mm512_setzero_ps();
+  const int64_t nb = 8 * nsb;
+  const __m512i low = _mm512_set1_epi8(0x0f), m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(15),
+                m2 = _mm512_set1_epi32(3);
+  // kvalues_iq4nl + 128 (unsigned bytes), one table per 128-bit lane
+  const __m512i kv =
+      _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tables::kvalues_iq4nl))),
+                       _mm512_set1_epi8(static_cast<char>(0x80)));
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  for (int64_t i = 0; i < nsb; ++i) {
+    for (int o = 0; o < 16 * kBytes; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(next) + 16 * kBytes * i + o, _MM_HINT_T1);
+    const __m512i oi = _mm512_add_epi32(off, _mm512_set1_epi32(static_cast<int>(kBytes * i)));
+    const __m512i H = _mm512_i32gather_epi32(oi, w[0], 1);
+    const __m512i A = _mm512_i32gather_epi32(oi, w[0] + 4, 1);
+    const __m512 dd = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_and_si512(H, _mm512_set1_epi32(0xffff))));
+    alignas(64) float fs[8][16], gs[8][16];
+    if constexpr (Q4K) {
+      const __m512i B = _mm512_i32gather_epi32(oi, w[0] + 8, 1);
+      const __m512i C = _mm512_i32gather_epi32(oi, w[0] + 12, 1);
+      const __m512 dm = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(H, 16)));
+#pragma GCC unroll 4
+      for (int s = 0; s < 4; ++s) {  // k4_scale_min: s < 4 from bytes s, s + 4; s + 4 from s + 8, s, s + 4
+        const __m512i sc = _mm512_and_si512(_mm512_srli_epi32(A, 8 * s), m6);
+        const __m512i mn = _mm512_and_si512(_mm512_srli_epi32(B, 8 * s), m6);
+        const __m512i sc2 =
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(C, 8 * s), m4),
+                            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(A, 8 * s + 6), m2), 4));
+        const __m512i mn2 =
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(C, 8 * s + 4), m4),
+                            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(B, 8 * s + 6), m2), 4));
+        _mm512_store_ps(fs[s], _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sc)));
+        _mm512_store_ps(gs[s], _mm512_xor_ps(_mm512_mul_ps(dm, _mm512_cvtepi32_ps(mn)), sign));
+        _mm512_store_ps(fs[s + 4], _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sc2)));
+        _mm512_store_ps(gs[s + 4], _mm512_xor_ps(_mm512_mul_ps(dm, _mm512_cvtepi32_ps(mn2)), sign));
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; ++g) {  // iq4xs_scale: nibble g of scales_l (bits 4g..), 2 bits 2g of scales_h
+        const __m512i ls =
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(A, 4 * g), m4),
+                            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(H, 16 + 2 * g), m2), 4));
+        const __m512 sc = _mm512_cvtepi32_ps(_mm512_sub_epi32(ls, _mm512_set1_epi32(32)));
+        _mm512_store_ps(fs[g], _mm512_mul_ps(dd, sc));
+      }
+    }
+    // sub-blocks in pairs (2j, 2j + 1): Q4_K's are the low and high nibbles of one 32-byte run,
+    // IQ4_XS's two consecutive 16-byte runs; the rows' bytes are loaded once per pair
+    for (int j = 0; j < 4; ++j) {
+      __m512i raw[8];
+#pragma GCC unroll 8
+      for (int p = 0; p < 8; ++p) {
+        if constexpr (Q4K) {
+          const size_t o = static_cast<size_t>(kBytes * i + 16 + 32 * j);
+          raw[p] =
+              _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p] + o))),
+                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p + 8] + o)), 1);
+        } else {  // per half: the 32 bytes of the pair, 128-bit lanes (g 2j, g 2j + 1)
+          const size_t o = static_cast<size_t>(kBytes * i + 8 + 32 * j);
+          raw[p] =
+              _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p] + o))),
+                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p + 8] + o)), 1);
+        }
+      }
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const int s = 2 * j + h;
+        const int64_t b = 8 * i + s;
+        __m512i wz[8];
+#pragma GCC unroll 8
+        for (int p = 0; p < 8; ++p) {
+          if constexpr (Q4K) {
+            wz[p] = _mm512_and_si512(h ? _mm512_srli_epi16(raw[p], 4) : raw[p], low);
+          } else {
+            // the run of g = s (128-bit lane h of each half) twice: low nibbles, then high ones
+            const __m512i v =
+                _mm512_shuffle_i64x2(raw[p], raw[p], h ? _MM_SHUFFLE(3, 3, 1, 1) : _MM_SHUFFLE(2, 2, 0, 0));
+            const __m512i idx = _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xff00ff00u, v, 4), low);
+            wz[p] = _mm512_shuffle_epi8(kv, idx);
+          }
+        }
+        const __m512 fv = _mm512_load_ps(fs[s]);
+#pragma GCC unroll 4
+        for (int t = 0; t < TB; ++t) {
+          const __m512i x =
+              _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + t * cols + 32 * b)));
+          __m512i xe = x, xo = x;
+          if constexpr (!VNNI) {
+            xe = _mm512_srai_epi16(_mm512_slli_epi16(x, 8), 8);
+            xo = _mm512_srai_epi16(x, 8);
+          }
+          __m512i z[8];
+#pragma GCC unroll 8
+          for (int p = 0; p < 8; ++p) z[p] = dot4<VNNI>(_mm512_setzero_si512(), wz[p], x, xe, xo);
+          __m512i S = reduce_rows(z);
+          if constexpr (!Q4K)
+            S = _mm512_sub_epi32(S, _mm512_set1_epi32(128 * (s16[t * 2 * nb + 2 * b] + s16[t * 2 * nb + 2 * b + 1])));
+          const __m512 f = _mm512_mul_ps(fv, _mm512_set1_ps(d[t * nb + b]));  // (d sc) * dx, rounded
+          acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), f, acc[t]);
+          if constexpr (Q4K) acc[t] = _mm512_fmadd_ps(_mm512_load_ps(gs[s]), _mm512_set1_ps(xs[t * nb + b]), acc[t]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int t = 0; t < TB; ++t) _mm512_storeu_ps(out[t], acc[t]);
+}
+
+template <GgmlType T, bool VNNI>
+void matvec_sb(const MatmulArgs& m, const ActQ8& a) {
+  const int64_t nsb = m.cols / 256, nb = m.cols / 32;
+  // Q4_K: the tokens' xs (token_xs per block) once per call, not once per 16-row tile
+  thread_local std::vector<float> xs;
+  if constexpr (T == GgmlType::Q4_K) {
+    xs.resize(static_cast<size_t>(m.n_tok * nb));
+    for (int64_t t = 0; t < m.n_tok; ++t)
+      for (int64_t b = 0; b < nb; ++b)
+        xs[static_cast<size_t>(t * nb + b)] = token_xs(a.dt(t)[b], a.st(t)[2 * b], a.st(t)[2 * b + 1]);
+  }
+  const std::array<int, 16>& row = row_of_lane();
+  for (int64_t r0 = m.row_begin; r0 < m.row_end; r0 += 16) {
+    const int64_t n = std::min<int64_t>(16, m.row_end - r0);
+    const uint8_t* w[16];
+    for (int i = 0; i < 16; ++i) w[i] = m.W + static_cast<size_t>(r0 + std::min<int64_t>(i, n - 1)) * m.row_bytes;
+    alignas(64) int32_t o[16];  // < 2^31: matmul_tok16_avx512 checks 16 * row_bytes
+    for (int L = 0; L < 16; ++L) o[L] = static_cast<int32_t>(w[row[static_cast<size_t>(L)]] - w[0]);
+    const __m512i off = _mm512_load_si512(o);
+    const uint8_t* next = w[0] + 16 * m.row_bytes;  // as in matvec: one sequential prefetch stream
+    for (int64_t t0 = 0; t0 < m.n_tok; t0 += 4) {
+      const int TB = static_cast<int>(std::min<int64_t>(4, m.n_tok - t0));
+      alignas(64) float out[4][16];
+      const int8_t* q = a.qt(t0);
+      const float* d = a.dt(t0);
+      const int16_t* s = a.st(t0);
+      const float* x = T == GgmlType::Q4_K ? xs.data() + t0 * nb : nullptr;
+      switch (TB) {
+        case 4: matvec16_sb<T, 4, VNNI>(w, off, nsb, q, d, s, x, m.cols, next, out); break;
+        case 3: matvec16_sb<T, 3, VNNI>(w, off, nsb, q, d, s, x, m.cols, next, out); break;
+        case 2: matvec16_sb<T, 2, VNNI>(w, off, nsb, q, d, s, x, m.cols, next, out); break;
+        default: matvec16_sb<T, 1, VNNI>(w, off, nsb, q, d, s, x, m.cols, next, out); break;
+      }
+      for (int t = 0; t < TB; ++t)
+        for (int L = 0; L < 16; ++L)
+          if (row[static_cast<size_t>(L)] < n) m.y[(t0 + t) * m.ldy + r0 + row[static_cast<size_t>(L)]] = out[t][L];
+    }
+  }
+}
+
 template <bool VNNI>
 void matvec(const MatmulArgs& m, const ActQ8& a) {
   const int64_t nb = m.cols / 32;
@@ -253,57 +494,80 @@ void matvec(const MatmulArgs& m, const ActQ8& a) {
   }
 }
 
-template <bool VNNI>
+template <bool VNNI, GgmlType T>
 void gemm(const MatmulArgs& m, const ActQ8& a) {
-  const TokenLanes tl = token_lanes_of(a);
+  constexpr bool Q4K = T == GgmlType::Q4_K, SB = T != GgmlType::Q8_0;  // SB: codes unpacked per tile
+  const TokenLanes tl = token_lanes_of(a, Q4K);
   const int64_t nb = m.cols / 32;
-  thread_local std::vector<float> dw;
+  thread_local std::vector<float> dw, gm;
   thread_local std::vector<int32_t> nc;
+  thread_local std::vector<uint8_t> codes;
   dw.resize(static_cast<size_t>(kRows * nb));
   nc.resize(static_cast<size_t>(kRows * nb));
+  if (Q4K) gm.resize(static_cast<size_t>(kRows * nb));
+  if (SB) codes.resize(static_cast<size_t>(kRows * nb * 32));
+  constexpr int WB = SB ? 32 : 34;  // bytes from one block's codes to the next
   // groups per block: as many as fit kXBytes, a multiple of the register tile
-  const int64_t fit = std::max<int64_t>(kGroups, kXBytes / (nb * 576) / kGroups * kGroups);
+  const int64_t per_group = nb * (Q4K ? 640 : 576);
+  const int64_t fit = std::max<int64_t>(kGroups, kXBytes / per_group / kGroups * kGroups);
   for (int64_t g0 = 0; g0 < tl.groups; g0 += fit) {
     const int64_t g1 = std::min(tl.groups, g0 + fit);
     for (int64_t r0 = m.row_begin; r0 < m.row_end; r0 += kRows) {
       const int R = static_cast<int>(std::min<int64_t>(kRows, m.row_end - r0));
-      const uint8_t* w[kRows];
+      WTile wt{{}, dw.data(), nc.data(), Q4K ? gm.data() : nullptr};
       for (int r = 0; r < R; ++r) {
-        w[r] = m.W + static_cast<size_t>(r0 + r) * m.row_bytes;
-        row_factors(w[r], nb, dw.data() + r * nb, nc.data() + r * nb);
+        const uint8_t* row = m.W + static_cast<size_t>(r0 + r) * m.row_bytes;
+        uint8_t* c = SB ? codes.data() + r * nb * 32 : nullptr;
+        if constexpr (Q4K) {
+          unpack_q4_k_row(row, nb / 8, c, dw.data() + r * nb, gm.data() + r * nb, nc.data() + r * nb);
+        } else if constexpr (SB) {
+          unpack_iq4_xs_row(row, nb / 8, c, dw.data() + r * nb, nc.data() + r * nb);
+        } else {
+          row_factors(row, nb, dw.data() + r * nb, nc.data() + r * nb);
+        }
+        wt.w[r] = SB ? c : row + 2;
       }
       for (int64_t g = g0; g < g1; g += kGroups) {
         const int G = static_cast<int>(std::min<int64_t>(kGroups, g1 - g));
         const uint8_t* x = tl.x + g * nb * 512;
         const float* dx = tl.dx + g * nb * 16;
+        const float* xs = Q4K ? tl.xs + g * nb * 16 : nullptr;
         const int64_t valid = m.n_tok - 16 * g;
         float* y = m.y + 16 * g * m.ldy + r0;
         switch (R) {
-          case 4: tile_groups<4, VNNI>(G, w, dw.data(), nc.data(), nb, x, dx, valid, y, m.ldy); break;
-          case 3: tile_groups<3, VNNI>(G, w, dw.data(), nc.data(), nb, x, dx, valid, y, m.ldy); break;
-          case 2: tile_groups<2, VNNI>(G, w, dw.data(), nc.data(), nb, x, dx, valid, y, m.ldy); break;
-          default: tile_groups<1, VNNI>(G, w, dw.data(), nc.data(), nb, x, dx, valid, y, m.ldy); break;
+          case 4: tile_groups<4, VNNI, WB, Q4K>(G, wt, nb, x, dx, xs, valid, y, m.ldy); break;
+          case 3: tile_groups<3, VNNI, WB, Q4K>(G, wt, nb, x, dx, xs, valid, y, m.ldy); break;
+          case 2: tile_groups<2, VNNI, WB, Q4K>(G, wt, nb, x, dx, xs, valid, y, m.ldy); break;
+          default: tile_groups<1, VNNI, WB, Q4K>(G, wt, nb, x, dx, xs, valid, y, m.ldy); break;
         }
       }
     }
   }
 }
 
+template <GgmlType T, bool VNNI>
+void run(const MatmulArgs& m, const ActQ8& a) {
+  if (m.n_tok > kQ8_0MatVecMax) {
+    gemm<VNNI, T>(m, a);
+  } else if constexpr (T == GgmlType::Q8_0) {
+    matvec<VNNI>(m, a);
+  } else {
+    matvec_sb<T, VNNI>(m, a);
+  }
+}
+
 }  // namespace
 
-void matmul_q8_0_avx512(const MatmulArgs& m, const ActQ8& a, bool vnni) {
-  if (m.n_tok <= kQ8_0MatVecMax) {
-    if (vnni) {
-      matvec<true>(m, a);
-    } else {
-      matvec<false>(m, a);
-    }
-    return;
-  }
-  if (vnni) {
-    gemm<true>(m, a);
-  } else {
-    gemm<false>(m, a);
+void matmul_tok16_avx512(const MatmulArgs& m, const ActQ8& a, bool vnni) {
+  // the mat-vec gathers with int32 offsets of up to 15 rows
+  if (m.n_tok <= kQ8_0MatVecMax && m.type != GgmlType::Q8_0 && m.row_bytes > (size_t{1} << 27))
+    throw std::runtime_error("cpu::kernels: AVX-512 mat-vec rows over 128 MiB are not supported");
+  using G = GgmlType;
+  switch (m.type) {
+    case G::Q8_0: vnni ? run<G::Q8_0, true>(m, a) : run<G::Q8_0, false>(m, a); break;
+    case G::Q4_K: vnni ? run<G::Q4_K, true>(m, a) : run<G::Q4_K, false>(m, a); break;
+    case G::IQ4_XS: vnni ? run<G::IQ4_XS, true>(m, a) : run<G::IQ4_XS, false>(m, a); break;
+    default: throw std::runtime_error("cpu::kernels: no tokens-in-the-lanes kernel for this type");
   }
 }
 

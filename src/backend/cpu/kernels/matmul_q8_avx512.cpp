@@ -1,7 +1,8 @@
 // The q8-activation path, AVX-512: int8 dot products (vpdpbusd with VNNI, else vpmaddubsw +
 // vpmaddwd, which give the same integers: no pair sum can saturate for these formats), with
 // the fp32 factors applied lane by lane exactly as matmul_q8_ref.cpp defines them. Q8_0 goes to
-// its own GEMM with the tokens in the lanes (matmul_q8_0_avx512.cpp, serial definition).
+// its own GEMM with the tokens in the lanes (matmul_q8_0_avx512.cpp, serial definition), and so
+// does Q4_K.
 //
 // Loop order: blocks of 64 tokens (their int8 codes stay in L2), then rows, then tiles of up
 // to 4 tokens that share one decode of the row's weights. Every (row, token) pair runs the
@@ -587,8 +588,8 @@ Q8Isa best_q8_isa() {
 }
 
 bool matmul_q8_avx512(const MatmulArgs& m, const ActQ8& a, Q8Isa isa) {
-  if (m.type == GgmlType::Q8_0) {  // tokens in the lanes, the serial definition (matmul_q8_0_avx512.cpp)
-    matmul_q8_0_avx512(m, a, isa != Q8Isa::Avx512);
+  if (has_tok16(m.type)) {  // tokens in the lanes, the serial definitions (matmul_q8_0_avx512.cpp)
+    matmul_tok16_avx512(m, a, isa != Q8Isa::Avx512);
     return true;
   }
   if (isa == Q8Isa::Avx512) {

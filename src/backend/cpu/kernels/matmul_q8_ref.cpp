@@ -1,7 +1,8 @@
 // The q8-activation path, scalar: activation quantization and the definition of every dot
 // product's arithmetic. Integer sums are exact; the fp32 part is spelled out lane by lane with
 // the structure the AVX-512 kernels use (matmul_q8_avx512.cpp), so both give identical bits.
-// Q8_0 on AVX-512 has its own, serial definition (dot_q8_0_serial, matmul_q8_scalar_avx512).
+// Q8_0, Q4_K and IQ4_XS on AVX-512 have their own, serial definitions (dot_q8_0_serial,
+// dot_q4_k_serial, dot_iq4_xs_serial; matmul_q8_scalar_avx512).
 //
 // Notation per (row, token): qx = int8 codes of the token, dx[b] = scale of its 32-block b,
 // s16[g] = sum of its codes 16g..16g+15. "lane L" of a 64-weight chunk covers elements
@@ -288,12 +289,68 @@ float dot_q8_0_serial(const uint8_t* w, int64_t cols, const int8_t* qx, const fl
   return acc;
 }
 
+// Q4_K in the serial definition of the AVX-512 family (matmul_q8_scalar_avx512 in act_q8.h):
+// per 32-block b = 8i + s in column order, with sc_s, m_s the 6-bit scale and min of sub-block s
+// of super-block i (k4_scale_min) and q_k its 4-bit codes (element 32s + k: nibble s % 2 of
+// qs[32 (s/2) + k]):
+//   S_b  = sum_k q_k * qx[32b + k]                      (exact int32, |S_b| <= 32 * 15 * 128)
+//   f_b  = (d * sc_s) * dx[b]                           (two fp32 products, each rounded)
+//   xs_b = dx[b] * float(s16[2b] + s16[2b+1])           (rounded; the block's code sum)
+//   acc  = fma(float(S_b), f_b, acc)
+//   acc  = fma(-(dmin * m_s), xs_b, acc)                (the product rounded, then negated)
+float dot_q4_k_serial(const uint8_t* w, int64_t cols, const int8_t* qx, const float* dx, const int16_t* s16) {
+  float acc = 0.0f;
+  for (int64_t i = 0; i < cols / 256; ++i, w += 144) {
+    const float d = half_to_float(load_u16(w)), dmin = half_to_float(load_u16(w + 2));
+    for (int s = 0; s < 8; ++s) {
+      const int64_t b = 8 * i + s;
+      int sc = 0, m = 0;
+      k4_scale_min(w + 4, s, sc, m);
+      int S = 0;
+      for (int k = 0; k < 32; ++k) S += ((w[16 + 32 * (s / 2) + k] >> (4 * (s % 2))) & 0xf) * qx[32 * b + k];
+      float fs = d * static_cast<float>(sc);
+      __asm__("" : "+x"(fs));  // each product rounded on its own (no contraction)
+      float f = fs * dx[b];
+      const float xs = token_xs(dx[b], s16[2 * b], s16[2 * b + 1]);
+      float g = dmin * static_cast<float>(m);
+      __asm__("" : "+x"(f), "+x"(g));
+      acc = std::fma(static_cast<float>(S), f, acc);
+      acc = std::fma(-g, xs, acc);
+    }
+  }
+  return acc;
+}
+
+// IQ4_XS in the serial definition of the AVX-512 family (matmul_q8_scalar_avx512): per 32-block
+// b = 8i + g in column order, with kv_k = kvalues_iq4nl[code k] (code k: nibble k / 16 of
+// qs[16g + k % 16]) and ls_g its 6-bit scale (iq4xs_scale: ls - 32):
+//   S_b = sum_k kv_k * qx[32b + k]                      (exact int32)
+//   acc = fma(float(S_b), (d * (ls_g - 32)) * dx[b], acc)  (two fp32 products, each rounded)
+float dot_iq4_xs_serial(const uint8_t* w, int64_t cols, const int8_t* qx, const float* dx) {
+  float acc = 0.0f;
+  for (int64_t i = 0; i < cols / 256; ++i, w += 136) {
+    const float d = half_to_float(load_u16(w));
+    for (int g = 0; g < 8; ++g) {
+      const int64_t b = 8 * i + g;
+      int S = 0;
+      for (int k = 0; k < 32; ++k)
+        S += tables::kvalues_iq4nl[(w[8 + 16 * g + k % 16] >> (4 * (k / 16))) & 0xf] * qx[32 * b + k];
+      float fs = d * static_cast<float>(iq4xs_scale(w, g));
+      __asm__("" : "+x"(fs));  // each product rounded on its own (no contraction)
+      float f = fs * dx[b];
+      __asm__("" : "+x"(f));
+      acc = std::fma(static_cast<float>(S), f, acc);
+    }
+  }
+  return acc;
+}
+
 }  // namespace
 
-void token_lanes(const ActQ8& a, int64_t t0, int64_t t1, uint8_t* xg, float* dxg) {
+void token_lanes(const ActQ8& a, int64_t t0, int64_t t1, uint8_t* xg, float* dxg, float* xsg) {
   const int64_t nb = a.cols / 32;
   // 4 codes at a time: + 128 on each byte is a flip of its top bit
-  const auto put = [&](int64_t t, const int8_t* q, const float* d) {
+  const auto put = [&](int64_t t, const int8_t* q, const float* d, const int16_t* s) {
     const int64_t g = t / 16, l = t % 16;
     for (int64_t b = 0; b < nb; ++b) {
       uint8_t* run = xg + (g * nb + b) * 512 + 4 * l;
@@ -304,32 +361,37 @@ void token_lanes(const ActQ8& a, int64_t t0, int64_t t1, uint8_t* xg, float* dxg
         std::memcpy(run + 64 * j, &v, 4);
       }
       dxg[(g * nb + b) * 16 + l] = d ? d[b] : 0.0f;
+      if (xsg) xsg[(g * nb + b) * 16 + l] = d ? token_xs(d[b], s[2 * b], s[2 * b + 1]) : 0.0f;
     }
   };
-  for (int64_t t = t0; t < t1; ++t) put(t, a.qt(t), a.dt(t));
+  for (int64_t t = t0; t < t1; ++t) put(t, a.qt(t), a.dt(t), a.st(t));
   if (t1 == a.n_tok)
-    for (int64_t t = a.n_tok; t % 16 != 0; ++t) put(t, nullptr, nullptr);
+    for (int64_t t = a.n_tok; t % 16 != 0; ++t) put(t, nullptr, nullptr, nullptr);
 }
 
-TokenLanes token_lanes_of(const ActQ8& a) {
+TokenLanes token_lanes_of(const ActQ8& a, bool with_xs) {
   const int64_t groups = (a.n_tok + 15) / 16;
-  if (a.tok16) return {a.xg.data(), a.dxg.data(), groups};
+  if (a.tok16 && (!with_xs || a.tok16_xs)) return {a.xg.data(), a.dxg.data(), a.xsg.data(), groups};
   thread_local std::vector<uint8_t> xg;
-  thread_local std::vector<float> dxg;
+  thread_local std::vector<float> dxg, xsg;
   xg.resize(static_cast<size_t>(groups * 16 * a.cols));
   dxg.resize(static_cast<size_t>(groups * 16 * (a.cols / 32)));
-  token_lanes(a, 0, a.n_tok, xg.data(), dxg.data());
-  return {xg.data(), dxg.data(), groups};
+  if (with_xs) xsg.resize(dxg.size());
+  token_lanes(a, 0, a.n_tok, xg.data(), dxg.data(), with_xs ? xsg.data() : nullptr);
+  return {xg.data(), dxg.data(), with_xs ? xsg.data() : nullptr, groups};
 }
 
 void matmul_q8_scalar_avx512(const MatmulArgs& m, const ActQ8& a) {
-  if (m.type != GgmlType::Q8_0) {
+  if (!has_tok16(m.type)) {
     matmul_q8_scalar(m, a);
     return;
   }
   for (int64_t r = m.row_begin; r < m.row_end; ++r) {
     const uint8_t* w = m.W + static_cast<size_t>(r) * m.row_bytes;
-    for (int64_t t = 0; t < m.n_tok; ++t) m.y[t * m.ldy + r] = dot_q8_0_serial(w, m.cols, a.qt(t), a.dt(t));
+    for (int64_t t = 0; t < m.n_tok; ++t)
+      m.y[t * m.ldy + r] = m.type == GgmlType::Q8_0   ? dot_q8_0_serial(w, m.cols, a.qt(t), a.dt(t))
+                           : m.type == GgmlType::Q4_K ? dot_q4_k_serial(w, m.cols, a.qt(t), a.dt(t), a.st(t))
+                                                      : dot_iq4_xs_serial(w, m.cols, a.qt(t), a.dt(t));
   }
 }
 
