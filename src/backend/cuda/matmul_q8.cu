@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -344,10 +345,16 @@ __device__ __forceinline__ void load_pair(const uint8_t* __restrict__ p, bool tw
   }
 }
 
-/// Rows per block of the mat-vec for a matrix of `rows` rows: 4 (more blocks, so that a small
-/// matrix still spreads over the SMs) below kVSmallBelow blocks of 16, else 16. The rows a
-/// block holds change no element's operations.
-__host__ __device__ constexpr int mv_rows_per_block(int64_t rows) {
+/// Rows per block of the mat-vec for a matrix of `rows` rows (host side; the plan and the launch
+/// both ask it): 4 (more blocks, so that a small matrix still spreads over the SMs) below
+/// kVSmallBelow blocks of 16, else 16. STRATA_CUDA_MV_ROWS=16 or =4 forces one (comparisons).
+/// The rows a block holds change no element's operations.
+int mv_rows_per_block(int64_t rows) {
+  static const int forced = [] {
+    const char* e = std::getenv("STRATA_CUDA_MV_ROWS");
+    return e && std::string(e) == "16" ? kVRows : e && std::string(e) == "4" ? kVRowsSmall : 0;
+  }();
+  if (forced) return forced;
   return (rows + kVRows - 1) / kVRows < kVSmallBelow ? kVRowsSmall : kVRows;
 }
 
