@@ -233,6 +233,23 @@ inline __m512i reduce_rows(const __m512i (&z)[8]) {
                           _mm512_shuffle_i64x2(q[0], q[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+/// The 16 rows' exact int32 sums of one 32-column block against one token's codes q (32 bytes):
+/// wz[i] holds rows i and i + 8 (their codes, as the caller prepared them), dot4 per row pair,
+/// then reduce_rows. Shared by the Q8_0 and the Q4_K / IQ4_XS mat-vecs.
+template <bool VNNI>
+inline __m512i block_sums16(const int8_t* q, const __m512i (&wz)[8]) {
+  const __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+  __m512i xe = x, xo = x;
+  if constexpr (!VNNI) {
+    xe = _mm512_srai_epi16(_mm512_slli_epi16(x, 8), 8);
+    xo = _mm512_srai_epi16(x, 8);
+  }
+  __m512i z[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) z[i] = dot4<VNNI>(_mm512_setzero_si512(), wz[i], x, xe, xo);
+  return reduce_rows(z);
+}
+
 /// Which row of the 16 each lane of reduce_rows' result holds (found by running it on row tags).
 const std::array<int, 16>& row_of_lane() {
   static const std::array<int, 16> map = [] {
@@ -276,19 +293,9 @@ void matvec16(const uint8_t* const* w, int64_t nb, const int8_t* q, const float*
     }
 #pragma GCC unroll 4
     for (int t = 0; t < TB; ++t) {
-      const __m512i x =
-          _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + t * cols + 32 * b)));
-      __m512i xe = x, xo = x;
-      if constexpr (!VNNI) {
-        xe = _mm512_srai_epi16(_mm512_slli_epi16(x, 8), 8);
-        xo = _mm512_srai_epi16(x, 8);
-      }
-      __m512i z[8];
-#pragma GCC unroll 8
-      for (int i = 0; i < 8; ++i) z[i] = dot4<VNNI>(_mm512_setzero_si512(), wz[i], x, xe, xo);
       // S_b = sum (qw + 128) qx - 128 sum qx
       const int sx = s[t * 2 * nb + 2 * b] + s[t * 2 * nb + 2 * b + 1];
-      const __m512i S = _mm512_sub_epi32(reduce_rows(z), _mm512_set1_epi32(128 * sx));
+      const __m512i S = _mm512_sub_epi32(block_sums16<VNNI>(q + t * cols + 32 * b, wz), _mm512_set1_epi32(128 * sx));
       const __m512 f = _mm512_mul_ps(dw, _mm512_set1_ps(d[t * nb + b]));  // dw_b * dx_b, rounded
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), f, acc[t]);
     }
@@ -397,17 +404,7 @@ void matvec16_sb(const uint8_t* const* w, __m512i off, int64_t nsb, const int8_t
         const __m512 fv = _mm512_load_ps(fs[s]);
 #pragma GCC unroll 4
         for (int t = 0; t < TB; ++t) {
-          const __m512i x =
-              _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + t * cols + 32 * b)));
-          __m512i xe = x, xo = x;
-          if constexpr (!VNNI) {
-            xe = _mm512_srai_epi16(_mm512_slli_epi16(x, 8), 8);
-            xo = _mm512_srai_epi16(x, 8);
-          }
-          __m512i z[8];
-#pragma GCC unroll 8
-          for (int p = 0; p < 8; ++p) z[p] = dot4<VNNI>(_mm512_setzero_si512(), wz[p], x, xe, xo);
-          __m512i S = reduce_rows(z);
+          __m512i S = block_sums16<VNNI>(q + t * cols + 32 * b, wz);
           if constexpr (!Q4K)
             S = _mm512_sub_epi32(S, _mm512_set1_epi32(128 * (s16[t * 2 * nb + 2 * b] + s16[t * 2 * nb + 2 * b + 1])));
           const __m512 f = _mm512_mul_ps(fv, _mm512_set1_ps(d[t * nb + b]));  // (d sc) * dx, rounded
