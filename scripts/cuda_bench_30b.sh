@@ -32,7 +32,8 @@ run() {  # name, extra flags
 # vram (every expert in VRAM only), vram-mma2 (the same with the ldmatrix staging, no profiler),
 # next80b (the Qwen3-Next-80B-A3B shape, Q2_K, 6.5 GiB arena from NVMe, prediction on and off),
 # hostmoe (every expert in VRAM, STRATA_CUDA_HOST_MOE=1: decode's MoE layers driven from the host),
-# prof (every expert in VRAM with STRATA_CUDA_PROFILE=1).
+# prof (every expert in VRAM with STRATA_CUDA_PROFILE=1), mvold (every expert in VRAM, the
+# q8 mat-vec without the 16-byte staging: STRATA_CUDA_MV16=0).
 vram_done=0
 vram() { [ $vram_done = 1 ] || run vram; vram_done=1; }
 for set in ${RUNS:-basic}; do
@@ -57,6 +58,8 @@ for set in ${RUNS:-basic}; do
       STRATA_CUDA_MMA=2 run vram-mma2-noprof ;;
     hostmoe)  # every expert in VRAM, each decode MoE layer driven from the host (the path before moe_on_device)
       STRATA_CUDA_HOST_MOE=1 run vram-hostmoe ;;
+    mvold)  # every expert in VRAM with the q8 mat-vec of before the 16-byte staging
+      STRATA_CUDA_MV16=0 run vram-mvold ;;
     prof)  # every expert in VRAM with STRATA_CUDA_PROFILE=1 (per-call device time, host waits)
       STRATA_CUDA_PROFILE=1 run vram-prof
       grep -A40 "cuda profile" "$OUT/bench_vram-prof.err" | head -60 ;;
@@ -66,6 +69,6 @@ for set in ${RUNS:-basic}; do
         --tokenizer-from "$MODELS/qwen3moe-code-Q8_0.gguf" --json | tee "$OUT/synth80b.json"
       M=$N80 run next80b-predict-on --arena-mb 6656 --host-cache-mb 0 --cold
       M=$N80 run next80b-predict-off --arena-mb 6656 --host-cache-mb 0 --cold --predict off ;;
-    *) echo "unknown RUNS set '$set' (basic, tiers, nvme, mma2, vram, vram-mma2, next80b, hostmoe, prof)"; exit 2 ;;
+    *) echo "unknown RUNS set '$set' (basic, tiers, nvme, mma2, vram, vram-mma2, next80b, hostmoe, prof, mvold)"; exit 2 ;;
   esac
 done

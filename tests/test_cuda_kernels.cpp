@@ -1119,9 +1119,12 @@ TEST(CudaKernels, MatmulQ8EqualsHostDefinition) {
     int64_t rows, cols;
     size_t rb;
   };
-  // 608 columns: 19 blocks (646 bytes: 2-byte aligned rows; 656: 16-byte aligned); 2048: 2176 bytes;
-  // 4250 rows: the mat-vec's 16-row blocks (fewer rows take its 4-row blocks)
-  const Shape shapes[] = {{203, 608, 646}, {203, 608, 656}, {130, 2048, 2176}, {77, 4160, 4432}, {4250, 160, 170}};
+  // 608 columns: 19 blocks (646 bytes: 2-byte aligned rows; 656: 16-byte aligned, the mat-vec's
+  // 16-byte staging, 8 rows a block); 2048: 2176 bytes (one stage of that staging); 4160: two stages
+  // and 2 blocks; 4250 rows: the 2-byte aligned mat-vec's 16-row blocks (fewer rows take its 4-row
+  // blocks), and 16-byte aligned
+  const Shape shapes[] = {{203, 608, 646},  {203, 608, 656},  {130, 2048, 2176},
+                          {77, 4160, 4432}, {4250, 160, 170}, {4250, 160, 176}};
   for (const Shape& sh : shapes) {
     const auto w = q8_rows(sh.rows, sh.cols, sh.rb, rng);
     auto dw = upload(w);

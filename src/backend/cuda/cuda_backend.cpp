@@ -1266,7 +1266,7 @@ const CudaBackend::DeviceMoeTable& CudaBackend::moe_table(const backend::DeviceM
   const int64_t F = w0.gate.rows();
   std::vector<const void*> ptrs(size_t(3 * n));
   std::vector<GroupedMatmulJob> gu(static_cast<size_t>(n)), dn(static_cast<size_t>(n));
-  bool al8_gu = true, al8_dn = true, al4 = true;
+  bool al8_gu = true, al8_dn = true, al4 = true, al16_gu = true, al16_dn = true;
   for (int64_t e = 0; e < n; ++e) {
     const backend::FfnWeights& w = ws[size_t(e)];
     if (general_expert(*c.ffn, w)) return t;  // biases or the clamped SwiGLU: one expert at a time
@@ -1278,6 +1278,7 @@ const CudaBackend::DeviceMoeTable& CudaBackend::moe_table(const backend::DeviceM
     for (int p = 0; p < 3; ++p) {
       const auto a = reinterpret_cast<uintptr_t>(ptrs[size_t(3 * e + p)]);
       (p < 2 ? al8_gu : al8_dn) = (p < 2 ? al8_gu : al8_dn) && a % 8 == 0;
+      (p < 2 ? al16_gu : al16_dn) = (p < 2 ? al16_gu : al16_dn) && a % 16 == 0;
       al4 = al4 && a % 4 == 0;
     }
     gu[size_t(e)].w = w.gate.data, gu[size_t(e)].w2 = w.up.data, gu[size_t(e)].n_tok = 1;
@@ -1291,6 +1292,8 @@ const CudaBackend::DeviceMoeTable& CudaBackend::moe_table(const backend::DeviceM
   t.gemm_gu = al8_gu && t.gate_rb % 8 == 0;
   t.gemm_dn = al8_dn && t.down_rb % 8 == 0;
   t.words = al4 && t.gate_rb % 4 == 0 && t.down_rb % 4 == 0;
+  t.vec16_gu = al16_gu && t.gate_rb % 16 == 0;
+  t.vec16_dn = al16_dn && t.down_rb % 16 == 0;
   // The plans flush_experts would make for one token per expert (the tile and the weight-word
   // alignment over every expert of the layer); blocks per job = blocks / n.
   t.pgu = t.q8 ? plan_grouped_q8(gu.data(), int(n), F, E, t.gate_rb) : plan_grouped(gu.data(), int(n), F, E, true);
@@ -1391,8 +1394,8 @@ void CudaBackend::moe_grouped_on_device(const backend::DeviceMoeCall& c, const b
   const int64_t TK = T * K, E = tb.E, F = tb.F;
   const int nj = tb.n_expert;
   int64_t rb_gu = 0, rb_dn = 0;
-  const GroupedMatmulPlan pgu = plan_grouped_q8_bound(nj, TK, F, tb.gemm_gu, tb.words, rb_gu),
-                          pdn = plan_grouped_q8_bound(nj, TK, E, tb.gemm_dn, tb.words, rb_dn);
+  const GroupedMatmulPlan pgu = plan_grouped_q8_bound(nj, TK, F, tb.gemm_gu, tb.words, tb.vec16_gu, rb_gu),
+                          pdn = plan_grouped_q8_bound(nj, TK, E, tb.gemm_dn, tb.words, tb.vec16_dn, rb_dn);
   Carve cv{scratch(sz<float>(size_t(T) * size_t(nj)) + sz<int64_t>(size_t(TK)) + 2 * sz<GroupedMatmulJob>(size_t(nj)) +
                    2 * sz<float>(size_t(TK * E)) + sz<float>(size_t(TK * F)))};
   float* logits = cv.take<float>(size_t(T) * size_t(nj));

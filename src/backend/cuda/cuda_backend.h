@@ -155,8 +155,9 @@ class CudaBackend final : public backend::Backend {
     size_t gate_rb = 0, down_rb = 0;
     bool q8 = false;
     // prefill's grouped launches (moe_grouped_on_device): the q8 GEMM where every expert's rows
-    // of that projection are 8-byte aligned, else the mat-vec (32-bit word loads when 4-aligned)
-    bool gemm_gu = false, gemm_dn = false, words = false;
+    // of that projection are 8-byte aligned, else the mat-vec (32-bit word loads when 4-aligned,
+    // 16-byte staging when 16-aligned)
+    bool gemm_gu = false, gemm_dn = false, words = false, vec16_gu = false, vec16_dn = false;
     GroupedMatmulPlan pgu, pdn;  // for one job; blocks = per job
   };
   std::map<std::pair<const void*, int>, DeviceMoeTable> moe_tables_;

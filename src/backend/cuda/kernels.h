@@ -160,6 +160,7 @@ struct GroupedMatmulPlan {
   int tile_tokens = 0;
   int64_t blocks = 0;
   bool words = false;  ///< plan_grouped_q8: every weight row is 4-byte aligned (the mat-vec loads 32-bit words)
+  bool vec16 = false;  ///< every weight row is 16-byte aligned (the mat-vec stages rows with 16-byte copies)
 };
 /// Fills jobs[i].block0 (host memory) for `rows` x `cols` weights and returns the plan; the tile is
 /// chosen from the largest n_tok, at most 32 for a swiglu_pair (register budget); it does not
@@ -211,8 +212,9 @@ void quantize_q8(const float* x, int64_t ldx, int64_t cols, int64_t n_tok, int8_
 /// whatever n_tok, the other tokens or the batch (tested bit for bit against a scalar host
 /// definition). Error against the exact w·x: the activation rounding (|x - dx qx| <= dx/2 per
 /// element, the CPU --act-quant q8 error) plus the fp32 fold, <= (cols/32 + 1) 2^-24 sum |w dx qx|.
-/// Kernels: MatVec, up to 8 tokens per block of 16 rows (of 4 rows below 4224 rows, for more
-/// blocks); Mma, the GEMM, blocks of 128 rows x 64
+/// Kernels: MatVec, up to 8 tokens per block of 8 rows when W and row_bytes are 16-byte aligned
+/// (each warp copies its 2 rows' bytes to shared memory with 16-byte cp.async, 2048 columns at a
+/// time), else of 16 rows (of 4 rows below 4224 rows, for more blocks); Mma, the GEMM, blocks of 128 rows x 64
 /// tokens (8 warps of 32 x 32), 4 blocks of columns per stage, a 3-stage cp.async pipeline; it
 /// needs W and row_bytes 8-byte aligned. Auto: the GEMM for n_tok > 8 when aligned, else MatVec.
 /// Requirements (CudaError otherwise): has_q8(type, cols); W 2-byte aligned, row_bytes even and
@@ -231,12 +233,13 @@ GroupedMatmulPlan plan_grouped_q8(GroupedMatmulJob* jobs, int n_jobs, int64_t ro
 /// The plan of a grouped_matmul_q8 launch whose job table is written on the device (group_pairs):
 /// `n_jobs` jobs with `n_tok` tokens in all, of `rows`-row weights. gemm: every job's weights and
 /// row_bytes are 8-byte aligned (the caller checks), so the GEMM runs, else the mat-vec; words:
-/// 4-byte aligned (the mat-vec's word loads). tile_tokens: that kernel's token tile; blocks: an
+/// 4-byte aligned (the mat-vec's word loads); vec16: 16-byte aligned (the mat-vec's 16-byte
+/// staging). tile_tokens: that kernel's token tile; blocks: an
 /// upper bound, row_blocks x (ceil(n_tok / tile) + n_jobs), the blocks past a job's tiles
 /// returning at once; row_blocks: one job's row blocks, which the device numbering multiplies by
 /// each job's token tiles. Either kernel gives the same bits. Throws CudaError for a bound above
 /// 2^31 - 1 blocks.
-GroupedMatmulPlan plan_grouped_q8_bound(int n_jobs, int64_t n_tok, int64_t rows, bool gemm, bool words,
+GroupedMatmulPlan plan_grouped_q8_bound(int n_jobs, int64_t n_tok, int64_t rows, bool gemm, bool words, bool vec16,
                                         int64_t& row_blocks);
 
 /// Every job's matmul_q8 in one launch (bit-identical with matmul_q8 on each job's rows alone):

@@ -346,15 +346,22 @@ __device__ __forceinline__ void load_pair(const uint8_t* __restrict__ p, bool tw
 }
 
 /// Rows per block of the mat-vec for a matrix of `rows` rows (host side; the plan and the launch
-/// both ask it): 4 (more blocks, so that a small matrix still spreads over the SMs) below
-/// kVSmallBelow blocks of 16, else 16. STRATA_CUDA_MV_ROWS=16 or =4 forces one (comparisons).
-/// The rows a block holds change no element's operations.
-int mv_rows_per_block(int64_t rows) {
+/// both ask it): kWRowsBlock (mv16_q8_kernel) when every weight row is 16-byte aligned (vec16),
+/// else 4 (more blocks, so that a small matrix still spreads over the SMs) below kVSmallBelow
+/// blocks of 16, else 16 (mv_tile). STRATA_CUDA_MV_ROWS=16 or =4 forces mv_tile with that many,
+/// STRATA_CUDA_MV16=0 the choice without the 16-byte staging (comparisons). The rows a block holds and the kernel change no element's operations.
+constexpr int kWRowsBlockFwd = 8;  // = kWRowsBlock (mv16_q8_kernel, below)
+int mv_rows_per_block(int64_t rows, bool vec16) {
   static const int forced = [] {
     const char* e = std::getenv("STRATA_CUDA_MV_ROWS");
     return e && std::string(e) == "16" ? kVRows : e && std::string(e) == "4" ? kVRowsSmall : 0;
   }();
+  static const bool no16 = [] {
+    const char* e = std::getenv("STRATA_CUDA_MV16");
+    return e && std::string(e) == "0";
+  }();
   if (forced) return forced;
+  if (vec16 && !no16) return kWRowsBlockFwd;
   return (rows + kVRows - 1) / kVRows < kVSmallBelow ? kVRowsSmall : kVRows;
 }
 
@@ -442,6 +449,128 @@ __global__ void __launch_bounds__(NTH)
                     cols, t.r0, xq + t.t0 * cols, xd + t.t0 * (cols / 32), t.nt, y + t.t0 * ldy, ldy);
 }
 
+// ---- mat-vec with 16-byte staging (rows 16-byte aligned), up to 8 tokens ----
+//
+// The same arithmetic as mv_tile, another data path. A warp owns kWRows rows (of both matrices
+// with DUAL) and no block barrier: per stage of 64 Q8_0 blocks it copies each row's 2176 bytes
+// into its shared memory with coalesced 16-byte cp.async (a warp instruction covers 512
+// contiguous bytes; mv_tile's per-thread 68-byte pairs cost a cache wavefront per 4 bytes and
+// lane), then lane l takes block pair l of every row from shared memory (68-byte stride: 17
+// words, an odd count, so the 32 lanes hit 32 banks), forms the exact block sums for each token
+// with __dp4a, leaves them in the same shared memory, and lanes (row, token) fold them in column
+// order. Needs W (and W2) and row_bytes 16-byte aligned.
+
+constexpr int kWRows = 2;                         // rows per warp
+constexpr int kWWarps = 4;                        // warps per block
+constexpr int kWRowsBlock = kWRows * kWWarps;     // rows per block
+static_assert(kWRowsBlock == kWRowsBlockFwd, "mv_rows_per_block names this block size");
+// Per (matrix, row) stream of a warp: a stage's 2176 bytes of weights, then (over them) the block
+// sums of token t at t * kWTokBytes (66 words: the fold lanes (row, token) read 8 tokens of a row in
+// 8 banks) and the 64 block scales at kWScales; the stream stride (592 words, 16 mod 32) puts the
+// other row's tokens in the other 16 banks.
+constexpr int kWTokBytes = 264;
+constexpr int kWScales = kVTok * kWTokBytes;
+constexpr int kWStreamBytes = kWScales + 64 * 4;
+static_assert(kWStreamBytes >= 64 * 34 && kWStreamBytes % 16 == 0 && (kWStreamBytes / 4) % 32 == 16,
+              "a stage's weights fit the stream's bytes, 16-byte aligned, rows in separate banks");
+template <bool DUAL>
+constexpr int mv16_smem_bytes() {
+  return kWWarps * (DUAL ? 2 : 1) * kWRows * kWStreamBytes;
+}
+
+template <bool DUAL>
+__global__ void __launch_bounds__(kWWarps * 32)
+    mv16_q8_kernel(const GroupedMatmulJob* __restrict__ jobs, int n_jobs, GroupedMatmulJob one, size_t row_bytes,
+                   int64_t rows, int cols, const int8_t* __restrict__ xq, const float* __restrict__ xd,
+                   float* __restrict__ y, int64_t ldy) {
+  constexpr int NW = DUAL ? 2 : 1, NS = NW * kWRows;  // streams: stream s = matrix s / kWRows, row s % kWRows
+  extern __shared__ __align__(16) uint8_t smem_w[];
+  const int64_t b = blockIdx.x;
+  const GroupedMatmulJob& jb = jobs ? find_job(jobs, n_jobs, b) : one;
+  const detail::JobTile t = job_tile<kWRowsBlock, kVTok>(jb, b, rows);
+  if (t.nt <= 0) return;
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const int64_t r0 = t.r0 + int64_t(warp) * kWRows;
+  if (r0 >= rows) return;  // the whole warp (warps never wait for each other)
+  uint8_t* ws = smem_w + warp * NS * kWStreamBytes;
+  const uint8_t* W[2] = {static_cast<const uint8_t*>(jb.w), static_cast<const uint8_t*>(jb.w2)};
+  const int nt = t.nt, nb = cols / 32;
+  const int8_t* xqt = xq + t.t0 * cols;
+  const float* xdt = xd + t.t0 * (cols / 32);
+  const int fr = lane % kWRows, ft = lane / kWRows;  // fold lane: row, token
+  const bool folder = ft < nt && r0 + fr < rows;
+  float acc[NW];
+#pragma unroll
+  for (int m = 0; m < NW; ++m) acc[m] = 0.0f;
+  for (int b0 = 0; b0 < nb; b0 += 64) {
+    const int nblk = min(64, nb - b0);
+    const int chunks = (nblk * 34 + 15) / 16;  // within the row: row_bytes and b0 * 34 are multiples of 16
+#pragma unroll
+    for (int s = 0; s < NS; ++s) {
+      if (r0 + s % kWRows >= rows) continue;
+      const uint8_t* src = W[s / kWRows] + (r0 + s % kWRows) * int64_t(row_bytes) + int64_t(b0) * 34;
+      for (int c = lane; c < chunks; c += 32) cp_async<16>(ws + s * kWStreamBytes + c * 16, src + c * 16, 16);
+    }
+    cp_commit();
+    cp_wait<0>();
+    __syncwarp();
+    const int P = lane;  // this lane's block pair: blocks b0 + 2P, b0 + 2P + 1
+    const bool act = 2 * P < nblk, two = 2 * P + 1 < nblk;
+    uint32_t q[NS][16];
+    float d0[NS], d1[NS];
+    if (act) {
+#pragma unroll
+      for (int s = 0; s < NS; ++s) load_pair<true>(ws + s * kWStreamBytes + 68 * P, two, q[s], d0[s], d1[s]);
+    }
+    __syncwarp();  // every lane has its codes: the sums may overwrite them
+    if (act) {
+      for (int tk = 0; tk < nt; ++tk) {
+        const uint4* xp = reinterpret_cast<const uint4*>(xqt + int64_t(tk) * cols + int64_t(b0 + 2 * P) * 32);
+        const uint4 x0 = xp[0], x1 = xp[1];
+        uint4 x2 = make_uint4(0, 0, 0, 0), x3 = x2;
+        if (two) x2 = xp[2], x3 = xp[3];
+        const uint32_t xa[16] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w,
+                                 x2.x, x2.y, x2.z, x2.w, x3.x, x3.y, x3.z, x3.w};
+#pragma unroll
+        for (int s = 0; s < NS; ++s) {
+          int s0 = 0, s1 = 0;
+#pragma unroll
+          for (int k = 0; k < 8; ++k) s0 = __dp4a(int(q[s][k]), int(xa[k]), s0);
+#pragma unroll
+          for (int k = 0; k < 8; ++k) s1 = __dp4a(int(q[s][8 + k]), int(xa[8 + k]), s1);
+          *reinterpret_cast<int2*>(ws + s * kWStreamBytes + tk * kWTokBytes + 8 * P) = make_int2(s0, s1);
+        }
+      }
+#pragma unroll
+      for (int s = 0; s < NS; ++s)
+        *reinterpret_cast<float2*>(ws + s * kWStreamBytes + kWScales + 8 * P) = make_float2(d0[s], d1[s]);
+    }
+    __syncwarp();
+    if (folder) {
+      const float* xdk = xdt + int64_t(ft) * nb + b0;
+      const int* si[NW];
+      const float* di[NW];
+#pragma unroll
+      for (int m = 0; m < NW; ++m) {
+        si[m] = reinterpret_cast<const int*>(ws + (m * kWRows + fr) * kWStreamBytes + ft * kWTokBytes);
+        di[m] = reinterpret_cast<const float*>(ws + (m * kWRows + fr) * kWStreamBytes + kWScales);
+      }
+#pragma unroll 8
+      for (int k = 0; k < nblk; ++k) {
+        const float dx = xdk[k];
+#pragma unroll
+        for (int m = 0; m < NW; ++m) acc[m] = fold(acc[m], si[m][k], di[m][k], dx);
+      }
+    }
+    __syncwarp();  // the fold has read the sums before the next stage's copies land
+  }
+  if (folder) {
+    float o = acc[0];
+    if constexpr (DUAL) o = silu_mul(o, acc[NW - 1]);
+    y[(t.t0 + ft) * ldy + r0 + fr] = o;
+  }
+}
+
 // ---- host side ----
 
 /// The dynamic shared memory the kernels need is above 48 KiB: opt in once per device.
@@ -474,6 +603,7 @@ bool gemm_aligned(const void* w, size_t row_bytes) {
   return reinterpret_cast<uintptr_t>(w) % 8 == 0 && row_bytes % 8 == 0;
 }
 bool a4(const void* w, size_t row_bytes) { return reinterpret_cast<uintptr_t>(w) % 4 == 0 && row_bytes % 4 == 0; }
+bool a16(const void* w, size_t row_bytes) { return reinterpret_cast<uintptr_t>(w) % 16 == 0 && row_bytes % 16 == 0; }
 
 void check_q8_common(const char* fn, GgmlType type, size_t row_bytes, int64_t rows, int64_t cols, const int8_t* xq,
                      const float* xd, int64_t ldy) {
@@ -490,19 +620,23 @@ void check_q8_common(const char* fn, GgmlType type, size_t row_bytes, int64_t ro
                       std::string(fn) + ": ldy=" + std::to_string(ldy) + " < rows=" + std::to_string(rows));
 }
 
+/// Launches the kernel for `rb` rows per block (mv_rows_per_block) or the GEMM.
 template <bool DUAL>
-void launch_q8(bool gemm, bool al4, bool small, unsigned grid, const GroupedMatmulJob* jobs, int n_jobs,
+void launch_q8(bool gemm, bool al4, int rb, unsigned grid, const GroupedMatmulJob* jobs, int n_jobs,
                const GroupedMatmulJob& one, size_t row_bytes, int64_t rows, int cols, const int8_t* xq, const float* xd,
                float* y, int64_t ldy, cudaStream_t st) {
   ensure_smem_attrs();
   if (gemm)
     gemm_q8_kernel<DUAL><<<grid, kGThreads, kGStages * gemm_stage_bytes<DUAL>(), st>>>(jobs, n_jobs, one, row_bytes,
                                                                                        rows, cols, xq, xd, y, ldy);
-  else if (small && al4)
+  else if (rb == kWRowsBlock)
+    mv16_q8_kernel<DUAL><<<grid, kWWarps * 32, mv16_smem_bytes<DUAL>(), st>>>(jobs, n_jobs, one, row_bytes, rows,
+                                                                             cols, xq, xd, y, ldy);
+  else if (rb == kVRowsSmall && al4)
     mv_q8_kernel<DUAL, true, kVRowsSmall, kVThreadsSmall><<<grid, kVThreadsSmall, mv_smem_bytes<DUAL, kVRowsSmall>(),
                                                             st>>>(jobs, n_jobs, one, row_bytes, rows, cols, xq, xd, y,
                                                                   ldy);
-  else if (small)
+  else if (rb == kVRowsSmall)
     mv_q8_kernel<DUAL, false, kVRowsSmall, kVThreadsSmall><<<grid, kVThreadsSmall, mv_smem_bytes<DUAL, kVRowsSmall>(),
                                                              st>>>(jobs, n_jobs, one, row_bytes, rows, cols, xq, xd, y,
                                                                    ldy);
@@ -543,7 +677,7 @@ void matmul_q8(GgmlType type, const void* W, size_t row_bytes, int64_t rows, int
                       "cuda::matmul_q8: the GEMM needs W and row_bytes 8-byte aligned");
   if (n_tok == 0) return;
   const bool gemm = path == MatmulPath::Mma || (path == MatmulPath::Auto && can_gemm && n_tok > kVTok);
-  const int rb = gemm ? kGRows : mv_rows_per_block(rows), tt = gemm ? kGTok : kVTok;
+  const int rb = gemm ? kGRows : mv_rows_per_block(rows, a16(W, row_bytes)), tt = gemm ? kGTok : kVTok;
   GroupedMatmulJob one;
   one.w = W;
   one.row0 = 0;
@@ -551,17 +685,18 @@ void matmul_q8(GgmlType type, const void* W, size_t row_bytes, int64_t rows, int
   one.block0 = 0;
   const int64_t blocks = ((rows + rb - 1) / rb) * ((n_tok + tt - 1) / tt);
   STRATA_CUDA_REQUIRE(blocks <= INT32_MAX, "cuda::matmul_q8: too many blocks");
-  launch_q8<false>(gemm, a4(W, row_bytes), rb == kVRowsSmall, unsigned(blocks), nullptr, 1, one, row_bytes, rows, int(cols), xq, xd, y,
-                   ldy, static_cast<cudaStream_t>(stream));
+  launch_q8<false>(gemm, a4(W, row_bytes), rb, unsigned(blocks), nullptr, 1, one, row_bytes, rows, int(cols), xq, xd,
+                   y, ldy, static_cast<cudaStream_t>(stream));
 }
 
-GroupedMatmulPlan plan_grouped_q8_bound(int n_jobs, int64_t n_tok, int64_t rows, bool gemm, bool words,
+GroupedMatmulPlan plan_grouped_q8_bound(int n_jobs, int64_t n_tok, int64_t rows, bool gemm, bool words, bool vec16,
                                         int64_t& row_blocks) {
   STRATA_CUDA_REQUIRE(n_jobs >= 1 && n_tok >= 0 && rows > 0, "cuda::plan_grouped_q8_bound: bad shape");
   GroupedMatmulPlan p;
   p.tile_tokens = gemm ? kGTok : kVTok;
-  p.words = gemm || words;  // 8-byte aligned rows are 4-byte aligned
-  const int64_t rb = gemm ? kGRows : mv_rows_per_block(rows);
+  p.words = gemm || words || vec16;  // 8- and 16-byte aligned rows are 4-byte aligned
+  p.vec16 = vec16;
+  const int64_t rb = gemm ? kGRows : mv_rows_per_block(rows, vec16);
   row_blocks = (rows + rb - 1) / rb;
   p.blocks = row_blocks * ((n_tok + p.tile_tokens - 1) / p.tile_tokens + n_jobs);
   STRATA_CUDA_REQUIRE(p.blocks >= 1 && p.blocks <= int64_t(INT32_MAX), "cuda::plan_grouped_q8_bound: too many blocks");
@@ -581,9 +716,12 @@ GroupedMatmulPlan plan_grouped_q8(GroupedMatmulJob* jobs, int n_jobs, int64_t ro
   GroupedMatmulPlan p;
   p.tile_tokens = aligned && max_n > kVTok ? kGTok : kVTok;
   p.words = row_bytes % 4 == 0;
-  for (int i = 0; i < n_jobs; ++i)
+  p.vec16 = row_bytes % 16 == 0;
+  for (int i = 0; i < n_jobs; ++i) {
     p.words = p.words && a4(jobs[i].w, row_bytes) && (!jobs[i].w2 || a4(jobs[i].w2, row_bytes));
-  const int64_t rb = p.tile_tokens == kGTok ? kGRows : mv_rows_per_block(rows);
+    p.vec16 = p.vec16 && a16(jobs[i].w, row_bytes) && (!jobs[i].w2 || a16(jobs[i].w2, row_bytes));
+  }
+  const int64_t rb = p.tile_tokens == kGTok ? kGRows : mv_rows_per_block(rows, p.vec16);
   p.blocks = detail::assign_job_blocks(jobs, n_jobs, (rows + rb - 1) / rb, p.tile_tokens);
   STRATA_CUDA_REQUIRE(p.blocks <= int64_t(INT32_MAX), "cuda::plan_grouped_q8: too many blocks");
   return p;
@@ -600,12 +738,13 @@ void grouped_matmul_q8(const GroupedMatmulPlan& plan, GgmlType type, const Group
   const bool al4 = plan.words;  // the plan saw the (host) table's pointers
   GroupedMatmulJob one;
   auto st = static_cast<cudaStream_t>(stream);
+  const int rb = gemm ? kGRows : mv_rows_per_block(rows, plan.vec16);
   if (swiglu_pair)
-    launch_q8<true>(gemm, al4, !gemm && mv_rows_per_block(rows) == kVRowsSmall, unsigned(plan.blocks), jobs, n_jobs, one, row_bytes, rows, int(cols), xq, xd, y, ldy,
-                    st);
+    launch_q8<true>(gemm, al4, rb, unsigned(plan.blocks), jobs, n_jobs, one, row_bytes, rows, int(cols), xq, xd, y,
+                    ldy, st);
   else
-    launch_q8<false>(gemm, al4, !gemm && mv_rows_per_block(rows) == kVRowsSmall, unsigned(plan.blocks), jobs, n_jobs, one, row_bytes, rows, int(cols), xq, xd, y, ldy,
-                     st);
+    launch_q8<false>(gemm, al4, rb, unsigned(plan.blocks), jobs, n_jobs, one, row_bytes, rows, int(cols), xq, xd, y,
+                     ldy, st);
 }
 
 }  // namespace strata::cuda

@@ -14,8 +14,9 @@ constexpr unsigned kFull = 0xffffffffu;
 constexpr int kMaxWarpsPerBlock = 4;
 constexpr size_t kSmemPerBlock = 48 * 1024;  // the default dynamic shared memory limit
 
-// Floats of shared memory one warp uses: probabilities, scores, group scores, group flags.
-__host__ __device__ size_t warp_floats(int n_expert) { return 2 * size_t(n_expert) + 2 * size_t(kMaxRouteGroups); }
+// 4-byte words of shared memory one warp uses: probabilities, scores, the chosen ids (top_k <=
+// n_expert), group scores, group flags.
+__host__ __device__ size_t warp_floats(int n_expert) { return 3 * size_t(n_expert) + 2 * size_t(kMaxRouteGroups); }
 
 // exp in double, rounded once to float: the correctly rounded expf except within 1 double ulp
 // of a float midpoint (CUDA's double exp is within 1 ulp; CUDA C Programming Guide, "Double-
@@ -27,12 +28,13 @@ __device__ __forceinline__ void keep_better(float& v, int& id, float v2, int id2
   if (id2 >= 0 && (id < 0 || v2 > v || (v2 == v && id2 < id))) v = v2, id = id2;
 }
 
-/// Token t's top_k pair jobs (PairJobs) from its ids, lane k writing pairs k, k + 32, ... (after a
-/// __syncwarp that orders lane 0's ids before these reads); ok == false: expert 0 for each.
-__device__ void write_pair_jobs(const PairJobs& pj, const int32_t* ids, int64_t t, int K, bool ok, int lane) {
+/// Token t's top_k pair jobs (PairJobs) from its ids (ids[k], k < K: shared memory, after a
+/// __syncwarp that orders lane 0's writes before these reads), lane k writing pairs k, k + 32, ...;
+/// ok == false: expert 0 for each (ids unread).
+__device__ void write_pair_jobs(const PairJobs& pj, const int* ids, int64_t t, int K, bool ok, int lane) {
   for (int k = lane; k < K; k += 32) {
     const int64_t j = t * K + k;
-    const int e = ok ? ids[j] : 0;
+    const int e = ok ? ids[k] : 0;
     GroupedMatmulJob g;
     g.w = pj.table[3 * e];
     g.w2 = pj.table[3 * e + 1];
@@ -59,7 +61,8 @@ __global__ void select_topk_kernel(RouteSpec sp, const float* __restrict__ logit
   const int n = sp.n_expert, K = sp.top_k;
   float* p = smem + size_t(warp) * warp_floats(n);
   float* s = p + n;
-  float* gs = s + n;
+  int* sid = reinterpret_cast<int*>(s + n);  // the chosen ids, in order
+  float* gs = s + 2 * n;
   int* gok = reinterpret_cast<int*>(gs + kMaxRouteGroups);
   const float* l = logits + t * ld;
 
@@ -75,7 +78,7 @@ __global__ void select_topk_kernel(RouteSpec sp, const float* __restrict__ logit
   const int code = nan ? 1 : sp.gating == 1 ? 0 : pinf ? 2 : fin ? 0 : 3;
   if (lane == 0) out.status[t] = code;
   if (code) {
-    if (pj.table) write_pair_jobs(pj, out.ids, t, sp.top_k, false, lane);
+    if (pj.table) write_pair_jobs(pj, sid, t, sp.top_k, false, lane);
     return;
   }
 
@@ -154,41 +157,44 @@ __global__ void select_topk_kernel(RouteSpec sp, const float* __restrict__ logit
     }
     if (lane == 0) {
       if (r < K)
-        out.ids[t * K + r] = bi;
+        sid[r] = bi;
       else
         next_id = bi;
       s[bi] = NAN;
     }
     __syncwarp();
   }
-  if (pj.table) write_pair_jobs(pj, out.ids, t, K, true, lane);  // the loop ended on a __syncwarp
-  if (lane != 0) return;
+  // the loop ended on a __syncwarp: sid is complete for every lane
+  if (pj.table) write_pair_jobs(pj, sid, t, K, true, lane);
+  for (int k = lane; k < K; k += 32) out.ids[t * K + k] = sid[k];
 
-  // Probabilities and weights of the chosen, as the host computes them.
-  const int32_t* id = out.ids + t * K;
+  // Probabilities and weights of the chosen, as the host computes them: the sums in double over
+  // k in order (every lane forms the same sum), then lane k's element.
   if (sp.gating == 2) {
-    float mx = l[id[0]];
-    for (int k = 1; k < K; ++k) mx = fmaxf(mx, l[id[k]]);
+    float mx = l[sid[0]];
+    for (int k = 1; k < K; ++k) mx = fmaxf(mx, l[sid[k]]);
+    for (int k = lane; k < K; k += 32) p[k] = exp_rounded(__fsub_rn(l[sid[k]], mx));  // p is free here
+    __syncwarp();
     double sum = 0;
-    for (int k = 0; k < K; ++k) sum += double(exp_rounded(__fsub_rn(l[id[k]], mx)));
+    for (int k = 0; k < K; ++k) sum += double(p[k]);
     const float inv = float(1.0 / sum);
-    for (int k = 0; k < K; ++k) {
-      const float v = __fmul_rn(exp_rounded(__fsub_rn(l[id[k]], mx)), inv);
+    for (int k = lane; k < K; k += 32) {
+      const float v = __fmul_rn(p[k], inv);
       out.probs[t * K + k] = out.weights[t * K + k] = v;
     }
-    out.next_prob[t] = next_id >= 0 ? __fmul_rn(exp_rounded(__fsub_rn(l[next_id], mx)), inv) : 0.0f;
+    if (lane == 0) out.next_prob[t] = next_id >= 0 ? __fmul_rn(exp_rounded(__fsub_rn(l[next_id], mx)), inv) : 0.0f;
     return;
   }
   double sum = 0;
-  for (int k = 0; k < K; ++k) sum += double(p[id[k]]);
-  for (int k = 0; k < K; ++k) {
-    const float pk = p[id[k]];
+  for (int k = 0; k < K; ++k) sum += double(p[sid[k]]);
+  for (int k = lane; k < K; k += 32) {
+    const float pk = p[sid[k]];
     float w = sp.norm_topk ? float(double(pk) / sum) : pk;
     if (sp.weights_scale != 1.0f) w = __fmul_rn(w, sp.weights_scale);
     out.probs[t * K + k] = pk;
     out.weights[t * K + k] = w;
   }
-  out.next_prob[t] = next_id >= 0 ? p[next_id] : 0.0f;
+  if (lane == 0) out.next_prob[t] = next_id >= 0 ? p[next_id] : 0.0f;
 }
 
 }  // namespace
