@@ -28,3 +28,5 @@ has bench && OUT=$OUT/bench RUNS="${RUNS:-vram mvold}" bash "$REPO/scripts/cuda_
 echo "== ncu at $(( $(date +%s) - t0 )) s"
 has ncu && OUT=$OUT/ncu bash "$REPO/scripts/cuda_ncu_run.sh"
 echo "done at $(( $(date +%s) - t0 )) s"
+# one archive of every log (the device tool brings back a limited number of files)
+tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")" 2>/dev/null

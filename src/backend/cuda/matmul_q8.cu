@@ -473,9 +473,25 @@ constexpr int kWScales = kVTok * kWTokBytes;
 constexpr int kWStreamBytes = kWScales + 64 * 4;
 static_assert(kWStreamBytes >= 64 * 34 && kWStreamBytes % 16 == 0 && (kWStreamBytes / 4) % 32 == 16,
               "a stage's weights fit the stream's bytes, 16-byte aligned, rows in separate banks");
+constexpr int kWXdBytes = kVTok * 64 * 4;  // per warp: the stage's activation scales of each token
 template <bool DUAL>
 constexpr int mv16_smem_bytes() {
-  return kWWarps * (DUAL ? 2 : 1) * kWRows * kWStreamBytes;
+  return kWWarps * ((DUAL ? 2 : 1) * kWRows * kWStreamBytes + kWXdBytes);
+}
+
+/// find_job by one warp: lanes read 32 jobs' block0 at a time (one memory round trip instead of a
+/// chain of log2(n_jobs)), the last job starting at or before b wins. Every lane gets the index.
+__device__ __forceinline__ int find_job_warp(const GroupedMatmulJob* __restrict__ jobs, int n_jobs, int64_t b,
+                                             int lane) {
+  int found = 0;
+  for (int j0 = 0; j0 < n_jobs; j0 += 32) {
+    const int j = j0 + lane;
+    const bool le = j < n_jobs && jobs[j].block0 <= b;
+    const unsigned m = __ballot_sync(0xffffffffu, le);
+    if (m) found = j0 + 31 - __clz(int(m));
+    if (m != 0xffffffffu) break;  // block0 increases with j: no later job starts at or before b
+  }
+  return found;
 }
 
 template <bool DUAL>
@@ -486,13 +502,14 @@ __global__ void __launch_bounds__(kWWarps * 32)
   constexpr int NW = DUAL ? 2 : 1, NS = NW * kWRows;  // streams: stream s = matrix s / kWRows, row s % kWRows
   extern __shared__ __align__(16) uint8_t smem_w[];
   const int64_t b = blockIdx.x;
-  const GroupedMatmulJob& jb = jobs ? find_job(jobs, n_jobs, b) : one;
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const GroupedMatmulJob& jb = jobs ? jobs[find_job_warp(jobs, n_jobs, b, lane)] : one;
   const detail::JobTile t = job_tile<kWRowsBlock, kVTok>(jb, b, rows);
   if (t.nt <= 0) return;
-  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   const int64_t r0 = t.r0 + int64_t(warp) * kWRows;
   if (r0 >= rows) return;  // the whole warp (warps never wait for each other)
-  uint8_t* ws = smem_w + warp * NS * kWStreamBytes;
+  uint8_t* ws = smem_w + warp * (NS * kWStreamBytes + kWXdBytes);
+  float* xds = reinterpret_cast<float*>(ws + NS * kWStreamBytes);  // [kVTok][64]
   const uint8_t* W[2] = {static_cast<const uint8_t*>(jb.w), static_cast<const uint8_t*>(jb.w2)};
   const int nt = t.nt, nb = cols / 32;
   const int8_t* xqt = xq + t.t0 * cols;
@@ -511,11 +528,20 @@ __global__ void __launch_bounds__(kWWarps * 32)
       const uint8_t* src = W[s / kWRows] + (r0 + s % kWRows) * int64_t(row_bytes) + int64_t(b0) * 34;
       for (int c = lane; c < chunks; c += 32) cp_async<16>(ws + s * kWStreamBytes + c * 16, src + c * 16, 16);
     }
+    for (int i = lane; i < nt * nblk; i += 32)  // the fold's activation scales, with the weights
+      cp_async<4>(xds + (i / nblk) * 64 + i % nblk, xdt + int64_t(i / nblk) * nb + b0 + i % nblk, 4);
     cp_commit();
-    cp_wait<0>();
-    __syncwarp();
     const int P = lane;  // this lane's block pair: blocks b0 + 2P, b0 + 2P + 1
     const bool act = 2 * P < nblk, two = 2 * P + 1 < nblk;
+    // token 0's codes while the copies are in flight
+    uint4 xf[4] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+    if (act) {
+      const uint4* xp = reinterpret_cast<const uint4*>(xqt + int64_t(b0 + 2 * P) * 32);
+      xf[0] = xp[0], xf[1] = xp[1];
+      if (two) xf[2] = xp[2], xf[3] = xp[3];
+    }
+    cp_wait<0>();
+    __syncwarp();
     uint32_t q[NS][16];
     float d0[NS], d1[NS];
     if (act) {
@@ -525,10 +551,12 @@ __global__ void __launch_bounds__(kWWarps * 32)
     __syncwarp();  // every lane has its codes: the sums may overwrite them
     if (act) {
       for (int tk = 0; tk < nt; ++tk) {
-        const uint4* xp = reinterpret_cast<const uint4*>(xqt + int64_t(tk) * cols + int64_t(b0 + 2 * P) * 32);
-        const uint4 x0 = xp[0], x1 = xp[1];
-        uint4 x2 = make_uint4(0, 0, 0, 0), x3 = x2;
-        if (two) x2 = xp[2], x3 = xp[3];
+        uint4 x0 = xf[0], x1 = xf[1], x2 = xf[2], x3 = xf[3];
+        if (tk > 0) {
+          const uint4* xp = reinterpret_cast<const uint4*>(xqt + int64_t(tk) * cols + int64_t(b0 + 2 * P) * 32);
+          x0 = xp[0], x1 = xp[1];
+          if (two) x2 = xp[2], x3 = xp[3];
+        }
         const uint32_t xa[16] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w,
                                  x2.x, x2.y, x2.z, x2.w, x3.x, x3.y, x3.z, x3.w};
 #pragma unroll
@@ -547,7 +575,7 @@ __global__ void __launch_bounds__(kWWarps * 32)
     }
     __syncwarp();
     if (folder) {
-      const float* xdk = xdt + int64_t(ft) * nb + b0;
+      const float* xdk = xds + ft * 64;
       const int* si[NW];
       const float* di[NW];
 #pragma unroll
