@@ -33,7 +33,8 @@ run() {  # name, extra flags
 # next80b (the Qwen3-Next-80B-A3B shape, Q2_K, 6.5 GiB arena from NVMe, prediction on and off),
 # hostmoe (every expert in VRAM, STRATA_CUDA_HOST_MOE=1: decode's MoE layers driven from the host),
 # prof (every expert in VRAM with STRATA_CUDA_PROFILE=1), mvold (every expert in VRAM, the
-# q8 mat-vec without the 16-byte staging: STRATA_CUDA_MV16=0).
+# q8 mat-vec without the 16-byte staging: STRATA_CUDA_MV16=0), fdold (every expert in VRAM, decode
+# attention on fa_kernel: STRATA_CUDA_FA_DECODE=0).
 vram_done=0
 vram() { [ $vram_done = 1 ] || run vram; vram_done=1; }
 for set in ${RUNS:-basic}; do
@@ -60,6 +61,8 @@ for set in ${RUNS:-basic}; do
       STRATA_CUDA_HOST_MOE=1 run vram-hostmoe ;;
     mvold)  # every expert in VRAM with the q8 mat-vec of before the 16-byte staging
       STRATA_CUDA_MV16=0 run vram-mvold ;;
+    fdold)  # every expert in VRAM with decode attention on fa_kernel (before fa_decode_kernel)
+      STRATA_CUDA_FA_DECODE=0 run vram-fdold ;;
     prof)  # every expert in VRAM with STRATA_CUDA_PROFILE=1 (per-call device time, host waits)
       STRATA_CUDA_PROFILE=1 run vram-prof
       grep -A40 "cuda profile" "$OUT/bench_vram-prof.err" | head -60 ;;
@@ -69,6 +72,6 @@ for set in ${RUNS:-basic}; do
         --tokenizer-from "$MODELS/qwen3moe-code-Q8_0.gguf" --json | tee "$OUT/synth80b.json"
       M=$N80 run next80b-predict-on --arena-mb 6656 --host-cache-mb 0 --cold
       M=$N80 run next80b-predict-off --arena-mb 6656 --host-cache-mb 0 --cold --predict off ;;
-    *) echo "unknown RUNS set '$set' (basic, tiers, nvme, mma2, vram, vram-mma2, next80b, hostmoe, prof, mvold)"; exit 2 ;;
+    *) echo "unknown RUNS set '$set' (basic, tiers, nvme, mma2, vram, vram-mma2, next80b, hostmoe, prof, mvold, fdold)"; exit 2 ;;
   esac
 done

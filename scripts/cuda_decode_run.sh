@@ -2,9 +2,10 @@
 # One device call for decode work on the CUDA backend (issue 13), end to end: builds strata and the
 # CUDA tests and runs them on the family test models (scripts/cuda_family_run.sh STEPS="build
 # tests"), the q8 mat-vec timings with the default kernels and with STRATA_CUDA_MV16=0 (the
-# kernel of before the 16-byte staging) side by side, the 30B-shape bench with every expert in VRAM both ways
-# (scripts/cuda_bench_30b.sh RUNS="vram mvold"), then per-kernel times from Nsight Compute
-# (scripts/cuda_ncu_run.sh; DETAIL: a kernel-name regex for its stall sections). Logs in $OUT.
+# kernel of before the 16-byte staging) and the attention timings with and without
+# fa_decode_kernel (STRATA_CUDA_FA_DECODE=0) side by side, the 30B-shape bench with every expert in
+# VRAM both ways (scripts/cuda_bench_30b.sh RUNS="vram fdold"), then per-kernel times from Nsight
+# Compute (scripts/cuda_ncu_run.sh; DETAIL: a kernel-name regex for its stall sections). Logs in $OUT.
 #   STEPS  any of "tests timings bench ncu" (default: all); BUDGET: seconds for the build and tests
 set -u
 REPO=${REPO:-$(pwd)}
@@ -20,11 +21,15 @@ OUT=$OUT/fam STEPS="$T" BUDGET=${BUDGET:-330} bash "$REPO/scripts/cuda_family_ru
 if has timings; then
   for mv in auto old; do
     env $([ $mv = old ] && echo STRATA_CUDA_MV16=0) STRATA_CUDA_BENCH=1 timeout 60 "$B/tests/test_cuda_kernels" \
-      --gtest_filter='*Timings*' 2>&1 | grep "timing matmul \(Q8_0\|BF16\)" | sed "s/^/mv $mv: /" | tee -a "$OUT/timings.log"
+      --gtest_filter='CudaKernels.Timings' 2>&1 | grep "timing matmul \(Q8_0\|BF16\)" | sed "s/^/mv $mv: /" | tee -a "$OUT/timings.log"
+  done
+  for fd in auto old; do
+    env $([ $fd = old ] && echo STRATA_CUDA_FA_DECODE=0) STRATA_CUDA_BENCH=1 timeout 60 "$B/tests/test_cuda_kernels" \
+      --gtest_filter='*AttentionTimings*' 2>&1 | grep "timing attention" | sed "s/^/fa $fd: /" | tee -a "$OUT/timings.log"
   done
 fi
 echo "== bench at $(( $(date +%s) - t0 )) s"
-has bench && OUT=$OUT/bench RUNS="${RUNS:-vram mvold}" bash "$REPO/scripts/cuda_bench_30b.sh" --no-build
+has bench && OUT=$OUT/bench RUNS="${RUNS:-vram fdold}" bash "$REPO/scripts/cuda_bench_30b.sh" --no-build
 echo "== ncu at $(( $(date +%s) - t0 )) s"
 has ncu && OUT=$OUT/ncu bash "$REPO/scripts/cuda_ncu_run.sh"
 echo "done at $(( $(date +%s) - t0 )) s"

@@ -2,7 +2,7 @@
 # Per-kernel device durations of CUDA decode (issue 13) from Nsight Compute, which replays each
 # kernel alone (so launch gaps and host time are excluded): `strata run --backend cuda --preload`
 # on a layer cut of the 30B shape (LAYERS, default 4; every expert resident, so decode's MoE layers
-# run on the device), PROMPT_TOKENS prompt ids (64) and N decode tokens (8). Prints, per kernel
+# run on the device), PROMPT_TOKENS prompt ids (64), N decode tokens (8) and context CTX (1024). Prints, per kernel
 # name and grid, the launches and average / total microseconds, largest total first. Needs a
 # built strata in $BUILD. Logs in $OUT.
 set -u
@@ -14,7 +14,7 @@ M=${MODEL:-/tmp/q30b-q8-l${LAYERS:-4}.gguf}
   --tokenizer-from "$MODELS/qwen3moe-code-Q8_0.gguf" > "$OUT/ncu_synth.log" 2>&1 || { tail -5 "$OUT/ncu_synth.log"; exit 1; }
 ids=$(python3 -c "print(','.join(str(100 + 7 * i) for i in range(${PROMPT_TOKENS:-64})))")
 timeout "${NCU_TIMEOUT:-240}" "$NCU" --csv --print-units base --clock-control none --cache-control none --metrics gpu__time_duration.sum "$B/strata" run -m "$M" \
-  --backend cuda --preload --prompt-ids "$ids" -n "${N:-8}" --temp 0 -c 1024 > "$OUT/ncu.csv" 2> "$OUT/ncu.err"
+  --backend cuda --preload --prompt-ids "$ids" -n "${N:-8}" --temp 0 -c "${CTX:-1024}" > "$OUT/ncu.csv" 2> "$OUT/ncu.err"
 echo "ncu rc $?"
 python3 - "$OUT/ncu.csv" <<'PY'
 import csv, sys, collections
@@ -38,8 +38,8 @@ PY
 if [ -n "${DETAIL:-}" ]; then
   timeout 120 "$NCU" -k "regex:$DETAIL" --launch-skip "${DETAIL_SKIP:-12}" -c "${DETAIL_COUNT:-2}" \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section MemoryWorkloadAnalysis "$B/strata" run -m "$M" --backend cuda --preload --prompt-ids "$ids" -n 4 --temp 0 \
-    -c 1024 > "$OUT/ncu_detail.txt" 2>&1
+    --section MemoryWorkloadAnalysis ${DETAIL_SECTIONS:-} "$B/strata" run -m "$M" --backend cuda --preload --prompt-ids "$ids" -n 4 --temp 0 \
+    -c "${CTX:-1024}" > "$OUT/ncu_detail.txt" 2>&1
   echo "ncu detail rc $?"
   grep -vE '^\s*$' "$OUT/ncu_detail.txt" | grep -vE '^(==PROF==|strata:)' | tail -120
 fi

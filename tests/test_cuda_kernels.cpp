@@ -822,7 +822,7 @@ TEST(CudaKernels, AttentionMmaOddLengthsGroupsAndChunking) {
   };
   for (Case c : {Case{32, 4, 128, 2049, 0, false}, Case{12, 4, 64, 2049, 0, false}, Case{10, 2, 128, 300, 0, false},
                  Case{8, 8, 64, 17, 0, false}, Case{16, 2, 64, 1, 0, false}, Case{64, 8, 64, 2049, 128, true},
-                 Case{16, 4, 128, 15, 0, true}}) {
+                 Case{16, 4, 128, 15, 0, true}, Case{32, 2, 128, 300, 0, false}}) {
     SCOPED_TRACE("heads " + std::to_string(c.n_head) + "/" + std::to_string(c.n_head_kv) + " dim " +
                  std::to_string(c.head_dim) + " n_tok " + std::to_string(c.n_tok) + " window " +
                  std::to_string(c.window));

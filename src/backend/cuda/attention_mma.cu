@@ -3,6 +3,7 @@
 #include <cuda_bf16.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <string>
 
 #include "backend/cuda/attention_mma.h"
@@ -14,7 +15,7 @@ namespace strata::cuda::detail {
 namespace {
 
 constexpr int kFaWarps = 4;              // warps per block, 16 query rows each
-constexpr int kFaRows = kAttnMmaRows;     // query rows per block
+constexpr int kFaRows = kAttnMmaRows;    // query rows per block
 constexpr int kFaTile = 32;              // cache positions per tile
 constexpr int kFaSeg = kAttnMmaSegment;  // cache positions per segment (fresh softmax state)
 constexpr int kFaPieces = 3;             // x = hi + mid + lo, each bf16
@@ -328,41 +329,330 @@ __global__ void __launch_bounds__(kFaWarps * 32, 2)
   }
 }
 
+// ---- decode: few query rows, the product transposed ----
+//
+// With n_tok * group <= 16 query rows (decode), fa_kernel's 16-row mma tiles are at most half
+// used and each block's one live warp does a whole segment alone. fa_decode_kernel computes the
+// same per-element operations with the roles of the mma operands swapped: S^T = K Q^T (m = 16
+// cache positions, n = 8 query rows, k = 16 dims) and O^T = V^T P^T (m = 16 dims, n = 8 rows,
+// k = 16 positions). An mma output element is the sum of the same 16 exact bf16 x bf16 products
+// in the same k order either way (products commute), the six piece products of a step keep their
+// (i, j) order and every fp32 add and the softmax are the same expressions in the same order, so
+// the results are the bits of fa_kernel's split path (tested: AttentionMmaOddLengthsGroupsAndChunking
+// compares decode with the one-pass prefill bit for bit). One block of 4 warps per (KV head,
+// segment): K and V come to shared memory as fp32 with cp.async (no bf16 staging pass), warps 0
+// and 1 form S^T for positions 0-15 and 16-31, warp 0 the softmax, and the 4 warps O^T for a
+// quarter of the dims each; the pieces are split from the fp32 values as each fragment is loaded.
+
+constexpr int kFdWarps = 4;  // warps per block (one segment)
+
+template <int HD, int NR>
+struct FdShape {
+  static constexpr int kKLd = HD + 8;       // floats per K row: A-fragment float2 reads conflict-free
+  static constexpr int kVLd = HD + 4;       // floats per V row: V^T fragment reads conflict-free
+  static constexpr int kPLd = kFaTile + 8;  // floats per row of the scores / probabilities
+  static constexpr int kRows = 8 * NR;      // query rows per block
+  static constexpr size_t kSmem = sizeof(float) * size_t(kFaTile * kKLd + kFaTile * kVLd + kRows * kPLd + kRows);
+};
+
+/// The four register pairs v[r] of an A fragment as the three pieces' registers a[piece][r].
+__device__ __forceinline__ void fd_split_frag(const float2 v[4], uint32_t a[3][4]) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    uint32_t w[3];
+    fa_split_pair(v[r].x, v[r].y, w);
+    a[0][r] = w[0], a[1][r] = w[1], a[2][r] = w[2];
+  }
+}
+/// acc += the six piece products from 0 of one 16-long step (fa_mma6x4's (i, j) order, with the
+/// B operand holding piece i and the A operand piece j), added elementwise in fp32.
+__device__ __forceinline__ void fd_mma6_add(float acc[4], const uint32_t a[3][4], const uint32_t b[3][2]) {
+  constexpr int kI[6] = {2, 1, 0, 1, 0, 0}, kJ[6] = {0, 1, 2, 0, 1, 0};
+  float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int p = 0; p < 6; ++p) fa_mma(t, a[kJ[p]], b[kI[p]][0], b[kI[p]][1]);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) acc[e] = __fadd_rn(acc[e], t[e]);
+}
+
+/// Split-KV decode attention, the operations of fa_kernel's split path for blocks of <= 8 NR
+/// query rows: block (kv head blockIdx.x, rows [8 NR blockIdx.y, + 8 NR), segment blockIdx.z).
+/// Writes the same partial states [m, l, o[HD]] for fa_combine.
+/// Lane (g = lane / 4, tq = lane % 4): S^T / O^T accumulators hold positions (dims) g, g + 8 of an
+/// m-tile and rows 2 tq, 2 tq + 1 of an n-tile; the softmax lanes hold row g (+ 8 i) and the
+/// positions 8 j + 2 tq + c, j < 4, c < 2, as in fa_kernel.
+template <int HD, int NR>
+__global__ void __launch_bounds__(kFdWarps * 32)
+    fa_decode_kernel(AttentionArgs a, int group, float* __restrict__ part, int n_seg) {
+  using S = FdShape<HD, NR>;
+  constexpr int KS = HD / 16, KLD = S::kKLd, VLD = S::kVLd, PLD = S::kPLd, NROW = S::kRows, CH = HD / 4;
+  extern __shared__ __align__(16) float fd_smem[];
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) & 31, g = lane >> 2, tq = lane & 3;
+  const int64_t sg = int64_t(blockIdx.z);
+  float* Ks = fd_smem;             // [pos][KLD]
+  float* Vs = Ks + kFaTile * KLD;  // [pos][VLD]
+  float* Ps = Vs + kFaTile * VLD;  // [row][PLD]: scores, then probabilities
+  float* Cs = Ps + NROW * PLD;     // [row]: the softmax's correction factor
+  const int kvh = int(blockIdx.x);
+  const int64_t n_rows = a.n_tok * group;
+  const int64_t R0 = int64_t(blockIdx.y) * NROW;
+  const int64_t Rb_last = (R0 + NROW < n_rows ? R0 + NROW : n_rows) - 1;
+  const int64_t p_max = a.pos0 + Rb_last / group;
+  const int64_t bF = fa_first_pos(a.pos0 + R0 / group, a.window);
+  const int64_t kb = sg * kFaSeg;                   // one tile per segment
+  if (kb > p_max || kb + kFaTile - 1 < bF) return;  // no row of the block sees the segment (block-uniform)
+  const int64_t s_end = kb + kFaTile - 1 < p_max ? kb + kFaTile - 1 : p_max;
+  // K, then V, of positions kb..kb+31 (zeros past s_end, as fa_kernel stages them).
+  {
+    const float* kbase = a.k + int64_t(kvh) * HD;
+    const float* vbase = a.v + int64_t(kvh) * HD;
+    for (int i = int(threadIdx.x); i < kFaTile * CH; i += kFdWarps * 32) {
+      const int p = i / CH, c = i % CH;
+      const bool in = kb + p <= s_end;
+      cp_async<16>(Ks + p * KLD + 4 * c, kbase + (in ? kb + p : kb) * a.kv_stride + 4 * c, in ? 16 : 0);
+    }
+    cp_commit();
+    for (int i = int(threadIdx.x); i < kFaTile * CH; i += kFdWarps * 32) {
+      const int p = i / CH, c = i % CH;
+      const bool in = kb + p <= s_end;
+      cp_async<16>(Vs + p * VLD + 4 * c, vbase + (in ? kb + p : kb) * a.kv_stride + 4 * c, in ? 16 : 0);
+    }
+    cp_commit();
+  }
+  // Q^T as B fragments (k = dims, n = row g of n-tile nr), split into pieces, while K and V land
+  // (warps 0 and 1).
+  uint32_t qb[NR][KS][3][2];
+#pragma unroll
+  for (int nr = 0; nr < NR && warp < 2; ++nr) {
+    const int64_t R = R0 + 8 * nr + g;
+    const float* qr = nullptr;
+    if (R < n_rows) {
+      const int64_t t = R / group;
+      qr = a.q + t * a.q_stride + (int64_t(kvh) * group + R % group) * HD;
+    }
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      float2 lo = make_float2(0.0f, 0.0f), hi = lo;
+      if (qr)
+        lo = *reinterpret_cast<const float2*>(qr + 16 * ks + 2 * tq),
+        hi = *reinterpret_cast<const float2*>(qr + 16 * ks + 2 * tq + 8);
+      uint32_t w[3];
+      fa_split_pair(lo.x, lo.y, w);
+      qb[nr][ks][0][0] = w[0], qb[nr][ks][1][0] = w[1], qb[nr][ks][2][0] = w[2];
+      fa_split_pair(hi.x, hi.y, w);
+      qb[nr][ks][0][1] = w[0], qb[nr][ks][1][1] = w[1], qb[nr][ks][2][1] = w[2];
+    }
+  }
+  cp_wait<1>();
+  __syncthreads();  // every thread's K copies have landed
+  if (warp < 2) {
+    // S^T = K Q^T: per 16-dim step the six piece products from 0 (Q piece i, K piece j), added to
+    // the scores in fp32 in step order.
+    const int mt = warp;  // positions 16 mt .. 16 mt + 15
+    float Sc[NR][4];
+#pragma unroll
+    for (int nr = 0; nr < NR; ++nr) Sc[nr][0] = Sc[nr][1] = Sc[nr][2] = Sc[nr][3] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {  // unrolled: qb is indexed by ks (registers)
+      {
+        const float* kr = Ks + (16 * mt + g) * KLD + 16 * ks + 2 * tq;
+        const float2 kv[4] = {*reinterpret_cast<const float2*>(kr), *reinterpret_cast<const float2*>(kr + 8 * KLD),
+                              *reinterpret_cast<const float2*>(kr + 8),
+                              *reinterpret_cast<const float2*>(kr + 8 * KLD + 8)};
+        uint32_t ka[3][4];
+        fd_split_frag(kv, ka);
+#pragma unroll
+        for (int nr = 0; nr < NR; ++nr) fd_mma6_add(Sc[nr], ka, qb[nr][ks]);
+      }
+    }
+    // The scores to [row][pos]: element (pos 16 mt + g (+ 8), row 8 nr + 2 tq + c).
+#pragma unroll
+    for (int nr = 0; nr < NR; ++nr)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        float* pr = Ps + (8 * nr + 2 * tq + c) * PLD + 16 * mt + g;
+        pr[0] = Sc[nr][c], pr[8] = Sc[nr][2 + c];
+      }
+  }
+  __syncthreads();
+  // Online softmax from a fresh state (m = -inf, l = 0), fa_kernel's expressions and order.
+  float mrow[NR], lrow[NR];  // warp 0
+#pragma unroll
+  for (int i = 0; i < NR && warp == 0; ++i) {
+    const int row = 8 * i + g;
+    const int64_t R = R0 + row;
+    const bool vr = R < n_rows;
+    const int64_t Pr = a.pos0 + (vr ? R / group : 0), Fr = fa_first_pos(Pr, a.window);
+    float* prow = Ps + row * PLD;
+    float sv[4][2];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int64_t pos = kb + 8 * j + 2 * tq + c;
+        const bool live = vr && pos <= Pr && pos >= Fr;
+        const float s = live ? __fmul_rn(prow[8 * j + 2 * tq + c], a.scale) : -INFINITY;
+        sv[j][c] = s;
+        mx = fmaxf(mx, s);
+      }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m0 = -INFINITY, l0 = 0.0f;
+    const float mn = fmaxf(m0, mx);
+    const float corr = mn == -INFINITY ? 1.0f : expf(__fsub_rn(m0, mn));
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const float s = sv[j][c];
+        const float e = s == -INFINITY ? 0.0f : expf(__fsub_rn(s, mn));
+        prow[8 * j + 2 * tq + c] = e;
+        sum = __fadd_rn(sum, e);
+      }
+    sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
+    sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
+    lrow[i] = __fadd_rn(__fmul_rn(l0, corr), sum);
+    mrow[i] = mn;
+    if (tq == 0) Cs[row] = corr;
+  }
+  cp_wait<0>();
+  __syncthreads();  // the probabilities, the factors and every V copy
+  // P^T as B fragments (k = positions 16 kk + 2 tq (+ 8), n = row g of n-tile nr), split.
+  uint32_t pb[NR][2][3][2];
+#pragma unroll
+  for (int nr = 0; nr < NR; ++nr)
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      const float* pr = Ps + (8 * nr + g) * PLD + 16 * kk + 2 * tq;
+      uint32_t w[3];
+      fa_split_pair(pr[0], pr[1], w);
+      pb[nr][kk][0][0] = w[0], pb[nr][kk][1][0] = w[1], pb[nr][kk][2][0] = w[2];
+      fa_split_pair(pr[8], pr[9], w);
+      pb[nr][kk][0][1] = w[0], pb[nr][kk][1][1] = w[1], pb[nr][kk][2][1] = w[2];
+    }
+  float corr[NR][2];
+#pragma unroll
+  for (int nr = 0; nr < NR; ++nr) corr[nr][0] = Cs[8 * nr + 2 * tq], corr[nr][1] = Cs[8 * nr + 2 * tq + 1];
+  // The lane's rows that see the segment (and get a partial state): their partial-state rows, or null.
+  auto state = [&](int row) -> float* {
+    const int64_t R = R0 + row;
+    if (R >= n_rows) return nullptr;
+    const int64_t Pr = a.pos0 + R / group;
+    if (sg < fa_first_pos(Pr, a.window) / kFaSeg || sg > Pr / kFaSeg) return nullptr;
+    return part + ((int64_t(kvh) * n_rows + R) * n_seg + sg) * (HD + 2);
+  };
+  float* ost[NR][2];
+#pragma unroll
+  for (int nr = 0; nr < NR; ++nr) ost[nr][0] = state(8 * nr + 2 * tq), ost[nr][1] = state(8 * nr + 2 * tq + 1);
+  // O^T = V^T P^T per 16-dim m-tile: o = o corr (o = 0 at a segment's start), then per 16-position
+  // step the six piece products from 0 (P piece i, V piece j), added in fp32 in step order.
+  constexpr int kMt = HD / 16 / kFdWarps;  // 16-dim m-tiles per warp
+  static_assert(kMt >= 1 && HD / 16 % kFdWarps == 0, "the warps split the dims evenly");
+#pragma unroll
+  for (int mt = warp * kMt; mt < warp * kMt + kMt; ++mt) {
+    float o[NR][4];
+#pragma unroll
+    for (int nr = 0; nr < NR; ++nr)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[nr][e] = __fmul_rn(0.0f, corr[nr][e & 1]);
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      const float* vr0 = Vs + (16 * kk + 2 * tq) * VLD + 16 * mt + g;
+      // (dim g, positions 2 tq, + 1), dim g + 8, positions + 8, both
+      const float2 vv[4] = {make_float2(vr0[0], vr0[VLD]), make_float2(vr0[8], vr0[VLD + 8]),
+                            make_float2(vr0[8 * VLD], vr0[9 * VLD]), make_float2(vr0[8 * VLD + 8], vr0[9 * VLD + 8])};
+      uint32_t va[3][4];
+      fd_split_frag(vv, va);
+#pragma unroll
+      for (int nr = 0; nr < NR; ++nr) fd_mma6_add(o[nr], va, pb[nr][kk]);
+    }
+    // element (dim 16 mt + g (+ 8 for e >= 2), row 8 nr + 2 tq + (e & 1))
+#pragma unroll
+    for (int nr = 0; nr < NR; ++nr)
+#pragma unroll
+      for (int c = 0; c < 2; ++c)
+        if (float* pr = ost[nr][c]) pr[2 + 16 * mt + g] = o[nr][c], pr[2 + 16 * mt + g + 8] = o[nr][2 + c];
+  }
+#pragma unroll
+  for (int i = 0; i < NR; ++i)
+    if (warp == 0 && tq == 0)
+      if (float* pr = state(8 * i + g)) pr[0] = mrow[i], pr[1] = lrow[i];
+}
+
 /// Block (row R = blockIdx.x, kv head blockIdx.y), thread d = one output dimension: folds the
 /// row's segment states fa_first_pos(P) / kFaSeg .. P / kFaSeg in order (the one-pass kernel's
-/// fold), then the sink, out = O / L.
+/// fold_ml / fold_o sequence), then the sink, out = O / L. Only the chains L and O are serial:
+/// per batch of 32 segments, warp 0 forms the running maxima M_s with a prefix scan (max is exact
+/// in any order, so M_s is the serial fold's value) and each segment's factors
+/// ca = e^(M_{s-1} - M_s), cb = e^(m_s - M_s) in parallel; then every thread folds its O (thread
+/// 0 also L) over the batch with those factors, the same fmul / fadd in the same order.
 template <int HD>
 __global__ void fa_combine(AttentionArgs a, int group, const float* __restrict__ part, int n_seg) {
+  constexpr int kBatch = 32;
+  __shared__ float s_ca[kBatch], s_cb[kBatch], s_l[kBatch], s_ML[2];
   const int64_t R = int64_t(blockIdx.x), n_rows = a.n_tok * group;
-  const int kvh = int(blockIdx.y), d = int(threadIdx.x);
+  const int kvh = int(blockIdx.y), d = int(threadIdx.x), lane = d & 31;
   const int64_t t = R / group;
   const int h = kvh * group + int(R % group);
   const int64_t P = a.pos0 + t, fs = fa_first_pos(P, a.window) / kFaSeg;
-  float M = 0.0f, L = 0.0f, O = 0.0f;
-  // The segments in batches of kBatch: every load of a batch is issued before its folds, so a
-  // long cache (256 segments at 8192 positions) waits for memory once per batch, not per segment.
-  // The folds are the same sequence as one at a time.
-  constexpr int kBatch = 8;
   const float* row = part + (int64_t(kvh) * n_rows + R) * n_seg * (HD + 2);
   const int64_t last = P / kFaSeg;
+  float M = 0.0f, L = 0.0f, O = 0.0f;  // M: warp 0's carry; L: thread 0's
   for (int64_t s0 = fs; s0 <= last; s0 += kBatch) {
-    float m[kBatch], l[kBatch], o[kBatch];
+    const int cnt = int(last - s0 + 1 < kBatch ? last - s0 + 1 : kBatch);
+    const bool first = s0 == fs;
+    float o[kBatch];  // every load of the batch in flight before the folds
 #pragma unroll
     for (int i = 0; i < kBatch; ++i)
-      if (s0 + i <= last) {
-        const float* pr = row + (s0 + i) * (HD + 2);
-        m[i] = pr[0], l[i] = pr[1], o[i] = pr[2 + d];
-      }
+      if (i < cnt) o[i] = row[(s0 + i) * (HD + 2) + 2 + d];
+    if (d < 32) {
+      const bool in = lane < cnt;
+      const float m = in ? row[(s0 + lane) * (HD + 2)] : -INFINITY;
+      const float l = in ? row[(s0 + lane) * (HD + 2) + 1] : 0.0f;
+      float sc = m;  // inclusive prefix max over the batch
 #pragma unroll
-    for (int i = 0; i < kBatch; ++i)
-      if (s0 + i <= last) {
-        float ca, cb;
-        fa_fold_ml(s0 + i == fs, M, L, m[i], l[i], ca, cb);
-        O = fa_fold_o(s0 + i == fs, O, o[i], ca, cb);
+      for (int off = 1; off < 32; off *= 2) {
+        const float v = __shfl_up_sync(0xffffffffu, sc, off);
+        if (lane >= off) sc = fmaxf(sc, v);
       }
+      const float Ms = first ? sc : fmaxf(M, sc);  // M after segment s0 + lane
+      float Mp = __shfl_up_sync(0xffffffffu, Ms, 1);
+      if (lane == 0) Mp = M;
+      float ca, cb;
+      if (first && lane == 0)
+        ca = 0.0f, cb = 1.0f;
+      else
+        ca = expf(__fsub_rn(Mp, Ms)), cb = expf(__fsub_rn(m, Ms));
+      s_ca[lane] = ca, s_cb[lane] = cb, s_l[lane] = l;
+      M = __shfl_sync(0xffffffffu, Ms, cnt - 1);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {  // unrolled: o stays in registers
+      if (i >= cnt) break;
+      const bool f = first && i == 0;
+      const float ca = s_ca[i], cb = s_cb[i];
+      O = fa_fold_o(f, O, o[i], ca, cb);
+      if (d == 0) L = f ? s_l[i] : __fadd_rn(__fmul_rn(L, ca), __fmul_rn(s_l[i], cb));
+    }
+    __syncthreads();  // the batch's factors are read before the next batch writes them
   }
+  if (d == 0) s_ML[0] = M, s_ML[1] = L;
+  __syncthreads();
+  M = s_ML[0], L = s_ML[1];
   const float cs = fa_fold_sink(a.sinks, h, M, L);
   a.out[t * a.out_stride + int64_t(h) * HD + d] = fa_final(a.sinks, O, cs, L);
+}
+
+/// STRATA_CUDA_FA_DECODE=0 keeps decode on fa_kernel (for before / after measurements).
+bool fd_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("STRATA_CUDA_FA_DECODE");
+    return !(e && std::string(e) == "0");
+  }();
+  return on;
 }
 
 template <int HD>
@@ -379,8 +669,19 @@ void launch_fa(const AttentionArgs& a, int group, cudaStream_t st) {
   if (plan.split) {
     STRATA_CUDA_REQUIRE(plan.n_seg <= 65535, "cuda::attention (mma): more than 65535 segments");
     float* part = acquire_part(a, plan.bytes, st);
-    const dim3 grid(unsigned(a.n_head_kv), unsigned(gy), unsigned(plan.n_seg));
-    fa_kernel<HD><<<grid, kFaWarps * 32, S::kSmem, st>>>(a, group, part, int(plan.n_seg));
+    if (n_rows <= 16 && fd_enabled()) {  // decode: the transposed kernel (the same bits)
+      const dim3 grid(unsigned(a.n_head_kv), 1u, unsigned(plan.n_seg));
+      if (n_rows <= 8) {
+        opt_in_smem(reinterpret_cast<const void*>(fa_decode_kernel<HD, 1>), int(FdShape<HD, 1>::kSmem));
+        fa_decode_kernel<HD, 1><<<grid, kFdWarps * 32, FdShape<HD, 1>::kSmem, st>>>(a, group, part, int(plan.n_seg));
+      } else {
+        opt_in_smem(reinterpret_cast<const void*>(fa_decode_kernel<HD, 2>), int(FdShape<HD, 2>::kSmem));
+        fa_decode_kernel<HD, 2><<<grid, kFdWarps * 32, FdShape<HD, 2>::kSmem, st>>>(a, group, part, int(plan.n_seg));
+      }
+    } else {
+      const dim3 grid(unsigned(a.n_head_kv), unsigned(gy), unsigned(plan.n_seg));
+      fa_kernel<HD><<<grid, kFaWarps * 32, S::kSmem, st>>>(a, group, part, int(plan.n_seg));
+    }
     STRATA_CUDA_CHECK_LAUNCH();
     const dim3 cgrid(unsigned(n_rows), unsigned(a.n_head_kv));
     fa_combine<HD><<<cgrid, HD, 0, st>>>(a, group, part, int(plan.n_seg));

@@ -53,6 +53,23 @@ __device__ __forceinline__ JobTile job_tile(const GroupedMatmulJob& jb, int64_t 
   return {rb * RB, t0, int(min(int64_t(TOK), jb.row0 + jb.n_tok - t0))};
 }
 
+/// The shared-memory address of p (a generic pointer into shared memory).
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+/// cp.async (Ampere and later) of `bytes` (4, 8 or 16) with src_bytes (< bytes: the rest zero-filled).
+template <int BYTES>
+__device__ __forceinline__ void cp_async(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(smem_addr(dst)), "l"(src), "n"(BYTES),
+               "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 /// Four 8x8 b16 matrices from shared memory (ldmatrix .x4; TRANS: .trans, each matrix
 /// transposed): lane l gives the address of row l % 8 of matrix l / 8 (16-byte aligned); r[j]
 /// receives matrix j's elements (row lane / 4, columns 2 (lane % 4) and + 1; transposed with TRANS),

@@ -74,6 +74,10 @@ __device__ __forceinline__ float silu_mul(float g, float u) {
 
 using detail::find_job;  // device_common.cuh
 using detail::job_tile;
+using detail::cp_async;
+using detail::cp_commit;
+using detail::cp_wait;
+using detail::smem_addr;
 
 // ---- int8 tensor-core GEMM (Q8_0) ----
 
@@ -90,22 +94,6 @@ constexpr int kGDBytes = kGTok * kGKb * 4;
 template <bool DUAL>
 constexpr int gemm_stage_bytes() {
   return (DUAL ? 2 : 1) * kGWBytes + kGXBytes + kGDBytes;
-}
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-/// cp.async of `bytes` (4, 8 or 16) with src_bytes (< bytes: the rest zero-filled).
-template <int BYTES>
-__device__ __forceinline__ void cp_async(void* dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(smem_addr(dst)), "l"(src), "n"(BYTES),
-               "r"(src_bytes)
-               : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 /// The 4 bytes at p of shared memory, p 4-byte aligned (ALIGNED) or 2 bytes past an aligned word.
