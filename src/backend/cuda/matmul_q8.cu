@@ -77,7 +77,6 @@ using detail::job_tile;
 using detail::cp_async;
 using detail::cp_commit;
 using detail::cp_wait;
-using detail::smem_addr;
 
 // ---- int8 tensor-core GEMM (Q8_0) ----
 
