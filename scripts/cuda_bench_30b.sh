@@ -34,7 +34,8 @@ run() {  # name, extra flags
 # hostmoe (every expert in VRAM, STRATA_CUDA_HOST_MOE=1: decode's MoE layers driven from the host),
 # prof (every expert in VRAM with STRATA_CUDA_PROFILE=1), mvold (every expert in VRAM, the
 # q8 mat-vec without the 16-byte staging: STRATA_CUDA_MV16=0), fdold (every expert in VRAM, decode
-# attention on fa_kernel: STRATA_CUDA_FA_DECODE=0).
+# attention on fa_kernel: STRATA_CUDA_FA_DECODE=0), pdloff (every expert in VRAM, launches
+# without programmatic dependent launch: STRATA_CUDA_PDL=0).
 vram_done=0
 vram() { [ $vram_done = 1 ] || run vram; vram_done=1; }
 for set in ${RUNS:-basic}; do
@@ -63,6 +64,8 @@ for set in ${RUNS:-basic}; do
       STRATA_CUDA_MV16=0 run vram-mvold ;;
     fdold)  # every expert in VRAM with decode attention on fa_kernel (before fa_decode_kernel)
       STRATA_CUDA_FA_DECODE=0 run vram-fdold ;;
+    pdloff)  # every expert in VRAM, kernels launched without programmatic dependent launch
+      STRATA_CUDA_PDL=0 run vram-pdloff ;;
     prof)  # every expert in VRAM with STRATA_CUDA_PROFILE=1 (per-call device time, host waits)
       STRATA_CUDA_PROFILE=1 run vram-prof
       grep -A40 "cuda profile" "$OUT/bench_vram-prof.err" | head -60 ;;

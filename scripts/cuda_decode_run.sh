@@ -4,7 +4,7 @@
 # tests"), the q8 mat-vec timings with the default kernels and with STRATA_CUDA_MV16=0 (the
 # kernel of before the 16-byte staging) and the attention timings with and without
 # fa_decode_kernel (STRATA_CUDA_FA_DECODE=0) side by side, the 30B-shape bench with every expert in
-# VRAM both ways (scripts/cuda_bench_30b.sh RUNS="vram fdold"), then per-kernel times from Nsight
+# VRAM with and without programmatic dependent launch (scripts/cuda_bench_30b.sh RUNS="vram pdloff"), then per-kernel times from Nsight
 # Compute (scripts/cuda_ncu_run.sh; DETAIL: a kernel-name regex for its stall sections). Logs in $OUT.
 #   STEPS  any of "tests timings bench ncu" (default: all); BUDGET: seconds for the build and tests
 set -u
@@ -29,7 +29,7 @@ if has timings; then
   done
 fi
 echo "== bench at $(( $(date +%s) - t0 )) s"
-has bench && OUT=$OUT/bench RUNS="${RUNS:-vram fdold}" bash "$REPO/scripts/cuda_bench_30b.sh" --no-build
+has bench && OUT=$OUT/bench RUNS="${RUNS:-vram pdloff}" bash "$REPO/scripts/cuda_bench_30b.sh" --no-build
 echo "== ncu at $(( $(date +%s) - t0 )) s"
 has ncu && OUT=$OUT/ncu bash "$REPO/scripts/cuda_ncu_run.sh"
 echo "done at $(( $(date +%s) - t0 )) s"

@@ -9,6 +9,7 @@
 
 #include "backend/cuda/attention_mma.h"
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/launch.cuh"
 
 namespace strata::cuda {
 
@@ -64,6 +65,7 @@ __device__ __forceinline__ void fold_sink(const float* sinks, int h, float M, fl
 template <int DPL>
 __global__ void __launch_bounds__(kAttnWarps * 32)
     attention_kernel(AttentionArgs a, int group, float* __restrict__ part, int n_seg) {
+  detail::grid_dependency_enter();
   const int seg = part ? int(blockIdx.z) : -1;
   constexpr int HD = 32 * DPL;
   extern __shared__ float smem[];
@@ -170,6 +172,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
 /// as attention_kernel does in one pass), out = O / L.
 template <int DPL>
 __global__ void attention_combine(AttentionArgs a, int group, const float* __restrict__ part, int n_seg) {
+  detail::grid_dependency_enter();
   constexpr int HD = 32 * DPL;
   const int64_t R = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = int(threadIdx.x) & 31;
@@ -207,16 +210,16 @@ void launch_attention(const AttentionArgs& a, int group, cudaStream_t st) {
     const int n_seg = int(plan.n_seg);
     float* part = detail::acquire_part(a, plan.bytes, st);
     const dim3 grid(unsigned(a.n_head_kv), unsigned(gy), unsigned(n_seg));
-    attention_kernel<DPL><<<grid, kAttnWarps * 32, smem, st>>>(a, group, part, n_seg);
+    detail::launch(attention_kernel<DPL>, grid, kAttnWarps * 32, smem, st, a, group, part, n_seg);
     STRATA_CUDA_CHECK_LAUNCH();
     const dim3 cgrid(unsigned((n_rows + 3) / 4), unsigned(a.n_head_kv));
-    attention_combine<DPL><<<cgrid, 128, 0, st>>>(a, group, part, n_seg);
+    detail::launch(attention_combine<DPL>, cgrid, 128, 0, st, a, group, part, n_seg);
     STRATA_CUDA_CHECK_LAUNCH();
     detail::release_part(a, part, st);
     return;
   }
   const dim3 grid(unsigned(a.n_head_kv), unsigned(gy));
-  attention_kernel<DPL><<<grid, kAttnWarps * 32, smem, st>>>(a, group, nullptr, 0);
+  detail::launch(attention_kernel<DPL>, grid, kAttnWarps * 32, smem, st, a, group, nullptr, 0);
   STRATA_CUDA_CHECK_LAUNCH();
 }
 

@@ -9,6 +9,7 @@
 #include "backend/cuda/attention_mma.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device_common.cuh"
+#include "backend/cuda/launch.cuh"
 
 namespace strata::cuda::detail {
 
@@ -130,6 +131,7 @@ struct FaShape {
 template <int HD>
 __global__ void __launch_bounds__(kFaWarps * 32, 2)
     fa_kernel(AttentionArgs a, int group, float* __restrict__ part, int n_seg) {
+  detail::grid_dependency_enter();
   using S = FaShape<HD>;
   constexpr int LD = S::kLd, NT = HD / 8, KS = HD / 16;
   extern __shared__ __align__(16) unsigned char fa_smem[];
@@ -384,6 +386,7 @@ __device__ __forceinline__ void fd_mma6_add(float acc[4], const uint32_t a[3][4]
 template <int HD, int NR>
 __global__ void __launch_bounds__(kFdWarps * 32)
     fa_decode_kernel(AttentionArgs a, int group, float* __restrict__ part, int n_seg) {
+  detail::grid_dependency_enter();
   using S = FdShape<HD, NR>;
   constexpr int KS = HD / 16, KLD = S::kKLd, VLD = S::kVLd, PLD = S::kPLd, NROW = S::kRows, CH = HD / 4;
   extern __shared__ __align__(16) float fd_smem[];
@@ -590,6 +593,7 @@ __global__ void __launch_bounds__(kFdWarps * 32)
 /// 0 also L) over the batch with those factors, the same fmul / fadd in the same order.
 template <int HD>
 __global__ void fa_combine(AttentionArgs a, int group, const float* __restrict__ part, int n_seg) {
+  detail::grid_dependency_enter();
   constexpr int kBatch = 32;
   __shared__ float s_ca[kBatch], s_cb[kBatch], s_l[kBatch], s_ML[2];
   const int64_t R = int64_t(blockIdx.x), n_rows = a.n_tok * group;
@@ -673,24 +677,26 @@ void launch_fa(const AttentionArgs& a, int group, cudaStream_t st) {
       const dim3 grid(unsigned(a.n_head_kv), 1u, unsigned(plan.n_seg));
       if (n_rows <= 8) {
         opt_in_smem(reinterpret_cast<const void*>(fa_decode_kernel<HD, 1>), int(FdShape<HD, 1>::kSmem));
-        fa_decode_kernel<HD, 1><<<grid, kFdWarps * 32, FdShape<HD, 1>::kSmem, st>>>(a, group, part, int(plan.n_seg));
+        detail::launch(fa_decode_kernel<HD, 1>, grid, kFdWarps * 32, FdShape<HD, 1>::kSmem, st, a, group, part,
+                       int(plan.n_seg));
       } else {
         opt_in_smem(reinterpret_cast<const void*>(fa_decode_kernel<HD, 2>), int(FdShape<HD, 2>::kSmem));
-        fa_decode_kernel<HD, 2><<<grid, kFdWarps * 32, FdShape<HD, 2>::kSmem, st>>>(a, group, part, int(plan.n_seg));
+        detail::launch(fa_decode_kernel<HD, 2>, grid, kFdWarps * 32, FdShape<HD, 2>::kSmem, st, a, group, part,
+                       int(plan.n_seg));
       }
     } else {
       const dim3 grid(unsigned(a.n_head_kv), unsigned(gy), unsigned(plan.n_seg));
-      fa_kernel<HD><<<grid, kFaWarps * 32, S::kSmem, st>>>(a, group, part, int(plan.n_seg));
+      detail::launch(fa_kernel<HD>, grid, kFaWarps * 32, S::kSmem, st, a, group, part, int(plan.n_seg));
     }
     STRATA_CUDA_CHECK_LAUNCH();
     const dim3 cgrid(unsigned(n_rows), unsigned(a.n_head_kv));
-    fa_combine<HD><<<cgrid, HD, 0, st>>>(a, group, part, int(plan.n_seg));
+    detail::launch(fa_combine<HD>, cgrid, HD, 0, st, a, group, part, int(plan.n_seg));
     STRATA_CUDA_CHECK_LAUNCH();
     release_part(a, part, st);
     return;
   }
   const dim3 grid(unsigned(a.n_head_kv), unsigned(gy));
-  fa_kernel<HD><<<grid, kFaWarps * 32, S::kSmem, st>>>(a, group, nullptr, 0);
+  detail::launch(fa_kernel<HD>, grid, kFaWarps * 32, S::kSmem, st, a, group, nullptr, 0);
   STRATA_CUDA_CHECK_LAUNCH();
 }
 

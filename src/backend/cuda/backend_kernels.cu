@@ -1,6 +1,7 @@
 // Small kernels of the CudaBackend (contracts in backend_kernels.h).
 #include "backend/cuda/backend_kernels.h"
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/launch.cuh"
 
 #include <algorithm>
 
@@ -20,6 +21,7 @@ constexpr int64_t kMaxRowsPerLaunch = 65535;
 
 __global__ void gather_rows_kernel(const float* __restrict__ src, int64_t lds, const int64_t* __restrict__ pairs,
                                    int top_k, float* __restrict__ dst, int64_t ldd, int64_t cols, int64_t j0) {
+  detail::grid_dependency_enter();
   const int64_t j = j0 + blockIdx.y;
   const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= cols) return;
@@ -28,6 +30,7 @@ __global__ void gather_rows_kernel(const float* __restrict__ src, int64_t lds, c
 
 __global__ void repeat_rows_kernel(const float* __restrict__ src, int64_t lds, int top_k, float* __restrict__ dst,
                                    int64_t ldd, int64_t cols, int64_t j0) {
+  detail::grid_dependency_enter();
   const int64_t j = j0 + blockIdx.y;
   const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= cols) return;
@@ -41,6 +44,7 @@ __global__ void __launch_bounds__(kGroupThreads)
                        int n_expert, int tile_gu, int64_t rb_gu, int tile_dn, int64_t rb_dn,
                        int64_t* __restrict__ pairs,
                        GroupedMatmulJob* __restrict__ gu, GroupedMatmulJob* __restrict__ dn) {
+  detail::grid_dependency_enter();
   extern __shared__ int gp_smem[];
   int* count = gp_smem;                 // [n_expert]
   int* cursor = gp_smem + n_expert;     // [n_expert]: next free slot of each expert
@@ -82,6 +86,7 @@ __global__ void __launch_bounds__(kGroupThreads)
 
 __global__ void scatter_rows_kernel(const float* __restrict__ src, int64_t lds, const int64_t* __restrict__ pairs,
                                     float* __restrict__ dst, int64_t ldd, int64_t cols, int64_t j0) {
+  detail::grid_dependency_enter();
   const int64_t j = j0 + blockIdx.y;
   const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= cols) return;
@@ -89,6 +94,7 @@ __global__ void scatter_rows_kernel(const float* __restrict__ src, int64_t lds, 
 }
 
 __global__ void add_rows_kernel(float* x, int64_t ldx, const float* y, int64_t ldy, int64_t cols, int64_t t0) {
+  detail::grid_dependency_enter();
   const int64_t t = t0 + blockIdx.y;
   const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= cols) return;
@@ -97,6 +103,7 @@ __global__ void add_rows_kernel(float* x, int64_t ldx, const float* y, int64_t l
 
 __global__ void split_q_gate_kernel(const float* __restrict__ qg, int64_t n, int head_dim, float* __restrict__ q,
                                     float* __restrict__ gate) {
+  detail::grid_dependency_enter();
   // i indexes q / gate as [T][n_head][head_dim]; the source is [T][n_head][2][head_dim].
   const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= n) return;
@@ -108,6 +115,7 @@ __global__ void split_q_gate_kernel(const float* __restrict__ qg, int64_t n, int
 __device__ __forceinline__ float sigmoid(float x) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x))); }
 
 __global__ void sigmoid_mul_kernel(float* x, const float* __restrict__ gate, int64_t n) {
+  detail::grid_dependency_enter();
   const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= n) return;
   x[i] = __fmul_rn(x[i], sigmoid(gate[i]));
@@ -115,6 +123,7 @@ __global__ void sigmoid_mul_kernel(float* x, const float* __restrict__ gate, int
 
 __global__ void gated_accumulate_kernel(float* out, int64_t ldo, const float* __restrict__ y, int64_t ldy,
                                         const float* __restrict__ s, int64_t cols, int64_t t0) {
+  detail::grid_dependency_enter();
   const int64_t t = t0 + blockIdx.y;
   const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= cols) return;
@@ -124,6 +133,7 @@ __global__ void gated_accumulate_kernel(float* out, int64_t ldo, const float* __
 
 __global__ void moe_combine_kernel(const float* __restrict__ eo, int64_t lde, const float* __restrict__ w, int K,
                                    float* __restrict__ out, int64_t ldo, int64_t cols, int64_t t0) {
+  detail::grid_dependency_enter();
   const int64_t t = t0 + blockIdx.y;
   const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= cols) return;
@@ -150,7 +160,8 @@ void gather_rows(const float* src, int64_t lds, const int64_t* pairs, int top_k,
   STRATA_CUDA_REQUIRE(top_k > 0 && n >= 0 && cols >= 0, "cuda::gather_rows: bad shape");
   if (n == 0 || cols == 0) return;
   by_rows(n, [&](int64_t j0, int64_t m) {
-    gather_rows_kernel<<<grid_for(cols, m), kThreads, 0, as_stream(stream)>>>(src, lds, pairs, top_k, dst, ldd, cols, j0);
+    detail::launch(gather_rows_kernel, grid_for(cols, m), kThreads, 0, as_stream(stream), src, lds, pairs, top_k, dst,
+                   ldd, cols, j0);
   });
 }
 
@@ -159,7 +170,8 @@ void repeat_rows(const float* src, int64_t lds, int top_k, int64_t n, float* dst
   STRATA_CUDA_REQUIRE(top_k > 0 && n >= 0 && cols >= 0, "cuda::repeat_rows: bad shape");
   if (n == 0 || cols == 0) return;
   by_rows(n, [&](int64_t j0, int64_t m) {
-    repeat_rows_kernel<<<grid_for(cols, m), kThreads, 0, as_stream(stream)>>>(src, lds, top_k, dst, ldd, cols, j0);
+    detail::launch(repeat_rows_kernel, grid_for(cols, m), kThreads, 0, as_stream(stream), src, lds, top_k, dst, ldd,
+                   cols, j0);
   });
 }
 
@@ -169,8 +181,8 @@ void group_pairs(const int32_t* ids, int64_t n_pairs, const void* const* table, 
   STRATA_CUDA_REQUIRE(n_pairs >= 0 && n_pairs <= INT32_MAX && n_expert >= 1 && n_expert <= 4096 && tile_gu >= 1 &&
                           tile_dn >= 1 && rb_gu >= 1 && rb_dn >= 1,
                       "cuda::group_pairs: bad shape");
-  group_pairs_kernel<<<1, kGroupThreads, 2 * size_t(n_expert) * sizeof(int), as_stream(stream)>>>(
-      ids, n_pairs, table, n_expert, tile_gu, rb_gu, tile_dn, rb_dn, pairs, gate_up, down);
+  detail::launch(group_pairs_kernel, 1, kGroupThreads, 2 * size_t(n_expert) * sizeof(int), as_stream(stream), ids,
+                 n_pairs, table, n_expert, tile_gu, rb_gu, tile_dn, rb_dn, pairs, gate_up, down);
   STRATA_CUDA_CHECK_LAUNCH();
 }
 
@@ -179,7 +191,8 @@ void scatter_rows(const float* src, int64_t lds, const int64_t* pairs, int64_t n
   STRATA_CUDA_REQUIRE(n >= 0 && cols >= 0, "cuda::scatter_rows: bad shape");
   if (n == 0 || cols == 0) return;
   by_rows(n, [&](int64_t j0, int64_t m) {
-    scatter_rows_kernel<<<grid_for(cols, m), kThreads, 0, as_stream(stream)>>>(src, lds, pairs, dst, ldd, cols, j0);
+    detail::launch(scatter_rows_kernel, grid_for(cols, m), kThreads, 0, as_stream(stream), src, lds, pairs, dst, ldd,
+                   cols, j0);
   });
 }
 
@@ -187,7 +200,7 @@ void add_rows(float* x, int64_t ldx, const float* y, int64_t ldy, int64_t cols, 
   STRATA_CUDA_REQUIRE(n_rows >= 0 && cols >= 0, "cuda::add_rows: bad shape");
   if (n_rows == 0 || cols == 0) return;
   by_rows(n_rows, [&](int64_t t0, int64_t m) {
-    add_rows_kernel<<<grid_for(cols, m), kThreads, 0, as_stream(stream)>>>(x, ldx, y, ldy, cols, t0);
+    detail::launch(add_rows_kernel, grid_for(cols, m), kThreads, 0, as_stream(stream), x, ldx, y, ldy, cols, t0);
   });
 }
 
@@ -195,14 +208,14 @@ void split_q_gate(const float* qg, int64_t T, int n_head, int head_dim, float* q
   STRATA_CUDA_REQUIRE(T >= 0 && n_head > 0 && head_dim > 0, "cuda::split_q_gate: bad shape");
   const int64_t n = T * n_head * head_dim;
   if (n == 0) return;
-  split_q_gate_kernel<<<blocks_1d(n), kThreads, 0, as_stream(stream)>>>(qg, n, head_dim, q, gate);
+  detail::launch(split_q_gate_kernel, blocks_1d(n), kThreads, 0, as_stream(stream), qg, n, head_dim, q, gate);
   STRATA_CUDA_CHECK_LAUNCH();
 }
 
 void sigmoid_mul(float* x, const float* gate, int64_t n, void* stream) {
   STRATA_CUDA_REQUIRE(n >= 0, "cuda::sigmoid_mul: n < 0");
   if (n == 0) return;
-  sigmoid_mul_kernel<<<blocks_1d(n), kThreads, 0, as_stream(stream)>>>(x, gate, n);
+  detail::launch(sigmoid_mul_kernel, blocks_1d(n), kThreads, 0, as_stream(stream), x, gate, n);
   STRATA_CUDA_CHECK_LAUNCH();
 }
 
@@ -211,7 +224,8 @@ void gated_accumulate(float* out, int64_t ldo, const float* y, int64_t ldy, cons
   STRATA_CUDA_REQUIRE(T >= 0 && cols >= 0, "cuda::gated_accumulate: bad shape");
   if (T == 0 || cols == 0) return;
   by_rows(T, [&](int64_t t0, int64_t m) {
-    gated_accumulate_kernel<<<grid_for(cols, m), kThreads, 0, as_stream(stream)>>>(out, ldo, y, ldy, s, cols, t0);
+    detail::launch(gated_accumulate_kernel, grid_for(cols, m), kThreads, 0, as_stream(stream), out, ldo, y, ldy, s,
+                   cols, t0);
   });
 }
 
@@ -220,7 +234,8 @@ void moe_combine(const float* eo, int64_t lde, const float* w, int K, int64_t T,
   STRATA_CUDA_REQUIRE(K > 0 && T >= 0 && cols >= 0, "cuda::moe_combine: bad shape");
   if (T == 0 || cols == 0) return;
   by_rows(T, [&](int64_t t0, int64_t m) {
-    moe_combine_kernel<<<grid_for(cols, m), kThreads, 0, as_stream(stream)>>>(eo, lde, w, K, out, ldo, cols, t0);
+    detail::launch(moe_combine_kernel, grid_for(cols, m), kThreads, 0, as_stream(stream), eo, lde, w, K, out, ldo, cols,
+                   t0);
   });
 }
 

@@ -1,10 +1,14 @@
 // Device queries, memory helpers and the error paths of cuda_check.h.
+#include <atomic>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/launch.cuh"
 
 namespace strata::cuda {
 
@@ -25,6 +29,27 @@ void opt_in_smem(const void* func, int bytes) {
   if (have >= bytes) return;
   STRATA_CUDA_CHECK(cudaFuncSetAttribute(func, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   have = bytes;
+}
+
+bool pdl_enabled() {
+  static const bool env_on = [] {
+    const char* e = std::getenv("STRATA_CUDA_PDL");
+    return !(e && std::string_view(e) == "0");
+  }();
+  if (!env_on) return false;
+  constexpr int kMaxDevices = 64;
+  static std::atomic<signed char> known[kMaxDevices] = {};  // 0 unknown, 1 yes, -1 no
+  int dev = 0;
+  STRATA_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= kMaxDevices) return false;
+  signed char k = known[dev].load(std::memory_order_relaxed);
+  if (k == 0) {
+    int major = 0;
+    STRATA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    k = major >= 9 ? 1 : -1;
+    known[dev].store(k, std::memory_order_relaxed);
+  }
+  return k > 0;
 }
 
 void throw_arg_error(const std::string& what, const char* file, int line) {

@@ -1,6 +1,7 @@
 // Kernels for the gpt-oss / glm4moe options of the CudaBackend (contracts in family_kernels.h).
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/family_kernels.h"
+#include "backend/cuda/launch.cuh"
 
 namespace strata::cuda {
 
@@ -10,6 +11,7 @@ constexpr int kThreads = 256;
 constexpr int64_t kMaxRowsPerLaunch = 65535;
 
 __global__ void add_bias_kernel(float* x, int64_t ldx, const float* __restrict__ b, int64_t cols, int64_t t0) {
+  detail::grid_dependency_enter();
   const int64_t t = t0 + blockIdx.y;
   const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= cols) return;
@@ -19,6 +21,7 @@ __global__ void add_bias_kernel(float* x, int64_t ldx, const float* __restrict__
 __global__ void rope_kernel(float* x, int64_t ld_tok, int64_t n_tok, int n_heads, int head_dim, int half,
                             const int32_t* __restrict__ pos, const double* __restrict__ inv_freq, bool neox,
                             double attn_factor) {
+  detail::grid_dependency_enter();
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t total = n_tok * n_heads * half;
   if (idx >= total) return;
@@ -35,6 +38,7 @@ __global__ void rope_kernel(float* x, int64_t ld_tok, int64_t n_tok, int n_heads
 }
 
 __global__ void swiglu_oai_kernel(const float* g, const float* u, float* y, int64_t n, float alpha, float limit) {
+  detail::grid_dependency_enter();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     float gv = g[i], uv = u[i];
     gv = gv < limit ? gv : limit;
@@ -57,7 +61,7 @@ void add_bias(float* x, int64_t ldx, const float* b, int64_t cols, int64_t n_row
   for (int64_t t0 = 0; t0 < n_rows; t0 += kMaxRowsPerLaunch) {
     const int64_t n = n_rows - t0 < kMaxRowsPerLaunch ? n_rows - t0 : kMaxRowsPerLaunch;
     const dim3 grid(unsigned((cols + kThreads - 1) / kThreads), unsigned(n));
-    add_bias_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(x, ldx, b, cols, t0);
+    detail::launch(add_bias_kernel, grid, kThreads, 0, static_cast<cudaStream_t>(stream), x, ldx, b, cols, t0);
     STRATA_CUDA_CHECK_LAUNCH();
   }
 }
@@ -71,18 +75,16 @@ void rope(float* x, int64_t ld_tok, int64_t n_tok, int n_heads, int head_dim, in
   const int64_t total = n_tok * n_heads * (n_rot / 2);
   if (total == 0) return;
   STRATA_CUDA_REQUIRE((total + 255) / 256 <= 0x7fffffff, "cuda::rope: too many elements");
-  rope_kernel<<<unsigned((total + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(x, ld_tok, n_tok, n_heads,
-                                                                                            head_dim, n_rot / 2, pos,
-                                                                                            inv_freq, neox,
-                                                                                            attn_factor);
+  detail::launch(rope_kernel, unsigned((total + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream), x, ld_tok,
+                 n_tok, n_heads, head_dim, n_rot / 2, pos, inv_freq, neox, attn_factor);
   STRATA_CUDA_CHECK_LAUNCH();
 }
 
 void swiglu_oai(const float* gate, const float* up, float* y, int64_t n, float alpha, float limit, void* stream) {
   STRATA_CUDA_REQUIRE(n >= 0, "cuda::swiglu_oai: n < 0");
   if (n == 0) return;
-  swiglu_oai_kernel<<<elementwise_blocks(n), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(gate, up, y, n, alpha,
-                                                                                               limit);
+  detail::launch(swiglu_oai_kernel, elementwise_blocks(n), kThreads, 0, static_cast<cudaStream_t>(stream), gate, up, y,
+                 n, alpha, limit);
   STRATA_CUDA_CHECK_LAUNCH();
 }
 

@@ -3,6 +3,7 @@
 #include <string>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/launch.cuh"
 
 namespace strata::cuda {
 
@@ -13,6 +14,7 @@ __device__ __forceinline__ float silu(float x) { return __fdiv_rn(x, __fadd_rn(1
 /// One thread per channel, walking the T tokens in order.
 __global__ void gdn_conv_kernel(const float* __restrict__ x, int64_t C, int64_t T, const float* __restrict__ w, int K,
                                 float* __restrict__ state, float* __restrict__ xc) {
+  detail::grid_dependency_enter();
   const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= C) return;
   const float* wc = w + c * K;
@@ -46,6 +48,7 @@ __global__ void gdn_recurrent_kernel(const float* __restrict__ xc, int64_t C, in
                                      const float* __restrict__ dt_bias, const float* __restrict__ A, int n_k_head,
                                      int n_v_head, int dk, int dv, float* __restrict__ state, float* __restrict__ o,
                                      bool separate_ba, bool tiled_heads) {
+  detail::grid_dependency_enter();
   extern __shared__ double sm_d[];
   double* red = sm_d;                              // [32] warp sums
   float* S = reinterpret_cast<float*>(sm_d + 32);  // [dk][dv]
@@ -106,7 +109,8 @@ __global__ void gdn_recurrent_kernel(const float* __restrict__ xc, int64_t C, in
 void gdn_conv(const float* x, int64_t C, int64_t T, const float* w, int K, float* state, float* xc, void* stream) {
   STRATA_CUDA_REQUIRE(C > 0 && T >= 0 && K >= 1, "cuda::gdn_conv: bad C/T/K");
   if (T == 0) return;
-  gdn_conv_kernel<<<unsigned((C + 127) / 128), 128, 0, static_cast<cudaStream_t>(stream)>>>(x, C, T, w, K, state, xc);
+  detail::launch(gdn_conv_kernel, unsigned((C + 127) / 128), 128, 0, static_cast<cudaStream_t>(stream), x, C, T, w, K,
+                 state, xc);
   STRATA_CUDA_CHECK_LAUNCH();
 }
 
@@ -127,8 +131,8 @@ void gdn_recurrent(const float* xc, int64_t C, int64_t T, const float* ba, const
                                                     " bytes) exceeds the shared memory of a block (" +
                                                     std::to_string(max_smem) + ")");
   detail::opt_in_smem(reinterpret_cast<const void*>(gdn_recurrent_kernel), int(smem));
-  gdn_recurrent_kernel<<<unsigned(n_v_head), threads, smem, static_cast<cudaStream_t>(stream)>>>(
-      xc, C, T, ba, dt_bias, A, n_k_head, n_v_head, dk, dv, state, o, separate_ba, tiled_heads);
+  detail::launch(gdn_recurrent_kernel, unsigned(n_v_head), threads, smem, static_cast<cudaStream_t>(stream), xc, C, T,
+                 ba, dt_bias, A, n_k_head, n_v_head, dk, dv, state, o, separate_ba, tiled_heads);
   STRATA_CUDA_CHECK_LAUNCH();
 }
 

@@ -16,6 +16,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device_common.cuh"
+#include "backend/cuda/launch.cuh"
 #include "quant/quant_impl.h"
 #include "quant/quant_tables.h"
 
@@ -277,6 +278,7 @@ template <GgmlType T, int NT, int R>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     mm_kernel(const uint8_t* __restrict__ W, size_t row_bytes, int64_t rows, int cols, const float* __restrict__ x,
               int64_t ldx, int64_t n_tok, int64_t tok_base, float* __restrict__ y, int64_t ldy) {
+  detail::grid_dependency_enter();
   const int lane = threadIdx.x & 31;
   const int64_t r0 = (int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) * R;
   if (r0 >= rows) return;
@@ -331,6 +333,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
 template <GgmlType T>
 __global__ void get_rows_kernel(const uint8_t* __restrict__ table, size_t row_bytes, int cols,
                                 const int32_t* __restrict__ ids, float* __restrict__ out, int64_t ldo) {
+  detail::grid_dependency_enter();
   const int c = 8 * int(blockIdx.x * blockDim.x + threadIdx.x);
   if (c >= cols) return;
   const int64_t t = blockIdx.y;
@@ -998,6 +1001,7 @@ template <GgmlType T, int BN, bool V2>
 __global__ void __launch_bounds__(kMmaThreads)
     mma_kernel(const uint8_t* __restrict__ W, size_t row_bytes, int64_t rows, int cols, const float* __restrict__ x,
                int64_t ldx, int64_t n_tok, int64_t tok_base, float* __restrict__ y, int64_t ldy) {
+  detail::grid_dependency_enter();
   const int64_t t0 = tok_base + int64_t(blockIdx.y) * BN;
   const int nt = int(min(int64_t(BN), n_tok - t0));
   mma_tile<T, BN, false, V2>(W, nullptr, row_bytes, rows, cols, int64_t(blockIdx.x) * kMmaRows, x + t0 * ldx, ldx, nt,
@@ -1009,6 +1013,7 @@ __global__ void __launch_bounds__(kMmaThreads)
     mma_small_kernel(const uint8_t* __restrict__ W, size_t row_bytes, int64_t rows, int cols,
                      const float* __restrict__ x, int64_t ldx, int64_t n_tok, int64_t tok_base, float* __restrict__ y,
                      int64_t ldy) {
+  detail::grid_dependency_enter();
   const int64_t t0 = tok_base + int64_t(blockIdx.y) * 8;
   const int nt = int(min(int64_t(8), n_tok - t0));
   if constexpr (V2)
@@ -1024,6 +1029,7 @@ template <GgmlType T, int BN, bool DUAL, bool SMALL, bool V2>
 __global__ void __launch_bounds__(kMmaThreads)
     grouped_kernel(const GroupedMatmulJob* __restrict__ jobs, int n_jobs, size_t row_bytes, int64_t rows, int cols,
                    const float* __restrict__ x, int64_t ldx, float* __restrict__ y, int64_t ldy) {
+  detail::grid_dependency_enter();
   const int64_t b = blockIdx.x;
   const GroupedMatmulJob& jb = detail::find_job(jobs, n_jobs, b);
   constexpr int RB = SMALL ? 16 : kMmaRows;
@@ -1063,17 +1069,17 @@ void launch_mma(const uint8_t* W, size_t row_bytes, int64_t rows, int cols, cons
     const int64_t n_here = std::min<int64_t>(n_tok - base, kMaxGridY * bn);
     const dim3 grid(unsigned(gx), unsigned((n_here + bn - 1) / bn));
     if (small)
-      mma_small_kernel<T, V2><<<grid, kMmaThreads, V2 ? 0 : small_smem(cols, false), st>>>(W, row_bytes, rows, cols, x,
-                                                                                           ldx, base + n_here, base, y,
-                                                                                           ldy);
+      detail::launch(mma_small_kernel<T, V2>, grid, kMmaThreads, V2 ? 0 : small_smem(cols, false), st, W, row_bytes,
+                     rows, cols, x, ldx, base + n_here, base, y, ldy);
     else if (bn == 8)
-      mma_kernel<T, 8, V2><<<grid, kMmaThreads, 0, st>>>(W, row_bytes, rows, cols, x, ldx, base + n_here, base, y, ldy);
+      detail::launch(mma_kernel<T, 8, V2>, grid, kMmaThreads, 0, st, W, row_bytes, rows, cols, x, ldx, base + n_here,
+                     base, y, ldy);
     else if (bn == 32)
-      mma_kernel<T, 32, V2>
-          <<<grid, kMmaThreads, 0, st>>>(W, row_bytes, rows, cols, x, ldx, base + n_here, base, y, ldy);
+      detail::launch(mma_kernel<T, 32, V2>, grid, kMmaThreads, 0, st, W, row_bytes, rows, cols, x, ldx, base + n_here,
+                     base, y, ldy);
     else
-      mma_kernel<T, 64, V2>
-          <<<grid, kMmaThreads, 0, st>>>(W, row_bytes, rows, cols, x, ldx, base + n_here, base, y, ldy);
+      detail::launch(mma_kernel<T, 64, V2>, grid, kMmaThreads, 0, st, W, row_bytes, rows, cols, x, ldx, base + n_here,
+                     base, y, ldy);
     STRATA_CUDA_CHECK_LAUNCH();
   }
 }
@@ -1083,18 +1089,17 @@ void launch_grouped(const GroupedMatmulPlan& plan, const GroupedMatmulJob* jobs,
                     int64_t rows, int cols, const float* x, int64_t ldx, float* y, int64_t ldy, cudaStream_t st) {
   const unsigned grid = unsigned(plan.blocks);
   if (use_small(plan.tile_tokens, cols))
-    grouped_kernel<T, 8, DUAL, true, V2>
-        <<<grid, kMmaThreads, V2 ? 0 : small_smem(cols, DUAL), st>>>(jobs, n_jobs, row_bytes, rows, cols, x, ldx, y,
-                                                                     ldy);
+    detail::launch(grouped_kernel<T, 8, DUAL, true, V2>, grid, kMmaThreads, V2 ? 0 : small_smem(cols, DUAL), st, jobs,
+                   n_jobs, row_bytes, rows, cols, x, ldx, y, ldy);
   else if (plan.tile_tokens == 8)
-    grouped_kernel<T, 8, DUAL, false, V2>
-        <<<grid, kMmaThreads, 0, st>>>(jobs, n_jobs, row_bytes, rows, cols, x, ldx, y, ldy);
+    detail::launch(grouped_kernel<T, 8, DUAL, false, V2>, grid, kMmaThreads, 0, st, jobs, n_jobs, row_bytes, rows, cols,
+                   x, ldx, y, ldy);
   else if (DUAL || plan.tile_tokens == 32)
-    grouped_kernel<T, 32, DUAL, false, V2>
-        <<<grid, kMmaThreads, 0, st>>>(jobs, n_jobs, row_bytes, rows, cols, x, ldx, y, ldy);
+    detail::launch(grouped_kernel<T, 32, DUAL, false, V2>, grid, kMmaThreads, 0, st, jobs, n_jobs, row_bytes, rows,
+                   cols, x, ldx, y, ldy);
   else
-    grouped_kernel<T, 64, false, false, V2>
-        <<<grid, kMmaThreads, 0, st>>>(jobs, n_jobs, row_bytes, rows, cols, x, ldx, y, ldy);
+    detail::launch(grouped_kernel<T, 64, false, false, V2>, grid, kMmaThreads, 0, st, jobs, n_jobs, row_bytes, rows,
+                   cols, x, ldx, y, ldy);
   STRATA_CUDA_CHECK_LAUNCH();
 }
 
@@ -1153,9 +1158,11 @@ void launch_mm(const uint8_t* W, size_t row_bytes, int64_t rows, int cols, const
     const int64_t n_here = std::min<int64_t>(n_tok - base, kMaxGridY * nt);
     const dim3 grid(unsigned(gx), unsigned((n_here + nt - 1) / nt));
     if (tiled) {
-      mm_kernel<T, kTileTokens, kTileRows><<<grid, block, 0, st>>>(W, row_bytes, rows, cols, x, ldx, base + n_here, base, y, ldy);
+      detail::launch(mm_kernel<T, kTileTokens, kTileRows>, grid, block, 0, st, W, row_bytes, rows, cols, x, ldx,
+                     base + n_here, base, y, ldy);
     } else {
-      mm_kernel<T, 1, 1><<<grid, block, 0, st>>>(W, row_bytes, rows, cols, x, ldx, base + n_here, base, y, ldy);
+      detail::launch(mm_kernel<T, 1, 1>, grid, block, 0, st, W, row_bytes, rows, cols, x, ldx, base + n_here, base, y,
+                     ldy);
     }
     STRATA_CUDA_CHECK_LAUNCH();
   }
@@ -1330,10 +1337,10 @@ void get_rows(GgmlType type, const void* table, size_t row_bytes, int64_t cols, 
   const int threads = 128;
   const dim3 grid(unsigned((cols / 8 + threads - 1) / threads), unsigned(n));
   switch (type) {
-#define X(name)                                                                                         \
-  case GgmlType::name:                                                                                  \
-    get_rows_kernel<GgmlType::name><<<grid, threads, 0, st>>>(tb, row_bytes, int(cols), ids, out, ldo); \
-    STRATA_CUDA_CHECK_LAUNCH();                                                                         \
+#define X(name)                                                                                                     \
+  case GgmlType::name:                                                                                              \
+    detail::launch(get_rows_kernel<GgmlType::name>, grid, threads, 0, st, tb, row_bytes, int(cols), ids, out, ldo); \
+    STRATA_CUDA_CHECK_LAUNCH();                                                                                     \
     return;
     STRATA_CUDA_FOR_EACH_TYPE(X)
 #undef X

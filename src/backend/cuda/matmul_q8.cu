@@ -14,6 +14,7 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device_common.cuh"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/launch.cuh"
 
 namespace strata::cuda {
 
@@ -25,6 +26,7 @@ namespace {
 /// then the CPU's operations: id = 127 / amax, q = nearest-even(x * id), d = amax / 127.
 __global__ void quantize_q8_kernel(const float* __restrict__ x, int64_t ldx, int cols, int64_t n,
                                    int8_t* __restrict__ q, float* __restrict__ d, int rep) {
+  detail::grid_dependency_enter();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;  // blockDim.x % 32 == 0, cols % 32 == 0
   const int64_t total = n * cols;
   if (i - (threadIdx.x & 31) >= total) return;  // whole warps leave together
@@ -268,6 +270,7 @@ __global__ void __launch_bounds__(kGThreads)
     gemm_q8_kernel(const GroupedMatmulJob* __restrict__ jobs, int n_jobs, GroupedMatmulJob one, size_t row_bytes,
                    int64_t rows, int cols, const int8_t* __restrict__ xq, const float* __restrict__ xd,
                    float* __restrict__ y, int64_t ldy) {
+  detail::grid_dependency_enter();
   extern __shared__ __align__(16) uint8_t smem[];
   const int64_t b = blockIdx.x;
   const GroupedMatmulJob& jb = jobs ? find_job(jobs, n_jobs, b) : one;
@@ -427,6 +430,7 @@ __global__ void __launch_bounds__(NTH)
     mv_q8_kernel(const GroupedMatmulJob* __restrict__ jobs, int n_jobs, GroupedMatmulJob one, size_t row_bytes,
                  int64_t rows, int cols, const int8_t* __restrict__ xq, const float* __restrict__ xd,
                  float* __restrict__ y, int64_t ldy) {
+  detail::grid_dependency_enter();
   extern __shared__ __align__(16) float smem_f[];
   const int64_t b = blockIdx.x;
   const GroupedMatmulJob& jb = jobs ? find_job(jobs, n_jobs, b) : one;
@@ -486,6 +490,7 @@ __global__ void __launch_bounds__(kWWarps * 32)
     mv16_q8_kernel(const GroupedMatmulJob* __restrict__ jobs, int n_jobs, GroupedMatmulJob one, size_t row_bytes,
                    int64_t rows, int cols, const int8_t* __restrict__ xq, const float* __restrict__ xd,
                    float* __restrict__ y, int64_t ldy) {
+  detail::grid_dependency_enter();
   constexpr int NW = DUAL ? 2 : 1, NS = NW * kWRows;  // streams: stream s = matrix s / kWRows, row s % kWRows
   extern __shared__ __align__(16) uint8_t smem_w[];
   const int64_t b = blockIdx.x;
@@ -642,25 +647,23 @@ void launch_q8(bool gemm, bool al4, int rb, unsigned grid, const GroupedMatmulJo
                float* y, int64_t ldy, cudaStream_t st) {
   ensure_smem_attrs();
   if (gemm)
-    gemm_q8_kernel<DUAL><<<grid, kGThreads, kGStages * gemm_stage_bytes<DUAL>(), st>>>(jobs, n_jobs, one, row_bytes,
-                                                                                       rows, cols, xq, xd, y, ldy);
+    detail::launch(gemm_q8_kernel<DUAL>, grid, kGThreads, kGStages * gemm_stage_bytes<DUAL>(), st, jobs, n_jobs, one,
+                   row_bytes, rows, cols, xq, xd, y, ldy);
   else if (rb == kWRowsBlock)
-    mv16_q8_kernel<DUAL><<<grid, kWWarps * 32, mv16_smem_bytes<DUAL>(), st>>>(jobs, n_jobs, one, row_bytes, rows,
-                                                                             cols, xq, xd, y, ldy);
+    detail::launch(mv16_q8_kernel<DUAL>, grid, kWWarps * 32, mv16_smem_bytes<DUAL>(), st, jobs, n_jobs, one, row_bytes,
+                   rows, cols, xq, xd, y, ldy);
   else if (rb == kVRowsSmall && al4)
-    mv_q8_kernel<DUAL, true, kVRowsSmall, kVThreadsSmall><<<grid, kVThreadsSmall, mv_smem_bytes<DUAL, kVRowsSmall>(),
-                                                            st>>>(jobs, n_jobs, one, row_bytes, rows, cols, xq, xd, y,
-                                                                  ldy);
+    detail::launch(mv_q8_kernel<DUAL, true, kVRowsSmall, kVThreadsSmall>, grid, kVThreadsSmall,
+                   mv_smem_bytes<DUAL, kVRowsSmall>(), st, jobs, n_jobs, one, row_bytes, rows, cols, xq, xd, y, ldy);
   else if (rb == kVRowsSmall)
-    mv_q8_kernel<DUAL, false, kVRowsSmall, kVThreadsSmall><<<grid, kVThreadsSmall, mv_smem_bytes<DUAL, kVRowsSmall>(),
-                                                             st>>>(jobs, n_jobs, one, row_bytes, rows, cols, xq, xd, y,
-                                                                   ldy);
+    detail::launch(mv_q8_kernel<DUAL, false, kVRowsSmall, kVThreadsSmall>, grid, kVThreadsSmall,
+                   mv_smem_bytes<DUAL, kVRowsSmall>(), st, jobs, n_jobs, one, row_bytes, rows, cols, xq, xd, y, ldy);
   else if (al4)
-    mv_q8_kernel<DUAL, true>
-        <<<grid, kVThreads, mv_smem_bytes<DUAL>(), st>>>(jobs, n_jobs, one, row_bytes, rows, cols, xq, xd, y, ldy);
+    detail::launch(mv_q8_kernel<DUAL, true>, grid, kVThreads, mv_smem_bytes<DUAL>(), st, jobs, n_jobs, one, row_bytes,
+                   rows, cols, xq, xd, y, ldy);
   else
-    mv_q8_kernel<DUAL, false>
-        <<<grid, kVThreads, mv_smem_bytes<DUAL>(), st>>>(jobs, n_jobs, one, row_bytes, rows, cols, xq, xd, y, ldy);
+    detail::launch(mv_q8_kernel<DUAL, false>, grid, kVThreads, mv_smem_bytes<DUAL>(), st, jobs, n_jobs, one, row_bytes,
+                   rows, cols, xq, xd, y, ldy);
   STRATA_CUDA_CHECK_LAUNCH();
 }
 
@@ -676,7 +679,8 @@ void quantize_q8(const float* x, int64_t ldx, int64_t cols, int64_t n_tok, int8_
   const int64_t total = n_tok * cols;
   const int64_t blocks = (total + 255) / 256;
   STRATA_CUDA_REQUIRE(blocks <= INT32_MAX, "cuda::quantize_q8: too many activations");
-  quantize_q8_kernel<<<unsigned(blocks), 256, 0, static_cast<cudaStream_t>(stream)>>>(x, ldx, int(cols), n_tok, q, d, rep);
+  detail::launch(quantize_q8_kernel, unsigned(blocks), 256, 0, static_cast<cudaStream_t>(stream), x, ldx, int(cols),
+                 n_tok, q, d, rep);
   STRATA_CUDA_CHECK_LAUNCH();
 }
 

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/launch.cuh"
 
 namespace strata::cuda {
 
@@ -43,6 +44,7 @@ __device__ float block_max(float v, float* sh) {
 __global__ void __launch_bounds__(kRowThreads)
     rms_norm_kernel(const float* x, int64_t ldx, const float* __restrict__ w, float* y, int64_t ldy, int64_t n,
                     float eps) {
+  detail::grid_dependency_enter();
   __shared__ double sh[kRowThreads];
   const float* xr = x + int64_t(blockIdx.x) * ldx;
   float* yr = y + int64_t(blockIdx.x) * ldy;
@@ -54,6 +56,7 @@ __global__ void __launch_bounds__(kRowThreads)
 }
 
 __global__ void add_kernel(const float* a, const float* b, float* y, int64_t n) {
+  detail::grid_dependency_enter();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     y[i] = __fadd_rn(a[i], b[i]);
 }
@@ -61,11 +64,13 @@ __global__ void add_kernel(const float* a, const float* b, float* y, int64_t n) 
 __device__ __forceinline__ float silu(float x) { return __fdiv_rn(x, __fadd_rn(1.0f, expf(-x))); }
 
 __global__ void swiglu_kernel(const float* g, const float* u, float* y, int64_t n) {
+  detail::grid_dependency_enter();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     y[i] = __fmul_rn(silu(g[i]), u[i]);
 }
 
 __global__ void __launch_bounds__(kRowThreads) softmax_kernel(float* x, int64_t ld, int64_t n) {
+  detail::grid_dependency_enter();
   __shared__ double shd[kRowThreads];
   __shared__ float shf[kRowThreads];
   float* xr = x + int64_t(blockIdx.x) * ld;
@@ -86,6 +91,7 @@ __global__ void __launch_bounds__(kRowThreads) softmax_kernel(float* x, int64_t 
 /// One thread per (token, head, pair i < n_rot/2).
 __global__ void rope_neox_kernel(float* x, int64_t ld_tok, int64_t n_tok, int n_heads, int head_dim, int half,
                                  const int32_t* __restrict__ pos, const double* __restrict__ inv_freq) {
+  detail::grid_dependency_enter();
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t total = n_tok * n_heads * half;
   if (idx >= total) return;
@@ -107,6 +113,7 @@ __global__ void __launch_bounds__(kRowThreads)
     qk_norm_rope_kernel(float* q, int64_t ldq, int n_head, float* k, int64_t ldk, int n_head_kv, int head_dim,
                         const float* __restrict__ qw, const float* __restrict__ kw, float eps, int half, int64_t pos0,
                         const double* __restrict__ inv_freq) {
+  detail::grid_dependency_enter();
   extern __shared__ float row[];
   __shared__ double sh[kRowThreads];
   const int heads = n_head + n_head_kv;
@@ -141,6 +148,7 @@ __global__ void __launch_bounds__(kRowThreads)
 __global__ void __launch_bounds__(kRowThreads)
     add_rms_norm_kernel(float* x, int64_t ldx, const float* __restrict__ y, int64_t ldy, const float* __restrict__ w,
                         float* __restrict__ out, int64_t ldo, int64_t n, float eps) {
+  detail::grid_dependency_enter();
   __shared__ double sh[kRowThreads];
   float* xr = x + int64_t(blockIdx.x) * ldx;
   const float* yr = y + int64_t(blockIdx.x) * ldy;
@@ -168,21 +176,22 @@ void rms_norm(const float* x, int64_t ldx, const float* w, float* y, int64_t ldy
   STRATA_CUDA_REQUIRE(n > 0 && ldx >= n && ldy >= n, "cuda::rms_norm: bad n/ldx/ldy");
   STRATA_CUDA_REQUIRE(n_rows >= 0 && n_rows <= 0x7fffffff, "cuda::rms_norm: bad n_rows");
   if (n_rows == 0) return;
-  rms_norm_kernel<<<unsigned(n_rows), kRowThreads, 0, static_cast<cudaStream_t>(stream)>>>(x, ldx, w, y, ldy, n, eps);
+  detail::launch(rms_norm_kernel, unsigned(n_rows), kRowThreads, 0, static_cast<cudaStream_t>(stream), x, ldx, w, y,
+                 ldy, n, eps);
   STRATA_CUDA_CHECK_LAUNCH();
 }
 
 void add(const float* a, const float* b, float* y, int64_t n, void* stream) {
   STRATA_CUDA_REQUIRE(n >= 0, "cuda::add: n < 0");
   if (n == 0) return;
-  add_kernel<<<elementwise_blocks(n), 256, 0, static_cast<cudaStream_t>(stream)>>>(a, b, y, n);
+  detail::launch(add_kernel, elementwise_blocks(n), 256, 0, static_cast<cudaStream_t>(stream), a, b, y, n);
   STRATA_CUDA_CHECK_LAUNCH();
 }
 
 void swiglu(const float* gate, const float* up, float* y, int64_t n, void* stream) {
   STRATA_CUDA_REQUIRE(n >= 0, "cuda::swiglu: n < 0");
   if (n == 0) return;
-  swiglu_kernel<<<elementwise_blocks(n), 256, 0, static_cast<cudaStream_t>(stream)>>>(gate, up, y, n);
+  detail::launch(swiglu_kernel, elementwise_blocks(n), 256, 0, static_cast<cudaStream_t>(stream), gate, up, y, n);
   STRATA_CUDA_CHECK_LAUNCH();
 }
 
@@ -190,7 +199,7 @@ void softmax_rows(float* x, int64_t ld, int64_t n, int64_t n_rows, void* stream)
   STRATA_CUDA_REQUIRE(n > 0 && ld >= n, "cuda::softmax_rows: bad n/ld");
   STRATA_CUDA_REQUIRE(n_rows >= 0 && n_rows <= 0x7fffffff, "cuda::softmax_rows: bad n_rows");
   if (n_rows == 0) return;
-  softmax_kernel<<<unsigned(n_rows), kRowThreads, 0, static_cast<cudaStream_t>(stream)>>>(x, ld, n);
+  detail::launch(softmax_kernel, unsigned(n_rows), kRowThreads, 0, static_cast<cudaStream_t>(stream), x, ld, n);
   STRATA_CUDA_CHECK_LAUNCH();
 }
 
@@ -202,8 +211,8 @@ void rope_neox(float* x, int64_t ld_tok, int64_t n_tok, int n_heads, int head_di
   const int64_t total = n_tok * n_heads * (n_rot / 2);
   if (total == 0) return;
   STRATA_CUDA_REQUIRE((total + 255) / 256 <= 0x7fffffff, "cuda::rope_neox: too many elements");
-  rope_neox_kernel<<<unsigned((total + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
-      x, ld_tok, n_tok, n_heads, head_dim, n_rot / 2, pos, inv_freq);
+  detail::launch(rope_neox_kernel, unsigned((total + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream), x, ld_tok,
+                 n_tok, n_heads, head_dim, n_rot / 2, pos, inv_freq);
   STRATA_CUDA_CHECK_LAUNCH();
 }
 
@@ -221,8 +230,8 @@ void qk_norm_rope(float* q, int64_t ldq, int n_head, float* k, int64_t ldk, int 
   STRATA_CUDA_REQUIRE(blocks <= 0x7fffffff, "cuda::qk_norm_rope: too many rows for one launch");
   const size_t smem = size_t(head_dim) * sizeof(float);
   STRATA_CUDA_REQUIRE(smem <= 48 * 1024, "cuda::qk_norm_rope: head_dim above 12288");
-  qk_norm_rope_kernel<<<unsigned(blocks), kRowThreads, smem, static_cast<cudaStream_t>(stream)>>>(
-      q, ldq, n_head, k, ldk, n_head_kv, head_dim, q_norm, k_norm, eps, n_rot / 2, pos0, inv_freq);
+  detail::launch(qk_norm_rope_kernel, unsigned(blocks), kRowThreads, smem, static_cast<cudaStream_t>(stream), q, ldq,
+                 n_head, k, ldk, n_head_kv, head_dim, q_norm, k_norm, eps, n_rot / 2, pos0, inv_freq);
   STRATA_CUDA_CHECK_LAUNCH();
 }
 
@@ -231,8 +240,8 @@ void add_rms_norm(float* x, int64_t ldx, const float* y, int64_t ldy, const floa
   STRATA_CUDA_REQUIRE(n > 0 && ldx >= n && ldy >= n && ldo >= n, "cuda::add_rms_norm: bad n/ldx/ldy/ldo");
   STRATA_CUDA_REQUIRE(n_rows >= 0 && n_rows <= 0x7fffffff, "cuda::add_rms_norm: bad n_rows");
   if (n_rows == 0) return;
-  add_rms_norm_kernel<<<unsigned(n_rows), kRowThreads, 0, static_cast<cudaStream_t>(stream)>>>(x, ldx, y, ldy, w, out,
-                                                                                               ldo, n, eps);
+  detail::launch(add_rms_norm_kernel, unsigned(n_rows), kRowThreads, 0, static_cast<cudaStream_t>(stream), x, ldx, y,
+                 ldy, w, out, ldo, n, eps);
   STRATA_CUDA_CHECK_LAUNCH();
 }
 

@@ -1,6 +1,7 @@
 // Expert selection on the device (contract in route.h): one warp per token.
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/launch.cuh"
 #include "backend/cuda/route.h"
 
 #include <algorithm>
@@ -54,6 +55,7 @@ __device__ void write_pair_jobs(const PairJobs& pj, const int* ids, int64_t t, i
 
 __global__ void select_topk_kernel(RouteSpec sp, const float* __restrict__ logits, int64_t ld, int64_t T,
                                    RouteOut out, PairJobs pj) {
+  detail::grid_dependency_enter();
   extern __shared__ float smem[];
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   const int64_t t = int64_t(blockIdx.x) * (blockDim.x / 32) + warp;
@@ -221,8 +223,8 @@ void select_topk(const RouteSpec& sp, const float* logits, int64_t ld, int64_t T
   const int wpb = int(std::clamp<size_t>(kSmemPerBlock / per_warp, 1, kMaxWarpsPerBlock));
   const int64_t blocks = (T + wpb - 1) / wpb;
   STRATA_CUDA_REQUIRE(blocks <= 0x7fffffff, "select_topk: too many tokens for one launch");
-  select_topk_kernel<<<unsigned(blocks), unsigned(32 * wpb), per_warp * size_t(wpb), static_cast<cudaStream_t>(stream)>>>(
-      sp, logits, ld, T, out, jobs ? *jobs : PairJobs{});
+  detail::launch(select_topk_kernel, unsigned(blocks), unsigned(32 * wpb), per_warp * size_t(wpb),
+                 static_cast<cudaStream_t>(stream), sp, logits, ld, T, out, jobs ? *jobs : PairJobs{});
   STRATA_CUDA_CHECK_LAUNCH();
 }
 
