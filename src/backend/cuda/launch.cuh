@@ -16,6 +16,9 @@
 // the one before it has finished (reads after writes and writes after reads alike), and a kernel
 // completes only after its predecessor did (so waiting for the latest kernel waits for all). It
 // allows the next kernel to launch only after the wait, so at most one kernel waits ahead.
+// The one exception: mv16_q8_kernel on one model weight matrix copies its first stage of
+// weights (memory no kernel writes) before the wait, so that those reads overlap the kernel
+// before it; it waits before any other global access and on every path.
 // Results are the same bits with and without (STRATA_CUDA_PDL=0 turns the attribute off).
 #include <cuda_runtime.h>
 

@@ -490,16 +490,23 @@ __global__ void __launch_bounds__(kWWarps * 32)
     mv16_q8_kernel(const GroupedMatmulJob* __restrict__ jobs, int n_jobs, GroupedMatmulJob one, size_t row_bytes,
                    int64_t rows, int cols, const int8_t* __restrict__ xq, const float* __restrict__ xd,
                    float* __restrict__ y, int64_t ldy) {
-  detail::grid_dependency_enter();
+  // One matrix (jobs == nullptr: a model weight, which no kernel writes) may copy its first
+  // stage of weights before waiting for the kernel before it (launch.cuh); the job table of a
+  // grouped launch is that kernel's output, so a grouped launch waits first. Every other global
+  // access of either comes after the wait.
+  const bool early = jobs == nullptr;
+  if (!early) detail::grid_dependency_enter();
   constexpr int NW = DUAL ? 2 : 1, NS = NW * kWRows;  // streams: stream s = matrix s / kWRows, row s % kWRows
   extern __shared__ __align__(16) uint8_t smem_w[];
   const int64_t b = blockIdx.x;
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   const GroupedMatmulJob& jb = jobs ? jobs[find_job_warp(jobs, n_jobs, b, lane)] : one;
   const detail::JobTile t = job_tile<kWRowsBlock, kVTok>(jb, b, rows);
-  if (t.nt <= 0) return;
   const int64_t r0 = t.r0 + int64_t(warp) * kWRows;
-  if (r0 >= rows) return;  // the whole warp (warps never wait for each other)
+  if (t.nt <= 0 || r0 >= rows) {  // the whole warp (warps never wait for each other)
+    if (early) detail::grid_dependency_enter();
+    return;
+  }
   uint8_t* ws = smem_w + warp * (NS * kWStreamBytes + kWXdBytes);
   float* xds = reinterpret_cast<float*>(ws + NS * kWStreamBytes);  // [kVTok][64]
   const uint8_t* W[2] = {static_cast<const uint8_t*>(jb.w), static_cast<const uint8_t*>(jb.w2)};
@@ -511,6 +518,7 @@ __global__ void __launch_bounds__(kWWarps * 32)
   float acc[NW];
 #pragma unroll
   for (int m = 0; m < NW; ++m) acc[m] = 0.0f;
+  if (early && nb == 0) detail::grid_dependency_enter();
   for (int b0 = 0; b0 < nb; b0 += 64) {
     const int nblk = min(64, nb - b0);
     const int chunks = (nblk * 34 + 15) / 16;  // within the row: row_bytes and b0 * 34 are multiples of 16
@@ -520,6 +528,7 @@ __global__ void __launch_bounds__(kWWarps * 32)
       const uint8_t* src = W[s / kWRows] + (r0 + s % kWRows) * int64_t(row_bytes) + int64_t(b0) * 34;
       for (int c = lane; c < chunks; c += 32) cp_async<16>(ws + s * kWStreamBytes + c * 16, src + c * 16, 16);
     }
+    if (early && b0 == 0) detail::grid_dependency_enter();  // the weights are in flight; x and y after this
     for (int i = lane; i < nt * nblk; i += 32)  // the fold's activation scales, with the weights
       cp_async<4>(xds + (i / nblk) * 64 + i % nblk, xdt + int64_t(i / nblk) * nb + b0 + i % nblk, 4);
     cp_commit();

@@ -24,6 +24,15 @@ __host__ __device__ size_t warp_floats(int n_expert) { return 3 * size_t(n_exper
 // Precision Floating-Point Functions"). Closer to glibc's expf (<= 0.502 ulp) than CUDA's expf.
 __device__ __forceinline__ float exp_rounded(float x) { return float(exp(double(x))); }
 
+// A 32-bit key whose unsigned order is the float order of v (not NaN), with -0 and +0 the same
+// key (they compare equal, so the lower id must win between them as between any tie): the
+// sign-magnitude bits flipped into an ordered integer. Keys are >= 0x007fffff (-inf), so 0 can
+// mean "no candidate".
+__device__ __forceinline__ unsigned order_key(float v) {
+  const unsigned u = __float_as_uint(v == 0.0f ? 0.0f : v);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
 // The host's strict order: higher score first, ties: lower id first. id < 0: nothing yet.
 __device__ __forceinline__ void keep_better(float& v, int& id, float v2, int id2) {
   if (id2 >= 0 && (id < 0 || v2 > v || (v2 == v && id2 < id))) v = v2, id = id2;
@@ -93,14 +102,14 @@ __global__ void select_topk_kernel(RouteSpec sp, const float* __restrict__ logit
       for (int i = lane; i < n; i += 32) mx = fmaxf(mx, l[i]);
       for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, o));
       for (int i = lane; i < n; i += 32) p[i] = exp_rounded(__fsub_rn(l[i], mx));
-      __syncwarp();
-      float inv = 0;
-      if (lane == 0) {  // the host's sum: in double, experts in order
-        double sum = 0;
-        for (int i = 0; i < n; ++i) sum += double(p[i]);
-        inv = float(1.0 / sum);
-      }
-      inv = __shfl_sync(kFull, inv, 0);
+      // The sum in double: each lane its experts in order, then a fixed butterfly over the lanes.
+      // Not the host's order (experts 0..n-1), but a double sum of n <= 2048 floats in [0, 1]
+      // differs from it by far less than the float rounding of 1 / sum that follows, and the order
+      // is fixed per token (the same bits in any batch, decode and prefill alike).
+      double part = 0;
+      for (int i = lane; i < n; i += 32) part += double(p[i]);
+      for (int o = 16; o > 0; o /= 2) part += __shfl_xor_sync(kFull, part, o);
+      const float inv = float(1.0 / part);
       for (int i = lane; i < n; i += 32) p[i] = __fmul_rn(p[i], inv);
     } else {
       for (int i = lane; i < n; i += 32) p[i] = __fdiv_rn(1.0f, __fadd_rn(1.0f, exp_rounded(-l[i])));
@@ -144,29 +153,35 @@ __global__ void select_topk_kernel(RouteSpec sp, const float* __restrict__ logit
     __syncwarp();
   }
 
-  // Top-k (+1 for the next candidate): rounds of a warp arg-max in the host's strict order.
+  // Top-k (+1 for the next candidate): rounds of a warp arg-max in the host's strict order
+  // (higher score first, ties: lower id). Each lane keeps the best of its own experts (i = lane
+  // mod 32); a round takes the highest score by one redux over order-preserving keys, then the
+  // lowest id among the lanes holding it by another; only the winner's lane marks that expert
+  // taken and rescans its own.
   const int n_sorted = min(K + 1, n_cand);
   int next_id = -1;
+  float bv = 0;
+  int bi = -1;
+  for (int i = lane; i < n; i += 32)
+    if (!isnan(s[i])) keep_better(bv, bi, s[i], i);
   for (int r = 0; r < n_sorted; ++r) {
-    float bv = 0;
-    int bi = -1;
-    for (int i = lane; i < n; i += 32)
-      if (!isnan(s[i])) keep_better(bv, bi, s[i], i);
-    for (int o = 16; o > 0; o /= 2) {
-      const float v2 = __shfl_xor_sync(kFull, bv, o);
-      const int i2 = __shfl_xor_sync(kFull, bi, o);
-      keep_better(bv, bi, v2, i2);
-    }
+    const unsigned key = bi < 0 ? 0u : order_key(bv);
+    const unsigned best = __reduce_max_sync(kFull, key);
+    const int id = int(__reduce_min_sync(kFull, key == best && bi >= 0 ? unsigned(bi) : 0xffffffffu));
     if (lane == 0) {
       if (r < K)
-        sid[r] = bi;
+        sid[r] = id;
       else
-        next_id = bi;
-      s[bi] = NAN;
+        next_id = id;
     }
-    __syncwarp();
+    if (id >= 0 && id == bi) {  // this lane's best was taken: mark it and find its next best
+      s[id] = NAN;
+      bi = -1;
+      for (int i = lane; i < n; i += 32)
+        if (!isnan(s[i])) keep_better(bv, bi, s[i], i);
+    }
   }
-  // the loop ended on a __syncwarp: sid is complete for every lane
+  __syncwarp();  // lane 0's sid writes before every lane reads them
   if (pj.table) write_pair_jobs(pj, sid, t, K, true, lane);
   for (int k = lane; k < K; k += 32) out.ids[t * K + k] = sid[k];
 
