@@ -518,7 +518,9 @@ TEST(CudaKernels, QkNormRopeEqualsSeparateKernels) {
   };
   const Case cases[] = {{32, 4, 128, 128, true, true, 1, 2047},  {32, 4, 128, 128, true, true, 19, 300},
                         {6, 2, 64, 32, true, false, 5, 0},       {6, 3, 64, 64, false, false, 3, 70000},
-                        {8, 8, 256, 64, false, true, 2, 12},     {4, 1, 576, 64, true, true, 2, 5}};
+                        {8, 8, 256, 64, false, true, 2, 12},     {4, 1, 576, 64, true, true, 2, 5},
+                        {32, 4, 128, 128, true, true, 70, 0},    {5, 1, 80, 40, true, true, 66, 9},
+                        {8, 8, 256, 64, false, true, 65, 12},    {3, 1, 96, 32, true, true, 64, 4}};
   for (const Case& c : cases) {
     SCOPED_TRACE("heads " + std::to_string(c.n_head) + "/" + std::to_string(c.n_head_kv) + " dim " +
                  std::to_string(c.head_dim) + " rot " + std::to_string(c.n_rot) + " T " + std::to_string(c.n_tok));
@@ -1068,6 +1070,42 @@ std::vector<uint8_t> q8_rows(int64_t rows, int64_t cols, size_t rb, std::mt19937
 // The codes and scales are the CPU's (cpu::kernels::detail::quantize_block_q8) bit for bit:
 // random magnitudes over many decades, an all-zero block, subnormals, exact ties (x * id = k + 0.5
 // for amax 127: x = k + 0.5), a NaN and an infinity (d = NaN, codes 0).
+// quantize_q8_rows (the quantizer gathering a MoE layer's pair rows itself) against the CPU's
+// quantize_block_q8 of the gathered rows, bit for bit: the 16-byte path (ldx % 4 == 0) and the
+// scalar one (odd ldx), a row length that leaves part of the last 1024-column block idle, rows
+// repeated (rep 3, several pairs of one token) in a shuffled order, and a NaN block.
+TEST(CudaKernels, QuantizeQ8RowsEqualsCpuOfGatheredRows) {
+  REQUIRE_CUDA_DEVICE();
+  std::mt19937 rng(41);
+  for (int64_t cols : {int64_t(768), int64_t(2080)}) {
+    for (int64_t pad : {int64_t(12), int64_t(3)}) {
+      SCOPED_TRACE("cols " + std::to_string(cols) + " ldx pad " + std::to_string(pad));
+      const int64_t n_src = 9, ldx = cols + pad, rep = 3, n = 23;
+      auto x = random_floats(size_t(n_src * ldx), rng, -4, 4);
+      x[size_t(4 * ldx + 2 * 32 + 5)] = std::nanf("");
+      std::vector<int64_t> map(static_cast<size_t>(n));
+      std::uniform_int_distribution<int64_t> pick(0, n_src * rep - 1);
+      for (auto& m : map) m = pick(rng);
+      auto dx = upload(x), dmap = upload(map);
+      cuda::DeviceBuffer dq(size_t(n * cols)), dd(size_t(n * cols / 32) * 4);
+      cuda::quantize_q8_rows(dx.as<float>(), ldx, cols, n, dmap.as<int64_t>(), int(rep), dq.as<int8_t>(),
+                             dd.as<float>());
+      const auto q = download<int8_t>(dq, size_t(n * cols));
+      const auto d = download<float>(dd, size_t(n * cols / 32));
+      int64_t bad = 0;
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t b = 0; b < cols / 32; ++b) {
+          int8_t ref[32];
+          const float rd = cpu::kernels::detail::quantize_block_q8(&x[size_t((map[size_t(t)] / rep) * ldx + b * 32)], ref);
+          const float gd = d[size_t(t * (cols / 32) + b)];
+          bad += std::isnan(rd) ? !std::isnan(gd) : !bits_equal(rd, gd);
+          for (int k = 0; k < 32; ++k) bad += q[size_t(t * cols + b * 32 + k)] != ref[k];
+        }
+      EXPECT_EQ(bad, 0);
+    }
+  }
+}
+
 TEST(CudaKernels, QuantizeQ8EqualsCpu) {
   REQUIRE_CUDA_DEVICE();
   std::mt19937 rng(21);
@@ -1270,6 +1308,28 @@ TEST(CudaKernels, GroupedMatmulQ8EqualsPerJob) {
       cuda::grouped_matmul_q8(plan, GgmlType::Q8_0, djobs.as<cuda::GroupedMatmulJob>(), nj, rb, rows, cols,
                               dq.as<int8_t>(), dd.as<float>(), dy.as<float>(), rows, pair);
       const auto y = download<float>(dy, size_t(total * rows));
+      if (plan.tile_tokens == cuda::kGemmTileTokens) {
+        // the same launch storing row j to row perm[j] (the scatter done by the store)
+        std::vector<int64_t> perm(static_cast<size_t>(total));
+        for (int64_t j = 0; j < total; ++j) perm[size_t(j)] = j;
+        std::shuffle(perm.begin(), perm.end(), rng);
+        auto dperm = upload(perm);
+        auto dys = upload(poison);
+        cuda::grouped_matmul_q8(plan, GgmlType::Q8_0, djobs.as<cuda::GroupedMatmulJob>(), nj, rb, rows, cols,
+                                dq.as<int8_t>(), dd.as<float>(), dys.as<float>(), rows, pair, nullptr,
+                                dperm.as<int64_t>());
+        const auto ys = download<float>(dys, size_t(total * rows));
+        int64_t moved = 0;
+        for (int64_t j = 0; j < total; ++j)
+          for (int64_t r = 0; r < rows; ++r)
+            moved += !bits_equal(ys[size_t(perm[size_t(j)] * rows + r)], y[size_t(j * rows + r)]);
+        EXPECT_EQ(moved, 0);
+      } else {
+        EXPECT_THROW(cuda::grouped_matmul_q8(plan, GgmlType::Q8_0, djobs.as<cuda::GroupedMatmulJob>(), nj, rb, rows,
+                                             cols, dq.as<int8_t>(), dd.as<float>(), dy.as<float>(), rows, pair,
+                                             nullptr, djobs.as<int64_t>()),
+                     cuda::CudaError);
+      }
       int64_t mismatches = 0;
       for (int i = 0; i < nj; ++i) {
         const int64_t n = sizes[i], r0 = jobs[size_t(i)].row0;

@@ -1225,22 +1225,28 @@ void CudaBackend::flush_experts() {
     std::memcpy(st.data() + o_dn, dn.data(), dn.size() * sizeof(GroupedMatmulJob));
     upload_async(d_pairs, st.data(), bytes);
   }
-  gather_rows(g.h, g.ldh, d_pairs, g.top_k, N, xg, g.E, g.E, stream());
   if (q8) {
+    // the rows gathered by the quantizer itself (no fp32 copy of them)
     const auto [xq, xd, aq, ad] = q8_ffn_scratch(N, g.E, g.F);
-    quantize_q8(xg, g.E, g.E, N, xq, xd, stream());
+    quantize_q8_rows(g.h, g.ldh, g.E, N, d_pairs, g.top_k, xq, xd, stream());
     {
       ProfScope pk(*this, "experts grouped gate/up (q8)", N / std::max(1, g.top_k));
       grouped_matmul_q8(pgu, g.gate_type, d_gu, nj, g.gate_rb, g.F, g.E, xq, xd, act, g.F, true, stream());
     }
     quantize_q8(act, g.F, g.F, N, aq, ad, stream());
+    const bool store_scattered = pdn.tile_tokens == kGemmTileTokens;  // the GEMM stores to the pairs' rows
     {
       ProfScope pk(*this, "experts grouped down (q8)", N / std::max(1, g.top_k));
-      grouped_matmul_q8(pdn, g.down_type, d_dn, nj, g.down_rb, g.E, g.F, aq, ad, y, g.E, false, stream());
+      if (store_scattered)
+        grouped_matmul_q8(pdn, g.down_type, d_dn, nj, g.down_rb, g.E, g.F, aq, ad, g.out, g.ldo, false, stream(),
+                          d_pairs);
+      else
+        grouped_matmul_q8(pdn, g.down_type, d_dn, nj, g.down_rb, g.E, g.F, aq, ad, y, g.E, false, stream());
     }
-    scatter_rows(y, g.E, d_pairs, N, g.out, g.ldo, g.E, stream());
+    if (!store_scattered) scatter_rows(y, g.E, d_pairs, N, g.out, g.ldo, g.E, stream());
     return;
   }
+  gather_rows(g.h, g.ldh, d_pairs, g.top_k, N, xg, g.E, g.E, stream());
   {
     ProfScope pk(*this, "experts grouped gate/up", N / std::max(1, g.top_k));
     grouped_matmul(pgu, g.gate_type, d_gu, nj, g.gate_rb, g.F, g.E, xg, g.E, act, g.F, true, stream());
@@ -1397,31 +1403,34 @@ void CudaBackend::moe_grouped_on_device(const backend::DeviceMoeCall& c, const b
   const GroupedMatmulPlan pgu = plan_grouped_q8_bound(nj, TK, F, tb.gemm_gu, tb.words, tb.vec16_gu, rb_gu),
                           pdn = plan_grouped_q8_bound(nj, TK, E, tb.gemm_dn, tb.words, tb.vec16_dn, rb_dn);
   Carve cv{scratch(sz<float>(size_t(T) * size_t(nj)) + sz<int64_t>(size_t(TK)) + 2 * sz<GroupedMatmulJob>(size_t(nj)) +
-                   2 * sz<float>(size_t(TK * E)) + sz<float>(size_t(TK * F)))};
+                   sz<float>(size_t(TK * E)) + sz<float>(size_t(TK * F)))};
   float* logits = cv.take<float>(size_t(T) * size_t(nj));
   int64_t* d_pairs = cv.take<int64_t>(size_t(TK));
   auto* d_gu = cv.take<GroupedMatmulJob>(size_t(nj));
   auto* d_dn = cv.take<GroupedMatmulJob>(size_t(nj));
-  float* xg = cv.take<float>(size_t(TK * E));
   float* act = cv.take<float>(size_t(TK * F));
   float* y = cv.take<float>(size_t(TK * E));
   launch_route(rc, c.h, logits, ro);
   group_pairs(ro.ids, TK, static_cast<const void* const*>(tb.ptrs.get()), nj, pgu.tile_tokens, rb_gu,
               pdn.tile_tokens, rb_dn, d_pairs, d_gu, d_dn, stream());
-  // flush_experts' sequence from here on, with the device's job tables
-  gather_rows(c.h.f(), ld(c.h), d_pairs, K, TK, xg, E, E, stream());
+  // flush_experts' sequence from here on, with the device's job tables (the quantizer gathers)
   const auto [xq, xd, aq, ad] = q8_ffn_scratch(TK, E, F);
-  quantize_q8(xg, E, E, TK, xq, xd, stream());
+  quantize_q8_rows(c.h.f(), ld(c.h), E, TK, d_pairs, K, xq, xd, stream());
   {
     ProfScope pk(*this, "experts grouped gate/up (q8)", T);
     grouped_matmul_q8(pgu, tb.gate_type, d_gu, nj, tb.gate_rb, F, E, xq, xd, act, F, true, stream());
   }
   quantize_q8(act, F, F, TK, aq, ad, stream());
+  const bool store_scattered = pdn.tile_tokens == kGemmTileTokens;  // the GEMM stores to the pairs' rows
   {
     ProfScope pk(*this, "experts grouped down (q8)", T);
-    grouped_matmul_q8(pdn, tb.down_type, d_dn, nj, tb.down_rb, E, F, aq, ad, y, E, false, stream());
+    if (store_scattered)
+      grouped_matmul_q8(pdn, tb.down_type, d_dn, nj, tb.down_rb, E, F, aq, ad, c.expert_out.f(), ld(c.expert_out),
+                        false, stream(), d_pairs);
+    else
+      grouped_matmul_q8(pdn, tb.down_type, d_dn, nj, tb.down_rb, E, F, aq, ad, y, E, false, stream());
   }
-  scatter_rows(y, E, d_pairs, TK, c.expert_out.f(), ld(c.expert_out), E, stream());
+  if (!store_scattered) scatter_rows(y, E, d_pairs, TK, c.expert_out.f(), ld(c.expert_out), E, stream());
   cuda::moe_combine(c.expert_out.f(), ld(c.expert_out), ro.weights, K, T, c.out.f(), ld(c.out), c.out.cols(),
                     stream());
 }

@@ -155,6 +155,8 @@ struct GroupedMatmulJob {
   int64_t n_tok = 0;         ///< its rows (>= 1)
   int64_t block0 = 0;        ///< first block of this job (filled by plan_grouped)
 };
+/// The token tile of the q8 GEMM (grouped_matmul_q8's plan.tile_tokens when the GEMM runs; 8 is the mat-vec).
+inline constexpr int kGemmTileTokens = 64;
 /// The launch shape of a grouped matmul: token tile (8, 32 or 64) and blocks in all.
 struct GroupedMatmulPlan {
   int tile_tokens = 0;
@@ -198,6 +200,12 @@ bool has_q8(GgmlType t, int64_t cols);
 /// Throws CudaError unless cols is a positive multiple of 32, ldx >= cols and rep >= 1.
 void quantize_q8(const float* x, int64_t ldx, int64_t cols, int64_t n_tok, int8_t* q, float* d, void* stream = nullptr,
                  int rep = 1);
+/// quantize_q8 of gathered rows: output row t (t < n_tok) is input row map[t] / rep (map: device,
+/// n_tok int64 entries, e.g. a MoE layer's (token, k) pairs t * top_k + k in expert order with rep =
+/// top_k), so the rows need not be copied together first; map == nullptr is quantize_q8. Same
+/// codes and scales as quantize_q8 of the gathered rows. Throws as quantize_q8.
+void quantize_q8_rows(const float* x, int64_t ldx, int64_t cols, int64_t n_tok, const int64_t* map, int rep, int8_t* q,
+                      float* d, void* stream = nullptr);
 
 /// y[t][r] = sum over the Q8_0 blocks b of row r, for t < n_tok, with the activations given as
 /// quantize_q8's codes xq and scales xd (rows of cols bytes / cols/32 floats, token t at
@@ -246,9 +254,12 @@ GroupedMatmulPlan plan_grouped_q8_bound(int n_jobs, int64_t n_tok, int64_t rows,
 /// job j's tokens are rows [row0, row0 + n_tok) of the codes xq / scales xd and of y. swiglu_pair:
 /// y = silu(g) * u with g from w and u from w2 (the expression of swiglu()). jobs: device copy of
 /// the table plan_grouped_q8 filled. Requirements as matmul_q8.
+/// y_rows (device, one int64 per x row, or nullptr): x row j's outputs go to row y_rows[j] of y
+/// instead of row j (the scatter of a MoE layer's pairs back to (token, k) order, done by the
+/// store); only with a GEMM plan (tile_tokens 64), else CudaError. Same values either way.
 void grouped_matmul_q8(const GroupedMatmulPlan& plan, GgmlType type, const GroupedMatmulJob* jobs, int n_jobs,
                        size_t row_bytes, int64_t rows, int64_t cols, const int8_t* xq, const float* xd, float* y,
-                       int64_t ldy, bool swiglu_pair, void* stream = nullptr);
+                       int64_t ldy, bool swiglu_pair, void* stream = nullptr, const int64_t* y_rows = nullptr);
 
 /// Embedding lookup: out[t][:] = dequantize_row(table row ids[t]) for t < n, bit-identical
 /// with quant::dequantize_row. table: device, [cols, n_rows_table] of `type`, rows row_bytes

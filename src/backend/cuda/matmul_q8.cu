@@ -22,36 +22,67 @@ namespace {
 
 // ---- quantizer ----
 
-/// One thread per activation, one warp per 32-block: amax by a shuffle max (exact, order-free),
-/// then the CPU's operations: id = 127 / amax, q = nearest-even(x * id), d = amax / 127.
+/// One thread per 4 consecutive activations, 8 threads per 32-block (grid: x over 1024-column
+/// pieces of a row, y over rows, strided by gridDim.y): amax by a max over the thread's 4 values
+/// and 3 shuffles within the 8 (exact, order-free), then the CPU's operations per element: id =
+/// 127 / amax, q = nearest-even(x * id), d = amax / 127. Output row t reads input row
+/// (map ? map[t] : t) / rep. V4: x and ldx allow 16-byte loads, q 4-byte stores.
+template <bool V4>
 __global__ void quantize_q8_kernel(const float* __restrict__ x, int64_t ldx, int cols, int64_t n,
-                                   int8_t* __restrict__ q, float* __restrict__ d, int rep) {
+                                   const int64_t* __restrict__ map, int8_t* __restrict__ q, float* __restrict__ d,
+                                   int rep) {
   detail::grid_dependency_enter();
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;  // blockDim.x % 32 == 0, cols % 32 == 0
-  const int64_t total = n * cols;
-  if (i - (threadIdx.x & 31) >= total) return;  // whole warps leave together
-  const bool ok = i < total;
-  const int64_t t = ok ? i / cols : 0;
-  const int c = ok ? int(i % cols) : 0;
-  const float v = ok ? x[(rep == 1 ? t : t / rep) * ldx + c] : 0.0f;
-  const float a = fabsf(v);
-  const bool fin = a <= 3.4028234e38f;  // false for NaN and infinities
-  float amax = a;
+  const int c0 = (int(blockIdx.x) * int(blockDim.x) + int(threadIdx.x)) * 4;  // cols % 32 == 0
+  if (c0 >= cols) return;  // whole 8-thread groups leave together
+  const int lane = int(threadIdx.x) & 31;
+  const unsigned gmask = 0xffu << (lane & ~7);
+  for (int64_t t = blockIdx.y; t < n; t += gridDim.y) {
+    const int64_t src = (map ? map[t] : t) / rep;
+    const float* xr = x + src * ldx + c0;
+    float v[4];
+    if constexpr (V4) {
+      const float4 f = *reinterpret_cast<const float4*>(xr);
+      v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+    } else {
 #pragma unroll
-  for (int off = 16; off >= 1; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-  const bool all_fin = __all_sync(0xffffffffu, fin || !ok);
-  if (!ok) return;
-  if (!all_fin) {
-    q[t * cols + c] = 0;
-    if ((c & 31) == 0) d[t * (cols / 32) + c / 32] = __int_as_float(0x7fc00000);
-    return;
+      for (int e = 0; e < 4; ++e) v[e] = xr[e];
+    }
+    float amax = 0.0f;
+    bool fin = true;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float a = fabsf(v[e]);
+      fin = fin && a <= 3.4028234e38f;  // false for NaN and infinities
+      amax = fmaxf(amax, a);
+    }
+#pragma unroll
+    for (int off = 4; off >= 1; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(gmask, amax, off));
+    int all_fin = fin ? 1 : 0;
+#pragma unroll
+    for (int off = 4; off >= 1; off /= 2) all_fin &= __shfl_xor_sync(gmask, all_fin, off);
+    int8_t o[4] = {0, 0, 0, 0};
+    float dv = __int_as_float(0x7fc00000);
+    if (all_fin) {
+      const float id = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+      // amax < 127 / FLT_MAX: id is infinite and v = x * id infinite or NaN, which the CPU's
+      // conversion turns into code 0 (x86's integer indefinite, truncated to 8 bits): the same here
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float p = __fmul_rn(v[e], id);
+        o[e] = fabsf(p) <= 127.5f ? static_cast<int8_t>(__float2int_rn(p)) : int8_t(0);
+      }
+      dv = __fdiv_rn(amax, 127.0f);
+    }
+    int8_t* qr = q + t * cols + c0;
+    if constexpr (V4) {
+      *reinterpret_cast<uint32_t*>(qr) = uint32_t(uint8_t(o[0])) | (uint32_t(uint8_t(o[1])) << 8) |
+                                         (uint32_t(uint8_t(o[2])) << 16) | (uint32_t(uint8_t(o[3])) << 24);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) qr[e] = o[e];
+    }
+    if ((lane & 7) == 0) d[t * (cols / 32) + c0 / 32] = dv;
   }
-  const float id = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
-  // amax < 127 / FLT_MAX: id is infinite and v = x * id infinite or NaN, which the CPU's
-  // conversion turns into code 0 (x86's integer indefinite, truncated to 8 bits): the same here
-  const float p = __fmul_rn(v, id);
-  q[t * cols + c] = fabsf(p) <= 127.5f ? static_cast<int8_t>(__float2int_rn(p)) : int8_t(0);
-  if ((c & 31) == 0) d[t * (cols / 32) + c / 32] = __fdiv_rn(amax, 127.0f);
 }
 
 // ---- shared helpers ----
@@ -84,7 +115,7 @@ using detail::cp_wait;
 
 constexpr int kGThreads = 256;  // 8 warps: 4 along the rows x 2 along the tokens
 constexpr int kGRows = 128;     // weight rows per block (a warp: 32 rows = 2 m16 tiles)
-constexpr int kGTok = 64;       // tokens per block (a warp: 32 tokens = 4 n8 tiles)
+constexpr int kGTok = kGemmTileTokens;  // tokens per block (a warp: 32 tokens = 4 n8 tiles)
 constexpr int kGKb = 4;         // Q8_0 blocks (32 columns) per pipeline stage
 constexpr int kGStages = 3;     // cp.async pipeline depth
 constexpr int kGWRow = 144;     // smem bytes per weight row and stage (4 x 34 = 136 used; 36 words: no conflicts)
@@ -108,12 +139,21 @@ __device__ __forceinline__ uint32_t lds32(const uint8_t* p) {
   }
 }
 
-__device__ __forceinline__ void mma_s8(int c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+/// c = bits(1.5 * 2^23) + the exact int32 products of one m16n8k32 step (from that constant, not
+/// from 0): with |S| < 2^22 the result, read as a float, is exactly 1.5 * 2^23 + S, so the fold
+/// needs no integer add (fold_biased; the same value as small_int_float(S)).
+__device__ __forceinline__ void mma_s8_biased(int c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  constexpr int kBias = 0x4B400000;
   asm volatile(
       "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%10,%11,%12,%13};\n"
       : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0), "r"(0), "r"(0), "r"(0));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(kBias), "r"(kBias), "r"(kBias),
+        "r"(kBias));
+}
+/// fold(acc, S, dw, dx) from the biased sum bits(1.5 * 2^23) + S of mma_s8_biased.
+__device__ __forceinline__ float fold_biased(float acc, int biased, float dw, float dx) {
+  return __fmaf_rn(__fsub_rn(__int_as_float(biased), 12582912.0f), __fmul_rn(dw, dx), acc);
 }
 
 /// Stage s of a tile into smem buffer `buf`: kGKb Q8_0 blocks of rows [r0, r0 + kGRows) of W (and
@@ -153,20 +193,85 @@ __device__ __forceinline__ void gemm_load(uint8_t* buf, const uint8_t* __restric
   }
 }
 
+/// The MMAs and folds of one pipeline stage (vb valid Q8_0 blocks) for the warp's 32 rows
+/// (wm) and its first NN 8-token n-tiles (wn): per block j in order, isum from one biased
+/// m16n8k32 MMA, acc = fold(acc, isum, dw_j, dx_j).
+template <bool DUAL, int NN>
+__device__ __forceinline__ void gemm_stage_mma(const uint8_t* buf, int vb, int wm, int wn, int g, int tq,
+                                               float (&acc)[DUAL ? 2 : 1][2][4][4]) {
+  constexpr int NW = DUAL ? 2 : 1;
+  const uint8_t* sx = buf + NW * kGWBytes;
+  const float* sd = reinterpret_cast<const float*>(sx + kGXBytes);
+#pragma unroll
+  for (int j = 0; j < kGKb; ++j) {
+    if (j < vb) {
+      uint32_t bf[NN][2];
+      float dx[NN][2];
+#pragma unroll
+      for (int n = 0; n < NN; ++n) {
+        const int tok = wn * 32 + n * 8;
+        const uint8_t* p = sx + (tok + g) * kGXRow + 32 * j + 4 * tq;
+        bf[n][0] = *reinterpret_cast<const uint32_t*>(p);
+        bf[n][1] = *reinterpret_cast<const uint32_t*>(p + 16);
+        dx[n][0] = sd[(tok + 2 * tq) * kGKb + j];
+        dx[n][1] = sd[(tok + 2 * tq + 1) * kGKb + j];
+      }
+#pragma unroll
+      for (int m = 0; m < NW; ++m) {
+        const uint8_t* sw = buf + m * kGWBytes;
+        uint32_t af[2][4];
+        float dw[2][2];
+#pragma unroll
+        for (int a = 0; a < 2; ++a) {
+          const uint8_t* row = sw + (wm * 32 + a * 16 + g) * kGWRow + 34 * j;
+          if ((34 * j + 2) % 4 == 0) {
+            af[a][0] = lds32<true>(row + 2 + 4 * tq);
+            af[a][1] = lds32<true>(row + 8 * kGWRow + 2 + 4 * tq);
+            af[a][2] = lds32<true>(row + 18 + 4 * tq);
+            af[a][3] = lds32<true>(row + 8 * kGWRow + 18 + 4 * tq);
+          } else {
+            af[a][0] = lds32<false>(row + 2 + 4 * tq);
+            af[a][1] = lds32<false>(row + 8 * kGWRow + 2 + 4 * tq);
+            af[a][2] = lds32<false>(row + 18 + 4 * tq);
+            af[a][3] = lds32<false>(row + 8 * kGWRow + 18 + 4 * tq);
+          }
+          dw[a][0] = half_at(row);
+          dw[a][1] = half_at(row + 8 * kGWRow);
+        }
+        int is[2][NN][4];
+#pragma unroll
+        for (int a = 0; a < 2; ++a)
+#pragma unroll
+          for (int n = 0; n < NN; ++n) mma_s8_biased(is[a][n], af[a], bf[n][0], bf[n][1]);
+#pragma unroll
+        for (int a = 0; a < 2; ++a)
+#pragma unroll
+          for (int n = 0; n < NN; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              acc[m][a][n][e] = fold_biased(acc[m][a][n][e], is[a][n][e], dw[a][e / 2], dx[n][e % 2]);
+      }
+    }
+  }
+}
+
 /// One block's tile: rows [r0, r0 + 128) x tokens [0, nt) (nt <= 64) of codes xq (rows cols bytes
 /// apart) and scales xd. Per output element, for each Q8_0 block b in order: isum = the block's
 /// exact int32 dot product (one m16n8k32 MMA from 0), acc = fold(acc, isum, dw_b, dx_b).
+/// Output token tok goes to row (yrows ? yrows[tok] : tok) of y. The warp's 8-token n-tiles past
+/// nt are skipped (no MMA, no fold: their outputs are never stored).
 template <bool DUAL>
 __device__ __forceinline__ void gemm_tile(uint8_t* smem, const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
                                           size_t row_bytes, int64_t rows, int cols, int64_t r0,
                                           const int8_t* __restrict__ xq, const float* __restrict__ xd, int nt,
-                                          float* __restrict__ y, int64_t ldy) {
+                                          float* __restrict__ y, int64_t ldy, const int64_t* __restrict__ yrows) {
   constexpr int NW = DUAL ? 2 : 1;
   constexpr int SB = gemm_stage_bytes<DUAL>();
   const int nb = cols / 32;
   const int ns = (nb + kGKb - 1) / kGKb;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
   const int wm = warp % 4, wn = warp / 4;
+  const int nlive = min(4, max(0, (nt - wn * 32 + 7) / 8));  // the warp's n-tiles with a token below nt
   float acc[NW][2][4][4];
 #pragma unroll
   for (int m = 0; m < NW; ++m)
@@ -191,60 +296,13 @@ __device__ __forceinline__ void gemm_tile(uint8_t* smem, const uint8_t* __restri
       cp_commit();
     }
     const uint8_t* buf = smem + (s % kGStages) * SB;
-    const uint8_t* sx = buf + NW * kGWBytes;
-    const float* sd = reinterpret_cast<const float*>(sx + kGXBytes);
     const int vb = min(kGKb, nb - s * kGKb);
-#pragma unroll
-    for (int j = 0; j < kGKb; ++j) {
-      if (j < vb) {
-        uint32_t bf[4][2];
-        float dx[4][2];
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-          const int tok = wn * 32 + n * 8;
-          const uint8_t* p = sx + (tok + g) * kGXRow + 32 * j + 4 * tq;
-          bf[n][0] = *reinterpret_cast<const uint32_t*>(p);
-          bf[n][1] = *reinterpret_cast<const uint32_t*>(p + 16);
-          dx[n][0] = sd[(tok + 2 * tq) * kGKb + j];
-          dx[n][1] = sd[(tok + 2 * tq + 1) * kGKb + j];
-        }
-#pragma unroll
-        for (int m = 0; m < NW; ++m) {
-          const uint8_t* sw = buf + m * kGWBytes;
-          uint32_t af[2][4];
-          float dw[2][2];
-#pragma unroll
-          for (int a = 0; a < 2; ++a) {
-            const uint8_t* row = sw + (wm * 32 + a * 16 + g) * kGWRow + 34 * j;
-            if ((34 * j + 2) % 4 == 0) {
-              af[a][0] = lds32<true>(row + 2 + 4 * tq);
-              af[a][1] = lds32<true>(row + 8 * kGWRow + 2 + 4 * tq);
-              af[a][2] = lds32<true>(row + 18 + 4 * tq);
-              af[a][3] = lds32<true>(row + 8 * kGWRow + 18 + 4 * tq);
-            } else {
-              af[a][0] = lds32<false>(row + 2 + 4 * tq);
-              af[a][1] = lds32<false>(row + 8 * kGWRow + 2 + 4 * tq);
-              af[a][2] = lds32<false>(row + 18 + 4 * tq);
-              af[a][3] = lds32<false>(row + 8 * kGWRow + 18 + 4 * tq);
-            }
-            dw[a][0] = half_at(row);
-            dw[a][1] = half_at(row + 8 * kGWRow);
-          }
-          int is[2][4][4];
-#pragma unroll
-          for (int a = 0; a < 2; ++a)
-#pragma unroll
-            for (int n = 0; n < 4; ++n) mma_s8(is[a][n], af[a], bf[n][0], bf[n][1]);
-#pragma unroll
-          for (int a = 0; a < 2; ++a)
-#pragma unroll
-            for (int n = 0; n < 4; ++n)
-#pragma unroll
-              for (int e = 0; e < 4; ++e)
-                acc[m][a][n][e] = fold(acc[m][a][n][e], is[a][n][e], dw[a][e / 2], dx[n][e % 2]);
-        }
-      }
-    }
+    // A warp whose tokens all lie past nt does no MMA; one with at most 16 live tokens does
+    // its first two n-tiles only (the outputs of the others are never stored).
+    if (nlive > 2)
+      gemm_stage_mma<DUAL, 4>(buf, vb, wm, wn, g, tq, acc);
+    else if (nlive > 0)
+      gemm_stage_mma<DUAL, 2>(buf, vb, wm, wn, g, tq, acc);
   }
   cp_wait<0>();
 #pragma unroll
@@ -258,7 +316,7 @@ __device__ __forceinline__ void gemm_tile(uint8_t* smem, const uint8_t* __restri
         if (row < rows && tok < nt) {
           float o = acc[0][a][n][e];
           if constexpr (DUAL) o = silu_mul(o, acc[NW - 1][a][n][e]);
-          y[tok * ldy + row] = o;
+          y[(yrows ? yrows[tok] : int64_t(tok)) * ldy + row] = o;
         }
       }
 }
@@ -269,7 +327,7 @@ template <bool DUAL>
 __global__ void __launch_bounds__(kGThreads)
     gemm_q8_kernel(const GroupedMatmulJob* __restrict__ jobs, int n_jobs, GroupedMatmulJob one, size_t row_bytes,
                    int64_t rows, int cols, const int8_t* __restrict__ xq, const float* __restrict__ xd,
-                   float* __restrict__ y, int64_t ldy) {
+                   float* __restrict__ y, int64_t ldy, const int64_t* __restrict__ yrows) {
   detail::grid_dependency_enter();
   extern __shared__ __align__(16) uint8_t smem[];
   const int64_t b = blockIdx.x;
@@ -277,7 +335,8 @@ __global__ void __launch_bounds__(kGThreads)
   const detail::JobTile t = job_tile<kGRows, kGTok>(jb, b, rows);
   if (t.nt <= 0) return;  // past the job's tiles: a bound-sized launch (plan_grouped_q8_bound)
   gemm_tile<DUAL>(smem, static_cast<const uint8_t*>(jb.w), static_cast<const uint8_t*>(jb.w2), row_bytes, rows, cols,
-                  t.r0, xq + t.t0 * cols, xd + t.t0 * (cols / 32), t.nt, y + t.t0 * ldy, ldy);
+                  t.r0, xq + t.t0 * cols, xd + t.t0 * (cols / 32), t.nt, yrows ? y : y + t.t0 * ldy, ldy,
+                  yrows ? yrows + t.t0 : nullptr);
 }
 
 // ---- mat-vec (__dp4a), up to 8 tokens ----
@@ -653,11 +712,11 @@ void check_q8_common(const char* fn, GgmlType type, size_t row_bytes, int64_t ro
 template <bool DUAL>
 void launch_q8(bool gemm, bool al4, int rb, unsigned grid, const GroupedMatmulJob* jobs, int n_jobs,
                const GroupedMatmulJob& one, size_t row_bytes, int64_t rows, int cols, const int8_t* xq, const float* xd,
-               float* y, int64_t ldy, cudaStream_t st) {
+               float* y, int64_t ldy, cudaStream_t st, const int64_t* yrows = nullptr) {
   ensure_smem_attrs();
   if (gemm)
     detail::launch(gemm_q8_kernel<DUAL>, grid, kGThreads, kGStages * gemm_stage_bytes<DUAL>(), st, jobs, n_jobs, one,
-                   row_bytes, rows, cols, xq, xd, y, ldy);
+                   row_bytes, rows, cols, xq, xd, y, ldy, yrows);
   else if (rb == kWRowsBlock)
     detail::launch(mv16_q8_kernel<DUAL>, grid, kWWarps * 32, mv16_smem_bytes<DUAL>(), st, jobs, n_jobs, one, row_bytes,
                    rows, cols, xq, xd, y, ldy);
@@ -680,17 +739,27 @@ void launch_q8(bool gemm, bool al4, int rb, unsigned grid, const GroupedMatmulJo
 
 bool has_q8(GgmlType t, int64_t cols) { return t == GgmlType::Q8_0 && cols > 0 && cols % 32 == 0; }
 
-void quantize_q8(const float* x, int64_t ldx, int64_t cols, int64_t n_tok, int8_t* q, float* d, void* stream, int rep) {
+void quantize_q8_rows(const float* x, int64_t ldx, int64_t cols, int64_t n_tok, const int64_t* map, int rep, int8_t* q,
+                      float* d, void* stream) {
   STRATA_CUDA_REQUIRE(cols > 0 && cols % 32 == 0 && cols <= (int64_t(1) << 30),
                       "cuda::quantize_q8: cols=" + std::to_string(cols) + " is not a positive multiple of 32");
   STRATA_CUDA_REQUIRE(n_tok >= 0 && ldx >= cols && rep >= 1, "cuda::quantize_q8: n_tok < 0, ldx < cols or rep < 1");
   if (n_tok == 0) return;
-  const int64_t total = n_tok * cols;
-  const int64_t blocks = (total + 255) / 256;
-  STRATA_CUDA_REQUIRE(blocks <= INT32_MAX, "cuda::quantize_q8: too many activations");
-  detail::launch(quantize_q8_kernel, unsigned(blocks), 256, 0, static_cast<cudaStream_t>(stream), x, ldx, int(cols),
-                 n_tok, q, d, rep);
+  constexpr int kThreads = 256;  // 1024 columns per block
+  const int64_t gx = (cols / 4 + kThreads - 1) / kThreads;
+  const unsigned gy = unsigned(std::min<int64_t>(n_tok, 65535));
+  const bool v4 = reinterpret_cast<uintptr_t>(x) % 16 == 0 && ldx % 4 == 0 && reinterpret_cast<uintptr_t>(q) % 4 == 0;
+  const dim3 grid(unsigned(gx), gy);
+  auto st = static_cast<cudaStream_t>(stream);
+  if (v4)
+    detail::launch(quantize_q8_kernel<true>, grid, kThreads, 0, st, x, ldx, int(cols), n_tok, map, q, d, rep);
+  else
+    detail::launch(quantize_q8_kernel<false>, grid, kThreads, 0, st, x, ldx, int(cols), n_tok, map, q, d, rep);
   STRATA_CUDA_CHECK_LAUNCH();
+}
+
+void quantize_q8(const float* x, int64_t ldx, int64_t cols, int64_t n_tok, int8_t* q, float* d, void* stream, int rep) {
+  quantize_q8_rows(x, ldx, cols, n_tok, nullptr, rep, q, d, stream);
 }
 
 void matmul_q8(GgmlType type, const void* W, size_t row_bytes, int64_t rows, int64_t cols, const int8_t* xq,
@@ -757,22 +826,23 @@ GroupedMatmulPlan plan_grouped_q8(GroupedMatmulJob* jobs, int n_jobs, int64_t ro
 
 void grouped_matmul_q8(const GroupedMatmulPlan& plan, GgmlType type, const GroupedMatmulJob* jobs, int n_jobs,
                        size_t row_bytes, int64_t rows, int64_t cols, const int8_t* xq, const float* xd, float* y,
-                       int64_t ldy, bool swiglu_pair, void* stream) {
+                       int64_t ldy, bool swiglu_pair, void* stream, const int64_t* y_rows) {
   check_q8_common("cuda::grouped_matmul_q8", type, row_bytes, rows, cols, xq, xd, ldy);
   STRATA_CUDA_REQUIRE(n_jobs >= 1 && plan.blocks >= 1 && plan.blocks <= INT32_MAX &&
                           (plan.tile_tokens == kVTok || plan.tile_tokens == kGTok),
                       "cuda::grouped_matmul_q8: bad plan (use plan_grouped_q8)");
   const bool gemm = plan.tile_tokens == kGTok;
+  STRATA_CUDA_REQUIRE(!y_rows || gemm, "cuda::grouped_matmul_q8: y_rows needs the GEMM plan (tile 64)");
   const bool al4 = plan.words;  // the plan saw the (host) table's pointers
   GroupedMatmulJob one;
   auto st = static_cast<cudaStream_t>(stream);
   const int rb = gemm ? kGRows : mv_rows_per_block(rows, plan.vec16);
   if (swiglu_pair)
     launch_q8<true>(gemm, al4, rb, unsigned(plan.blocks), jobs, n_jobs, one, row_bytes, rows, int(cols), xq, xd, y,
-                    ldy, st);
+                    ldy, st, y_rows);
   else
     launch_q8<false>(gemm, al4, rb, unsigned(plan.blocks), jobs, n_jobs, one, row_bytes, rows, int(cols), xq, xd, y,
-                     ldy, st);
+                     ldy, st, y_rows);
 }
 
 }  // namespace strata::cuda

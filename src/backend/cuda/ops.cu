@@ -143,6 +143,75 @@ __global__ void __launch_bounds__(kRowThreads)
   for (int i = threadIdx.x; i < head_dim; i += kRowThreads) xr[i] = row[i];
 }
 
+/// qk_norm_rope_kernel's operations for head_dim <= 256 with one warp per (token, head) row and
+/// the rotation's cos / sin made once per token and block: block (token blockIdx.x, heads
+/// blockIdx.y * heads_per_block .. + heads_per_block - 1), warp w taking heads w, w + 8, ... of those. Lane l
+/// holds elements l + 32 j (j < 8) of the row, so block_sum's tree over 256 threads (thread i
+/// holding element i, 0 past head_dim) is replayed exactly: the strides 128, 64 and 32 within
+/// the lane, then 16 .. 1 across lanes (the same adds of the same operands), so the bits equal
+/// qk_norm_rope_kernel's. smem: 2 * half floats of cos / sin, then 8 rows of head_dim floats.
+__global__ void __launch_bounds__(kRowThreads)
+    qk_norm_rope_warp_kernel(float* q, int64_t ldq, int n_head, float* k, int64_t ldk, int n_head_kv, int head_dim,
+                             const float* __restrict__ qw, const float* __restrict__ kw, float eps, int half,
+                             int64_t pos0, const double* __restrict__ inv_freq, int heads_per_block) {
+  detail::grid_dependency_enter();
+  extern __shared__ float qk_sh[];
+  float* cs = qk_sh;             // cos, half floats
+  float* sn = qk_sh + half;      // sin, half floats
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) & 31;
+  float* row = qk_sh + 2 * half + warp * head_dim;
+  const int64_t t = blockIdx.x;
+  const double p = double(int32_t(pos0 + t));
+  for (int i = threadIdx.x; i < half; i += kRowThreads) {
+    const double theta = p * inv_freq[i];
+    cs[i] = float(cos(theta)), sn[i] = float(sin(theta));
+  }
+  __syncthreads();
+  const int heads = n_head + n_head_kv;
+  const int h_end = min(heads, int(blockIdx.y + 1) * heads_per_block);
+  for (int h = int(blockIdx.y) * heads_per_block + warp; h < h_end; h += kRowThreads / 32) {
+    float* xr = h < n_head ? q + t * ldq + int64_t(h) * head_dim : k + t * ldk + int64_t(h - n_head) * head_dim;
+    const float* w = h < n_head ? qw : kw;
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = lane + 32 * j < head_dim ? xr[lane + 32 * j] : 0.0f;
+    if (w) {
+      double u[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) u[j] = lane + 32 * j < head_dim ? double(v[j]) * double(v[j]) : 0.0;
+      // block_sum: sh[i] = sh[i] + sh[i + s] for s = 128, 64, 32 (slots of this lane), then 16 .. 1
+#pragma unroll
+      for (int j = 0; j < 4; ++j) u[j] = u[j] + u[j + 4];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) u[j] = u[j] + u[j + 2];
+      double ss = u[0] + u[1];
+#pragma unroll
+      for (int s = 16; s > 0; s /= 2) {
+        const double o = __shfl_down_sync(0xffffffffu, ss, s);
+        if (lane < s) ss = ss + o;
+      }
+      ss = __shfl_sync(0xffffffffu, ss, 0);
+      const float scale = float(1.0 / sqrt(ss / double(head_dim) + double(eps)));
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (lane + 32 * j < head_dim) v[j] = __fmul_rn(__fmul_rn(v[j], scale), w[lane + 32 * j]);
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (lane + 32 * j < head_dim) row[lane + 32 * j] = v[j];
+    __syncwarp();
+    for (int i = lane; i < half; i += 32) {
+      const float c = cs[i], s = sn[i];
+      const float a = row[i], b = row[i + half];
+      row[i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+      row[i + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+    }
+    __syncwarp();
+    for (int i = lane; i < head_dim; i += 32) xr[i] = row[i];
+    __syncwarp();
+  }
+}
+
 /// One block per row: x += y as add_kernel, then out = the RMSNorm of the sum as rms_norm_kernel.
 /// Each thread reads back only the sums it wrote itself, so no barrier is needed between the two.
 __global__ void __launch_bounds__(kRowThreads)
@@ -228,6 +297,18 @@ void qk_norm_rope(float* q, int64_t ldq, int n_head, float* k, int64_t ldk, int 
   const int64_t blocks = n_tok * (int64_t(n_head) + n_head_kv);
   if (blocks == 0) return;
   STRATA_CUDA_REQUIRE(blocks <= 0x7fffffff, "cuda::qk_norm_rope: too many rows for one launch");
+  if (head_dim <= 256 && n_tok <= 0x7fffffff) {
+    // one warp per row, cos / sin once per (token, block): a block takes all heads of a token in
+    // prefill, 8 in decode (more blocks for one token)
+    const int heads = n_head + n_head_kv;
+    const int hpb = n_tok >= 64 ? heads : kRowThreads / 32;
+    const size_t wsmem = (size_t(n_rot) + size_t(kRowThreads / 32) * size_t(head_dim)) * sizeof(float);
+    const dim3 grid(unsigned(n_tok), unsigned((heads + hpb - 1) / hpb));
+    detail::launch(qk_norm_rope_warp_kernel, grid, kRowThreads, wsmem, static_cast<cudaStream_t>(stream), q, ldq,
+                   n_head, k, ldk, n_head_kv, head_dim, q_norm, k_norm, eps, n_rot / 2, pos0, inv_freq, hpb);
+    STRATA_CUDA_CHECK_LAUNCH();
+    return;
+  }
   const size_t smem = size_t(head_dim) * sizeof(float);
   STRATA_CUDA_REQUIRE(smem <= 48 * 1024, "cuda::qk_norm_rope: head_dim above 12288");
   detail::launch(qk_norm_rope_kernel, unsigned(blocks), kRowThreads, smem, static_cast<cudaStream_t>(stream), q, ldq,
