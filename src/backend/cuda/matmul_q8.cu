@@ -159,7 +159,7 @@ __device__ __forceinline__ float fold_biased(float acc, int biased, float dw, fl
 /// Stage s of a tile into smem buffer `buf`: kGKb Q8_0 blocks of rows [r0, r0 + kGRows) of W (and
 /// W2), the tokens' codes and scales of those blocks. Parts outside the matrix are skipped (their
 /// smem is never folded into a stored output) or zero-filled (a block straddling a row's end).
-template <bool DUAL>
+template <bool DUAL, int NTH = DUAL ? 2 * kGThreads : kGThreads>
 __device__ __forceinline__ void gemm_load(uint8_t* buf, const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
                                           size_t row_bytes, int64_t rows, int64_t r0, int nb, int s,
                                           const int8_t* __restrict__ xq, const float* __restrict__ xd, int cols,
@@ -172,7 +172,7 @@ __device__ __forceinline__ void gemm_load(uint8_t* buf, const uint8_t* __restric
   for (int m = 0; m < (DUAL ? 2 : 1); ++m) {
     const uint8_t* Wm = m == 0 ? W : W2;
     uint8_t* sw = buf + m * kGWBytes;
-    for (int i = tid; i < kGRows * kChunks; i += kGThreads) {
+    for (int i = tid; i < kGRows * kChunks; i += NTH) {
       const int r = i / kChunks, c = i % kChunks;
       const int left = wbytes - 8 * c;
       if (r0 + r < rows && left > 0)
@@ -181,26 +181,25 @@ __device__ __forceinline__ void gemm_load(uint8_t* buf, const uint8_t* __restric
     }
   }
   uint8_t* sx = buf + (DUAL ? 2 : 1) * kGWBytes;
-  for (int i = tid; i < kGTok * 8; i += kGThreads) {  // 8 chunks of 16 codes per token
+  for (int i = tid; i < kGTok * 8; i += NTH) {  // 8 chunks of 16 codes per token
     const int t = i / 8, c = i % 8;
     if (t < nt && c / 2 < vb)
       cp_async<16>(sx + t * kGXRow + 16 * c, xq + int64_t(t) * cols + s * (kGKb * 32) + 16 * c, 16);
   }
   float* sd = reinterpret_cast<float*>(sx + kGXBytes);
-  for (int i = tid; i < kGTok * kGKb; i += kGThreads) {
+  for (int i = tid; i < kGTok * kGKb; i += NTH) {
     const int t = i / kGKb, j = i % kGKb;
     if (t < nt && j < vb) cp_async<4>(sd + t * kGKb + j, xd + int64_t(t) * (cols / 32) + s * kGKb + j, 4);
   }
 }
 
-/// The MMAs and folds of one pipeline stage (vb valid Q8_0 blocks) for the warp's 32 rows
-/// (wm) and its first NN 8-token n-tiles (wn): per block j in order, isum from one biased
-/// m16n8k32 MMA, acc = fold(acc, isum, dw_j, dx_j).
-template <bool DUAL, int NN>
-__device__ __forceinline__ void gemm_stage_mma(const uint8_t* buf, int vb, int wm, int wn, int g, int tq,
-                                               float (&acc)[DUAL ? 2 : 1][2][4][4]) {
-  constexpr int NW = DUAL ? 2 : 1;
-  const uint8_t* sx = buf + NW * kGWBytes;
+/// The MMAs and folds of one pipeline stage (vb valid Q8_0 blocks) of one weight matrix (its
+/// stage in sw, the tokens' codes in sx, their scales after them) for the warp's 32 rows (wm) and
+/// its first NN 8-token n-tiles (wn): per block j in order, isum from one biased m16n8k32 MMA,
+/// acc = fold(acc, isum, dw_j, dx_j).
+template <int NN>
+__device__ __forceinline__ void gemm_stage_mma(const uint8_t* sw, const uint8_t* sx, int vb, int wm, int wn, int g,
+                                               int tq, float (&acc)[2][4][4]) {
   const float* sd = reinterpret_cast<const float*>(sx + kGXBytes);
 #pragma unroll
   for (int j = 0; j < kGKb; ++j) {
@@ -216,41 +215,37 @@ __device__ __forceinline__ void gemm_stage_mma(const uint8_t* buf, int vb, int w
         dx[n][0] = sd[(tok + 2 * tq) * kGKb + j];
         dx[n][1] = sd[(tok + 2 * tq + 1) * kGKb + j];
       }
+      uint32_t af[2][4];
+      float dw[2][2];
 #pragma unroll
-      for (int m = 0; m < NW; ++m) {
-        const uint8_t* sw = buf + m * kGWBytes;
-        uint32_t af[2][4];
-        float dw[2][2];
-#pragma unroll
-        for (int a = 0; a < 2; ++a) {
-          const uint8_t* row = sw + (wm * 32 + a * 16 + g) * kGWRow + 34 * j;
-          if ((34 * j + 2) % 4 == 0) {
-            af[a][0] = lds32<true>(row + 2 + 4 * tq);
-            af[a][1] = lds32<true>(row + 8 * kGWRow + 2 + 4 * tq);
-            af[a][2] = lds32<true>(row + 18 + 4 * tq);
-            af[a][3] = lds32<true>(row + 8 * kGWRow + 18 + 4 * tq);
-          } else {
-            af[a][0] = lds32<false>(row + 2 + 4 * tq);
-            af[a][1] = lds32<false>(row + 8 * kGWRow + 2 + 4 * tq);
-            af[a][2] = lds32<false>(row + 18 + 4 * tq);
-            af[a][3] = lds32<false>(row + 8 * kGWRow + 18 + 4 * tq);
-          }
-          dw[a][0] = half_at(row);
-          dw[a][1] = half_at(row + 8 * kGWRow);
+      for (int a = 0; a < 2; ++a) {
+        const uint8_t* row = sw + (wm * 32 + a * 16 + g) * kGWRow + 34 * j;
+        if ((34 * j + 2) % 4 == 0) {
+          af[a][0] = lds32<true>(row + 2 + 4 * tq);
+          af[a][1] = lds32<true>(row + 8 * kGWRow + 2 + 4 * tq);
+          af[a][2] = lds32<true>(row + 18 + 4 * tq);
+          af[a][3] = lds32<true>(row + 8 * kGWRow + 18 + 4 * tq);
+        } else {
+          af[a][0] = lds32<false>(row + 2 + 4 * tq);
+          af[a][1] = lds32<false>(row + 8 * kGWRow + 2 + 4 * tq);
+          af[a][2] = lds32<false>(row + 18 + 4 * tq);
+          af[a][3] = lds32<false>(row + 8 * kGWRow + 18 + 4 * tq);
         }
-        int is[2][NN][4];
-#pragma unroll
-        for (int a = 0; a < 2; ++a)
-#pragma unroll
-          for (int n = 0; n < NN; ++n) mma_s8_biased(is[a][n], af[a], bf[n][0], bf[n][1]);
-#pragma unroll
-        for (int a = 0; a < 2; ++a)
-#pragma unroll
-          for (int n = 0; n < NN; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-              acc[m][a][n][e] = fold_biased(acc[m][a][n][e], is[a][n][e], dw[a][e / 2], dx[n][e % 2]);
+        dw[a][0] = half_at(row);
+        dw[a][1] = half_at(row + 8 * kGWRow);
       }
+      int is[2][NN][4];
+#pragma unroll
+      for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int n = 0; n < NN; ++n) mma_s8_biased(is[a][n], af[a], bf[n][0], bf[n][1]);
+#pragma unroll
+      for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int n = 0; n < NN; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            acc[a][n][e] = fold_biased(acc[a][n][e], is[a][n][e], dw[a][e / 2], dx[n][e % 2]);
     }
   }
 }
@@ -259,7 +254,11 @@ __device__ __forceinline__ void gemm_stage_mma(const uint8_t* buf, int vb, int w
 /// apart) and scales xd. Per output element, for each Q8_0 block b in order: isum = the block's
 /// exact int32 dot product (one m16n8k32 MMA from 0), acc = fold(acc, isum, dw_b, dx_b).
 /// Output token tok goes to row (yrows ? yrows[tok] : tok) of y. The warp's 8-token n-tiles past
-/// nt are skipped (no MMA, no fold: their outputs are never stored).
+/// nt are skipped (no MMA, no fold: their outputs are never stored). DUAL (the SwiGLU pair,
+/// 512 threads): warps 0-7 compute W's outputs and warps 8-15 the same outputs of W2, each with
+/// one matrix's accumulators (so two blocks' worth of warps per SM at the register budget of
+/// one matrix); the W2 warps leave theirs in shared memory for the W warps, which store
+/// silu(w) * w2. Each output's operations are those of one matrix alone, in block order.
 template <bool DUAL>
 __device__ __forceinline__ void gemm_tile(uint8_t* smem, const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
                                           size_t row_bytes, int64_t rows, int cols, int64_t r0,
@@ -270,17 +269,16 @@ __device__ __forceinline__ void gemm_tile(uint8_t* smem, const uint8_t* __restri
   const int nb = cols / 32;
   const int ns = (nb + kGKb - 1) / kGKb;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
-  const int wm = warp % 4, wn = warp / 4;
+  const int mat = warp / 8, wl = warp % 8;  // mat 1: the W2 warps (DUAL only)
+  const int wm = wl % 4, wn = wl / 4;
   const int nlive = min(4, max(0, (nt - wn * 32 + 7) / 8));  // the warp's n-tiles with a token below nt
-  float acc[NW][2][4][4];
+  float acc[2][4][4];
 #pragma unroll
-  for (int m = 0; m < NW; ++m)
+  for (int a = 0; a < 2; ++a)
 #pragma unroll
-    for (int a = 0; a < 2; ++a)
+    for (int b = 0; b < 4; ++b)
 #pragma unroll
-      for (int b = 0; b < 4; ++b)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[m][a][b][e] = 0.0f;
+      for (int e = 0; e < 4; ++e) acc[a][b][e] = 0.0f;
 
 #pragma unroll
   for (int s = 0; s < kGStages - 1; ++s) {
@@ -296,26 +294,45 @@ __device__ __forceinline__ void gemm_tile(uint8_t* smem, const uint8_t* __restri
       cp_commit();
     }
     const uint8_t* buf = smem + (s % kGStages) * SB;
+    const uint8_t* sw = buf + mat * kGWBytes;
+    const uint8_t* sx = buf + NW * kGWBytes;
     const int vb = min(kGKb, nb - s * kGKb);
     // A warp whose tokens all lie past nt does no MMA; one with at most 16 live tokens does
     // its first two n-tiles only (the outputs of the others are never stored).
     if (nlive > 2)
-      gemm_stage_mma<DUAL, 4>(buf, vb, wm, wn, g, tq, acc);
+      gemm_stage_mma<4>(sw, sx, vb, wm, wn, g, tq, acc);
     else if (nlive > 0)
-      gemm_stage_mma<DUAL, 2>(buf, vb, wm, wn, g, tq, acc);
+      gemm_stage_mma<2>(sw, sx, vb, wm, wn, g, tq, acc);
   }
   cp_wait<0>();
+  constexpr int kExLd = kGRows + 4;  // floats per token row of the W2 outputs (conflict-free)
+  float* ex = reinterpret_cast<float*>(smem);
+  if constexpr (DUAL) {
+    __syncthreads();  // every stage consumed: the pipeline's smem is free
+    if (mat == 1) {
+#pragma unroll
+      for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            ex[(wn * 32 + n * 8 + 2 * tq + e % 2) * kExLd + wm * 32 + a * 16 + g + 8 * (e / 2)] = acc[a][n][e];
+    }
+    __syncthreads();
+    if (mat == 1) return;
+  }
 #pragma unroll
   for (int a = 0; a < 2; ++a)
 #pragma unroll
     for (int n = 0; n < 4; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int64_t row = r0 + wm * 32 + a * 16 + g + 8 * (e / 2);
+        const int rl = wm * 32 + a * 16 + g + 8 * (e / 2);
+        const int64_t row = r0 + rl;
         const int tok = wn * 32 + n * 8 + 2 * tq + e % 2;
         if (row < rows && tok < nt) {
-          float o = acc[0][a][n][e];
-          if constexpr (DUAL) o = silu_mul(o, acc[NW - 1][a][n][e]);
+          float o = acc[a][n][e];
+          if constexpr (DUAL) o = silu_mul(o, ex[tok * kExLd + rl]);
           y[(yrows ? yrows[tok] : int64_t(tok)) * ldy + row] = o;
         }
       }
@@ -324,7 +341,7 @@ __device__ __forceinline__ void gemm_tile(uint8_t* smem, const uint8_t* __restri
 /// GEMM launch over jobs (jobs == nullptr: the single job `one`, x rows from row0). Block b:
 /// job j, row block (b - block0) % row_blocks, token tile (b - block0) / row_blocks.
 template <bool DUAL>
-__global__ void __launch_bounds__(kGThreads)
+__global__ void __launch_bounds__(DUAL ? 2 * kGThreads : kGThreads)
     gemm_q8_kernel(const GroupedMatmulJob* __restrict__ jobs, int n_jobs, GroupedMatmulJob one, size_t row_bytes,
                    int64_t rows, int cols, const int8_t* __restrict__ xq, const float* __restrict__ xd,
                    float* __restrict__ y, int64_t ldy, const int64_t* __restrict__ yrows) {
@@ -715,7 +732,8 @@ void launch_q8(bool gemm, bool al4, int rb, unsigned grid, const GroupedMatmulJo
                float* y, int64_t ldy, cudaStream_t st, const int64_t* yrows = nullptr) {
   ensure_smem_attrs();
   if (gemm)
-    detail::launch(gemm_q8_kernel<DUAL>, grid, kGThreads, kGStages * gemm_stage_bytes<DUAL>(), st, jobs, n_jobs, one,
+    detail::launch(gemm_q8_kernel<DUAL>, grid, DUAL ? 2 * kGThreads : kGThreads, kGStages * gemm_stage_bytes<DUAL>(),
+                   st, jobs, n_jobs, one,
                    row_bytes, rows, cols, xq, xd, y, ldy, yrows);
   else if (rb == kWRowsBlock)
     detail::launch(mv16_q8_kernel<DUAL>, grid, kWWarps * 32, mv16_smem_bytes<DUAL>(), st, jobs, n_jobs, one, row_bytes,
