@@ -223,6 +223,14 @@ void matmul_q8(GgmlType type, const void* W, size_t row_bytes, int64_t rows, int
                const float* xd, int64_t n_tok, float* y, int64_t ldy, void* stream = nullptr,
                MatmulPath path = MatmulPath::Auto);
 
+namespace detail {
+/// Which kernel runs the 16-byte aligned q8 mat-vec (matmul_q8 / grouped_matmul_q8 with <= 8
+/// tokens): 1 mv2_q8_kernel, 0 mv16_q8_kernel (the same bits), -1 back to the default
+/// (mv2 unless STRATA_CUDA_MV16_V2=0, read once). For tests and same-process comparisons; a
+/// launch reads it when it is issued.
+void set_mv16_v2(int mode);
+}  // namespace detail
+
 /// Fills jobs[i].block0 (host memory) for grouped_matmul_q8 with `rows` x `cols` weights of
 /// `row_bytes` per row and returns the plan: tile 64 (the GEMM) when some job has more than 8
 /// tokens and every job's weights (w, and w2 when set) are 8-byte aligned, else 8 (the mat-vec);
