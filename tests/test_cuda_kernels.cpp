@@ -1160,9 +1160,13 @@ TEST(CudaKernels, MatmulQ8EqualsHostDefinition) {
   // 608 columns: 19 blocks (646 bytes: 2-byte aligned rows; 656: 16-byte aligned, the mat-vec's
   // 16-byte staging, 8 rows a block); 2048: 2176 bytes (one stage of that staging); 4160: two stages
   // and 2 blocks; 4250 rows: the 2-byte aligned mat-vec's 16-row blocks (fewer rows take its 4-row
-  // blocks), and 16-byte aligned
-  const Shape shapes[] = {{203, 608, 646},  {203, 608, 656},  {130, 2048, 2176},
-                          {77, 4160, 4432}, {4250, 160, 170}, {4250, 160, 176}};
+  // blocks, 16-byte aligned; fewer rows take its 4-row blocks). The 16-byte aligned ones run both
+  // mat-vec kernels (mv2_q8_kernel: rows of <= 32 blocks in one-warp blocks of 8 rows and stages
+  // of 24 blocks, longer rows in stages of 64; and mv16_q8_kernel): 768 (24 blocks, one full
+  // stage of 24), 800 (25: a stage of 24 and one of 1), 1056 (33: one odd stage of 64), 608 (19)
+  const Shape shapes[] = {{203, 608, 646},   {203, 608, 656},  {130, 2048, 2176}, {77, 4160, 4432},
+                          {4250, 160, 170},  {4250, 160, 176}, {203, 768, 816},   {77, 800, 864},
+                          {130, 1056, 1136}};
   for (const Shape& sh : shapes) {
     const auto w = q8_rows(sh.rows, sh.cols, sh.rb, rng);
     auto dw = upload(w);
@@ -1178,16 +1182,20 @@ TEST(CudaKernels, MatmulQ8EqualsHostDefinition) {
       const auto ref = q8_host(w, sh.rb, sh.rows, sh.cols, q, d, n);
       std::vector<cuda::MatmulPath> paths = {cuda::MatmulPath::Auto, cuda::MatmulPath::MatVec};
       if (sh.rb % 8 == 0) paths.push_back(cuda::MatmulPath::Mma);
-      for (cuda::MatmulPath p : paths) {
-        std::vector<float> poison(size_t(n * sh.rows), std::nanf(""));
-        auto dy = upload(poison);
-        cuda::matmul_q8(GgmlType::Q8_0, dw.get(), sh.rb, sh.rows, sh.cols, dq.as<int8_t>(), dd.as<float>(), n,
-                        dy.as<float>(), sh.rows, nullptr, p);
-        const auto y = download<float>(dy, size_t(n * sh.rows));
-        int64_t mism = 0;
-        for (size_t i = 0; i < y.size(); ++i) mism += !bits_equal(y[i], ref[i]);
-        EXPECT_EQ(mism, 0) << "path " << int(p);
-      }
+      for (cuda::MatmulPath p : paths)
+        for (int v2 : {1, 0}) {  // the 16-byte mat-vec as mv2_q8_kernel, then as mv16_q8_kernel
+          if (v2 == 0 && (p == cuda::MatmulPath::Mma || sh.rb % 16 != 0)) continue;
+          cuda::detail::set_mv16_v2(v2);
+          std::vector<float> poison(size_t(n * sh.rows), std::nanf(""));
+          auto dy = upload(poison);
+          cuda::matmul_q8(GgmlType::Q8_0, dw.get(), sh.rb, sh.rows, sh.cols, dq.as<int8_t>(), dd.as<float>(), n,
+                          dy.as<float>(), sh.rows, nullptr, p);
+          const auto y = download<float>(dy, size_t(n * sh.rows));
+          cuda::detail::set_mv16_v2(-1);
+          int64_t mism = 0;
+          for (size_t i = 0; i < y.size(); ++i) mism += !bits_equal(y[i], ref[i]);
+          EXPECT_EQ(mism, 0) << "path " << int(p) << " mv16_v2 " << v2;
+        }
       // the error statement of kernels.h against the exact (double) w·x
       std::vector<float> wr(size_t(sh.cols));
       double worst = 0;
@@ -1276,11 +1284,22 @@ TEST(CudaKernels, MatmulQ8EqualsCpuAvx512Bits) {
 TEST(CudaKernels, GroupedMatmulQ8EqualsPerJob) {
   REQUIRE_CUDA_DEVICE();
   std::mt19937 rng(23);
-  const std::vector<int64_t> size_sets[] = {{1, 5, 37, 64, 65, 130, 2, 300}, {1, 3, 8, 2, 1}};
-  for (const auto& sizes : size_sets) {
+  struct Case {
+    std::vector<int64_t> sizes;
+    int64_t rows, cols;
+    size_t rb;  // 16-byte aligned rows
+  };
+  // 800 columns: 25 blocks (mv2_q8_kernel's one-warp blocks, stages of 24 and 1); 768: 24 (one
+  // stage); 2048: 64 (its 4-warp blocks); rows not multiples of 8 in the last two
+  const Case cases[] = {{{1, 5, 37, 64, 65, 130, 2, 300}, 200, 800, 864},
+                        {{1, 3, 8, 2, 1}, 200, 800, 864},
+                        {{1, 1, 2, 1, 8, 1, 1, 3, 1}, 203, 768, 816},
+                        {{1, 4, 1, 1, 7, 1, 1, 1}, 101, 2048, 2176}};
+  for (const Case& cs : cases) {
+    const auto& sizes = cs.sizes;
     const int nj = int(sizes.size());
-    const int64_t rows = 200, cols = 800;  // 25 blocks
-    const size_t rb = 864;                 // 16-byte aligned rows
+    const int64_t rows = cs.rows, cols = cs.cols;
+    const size_t rb = cs.rb;
     std::vector<cuda::DeviceBuffer> wg, wu;
     for (int i = 0; i < nj; ++i) {
       wg.push_back(upload(q8_rows(rows, cols, rb, rng)));
@@ -1292,7 +1311,8 @@ TEST(CudaKernels, GroupedMatmulQ8EqualsPerJob) {
     cuda::DeviceBuffer dq(size_t(total * cols)), dd(size_t(total * cols / 32) * 4);
     cuda::quantize_q8(dx.as<float>(), cols, cols, total, dq.as<int8_t>(), dd.as<float>());
     for (bool pair : {false, true}) {
-      SCOPED_TRACE(std::string(pair ? "swiglu pair" : "plain") + " jobs=" + std::to_string(nj));
+      SCOPED_TRACE(std::string(pair ? "swiglu pair" : "plain") + " jobs=" + std::to_string(nj) +
+                   " cols=" + std::to_string(cols));
       std::vector<cuda::GroupedMatmulJob> jobs(static_cast<size_t>(nj));
       int64_t row0 = 0;
       for (int i = 0; i < nj; ++i) {
@@ -1301,7 +1321,7 @@ TEST(CudaKernels, GroupedMatmulQ8EqualsPerJob) {
         row0 += sizes[i];
       }
       const cuda::GroupedMatmulPlan plan = cuda::plan_grouped_q8(jobs.data(), nj, rows, cols, rb);
-      EXPECT_EQ(plan.tile_tokens, nj == 8 ? 64 : 8);
+      EXPECT_EQ(plan.tile_tokens, *std::max_element(sizes.begin(), sizes.end()) > 8 ? 64 : 8);
       auto djobs = upload(jobs);
       std::vector<float> poison(size_t(total * rows), std::nanf(""));
       auto dy = upload(poison);
@@ -1345,6 +1365,99 @@ TEST(CudaKernels, GroupedMatmulQ8EqualsPerJob) {
         for (int64_t k = 0; k < n * rows; ++k) mismatches += !bits_equal(yi[size_t(k)], y[size_t(r0 * rows + k)]);
       }
       EXPECT_EQ(mismatches, 0);
+    }
+  }
+}
+
+// mv2_q8_kernel (the default 16-byte q8 mat-vec) equals mv16_q8_kernel bit for bit on the
+// Qwen3-30B-A3B decode launches: grouped gate/up (SwiGLU pair, 8 pairs of one token, 768 x 2048)
+// and down (2048 x 768) with the decode path's job table (job j = pair j, one token), the dense
+// q (4096 x 2048), o (2048 x 4096) and k/v (512 x 2048) at 1..8 tokens, and the 8-expert groups
+// with 1..8 tokens per job.
+TEST(CudaKernels, MatmulQ8V2EqualsMv16OnDecodeShapes) {
+  REQUIRE_CUDA_DEVICE();
+  std::mt19937 rng(24);
+  auto run_both = [](auto&& launch, size_t n_out) {
+    std::vector<float> out[2];
+    for (int v2 : {0, 1}) {
+      cuda::detail::set_mv16_v2(v2);
+      std::vector<float> poison(n_out, std::nanf(""));
+      auto dy = upload(poison);
+      launch(dy.as<float>());
+      out[v2] = download<float>(dy, n_out);
+    }
+    cuda::detail::set_mv16_v2(-1);
+    int64_t mism = 0, nan = 0;
+    for (size_t i = 0; i < n_out; ++i) {
+      mism += !bits_equal(out[0][i], out[1][i]);
+      nan += std::isnan(out[1][i]);
+    }
+    EXPECT_EQ(mism, 0);
+    EXPECT_EQ(nan, 0);  // every output written
+  };
+  auto quantized = [&](int64_t n, int64_t cols, cuda::DeviceBuffer& dq, cuda::DeviceBuffer& dd) {
+    auto dx = upload(random_floats(size_t(n * cols), rng, -2.0f, 2.0f));
+    dq = cuda::DeviceBuffer(size_t(n * cols));
+    dd = cuda::DeviceBuffer(size_t(n * cols / 32) * 4);
+    cuda::quantize_q8(dx.as<float>(), cols, cols, n, dq.as<int8_t>(), dd.as<float>());
+  };
+  // dense projections
+  struct Dense {
+    int64_t rows, cols;
+  };
+  for (const Dense& de : {Dense{4096, 2048}, Dense{2048, 4096}, Dense{512, 2048}}) {
+    const size_t rb = size_t(de.cols / 32) * 34;
+    auto dw = upload(q8_rows(de.rows, de.cols, rb, rng));
+    for (int64_t n = 1; n <= 8; ++n) {
+      SCOPED_TRACE("dense rows=" + std::to_string(de.rows) + " cols=" + std::to_string(de.cols) +
+                   " n_tok=" + std::to_string(n));
+      cuda::DeviceBuffer dq, dd;
+      quantized(n, de.cols, dq, dd);
+      run_both(
+          [&](float* y) {
+            cuda::matmul_q8(GgmlType::Q8_0, dw.get(), rb, de.rows, de.cols, dq.as<int8_t>(), dd.as<float>(), n, y,
+                            de.rows, nullptr, cuda::MatmulPath::MatVec);
+          },
+          size_t(n * de.rows));
+    }
+  }
+  // the experts: 8 of them, gate/up 768 x 2048 (pairs), down 2048 x 768
+  const int64_t E = 2048, F = 768;
+  const size_t rb_gu = size_t(E / 32) * 34, rb_dn = size_t(F / 32) * 34;
+  std::vector<cuda::DeviceBuffer> wg, wu, wd;
+  for (int e = 0; e < 8; ++e) {
+    wg.push_back(upload(q8_rows(F, E, rb_gu, rng)));
+    wu.push_back(upload(q8_rows(F, E, rb_gu, rng)));
+    wd.push_back(upload(q8_rows(E, F, rb_dn, rng)));
+  }
+  const std::vector<int64_t> size_sets[] = {{1, 1, 1, 1, 1, 1, 1, 1}, {1, 2, 3, 4, 5, 6, 7, 8}, {8, 8, 1, 3, 8, 2, 8, 5}};
+  for (const auto& sizes : size_sets) {
+    int64_t total = 0;
+    for (int64_t n : sizes) total += n;
+    for (bool gate_up : {true, false}) {
+      SCOPED_TRACE(std::string(gate_up ? "gate/up" : "down") + " tokens=" + std::to_string(total));
+      const int64_t rows = gate_up ? F : E, cols = gate_up ? E : F;
+      const size_t rb = gate_up ? rb_gu : rb_dn;
+      std::vector<cuda::GroupedMatmulJob> jobs(8);
+      int64_t row0 = 0;
+      for (int e = 0; e < 8; ++e) {
+        jobs[size_t(e)].w = gate_up ? wg[size_t(e)].get() : wd[size_t(e)].get();
+        jobs[size_t(e)].w2 = gate_up ? wu[size_t(e)].get() : nullptr;
+        jobs[size_t(e)].row0 = row0, jobs[size_t(e)].n_tok = sizes[size_t(e)];
+        row0 += sizes[size_t(e)];
+      }
+      const cuda::GroupedMatmulPlan plan = cuda::plan_grouped_q8(jobs.data(), 8, rows, cols, rb);
+      EXPECT_EQ(plan.tile_tokens, 8);
+      EXPECT_TRUE(plan.vec16);
+      auto djobs = upload(jobs);
+      cuda::DeviceBuffer dq, dd;
+      quantized(total, cols, dq, dd);
+      run_both(
+          [&](float* y) {
+            cuda::grouped_matmul_q8(plan, GgmlType::Q8_0, djobs.as<cuda::GroupedMatmulJob>(), 8, rb, rows, cols,
+                                    dq.as<int8_t>(), dd.as<float>(), y, rows, gate_up);
+          },
+          size_t(total * rows));
     }
   }
 }

@@ -221,8 +221,9 @@ void quantize_q8_rows(const float* x, int64_t ldx, int64_t cols, int64_t n_tok, 
 /// definition). Error against the exact w·x: the activation rounding (|x - dx qx| <= dx/2 per
 /// element, the CPU --act-quant q8 error) plus the fp32 fold, <= (cols/32 + 1) 2^-24 sum |w dx qx|.
 /// Kernels: MatVec, up to 8 tokens per block of 8 rows when W and row_bytes are 16-byte aligned
-/// (each warp copies its 2 rows' bytes to shared memory with 16-byte cp.async, 2048 columns at a
-/// time), else of 16 rows (of 4 rows below 4224 rows, for more blocks); Mma, the GEMM, blocks of 128 rows x 64
+/// (mv2: rows of <= 1024 columns in one-warp blocks, 768 columns at a time, else 4 warps of 2
+/// rows, 2048 columns at a time, copied to shared memory with 16-byte cp.async; STRATA_CUDA_MV16_V2=0:
+/// the earlier mv16 kernel, 4 warps of 2 rows), else of 16 rows (of 4 rows below 4224 rows, for more blocks); Mma, the GEMM, blocks of 128 rows x 64
 /// tokens (8 warps of 32 x 32), 4 blocks of columns per stage, a 3-stage cp.async pipeline; it
 /// needs W and row_bytes 8-byte aligned. Auto: the GEMM for n_tok > 8 when aligned, else MatVec.
 /// Requirements (CudaError otherwise): has_q8(type, cols); W 2-byte aligned, row_bytes even and
@@ -230,6 +231,14 @@ void quantize_q8_rows(const float* x, int64_t ldx, int64_t cols, int64_t n_tok, 
 void matmul_q8(GgmlType type, const void* W, size_t row_bytes, int64_t rows, int64_t cols, const int8_t* xq,
                const float* xd, int64_t n_tok, float* y, int64_t ldy, void* stream = nullptr,
                MatmulPath path = MatmulPath::Auto);
+
+namespace detail {
+/// Which kernel runs the 16-byte aligned q8 mat-vec (matmul_q8 / grouped_matmul_q8 with <= 8
+/// tokens): 1 mv2_q8_kernel, 0 mv16_q8_kernel (the same bits), -1 back to the default
+/// (mv2 unless STRATA_CUDA_MV16_V2=0, read once). For tests and same-process comparisons; a
+/// launch reads it when it is issued.
+void set_mv16_v2(int mode);
+}  // namespace detail
 
 /// Fills jobs[i].block0 (host memory) for grouped_matmul_q8 with `rows` x `cols` weights of
 /// `row_bytes` per row and returns the plan: tile 64 (the GEMM) when some job has more than 8

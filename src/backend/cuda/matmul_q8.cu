@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <mutex>
 #include <string>
@@ -676,6 +677,187 @@ __global__ void __launch_bounds__(kWWarps * 32)
   }
 }
 
+// ---- mat-vec v2 (rows 16-byte aligned), up to 8 tokens ----
+//
+// mv16_q8_kernel's data path with the work spread over all lanes and a 2-instruction fold step.
+// A warp owns R rows (of both matrices with DUAL: NS = NW * R streams, stream s = matrix s / R,
+// row s % R) and a block WARPS warps (R * WARPS = kWRowsBlock rows, so the plans and the block
+// numbering are mv16's). Per stage of KB Q8_0 blocks the warp copies each stream's bytes into
+// its shared memory with coalesced 16-byte cp.async, streams back to back (stream s at
+// s * KB * 34 bytes, so block pair P of stream s lies at 68 (s * KB/2 + P): task i = (s, P),
+// flattened, sits at 68 i, and 32 consecutive tasks, 17 words apart, hit 32 banks). Lane l
+// takes tasks l, l + 32, ...: for each token it forms the two exact block sums with __dp4a and
+// stores, per block, the fold's operands (float(S_b) exactly, dw_b * dx_b rounded on its own) in
+// a separate result area; then lane s folds stream s's blocks in column order, one fma per
+// block (two blocks per 16-byte load). The weights stay in shared memory for the next token.
+// Same operations per output as fold(): the same bits as mv16_q8_kernel and the definition.
+// Two instances: R = 2, KB = 64, 4 warps (long rows: mv16's geometry, 32 pairs a stream, lane l
+// takes pair l of every stream) and R = 8, KB = 24, one warp (rows of up to 32 blocks: 768
+// columns give 8 x 12 = 96 pair tasks, 3 per lane, where mv16 kept 12 of 32 lanes busy).
+// STRATA_CUDA_MV16_V2=0 runs mv16_q8_kernel instead (mv16_v2_enabled).
+
+constexpr int kV2SmallMaxBlocks = 32;  // rows of at most 32 Q8_0 blocks (1024 columns): the R = 8 instance
+
+/// Shared bytes of one warp of mv2_q8_kernel<DUAL, R, KB, *>: the stage's weights of its NS
+/// streams, the (float(S), dw dx) results [NS][2 KB + 4] (the + 4 words move stream s + 1's row
+/// to another 16-byte bank group), the accumulators [NS][kVTok] carried between stages.
+template <bool DUAL, int R, int KB>
+constexpr int mv2_warp_bytes() {
+  return (DUAL ? 2 : 1) * R * (KB * 34 + (2 * KB + 4) * 4 + kVTok * 4);
+}
+
+template <bool DUAL, int R, int KB, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32)
+    mv2_q8_kernel(const GroupedMatmulJob* __restrict__ jobs, int n_jobs, GroupedMatmulJob one, size_t row_bytes,
+                  int64_t rows, int cols, const int8_t* __restrict__ xq, const float* __restrict__ xd,
+                  float* __restrict__ y, int64_t ldy) {
+  constexpr int NW = DUAL ? 2 : 1, NS = NW * R;
+  constexpr int NP = KB / 2;                      // block pairs per stream and stage
+  constexpr int NTASK = NS * NP, TPL = (NTASK + 31) / 32;  // (stream, pair) tasks: per warp, per lane
+  constexpr bool SAMEP = NP == 32;                // task j of lane l: stream j, pair l
+  constexpr bool PREF = SAMEP || TPL <= 3;        // token 0's codes prefetched into registers
+  constexpr int XS = SAMEP ? 1 : TPL;             // distinct pairs of a lane
+  constexpr int RS = 2 * KB + 4;                  // result words per stream
+  static_assert(KB % 8 == 0 && KB <= 64, "a stage of KB blocks is a multiple of 16 bytes");
+  static_assert(R * WARPS == kWRowsBlock, "the plans number blocks of kWRowsBlock rows");
+  static_assert(NS <= 32, "one fold lane per stream");
+  // As mv16_q8_kernel: one model weight matrix (jobs == nullptr) may copy its first stage before
+  // waiting for the kernel before it; a grouped launch waits first (its job table is that
+  // kernel's output). Every other global access comes after the wait.
+  const bool early = jobs == nullptr;
+  if (!early) detail::grid_dependency_enter();
+  extern __shared__ __align__(16) uint8_t smem_v2[];
+  const int64_t b = blockIdx.x;
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const GroupedMatmulJob& jb = jobs ? jobs[find_job_warp(jobs, n_jobs, b, lane)] : one;
+  const detail::JobTile t = job_tile<kWRowsBlock, kVTok>(jb, b, rows);
+  const int64_t r0 = t.r0 + int64_t(warp) * R;
+  if (t.nt <= 0 || r0 >= rows) {  // the whole warp (warps never wait for each other)
+    if (early) detail::grid_dependency_enter();
+    return;
+  }
+  uint8_t* ws = smem_v2 + warp * mv2_warp_bytes<DUAL, R, KB>();
+  float* res = reinterpret_cast<float*>(ws + NS * KB * 34);  // [NS][RS]
+  float* sacc = res + NS * RS;                                // [NS][kVTok]
+  const uint8_t* W0 = static_cast<const uint8_t*>(jb.w);
+  const uint8_t* W1 = static_cast<const uint8_t*>(DUAL ? jb.w2 : jb.w);
+  const int nt = t.nt, nb = cols / 32;
+  const int8_t* xqt = xq + t.t0 * cols;
+  const float* xdt = xd + t.t0 * nb;
+  const int frow = lane % R;                            // fold lane = stream `lane`
+  const bool folder = lane < NS && r0 + frow < rows;
+  float acc = 0.0f;
+  if (early && nb == 0) detail::grid_dependency_enter();  // (has_q8: nb >= 1)
+  for (int b0 = 0; b0 < nb; b0 += KB) {
+    const int nblk = min(KB, nb - b0);
+    const bool last = b0 + KB >= nb;
+    const int chunks = (nblk * 34 + 15) / 16;  // within the row: row_bytes and b0 * 34 are multiples of 16
+#pragma unroll
+    for (int s = 0; s < NS; ++s) {
+      if (r0 + s % R >= rows) continue;
+      const uint8_t* src = (s < R ? W0 : W1) + (r0 + s % R) * int64_t(row_bytes) + int64_t(b0) * 34;
+      for (int c = lane; c < chunks; c += 32) cp_async<16>(ws + s * (KB * 34) + c * 16, src + c * 16, 16);
+    }
+    cp_commit();
+    if (early && b0 == 0) detail::grid_dependency_enter();  // the weights are in flight; x and y after this
+    // this lane's tasks: j -> flattened task lane + 32 j = (stream, pair); all compile-time divisions
+    int tP[TPL];
+    bool tact[TPL], ttwo[TPL];
+#pragma unroll
+    for (int j = 0; j < TPL; ++j) {
+      const int i = lane + 32 * j;
+      tP[j] = i % NP;
+      tact[j] = i < NTASK && 2 * tP[j] < nblk;
+      ttwo[j] = i < NTASK && 2 * tP[j] + 1 < nblk;
+    }
+    // token 0's codes and scales while the copies are in flight
+    uint4 xf[XS][4];
+    float xdf[XS][2];
+#pragma unroll
+    for (int u = 0; u < XS; ++u) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) xf[u][k] = make_uint4(0, 0, 0, 0);
+      xdf[u][0] = xdf[u][1] = 0.0f;
+      if (PREF && tact[u]) {
+        const uint4* xp = reinterpret_cast<const uint4*>(xqt + int64_t(b0 + 2 * tP[u]) * 32);
+        xf[u][0] = xp[0], xf[u][1] = xp[1];
+        xdf[u][0] = xdt[b0 + 2 * tP[u]];
+        if (ttwo[u]) xf[u][2] = xp[2], xf[u][3] = xp[3], xdf[u][1] = xdt[b0 + 2 * tP[u] + 1];
+      }
+    }
+    cp_wait<0>();
+    __syncwarp();
+    for (int tk = 0; tk < nt; ++tk) {
+      if (PREF && tk > 0) {  // token tk's codes and scales of this lane's pairs
+#pragma unroll
+        for (int u = 0; u < XS; ++u)
+          if (tact[u]) {
+            const int c0 = b0 + 2 * tP[u];
+            const uint4* xp = reinterpret_cast<const uint4*>(xqt + int64_t(tk) * cols + int64_t(c0) * 32);
+            xf[u][0] = xp[0], xf[u][1] = xp[1];
+            xdf[u][0] = xdt[int64_t(tk) * nb + c0];
+            if (ttwo[u]) xf[u][2] = xp[2], xf[u][3] = xp[3], xdf[u][1] = xdt[int64_t(tk) * nb + c0 + 1];
+          }
+      }
+#pragma unroll
+      for (int j = 0; j < TPL; ++j) {
+        if (!tact[j]) continue;
+        const int i = lane + 32 * j, s = i / NP, P = tP[j];
+        const int u = SAMEP ? 0 : j;
+        if (!PREF) {  // u == j: this task's codes and scales of token tk
+          const int c0 = b0 + 2 * P;
+          const uint4* xp = reinterpret_cast<const uint4*>(xqt + int64_t(tk) * cols + int64_t(c0) * 32);
+          xf[u][0] = xp[0], xf[u][1] = xp[1];
+          xdf[u][0] = xdt[int64_t(tk) * nb + c0];
+          if (ttwo[j]) xf[u][2] = xp[2], xf[u][3] = xp[3], xdf[u][1] = xdt[int64_t(tk) * nb + c0 + 1];
+        }
+        uint32_t q[16];
+        float d0, d1;
+        load_pair<true>(ws + 68 * i, ttwo[j], q, d0, d1);  // s * KB * 34 + 68 P
+        const uint32_t xa[16] = {xf[u][0].x, xf[u][0].y, xf[u][0].z, xf[u][0].w, xf[u][1].x, xf[u][1].y,
+                                 xf[u][1].z, xf[u][1].w, xf[u][2].x, xf[u][2].y, xf[u][2].z, xf[u][2].w,
+                                 xf[u][3].x, xf[u][3].y, xf[u][3].z, xf[u][3].w};
+        int s0 = 0, s1 = 0;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) s0 = __dp4a(int(q[k]), int(xa[k]), s0);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) s1 = __dp4a(int(q[8 + k]), int(xa[8 + k]), s1);
+        // fold()'s operands: float(S) exactly, dw * dx rounded on its own (a missing second
+        // block: S = 0, dw = dx = 0, never folded)
+        *reinterpret_cast<float4*>(res + s * RS + 4 * P) =
+            make_float4(small_int_float(s0), __fmul_rn(d0, xdf[u][0]), small_int_float(s1), __fmul_rn(d1, xdf[u][1]));
+      }
+      __syncwarp();
+      if (folder) {
+        float a = b0 == 0 ? 0.0f : sacc[lane * kVTok + tk];
+        const float4* rp = reinterpret_cast<const float4*>(res + lane * RS);
+        const int np2 = nblk / 2;
+#pragma unroll 4
+        for (int k = 0; k < np2; ++k) {
+          const float4 v = rp[k];
+          a = __fmaf_rn(v.x, v.y, a);
+          a = __fmaf_rn(v.z, v.w, a);
+        }
+        if (nblk & 1) {
+          const float2 v = *reinterpret_cast<const float2*>(res + lane * RS + 4 * np2);
+          a = __fmaf_rn(v.x, v.y, a);
+        }
+        if (!last) sacc[lane * kVTok + tk] = a;
+        acc = a;
+      }
+      if (last) {  // warp-uniform
+        float o = acc;
+        if constexpr (DUAL) {
+          const float u = __shfl_down_sync(0xffffffffu, acc, R);  // lane s < R: stream s + R (the up row)
+          o = silu_mul(o, u);
+        }
+        if (folder && lane < R) y[(t.t0 + tk) * ldy + r0 + frow] = o;
+      }
+      __syncwarp();  // the fold has read the results before the next token's (and stage's) writes
+    }
+  }
+}
+
 // ---- host side ----
 
 /// The dynamic shared memory the kernels need is above 48 KiB: opt in once per device.
@@ -698,7 +880,8 @@ void ensure_smem_attrs() {
                                          mv_smem_bytes<true>()));
   STRATA_CUDA_CHECK(cudaFuncSetAttribute(mv_q8_kernel<true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          mv_smem_bytes<true>()));
-  // the small-matrix variants stay under the 48 KiB default (4 rows: 9 / 18 KiB)
+  // the small-matrix variants stay under the 48 KiB default (4 rows: 9 / 18 KiB), and so do the
+  // v2 ones (mv2_q8_kernel: 8.3 / 16.5 KiB a one-warp block, 21.4 / 42.75 KiB a 4-warp one)
   if (done.size() <= size_t(dev)) done.resize(size_t(dev) + 1, false);
   done[size_t(dev)] = true;
 }
@@ -725,6 +908,18 @@ void check_q8_common(const char* fn, GgmlType type, size_t row_bytes, int64_t ro
                       std::string(fn) + ": ldy=" + std::to_string(ldy) + " < rows=" + std::to_string(rows));
 }
 
+/// Whether the 16-byte mat-vec runs as mv2_q8_kernel (default) or as mv16_q8_kernel:
+/// STRATA_CUDA_MV16_V2=0 (read once) picks mv16, detail::set_mv16_v2 overrides (tests).
+std::atomic<int> g_mv16_v2_override{-1};
+bool mv16_v2_enabled() {
+  static const bool env = [] {
+    const char* e = std::getenv("STRATA_CUDA_MV16_V2");
+    return !(e && std::string(e) == "0");
+  }();
+  const int o = g_mv16_v2_override.load(std::memory_order_relaxed);
+  return o < 0 ? env : o != 0;
+}
+
 /// Launches the kernel for `rb` rows per block (mv_rows_per_block) or the GEMM.
 template <bool DUAL>
 void launch_q8(bool gemm, bool al4, int rb, unsigned grid, const GroupedMatmulJob* jobs, int n_jobs,
@@ -735,6 +930,12 @@ void launch_q8(bool gemm, bool al4, int rb, unsigned grid, const GroupedMatmulJo
     detail::launch(gemm_q8_kernel<DUAL>, grid, DUAL ? 2 * kGThreads : kGThreads, kGStages * gemm_stage_bytes<DUAL>(),
                    st, jobs, n_jobs, one,
                    row_bytes, rows, cols, xq, xd, y, ldy, yrows);
+  else if (rb == kWRowsBlock && mv16_v2_enabled() && cols / 32 <= kV2SmallMaxBlocks)
+    detail::launch(mv2_q8_kernel<DUAL, 8, 24, 1>, grid, 32, mv2_warp_bytes<DUAL, 8, 24>(), st, jobs, n_jobs, one,
+                   row_bytes, rows, cols, xq, xd, y, ldy);
+  else if (rb == kWRowsBlock && mv16_v2_enabled())
+    detail::launch(mv2_q8_kernel<DUAL, 2, 64, 4>, grid, 4 * 32, 4 * mv2_warp_bytes<DUAL, 2, 64>(), st, jobs, n_jobs,
+                   one, row_bytes, rows, cols, xq, xd, y, ldy);
   else if (rb == kWRowsBlock)
     detail::launch(mv16_q8_kernel<DUAL>, grid, kWWarps * 32, mv16_smem_bytes<DUAL>(), st, jobs, n_jobs, one, row_bytes,
                    rows, cols, xq, xd, y, ldy);
@@ -754,6 +955,10 @@ void launch_q8(bool gemm, bool al4, int rb, unsigned grid, const GroupedMatmulJo
 }
 
 }  // namespace
+
+namespace detail {
+void set_mv16_v2(int mode) { g_mv16_v2_override.store(mode < 0 ? -1 : mode != 0, std::memory_order_relaxed); }
+}  // namespace detail
 
 bool has_q8(GgmlType t, int64_t cols) { return t == GgmlType::Q8_0 && cols > 0 && cols % 32 == 0; }
 
