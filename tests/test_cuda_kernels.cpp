@@ -21,6 +21,7 @@
 #include "backend/cpu/kernels/act_q8.h"
 #include "backend/cpu/ops.h"
 #include "backend/cpu/thread_pool.h"
+#include "backend/cuda/attention_mma.h"
 #include "backend/cuda/family_kernels.h"
 #include "backend/cuda/kernels.h"
 #include "quant/quant.h"
@@ -887,6 +888,81 @@ TEST(CudaKernels, AttentionMmaOddLengthsGroupsAndChunking) {
   bad.path = cuda::AttentionPath::Mma;
   EXPECT_FALSE(cuda::attention_has_mma(bad));
   EXPECT_THROW(cuda::attention(bad), cuda::CudaError);
+}
+
+// The one-pass tensor-core prefill on its two kernels (detail::fa_prefill_enabled: the K / V
+// pieces split once per call and copied with cp.async into blocks of 128 rows, or the former
+// fa_kernel of 64 rows staging its own tiles): bit-identical outputs for head_dim 64 and 128,
+// GQA groups 1, 4, 8 (n_head / n_head_kv 4/4, 8/2, 16/2, 32/4), lengths that leave partial tiles,
+// segments and row blocks (1 .. 1000), a first chunk (pos0 = 0) and later ones (pos0 = 37, 512),
+// with a sliding window (and sinks). Each call runs in one pass (detail::set_fa_split_allowed
+// (false)) so that the small shapes reach the kernels too, and the new kernel's outputs must also
+// equal the default path's (split-KV + fold for the small calls, the same bits by construction).
+// The outputs start as NaN, so a row either kernel skips shows up (and must not stay NaN).
+TEST(CudaKernels, AttentionMmaPrefillKernelsBitIdentical) {
+  REQUIRE_CUDA_DEVICE();
+  namespace cd = strata::cuda::detail;
+  std::mt19937 rng(21);
+  struct Shape {
+    int n_head, n_head_kv, head_dim;
+  };
+  struct Variant {
+    int64_t window;
+    bool sinks;
+  };
+  const int64_t kMaxTok = 1000, kMaxPos0 = 512;
+  const bool before = cd::fa_prefill_enabled();
+  for (Shape sh : {Shape{4, 4, 64}, Shape{8, 2, 64}, Shape{16, 2, 64}, Shape{4, 4, 128}, Shape{8, 2, 128},
+                   Shape{16, 2, 128}, Shape{32, 4, 128}}) {
+    cuda::AttentionArgs a;
+    a.n_head = sh.n_head, a.n_head_kv = sh.n_head_kv, a.head_dim = sh.head_dim;
+    a.q_stride = a.out_stride = int64_t(sh.n_head) * sh.head_dim;
+    a.kv_stride = int64_t(sh.n_head_kv) * sh.head_dim;
+    a.scale = 1.0f / std::sqrt(float(sh.head_dim));
+    a.path = cuda::AttentionPath::Mma;
+    const int64_t n_ctx = kMaxPos0 + kMaxTok;
+    const auto q = random_floats(size_t(kMaxTok * a.q_stride), rng, -2, 2);
+    const auto k = random_floats(size_t(n_ctx * a.kv_stride), rng, -2, 2);
+    const auto v = random_floats(size_t(n_ctx * a.kv_stride), rng, -1, 1);
+    const auto sinks = random_floats(size_t(sh.n_head), rng, -1, 3);
+    auto dq = upload(q), dk = upload(k), dv = upload(v), ds = upload(sinks);
+    a.q = dq.as<float>(), a.k = dk.as<float>(), a.v = dv.as<float>();
+    const std::vector<float> poison(size_t(kMaxTok * a.out_stride), std::nanf(""));
+    cuda::DeviceBuffer dout(poison.size() * 4);
+    a.out = dout.as<float>();
+    for (Variant var : {Variant{0, false}, Variant{100, true}, Variant{300, false}, Variant{0, true}})
+      for (int64_t pos0 : {int64_t(0), int64_t(37), kMaxPos0})
+        for (int64_t n_tok : {int64_t(1), int64_t(5), int64_t(63), int64_t(64), int64_t(65), int64_t(130),
+                              int64_t(300), kMaxTok}) {
+          SCOPED_TRACE("heads " + std::to_string(sh.n_head) + "/" + std::to_string(sh.n_head_kv) + " dim " +
+                       std::to_string(sh.head_dim) + " window " + std::to_string(var.window) +
+                       (var.sinks ? " + sinks" : "") + " pos0 " + std::to_string(pos0) + " n_tok " +
+                       std::to_string(n_tok));
+          a.window = var.window, a.sinks = var.sinks ? ds.as<float>() : nullptr;
+          a.n_tok = n_tok, a.pos0 = pos0;
+          const size_t n = size_t(n_tok * a.out_stride);
+          auto run = [&](bool prefill_kernel, bool split_allowed) {
+            cuda::copy_to_device(dout.get(), poison.data(), n * 4);
+            cd::set_fa_prefill_enabled(prefill_kernel);
+            cd::set_fa_split_allowed(split_allowed);
+            cuda::attention(a);
+            auto o = download<float>(dout, n);
+            cd::set_fa_split_allowed(true);
+            return o;
+          };
+          const auto o_new = run(true, false), o_old = run(false, false), o_default = run(true, true);
+          cd::set_fa_prefill_enabled(before);
+          int64_t vs_old = 0, vs_default = 0, nan = 0;
+          for (size_t i = 0; i < n; ++i) {
+            vs_old += !bits_equal(o_new[i], o_old[i]);
+            vs_default += !bits_equal(o_new[i], o_default[i]);
+            nan += std::isnan(o_new[i]);
+          }
+          EXPECT_EQ(nan, 0) << "outputs the new kernel did not write";
+          EXPECT_EQ(vs_old, 0) << "fa_prefill_kernel vs fa_kernel (one pass)";
+          EXPECT_EQ(vs_default, 0) << "fa_prefill_kernel (one pass) vs the default path";
+        }
+  }
 }
 
 // RoPE in the NORM layout with YaRN's attention factor, and the NEOX layout with it: against

@@ -1,7 +1,10 @@
 // Causal GQA attention on the tensor cores (mma.sync m16n8k16, bf16 pieces, fp32 accumulation),
-// flash order, split-KV decode. Contract and numerics: kernels.h (AttentionPath::Mma).
+// flash order, split-KV decode, and a prefill on K / V pieces split once per call
+// (fa_split_kv_kernel + fa_prefill_kernel). Contract and numerics: kernels.h (AttentionPath::Mma).
 #include <cuda_bf16.h>
 
+#include <atomic>
+#include <climits>
 #include <cmath>
 #include <cstdlib>
 #include <string>
@@ -79,7 +82,7 @@ __device__ __forceinline__ void fa_stage4(const float4 v, __nv_bfloat16* dst, in
     *reinterpret_cast<uint2*>(dst + pc * piece_stride) = make_uint2(p0[pc], p1[pc]);
 }
 
-__device__ __forceinline__ int64_t fa_first_pos(int64_t P, int64_t window) {
+__host__ __device__ __forceinline__ int64_t fa_first_pos(int64_t P, int64_t window) {
   return window > 0 ? (P + 1 - window > 0 ? P + 1 - window : 0) : 0;
 }
 
@@ -650,6 +653,300 @@ __global__ void fa_combine(AttentionArgs a, int group, const float* __restrict__
   a.out[t * a.out_stride + int64_t(h) * HD + d] = fa_final(a.sinks, O, cs, L);
 }
 
+// ---- prefill: the K / V pieces split once per call, copied to shared memory with cp.async ----
+//
+// fa_kernel stages every K / V tile itself: each block loads the fp32 rows and splits them into
+// pieces between two barriers (about a third of its instructions), and every row block of a KV
+// head repeats that for the same positions. For the one-pass prefill, fa_split_kv_kernel splits
+// the positions the call needs once into bf16 piece planes in global scratch, and
+// fa_prefill_kernel (8 warps, 128 query rows per block, so each staged tile serves twice the rows)
+// copies each tile's pieces with 16-byte cp.async into one of two shared buffers while it computes
+// on the other. The per-row arithmetic is fa_kernel's, line for line (the same pieces: the same
+// fa_split / fa_pack; the same mma order, fp32 adds, softmax, segment folds, masking and sink), so
+// every output has fa_kernel's bits: a tile or a segment a row does not see is a no-op for it,
+// whichever block holds the row (the decode = prefill = any chunking property, kernels.h), and the
+// positions past the block's last one are staged as zeros, as fa_kernel stages them.
+
+constexpr int kFpWarps = 8;             // warps per block, 16 query rows each
+constexpr int kFpRows = 16 * kFpWarps;  // query rows per block
+constexpr int kFpPlane = kFaPieces * kFaTile;  // piece rows of one tile of K (or V) in the planes
+
+/// The piece planes of one call, bf16 [HD, 32, 3, 2, n_tiles, n_head_kv] in ggml ne order: for
+/// KV head h, tile i (positions kb0 + 32 i .. + 31), u = 0 (K) or 1 (V) and piece pc, the tile's
+/// 32 positions x HD dims (dims contiguous) at kv + (((h * n_tiles + i) * 2 + u) * 3 + pc) * 32 * HD.
+template <int HD>
+struct FpPlanes {
+  static constexpr int64_t kTileElems = int64_t(kFpPlane) * HD;  // one tile of K (or V), 3 pieces
+  /// Tiles of the call: from the tile of its first visible position fa_first_pos(pos0, window)
+  /// (kb0, a multiple of 32) to the tile of pos0 + n_tok - 1.
+  static int64_t kb0(const AttentionArgs& a) { return fa_first_pos(a.pos0, a.window) / kFaTile * kFaTile; }
+  static int64_t n_tiles(const AttentionArgs& a) { return (a.pos0 + a.n_tok - 1) / kFaTile - kb0(a) / kFaTile + 1; }
+  static size_t bytes(const AttentionArgs& a) {
+    return sizeof(__nv_bfloat16) * size_t(a.n_head_kv) * size_t(n_tiles(a)) * size_t(2 * kTileElems);
+  }
+};
+
+/// Block (tile blockIdx.x, KV head blockIdx.y) of 256 threads: writes the piece planes (FpPlanes)
+/// of positions kb0 + 32 blockIdx.x .. + 31 of K and V (a.k, a.v: rows a.kv_stride floats apart,
+/// the head's HD floats at offset h * HD) with fa_stage4, fa_kernel's split; positions past
+/// pos0 + n_tok - 1 (not in the cache) as the pieces of 0 (all zero bits).
+template <int HD>
+__global__ void __launch_bounds__(256)
+    fa_split_kv_kernel(AttentionArgs a, int64_t kb0, int64_t n_tiles, __nv_bfloat16* __restrict__ kv) {
+  detail::grid_dependency_enter();
+  constexpr int64_t TE = FpPlanes<HD>::kTileElems;
+  const int64_t ti = int64_t(blockIdx.x), pos_end = a.pos0 + a.n_tok - 1;
+  const int kvh = int(blockIdx.y);
+  __nv_bfloat16* kd = kv + (int64_t(kvh) * n_tiles + ti) * (2 * TE);
+  __nv_bfloat16* vd = kd + TE;
+  const int64_t off = int64_t(kvh) * HD;
+#pragma unroll 4
+  for (int idx = int(threadIdx.x); idx < kFaTile * (HD / 4); idx += 256) {
+    const int p = idx / (HD / 4), d4 = idx % (HD / 4);
+    const int64_t pos = kb0 + ti * kFaTile + p;
+    float4 kk = make_float4(0.0f, 0.0f, 0.0f, 0.0f), vv = kk;
+    if (pos <= pos_end) {
+      kk = *reinterpret_cast<const float4*>(a.k + pos * a.kv_stride + off + 4 * d4);
+      vv = *reinterpret_cast<const float4*>(a.v + pos * a.kv_stride + off + 4 * d4);
+    }
+    fa_stage4(kk, kd + p * HD + 4 * d4, kFaTile * HD);
+    fa_stage4(vv, vd + p * HD + 4 * d4, kFaTile * HD);
+  }
+}
+
+template <int HD>
+struct FpShape {
+  static constexpr int kLd = HD + 8;              // bf16 per shared row (conflict-free ldmatrix)
+  static constexpr int kKvPiece = kFaTile * kLd;  // one piece of a K or V tile
+  static constexpr int kKvBuf = 2 * kFaPieces * kKvPiece;  // one buffer: K's pieces, then V's
+  static constexpr int kQPiece = 16 * kLd;        // one piece of a warp's 16 query rows
+  static constexpr int kQWarp = kFaPieces * kQPiece;
+  static constexpr size_t kSmem = sizeof(__nv_bfloat16) * size_t(2 * kKvBuf + kFpWarps * kQWarp);
+  static_assert(kFaTile % (kFpWarps * 32 / (HD / 8)) == 0, "the threads copy whole rows of 16-byte chunks");
+};
+
+/// fa_kernel's one pass (part == nullptr) for blocks of 128 query rows: block (kv head
+/// blockIdx.x, rows [R0, R0 + 128), R = t * group + head-in-group, row blocks in reverse order),
+/// warp w holds rows R0 + 16 w .. + 15, lane (g, tq) rows g and g + 8 of them, as in fa_kernel.
+/// kv: the piece planes of fa_split_kv_kernel (FpPlanes<HD>: kb0, n_tiles). The block visits the
+/// tiles from the one of its first visible position to the one of its last, tile i + 1's pieces
+/// copied into the other shared buffer while tile i is computed (one barrier per tile); positions
+/// past the block's last one are zero-filled, as fa_kernel stages them.
+template <int HD>
+__global__ void __launch_bounds__(kFpWarps * 32, 1)
+    fa_prefill_kernel(AttentionArgs a, int group, const __nv_bfloat16* __restrict__ kv, int64_t kb0, int64_t n_tiles) {
+  detail::grid_dependency_enter();
+  using S = FpShape<HD>;
+  constexpr int LD = S::kLd, NT = HD / 8, KS = HD / 16, CH = HD / 8;
+  constexpr int64_t TE = FpPlanes<HD>::kTileElems;
+  extern __shared__ __align__(16) unsigned char fp_smem[];
+  __nv_bfloat16* KVs = reinterpret_cast<__nv_bfloat16*>(fp_smem);  // [buffer][K, V][piece][pos][LD]
+  __nv_bfloat16* Qs = KVs + 2 * S::kKvBuf;                         // [warp][piece][row][LD]
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) & 31, g = lane >> 2, tq = lane & 3;
+  const int kvh = int(blockIdx.x);
+  const int64_t n_rows = a.n_tok * group;
+  const int64_t blk = int64_t(gridDim.y) - 1 - int64_t(blockIdx.y);
+  const int64_t R0 = blk * kFpRows, Rw = R0 + 16 * warp;
+  const int64_t Rb_last = (R0 + kFpRows < n_rows ? R0 + kFpRows : n_rows) - 1;
+  const int64_t p_max = a.pos0 + Rb_last / group;                  // last position any row sees
+  const int64_t bF = fa_first_pos(a.pos0 + R0 / group, a.window);  // first position any row sees
+  // Positions from here on are ints relative to base, the start of the segment of bF (every
+  // position a row of the block sees is >= base; the launch checks pos0 + n_tok <= INT32_MAX).
+  const int64_t base = bF / kFaSeg * kFaSeg;
+  const bool warp_live = Rw < n_rows;
+  const int64_t Rw_last = (Rw + 16 < n_rows ? Rw + 16 : n_rows) - 1;
+  const int wP = int(a.pos0 + Rw_last / group - base), wF = int(fa_first_pos(a.pos0 + Rw / group, a.window) - base);
+  const int pm = int(p_max - base);
+  // The tiles of the block: fa_kernel's (the segments bF / kFaSeg .. p_max / kFaSeg, less the
+  // tiles wholly before bF): kr = kr0, kr0 + 32, .. (the tile at base + kr), n_it of them.
+  const int kr0 = int(bF - base) / kFaTile * kFaTile;
+  const int n_it = (pm / kFaTile * kFaTile - kr0) / kFaTile + 1;
+  // Tile kr's K and V pieces into buffer buf (one commit group): thread x copies dims
+  // 8 (x % CH) .. + 7 of positions x / CH + kRowStep r of every piece; zeros past p_max.
+  constexpr int kRowStep = kFpWarps * 32 / CH, kRowPasses = kFaTile / kRowStep;
+  const int cp_row = int(threadIdx.x) / CH, cp_d8 = int(threadIdx.x) % CH;
+  // The thread's first chunk in the planes of the block's first tile (base + kr0 - kb0 >= 0).
+  const __nv_bfloat16* kp =
+      kv + (int64_t(kvh) * n_tiles + (base + kr0 - kb0) / kFaTile) * (2 * TE) + cp_row * HD + 8 * cp_d8;
+  auto stage = [&](int it, __nv_bfloat16* buf) {
+    const __nv_bfloat16* src = kp + int64_t(it) * (2 * TE);
+    __nv_bfloat16* dst = buf + cp_row * LD + 8 * cp_d8;
+    const int lim = pm - (kr0 + kFaTile * it);  // position p of the tile is staged when p <= lim
+#pragma unroll
+    for (int u = 0; u < 2; ++u)
+#pragma unroll
+      for (int pc = 0; pc < kFaPieces; ++pc)
+#pragma unroll
+        for (int r = 0; r < kRowPasses; ++r) {
+          const bool in = cp_row + kRowStep * r <= lim;
+          const int e = ((u * kFaPieces + pc) * kFaTile + kRowStep * r) * HD;  // plane offset
+          cp_async<16>(dst + (u * kFaPieces + pc) * S::kKvPiece + kRowStep * r * LD, src + (in ? e : 0), in ? 16 : 0);
+        }
+    cp_commit();
+  };
+  stage(0, KVs);  // the first tile lands while the query rows are staged
+  // The lane's rows: last and first positions (relative to base; rows past n_rows: unused).
+  int Pr[2], Fr[2];
+  bool vr[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int64_t R = Rw + g + 8 * i;
+    vr[i] = R < n_rows;
+    const int64_t P = a.pos0 + (vr[i] ? R / group : 0);
+    Pr[i] = vr[i] ? int(P - base) : -1, Fr[i] = vr[i] ? int(fa_first_pos(P, a.window) - base) : 0;
+  }
+  // Stage the warp's query rows as pieces (zeros past the last row).
+  {
+    __nv_bfloat16* Qw = Qs + warp * S::kQWarp;
+    for (int idx = lane; idx < 16 * (HD / 4); idx += 32) {
+      const int r = idx / (HD / 4), d4 = idx % (HD / 4);
+      const int64_t R = Rw + r;
+      float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (R < n_rows) {
+        const int64_t t = R / group;
+        const int h = kvh * group + int(R % group);
+        v = *reinterpret_cast<const float4*>(a.q + t * a.q_stride + int64_t(h) * HD + 4 * d4);
+      }
+      fa_stage4(v, Qw + r * LD + 4 * d4, S::kQPiece);
+    }
+  }
+  float o[NT][4];
+  // One pass: the folded state O of the lane's two rows stays in registers across segments.
+  float Of[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) Of[j][0] = Of[j][1] = Of[j][2] = Of[j][3] = 0.0f;
+  float m[2], l[2], M[2] = {0.0f, 0.0f}, L[2] = {0.0f, 0.0f};
+  for (int it = 0; it < n_it; ++it) {
+    const int kb = kr0 + kFaTile * it, sg = kb / kFaSeg;  // relative to base, base / kFaSeg
+    cp_wait<0>();
+    __syncthreads();  // tile it has landed (every thread's copies); tile it - 1's buffer is consumed
+    if (it + 1 < n_it) stage(it + 1, KVs + ((it + 1) & 1) * S::kKvBuf);
+    const __nv_bfloat16* Ks = KVs + (it & 1) * S::kKvBuf;  // [piece][pos][LD]
+    const __nv_bfloat16* Vs = Ks + kFaPieces * S::kKvPiece;  // [piece][pos][LD]
+    if (it == 0 || kb % kFaSeg == 0) {  // a segment's first tile: fresh state
+      m[0] = m[1] = -INFINITY, l[0] = l[1] = 0.0f;
+#pragma unroll
+      for (int j = 0; j < NT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+    }
+    if (warp_live && kb <= wP && kb + kFaTile - 1 >= wF) {  // some row of the warp sees the tile
+      // S = Q K^T: 16 rows x 32 positions (n-tiles j = positions 8j..8j+7), per 16-dim step the
+      // six piece products from 0, then added to S in fp32 in step order.
+      float Sc[4][4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) Sc[j][0] = Sc[j][1] = Sc[j][2] = Sc[j][3] = 0.0f;
+      const __nv_bfloat16* Qw = Qs + warp * S::kQWarp;
+#pragma unroll 2
+      for (int ks = 0; ks < KS; ++ks) {
+        uint32_t qa[3][4], kf[2][3][4];
+#pragma unroll
+        for (int pc = 0; pc < 3; ++pc)
+          ldsm_x4(qa[pc], Qw + pc * S::kQPiece + ((lane & 7) + 8 * ((lane >> 3) & 1)) * LD + 16 * ks + 8 * (lane >> 4));
+#pragma unroll
+        for (int u = 0; u < 2; ++u)
+#pragma unroll
+          for (int pc = 0; pc < 3; ++pc)
+            ldsm_x4(kf[u][pc], Ks + pc * S::kKvPiece + (16 * u + (lane & 7) + 8 * (lane >> 4)) * LD + 16 * ks +
+                                   8 * ((lane >> 3) & 1));
+        float t4[4][4];
+        fa_mma6x4(t4, qa, kf);
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) Sc[n][e] = __fadd_rn(Sc[n][e], t4[n][e]);
+      }
+      // Online softmax per row (i = 0: row g, elements 0, 1; i = 1: row g + 8, elements 2, 3).
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int pos = kb + 8 * j + 2 * tq + c;
+            const bool live = vr[i] && pos <= Pr[i] && pos >= Fr[i];
+            const float s = live ? __fmul_rn(Sc[j][2 * i + c], a.scale) : -INFINITY;
+            Sc[j][2 * i + c] = s;
+            mx = fmaxf(mx, s);
+          }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mn = fmaxf(m[i], mx);
+        const float corr = mn == -INFINITY ? 1.0f : expf(__fsub_rn(m[i], mn));
+        float sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const float s = Sc[j][2 * i + c];
+            const float e = s == -INFINITY ? 0.0f : expf(__fsub_rn(s, mn));
+            Sc[j][2 * i + c] = e;
+            sum = __fadd_rn(sum, e);
+          }
+        sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
+        sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
+        l[i] = __fadd_rn(__fmul_rn(l[i], corr), sum);
+        m[i] = mn;
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+          o[j][2 * i] = __fmul_rn(o[j][2 * i], corr), o[j][2 * i + 1] = __fmul_rn(o[j][2 * i + 1], corr);
+      }
+      // o += P V: per 16-position step and 8-dim tile the six piece products from 0, then added in fp32.
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        uint32_t pa[3][4], w[3];
+        fa_split_pair(Sc[2 * kk][0], Sc[2 * kk][1], w);
+        pa[0][0] = w[0], pa[1][0] = w[1], pa[2][0] = w[2];
+        fa_split_pair(Sc[2 * kk][2], Sc[2 * kk][3], w);
+        pa[0][1] = w[0], pa[1][1] = w[1], pa[2][1] = w[2];
+        fa_split_pair(Sc[2 * kk + 1][0], Sc[2 * kk + 1][1], w);
+        pa[0][2] = w[0], pa[1][2] = w[1], pa[2][2] = w[2];
+        fa_split_pair(Sc[2 * kk + 1][2], Sc[2 * kk + 1][3], w);
+        pa[0][3] = w[0], pa[1][3] = w[1], pa[2][3] = w[2];
+#pragma unroll
+        for (int jq = 0; jq < HD / 32; ++jq) {  // dims 32 jq .. + 31: 8-dim tiles 4 jq .. 4 jq + 3
+          uint32_t vf[2][3][4];
+#pragma unroll
+          for (int u = 0; u < 2; ++u)
+#pragma unroll
+            for (int pc = 0; pc < 3; ++pc)
+              ldsm_x4<true>(vf[u][pc], Vs + pc * S::kKvPiece + (16 * kk + (lane & 7) + 8 * ((lane >> 3) & 1)) * LD +
+                                           32 * jq + 16 * u + 8 * (lane >> 4));
+          float t4[4][4];
+          fa_mma6x4(t4, pa, vf);
+#pragma unroll
+          for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[4 * jq + n][e] = __fadd_rn(o[4 * jq + n][e], t4[n][e]);
+        }
+      }
+    }
+    // A segment's last tile: fold, for each row that sees the segment.
+    if (!warp_live || !(it + 1 == n_it || (kb + kFaTile) % kFaSeg == 0)) continue;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (!vr[i] || sg < Fr[i] / kFaSeg || sg > Pr[i] / kFaSeg) continue;
+      const int64_t R = Rw + g + 8 * i;
+      const bool first = sg == Fr[i] / kFaSeg, last = sg == Pr[i] / kFaSeg;
+      float ca, cb;
+      fa_fold_ml(first, M[i], L[i], m[i], l[i], ca, cb);
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) Of[j][2 * i + c] = fa_fold_o(first, Of[j][2 * i + c], o[j][2 * i + c], ca, cb);
+      if (!last) continue;
+      const int64_t t = R / group;
+      const int h = kvh * group + int(R % group);
+      float* orow = a.out + t * a.out_stride + int64_t(h) * HD + 2 * tq;
+      float Lf = L[i];
+      const float cs = fa_fold_sink(a.sinks, h, M[i], Lf);
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) orow[8 * j + c] = fa_final(a.sinks, Of[j][2 * i + c], cs, Lf);
+    }
+  }
+}
+
 /// STRATA_CUDA_FA_DECODE=0 keeps decode on fa_kernel (for before / after measurements).
 bool fd_enabled() {
   static const bool on = [] {
@@ -658,6 +955,33 @@ bool fd_enabled() {
   }();
   return on;
 }
+
+}  // namespace
+
+namespace {
+std::atomic<int> g_fa_prefill{-1};  // -1: not chosen yet (STRATA_CUDA_FA_PREFILL decides on first use)
+}  // namespace
+
+bool fa_prefill_enabled() {
+  int v = g_fa_prefill.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* e = std::getenv("STRATA_CUDA_FA_PREFILL");
+    v = e && std::string(e) == "0" ? 0 : 1;
+    int expected = -1;
+    if (!g_fa_prefill.compare_exchange_strong(expected, v)) v = expected;
+  }
+  return v != 0;
+}
+
+void set_fa_prefill_enabled(bool on) { g_fa_prefill.store(on ? 1 : 0, std::memory_order_relaxed); }
+
+namespace {
+std::atomic<bool> g_fa_split{true};
+}  // namespace
+
+void set_fa_split_allowed(bool on) { g_fa_split.store(on, std::memory_order_relaxed); }
+
+namespace {
 
 template <int HD>
 void launch_fa(const AttentionArgs& a, int group, cudaStream_t st) {
@@ -670,7 +994,7 @@ void launch_fa(const AttentionArgs& a, int group, cudaStream_t st) {
   const SplitPlan plan = split_plan(a, kFaRows, kFaSeg);
   // Few blocks (decode, small chunks) and more than one segment: the segments in parallel, then
   // fa_combine folds them (the same operations as the one pass, so the same bits).
-  if (plan.split) {
+  if (plan.split && g_fa_split.load(std::memory_order_relaxed)) {
     STRATA_CUDA_REQUIRE(plan.n_seg <= 65535, "cuda::attention (mma): more than 65535 segments");
     float* part = acquire_part(a, plan.bytes, st);
     if (n_rows <= 16 && fd_enabled()) {  // decode: the transposed kernel (the same bits)
@@ -693,6 +1017,23 @@ void launch_fa(const AttentionArgs& a, int group, cudaStream_t st) {
     detail::launch(fa_combine<HD>, cgrid, HD, 0, st, a, group, part, int(plan.n_seg));
     STRATA_CUDA_CHECK_LAUNCH();
     release_part(a, part, st);
+    return;
+  }
+  if (fa_prefill_enabled()) {  // one pass: the pieces split once, then fa_prefill_kernel (the same bits)
+    using F = FpShape<HD>;
+    const int64_t kb0 = FpPlanes<HD>::kb0(a), n_tiles = FpPlanes<HD>::n_tiles(a);
+    STRATA_CUDA_REQUIRE(a.pos0 + a.n_tok <= INT32_MAX, "cuda::attention (mma): positions past 2^31 - 1");
+    __nv_bfloat16* kv = nullptr;
+    STRATA_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&kv), FpPlanes<HD>::bytes(a), st));
+    detail::launch(fa_split_kv_kernel<HD>, dim3(unsigned(n_tiles), unsigned(a.n_head_kv)), 256, 0, st, a, kb0,
+                   n_tiles, kv);
+    STRATA_CUDA_CHECK_LAUNCH();
+    opt_in_smem(reinterpret_cast<const void*>(fa_prefill_kernel<HD>), int(F::kSmem));
+    const dim3 grid(unsigned(a.n_head_kv), unsigned((n_rows + kFpRows - 1) / kFpRows));
+    detail::launch(fa_prefill_kernel<HD>, grid, kFpWarps * 32, F::kSmem, st, a, group,
+                   static_cast<const __nv_bfloat16*>(kv), kb0, n_tiles);
+    STRATA_CUDA_CHECK_LAUNCH();
+    STRATA_CUDA_CHECK(cudaFreeAsync(kv, st));
     return;
   }
   const dim3 grid(unsigned(a.n_head_kv), unsigned(gy));

@@ -45,6 +45,22 @@ inline void release_part(const AttentionArgs& a, float* p, cudaStream_t st) {
   if (p != a.part) STRATA_CUDA_CHECK(cudaFreeAsync(p, st));
 }
 
+/// Which kernel runs the tensor-core one-pass prefill (the calls that are not split, see
+/// SplitPlan): true (default): fa_split_kv_kernel splits the K / V cache rows of the call into
+/// bf16 pieces once, in a stream-ordered scratch allocation (cudaMallocAsync / cudaFreeAsync,
+/// 12 x n_head_kv x head_dim bytes per position from the tile of fa_first_pos(pos0, window) to
+/// pos0 + n_tok - 1), and fa_prefill_kernel (8 warps, 128 query rows per block) copies them with
+/// cp.async, double-buffered; false: the former fa_kernel (4 warps, 64 rows, each block splitting
+/// its own tiles). Both give the same bits (tested). Process-wide; the first use reads
+/// STRATA_CUDA_FA_PREFILL ("0": false), for before / after measurements. Thread-safe.
+bool fa_prefill_enabled();
+/// Sets fa_prefill_enabled() for later calls (tests compare the two kernels).
+void set_fa_prefill_enabled(bool on);
+/// Test hook, process-wide: false runs every later tensor-core call in one pass (as if
+/// SplitPlan::split were false; the same bits, more slowly for decode), so that the one-pass
+/// kernels can be compared at any shape; true (default): as split_plan decides.
+void set_fa_split_allowed(bool on);
+
 /// True if the tensor-core kernel takes these arguments: head_dim 64 or 128, q, k, v 16-byte
 /// aligned, q_stride and kv_stride multiples of 4 floats. The other checks are cuda::attention's.
 bool attention_mma_takes(const AttentionArgs& a);

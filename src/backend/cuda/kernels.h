@@ -411,7 +411,12 @@ bool attention_has_mma(const AttentionArgs& a);
 /// 128 from position 0; a tile a row does not see is a no-op for it: m' = m, c = 1, e = 0), so
 /// decode, prefill and any chunking give the same bits, as on Simt. Error: the rounding of the
 /// fp32 sums, as Simt (tests/test_cuda_kernels.cpp: the same 4e-6 bound against a double
-/// reference). `out` must not overlap k or v.
+/// reference). `out` must not overlap k or v. The one-pass prefill splits the call's K / V
+/// cache rows into their pieces once (a stream-ordered scratch allocation of 12 x n_head_kv x
+/// head_dim bytes per position) and runs blocks of 128 rows on them, copying the pieces with
+/// cp.async, double-buffered: the same bits as the 64-row kernel that splits per block, which
+/// STRATA_CUDA_FA_PREFILL=0 keeps (read on first use; detail::fa_prefill_enabled). Positions past
+/// 2^31 - 1 are an error on that path.
 /// Errors: bad shapes (head_dim, divisibility, n_tok <= 0, window < 0) throw CudaError.
 void attention(const AttentionArgs& a, void* stream = nullptr);
 
