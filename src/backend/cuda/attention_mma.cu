@@ -125,6 +125,159 @@ struct FaShape {
   static constexpr size_t kSmem = sizeof(__nv_bfloat16) * size_t(2 * kFaPieces * kKvPiece + kFaWarps * kQWarp);
 };
 
+/// The warp's 16 query rows Rw .. Rw + 15 (R = t * group + head-in-group of KV head kvh) of a.q
+/// as three bf16 pieces each into Qw ([piece][row][kLd], FaShape's layout); rows past n_rows: 0.
+template <int HD>
+__device__ __forceinline__ void fa_stage_q(const AttentionArgs& a, int group, int kvh, int64_t Rw, int64_t n_rows,
+                                           __nv_bfloat16* Qw) {
+  using S = FaShape<HD>;
+  const int lane = int(threadIdx.x) & 31;
+  for (int idx = lane; idx < 16 * (HD / 4); idx += 32) {
+    const int r = idx / (HD / 4), d4 = idx % (HD / 4);
+    const int64_t R = Rw + r;
+    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (R < n_rows) {
+      const int64_t t = R / group;
+      const int h = kvh * group + int(R % group);
+      v = *reinterpret_cast<const float4*>(a.q + t * a.q_stride + int64_t(h) * HD + 4 * d4);
+    }
+    fa_stage4(v, Qw + r * S::kLd + 4 * d4, S::kQPiece);
+  }
+}
+
+/// A segment's end for the lane's row i (query row R): its state (m, l, o) folded into the
+/// running (M, L, Of) (first: the row's first segment), and on its last segment the sink and the
+/// final division written to a.out. The one-pass kernels' shared tail.
+template <int HD>
+__device__ __forceinline__ void fa_fold_row(const AttentionArgs& a, int group, int kvh, int64_t R, int i, bool first,
+                                            bool last, const float (&m)[2], const float (&l)[2],
+                                            const float (&o)[HD / 8][4], float (&M)[2], float (&L)[2],
+                                            float (&Of)[HD / 8][4]) {
+  constexpr int NT = HD / 8;
+  const int tq = int(threadIdx.x) & 3;
+  float ca, cb;
+  fa_fold_ml(first, M[i], L[i], m[i], l[i], ca, cb);
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) Of[j][2 * i + c] = fa_fold_o(first, Of[j][2 * i + c], o[j][2 * i + c], ca, cb);
+  if (!last) return;
+  const int64_t t = R / group;
+  const int h = kvh * group + int(R % group);
+  float* orow = a.out + t * a.out_stride + int64_t(h) * HD + 2 * tq;
+  float Lf = L[i];
+  const float cs = fa_fold_sink(a.sinks, h, M[i], Lf);
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) orow[8 * j + c] = fa_final(a.sinks, Of[j][2 * i + c], cs, Lf);
+}
+
+/// One warp's step over one 32-position K/V tile, the part fa_kernel and fa_prefill_kernel share:
+/// S = Q K^T for the warp's 16 query rows (Qw: their three pieces, FaShape's layout), the online
+/// softmax of the lane's rows g and g + 8 (vr: the row exists; Pr / Fr: its last and first visible
+/// position, in the same units as kb, the tile's first position) into m, l, and o += P V (Ks / Vs:
+/// the tile's K and V pieces, kKvPiece apart). PT: the position type (int64_t, or int relative to a
+/// base); the arithmetic does not depend on it.
+template <int HD, typename PT>
+__device__ __forceinline__ void fa_tile_step(const __nv_bfloat16* Qw, const __nv_bfloat16* Ks,
+                                             const __nv_bfloat16* Vs, PT kb, const bool (&vr)[2], const PT (&Pr)[2],
+                                             const PT (&Fr)[2], float scale, float (&m)[2], float (&l)[2],
+                                             float (&o)[HD / 8][4]) {
+  using S = FaShape<HD>;
+  constexpr int LD = S::kLd, NT = HD / 8, KS = HD / 16;
+  const int lane = int(threadIdx.x) & 31, tq = lane & 3;
+  // S = Q K^T: 16 rows x 32 positions (n-tiles j = positions 8j..8j+7), per 16-dim step the
+  // six piece products from 0, then added to S in fp32 in step order.
+  float Sc[4][4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) Sc[j][0] = Sc[j][1] = Sc[j][2] = Sc[j][3] = 0.0f;
+#pragma unroll 2
+  for (int ks = 0; ks < KS; ++ks) {
+    uint32_t qa[3][4], kf[2][3][4];
+#pragma unroll
+    for (int pc = 0; pc < 3; ++pc)
+      ldsm_x4(qa[pc], Qw + pc * S::kQPiece + ((lane & 7) + 8 * ((lane >> 3) & 1)) * LD + 16 * ks + 8 * (lane >> 4));
+#pragma unroll
+    for (int u = 0; u < 2; ++u)
+#pragma unroll
+      for (int pc = 0; pc < 3; ++pc)
+        ldsm_x4(kf[u][pc], Ks + pc * S::kKvPiece + (16 * u + (lane & 7) + 8 * (lane >> 4)) * LD + 16 * ks +
+                               8 * ((lane >> 3) & 1));
+    float t4[4][4];
+    fa_mma6x4(t4, qa, kf);
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) Sc[n][e] = __fadd_rn(Sc[n][e], t4[n][e]);
+  }
+  // Online softmax per row (i = 0: row g, elements 0, 1; i = 1: row g + 8, elements 2, 3).
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const PT pos = kb + 8 * j + 2 * tq + c;
+        const bool live = vr[i] && pos <= Pr[i] && pos >= Fr[i];
+        const float s = live ? __fmul_rn(Sc[j][2 * i + c], scale) : -INFINITY;
+        Sc[j][2 * i + c] = s;
+        mx = fmaxf(mx, s);
+      }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float mn = fmaxf(m[i], mx);
+    const float corr = mn == -INFINITY ? 1.0f : expf(__fsub_rn(m[i], mn));
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const float s = Sc[j][2 * i + c];
+        const float e = s == -INFINITY ? 0.0f : expf(__fsub_rn(s, mn));
+        Sc[j][2 * i + c] = e;
+        sum = __fadd_rn(sum, e);
+      }
+    sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
+    sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
+    l[i] = __fadd_rn(__fmul_rn(l[i], corr), sum);
+    m[i] = mn;
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+      o[j][2 * i] = __fmul_rn(o[j][2 * i], corr), o[j][2 * i + 1] = __fmul_rn(o[j][2 * i + 1], corr);
+  }
+  // o += P V: per 16-position step and 8-dim tile the six piece products from 0, then added in fp32.
+#pragma unroll
+  for (int kk = 0; kk < 2; ++kk) {
+    uint32_t pa[3][4], w[3];
+    fa_split_pair(Sc[2 * kk][0], Sc[2 * kk][1], w);
+    pa[0][0] = w[0], pa[1][0] = w[1], pa[2][0] = w[2];
+    fa_split_pair(Sc[2 * kk][2], Sc[2 * kk][3], w);
+    pa[0][1] = w[0], pa[1][1] = w[1], pa[2][1] = w[2];
+    fa_split_pair(Sc[2 * kk + 1][0], Sc[2 * kk + 1][1], w);
+    pa[0][2] = w[0], pa[1][2] = w[1], pa[2][2] = w[2];
+    fa_split_pair(Sc[2 * kk + 1][2], Sc[2 * kk + 1][3], w);
+    pa[0][3] = w[0], pa[1][3] = w[1], pa[2][3] = w[2];
+#pragma unroll
+    for (int jq = 0; jq < HD / 32; ++jq) {  // dims 32 jq .. + 31: 8-dim tiles 4 jq .. 4 jq + 3
+      uint32_t vf[2][3][4];
+#pragma unroll
+      for (int u = 0; u < 2; ++u)
+#pragma unroll
+        for (int pc = 0; pc < 3; ++pc)
+          ldsm_x4<true>(vf[u][pc], Vs + pc * S::kKvPiece + (16 * kk + (lane & 7) + 8 * ((lane >> 3) & 1)) * LD +
+                                       32 * jq + 16 * u + 8 * (lane >> 4));
+      float t4[4][4];
+      fa_mma6x4(t4, pa, vf);
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[4 * jq + n][e] = __fadd_rn(o[4 * jq + n][e], t4[n][e]);
+    }
+  }
+}
+
 /// Block (kv head blockIdx.x, query rows [R0, R0 + 64), R = t * group + head-in-group); warp w
 /// holds rows R0 + 16 w .. + 15; lane (g = lane / 4, tq = lane % 4) holds rows g and g + 8 of
 /// its warp's 16 (mma accumulator layout). part == nullptr: one pass over the segments of the
@@ -136,7 +289,7 @@ __global__ void __launch_bounds__(kFaWarps * 32, 2)
     fa_kernel(AttentionArgs a, int group, float* __restrict__ part, int n_seg) {
   detail::grid_dependency_enter();
   using S = FaShape<HD>;
-  constexpr int LD = S::kLd, NT = HD / 8, KS = HD / 16;
+  constexpr int LD = S::kLd, NT = HD / 8;
   extern __shared__ __align__(16) unsigned char fa_smem[];
   __nv_bfloat16* Ks = reinterpret_cast<__nv_bfloat16*>(fa_smem);  // [piece][pos][LD]
   __nv_bfloat16* Vs = Ks + kFaPieces * S::kKvPiece;               // [piece][pos][LD]
@@ -163,21 +316,7 @@ __global__ void __launch_bounds__(kFaWarps * 32, 2)
     Pr[i] = a.pos0 + (vr[i] ? R / group : 0);
     Fr[i] = fa_first_pos(Pr[i], a.window);
   }
-  // Stage the warp's query rows as pieces (zeros past the last row).
-  {
-    __nv_bfloat16* Qw = Qs + warp * S::kQWarp;
-    for (int idx = lane; idx < 16 * (HD / 4); idx += 32) {
-      const int r = idx / (HD / 4), d4 = idx % (HD / 4);
-      const int64_t R = Rw + r;
-      float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      if (R < n_rows) {
-        const int64_t t = R / group;
-        const int h = kvh * group + int(R % group);
-        v = *reinterpret_cast<const float4*>(a.q + t * a.q_stride + int64_t(h) * HD + 4 * d4);
-      }
-      fa_stage4(v, Qw + r * LD + 4 * d4, S::kQPiece);
-    }
-  }
+  fa_stage_q<HD>(a, group, kvh, Rw, n_rows, Qs + warp * S::kQWarp);  // zeros past the last row
   float o[NT][4];
   // One pass: the folded state O of the lane's two rows stays in registers across segments.
   float Of[NT][4];
@@ -209,96 +348,7 @@ __global__ void __launch_bounds__(kFaWarps * 32, 2)
       }
       __syncthreads();
       if (!warp_live || kb > wP || kb + kFaTile - 1 < wF) continue;  // no row of the warp sees the tile
-      // S = Q K^T: 16 rows x 32 positions (n-tiles j = positions 8j..8j+7), per 16-dim step the
-      // six piece products from 0, then added to S in fp32 in step order.
-      float Sc[4][4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) Sc[j][0] = Sc[j][1] = Sc[j][2] = Sc[j][3] = 0.0f;
-      const __nv_bfloat16* Qw = Qs + warp * S::kQWarp;
-#pragma unroll 2
-      for (int ks = 0; ks < KS; ++ks) {
-        uint32_t qa[3][4], kf[2][3][4];
-#pragma unroll
-        for (int pc = 0; pc < 3; ++pc)
-          ldsm_x4(qa[pc], Qw + pc * S::kQPiece + ((lane & 7) + 8 * ((lane >> 3) & 1)) * LD + 16 * ks + 8 * (lane >> 4));
-#pragma unroll
-        for (int u = 0; u < 2; ++u)
-#pragma unroll
-          for (int pc = 0; pc < 3; ++pc)
-            ldsm_x4(kf[u][pc], Ks + pc * S::kKvPiece + (16 * u + (lane & 7) + 8 * (lane >> 4)) * LD + 16 * ks +
-                                   8 * ((lane >> 3) & 1));
-        float t4[4][4];
-        fa_mma6x4(t4, qa, kf);
-#pragma unroll
-        for (int n = 0; n < 4; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) Sc[n][e] = __fadd_rn(Sc[n][e], t4[n][e]);
-      }
-      // Online softmax per row (i = 0: row g, elements 0, 1; i = 1: row g + 8, elements 2, 3).
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int64_t pos = kb + 8 * j + 2 * tq + c;
-            const bool live = vr[i] && pos <= Pr[i] && pos >= Fr[i];
-            const float s = live ? __fmul_rn(Sc[j][2 * i + c], a.scale) : -INFINITY;
-            Sc[j][2 * i + c] = s;
-            mx = fmaxf(mx, s);
-          }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float mn = fmaxf(m[i], mx);
-        const float corr = mn == -INFINITY ? 1.0f : expf(__fsub_rn(m[i], mn));
-        float sum = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const float s = Sc[j][2 * i + c];
-            const float e = s == -INFINITY ? 0.0f : expf(__fsub_rn(s, mn));
-            Sc[j][2 * i + c] = e;
-            sum = __fadd_rn(sum, e);
-          }
-        sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
-        sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
-        l[i] = __fadd_rn(__fmul_rn(l[i], corr), sum);
-        m[i] = mn;
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-          o[j][2 * i] = __fmul_rn(o[j][2 * i], corr), o[j][2 * i + 1] = __fmul_rn(o[j][2 * i + 1], corr);
-      }
-      // o += P V: per 16-position step and 8-dim tile the six piece products from 0, then added in fp32.
-#pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-        uint32_t pa[3][4], w[3];
-        fa_split_pair(Sc[2 * kk][0], Sc[2 * kk][1], w);
-        pa[0][0] = w[0], pa[1][0] = w[1], pa[2][0] = w[2];
-        fa_split_pair(Sc[2 * kk][2], Sc[2 * kk][3], w);
-        pa[0][1] = w[0], pa[1][1] = w[1], pa[2][1] = w[2];
-        fa_split_pair(Sc[2 * kk + 1][0], Sc[2 * kk + 1][1], w);
-        pa[0][2] = w[0], pa[1][2] = w[1], pa[2][2] = w[2];
-        fa_split_pair(Sc[2 * kk + 1][2], Sc[2 * kk + 1][3], w);
-        pa[0][3] = w[0], pa[1][3] = w[1], pa[2][3] = w[2];
-#pragma unroll
-        for (int jq = 0; jq < HD / 32; ++jq) {  // dims 32 jq .. + 31: 8-dim tiles 4 jq .. 4 jq + 3
-          uint32_t vf[2][3][4];
-#pragma unroll
-          for (int u = 0; u < 2; ++u)
-#pragma unroll
-            for (int pc = 0; pc < 3; ++pc)
-              ldsm_x4<true>(vf[u][pc], Vs + pc * S::kKvPiece + (16 * kk + (lane & 7) + 8 * ((lane >> 3) & 1)) * LD +
-                                           32 * jq + 16 * u + 8 * (lane >> 4));
-          float t4[4][4];
-          fa_mma6x4(t4, pa, vf);
-#pragma unroll
-          for (int n = 0; n < 4; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) o[4 * jq + n][e] = __fadd_rn(o[4 * jq + n][e], t4[n][e]);
-        }
-      }
+      fa_tile_step<HD>(Qs + warp * S::kQWarp, Ks, Vs, kb, vr, Pr, Fr, a.scale, m, l, o);
     }
     // The segment's end: fold (one pass) or write the state (split), for each row that sees it.
     if (!warp_live) continue;
@@ -313,23 +363,7 @@ __global__ void __launch_bounds__(kFaWarps * 32, 2)
         for (int j = 0; j < NT; ++j) pr[2 + 8 * j + 2 * tq] = o[j][2 * i], pr[3 + 8 * j + 2 * tq] = o[j][2 * i + 1];
         continue;
       }
-      const bool first = sg == Fr[i] / kFaSeg, last = sg == Pr[i] / kFaSeg;
-      float ca, cb;
-      fa_fold_ml(first, M[i], L[i], m[i], l[i], ca, cb);
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) Of[j][2 * i + c] = fa_fold_o(first, Of[j][2 * i + c], o[j][2 * i + c], ca, cb);
-      if (!last) continue;
-      const int64_t t = R / group;
-      const int h = kvh * group + int(R % group);
-      float* orow = a.out + t * a.out_stride + int64_t(h) * HD + 2 * tq;
-      float Lf = L[i];
-      const float cs = fa_fold_sink(a.sinks, h, M[i], Lf);
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) orow[8 * j + c] = fa_final(a.sinks, Of[j][2 * i + c], cs, Lf);
+      fa_fold_row<HD>(a, group, kvh, R, i, sg == Fr[i] / kFaSeg, sg == Pr[i] / kFaSeg, m, l, o, M, L, Of);
     }
   }
 }
@@ -737,12 +771,12 @@ __global__ void __launch_bounds__(kFpWarps * 32, 1)
     fa_prefill_kernel(AttentionArgs a, int group, const __nv_bfloat16* __restrict__ kv, int64_t kb0, int64_t n_tiles) {
   detail::grid_dependency_enter();
   using S = FpShape<HD>;
-  constexpr int LD = S::kLd, NT = HD / 8, KS = HD / 16, CH = HD / 8;
+  constexpr int LD = S::kLd, NT = HD / 8, CH = HD / 8;
   constexpr int64_t TE = FpPlanes<HD>::kTileElems;
   extern __shared__ __align__(16) unsigned char fp_smem[];
   __nv_bfloat16* KVs = reinterpret_cast<__nv_bfloat16*>(fp_smem);  // [buffer][K, V][piece][pos][LD]
   __nv_bfloat16* Qs = KVs + 2 * S::kKvBuf;                         // [warp][piece][row][LD]
-  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) & 31, g = lane >> 2, tq = lane & 3;
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) & 31, g = lane >> 2;
   const int kvh = int(blockIdx.x);
   const int64_t n_rows = a.n_tok * group;
   const int64_t blk = int64_t(gridDim.y) - 1 - int64_t(blockIdx.y);
@@ -795,21 +829,7 @@ __global__ void __launch_bounds__(kFpWarps * 32, 1)
     const int64_t P = a.pos0 + (vr[i] ? R / group : 0);
     Pr[i] = vr[i] ? int(P - base) : -1, Fr[i] = vr[i] ? int(fa_first_pos(P, a.window) - base) : 0;
   }
-  // Stage the warp's query rows as pieces (zeros past the last row).
-  {
-    __nv_bfloat16* Qw = Qs + warp * S::kQWarp;
-    for (int idx = lane; idx < 16 * (HD / 4); idx += 32) {
-      const int r = idx / (HD / 4), d4 = idx % (HD / 4);
-      const int64_t R = Rw + r;
-      float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      if (R < n_rows) {
-        const int64_t t = R / group;
-        const int h = kvh * group + int(R % group);
-        v = *reinterpret_cast<const float4*>(a.q + t * a.q_stride + int64_t(h) * HD + 4 * d4);
-      }
-      fa_stage4(v, Qw + r * LD + 4 * d4, S::kQPiece);
-    }
-  }
+  fa_stage_q<HD>(a, group, kvh, Rw, n_rows, Qs + warp * S::kQWarp);  // zeros past the last row
   float o[NT][4];
   // One pass: the folded state O of the lane's two rows stays in registers across segments.
   float Of[NT][4];
@@ -829,96 +849,7 @@ __global__ void __launch_bounds__(kFpWarps * 32, 1)
       for (int j = 0; j < NT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
     }
     if (warp_live && kb <= wP && kb + kFaTile - 1 >= wF) {  // some row of the warp sees the tile
-      // S = Q K^T: 16 rows x 32 positions (n-tiles j = positions 8j..8j+7), per 16-dim step the
-      // six piece products from 0, then added to S in fp32 in step order.
-      float Sc[4][4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) Sc[j][0] = Sc[j][1] = Sc[j][2] = Sc[j][3] = 0.0f;
-      const __nv_bfloat16* Qw = Qs + warp * S::kQWarp;
-#pragma unroll 2
-      for (int ks = 0; ks < KS; ++ks) {
-        uint32_t qa[3][4], kf[2][3][4];
-#pragma unroll
-        for (int pc = 0; pc < 3; ++pc)
-          ldsm_x4(qa[pc], Qw + pc * S::kQPiece + ((lane & 7) + 8 * ((lane >> 3) & 1)) * LD + 16 * ks + 8 * (lane >> 4));
-#pragma unroll
-        for (int u = 0; u < 2; ++u)
-#pragma unroll
-          for (int pc = 0; pc < 3; ++pc)
-            ldsm_x4(kf[u][pc], Ks + pc * S::kKvPiece + (16 * u + (lane & 7) + 8 * (lane >> 4)) * LD + 16 * ks +
-                                   8 * ((lane >> 3) & 1));
-        float t4[4][4];
-        fa_mma6x4(t4, qa, kf);
-#pragma unroll
-        for (int n = 0; n < 4; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) Sc[n][e] = __fadd_rn(Sc[n][e], t4[n][e]);
-      }
-      // Online softmax per row (i = 0: row g, elements 0, 1; i = 1: row g + 8, elements 2, 3).
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int pos = kb + 8 * j + 2 * tq + c;
-            const bool live = vr[i] && pos <= Pr[i] && pos >= Fr[i];
-            const float s = live ? __fmul_rn(Sc[j][2 * i + c], a.scale) : -INFINITY;
-            Sc[j][2 * i + c] = s;
-            mx = fmaxf(mx, s);
-          }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float mn = fmaxf(m[i], mx);
-        const float corr = mn == -INFINITY ? 1.0f : expf(__fsub_rn(m[i], mn));
-        float sum = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const float s = Sc[j][2 * i + c];
-            const float e = s == -INFINITY ? 0.0f : expf(__fsub_rn(s, mn));
-            Sc[j][2 * i + c] = e;
-            sum = __fadd_rn(sum, e);
-          }
-        sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
-        sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
-        l[i] = __fadd_rn(__fmul_rn(l[i], corr), sum);
-        m[i] = mn;
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-          o[j][2 * i] = __fmul_rn(o[j][2 * i], corr), o[j][2 * i + 1] = __fmul_rn(o[j][2 * i + 1], corr);
-      }
-      // o += P V: per 16-position step and 8-dim tile the six piece products from 0, then added in fp32.
-#pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-        uint32_t pa[3][4], w[3];
-        fa_split_pair(Sc[2 * kk][0], Sc[2 * kk][1], w);
-        pa[0][0] = w[0], pa[1][0] = w[1], pa[2][0] = w[2];
-        fa_split_pair(Sc[2 * kk][2], Sc[2 * kk][3], w);
-        pa[0][1] = w[0], pa[1][1] = w[1], pa[2][1] = w[2];
-        fa_split_pair(Sc[2 * kk + 1][0], Sc[2 * kk + 1][1], w);
-        pa[0][2] = w[0], pa[1][2] = w[1], pa[2][2] = w[2];
-        fa_split_pair(Sc[2 * kk + 1][2], Sc[2 * kk + 1][3], w);
-        pa[0][3] = w[0], pa[1][3] = w[1], pa[2][3] = w[2];
-#pragma unroll
-        for (int jq = 0; jq < HD / 32; ++jq) {  // dims 32 jq .. + 31: 8-dim tiles 4 jq .. 4 jq + 3
-          uint32_t vf[2][3][4];
-#pragma unroll
-          for (int u = 0; u < 2; ++u)
-#pragma unroll
-            for (int pc = 0; pc < 3; ++pc)
-              ldsm_x4<true>(vf[u][pc], Vs + pc * S::kKvPiece + (16 * kk + (lane & 7) + 8 * ((lane >> 3) & 1)) * LD +
-                                           32 * jq + 16 * u + 8 * (lane >> 4));
-          float t4[4][4];
-          fa_mma6x4(t4, pa, vf);
-#pragma unroll
-          for (int n = 0; n < 4; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) o[4 * jq + n][e] = __fadd_rn(o[4 * jq + n][e], t4[n][e]);
-        }
-      }
+      fa_tile_step<HD>(Qs + warp * S::kQWarp, Ks, Vs, kb, vr, Pr, Fr, a.scale, m, l, o);
     }
     // A segment's last tile: fold, for each row that sees the segment.
     if (!warp_live || !(it + 1 == n_it || (kb + kFaTile) % kFaSeg == 0)) continue;
@@ -926,23 +857,7 @@ __global__ void __launch_bounds__(kFpWarps * 32, 1)
     for (int i = 0; i < 2; ++i) {
       if (!vr[i] || sg < Fr[i] / kFaSeg || sg > Pr[i] / kFaSeg) continue;
       const int64_t R = Rw + g + 8 * i;
-      const bool first = sg == Fr[i] / kFaSeg, last = sg == Pr[i] / kFaSeg;
-      float ca, cb;
-      fa_fold_ml(first, M[i], L[i], m[i], l[i], ca, cb);
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) Of[j][2 * i + c] = fa_fold_o(first, Of[j][2 * i + c], o[j][2 * i + c], ca, cb);
-      if (!last) continue;
-      const int64_t t = R / group;
-      const int h = kvh * group + int(R % group);
-      float* orow = a.out + t * a.out_stride + int64_t(h) * HD + 2 * tq;
-      float Lf = L[i];
-      const float cs = fa_fold_sink(a.sinks, h, M[i], Lf);
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) orow[8 * j + c] = fa_final(a.sinks, Of[j][2 * i + c], cs, Lf);
+      fa_fold_row<HD>(a, group, kvh, R, i, sg == Fr[i] / kFaSeg, sg == Pr[i] / kFaSeg, m, l, o, M, L, Of);
     }
   }
 }
