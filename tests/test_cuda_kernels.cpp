@@ -1357,6 +1357,53 @@ TEST(CudaKernels, MatmulQ8EqualsCpuAvx512Bits) {
 
 // grouped_matmul_q8 equals matmul_q8 on each job alone (and swiglu of two of them), bit for bit, for
 // a prefill-like group (the GEMM) and a decode-like one (all <= 8 tokens: the mat-vec).
+// matmul_q8_multi (attention's q, k, v in one decode launch) against one matmul_q8 per matrix,
+// bit for bit: row counts that are not multiples of the 8-row blocks, padded output strides, the
+// 4-warp (2048 columns) and one-warp (768) mat-vec, n_tok 1 .. 8 (one launch) and 9 (the
+// separate launches), and a NaN-poisoned output checked to be written everywhere.
+TEST(CudaKernels, MatmulQ8MultiEqualsSeparateLaunches) {
+  REQUIRE_CUDA_DEVICE();
+  std::mt19937 rng(43);
+  for (int64_t cols : {int64_t(2048), int64_t(768)}) {
+    const size_t rb = (quant::row_size(GgmlType::Q8_0, cols) + 15) / 16 * 16;
+    const int64_t rows[3] = {300, 64, 37}, ldy[3] = {300 + 4, 64, 37 + 3};
+    std::vector<cuda::DeviceBuffer> w;
+    for (int i = 0; i < 3; ++i) w.push_back(upload(q8_rows(rows[i], cols, rb, rng)));
+    for (int64_t n_tok : {int64_t(1), int64_t(3), int64_t(8), int64_t(9)}) {
+      SCOPED_TRACE("cols " + std::to_string(cols) + " n_tok " + std::to_string(n_tok));
+      auto dx = upload(random_floats(size_t(n_tok * cols), rng));
+      cuda::DeviceBuffer dq(size_t(n_tok * cols)), dd(size_t(n_tok * cols / 32) * 4);
+      cuda::quantize_q8(dx.as<float>(), cols, cols, n_tok, dq.as<int8_t>(), dd.as<float>());
+      std::vector<cuda::DeviceBuffer> ym, ys;
+      cuda::MatmulQ8Part parts[3];
+      for (int i = 0; i < 3; ++i) {
+        const std::vector<float> poison(size_t(n_tok * ldy[i]), std::nanf(""));
+        ym.push_back(upload(poison));
+        ys.push_back(upload(poison));
+        parts[i] = {w[size_t(i)].get(), rows[i], ym[size_t(i)].as<float>(), ldy[i]};
+      }
+      cuda::matmul_q8_multi(GgmlType::Q8_0, parts, 3, rb, cols, dq.as<int8_t>(), dd.as<float>(), n_tok);
+      for (int i = 0; i < 3; ++i)
+        cuda::matmul_q8(GgmlType::Q8_0, w[size_t(i)].get(), rb, rows[i], cols, dq.as<int8_t>(), dd.as<float>(), n_tok,
+                        ys[size_t(i)].as<float>(), ldy[i]);
+      int64_t differ = 0, unwritten = 0;
+      for (int i = 0; i < 3; ++i) {
+        const auto a = download<float>(ym[size_t(i)], size_t(n_tok * ldy[i]));
+        const auto b = download<float>(ys[size_t(i)], size_t(n_tok * ldy[i]));
+        for (int64_t t = 0; t < n_tok; ++t)
+          for (int64_t r = 0; r < rows[i]; ++r) {
+            const size_t k = size_t(t * ldy[i] + r);
+            differ += !bits_equal(a[k], b[k]);
+            unwritten += std::isnan(a[k]);
+          }
+      }
+      EXPECT_EQ(differ, 0);
+      EXPECT_EQ(unwritten, 0);
+    }
+  }
+  EXPECT_THROW(cuda::matmul_q8_multi(GgmlType::Q8_0, nullptr, 0, 2176, 2048, nullptr, nullptr, 1), cuda::CudaError);
+}
+
 TEST(CudaKernels, GroupedMatmulQ8EqualsPerJob) {
   REQUIRE_CUDA_DEVICE();
   std::mt19937 rng(23);

@@ -706,20 +706,27 @@ void CudaBackend::attention(const backend::AttentionSpec& s, const backend::Atte
       mm(W.type, W.data, W.row_bytes(), W.rows(), W.cols(), h.f(), ldh, T, y, ldy, stream());
   };
   // Projections; K and V go straight into the cache rows pos0.. (normed and rotated in place).
-  if (s.q_gate) {
-    float* qg = c.take<float>(size_t(T * 2 * q_dim));
-    gate = c.take<float>(size_t(T * q_dim));
-    proj(w.wq, qg, 2 * q_dim);
-    if (!w.bq.empty()) add_bias(qg, 2 * q_dim, w.bq.f(), 2 * q_dim, T, stream());
-    split_q_gate(qg, T, s.n_head, s.head_dim, q, gate, stream());
-  } else {
-    proj(w.wq, q, q_dim);
-    if (!w.bq.empty()) add_bias(q, q_dim, w.bq.f(), q_dim, T, stream());
-  }
+  // With q8 activations the three run as one matmul_q8_multi (one launch in decode).
   float* kc = kv.k.f() + pos0 * kv_dim;
   float* vc = kv.v.f() + pos0 * kv_dim;
-  proj(w.wk, kc, kv_dim);
-  proj(w.wv, vc, kv_dim);
+  float* qg = s.q_gate ? c.take<float>(size_t(T * 2 * q_dim)) : nullptr;
+  if (s.q_gate) gate = c.take<float>(size_t(T * q_dim));
+  float* qy = s.q_gate ? qg : q;
+  const int64_t ldq = s.q_gate ? 2 * q_dim : q_dim;
+  const bool fused_qkv = hq.q && w.wq.row_bytes() == w.wk.row_bytes() && w.wq.row_bytes() == w.wv.row_bytes();
+  if (fused_qkv) {
+    const MatmulQ8Part parts[3] = {{w.wq.data, w.wq.rows(), qy, ldq}, {w.wk.data, w.wk.rows(), kc, kv_dim},
+                                   {w.wv.data, w.wv.rows(), vc, kv_dim}};
+    matmul_q8_multi(w.wq.type, parts, 3, w.wq.row_bytes(), h.cols(), hq.q, hq.d, T, stream());
+  } else {
+    proj(w.wq, qy, ldq);
+  }
+  if (!w.bq.empty()) add_bias(qy, ldq, w.bq.f(), ldq, T, stream());
+  if (s.q_gate) split_q_gate(qg, T, s.n_head, s.head_dim, q, gate, stream());
+  if (!fused_qkv) {
+    proj(w.wk, kc, kv_dim);
+    proj(w.wv, vc, kv_dim);
+  }
   if (!w.bk.empty()) add_bias(kc, kv_dim, w.bk.f(), kv_dim, T, stream());
   if (!w.bv.empty()) add_bias(vc, kv_dim, w.bv.f(), kv_dim, T, stream());
   // RMSNorm of q and k: per head (rows of head_dim), or over the whole projection row (MiniMax-M2);

@@ -247,6 +247,23 @@ void set_mv16_v2(int mode);
 /// than 2^31 - 1 blocks.
 GroupedMatmulPlan plan_grouped_q8(GroupedMatmulJob* jobs, int n_jobs, int64_t rows, int64_t cols, size_t row_bytes);
 
+/// One matrix of matmul_q8_multi: W [cols, rows] (device, Q8_0 rows row_bytes apart) and its
+/// output y [rows, n_tok] (device, rows ldy floats apart).
+struct MatmulQ8Part {
+  const void* w = nullptr;
+  int64_t rows = 0;
+  float* y = nullptr;
+  int64_t ldy = 0;
+};
+/// matmul_q8 of n matrices with the same column count on the same activations (xq, xd: n_tok
+/// tokens): y_i = W_i x for each part. With n <= 4, n_tok <= 8 and every W 16-byte aligned (with
+/// row_bytes) the mat-vec runs once for all of them (a block's matrix found from its index;
+/// attention's q, k and v in decode), else one matmul_q8 per part. Either way each output is
+/// computed by the kernel and the operations matmul_q8 uses for that matrix alone: the same bits.
+/// Throws CudaError as matmul_q8 for any part, or on n < 1.
+void matmul_q8_multi(GgmlType type, const MatmulQ8Part* parts, int n, size_t row_bytes, int64_t cols,
+                     const int8_t* xq, const float* xd, int64_t n_tok, void* stream = nullptr);
+
 /// The plan of a grouped_matmul_q8 launch whose job table is written on the device (group_pairs):
 /// `n_jobs` jobs with `n_tok` tokens in all, of `rows`-row weights. gemm: every job's weights and
 /// row_bytes are 8-byte aligned (the caller checks), so the GEMM runs, else the mat-vec; words:

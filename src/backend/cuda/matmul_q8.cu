@@ -706,11 +706,25 @@ constexpr int mv2_warp_bytes() {
   return (DUAL ? 2 : 1) * R * (KB * 34 + (2 * KB + 4) * 4 + kVTok * 4);
 }
 
-template <bool DUAL, int R, int KB, int WARPS>
+/// mv2_q8_kernel's "several matrices" mode (matmul_q8_multi): n > 0 matrices of one column count
+/// applied to the same activations, matrix i taking the blocks [block0[i], block0[i + 1]) with its
+/// own rows, output pointer and row stride. Passed by value, so the blocks may copy their first
+/// weight stage before the dependency wait, as a single matrix's launch does.
+struct Q8MultiOut {
+  static constexpr int kMax = 4;
+  const void* w[kMax] = {};
+  float* y[kMax] = {};
+  int64_t rows[kMax] = {};
+  int64_t ldy[kMax] = {};
+  int64_t block0[kMax + 1] = {};
+  int n = 0;
+};
+
+template <bool DUAL, int R, int KB, int WARPS, bool MULTI = false>
 __global__ void __launch_bounds__(WARPS * 32)
     mv2_q8_kernel(const GroupedMatmulJob* __restrict__ jobs, int n_jobs, GroupedMatmulJob one, size_t row_bytes,
-                  int64_t rows, int cols, const int8_t* __restrict__ xq, const float* __restrict__ xd,
-                  float* __restrict__ y, int64_t ldy) {
+                  int64_t rows_all, int cols, const int8_t* __restrict__ xq, const float* __restrict__ xd,
+                  float* __restrict__ y_all, int64_t ldy_all, Q8MultiOut multi) {
   constexpr int NW = DUAL ? 2 : 1, NS = NW * R;
   constexpr int NP = KB / 2;                      // block pairs per stream and stage
   constexpr int NTASK = NS * NP, TPL = (NTASK + 31) / 32;  // (stream, pair) tasks: per warp, per lane
@@ -729,7 +743,17 @@ __global__ void __launch_bounds__(WARPS * 32)
   extern __shared__ __align__(16) uint8_t smem_v2[];
   const int64_t b = blockIdx.x;
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
-  const GroupedMatmulJob& jb = jobs ? jobs[find_job_warp(jobs, n_jobs, b, lane)] : one;
+  int64_t rows = rows_all, ldy = ldy_all;
+  float* __restrict__ y = y_all;
+  GroupedMatmulJob mj = one;
+  if constexpr (MULTI) {  // the matrix of block b (block-uniform)
+    int i = 0;
+#pragma unroll
+    for (int k = 1; k < Q8MultiOut::kMax; ++k) i += k < multi.n && b >= multi.block0[k];
+    mj.w = multi.w[i], mj.block0 = multi.block0[i];
+    rows = multi.rows[i], y = multi.y[i], ldy = multi.ldy[i];
+  }
+  const GroupedMatmulJob& jb = jobs ? jobs[find_job_warp(jobs, n_jobs, b, lane)] : mj;
   const detail::JobTile t = job_tile<kWRowsBlock, kVTok>(jb, b, rows);
   const int64_t r0 = t.r0 + int64_t(warp) * R;
   if (t.nt <= 0 || r0 >= rows) {  // the whole warp (warps never wait for each other)
@@ -932,10 +956,10 @@ void launch_q8(bool gemm, bool al4, int rb, unsigned grid, const GroupedMatmulJo
                    row_bytes, rows, cols, xq, xd, y, ldy, yrows);
   else if (rb == kWRowsBlock && mv16_v2_enabled() && cols / 32 <= kV2SmallMaxBlocks)
     detail::launch(mv2_q8_kernel<DUAL, 8, 24, 1>, grid, 32, mv2_warp_bytes<DUAL, 8, 24>(), st, jobs, n_jobs, one,
-                   row_bytes, rows, cols, xq, xd, y, ldy);
+                   row_bytes, rows, cols, xq, xd, y, ldy, Q8MultiOut{});
   else if (rb == kWRowsBlock && mv16_v2_enabled())
     detail::launch(mv2_q8_kernel<DUAL, 2, 64, 4>, grid, 4 * 32, 4 * mv2_warp_bytes<DUAL, 2, 64>(), st, jobs, n_jobs,
-                   one, row_bytes, rows, cols, xq, xd, y, ldy);
+                   one, row_bytes, rows, cols, xq, xd, y, ldy, Q8MultiOut{});
   else if (rb == kWRowsBlock)
     detail::launch(mv16_q8_kernel<DUAL>, grid, kWWarps * 32, mv16_smem_bytes<DUAL>(), st, jobs, n_jobs, one, row_bytes,
                    rows, cols, xq, xd, y, ldy);
@@ -1007,6 +1031,46 @@ void matmul_q8(GgmlType type, const void* W, size_t row_bytes, int64_t rows, int
   STRATA_CUDA_REQUIRE(blocks <= INT32_MAX, "cuda::matmul_q8: too many blocks");
   launch_q8<false>(gemm, a4(W, row_bytes), rb, unsigned(blocks), nullptr, 1, one, row_bytes, rows, int(cols), xq, xd,
                    y, ldy, static_cast<cudaStream_t>(stream));
+}
+
+void matmul_q8_multi(GgmlType type, const MatmulQ8Part* parts, int n, size_t row_bytes, int64_t cols,
+                     const int8_t* xq, const float* xd, int64_t n_tok, void* stream) {
+  STRATA_CUDA_REQUIRE(n >= 1 && parts, "cuda::matmul_q8_multi: no matrices");
+  STRATA_CUDA_REQUIRE(n_tok >= 0, "cuda::matmul_q8_multi: n_tok < 0");
+  bool one_launch = n <= Q8MultiOut::kMax && n_tok >= 1 && n_tok <= kVTok && mv16_v2_enabled() &&
+                    mv_rows_per_block(1, true) == kWRowsBlock;
+  for (int i = 0; i < n; ++i) {
+    check_q8_common("cuda::matmul_q8_multi", type, row_bytes, parts[i].rows, cols, xq, xd, parts[i].ldy);
+    STRATA_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(parts[i].w) % 2 == 0, "cuda::matmul_q8_multi: W must be 2-byte aligned");
+    one_launch = one_launch && a16(parts[i].w, row_bytes);
+  }
+  if (n_tok == 0) return;
+  if (!one_launch) {  // the separate launches (the same kernels per matrix: the same bits)
+    for (int i = 0; i < n; ++i)
+      matmul_q8(type, parts[i].w, row_bytes, parts[i].rows, cols, xq, xd, n_tok, parts[i].y, parts[i].ldy, stream);
+    return;
+  }
+  Q8MultiOut m;
+  m.n = n;
+  int64_t blocks = 0;
+  for (int i = 0; i < n; ++i) {
+    m.w[i] = parts[i].w, m.y[i] = parts[i].y, m.rows[i] = parts[i].rows, m.ldy[i] = parts[i].ldy;
+    m.block0[i] = blocks;
+    blocks += (parts[i].rows + kWRowsBlock - 1) / kWRowsBlock;  // one token tile (n_tok <= kVTok)
+  }
+  m.block0[n] = blocks;
+  STRATA_CUDA_REQUIRE(blocks <= INT32_MAX, "cuda::matmul_q8_multi: too many blocks");
+  GroupedMatmulJob one;
+  one.row0 = 0, one.n_tok = n_tok, one.block0 = 0;
+  auto st = static_cast<cudaStream_t>(stream);
+  ensure_smem_attrs();
+  if (cols / 32 <= kV2SmallMaxBlocks)
+    detail::launch(mv2_q8_kernel<false, 8, 24, 1, true>, unsigned(blocks), 32, mv2_warp_bytes<false, 8, 24>(), st, nullptr,
+                   1, one, row_bytes, int64_t(0), int(cols), xq, xd, nullptr, int64_t(0), m);
+  else
+    detail::launch(mv2_q8_kernel<false, 2, 64, 4, true>, unsigned(blocks), 4 * 32, 4 * mv2_warp_bytes<false, 2, 64>(), st,
+                   nullptr, 1, one, row_bytes, int64_t(0), int(cols), xq, xd, nullptr, int64_t(0), m);
+  STRATA_CUDA_CHECK_LAUNCH();
 }
 
 GroupedMatmulPlan plan_grouped_q8_bound(int n_jobs, int64_t n_tok, int64_t rows, bool gemm, bool words, bool vec16,
