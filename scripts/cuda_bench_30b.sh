@@ -37,7 +37,8 @@ run() {  # name, extra flags
 # attention on fa_kernel: STRATA_CUDA_FA_DECODE=0), pdloff (every expert in VRAM, launches
 # without programmatic dependent launch: STRATA_CUDA_PDL=0), mv2off (every expert in VRAM, the
 # q8 mat-vec of before mv2_q8_kernel: STRATA_CUDA_MV16_V2=0), faoff (every expert in VRAM, prefill
-# attention on fa_kernel: STRATA_CUDA_FA_PREFILL=0).
+# attention on fa_kernel: STRATA_CUDA_FA_PREFILL=0), qkv (every expert in VRAM, decode's q, k and v
+# in one launch: STRATA_CUDA_QKV_ONE_LAUNCH=1).
 vram_done=0
 vram() { [ $vram_done = 1 ] || run vram; vram_done=1; }
 for set in ${RUNS:-basic}; do
@@ -72,6 +73,8 @@ for set in ${RUNS:-basic}; do
       STRATA_CUDA_MV16_V2=0 run vram-mv2off ;;
     faoff)  # every expert in VRAM, prefill attention on fa_kernel (STRATA_CUDA_FA_PREFILL=0)
       STRATA_CUDA_FA_PREFILL=0 run vram-faoff ;;
+    qkv)  # every expert in VRAM, decode's q, k and v in one launch (STRATA_CUDA_QKV_ONE_LAUNCH=1)
+      STRATA_CUDA_QKV_ONE_LAUNCH=1 run vram-qkv ;;
     prof)  # every expert in VRAM with STRATA_CUDA_PROFILE=1 (per-call device time, host waits)
       STRATA_CUDA_PROFILE=1 run vram-prof
       grep -A40 "cuda profile" "$OUT/bench_vram-prof.err" | head -60 ;;
