@@ -731,7 +731,7 @@ TEST(CliHabits, LlamaCppSpellingsAreRefusedNamingTheStrataEquivalent) {
                                                                   {"-ctk q8_0", "fp32"}};
   for (const auto& [flag, advice] : cases) {
     const CmdResult r = run_strata("run " + shipped() + " -p hi -n 1 " + flag);
-    EXPECT_EQ(r.rc, 1) << flag << "\n" << r.out;
+    EXPECT_EQ(r.rc, 2) << flag << "\n" << r.out;  // a usage error
     EXPECT_THAT(r.out, HasSubstr("llama.cpp flag strata does not take")) << flag;
     EXPECT_THAT(r.out, HasSubstr(advice)) << flag;
     EXPECT_THAT(r.out, ::testing::Not(HasSubstr("must be an integer"))) << flag;
@@ -996,13 +996,13 @@ TEST(NewUser, EveryCommandThatSamplesChecksItsFlagsAsRunDoes) {
 
 TEST(NewUser, AnUnknownCommandIsNamedWithTheCommandsThereAre) {
   CmdResult r = run_strata("nosuch -m x");
-  EXPECT_EQ(r.rc, 1) << r.out;
+  EXPECT_EQ(r.rc, 2) << r.out;
   EXPECT_THAT(r.out, HasSubstr("strata: error: 'nosuch' is not a strata command\n"));
   EXPECT_THAT(r.out, HasSubstr("the commands are: run, logits, tokenize, info, serve, chat, profile,"));
   EXPECT_THAT(r.out, HasSubstr("see 'strata --help'"));
   EXPECT_THAT(r.out, ::testing::Not(HasSubstr("did you mean")));  // nothing is close to "nosuch"
   r = run_strata("rnu");
-  EXPECT_EQ(r.rc, 1) << r.out;
+  EXPECT_EQ(r.rc, 2) << r.out;
   EXPECT_THAT(r.out, HasSubstr("'rnu' is not a strata command; did you mean 'run'?"));
   // Known commands and flags before a command are not caught by it.
   EXPECT_EQ(run_strata("--version").rc, 0);
@@ -1231,6 +1231,16 @@ TEST(NewUser, FlagErrorsNameTheFlagAndValueAndIgnoredFlagsAreSaid) {
   EXPECT_EQ(r.rc, 2) << r.out;
   EXPECT_THAT(r.out, HasSubstr("strata: error: unknown option '-x' before the command"));
   EXPECT_THAT(r.out, HasSubstr("Usage: strata"));
+  // No command: the usage with the commands, exit 2. Every usage error CLI11 finds (an unknown
+  // flag, a missing required option, a file that does not exist) exits 2 too, not 105-109.
+  r = run_strata("");
+  EXPECT_EQ(r.rc, 2) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("no command given"));
+  EXPECT_THAT(r.out, HasSubstr("run"));
+  EXPECT_EQ(run_strata("run -m " + model + " -p hi --nosuch").rc, 2);
+  EXPECT_EQ(run_strata("info").rc, 2);
+  EXPECT_EQ(run_strata("run -m /nonexistent/model.gguf -p hi").rc, 2);
+  EXPECT_EQ(run_strata("run --help").rc, 0);
   // ssdbw: the flag and its value in the message; a copy size beyond RAM refused before measuring.
   r = run_strata("ssdbw -f " + model + " --threads abc --no-h2d");
   EXPECT_EQ(r.rc, 1) << r.out;

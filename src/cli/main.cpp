@@ -76,11 +76,11 @@ int main(int argc, char** argv) {
   // llama.cpp spellings CLI11 would misread ("-ngl 99" as "-n gl"): refused, naming strata's flag.
   if (const std::string err = strata::cli::llama_cpp_flag_error(argc, argv); !err.empty()) {
     fmt::print(stderr, "strata: error: {}\n", err);
-    return 1;
+    return 2;  // a usage error
   }
   if (const std::string err = unknown_command_error(app, argc, argv); !err.empty()) {
     fmt::print(stderr, "strata: error: {}\n", err);
-    return 1;
+    return 2;
   }
   // An option before any command (`strata -x`, `strata -m M run`): the top level takes only
   // --help and --version, every other option belongs to a command. A usage error: exit 2.
@@ -94,11 +94,20 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  // No command at all: the usage with the command list, exit 2 (CLI11 alone says only "A
+  // subcommand is required").
+  if (argc < 2) {
+    fmt::print(stderr, "strata: error: no command given\n\n{}", app.help());
+    return 2;
+  }
   int rc = 0;
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    rc = app.exit(e);
+    // CLI11 prints the message; every usage error (an unknown flag, a missing or malformed
+    // value, a file that does not exist) exits 2, as the option-before-the-command case above,
+    // instead of CLI11's own codes 105-109. --help and --version exit 0.
+    rc = app.exit(e) == 0 ? 0 : 2;
   } catch (const std::exception& e) {
     fmt::print(stderr, "strata: error: {}\n", e.what());
     rc = 1;
