@@ -106,8 +106,10 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     // CLI11 prints the message; every usage error (an unknown flag, a missing or malformed
     // value, a file that does not exist) exits 2, as the option-before-the-command case above,
-    // instead of CLI11's own codes 105-109. --help and --version exit 0.
-    rc = app.exit(e) == 0 ? 0 : 2;
+    // instead of CLI11's own codes (CLI::ExitCodes 100-127). --help and --version exit 0; a
+    // CLI::RuntimeError keeps its code (an interrupted run: 130).
+    const int c = app.exit(e);
+    rc = c >= 100 && c <= 127 ? 2 : c;
   } catch (const std::exception& e) {
     fmt::print(stderr, "strata: error: {}\n", e.what());
     rc = 1;
