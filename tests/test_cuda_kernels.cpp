@@ -517,11 +517,11 @@ TEST(CudaKernels, QkNormRopeEqualsSeparateKernels) {
     bool q_norm, k_norm;
     int64_t n_tok, pos0;
   };
-  const Case cases[] = {{32, 4, 128, 128, true, true, 1, 2047},  {32, 4, 128, 128, true, true, 19, 300},
-                        {6, 2, 64, 32, true, false, 5, 0},       {6, 3, 64, 64, false, false, 3, 70000},
-                        {8, 8, 256, 64, false, true, 2, 12},     {4, 1, 576, 64, true, true, 2, 5},
-                        {32, 4, 128, 128, true, true, 70, 0},    {5, 1, 80, 40, true, true, 66, 9},
-                        {8, 8, 256, 64, false, true, 65, 12},    {3, 1, 96, 32, true, true, 64, 4}};
+  const Case cases[] = {{32, 4, 128, 128, true, true, 1, 2047}, {32, 4, 128, 128, true, true, 19, 300},
+                        {6, 2, 64, 32, true, false, 5, 0},      {6, 3, 64, 64, false, false, 3, 70000},
+                        {8, 8, 256, 64, false, true, 2, 12},    {4, 1, 576, 64, true, true, 2, 5},
+                        {32, 4, 128, 128, true, true, 70, 0},   {5, 1, 80, 40, true, true, 66, 9},
+                        {8, 8, 256, 64, false, true, 65, 12},   {3, 1, 96, 32, true, true, 64, 4}};
   for (const Case& c : cases) {
     SCOPED_TRACE("heads " + std::to_string(c.n_head) + "/" + std::to_string(c.n_head_kv) + " dim " +
                  std::to_string(c.head_dim) + " rot " + std::to_string(c.n_rot) + " T " + std::to_string(c.n_tok));
@@ -932,8 +932,8 @@ TEST(CudaKernels, AttentionMmaPrefillKernelsBitIdentical) {
     a.out = dout.as<float>();
     for (Variant var : {Variant{0, false}, Variant{100, true}, Variant{300, false}, Variant{0, true}})
       for (int64_t pos0 : {int64_t(0), int64_t(37), kMaxPos0})
-        for (int64_t n_tok : {int64_t(1), int64_t(5), int64_t(63), int64_t(64), int64_t(65), int64_t(130),
-                              int64_t(300), kMaxTok}) {
+        for (int64_t n_tok :
+             {int64_t(1), int64_t(5), int64_t(63), int64_t(64), int64_t(65), int64_t(130), int64_t(300), kMaxTok}) {
           SCOPED_TRACE("heads " + std::to_string(sh.n_head) + "/" + std::to_string(sh.n_head_kv) + " dim " +
                        std::to_string(sh.head_dim) + " window " + std::to_string(var.window) +
                        (var.sinks ? " + sinks" : "") + " pos0 " + std::to_string(pos0) + " n_tok " +
@@ -1172,7 +1172,8 @@ TEST(CudaKernels, QuantizeQ8RowsEqualsCpuOfGatheredRows) {
       for (int64_t t = 0; t < n; ++t)
         for (int64_t b = 0; b < cols / 32; ++b) {
           int8_t ref[32];
-          const float rd = cpu::kernels::detail::quantize_block_q8(&x[size_t((map[size_t(t)] / rep) * ldx + b * 32)], ref);
+          const float rd =
+              cpu::kernels::detail::quantize_block_q8(&x[size_t((map[size_t(t)] / rep) * ldx + b * 32)], ref);
           const float gd = d[size_t(t * (cols / 32) + b)];
           bad += std::isnan(rd) ? !std::isnan(gd) : !bits_equal(rd, gd);
           for (int k = 0; k < 32; ++k) bad += q[size_t(t * cols + b * 32 + k)] != ref[k];
@@ -1240,9 +1241,8 @@ TEST(CudaKernels, MatmulQ8EqualsHostDefinition) {
   // mat-vec kernels (mv2_q8_kernel: rows of <= 32 blocks in one-warp blocks of 8 rows and stages
   // of 24 blocks, longer rows in stages of 64; and mv16_q8_kernel): 768 (24 blocks, one full
   // stage of 24), 800 (25: a stage of 24 and one of 1), 1056 (33: one odd stage of 64), 608 (19)
-  const Shape shapes[] = {{203, 608, 646},   {203, 608, 656},  {130, 2048, 2176}, {77, 4160, 4432},
-                          {4250, 160, 170},  {4250, 160, 176}, {203, 768, 816},   {77, 800, 864},
-                          {130, 1056, 1136}};
+  const Shape shapes[] = {{203, 608, 646},  {203, 608, 656}, {130, 2048, 2176}, {77, 4160, 4432}, {4250, 160, 170},
+                          {4250, 160, 176}, {203, 768, 816}, {77, 800, 864},    {130, 1056, 1136}};
   for (const Shape& sh : shapes) {
     const auto w = q8_rows(sh.rows, sh.cols, sh.rb, rng);
     auto dw = upload(w);
@@ -1469,8 +1469,8 @@ TEST(CudaKernels, GroupedMatmulQ8EqualsPerJob) {
         EXPECT_EQ(moved, 0);
       } else {
         EXPECT_THROW(cuda::grouped_matmul_q8(plan, GgmlType::Q8_0, djobs.as<cuda::GroupedMatmulJob>(), nj, rb, rows,
-                                             cols, dq.as<int8_t>(), dd.as<float>(), dy.as<float>(), rows, pair,
-                                             nullptr, djobs.as<int64_t>()),
+                                             cols, dq.as<int8_t>(), dd.as<float>(), dy.as<float>(), rows, pair, nullptr,
+                                             djobs.as<int64_t>()),
                      cuda::CudaError);
       }
       int64_t mismatches = 0;
@@ -1553,7 +1553,9 @@ TEST(CudaKernels, MatmulQ8V2EqualsMv16OnDecodeShapes) {
     wu.push_back(upload(q8_rows(F, E, rb_gu, rng)));
     wd.push_back(upload(q8_rows(E, F, rb_dn, rng)));
   }
-  const std::vector<int64_t> size_sets[] = {{1, 1, 1, 1, 1, 1, 1, 1}, {1, 2, 3, 4, 5, 6, 7, 8}, {8, 8, 1, 3, 8, 2, 8, 5}};
+  const std::vector<int64_t> size_sets[] = {{1, 1, 1, 1, 1, 1, 1, 1},
+                                            {1, 2, 3, 4, 5, 6, 7, 8},
+                                            {8, 8, 1, 3, 8, 2, 8, 5}};
   for (const auto& sizes : size_sets) {
     int64_t total = 0;
     for (int64_t n : sizes) total += n;

@@ -180,10 +180,9 @@ __device__ __forceinline__ void fa_fold_row(const AttentionArgs& a, int group, i
 /// the tile's K and V pieces, kKvPiece apart). PT: the position type (int64_t, or int relative to a
 /// base); the arithmetic does not depend on it.
 template <int HD, typename PT>
-__device__ __forceinline__ void fa_tile_step(const __nv_bfloat16* Qw, const __nv_bfloat16* Ks,
-                                             const __nv_bfloat16* Vs, PT kb, const bool (&vr)[2], const PT (&Pr)[2],
-                                             const PT (&Fr)[2], float scale, float (&m)[2], float (&l)[2],
-                                             float (&o)[HD / 8][4]) {
+__device__ __forceinline__ void fa_tile_step(const __nv_bfloat16* Qw, const __nv_bfloat16* Ks, const __nv_bfloat16* Vs,
+                                             PT kb, const bool (&vr)[2], const PT (&Pr)[2], const PT (&Fr)[2],
+                                             float scale, float (&m)[2], float (&l)[2], float (&o)[HD / 8][4]) {
   using S = FaShape<HD>;
   constexpr int LD = S::kLd, NT = HD / 8, KS = HD / 16;
   const int lane = int(threadIdx.x) & 31, tq = lane & 3;
@@ -202,8 +201,8 @@ __device__ __forceinline__ void fa_tile_step(const __nv_bfloat16* Qw, const __nv
     for (int u = 0; u < 2; ++u)
 #pragma unroll
       for (int pc = 0; pc < 3; ++pc)
-        ldsm_x4(kf[u][pc], Ks + pc * S::kKvPiece + (16 * u + (lane & 7) + 8 * (lane >> 4)) * LD + 16 * ks +
-                               8 * ((lane >> 3) & 1));
+        ldsm_x4(kf[u][pc],
+                Ks + pc * S::kKvPiece + (16 * u + (lane & 7) + 8 * (lane >> 4)) * LD + 16 * ks + 8 * ((lane >> 3) & 1));
     float t4[4][4];
     fa_mma6x4(t4, qa, kf);
 #pragma unroll
@@ -701,8 +700,8 @@ __global__ void fa_combine(AttentionArgs a, int group, const float* __restrict__
 // whichever block holds the row (the decode = prefill = any chunking property, kernels.h), and the
 // positions past the block's last one are staged as zeros, as fa_kernel stages them.
 
-constexpr int kFpWarps = 8;             // warps per block, 16 query rows each
-constexpr int kFpRows = 16 * kFpWarps;  // query rows per block
+constexpr int kFpWarps = 8;                    // warps per block, 16 query rows each
+constexpr int kFpRows = 16 * kFpWarps;         // query rows per block
 constexpr int kFpPlane = kFaPieces * kFaTile;  // piece rows of one tile of K (or V) in the planes
 
 /// The piece planes of one call, bf16 [HD, 32, 3, 2, n_tiles, n_head_kv] in ggml ne order: for
@@ -750,10 +749,10 @@ __global__ void __launch_bounds__(256)
 
 template <int HD>
 struct FpShape {
-  static constexpr int kLd = HD + 8;              // bf16 per shared row (conflict-free ldmatrix)
-  static constexpr int kKvPiece = kFaTile * kLd;  // one piece of a K or V tile
+  static constexpr int kLd = HD + 8;                       // bf16 per shared row (conflict-free ldmatrix)
+  static constexpr int kKvPiece = kFaTile * kLd;           // one piece of a K or V tile
   static constexpr int kKvBuf = 2 * kFaPieces * kKvPiece;  // one buffer: K's pieces, then V's
-  static constexpr int kQPiece = 16 * kLd;        // one piece of a warp's 16 query rows
+  static constexpr int kQPiece = 16 * kLd;                 // one piece of a warp's 16 query rows
   static constexpr int kQWarp = kFaPieces * kQPiece;
   static constexpr size_t kSmem = sizeof(__nv_bfloat16) * size_t(2 * kKvBuf + kFpWarps * kQWarp);
   static_assert(kFaTile % (kFpWarps * 32 / (HD / 8)) == 0, "the threads copy whole rows of 16-byte chunks");
@@ -841,9 +840,9 @@ __global__ void __launch_bounds__(kFpWarps * 32, 1)
     cp_wait<0>();
     __syncthreads();  // tile it has landed (every thread's copies); tile it - 1's buffer is consumed
     if (it + 1 < n_it) stage(it + 1, KVs + ((it + 1) & 1) * S::kKvBuf);
-    const __nv_bfloat16* Ks = KVs + (it & 1) * S::kKvBuf;  // [piece][pos][LD]
+    const __nv_bfloat16* Ks = KVs + (it & 1) * S::kKvBuf;    // [piece][pos][LD]
     const __nv_bfloat16* Vs = Ks + kFaPieces * S::kKvPiece;  // [piece][pos][LD]
-    if (it == 0 || kb % kFaSeg == 0) {  // a segment's first tile: fresh state
+    if (it == 0 || kb % kFaSeg == 0) {                       // a segment's first tile: fresh state
       m[0] = m[1] = -INFINITY, l[0] = l[1] = 0.0f;
 #pragma unroll
       for (int j = 0; j < NT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
@@ -940,8 +939,8 @@ void launch_fa(const AttentionArgs& a, int group, cudaStream_t st) {
     STRATA_CUDA_REQUIRE(a.pos0 + a.n_tok <= INT32_MAX, "cuda::attention (mma): positions past 2^31 - 1");
     __nv_bfloat16* kv = nullptr;
     STRATA_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&kv), FpPlanes<HD>::bytes(a), st));
-    detail::launch(fa_split_kv_kernel<HD>, dim3(unsigned(n_tiles), unsigned(a.n_head_kv)), 256, 0, st, a, kb0,
-                   n_tiles, kv);
+    detail::launch(fa_split_kv_kernel<HD>, dim3(unsigned(n_tiles), unsigned(a.n_head_kv)), 256, 0, st, a, kb0, n_tiles,
+                   kv);
     STRATA_CUDA_CHECK_LAUNCH();
     opt_in_smem(reinterpret_cast<const void*>(fa_prefill_kernel<HD>), int(F::kSmem));
     const dim3 grid(unsigned(a.n_head_kv), unsigned((n_rows + kFpRows - 1) / kFpRows));

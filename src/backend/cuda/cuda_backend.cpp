@@ -718,10 +718,11 @@ void CudaBackend::attention(const backend::AttentionSpec& s, const backend::Atte
     const char* e = std::getenv("STRATA_CUDA_QKV_ONE_LAUNCH");
     return e && std::string(e) == "1";
   }();
-  const bool fused_qkv = qkv_one_launch && hq.q && w.wq.row_bytes() == w.wk.row_bytes() &&
-                         w.wq.row_bytes() == w.wv.row_bytes();
+  const bool fused_qkv =
+      qkv_one_launch && hq.q && w.wq.row_bytes() == w.wk.row_bytes() && w.wq.row_bytes() == w.wv.row_bytes();
   if (fused_qkv) {
-    const MatmulQ8Part parts[3] = {{w.wq.data, w.wq.rows(), qy, ldq}, {w.wk.data, w.wk.rows(), kc, kv_dim},
+    const MatmulQ8Part parts[3] = {{w.wq.data, w.wq.rows(), qy, ldq},
+                                   {w.wk.data, w.wk.rows(), kc, kv_dim},
                                    {w.wv.data, w.wv.rows(), vc, kv_dim}};
     matmul_q8_multi(w.wq.type, parts, 3, w.wq.row_bytes(), h.cols(), hq.q, hq.d, T, stream());
   } else {

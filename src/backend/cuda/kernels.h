@@ -223,9 +223,9 @@ void quantize_q8_rows(const float* x, int64_t ldx, int64_t cols, int64_t n_tok, 
 /// Kernels: MatVec, up to 8 tokens per block of 8 rows when W and row_bytes are 16-byte aligned
 /// (mv2: rows of <= 1024 columns in one-warp blocks, 768 columns at a time, else 4 warps of 2
 /// rows, 2048 columns at a time, copied to shared memory with 16-byte cp.async; STRATA_CUDA_MV16_V2=0:
-/// the earlier mv16 kernel, 4 warps of 2 rows), else of 16 rows (of 4 rows below 4224 rows, for more blocks); Mma, the GEMM, blocks of 128 rows x 64
-/// tokens (8 warps of 32 x 32), 4 blocks of columns per stage, a 3-stage cp.async pipeline; it
-/// needs W and row_bytes 8-byte aligned. Auto: the GEMM for n_tok > 8 when aligned, else MatVec.
+/// the earlier mv16 kernel, 4 warps of 2 rows), else of 16 rows (of 4 rows below 4224 rows, for more blocks); Mma, the
+/// GEMM, blocks of 128 rows x 64 tokens (8 warps of 32 x 32), 4 blocks of columns per stage, a 3-stage cp.async
+/// pipeline; it needs W and row_bytes 8-byte aligned. Auto: the GEMM for n_tok > 8 when aligned, else MatVec.
 /// Requirements (CudaError otherwise): has_q8(type, cols); W 2-byte aligned, row_bytes even and
 /// >= cols/32 * 34; xq 16-byte aligned, xd 4-byte aligned; ldy >= rows; path Auto, MatVec or Mma.
 void matmul_q8(GgmlType type, const void* W, size_t row_bytes, int64_t rows, int64_t cols, const int8_t* xq,
@@ -261,8 +261,8 @@ struct MatmulQ8Part {
 /// attention's q, k and v in decode), else one matmul_q8 per part. Either way each output is
 /// computed by the kernel and the operations matmul_q8 uses for that matrix alone: the same bits.
 /// Throws CudaError as matmul_q8 for any part, or on n < 1.
-void matmul_q8_multi(GgmlType type, const MatmulQ8Part* parts, int n, size_t row_bytes, int64_t cols,
-                     const int8_t* xq, const float* xd, int64_t n_tok, void* stream = nullptr);
+void matmul_q8_multi(GgmlType type, const MatmulQ8Part* parts, int n, size_t row_bytes, int64_t cols, const int8_t* xq,
+                     const float* xd, int64_t n_tok, void* stream = nullptr);
 
 /// The plan of a grouped_matmul_q8 launch whose job table is written on the device (group_pairs):
 /// `n_jobs` jobs with `n_tok` tokens in all, of `rows`-row weights. gemm: every job's weights and
@@ -420,13 +420,12 @@ bool attention_has_mma(const AttentionArgs& a);
 /// positions (masked positions -inf), c = expf(m - m') (1 while m' = -inf), e = expf(s - m')
 /// (0 masked), l = l*c + (the row's 8 values per lane summed in order, then the quad's butterfly),
 /// o = o*c, then per 16-position step the pieces of e times those of v added to o. Segments of
-/// 32 positions (detail::kAttnMmaSegment, one tile: decode splits a cache of P positions over P / 32 blocks per KV head) start fresh and are folded in position order with the
-/// Simt formula, the sink after the last fold, out = O / L. With few blocks (decode, small
-/// chunks) the segments run in parallel and a second kernel folds them; else one pass folds as
-/// it goes (the folded O in registers): the same operations. A row's
-/// arithmetic depends on its position alone (tile and segment edges are multiples of 32 and
-/// 128 from position 0; a tile a row does not see is a no-op for it: m' = m, c = 1, e = 0), so
-/// decode, prefill and any chunking give the same bits, as on Simt. Error: the rounding of the
+/// 32 positions (detail::kAttnMmaSegment, one tile: decode splits a cache of P positions over P / 32 blocks per KV
+/// head) start fresh and are folded in position order with the Simt formula, the sink after the last fold, out = O / L.
+/// With few blocks (decode, small chunks) the segments run in parallel and a second kernel folds them; else one pass
+/// folds as it goes (the folded O in registers): the same operations. A row's arithmetic depends on its position alone
+/// (tile and segment edges are multiples of 32 and 128 from position 0; a tile a row does not see is a no-op for it: m'
+/// = m, c = 1, e = 0), so decode, prefill and any chunking give the same bits, as on Simt. Error: the rounding of the
 /// fp32 sums, as Simt (tests/test_cuda_kernels.cpp: the same 4e-6 bound against a double
 /// reference). `out` must not overlap k or v. The one-pass prefill splits the call's K / V
 /// cache rows into their pieces once (a stream-ordered scratch allocation of 12 x n_head_kv x

@@ -34,7 +34,7 @@ __global__ void quantize_q8_kernel(const float* __restrict__ x, int64_t ldx, int
                                    int rep) {
   detail::grid_dependency_enter();
   const int c0 = (int(blockIdx.x) * int(blockDim.x) + int(threadIdx.x)) * 4;  // cols % 32 == 0
-  if (c0 >= cols) return;  // whole 8-thread groups leave together
+  if (c0 >= cols) return;                                                     // whole 8-thread groups leave together
   const int lane = int(threadIdx.x) & 31;
   const unsigned gmask = 0xffu << (lane & ~7);
   for (int64_t t = blockIdx.y; t < n; t += gridDim.y) {
@@ -149,8 +149,7 @@ __device__ __forceinline__ void mma_s8_biased(int c[4], const uint32_t a[4], uin
       "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%10,%11,%12,%13};\n"
       : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(kBias), "r"(kBias), "r"(kBias),
-        "r"(kBias));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(kBias), "r"(kBias), "r"(kBias), "r"(kBias));
 }
 /// fold(acc, S, dw, dx) from the biased sum bits(1.5 * 2^23) + S of mma_s8_biased.
 __device__ __forceinline__ float fold_biased(float acc, int biased, float dw, float dx) {
@@ -245,8 +244,7 @@ __device__ __forceinline__ void gemm_stage_mma(const uint8_t* sw, const uint8_t*
 #pragma unroll
         for (int n = 0; n < NN; ++n)
 #pragma unroll
-          for (int e = 0; e < 4; ++e)
-            acc[a][n][e] = fold_biased(acc[a][n][e], is[a][n][e], dw[a][e / 2], dx[n][e % 2]);
+          for (int e = 0; e < 4; ++e) acc[a][n][e] = fold_biased(acc[a][n][e], is[a][n][e], dw[a][e / 2], dx[n][e % 2]);
     }
   }
 }
@@ -726,12 +724,12 @@ __global__ void __launch_bounds__(WARPS * 32)
                   int64_t rows_all, int cols, const int8_t* __restrict__ xq, const float* __restrict__ xd,
                   float* __restrict__ y_all, int64_t ldy_all, Q8MultiOut multi) {
   constexpr int NW = DUAL ? 2 : 1, NS = NW * R;
-  constexpr int NP = KB / 2;                      // block pairs per stream and stage
+  constexpr int NP = KB / 2;                               // block pairs per stream and stage
   constexpr int NTASK = NS * NP, TPL = (NTASK + 31) / 32;  // (stream, pair) tasks: per warp, per lane
-  constexpr bool SAMEP = NP == 32;                // task j of lane l: stream j, pair l
-  constexpr bool PREF = SAMEP || TPL <= 3;        // token 0's codes prefetched into registers
-  constexpr int XS = SAMEP ? 1 : TPL;             // distinct pairs of a lane
-  constexpr int RS = 2 * KB + 4;                  // result words per stream
+  constexpr bool SAMEP = NP == 32;                         // task j of lane l: stream j, pair l
+  constexpr bool PREF = SAMEP || TPL <= 3;                 // token 0's codes prefetched into registers
+  constexpr int XS = SAMEP ? 1 : TPL;                      // distinct pairs of a lane
+  constexpr int RS = 2 * KB + 4;                           // result words per stream
   static_assert(KB % 8 == 0 && KB <= 64, "a stage of KB blocks is a multiple of 16 bytes");
   static_assert(R * WARPS == kWRowsBlock, "the plans number blocks of kWRowsBlock rows");
   static_assert(NS <= 32, "one fold lane per stream");
@@ -762,13 +760,13 @@ __global__ void __launch_bounds__(WARPS * 32)
   }
   uint8_t* ws = smem_v2 + warp * mv2_warp_bytes<DUAL, R, KB>();
   float* res = reinterpret_cast<float*>(ws + NS * KB * 34);  // [NS][RS]
-  float* sacc = res + NS * RS;                                // [NS][kVTok]
+  float* sacc = res + NS * RS;                               // [NS][kVTok]
   const uint8_t* W0 = static_cast<const uint8_t*>(jb.w);
   const uint8_t* W1 = static_cast<const uint8_t*>(DUAL ? jb.w2 : jb.w);
   const int nt = t.nt, nb = cols / 32;
   const int8_t* xqt = xq + t.t0 * cols;
   const float* xdt = xd + t.t0 * nb;
-  const int frow = lane % R;                            // fold lane = stream `lane`
+  const int frow = lane % R;  // fold lane = stream `lane`
   const bool folder = lane < NS && r0 + frow < rows;
   float acc = 0.0f;
   if (early && nb == 0) detail::grid_dependency_enter();  // (has_q8: nb >= 1)
@@ -952,8 +950,7 @@ void launch_q8(bool gemm, bool al4, int rb, unsigned grid, const GroupedMatmulJo
   ensure_smem_attrs();
   if (gemm)
     detail::launch(gemm_q8_kernel<DUAL>, grid, DUAL ? 2 * kGThreads : kGThreads, kGStages * gemm_stage_bytes<DUAL>(),
-                   st, jobs, n_jobs, one,
-                   row_bytes, rows, cols, xq, xd, y, ldy, yrows);
+                   st, jobs, n_jobs, one, row_bytes, rows, cols, xq, xd, y, ldy, yrows);
   else if (rb == kWRowsBlock && mv16_v2_enabled() && cols / 32 <= kV2SmallMaxBlocks)
     detail::launch(mv2_q8_kernel<DUAL, 8, 24, 1>, grid, 32, mv2_warp_bytes<DUAL, 8, 24>(), st, jobs, n_jobs, one,
                    row_bytes, rows, cols, xq, xd, y, ldy, Q8MultiOut{});
@@ -1033,15 +1030,16 @@ void matmul_q8(GgmlType type, const void* W, size_t row_bytes, int64_t rows, int
                    y, ldy, static_cast<cudaStream_t>(stream));
 }
 
-void matmul_q8_multi(GgmlType type, const MatmulQ8Part* parts, int n, size_t row_bytes, int64_t cols,
-                     const int8_t* xq, const float* xd, int64_t n_tok, void* stream) {
+void matmul_q8_multi(GgmlType type, const MatmulQ8Part* parts, int n, size_t row_bytes, int64_t cols, const int8_t* xq,
+                     const float* xd, int64_t n_tok, void* stream) {
   STRATA_CUDA_REQUIRE(n >= 1 && parts, "cuda::matmul_q8_multi: no matrices");
   STRATA_CUDA_REQUIRE(n_tok >= 0, "cuda::matmul_q8_multi: n_tok < 0");
   bool one_launch = n <= Q8MultiOut::kMax && n_tok >= 1 && n_tok <= kVTok && mv16_v2_enabled() &&
                     mv_rows_per_block(1, true) == kWRowsBlock;
   for (int i = 0; i < n; ++i) {
     check_q8_common("cuda::matmul_q8_multi", type, row_bytes, parts[i].rows, cols, xq, xd, parts[i].ldy);
-    STRATA_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(parts[i].w) % 2 == 0, "cuda::matmul_q8_multi: W must be 2-byte aligned");
+    STRATA_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(parts[i].w) % 2 == 0,
+                        "cuda::matmul_q8_multi: W must be 2-byte aligned");
     one_launch = one_launch && a16(parts[i].w, row_bytes);
   }
   if (n_tok == 0) return;
@@ -1065,11 +1063,11 @@ void matmul_q8_multi(GgmlType type, const MatmulQ8Part* parts, int n, size_t row
   auto st = static_cast<cudaStream_t>(stream);
   ensure_smem_attrs();
   if (cols / 32 <= kV2SmallMaxBlocks)
-    detail::launch(mv2_q8_kernel<false, 8, 24, 1, true>, unsigned(blocks), 32, mv2_warp_bytes<false, 8, 24>(), st, nullptr,
-                   1, one, row_bytes, int64_t(0), int(cols), xq, xd, nullptr, int64_t(0), m);
-  else
-    detail::launch(mv2_q8_kernel<false, 2, 64, 4, true>, unsigned(blocks), 4 * 32, 4 * mv2_warp_bytes<false, 2, 64>(), st,
+    detail::launch(mv2_q8_kernel<false, 8, 24, 1, true>, unsigned(blocks), 32, mv2_warp_bytes<false, 8, 24>(), st,
                    nullptr, 1, one, row_bytes, int64_t(0), int(cols), xq, xd, nullptr, int64_t(0), m);
+  else
+    detail::launch(mv2_q8_kernel<false, 2, 64, 4, true>, unsigned(blocks), 4 * 32, 4 * mv2_warp_bytes<false, 2, 64>(),
+                   st, nullptr, 1, one, row_bytes, int64_t(0), int(cols), xq, xd, nullptr, int64_t(0), m);
   STRATA_CUDA_CHECK_LAUNCH();
 }
 
@@ -1125,8 +1123,8 @@ void grouped_matmul_q8(const GroupedMatmulPlan& plan, GgmlType type, const Group
   auto st = static_cast<cudaStream_t>(stream);
   const int rb = gemm ? kGRows : mv_rows_per_block(rows, plan.vec16);
   if (swiglu_pair)
-    launch_q8<true>(gemm, al4, rb, unsigned(plan.blocks), jobs, n_jobs, one, row_bytes, rows, int(cols), xq, xd, y,
-                    ldy, st, y_rows);
+    launch_q8<true>(gemm, al4, rb, unsigned(plan.blocks), jobs, n_jobs, one, row_bytes, rows, int(cols), xq, xd, y, ldy,
+                    st, y_rows);
   else
     launch_q8<false>(gemm, al4, rb, unsigned(plan.blocks), jobs, n_jobs, one, row_bytes, rows, int(cols), xq, xd, y,
                      ldy, st, y_rows);

@@ -156,8 +156,8 @@ __global__ void __launch_bounds__(kRowThreads)
                              int64_t pos0, const double* __restrict__ inv_freq, int heads_per_block) {
   detail::grid_dependency_enter();
   extern __shared__ float qk_sh[];
-  float* cs = qk_sh;             // cos, half floats
-  float* sn = qk_sh + half;      // sin, half floats
+  float* cs = qk_sh;         // cos, half floats
+  float* sn = qk_sh + half;  // sin, half floats
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) & 31;
   float* row = qk_sh + 2 * half + warp * head_dim;
   const int64_t t = blockIdx.x;
@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(kRowThreads)
       double u[8];
 #pragma unroll
       for (int j = 0; j < 8; ++j) u[j] = lane + 32 * j < head_dim ? double(v[j]) * double(v[j]) : 0.0;
-      // block_sum: sh[i] = sh[i] + sh[i + s] for s = 128, 64, 32 (slots of this lane), then 16 .. 1
+        // block_sum: sh[i] = sh[i] + sh[i + s] for s = 128, 64, 32 (slots of this lane), then 16 .. 1
 #pragma unroll
       for (int j = 0; j < 4; ++j) u[j] = u[j] + u[j + 4];
 #pragma unroll
