@@ -727,13 +727,11 @@ void CudaBackend::attention(const backend::AttentionSpec& s, const backend::Atte
     matmul_q8_multi(w.wq.type, parts, 3, w.wq.row_bytes(), h.cols(), hq.q, hq.d, T, stream());
   } else {
     proj(w.wq, qy, ldq);
-  }
-  if (!w.bq.empty()) add_bias(qy, ldq, w.bq.f(), ldq, T, stream());
-  if (s.q_gate) split_q_gate(qg, T, s.n_head, s.head_dim, q, gate, stream());
-  if (!fused_qkv) {
     proj(w.wk, kc, kv_dim);
     proj(w.wv, vc, kv_dim);
   }
+  if (!w.bq.empty()) add_bias(qy, ldq, w.bq.f(), ldq, T, stream());
+  if (s.q_gate) split_q_gate(qg, T, s.n_head, s.head_dim, q, gate, stream());
   if (!w.bk.empty()) add_bias(kc, kv_dim, w.bk.f(), kv_dim, T, stream());
   if (!w.bv.empty()) add_bias(vc, kv_dim, w.bv.f(), kv_dim, T, stream());
   // RMSNorm of q and k: per head (rows of head_dim), or over the whole projection row (MiniMax-M2);
@@ -1194,6 +1192,19 @@ void CudaBackend::expert_ffn(const backend::FfnSpec& spec, const backend::Expert
   scatter_rows(y, E, pairs, n, expert_out.f(), ld(expert_out), E, stream());
 }
 
+void CudaBackend::grouped_down_q8_to_pairs(const GroupedMatmulPlan& plan, GgmlType type, const GroupedMatmulJob* jobs,
+                                           int n_jobs, size_t row_bytes, int64_t E, int64_t F, const int8_t* aq,
+                                           const float* ad, const int64_t* pairs, int64_t n, float* y, float* out,
+                                           int64_t ldo, int64_t prof_tokens) {
+  const bool scattered_store = plan.tile_tokens == kGemmTileTokens;  // the GEMM stores row j to row pairs[j]
+  {
+    ProfScope pk(*this, "experts grouped down (q8)", prof_tokens);
+    grouped_matmul_q8(plan, type, jobs, n_jobs, row_bytes, E, F, aq, ad, scattered_store ? out : y,
+                      scattered_store ? ldo : E, false, stream(), scattered_store ? pairs : nullptr);
+  }
+  if (!scattered_store) scatter_rows(y, E, pairs, n, out, ldo, E, stream());
+}
+
 void CudaBackend::flush_experts() {
   if (pending_.empty()) return;
   const PendingGroup g = pend_;
@@ -1248,16 +1259,8 @@ void CudaBackend::flush_experts() {
       grouped_matmul_q8(pgu, g.gate_type, d_gu, nj, g.gate_rb, g.F, g.E, xq, xd, act, g.F, true, stream());
     }
     quantize_q8(act, g.F, g.F, N, aq, ad, stream());
-    const bool store_scattered = pdn.tile_tokens == kGemmTileTokens;  // the GEMM stores to the pairs' rows
-    {
-      ProfScope pk(*this, "experts grouped down (q8)", N / std::max(1, g.top_k));
-      if (store_scattered)
-        grouped_matmul_q8(pdn, g.down_type, d_dn, nj, g.down_rb, g.E, g.F, aq, ad, g.out, g.ldo, false, stream(),
-                          d_pairs);
-      else
-        grouped_matmul_q8(pdn, g.down_type, d_dn, nj, g.down_rb, g.E, g.F, aq, ad, y, g.E, false, stream());
-    }
-    if (!store_scattered) scatter_rows(y, g.E, d_pairs, N, g.out, g.ldo, g.E, stream());
+    grouped_down_q8_to_pairs(pdn, g.down_type, d_dn, nj, g.down_rb, g.E, g.F, aq, ad, d_pairs, N, y, g.out, g.ldo,
+                             N / std::max(1, g.top_k));
     return;
   }
   gather_rows(g.h, g.ldh, d_pairs, g.top_k, N, xg, g.E, g.E, stream());
@@ -1435,16 +1438,8 @@ void CudaBackend::moe_grouped_on_device(const backend::DeviceMoeCall& c, const b
     grouped_matmul_q8(pgu, tb.gate_type, d_gu, nj, tb.gate_rb, F, E, xq, xd, act, F, true, stream());
   }
   quantize_q8(act, F, F, TK, aq, ad, stream());
-  const bool store_scattered = pdn.tile_tokens == kGemmTileTokens;  // the GEMM stores to the pairs' rows
-  {
-    ProfScope pk(*this, "experts grouped down (q8)", T);
-    if (store_scattered)
-      grouped_matmul_q8(pdn, tb.down_type, d_dn, nj, tb.down_rb, E, F, aq, ad, c.expert_out.f(), ld(c.expert_out),
-                        false, stream(), d_pairs);
-    else
-      grouped_matmul_q8(pdn, tb.down_type, d_dn, nj, tb.down_rb, E, F, aq, ad, y, E, false, stream());
-  }
-  if (!store_scattered) scatter_rows(y, E, d_pairs, TK, c.expert_out.f(), ld(c.expert_out), E, stream());
+  grouped_down_q8_to_pairs(pdn, tb.down_type, d_dn, nj, tb.down_rb, E, F, aq, ad, d_pairs, TK, y, c.expert_out.f(),
+                           ld(c.expert_out), T);
   cuda::moe_combine(c.expert_out.f(), ld(c.expert_out), ro.weights, K, T, c.out.f(), ld(c.out), c.out.cols(),
                     stream());
 }

@@ -222,6 +222,14 @@ class CudaBackend final : public backend::Backend {
   /// flushes first, so the stream's order of work is the order of the calls (an event recorded
   /// after expert_ffn covers its kernels).
   void flush_experts();
+  /// The q8 down projection of a MoE layer's n pair rows (codes aq, scales ad, in expert order)
+  /// into their (token, k) rows of out (rows ldo apart; row pairs[j] gets x row j): the GEMM plan
+  /// stores there directly (grouped_matmul_q8's y_rows), the mat-vec plan writes y (n x E scratch)
+  /// and scatters it. prof_tokens: the tokens the profile counts for the call.
+  void grouped_down_q8_to_pairs(const GroupedMatmulPlan& plan, GgmlType type, const GroupedMatmulJob* jobs, int n_jobs,
+                                size_t row_bytes, int64_t E, int64_t F, const int8_t* aq, const float* ad,
+                                const int64_t* pairs, int64_t n, float* y, float* out, int64_t ldo,
+                                int64_t prof_tokens);
 
   /// Experts queued per flush at most. The scratch is bounded by the chunk's T * top_k pairs
   /// anyway; a layer starts early through flush(), which the step calls before it blocks on a

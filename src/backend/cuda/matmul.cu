@@ -292,10 +292,6 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   for (int i = 0; i < R; ++i)
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[i][t] = 0.0f;
-  // The mat-vec (R = NT = 1: decode's routers) unrolled so that the loads of several column
-  // steps are issued before the first FMA waits: without it each step waits a full memory latency.
-  constexpr int kUnroll = R * NT == 1 ? 8 : 1;
-#pragma unroll kUnroll
   for (int c = 8 * lane; c < cols; c += 256) {
     float w[R][8];
 #pragma unroll

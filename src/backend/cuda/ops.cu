@@ -297,7 +297,7 @@ void qk_norm_rope(float* q, int64_t ldq, int n_head, float* k, int64_t ldk, int 
   const int64_t blocks = n_tok * (int64_t(n_head) + n_head_kv);
   if (blocks == 0) return;
   STRATA_CUDA_REQUIRE(blocks <= 0x7fffffff, "cuda::qk_norm_rope: too many rows for one launch");
-  if (head_dim <= 256 && n_tok <= 0x7fffffff) {
+  if (head_dim <= 256) {
     // one warp per row, cos / sin once per (token, block): a block takes all heads of a token in
     // prefill, 8 in decode (more blocks for one token)
     const int heads = n_head + n_head_kv;
