@@ -1404,6 +1404,100 @@ TEST(CudaKernels, MatmulQ8MultiEqualsSeparateLaunches) {
   EXPECT_THROW(cuda::matmul_q8_multi(GgmlType::Q8_0, nullptr, 0, 2176, 2048, nullptr, nullptr, 1), cuda::CudaError);
 }
 
+// The one-token fp32 entry points (matmul_q8_x1, matmul_q8_multi_x1, grouped_matmul_q8_x1) quantize
+// inside the mat-vec: bit for bit the quantizer launch + the q8 call they replace, on both mv2
+// instances (<= 32 blocks a row: one-warp blocks; more: 4-warp blocks, 1 or 2 stages), rows
+// not multiples of 8, and activations with an all-zero block, a NaN block and large values.
+TEST(CudaKernels, MatmulQ8X1EqualsQuantizeThenMatmul) {
+  REQUIRE_CUDA_DEVICE();
+  std::mt19937 rng(71);
+  auto make_x = [&](int64_t n, int64_t cols) {
+    auto x = random_floats(size_t(n * cols), rng, -3.0f, 3.0f);
+    for (int64_t i = 0; i < 32 && cols >= 96; ++i) x[size_t(32 + i)] = 0.0f;  // token 0's block 1: all zero
+    if (cols >= 128) x[size_t(100)] = 1.0e30f;                                  // block 3: a large value
+    if (n > 1) x[size_t((n - 1) * cols + cols / 2)] = std::nanf("");            // the last token: a NaN block
+    return x;
+  };
+  auto compare = [](const cuda::DeviceBuffer& a, const cuda::DeviceBuffer& b, size_t n, int64_t& differ) {
+    const auto va = download<float>(a, n), vb = download<float>(b, n);
+    for (size_t i = 0; i < n; ++i) differ += !bits_equal(va[i], vb[i]);
+  };
+  ASSERT_TRUE(cuda::q8_x1_takes(GgmlType::Q8_0, 2176, 2048, nullptr, 2048));
+  for (int64_t cols : {int64_t(32), int64_t(768), int64_t(1024), int64_t(1056), int64_t(2048), int64_t(4096),
+                       int64_t(8192)}) {
+    const size_t rb = (quant::row_size(GgmlType::Q8_0, cols) + 15) / 16 * 16;
+    SCOPED_TRACE("cols " + std::to_string(cols));
+    // one matrix, and three in one launch
+    const int64_t rows[3] = {300, 64, 37};
+    std::vector<cuda::DeviceBuffer> w;
+    for (int i = 0; i < 3; ++i) w.push_back(upload(q8_rows(rows[i], cols, rb, rng)));
+    auto dx = upload(make_x(1, cols));
+    cuda::DeviceBuffer dq{size_t(cols)}, dd{size_t(cols / 32) * 4};
+    cuda::quantize_q8(dx.as<float>(), cols, cols, 1, dq.as<int8_t>(), dd.as<float>());
+    int64_t differ = 0;
+    std::vector<cuda::DeviceBuffer> y1, ym, yr;
+    cuda::MatmulQ8Part parts[3];
+    for (int i = 0; i < 3; ++i) {
+      const std::vector<float> poison(size_t(rows[i]), std::nanf(""));
+      y1.push_back(upload(poison)), ym.push_back(upload(poison)), yr.push_back(upload(poison));
+      parts[i] = {w[size_t(i)].get(), rows[i], ym[size_t(i)].as<float>(), rows[i]};
+      cuda::matmul_q8_x1(GgmlType::Q8_0, w[size_t(i)].get(), rb, rows[i], cols, dx.as<float>(),
+                         y1[size_t(i)].as<float>(), rows[i]);
+      cuda::matmul_q8(GgmlType::Q8_0, w[size_t(i)].get(), rb, rows[i], cols, dq.as<int8_t>(), dd.as<float>(), 1,
+                      yr[size_t(i)].as<float>(), rows[i]);
+    }
+    cuda::matmul_q8_multi_x1(GgmlType::Q8_0, parts, 3, rb, cols, dx.as<float>());
+    for (int i = 0; i < 3; ++i) {
+      compare(y1[size_t(i)], yr[size_t(i)], size_t(rows[i]), differ);
+      compare(ym[size_t(i)], yr[size_t(i)], size_t(rows[i]), differ);
+    }
+    EXPECT_EQ(differ, 0) << "single / multi";
+    // grouped: a MoE step's pairs, one token per job; gate/up (rep: tokens of K pairs) and down
+    for (int rep : {1, 8}) {
+      const int nj = 16;
+      const int64_t grows = 203;
+      const int64_t n_x = (nj + rep - 1) / rep;
+      auto gx = upload(make_x(n_x, cols));
+      std::vector<cuda::DeviceBuffer> wg, wu;
+      std::vector<cuda::GroupedMatmulJob> jobs(static_cast<size_t>(nj));
+      for (int j = 0; j < nj; ++j) {
+        wg.push_back(upload(q8_rows(grows, cols, rb, rng)));
+        wu.push_back(upload(q8_rows(grows, cols, rb, rng)));
+      }
+      cuda::DeviceBuffer gq(size_t(nj * cols)), gd(size_t(nj * cols / 32) * 4);
+      cuda::quantize_q8(gx.as<float>(), cols, cols, nj, gq.as<int8_t>(), gd.as<float>(), nullptr, rep);
+      for (bool pair : {false, true}) {
+        SCOPED_TRACE(std::string(pair ? "swiglu pair" : "plain") + " rep " + std::to_string(rep));
+        for (int j = 0; j < nj; ++j) {
+          jobs[size_t(j)].w = wg[size_t(j)].get();
+          jobs[size_t(j)].w2 = pair ? wu[size_t(j)].get() : nullptr;
+          jobs[size_t(j)].row0 = j;
+          jobs[size_t(j)].n_tok = 1;
+        }
+        const cuda::GroupedMatmulPlan plan = cuda::plan_grouped_q8(jobs.data(), nj, grows, cols, rb);
+        ASSERT_TRUE(plan.one_token && plan.vec16);
+        auto dj = upload(jobs);
+        const std::vector<float> poison(size_t(nj * grows), std::nanf(""));
+        auto ya = upload(poison), yb = upload(poison);
+        cuda::grouped_matmul_q8_x1(plan, GgmlType::Q8_0, dj.as<cuda::GroupedMatmulJob>(), nj, rb, grows, cols,
+                                   gx.as<float>(), cols, rep, ya.as<float>(), grows, pair);
+        cuda::grouped_matmul_q8(plan, GgmlType::Q8_0, dj.as<cuda::GroupedMatmulJob>(), nj, rb, grows, cols,
+                                gq.as<int8_t>(), gd.as<float>(), yb.as<float>(), grows, pair);
+        int64_t gdiffer = 0;
+        compare(ya, yb, size_t(nj * grows), gdiffer);
+        EXPECT_EQ(gdiffer, 0);
+      }
+    }
+  }
+  // off: the predicate says so and the entry points refuse
+  cuda::detail::set_q8_x1(0);
+  EXPECT_FALSE(cuda::q8_x1_takes(GgmlType::Q8_0, 2176, 2048, nullptr, 2048));
+  EXPECT_THROW(cuda::matmul_q8_x1(GgmlType::Q8_0, nullptr, 2176, 8, 2048, nullptr, nullptr, 8), cuda::CudaError);
+  cuda::detail::set_q8_x1(-1);
+  EXPECT_FALSE(cuda::q8_x1_takes(GgmlType::Q8_0, 2176, 8224, nullptr, 8224));  // above kX1MaxCols
+  EXPECT_FALSE(cuda::q8_x1_takes(GgmlType::Q4_K, 2176, 2048, nullptr, 2048));
+}
+
 TEST(CudaKernels, GroupedMatmulQ8EqualsPerJob) {
   REQUIRE_CUDA_DEVICE();
   std::mt19937 rng(23);

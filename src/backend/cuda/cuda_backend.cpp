@@ -565,6 +565,10 @@ void CudaBackend::mm(GgmlType type, const void* W, size_t row_bytes, int64_t row
     cuda::matmul(type, W, row_bytes, rows, cols, x, ldx, n_tok, y, ldy, st);
     return;
   }
+  if (n_tok == 1 && reinterpret_cast<uintptr_t>(W) % 16 == 0 && q8_x1_takes(type, row_bytes, cols, x, ldx)) {
+    matmul_q8_x1(type, W, row_bytes, rows, cols, x, y, ldy, st);  // quantized inside the launch, the same bits
+    return;
+  }
   const Q8Act a = quantize_act(x, ldx, cols, n_tok, st);
   matmul_q8(type, W, row_bytes, rows, cols, a.q, a.d, n_tok, y, ldy, st);
 }
@@ -695,10 +699,16 @@ void CudaBackend::attention(const backend::AttentionSpec& s, const backend::Atte
   float* gate = nullptr;
   int32_t* pos = c.take<int32_t>(size_t(T));
   const int64_t ldh = ld(h);
-  // q8 activations: h quantized once for the three projections (the codes mm would make for each).
+  // q8 activations: h quantized once for the three projections (the codes mm would make for each);
+  // one token (decode): quantized inside the one q/k/v launch instead (matmul_q8_multi_x1).
+  const bool q8_qkv = act_q8_ && has_q8(w.wq.type, h.cols()) && has_q8(w.wk.type, h.cols()) &&
+                      has_q8(w.wv.type, h.cols()) && w.wk.type == w.wq.type && w.wv.type == w.wq.type;
+  auto a16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const bool x1_qkv = q8_qkv && T == 1 && w.wq.row_bytes() == w.wk.row_bytes() &&
+                      w.wq.row_bytes() == w.wv.row_bytes() && a16(w.wq.data) && a16(w.wk.data) && a16(w.wv.data) &&
+                      q8_x1_takes(w.wq.type, w.wq.row_bytes(), h.cols(), h.f(), ldh);
   Q8Act hq{};
-  if (act_q8_ && has_q8(w.wq.type, h.cols()) && has_q8(w.wk.type, h.cols()) && has_q8(w.wv.type, h.cols()))
-    hq = quantize_act(h.f(), ldh, h.cols(), T, stream());
+  if (q8_qkv && !x1_qkv) hq = quantize_act(h.f(), ldh, h.cols(), T, stream());
   auto proj = [&](const Tensor& W, float* y, int64_t ldy) {
     if (hq.q)
       matmul_q8(W.type, W.data, W.row_bytes(), W.rows(), W.cols(), hq.q, hq.d, T, y, ldy, stream());
@@ -720,11 +730,14 @@ void CudaBackend::attention(const backend::AttentionSpec& s, const backend::Atte
   }();
   const bool fused_qkv =
       qkv_one_launch && hq.q && w.wq.row_bytes() == w.wk.row_bytes() && w.wq.row_bytes() == w.wv.row_bytes();
-  if (fused_qkv) {
+  if (x1_qkv || fused_qkv) {
     const MatmulQ8Part parts[3] = {{w.wq.data, w.wq.rows(), qy, ldq},
                                    {w.wk.data, w.wk.rows(), kc, kv_dim},
                                    {w.wv.data, w.wv.rows(), vc, kv_dim}};
-    matmul_q8_multi(w.wq.type, parts, 3, w.wq.row_bytes(), h.cols(), hq.q, hq.d, T, stream());
+    if (x1_qkv)
+      matmul_q8_multi_x1(w.wq.type, parts, 3, w.wq.row_bytes(), h.cols(), h.f(), stream());
+    else
+      matmul_q8_multi(w.wq.type, parts, 3, w.wq.row_bytes(), h.cols(), hq.q, hq.d, T, stream());
   } else {
     proj(w.wq, qy, ldq);
     proj(w.wk, kc, kv_dim);
@@ -1394,7 +1407,16 @@ const int32_t* CudaBackend::moe_on_device(const backend::DeviceMoeCall& c) {
   pdn.blocks *= TK;
   float* y = c.expert_out.f();
   const int64_t ldy = ld(c.expert_out);
-  if (tb.q8) {
+  // One pair a job (pgu / pdn: one_token): the mat-vecs quantize their activations themselves
+  // (grouped_matmul_q8_x1, the bits of the quantizer launches below).
+  const bool x1 = tb.q8 && pgu.one_token && pgu.vec16 && pdn.one_token && pdn.vec16 &&
+                  q8_x1_takes(tb.gate_type, tb.gate_rb, E, c.h.f(), ld(c.h)) &&
+                  q8_x1_takes(tb.down_type, tb.down_rb, F, act, F);
+  if (x1) {
+    grouped_matmul_q8_x1(pgu, tb.gate_type, d_gu, int(TK), tb.gate_rb, F, E, c.h.f(), ld(c.h), K, act, F, true,
+                         stream());  // pair j: token j / K's row
+    grouped_matmul_q8_x1(pdn, tb.down_type, d_dn, int(TK), tb.down_rb, E, F, act, F, 1, y, ldy, false, stream());
+  } else if (tb.q8) {
     const auto [xq, xd, aq, ad] = q8_ffn_scratch(TK, E, F);
     quantize_q8(c.h.f(), ld(c.h), E, TK, xq, xd, stream(), K);  // row j: token j / K's codes
     grouped_matmul_q8(pgu, tb.gate_type, d_gu, int(TK), tb.gate_rb, F, E, xq, xd, act, F, true, stream());

@@ -163,6 +163,7 @@ struct GroupedMatmulPlan {
   int64_t blocks = 0;
   bool words = false;  ///< plan_grouped_q8: every weight row is 4-byte aligned (the mat-vec loads 32-bit words)
   bool vec16 = false;  ///< every weight row is 16-byte aligned (the mat-vec stages rows with 16-byte copies)
+  bool one_token = false;  ///< plan_grouped_q8: every job has one token (grouped_matmul_q8_x1 takes the plan)
 };
 /// Fills jobs[i].block0 (host memory) for `rows` x `cols` weights and returns the plan; the tile is
 /// chosen from the largest n_tok, at most 32 for a swiglu_pair (register budget); it does not
@@ -238,7 +239,32 @@ namespace detail {
 /// (mv2 unless STRATA_CUDA_MV16_V2=0, read once). For tests and same-process comparisons; a
 /// launch reads it when it is issued.
 void set_mv16_v2(int mode);
+/// Whether the one-token fp32-activation entry points (q8_x1_takes) are on: 1 yes, 0 no (callers
+/// quantize first, as before), -1 back to the default (on unless STRATA_CUDA_Q8_X1=0, read
+/// once). For tests and same-process comparisons.
+void set_q8_x1(int mode);
 }  // namespace detail
+
+// ---- one token, fp32 activations, quantized inside the mat-vec (decode) ----
+//
+// The decode projections' activations are quantized by the mat-vec's blocks themselves (each
+// block the token's row, into shared memory, with the quantizer's operations), so that no
+// quantize_q8 launch precedes them. Results: the bits of quantize_q8 + the matching q8 call
+// (the same codes, scales and fold), tested bit for bit.
+
+/// True if the *_x1 entry points take this case: on (detail::set_q8_x1), Q8_0 with cols a
+/// multiple of 32 and at most 8192, row_bytes a multiple of 16 (and the weights 16-byte
+/// aligned: the caller's check), x 16-byte aligned, ldx % 4 == 0 and >= cols, and the 16-byte
+/// mat-vec not forced off (STRATA_CUDA_MV_ROWS / STRATA_CUDA_MV16 / STRATA_CUDA_MV16_V2).
+bool q8_x1_takes(GgmlType type, size_t row_bytes, int64_t cols, const float* x, int64_t ldx);
+
+/// y[r] = sum_k W[r][k] q8(x)[k] for one token: quantize_q8(x) then matmul_q8(..., n_tok 1) in
+/// one launch, the same bits. x: device [cols] fp32; W: device [cols, rows], 16-byte aligned;
+/// y: device, y[r] at r (ldy >= rows is checked; one token, so only row 0 of y is written).
+/// Throws CudaError unless q8_x1_takes and W 16-byte aligned.
+void matmul_q8_x1(GgmlType type, const void* W, size_t row_bytes, int64_t rows, int64_t cols, const float* x, float* y,
+                  int64_t ldy, void* stream = nullptr);
+
 
 /// Fills jobs[i].block0 (host memory) for grouped_matmul_q8 with `rows` x `cols` weights of
 /// `row_bytes` per row and returns the plan: tile 64 (the GEMM) when some job has more than 8
@@ -263,6 +289,11 @@ struct MatmulQ8Part {
 /// Throws CudaError as matmul_q8 for any part, or on n < 1.
 void matmul_q8_multi(GgmlType type, const MatmulQ8Part* parts, int n, size_t row_bytes, int64_t cols, const int8_t* xq,
                      const float* xd, int64_t n_tok, void* stream = nullptr);
+/// matmul_q8_multi for one token of fp32 activations x (device [cols]) quantized inside the
+/// launch (matmul_q8_x1's scheme): 1 to 4 parts, one launch, the bits of quantize_q8 +
+/// matmul_q8 per part. Throws CudaError unless q8_x1_takes and every W 16-byte aligned.
+void matmul_q8_multi_x1(GgmlType type, const MatmulQ8Part* parts, int n, size_t row_bytes, int64_t cols, const float* x,
+                        void* stream = nullptr);
 
 /// The plan of a grouped_matmul_q8 launch whose job table is written on the device (group_pairs):
 /// `n_jobs` jobs with `n_tok` tokens in all, of `rows`-row weights. gemm: every job's weights and
@@ -286,6 +317,14 @@ GroupedMatmulPlan plan_grouped_q8_bound(int n_jobs, int64_t n_tok, int64_t rows,
 void grouped_matmul_q8(const GroupedMatmulPlan& plan, GgmlType type, const GroupedMatmulJob* jobs, int n_jobs,
                        size_t row_bytes, int64_t rows, int64_t cols, const int8_t* xq, const float* xd, float* y,
                        int64_t ldy, bool swiglu_pair, void* stream = nullptr, const int64_t* y_rows = nullptr);
+/// grouped_matmul_q8 with one token per job and fp32 activations: job j's token row row0 reads x
+/// row row0 / rep (x: device, rows ldx floats apart; rep = top_k for a MoE step's pairs of one
+/// token), quantized inside the launch (matmul_q8_x1's scheme); the bits of quantize_q8(x, ...,
+/// rep) + grouped_matmul_q8. plan: plan_grouped_q8's with one_token and vec16 (a mat-vec plan).
+/// Throws CudaError unless q8_x1_takes, such a plan and rep >= 1.
+void grouped_matmul_q8_x1(const GroupedMatmulPlan& plan, GgmlType type, const GroupedMatmulJob* jobs, int n_jobs,
+                          size_t row_bytes, int64_t rows, int64_t cols, const float* x, int64_t ldx, int rep, float* y,
+                          int64_t ldy, bool swiglu_pair, void* stream = nullptr);
 
 /// Embedding lookup: out[t][:] = dequantize_row(table row ids[t]) for t < n, bit-identical
 /// with quant::dequantize_row. table: device, [cols, n_rows_table] of `type`, rows row_bytes

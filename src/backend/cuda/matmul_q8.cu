@@ -23,11 +23,47 @@ namespace {
 
 // ---- quantizer ----
 
+/// The quantizer's operations on 4 consecutive activations v of one 32-block, whose 8 threads
+/// (4 values each, in column order) are the lanes of gmask and all call this: amax by a max over
+/// the thread's 4 values and 3 shuffles within the 8 (exact, order-free), then the CPU's
+/// operations per element: id = 127 / amax, q = nearest-even(x * id), d = amax / 127 (NaN when
+/// the block holds a NaN or an infinity, its codes 0). Returns the 4 codes packed (value e in
+/// byte e) and the block's d in dv. The one spelling of the scheme on the device: the quantizer
+/// kernel and the mat-vec's in-block quantization (mv2_q8_kernel, X1) both call it.
+__device__ __forceinline__ uint32_t quantize4_q8(const float v[4], unsigned gmask, float& dv) {
+  float amax = 0.0f;
+  bool fin = true;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float a = fabsf(v[e]);
+    fin = fin && a <= 3.4028234e38f;  // false for NaN and infinities
+    amax = fmaxf(amax, a);
+  }
+#pragma unroll
+  for (int off = 4; off >= 1; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(gmask, amax, off));
+  int all_fin = fin ? 1 : 0;
+#pragma unroll
+  for (int off = 4; off >= 1; off /= 2) all_fin &= __shfl_xor_sync(gmask, all_fin, off);
+  int8_t o[4] = {0, 0, 0, 0};
+  dv = __int_as_float(0x7fc00000);
+  if (all_fin) {
+    const float id = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+    // amax < 127 / FLT_MAX: id is infinite and v = x * id infinite or NaN, which the CPU's
+    // conversion turns into code 0 (x86's integer indefinite, truncated to 8 bits): the same here
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float p = __fmul_rn(v[e], id);
+      o[e] = fabsf(p) <= 127.5f ? static_cast<int8_t>(__float2int_rn(p)) : int8_t(0);
+    }
+    dv = __fdiv_rn(amax, 127.0f);
+  }
+  return uint32_t(uint8_t(o[0])) | (uint32_t(uint8_t(o[1])) << 8) | (uint32_t(uint8_t(o[2])) << 16) |
+         (uint32_t(uint8_t(o[3])) << 24);
+}
+
 /// One thread per 4 consecutive activations, 8 threads per 32-block (grid: x over 1024-column
-/// pieces of a row, y over rows, strided by gridDim.y): amax by a max over the thread's 4 values
-/// and 3 shuffles within the 8 (exact, order-free), then the CPU's operations per element: id =
-/// 127 / amax, q = nearest-even(x * id), d = amax / 127. Output row t reads input row
-/// (map ? map[t] : t) / rep. V4: x and ldx allow 16-byte loads, q 4-byte stores.
+/// pieces of a row, y over rows, strided by gridDim.y), quantize4_q8's operations. Output row t
+/// reads input row (map ? map[t] : t) / rep. V4: x and ldx allow 16-byte loads, q 4-byte stores.
 template <bool V4>
 __global__ void quantize_q8_kernel(const float* __restrict__ x, int64_t ldx, int cols, int64_t n,
                                    const int64_t* __restrict__ map, int8_t* __restrict__ q, float* __restrict__ d,
@@ -48,39 +84,14 @@ __global__ void quantize_q8_kernel(const float* __restrict__ x, int64_t ldx, int
 #pragma unroll
       for (int e = 0; e < 4; ++e) v[e] = xr[e];
     }
-    float amax = 0.0f;
-    bool fin = true;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float a = fabsf(v[e]);
-      fin = fin && a <= 3.4028234e38f;  // false for NaN and infinities
-      amax = fmaxf(amax, a);
-    }
-#pragma unroll
-    for (int off = 4; off >= 1; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(gmask, amax, off));
-    int all_fin = fin ? 1 : 0;
-#pragma unroll
-    for (int off = 4; off >= 1; off /= 2) all_fin &= __shfl_xor_sync(gmask, all_fin, off);
-    int8_t o[4] = {0, 0, 0, 0};
-    float dv = __int_as_float(0x7fc00000);
-    if (all_fin) {
-      const float id = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
-      // amax < 127 / FLT_MAX: id is infinite and v = x * id infinite or NaN, which the CPU's
-      // conversion turns into code 0 (x86's integer indefinite, truncated to 8 bits): the same here
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float p = __fmul_rn(v[e], id);
-        o[e] = fabsf(p) <= 127.5f ? static_cast<int8_t>(__float2int_rn(p)) : int8_t(0);
-      }
-      dv = __fdiv_rn(amax, 127.0f);
-    }
+    float dv;
+    const uint32_t packed = quantize4_q8(v, gmask, dv);
     int8_t* qr = q + t * cols + c0;
     if constexpr (V4) {
-      *reinterpret_cast<uint32_t*>(qr) = uint32_t(uint8_t(o[0])) | (uint32_t(uint8_t(o[1])) << 8) |
-                                         (uint32_t(uint8_t(o[2])) << 16) | (uint32_t(uint8_t(o[3])) << 24);
+      *reinterpret_cast<uint32_t*>(qr) = packed;
     } else {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) qr[e] = o[e];
+      for (int e = 0; e < 4; ++e) qr[e] = int8_t(packed >> (8 * e));
     }
     if ((lane & 7) == 0) d[t * (cols / 32) + c0 / 32] = dv;
   }
@@ -693,15 +704,58 @@ __global__ void __launch_bounds__(kWWarps * 32)
 // takes pair l of every stream) and R = 8, KB = 24, one warp (rows of up to 32 blocks: 768
 // columns give 8 x 12 = 96 pair tasks, 3 per lane, where mv16 kept 12 of 32 lanes busy).
 // STRATA_CUDA_MV16_V2=0 runs mv16_q8_kernel instead (mv16_v2_enabled).
+//
+// X1 (one token per block, its activations in fp32: decode): the block first quantizes the
+// token's row into shared memory with quantize4_q8 (the quantizer kernel's operations, so the
+// same codes and scales), all its threads, one barrier; and since no second token reads a
+// stage's weights, lane l writes task i's four fold operands over task i's own 68 weight bytes
+// (after loading them into registers), at word 4 (s % 4) of it so that the fold lanes' reads
+// fall in different banks. That drops the separate result area: 8.7 instead of 11 KiB a warp
+// for the DUAL 2 x 64 instance, so that 6 instead of 5 of its 4-warp blocks fit an SM (a MoE
+// decode step's 768 gate/up blocks in one wave on 132 SMs), and the quantizer launch before
+// each decode mat-vec goes away. The fold's operands and order are unchanged: the same bits.
 
 constexpr int kV2SmallMaxBlocks = 32;  // rows of at most 32 Q8_0 blocks (1024 columns): the R = 8 instance
 
 /// Shared bytes of one warp of mv2_q8_kernel<DUAL, R, KB, *>: the stage's weights of its NS
 /// streams, the (float(S), dw dx) results [NS][2 KB + 4] (the + 4 words move stream s + 1's row
-/// to another 16-byte bank group), the accumulators [NS][kVTok] carried between stages.
-template <bool DUAL, int R, int KB>
+/// to another 16-byte bank group), the accumulators [NS][kVTok] carried between stages. X1: the
+/// weights and one accumulator per stream (padded to 16 bytes), the results written over the
+/// weights.
+template <bool DUAL, int R, int KB, bool X1 = false>
 constexpr int mv2_warp_bytes() {
-  return (DUAL ? 2 : 1) * R * (KB * 34 + (2 * KB + 4) * 4 + kVTok * 4);
+  constexpr int NS = (DUAL ? 2 : 1) * R;
+  return X1 ? NS * KB * 34 + (NS * 4 + 15) / 16 * 16 : NS * (KB * 34 + (2 * KB + 4) * 4 + kVTok * 4);
+}
+/// X1's block area in front of the warps': the token's cols codes, then its cols / 32 scales,
+/// rounded up to 16 bytes.
+__host__ __device__ constexpr int64_t mv2_x1_bytes(int64_t cols) { return (cols + cols / 8 + 15) / 16 * 16; }
+/// Columns X1 takes at most (its codes and scales in shared memory next to the weights).
+constexpr int64_t kX1MaxCols = 8192;
+
+/// X1's activations: one fp32 row per block, row (job token row) / rep of x, rows ldx floats apart
+/// (x 16-byte aligned, ldx % 4 == 0).
+struct Q8X1Src {
+  const float* x = nullptr;
+  int64_t ldx = 0;
+  int rep = 1;
+};
+
+/// X1: the block's NTH threads quantize the fp32 row xr (cols floats, 16-byte aligned) into
+/// codes xs[0, cols) and scales at xs + cols, 4 columns a thread (a 32-block's 8 threads adjacent
+/// lanes: NTH is a multiple of 32, cols of 32), quantize4_q8's operations.
+template <int NTH>
+__device__ __forceinline__ void mv2_quantize_row(const float* __restrict__ xr, int cols, uint8_t* xs) {
+  const int lane = int(threadIdx.x) & 31;
+  const unsigned gmask = 0xffu << (lane & ~7);
+  float* xds = reinterpret_cast<float*>(xs + cols);
+  for (int c0 = 4 * int(threadIdx.x); c0 < cols; c0 += 4 * NTH) {  // uniform over a 32-block's 8 threads
+    const float4 f = *reinterpret_cast<const float4*>(xr + c0);
+    const float v[4] = {f.x, f.y, f.z, f.w};
+    float dv;
+    *reinterpret_cast<uint32_t*>(xs + c0) = quantize4_q8(v, gmask, dv);
+    if ((lane & 7) == 0) xds[c0 / 32] = dv;
+  }
 }
 
 /// mv2_q8_kernel's "several matrices" mode (matmul_q8_multi): n > 0 matrices of one column count
@@ -718,11 +772,13 @@ struct Q8MultiOut {
   int n = 0;
 };
 
-template <bool DUAL, int R, int KB, int WARPS, bool MULTI = false>
-__global__ void __launch_bounds__(WARPS * 32)
+// Blocks per SM the register budget must allow: a MoE decode step's 2048 one-warp down blocks
+// (16 a SM on 132 SMs) and its 768 4-warp gate/up blocks (6 a SM) in one wave.
+template <bool DUAL, int R, int KB, int WARPS, bool MULTI = false, bool X1 = false>
+__global__ void __launch_bounds__(WARPS * 32, WARPS == 1 ? 16 : 6)
     mv2_q8_kernel(const GroupedMatmulJob* __restrict__ jobs, int n_jobs, GroupedMatmulJob one, size_t row_bytes,
                   int64_t rows_all, int cols, const int8_t* __restrict__ xq, const float* __restrict__ xd,
-                  float* __restrict__ y_all, int64_t ldy_all, Q8MultiOut multi) {
+                  float* __restrict__ y_all, int64_t ldy_all, Q8MultiOut multi, Q8X1Src x1) {
   constexpr int NW = DUAL ? 2 : 1, NS = NW * R;
   constexpr int NP = KB / 2;                               // block pairs per stream and stage
   constexpr int NTASK = NS * NP, TPL = (NTASK + 31) / 32;  // (stream, pair) tasks: per warp, per lane
@@ -754,18 +810,27 @@ __global__ void __launch_bounds__(WARPS * 32)
   const GroupedMatmulJob& jb = jobs ? jobs[find_job_warp(jobs, n_jobs, b, lane)] : mj;
   const detail::JobTile t = job_tile<kWRowsBlock, kVTok>(jb, b, rows);
   const int64_t r0 = t.r0 + int64_t(warp) * R;
-  if (t.nt <= 0 || r0 >= rows) {  // the whole warp (warps never wait for each other)
+  // X1: the block's row quantized by every thread of the block (one barrier), so a warp without
+  // rows leaves only after it has done its share; the tile's token count is block-uniform.
+  const int64_t x1_bytes = X1 ? mv2_x1_bytes(cols) : 0;
+  auto x1_quantize = [&] {
+    mv2_quantize_row<WARPS * 32>(x1.x + t.t0 / x1.rep * x1.ldx, cols, smem_v2);
+    __syncthreads();
+  };
+  if (t.nt <= 0 || r0 >= rows) {  // the whole warp (warps never wait for each other, but for X1's barrier)
     if (early) detail::grid_dependency_enter();
+    if (X1 && t.nt > 0) x1_quantize();
     return;
   }
-  uint8_t* ws = smem_v2 + warp * mv2_warp_bytes<DUAL, R, KB>();
-  float* res = reinterpret_cast<float*>(ws + NS * KB * 34);  // [NS][RS]
-  float* sacc = res + NS * RS;                               // [NS][kVTok]
+  uint8_t* ws = smem_v2 + x1_bytes + warp * mv2_warp_bytes<DUAL, R, KB, X1>();
+  float* res = reinterpret_cast<float*>(ws + NS * KB * 34);  // [NS][RS] (X1: none, the results over the weights)
+  float* sacc = X1 ? res : res + NS * RS;                    // [NS][SA]
+  constexpr int SA = X1 ? 1 : kVTok;                         // accumulators per stream
   const uint8_t* W0 = static_cast<const uint8_t*>(jb.w);
   const uint8_t* W1 = static_cast<const uint8_t*>(DUAL ? jb.w2 : jb.w);
-  const int nt = t.nt, nb = cols / 32;
-  const int8_t* xqt = xq + t.t0 * cols;
-  const float* xdt = xd + t.t0 * nb;
+  const int nt = X1 ? 1 : t.nt, nb = cols / 32;  // X1: the host guarantees one token per job
+  const int8_t* xqt = X1 ? reinterpret_cast<const int8_t*>(smem_v2) : xq + t.t0 * cols;
+  const float* xdt = X1 ? reinterpret_cast<const float*>(smem_v2 + cols) : xd + t.t0 * nb;
   const int frow = lane % R;  // fold lane = stream `lane`
   const bool folder = lane < NS && r0 + frow < rows;
   float acc = 0.0f;
@@ -782,6 +847,7 @@ __global__ void __launch_bounds__(WARPS * 32)
     }
     cp_commit();
     if (early && b0 == 0) detail::grid_dependency_enter();  // the weights are in flight; x and y after this
+    if (X1 && b0 == 0) x1_quantize();
     // this lane's tasks: j -> flattened task lane + 32 j = (stream, pair); all compile-time divisions
     int tP[TPL];
     bool tact[TPL], ttwo[TPL];
@@ -846,25 +912,42 @@ __global__ void __launch_bounds__(WARPS * 32)
         for (int k = 0; k < 8; ++k) s1 = __dp4a(int(q[8 + k]), int(xa[8 + k]), s1);
         // fold()'s operands: float(S) exactly, dw * dx rounded on its own (a missing second
         // block: S = 0, dw = dx = 0, never folded)
-        *reinterpret_cast<float4*>(res + s * RS + 4 * P) =
+        const float4 r4 =
             make_float4(small_int_float(s0), __fmul_rn(d0, xdf[u][0]), small_int_float(s1), __fmul_rn(d1, xdf[u][1]));
+        if constexpr (X1) {  // over this task's own weight bytes (loaded above), word 4 (s % 4) of them
+          float* rp = reinterpret_cast<float*>(ws + 68 * i) + 4 * (s % 4);
+          rp[0] = r4.x, rp[1] = r4.y, rp[2] = r4.z, rp[3] = r4.w;
+        } else {
+          *reinterpret_cast<float4*>(res + s * RS + 4 * P) = r4;
+        }
       }
       __syncwarp();
       if (folder) {
-        float a = b0 == 0 ? 0.0f : sacc[lane * kVTok + tk];
-        const float4* rp = reinterpret_cast<const float4*>(res + lane * RS);
+        float a = b0 == 0 ? 0.0f : sacc[lane * SA + tk];
         const int np2 = nblk / 2;
+        if constexpr (X1) {  // pair k of stream `lane`: task lane * NP + k
+          const float* rp = reinterpret_cast<const float*>(ws + 68 * (lane * NP)) + 4 * (lane % 4);
 #pragma unroll 4
-        for (int k = 0; k < np2; ++k) {
-          const float4 v = rp[k];
-          a = __fmaf_rn(v.x, v.y, a);
-          a = __fmaf_rn(v.z, v.w, a);
+          for (int k = 0; k < np2; ++k) {
+            const float* v = rp + 17 * k;
+            a = __fmaf_rn(v[0], v[1], a);
+            a = __fmaf_rn(v[2], v[3], a);
+          }
+          if (nblk & 1) a = __fmaf_rn(rp[17 * np2], rp[17 * np2 + 1], a);
+        } else {
+          const float4* rp = reinterpret_cast<const float4*>(res + lane * RS);
+#pragma unroll 4
+          for (int k = 0; k < np2; ++k) {
+            const float4 v = rp[k];
+            a = __fmaf_rn(v.x, v.y, a);
+            a = __fmaf_rn(v.z, v.w, a);
+          }
+          if (nblk & 1) {
+            const float2 v = *reinterpret_cast<const float2*>(res + lane * RS + 4 * np2);
+            a = __fmaf_rn(v.x, v.y, a);
+          }
         }
-        if (nblk & 1) {
-          const float2 v = *reinterpret_cast<const float2*>(res + lane * RS + 4 * np2);
-          a = __fmaf_rn(v.x, v.y, a);
-        }
-        if (!last) sacc[lane * kVTok + tk] = a;
+        if (!last) sacc[lane * SA + tk] = a;
         acc = a;
       }
       if (last) {  // warp-uniform
@@ -942,6 +1025,71 @@ bool mv16_v2_enabled() {
   return o < 0 ? env : o != 0;
 }
 
+/// Whether the one-token launches quantize their fp32 activations in the mat-vec (X1):
+/// STRATA_CUDA_Q8_X1=0 (read once) keeps the quantizer launch, detail::set_q8_x1 overrides.
+std::atomic<int> g_q8_x1_override{-1};
+bool q8_x1_enabled() {
+  static const bool env = [] {
+    const char* e = std::getenv("STRATA_CUDA_Q8_X1");
+    return !(e && std::string(e) == "0");
+  }();
+  const int o = g_q8_x1_override.load(std::memory_order_relaxed);
+  return (o < 0 ? env : o != 0) && mv16_v2_enabled();
+}
+
+/// X1's launch of mv2_q8_kernel (the instance by cols, as launch_q8 picks it): the block's
+/// shared memory is the quantized row plus its warps'. The X1 instances prefer the largest
+/// shared-memory carveout (so that six 37 KiB DUAL blocks fit an SM; set once per device).
+template <bool DUAL, bool MULTI>
+void launch_x1(unsigned grid, const GroupedMatmulJob* jobs, int n_jobs, const GroupedMatmulJob& one, size_t row_bytes,
+               int64_t rows, int cols, float* y, int64_t ldy, const Q8MultiOut& multi, const Q8X1Src& x1,
+               cudaStream_t st) {
+  static std::mutex mu;
+  static std::vector<bool> done;
+  int dev = 0;
+  STRATA_CUDA_CHECK(cudaGetDevice(&dev));
+  auto small = mv2_q8_kernel<DUAL, 8, 24, 1, MULTI, true>;
+  auto large = mv2_q8_kernel<DUAL, 2, 64, 4, MULTI, true>;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (size_t(dev) >= done.size() || !done[size_t(dev)]) {
+      STRATA_CUDA_CHECK(cudaFuncSetAttribute(small, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                             int(cudaSharedmemCarveoutMaxShared)));
+      STRATA_CUDA_CHECK(cudaFuncSetAttribute(large, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                             int(cudaSharedmemCarveoutMaxShared)));
+      if (done.size() <= size_t(dev)) done.resize(size_t(dev) + 1, false);
+      done[size_t(dev)] = true;
+    }
+  }
+  const size_t xb = size_t(mv2_x1_bytes(cols));
+  if (cols / 32 <= kV2SmallMaxBlocks)
+    detail::launch(small, grid, 32, xb + mv2_warp_bytes<DUAL, 8, 24, true>(), st, jobs, n_jobs, one, row_bytes, rows,
+                   cols, static_cast<const int8_t*>(nullptr), static_cast<const float*>(nullptr), y, ldy, multi, x1);
+  else
+    detail::launch(large, grid, 4 * 32, xb + 4 * mv2_warp_bytes<DUAL, 2, 64, true>(), st, jobs, n_jobs, one, row_bytes,
+                   rows, cols, static_cast<const int8_t*>(nullptr), static_cast<const float*>(nullptr), y, ldy, multi,
+                   x1);
+  STRATA_CUDA_CHECK_LAUNCH();
+}
+
+/// The common checks of the X1 entry points.
+void check_x1(const char* fn, GgmlType type, size_t row_bytes, int64_t rows, int64_t cols, const float* x, int64_t ldx,
+              int64_t ldy) {
+  STRATA_CUDA_REQUIRE(has_q8(type, cols) && cols <= kX1MaxCols,
+                      std::string(fn) + ": takes Q8_0 with cols a multiple of 32 up to " + std::to_string(kX1MaxCols) +
+                          ", not " + ggml_type_name(type) + " with cols=" + std::to_string(cols));
+  STRATA_CUDA_REQUIRE(rows > 0 && rows <= (int64_t(1) << 31) && row_bytes >= size_t(cols / 32) * 34 &&
+                          row_bytes % 16 == 0,
+                      std::string(fn) + ": bad shape rows=" + std::to_string(rows) +
+                          " or row_bytes=" + std::to_string(row_bytes) + " (a multiple of 16 of at least the Q8_0 row)");
+  STRATA_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(x) % 16 == 0 && ldx % 4 == 0 && ldx >= cols,
+                      std::string(fn) + ": x must be 16-byte aligned with ldx a multiple of 4 and >= cols");
+  STRATA_CUDA_REQUIRE(ldy >= rows,
+                      std::string(fn) + ": ldy=" + std::to_string(ldy) + " < rows=" + std::to_string(rows));
+  STRATA_CUDA_REQUIRE(q8_x1_enabled() && mv_rows_per_block(1, true) == kWRowsBlock,
+                      std::string(fn) + ": the X1 mat-vec is turned off (see q8_x1_takes)");
+}
+
 /// Launches the kernel for `rb` rows per block (mv_rows_per_block) or the GEMM.
 template <bool DUAL>
 void launch_q8(bool gemm, bool al4, int rb, unsigned grid, const GroupedMatmulJob* jobs, int n_jobs,
@@ -953,10 +1101,10 @@ void launch_q8(bool gemm, bool al4, int rb, unsigned grid, const GroupedMatmulJo
                    st, jobs, n_jobs, one, row_bytes, rows, cols, xq, xd, y, ldy, yrows);
   else if (rb == kWRowsBlock && mv16_v2_enabled() && cols / 32 <= kV2SmallMaxBlocks)
     detail::launch(mv2_q8_kernel<DUAL, 8, 24, 1>, grid, 32, mv2_warp_bytes<DUAL, 8, 24>(), st, jobs, n_jobs, one,
-                   row_bytes, rows, cols, xq, xd, y, ldy, Q8MultiOut{});
+                   row_bytes, rows, cols, xq, xd, y, ldy, Q8MultiOut{}, Q8X1Src{});
   else if (rb == kWRowsBlock && mv16_v2_enabled())
     detail::launch(mv2_q8_kernel<DUAL, 2, 64, 4>, grid, 4 * 32, 4 * mv2_warp_bytes<DUAL, 2, 64>(), st, jobs, n_jobs,
-                   one, row_bytes, rows, cols, xq, xd, y, ldy, Q8MultiOut{});
+                   one, row_bytes, rows, cols, xq, xd, y, ldy, Q8MultiOut{}, Q8X1Src{});
   else if (rb == kWRowsBlock)
     detail::launch(mv16_q8_kernel<DUAL>, grid, kWWarps * 32, mv16_smem_bytes<DUAL>(), st, jobs, n_jobs, one, row_bytes,
                    rows, cols, xq, xd, y, ldy);
@@ -979,6 +1127,7 @@ void launch_q8(bool gemm, bool al4, int rb, unsigned grid, const GroupedMatmulJo
 
 namespace detail {
 void set_mv16_v2(int mode) { g_mv16_v2_override.store(mode < 0 ? -1 : mode != 0, std::memory_order_relaxed); }
+void set_q8_x1(int mode) { g_q8_x1_override.store(mode < 0 ? -1 : mode != 0, std::memory_order_relaxed); }
 }  // namespace detail
 
 bool has_q8(GgmlType t, int64_t cols) { return t == GgmlType::Q8_0 && cols > 0 && cols % 32 == 0; }
@@ -1064,10 +1213,10 @@ void matmul_q8_multi(GgmlType type, const MatmulQ8Part* parts, int n, size_t row
   ensure_smem_attrs();
   if (cols / 32 <= kV2SmallMaxBlocks)
     detail::launch(mv2_q8_kernel<false, 8, 24, 1, true>, unsigned(blocks), 32, mv2_warp_bytes<false, 8, 24>(), st,
-                   nullptr, 1, one, row_bytes, int64_t(0), int(cols), xq, xd, nullptr, int64_t(0), m);
+                   nullptr, 1, one, row_bytes, int64_t(0), int(cols), xq, xd, nullptr, int64_t(0), m, Q8X1Src{});
   else
     detail::launch(mv2_q8_kernel<false, 2, 64, 4, true>, unsigned(blocks), 4 * 32, 4 * mv2_warp_bytes<false, 2, 64>(),
-                   st, nullptr, 1, one, row_bytes, int64_t(0), int(cols), xq, xd, nullptr, int64_t(0), m);
+                   st, nullptr, 1, one, row_bytes, int64_t(0), int(cols), xq, xd, nullptr, int64_t(0), m, Q8X1Src{});
   STRATA_CUDA_CHECK_LAUNCH();
 }
 
@@ -1097,6 +1246,7 @@ GroupedMatmulPlan plan_grouped_q8(GroupedMatmulJob* jobs, int n_jobs, int64_t ro
   }
   GroupedMatmulPlan p;
   p.tile_tokens = aligned && max_n > kVTok ? kGTok : kVTok;
+  p.one_token = max_n == 1;
   p.words = row_bytes % 4 == 0;
   p.vec16 = row_bytes % 16 == 0;
   for (int i = 0; i < n_jobs; ++i) {
@@ -1128,6 +1278,65 @@ void grouped_matmul_q8(const GroupedMatmulPlan& plan, GgmlType type, const Group
   else
     launch_q8<false>(gemm, al4, rb, unsigned(plan.blocks), jobs, n_jobs, one, row_bytes, rows, int(cols), xq, xd, y,
                      ldy, st, y_rows);
+}
+
+bool q8_x1_takes(GgmlType type, size_t row_bytes, int64_t cols, const float* x, int64_t ldx) {
+  return q8_x1_enabled() && has_q8(type, cols) && cols <= kX1MaxCols && row_bytes % 16 == 0 &&
+         row_bytes >= size_t(cols / 32) * 34 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && ldx % 4 == 0 &&
+         ldx >= cols && mv_rows_per_block(1, true) == kWRowsBlock;
+}
+
+void matmul_q8_x1(GgmlType type, const void* W, size_t row_bytes, int64_t rows, int64_t cols, const float* x, float* y,
+                  int64_t ldy, void* stream) {
+  check_x1("cuda::matmul_q8_x1", type, row_bytes, rows, cols, x, cols, ldy);
+  STRATA_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(W) % 16 == 0, "cuda::matmul_q8_x1: W must be 16-byte aligned");
+  GroupedMatmulJob one;
+  one.w = W, one.row0 = 0, one.n_tok = 1, one.block0 = 0;
+  const int64_t blocks = (rows + kWRowsBlock - 1) / kWRowsBlock;
+  STRATA_CUDA_REQUIRE(blocks <= INT32_MAX, "cuda::matmul_q8_x1: too many blocks");
+  launch_x1<false, false>(unsigned(blocks), nullptr, 1, one, row_bytes, rows, int(cols), y, ldy, Q8MultiOut{},
+                          Q8X1Src{x, cols, 1}, static_cast<cudaStream_t>(stream));
+}
+
+void matmul_q8_multi_x1(GgmlType type, const MatmulQ8Part* parts, int n, size_t row_bytes, int64_t cols, const float* x,
+                        void* stream) {
+  STRATA_CUDA_REQUIRE(n >= 1 && n <= Q8MultiOut::kMax && parts,
+                      "cuda::matmul_q8_multi_x1: 1 to " + std::to_string(Q8MultiOut::kMax) + " matrices");
+  Q8MultiOut m;
+  m.n = n;
+  int64_t blocks = 0;
+  for (int i = 0; i < n; ++i) {
+    check_x1("cuda::matmul_q8_multi_x1", type, row_bytes, parts[i].rows, cols, x, cols, parts[i].ldy);
+    STRATA_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(parts[i].w) % 16 == 0,
+                        "cuda::matmul_q8_multi_x1: W must be 16-byte aligned");
+    m.w[i] = parts[i].w, m.y[i] = parts[i].y, m.rows[i] = parts[i].rows, m.ldy[i] = parts[i].ldy;
+    m.block0[i] = blocks;
+    blocks += (parts[i].rows + kWRowsBlock - 1) / kWRowsBlock;
+  }
+  m.block0[n] = blocks;
+  STRATA_CUDA_REQUIRE(blocks <= INT32_MAX, "cuda::matmul_q8_multi_x1: too many blocks");
+  GroupedMatmulJob one;
+  one.row0 = 0, one.n_tok = 1, one.block0 = 0;
+  launch_x1<false, true>(unsigned(blocks), nullptr, 1, one, row_bytes, 0, int(cols), nullptr, 0, m,
+                         Q8X1Src{x, cols, 1}, static_cast<cudaStream_t>(stream));
+}
+
+void grouped_matmul_q8_x1(const GroupedMatmulPlan& plan, GgmlType type, const GroupedMatmulJob* jobs, int n_jobs,
+                          size_t row_bytes, int64_t rows, int64_t cols, const float* x, int64_t ldx, int rep, float* y,
+                          int64_t ldy, bool swiglu_pair, void* stream) {
+  check_x1("cuda::grouped_matmul_q8_x1", type, row_bytes, rows, cols, x, ldx, ldy);
+  STRATA_CUDA_REQUIRE(n_jobs >= 1 && plan.blocks >= 1 && plan.blocks <= INT32_MAX && plan.tile_tokens == kVTok &&
+                          plan.vec16 && plan.one_token && rep >= 1,
+                      "cuda::grouped_matmul_q8_x1: needs a mat-vec plan of 16-byte rows and one token per job "
+                      "(plan_grouped_q8 with n_tok 1 each) and rep >= 1");
+  GroupedMatmulJob one;
+  auto st = static_cast<cudaStream_t>(stream);
+  if (swiglu_pair)
+    launch_x1<true, false>(unsigned(plan.blocks), jobs, n_jobs, one, row_bytes, rows, int(cols), y, ldy, Q8MultiOut{},
+                           Q8X1Src{x, ldx, rep}, st);
+  else
+    launch_x1<false, false>(unsigned(plan.blocks), jobs, n_jobs, one, row_bytes, rows, int(cols), y, ldy, Q8MultiOut{},
+                            Q8X1Src{x, ldx, rep}, st);
 }
 
 }  // namespace strata::cuda
