@@ -7,11 +7,13 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -1976,4 +1978,256 @@ TEST(CudaKernels, RouteSelectDefectsAsHost) {
       EXPECT_EQ(std::string(e.what()), strata::backend::router_logits_defect_message(d.code, bad));
     }
   }
+}
+
+// ---- route_fused: the router matmul and the selection in one launch (decode) ----
+// Bit for bit equal to cuda::matmul (F32) + add_bias + select_topk with pair jobs: the logits,
+// the RouteOut arrays (status, ids, probs, weights, next_prob) and both pair-job arrays, compared
+// as bytes (outputs start as the same garbage, so a word one path writes and the other does not
+// shows too).
+namespace {
+
+struct FusedRouteRun {
+  std::vector<uint8_t> logits, route, gate_up, down;
+};
+
+struct FusedRouteInputs {
+  int n = 0, K = 0;
+  int64_t cols = 0, T = 0;
+  cuda::RouteSpec rs;
+  const float* W = nullptr;
+  const float* rbias = nullptr;  // router bias (add_bias) or null
+  const float* x = nullptr;
+  const void* const* table = nullptr;
+};
+
+// Device outputs of one routing: logits, RouteOut and the pair jobs, filled with 0xcd bytes.
+struct FusedRouteBuffers {
+  cuda::DeviceBuffer logits, route, gu, dn;
+  FusedRouteBuffers(int n, int K, int64_t T) {
+    const size_t nl = size_t(T) * size_t(n) * 4, nr = cuda::route_bytes(T, K),
+                 nj = size_t(T) * size_t(K) * sizeof(cuda::GroupedMatmulJob);
+    logits = upload(std::vector<uint8_t>(nl, 0xcd));
+    route = upload(std::vector<uint8_t>(nr, 0xcd));
+    gu = upload(std::vector<uint8_t>(nj, 0xcd));
+    dn = upload(std::vector<uint8_t>(nj, 0xcd));
+  }
+  cuda::PairJobs jobs(const void* const* table) const {
+    cuda::PairJobs pj;
+    pj.table = table;
+    pj.blocks_gu = 3, pj.blocks_dn = 5;
+    pj.gate_up = gu.as<cuda::GroupedMatmulJob>();
+    pj.down = dn.as<cuda::GroupedMatmulJob>();
+    return pj;
+  }
+  FusedRouteRun download_all(int n, int K, int64_t T) const {
+    const size_t nj = size_t(T) * size_t(K) * sizeof(cuda::GroupedMatmulJob);
+    return {download<uint8_t>(logits, size_t(T) * size_t(n) * 4), download<uint8_t>(route, cuda::route_bytes(T, K)),
+            download<uint8_t>(gu, nj), download<uint8_t>(dn, nj)};
+  }
+};
+
+// Queues one routing into b: route_fused (fused) or the two-launch path.
+void queue_route(const FusedRouteInputs& in, const FusedRouteBuffers& b, bool fused, unsigned* counter) {
+  const cuda::RouteOut ro = cuda::route_layout(b.route.get(), in.T, in.K);
+  const cuda::PairJobs pj = b.jobs(in.table);
+  float* logits = b.logits.as<float>();
+  if (fused) {
+    cuda::route_fused(in.rs, in.W, size_t(in.cols) * 4, in.cols, in.rbias, in.x, in.cols, in.T, logits, ro, counter,
+                      nullptr, &pj);
+    return;
+  }
+  cuda::matmul(GgmlType::F32, in.W, size_t(in.cols) * 4, in.n, in.cols, in.x, in.cols, in.T, logits, in.n);
+  if (in.rbias) cuda::add_bias(logits, in.n, in.rbias, in.n, in.T);
+  cuda::select_topk(in.rs, logits, in.n, in.T, ro, nullptr, &pj);
+}
+
+// Both paths on `in`; expects equal bytes everywhere, returns the statuses.
+std::vector<int32_t> expect_fused_route_equal(const FusedRouteInputs& in, unsigned* counter, const std::string& what) {
+  FusedRouteBuffers ref(in.n, in.K, in.T), fus(in.n, in.K, in.T);
+  queue_route(in, ref, false, counter);
+  queue_route(in, fus, true, counter);
+  const FusedRouteRun a = ref.download_all(in.n, in.K, in.T), b = fus.download_all(in.n, in.K, in.T);
+  EXPECT_TRUE(a.logits == b.logits) << what << ": logits";
+  EXPECT_TRUE(a.route == b.route) << what << ": status / ids / probs / weights / next_prob";
+  EXPECT_TRUE(a.gate_up == b.gate_up) << what << ": gate/up pair jobs";
+  EXPECT_TRUE(a.down == b.down) << what << ": down pair jobs";
+  std::vector<int32_t> status(size_t(in.T));
+  std::memcpy(status.data(), b.route.data(), status.size() * 4);
+  // The statuses are router_logits_defect's of the logits.
+  using G = strata::backend::RouterSpec::Gating;
+  const G g = in.rs.gating == 0 ? G::Softmax : in.rs.gating == 1 ? G::Sigmoid : G::SoftmaxTopK;
+  for (int64_t t = 0; t < in.T; ++t) {
+    const float* lt = reinterpret_cast<const float*>(b.logits.data()) + t * in.n;
+    EXPECT_EQ(status[size_t(t)], strata::backend::router_logits_defect(g, lt, in.n)) << what << " token " << t;
+  }
+  return status;
+}
+
+// A fake expert table ([n][3] distinct "pointers"; the jobs only copy them).
+cuda::DeviceBuffer fake_table(int n) {
+  std::vector<uint64_t> t(size_t(n) * 3);
+  for (size_t i = 0; i < t.size(); ++i) t[i] = 0x100000 + 64 * i;
+  return upload(t);
+}
+
+}  // namespace
+
+TEST(CudaKernels, RouteFusedEqualsMatmulThenSelect) {
+  REQUIRE_CUDA_DEVICE();
+  std::mt19937 rng(2024);
+  cuda::DeviceBuffer counter = upload(std::vector<uint32_t>{0});
+  int idx = 0, ran = 0;
+  for (int n : {4, 8, 64, 128, 256, 512, 2048}) {
+    cuda::DeviceBuffer table = fake_table(n);
+    for (int K : {1, 2, 8, 22}) {
+      if (K > n) continue;
+      for (int v = 0; v < 6; ++v, ++idx) {
+        const int64_t cols = std::array<int64_t, 3>{2048, 776, 4096}[size_t(idx % 3)];
+        int64_t T = 1 + idx % cuda::kFusedRouteMaxTokens;
+        while (T > 1 && !cuda::route_fused_fits(n, cols, T, nullptr, size_t(cols) * 4, nullptr, cols)) --T;
+        FusedRouteInputs in;
+        in.n = n, in.K = K, in.cols = cols, in.T = T;
+        cuda::RouteSpec& rs = in.rs;
+        rs.n_expert = n, rs.top_k = K;
+        const bool ties = v == 5;
+        std::vector<float> w = random_floats(size_t(n) * size_t(cols), rng, -0.1f, 0.1f);
+        std::vector<float> x = random_floats(size_t(T) * size_t(cols), rng, -1.0f, 1.0f);
+        if (ties) {  // exact sums on a coarse grid: many equal logits (the tie rules)
+          for (float& f : w) f = std::round(f * 20) / 4;
+          for (float& f : x) f = std::round(f * 2);
+        }
+        std::vector<float> rbias = random_floats(size_t(n), rng, -0.5f, 0.5f);
+        std::vector<float> sbias = random_floats(size_t(n), rng, -0.05f, 0.05f);
+        bool use_rbias = false, use_sbias = false;
+        switch (v) {
+          case 0: rs.gating = 0; break;                                             // softmax, norm
+          case 1: rs.gating = 0, rs.norm_topk = false, use_rbias = true; break;     // + router bias
+          case 2: rs.gating = 1, rs.weights_scale = 2.5f, use_sbias = true; break;  // sigmoid + selection bias
+          case 3:  // sigmoid, group limit (deepseek-v3 style) + selection bias
+            if (n % 8 != 0 || (n / 8) * 4 < K) continue;
+            rs.gating = 1, rs.n_group = 8, rs.n_group_used = 4, rs.weights_scale = 2.5f, use_sbias = true;
+            break;
+          case 4: rs.gating = 2, use_rbias = true; break;                           // softmax over the top-k
+          default: rs.gating = idx % 2 ? 0 : 1, use_sbias = rs.gating == 1; break;  // ties
+        }
+        cuda::DeviceBuffer d_w = upload(w), d_x = upload(x), d_rb = upload(rbias), d_sb = upload(sbias);
+        in.W = d_w.as<float>(), in.x = d_x.as<float>();
+        in.rbias = use_rbias ? d_rb.as<float>() : nullptr;
+        rs.selection_bias = use_sbias ? d_sb.as<float>() : nullptr;
+        in.table = static_cast<const void* const*>(table.get());
+        ASSERT_TRUE(cuda::route_fused_fits(n, cols, T, in.W, size_t(cols) * 4, in.x, cols));
+        const std::string what = "n " + std::to_string(n) + " K " + std::to_string(K) + " variant " +
+                                 std::to_string(v) + " T " + std::to_string(T) + " cols " + std::to_string(cols);
+        const std::vector<int32_t> status = expect_fused_route_equal(in, counter.as<unsigned>(), what);
+        for (int32_t s : status) EXPECT_EQ(s, 0) << what;
+        ++ran;
+      }
+    }
+  }
+  EXPECT_EQ(download<uint32_t>(counter, 1)[0], 0u) << "every launch leaves the counter at 0";
+  std::printf("route_fused: %d cases bit-identical with matmul + select_topk\n", ran);
+}
+
+TEST(CudaKernels, RouteFusedDefectsEqualTwoLaunches) {
+  REQUIRE_CUDA_DEVICE();
+  std::mt19937 rng(99);
+  cuda::DeviceBuffer counter = upload(std::vector<uint32_t>{0});
+  const int n = 128, K = 8;
+  const int64_t cols = 2048, T = 3;
+  cuda::DeviceBuffer table = fake_table(n);
+  const std::vector<float> w = random_floats(size_t(n) * size_t(cols), rng, -0.1f, 0.1f);
+  cuda::DeviceBuffer d_w = upload(w);
+  // Defects through the router bias (every token) or one token's hidden state (NaN there makes
+  // all of its logits NaN).
+  enum Kind { kBiasNan, kBiasPinf, kBiasAllMinf, kXNan };
+  for (int gating = 0; gating <= 2; ++gating) {
+    for (Kind kind : {kBiasNan, kBiasPinf, kBiasAllMinf, kXNan}) {
+      std::vector<float> x = random_floats(size_t(T) * size_t(cols), rng, -1.0f, 1.0f);
+      std::vector<float> rbias = random_floats(size_t(n), rng, -0.5f, 0.5f);
+      if (kind == kBiasNan) rbias[5] = NAN;
+      if (kind == kBiasPinf) rbias[9] = INFINITY;
+      if (kind == kBiasAllMinf) std::fill(rbias.begin(), rbias.end(), -INFINITY);
+      if (kind == kXNan) x[size_t(1 * cols + 7)] = NAN;
+      cuda::DeviceBuffer d_x = upload(x), d_rb = upload(rbias);
+      FusedRouteInputs in;
+      in.n = n, in.K = K, in.cols = cols, in.T = T;
+      in.rs.gating = gating, in.rs.n_expert = n, in.rs.top_k = K;
+      in.rs.norm_topk = gating != 1;  // (sigmoid, all -inf: p = 0 everywhere, whose norm would be 0 / 0)
+      in.W = d_w.as<float>(), in.x = d_x.as<float>(), in.rbias = d_rb.as<float>();
+      in.table = static_cast<const void* const*>(table.get());
+      const std::string what = "gating " + std::to_string(gating) + " defect " + std::to_string(int(kind));
+      const std::vector<int32_t> st = expect_fused_route_equal(in, counter.as<unsigned>(), what);
+      // The expected codes (router_logits_defect's order: NaN 1; +inf 2 and no finite value 3,
+      // both softmax gatings only).
+      for (int64_t t = 0; t < T; ++t) {
+        int want = 0;
+        if (kind == kBiasNan || (kind == kXNan && t == 1)) want = 1;
+        if (kind == kBiasPinf && gating != 1) want = 2;
+        if (kind == kBiasAllMinf && gating != 1) want = 3;
+        EXPECT_EQ(st[size_t(t)], want) << what << " token " << t;
+      }
+    }
+  }
+  EXPECT_EQ(download<uint32_t>(counter, 1)[0], 0u);
+}
+
+TEST(CudaKernels, RouteFusedConsecutiveCalls) {
+  REQUIRE_CUDA_DEVICE();
+  // Many launches queued back to back on one counter (PDL where the device has it), interleaved
+  // with the two-launch path: each equals its reference, so the last-block count restarts at 0
+  // every time (a stale count would make a block other than the last select, on missing logits).
+  std::mt19937 rng(5);
+  cuda::DeviceBuffer counter = upload(std::vector<uint32_t>{0});
+  const int n = 128, K = 8;
+  const int64_t cols = 2048;
+  cuda::DeviceBuffer table = fake_table(n);
+  cuda::DeviceBuffer d_w = upload(random_floats(size_t(n) * size_t(cols), rng, -0.1f, 0.1f));
+  cuda::DeviceBuffer d_sb = upload(random_floats(size_t(n), rng, -0.05f, 0.05f));
+  const int kCalls = 24;
+  std::vector<cuda::DeviceBuffer> xs;
+  std::vector<FusedRouteInputs> ins;
+  std::vector<std::unique_ptr<FusedRouteBuffers>> ref, fus;
+  for (int i = 0; i < kCalls; ++i) {
+    const int64_t T = 1 + i % 2;
+    xs.push_back(upload(random_floats(size_t(T) * size_t(cols), rng, -1.0f, 1.0f)));
+    FusedRouteInputs in;
+    in.n = n, in.K = K, in.cols = cols, in.T = T;
+    in.rs.gating = i % 3 == 2 ? 1 : 0, in.rs.n_expert = n, in.rs.top_k = K;
+    in.rs.selection_bias = in.rs.gating == 1 ? d_sb.as<float>() : nullptr;
+    in.W = d_w.as<float>(), in.x = xs.back().as<float>();
+    in.table = static_cast<const void* const*>(table.get());
+    ins.push_back(in);
+    ref.push_back(std::make_unique<FusedRouteBuffers>(n, K, T));
+    fus.push_back(std::make_unique<FusedRouteBuffers>(n, K, T));
+  }
+  for (int i = 0; i < kCalls; ++i) {  // no synchronization in between
+    queue_route(ins[size_t(i)], *fus[size_t(i)], true, counter.as<unsigned>());
+    if (i % 4 == 3) queue_route(ins[size_t(i)], *fus[size_t(i)], true, counter.as<unsigned>());  // twice in a row
+    queue_route(ins[size_t(i)], *ref[size_t(i)], false, counter.as<unsigned>());
+  }
+  for (int i = 0; i < kCalls; ++i) {
+    const FusedRouteInputs& in = ins[size_t(i)];
+    const FusedRouteRun a = ref[size_t(i)]->download_all(n, K, in.T), b = fus[size_t(i)]->download_all(n, K, in.T);
+    EXPECT_TRUE(a.logits == b.logits && a.route == b.route && a.gate_up == b.gate_up && a.down == b.down)
+        << "call " << i;
+  }
+  EXPECT_EQ(download<uint32_t>(counter, 1)[0], 0u);
+}
+
+TEST(CudaKernels, RouteFusedFits) {
+  // Host-only checks of the shape conditions (no device needed).
+  alignas(16) static float buf[8];
+  EXPECT_TRUE(cuda::route_fused_fits(128, 2048, 1, buf, 2048 * 4, buf, 2048));
+  EXPECT_TRUE(cuda::route_fused_fits(128, 2048, cuda::kFusedRouteMaxTokens, buf, 2048 * 4, buf, 2048));
+  EXPECT_FALSE(cuda::route_fused_fits(128, 2048, cuda::kFusedRouteMaxTokens + 1, buf, 2048 * 4, buf, 2048));
+  EXPECT_FALSE(cuda::route_fused_fits(128, 2048, 0, buf, 2048 * 4, buf, 2048));
+  EXPECT_TRUE(cuda::route_fused_fits(512, 2048, 4, buf, 2048 * 4, buf, 2048));
+  EXPECT_TRUE(cuda::route_fused_fits(2048, 2048, 1, buf, 2048 * 4, buf, 2048));
+  EXPECT_FALSE(cuda::route_fused_fits(2048, 2048, 2, buf, 2048 * 4, buf, 2048));     // shared memory
+  EXPECT_FALSE(cuda::route_fused_fits(128, 2044, 1, buf, 2044 * 4, buf, 2044));      // cols % 8
+  EXPECT_FALSE(cuda::route_fused_fits(128, 2048, 1, buf + 1, 2048 * 4, buf, 2048));  // W alignment
+  EXPECT_FALSE(cuda::route_fused_fits(128, 2048, 1, buf, 2048 * 4, buf + 1, 2048));  // x alignment
+  EXPECT_FALSE(cuda::route_fused_fits(128, 2048, 1, buf, 2048 * 4, buf, 2050));      // ldx % 4
+  EXPECT_FALSE(cuda::route_fused_fits(4096, 2048, 1, buf, 2048 * 4, buf, 2048));     // n_expert
 }

@@ -456,6 +456,10 @@ CudaBackend::CudaBackend(const CudaOptions& opts) : device_(opts.device), act_q8
   host_route_ = opts.host_route;
   if (const char* e = std::getenv("STRATA_CUDA_HOST_ROUTE"); e && *e && std::string_view(e) != "0") host_route_ = true;
   if (const char* e = std::getenv("STRATA_CUDA_HOST_MOE"); e && *e && std::string_view(e) != "0") host_moe_ = true;
+  if (const char* e = std::getenv("STRATA_CUDA_FUSED_ROUTE"); e && std::string_view(e) == "0") fused_route_ = false;
+  route_counter_ = DeviceBuffer(sizeof(unsigned));
+  STRATA_CUDA_CHECK(cudaMemsetAsync(route_counter_.get(), 0, sizeof(unsigned), ctx_->stream));
+  STRATA_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));  // zero before any kernel can count on it
 }
 
 CudaBackend::~CudaBackend() {
@@ -1046,6 +1050,12 @@ void CudaBackend::launch_route(const backend::RouteCall& c, const Tensor& h, flo
   rs.weights_scale = spec.weights_scale;
   rs.selection_bias = selection_bias(spec.selection_bias);
   const Tensor& w = c.w;
+  if (fused_route_ && w.type == GgmlType::F32 &&
+      route_fused_fits(rs.n_expert, w.cols(), T, w.data, w.row_bytes(), h.f(), ld(h))) {
+    route_fused(rs, static_cast<const float*>(w.data), w.row_bytes(), w.cols(), c.bias.empty() ? nullptr : c.bias.f(),
+                h.f(), ld(h), T, logits, ro, route_counter_.as<unsigned>(), stream(), jobs);
+    return;
+  }
   cuda::matmul(w.type, w.data, w.row_bytes(), n_expert, w.cols(), h.f(), ld(h), T, logits, n_expert, stream());
   if (!c.bias.empty()) add_bias(logits, n_expert, c.bias.f(), n_expert, T, stream());
   select_topk(rs, logits, n_expert, T, ro, stream(), jobs);

@@ -140,7 +140,8 @@ class CudaBackend final : public backend::Backend {
 
  private:
   /// Queues call c's router matmul (+ bias) on h into `logits` (device, [T][n_expert]) and
-  /// select_topk into `ro`.
+  /// select_topk into `ro`: one route_fused launch where it takes them (fused_route_, an F32
+  /// router, T <= kFusedRouteMaxTokens: the same bits), else cuda::matmul, add_bias, select_topk.
   void launch_route(const backend::RouteCall& c, const backend::Tensor& h, float* logits, const RouteOut& ro,
                     const PairJobs* jobs = nullptr);
   /// moe_on_device's expert table of one (owner, layer): device pointers [n_expert][3] and the
@@ -280,6 +281,12 @@ class CudaBackend final : public backend::Backend {
   std::map<const float*, BiasCopy> sel_bias_;
   const float* selection_bias(const std::vector<float>& bias);
   bool host_route_ = false;
+  /// launch_route's one-launch decode routing (cuda::route_fused) for an F32 router and T <=
+  /// kFusedRouteMaxTokens; STRATA_CUDA_FUSED_ROUTE=0 turns it off (the router matmul and
+  /// select_topk as two launches: the same bits, for before/after timings).
+  bool fused_route_ = true;
+  /// route_fused's block counter (one unsigned, zeroed at construction; every launch leaves it 0).
+  DeviceBuffer route_counter_;
   /// The last route()'s first full RouteOut (status, ids, probs, weights, next_prob) on the
   /// device, and its weights as downloaded (empty: none valid); moe_combine reads the device
   /// weights when the Routing it is given has these weights.

@@ -2,7 +2,8 @@
 // Expert selection on the device: the MoE router's gating, selection bias, group limit, top-k
 // and weight normalization of backend::select_experts (src/backend/backend.cpp), one warp per
 // token, so that only [T][top_k] ids and weights cross to the host instead of [T][n_expert]
-// logits (issue 13 item 4; docs/cuda.md "Routing on the device"). Same conventions as
+// logits (issue 13 item 4; docs/cuda.md "Routing on the device"); for decode, route_fused does the
+// router matmul and the selection in one launch. Same conventions as
 // kernels.h: no CUDA header, streams as void*, device pointers, asynchronous launches,
 // CudaError on a bad argument or a failed launch.
 //
@@ -40,7 +41,7 @@ struct RouteSpec {
   const float* selection_bias = nullptr;  ///< device, n_expert floats, or null
 };
 
-/// Experts per router the kernel takes (shared memory per warp: 2 * n_expert floats); a larger
+/// Experts per router the kernel takes (shared memory per warp: 4 * n_expert + 128 words); a larger
 /// router goes through the host selection (CudaBackend::route).
 constexpr int kMaxRouteExperts = 2048;
 /// Groups the group limit takes at most on the device.
@@ -91,6 +92,36 @@ struct PairJobs {
 /// that select_experts would reject (top_k, groups not dividing n_expert, too few used groups).
 /// With `jobs` (not null) the same launch also writes the pair jobs (PairJobs) from the ids.
 void select_topk(const RouteSpec& spec, const float* logits, int64_t ld, int64_t T, const RouteOut& out,
+                 void* stream = nullptr, const PairJobs* jobs = nullptr);
+
+/// Tokens route_fused takes at most (decode; larger batches: cuda::matmul + select_topk).
+constexpr int kFusedRouteMaxTokens = 4;
+
+/// Whether route_fused takes T tokens of an n_expert x cols F32 router: 1 <= T <=
+/// kFusedRouteMaxTokens, n_expert <= kMaxRouteExperts, cols a positive multiple of 8, W and x
+/// 16-byte aligned with row_bytes % 16 == 0 and ldx % 4 == 0 (cuda::matmul's F32 conditions), and
+/// T warps' selection shared memory (4 * n_expert + 128 words each) within the default 48 KiB
+/// (n_expert = 2048 fits one token, 512 fits four).
+bool route_fused_fits(int n_expert, int64_t cols, int64_t T, const void* W, size_t row_bytes, const float* x,
+                      int64_t ldx);
+
+/// The decode routing in one launch: the router logits of T tokens
+///   logits[t][e] = x[t] . W[e] (+ bias[e])   (W: device F32 [n_expert][cols], rows row_bytes
+///   apart; x: device [T][cols], rows ldx floats apart; bias: device n_expert floats or null;
+///   logits: device [T][n_expert], written as the two-launch path writes them)
+/// then select_topk(spec, logits, n_expert, T, out, stream, jobs). Every output (logits, status,
+/// ids, probs, weights, next_prob, pair jobs) has the bits of cuda::matmul(F32, W, ...) +
+/// add_bias + select_topk: each logit is the same FMA chain, butterfly and bias add as the F32
+/// mat-vec / tiled kernels (one warp per row, lane l's columns 256i + 8l .. + 8 in order), and the
+/// selection runs select_topk's own device code. The row warps are spread over n_expert / 4 blocks
+/// so that the weights are read in parallel; the last block to finish (one atomicInc on
+/// `counter`) selects, one warp per token.
+/// counter: device, one unsigned, 0 before the first call (zero it once); each launch leaves it 0
+/// again. Launches sharing a counter must not run concurrently (one stream: they cannot, PDL
+/// included, since a kernel touches memory only after its predecessor completed: launch.cuh).
+/// Throws CudaError where route_fused_fits is false or for what select_topk rejects.
+void route_fused(const RouteSpec& spec, const float* W, size_t row_bytes, int64_t cols, const float* bias,
+                 const float* x, int64_t ldx, int64_t T, float* logits, const RouteOut& out, unsigned* counter,
                  void* stream = nullptr, const PairJobs* jobs = nullptr);
 
 }  // namespace strata::cuda
