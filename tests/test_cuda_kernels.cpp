@@ -967,6 +967,96 @@ TEST(CudaKernels, AttentionMmaPrefillKernelsBitIdentical) {
   }
 }
 
+// Split-KV decode with the fold in the decode kernel (detail::fa_fused_enabled: the blocks with
+// the last arrivals at a per-KV-head counter fold the segment states with fa_combine's code)
+// against the two-kernel path (fa_decode_kernel + fa_combine) and the one-pass prefill kernel
+// (detail::set_fa_split_allowed(false)), bit for bit: head_dim 64 and 128; GQA groups 1, 4, 8, 16
+// (one or two 8-row n-tiles), 2 tokens of group 8 (16 rows, two query positions); 8 KV heads of
+// group 16 (128 rows: one finisher per head instead of one per row); caches of 1 .. 4100
+// positions (within a segment, at and past its edges, 2080 = Qwen3-30B-A3B's decode case, 4100 >
+// 128 segments); without and with a window (some segments before it: blocks that arrive without
+// computing) and sinks. The fused call runs three times back to back without a synchronization
+// (the counters must be back at zero after each call), each into an output poisoned with NaN.
+TEST(CudaKernels, AttentionMmaFusedDecodeBitIdentical) {
+  REQUIRE_CUDA_DEVICE();
+  namespace cd = strata::cuda::detail;
+  std::mt19937 rng(29);
+  struct Shape {
+    int n_head_kv, group;
+    int64_t n_tok;
+  };
+  struct Variant {
+    int64_t window;
+    bool sinks;
+  };
+  const bool fused_before = cd::fa_fused_enabled();
+  const int64_t kMaxCtx = 4100;
+  for (int head_dim : {64, 128})
+    for (Shape sh :
+         {Shape{4, 1, 1}, Shape{4, 4, 1}, Shape{4, 8, 1}, Shape{4, 16, 1}, Shape{2, 8, 2}, Shape{8, 16, 1}}) {
+      cuda::AttentionArgs a;
+      a.n_head = sh.n_head_kv * sh.group, a.n_head_kv = sh.n_head_kv, a.head_dim = head_dim;
+      a.q_stride = a.out_stride = int64_t(a.n_head) * head_dim;
+      a.kv_stride = int64_t(sh.n_head_kv) * head_dim;
+      a.scale = 1.0f / std::sqrt(float(head_dim));
+      a.path = cuda::AttentionPath::Mma;
+      const auto q = random_floats(size_t(sh.n_tok * a.q_stride), rng, -2, 2);
+      const auto k = random_floats(size_t(kMaxCtx * a.kv_stride), rng, -2, 2);
+      const auto v = random_floats(size_t(kMaxCtx * a.kv_stride), rng, -1, 1);
+      const auto sinks = random_floats(size_t(a.n_head), rng, -1, 3);
+      auto dq = upload(q), dk = upload(k), dv = upload(v), ds = upload(sinks);
+      a.q = dq.as<float>(), a.k = dk.as<float>(), a.v = dv.as<float>();
+      const size_t n = size_t(sh.n_tok * a.out_stride);
+      const std::vector<float> poison(n, std::nanf(""));
+      cuda::DeviceBuffer dout[3] = {cuda::DeviceBuffer(n * 4), cuda::DeviceBuffer(n * 4), cuda::DeviceBuffer(n * 4)};
+      for (Variant var : {Variant{0, false}, Variant{0, true}, Variant{100, true}, Variant{1000, false}})
+        for (int64_t len :
+             {int64_t(1), int64_t(31), int64_t(32), int64_t(33), int64_t(100), int64_t(1000), int64_t(2080), kMaxCtx}) {
+          if (len < sh.n_tok) continue;
+          SCOPED_TRACE("dim " + std::to_string(head_dim) + " heads " + std::to_string(a.n_head) + "/" +
+                       std::to_string(sh.n_head_kv) + " n_tok " + std::to_string(sh.n_tok) + " cache " +
+                       std::to_string(len) + " window " + std::to_string(var.window) + (var.sinks ? " + sinks" : ""));
+          a.window = var.window, a.sinks = var.sinks ? ds.as<float>() : nullptr;
+          a.n_tok = sh.n_tok, a.pos0 = len - sh.n_tok;  // the last query sees positions 0 .. len - 1
+          auto run = [&](bool fused, bool split_allowed) {
+            cd::set_fa_fused_enabled(fused);
+            cd::set_fa_split_allowed(split_allowed);
+            cuda::AttentionArgs b = a;
+            b.out = dout[0].as<float>();
+            cuda::copy_to_device(dout[0].get(), poison.data(), n * 4);
+            cuda::attention(b);
+            auto o = download<float>(dout[0], n);
+            cd::set_fa_split_allowed(true);
+            return o;
+          };
+          const auto o_fused = run(true, true), o_two = run(false, true), o_one = run(true, false);
+          // Three fused calls queued back to back (outputs 0, 1, 2), then compared.
+          cd::set_fa_fused_enabled(true);
+          for (auto& d : dout) cuda::copy_to_device(d.get(), poison.data(), n * 4);
+          for (auto& d : dout) {
+            cuda::AttentionArgs b = a;
+            b.out = d.as<float>();
+            cuda::attention(b);
+          }
+          int64_t vs_two = 0, vs_one = 0, nan = 0, repeat = 0;
+          for (size_t i = 0; i < n; ++i) {
+            vs_two += !bits_equal(o_fused[i], o_two[i]);
+            vs_one += !bits_equal(o_fused[i], o_one[i]);
+            nan += std::isnan(o_fused[i]);
+          }
+          for (auto& d : dout) {
+            const auto o = download<float>(d, n);
+            for (size_t i = 0; i < n; ++i) repeat += !bits_equal(o[i], o_fused[i]);
+          }
+          EXPECT_EQ(nan, 0) << "outputs the fused kernel did not write";
+          EXPECT_EQ(vs_two, 0) << "fused decode vs fa_decode_kernel + fa_combine";
+          EXPECT_EQ(vs_one, 0) << "fused decode vs the one-pass prefill kernel";
+          EXPECT_EQ(repeat, 0) << "back-to-back fused calls";
+        }
+    }
+  cd::set_fa_fused_enabled(fused_before);
+}
+
 // RoPE in the NORM layout with YaRN's attention factor, and the NEOX layout with it: against
 // cpu::rope_apply (same double theta, cos/sin times the factor in double, rounded to float);
 // 2 ulp of the inputs as the NEOX test. The YaRN table itself is RopeSpec::yarn (test_yarn).

@@ -7,7 +7,10 @@
 #include <climits>
 #include <cmath>
 #include <cstdlib>
+#include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "backend/cuda/attention_mma.h"
 #include "backend/cuda/cuda_check.h"
@@ -415,14 +418,13 @@ __device__ __forceinline__ void fd_mma6_add(float acc[4], const uint32_t a[3][4]
 
 /// Split-KV decode attention, the operations of fa_kernel's split path for blocks of <= 8 NR
 /// query rows: block (kv head blockIdx.x, rows [8 NR blockIdx.y, + 8 NR), segment blockIdx.z).
-/// Writes the same partial states [m, l, o[HD]] for fa_combine.
+/// Writes the same partial states [m, l, o[HD]] for fa_combine (the body of fa_decode_kernel;
+/// returns, block-uniformly, without writing when no row of the block sees the segment).
 /// Lane (g = lane / 4, tq = lane % 4): S^T / O^T accumulators hold positions (dims) g, g + 8 of an
 /// m-tile and rows 2 tq, 2 tq + 1 of an n-tile; the softmax lanes hold row g (+ 8 i) and the
 /// positions 8 j + 2 tq + c, j < 4, c < 2, as in fa_kernel.
 template <int HD, int NR>
-__global__ void __launch_bounds__(kFdWarps * 32)
-    fa_decode_kernel(AttentionArgs a, int group, float* __restrict__ part, int n_seg) {
-  detail::grid_dependency_enter();
+__device__ __forceinline__ void fd_segment(const AttentionArgs& a, int group, float* __restrict__ part, int n_seg) {
   using S = FdShape<HD, NR>;
   constexpr int KS = HD / 16, KLD = S::kKLd, VLD = S::kVLd, PLD = S::kPLd, NROW = S::kRows, CH = HD / 4;
   extern __shared__ __align__(16) float fd_smem[];
@@ -514,11 +516,11 @@ __global__ void __launch_bounds__(kFdWarps * 32)
       }
   }
   __syncthreads();
-  // Online softmax from a fresh state (m = -inf, l = 0), fa_kernel's expressions and order.
-  float mrow[NR], lrow[NR];  // warp 0
-#pragma unroll
-  for (int i = 0; i < NR && warp == 0; ++i) {
-    const int row = 8 * i + g;
+  // Online softmax from a fresh state (m = -inf, l = 0), fa_kernel's expressions and order; warp
+  // i < NR takes the rows 8 i .. 8 i + 7 (each row's operations are the same whichever warp runs them).
+  float mrow = 0.0f, lrow = 0.0f;  // warp i < NR: row 8 i + g
+  if (warp < NR) {
+    const int row = 8 * warp + g;
     const int64_t R = R0 + row;
     const bool vr = R < n_rows;
     const int64_t Pr = a.pos0 + (vr ? R / group : 0), Fr = fa_first_pos(Pr, a.window);
@@ -552,8 +554,8 @@ __global__ void __launch_bounds__(kFdWarps * 32)
       }
     sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
     sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
-    lrow[i] = __fadd_rn(__fmul_rn(l0, corr), sum);
-    mrow[i] = mn;
+    lrow = __fadd_rn(__fmul_rn(l0, corr), sum);
+    mrow = mn;
     if (tq == 0) Cs[row] = corr;
   }
   cp_wait<0>();
@@ -614,26 +616,30 @@ __global__ void __launch_bounds__(kFdWarps * 32)
       for (int c = 0; c < 2; ++c)
         if (float* pr = ost[nr][c]) pr[2 + 16 * mt + g] = o[nr][c], pr[2 + 16 * mt + g + 8] = o[nr][2 + c];
   }
-#pragma unroll
-  for (int i = 0; i < NR; ++i)
-    if (warp == 0 && tq == 0)
-      if (float* pr = state(8 * i + g)) pr[0] = mrow[i], pr[1] = lrow[i];
+  if (warp < NR && tq == 0)
+    if (float* pr = state(8 * warp + g)) pr[0] = mrow, pr[1] = lrow;
 }
 
-/// Block (row R = blockIdx.x, kv head blockIdx.y), thread d = one output dimension: folds the
-/// row's segment states fa_first_pos(P) / kFaSeg .. P / kFaSeg in order (the one-pass kernel's
-/// fold_ml / fold_o sequence), then the sink, out = O / L. Only the chains L and O are serial:
-/// per batch of 32 segments, warp 0 forms the running maxima M_s with a prefix scan (max is exact
-/// in any order, so M_s is the serial fold's value) and each segment's factors
-/// ca = e^(M_{s-1} - M_s), cb = e^(m_s - M_s) in parallel; then every thread folds its O (thread
-/// 0 also L) over the batch with those factors, the same fmul / fadd in the same order.
+/// The fold of query row R's segment states (KV head kvh) into its output: the block's threads
+/// 0 .. HD - 1 each fold one output dimension d (threads past HD, if any, only join the barriers;
+/// needs blockDim.x >= HD, block-uniform arguments). Folds the row's states
+/// fa_first_pos(P) / kFaSeg .. P / kFaSeg in order (the one-pass kernel's fold_ml / fold_o
+/// sequence), then the sink, out = O / L. Only the chains L and O are serial: per batch of 32
+/// segments, warp 0 forms the running maxima M_s with a prefix scan (max is exact in any order, so
+/// M_s is the serial fold's value) and each segment's factors ca = e^(M_{s-1} - M_s),
+/// cb = e^(m_s - M_s) in parallel; then every thread folds its O (thread 0 also L) over the batch
+/// with those factors, the same fmul / fadd in the same order. fa_combine (a block per row) and
+/// the fused decode kernel's finishing blocks (fd_arrive_and_fold) both run this function, so the
+/// two decode paths give the same bits. The states are read with ld.global.cg (L2): in the fused
+/// kernel other blocks of the same grid wrote them.
 template <int HD>
-__global__ void fa_combine(AttentionArgs a, int group, const float* __restrict__ part, int n_seg) {
-  detail::grid_dependency_enter();
+__device__ __forceinline__ void fa_fold_states(const AttentionArgs& a, int group, const float* __restrict__ part,
+                                               int n_seg, int kvh, int64_t R) {
   constexpr int kBatch = 32;
   __shared__ float s_ca[kBatch], s_cb[kBatch], s_l[kBatch], s_ML[2];
-  const int64_t R = int64_t(blockIdx.x), n_rows = a.n_tok * group;
-  const int kvh = int(blockIdx.y), d = int(threadIdx.x), lane = d & 31;
+  const int64_t n_rows = a.n_tok * group;
+  const int d = int(threadIdx.x), lane = d & 31;
+  const bool act = d < HD;
   const int64_t t = R / group;
   const int h = kvh * group + int(R % group);
   const int64_t P = a.pos0 + t, fs = fa_first_pos(P, a.window) / kFaSeg;
@@ -646,11 +652,11 @@ __global__ void fa_combine(AttentionArgs a, int group, const float* __restrict__
     float o[kBatch];  // every load of the batch in flight before the folds
 #pragma unroll
     for (int i = 0; i < kBatch; ++i)
-      if (i < cnt) o[i] = row[(s0 + i) * (HD + 2) + 2 + d];
+      if (act && i < cnt) o[i] = __ldcg(row + (s0 + i) * (HD + 2) + 2 + d);
     if (d < 32) {
       const bool in = lane < cnt;
-      const float m = in ? row[(s0 + lane) * (HD + 2)] : -INFINITY;
-      const float l = in ? row[(s0 + lane) * (HD + 2) + 1] : 0.0f;
+      const float m = in ? __ldcg(row + (s0 + lane) * (HD + 2)) : -INFINITY;
+      const float l = in ? __ldcg(row + (s0 + lane) * (HD + 2) + 1) : 0.0f;
       float sc = m;  // inclusive prefix max over the batch
 #pragma unroll
       for (int off = 1; off < 32; off *= 2) {
@@ -683,7 +689,87 @@ __global__ void fa_combine(AttentionArgs a, int group, const float* __restrict__
   __syncthreads();
   M = s_ML[0], L = s_ML[1];
   const float cs = fa_fold_sink(a.sinks, h, M, L);
-  a.out[t * a.out_stride + int64_t(h) * HD + d] = fa_final(a.sinks, O, cs, L);
+  if (act) a.out[t * a.out_stride + int64_t(h) * HD + d] = fa_final(a.sinks, O, cs, L);
+  __syncthreads();  // s_ML is read before a next call of this block writes it
+}
+
+/// Block (row R = blockIdx.x, kv head blockIdx.y) of HD threads: fa_fold_states of the row.
+template <int HD>
+__global__ void fa_combine(AttentionArgs a, int group, const float* __restrict__ part, int n_seg) {
+  detail::grid_dependency_enter();
+  fa_fold_states<HD>(a, group, part, n_seg, int(blockIdx.y), int64_t(blockIdx.x));
+}
+
+// ---- decode with the fold in the same kernel ----
+//
+// fa_combine is a second launch after fa_decode_kernel (its launch and ramp, ~2-3 us, plus one
+// pass over the states). The fused path (fd_fused_enabled) lets the decode kernel's last blocks
+// do the fold: each block, after writing its partial states, arrives at a per-(stream slot, KV
+// head) counter (every thread's __threadfence, a barrier, one atomicAdd); the blocks with the
+// last fin arrival tickets become the finishers: they wait until all n_seg blocks of their KV
+// head have arrived (the last one need not wait), and finisher j then runs fa_fold_states, the
+// function fa_combine runs, for rows j, j + fin, .. of the head. So every output is folded by
+// the same code from the same states as on the two-kernel path: the same bits. The finishers
+// also reset the counters (the last of them to acknowledge), so they are zero between calls.
+//
+// Why the wait cannot deadlock: a finisher waits only for blocks of its KV head that have not
+// arrived yet; those are running (they never wait) or not yet resident, and a block becomes
+// resident once some slot frees. At most fin x n_head_kv blocks wait at any time, which the host
+// keeps at <= kFdMaxWaiting (64) and <= half the blocks the device holds at once (fd_finishers:
+// occupancy x SMs, 3 x 132 on an H100 / H200), so slots always remain for the others. With PDL the next kernel's blocks
+// appear only after every block of this grid has started (launch_dependents is each block's
+// first instruction), so they never take a slot that one of its blocks still needs.
+
+constexpr int kFdSlots = 16;       // streams with their own counters (more: the two-kernel path)
+constexpr int kFdMaxKv = 128;      // KV heads per call (the split path has < 128 blocks per call)
+constexpr int kFdMaxWaiting = 64;  // at most this many finishers (fin x n_head_kv) may wait at once
+/// Per (stream slot, KV head): [0] arrivals of the current call, [1] finishers done waiting.
+/// Zero at module load; every call leaves them zero.
+__device__ unsigned int g_fd_sync[kFdSlots * kFdMaxKv * 2];
+
+/// The fused tail of fa_decode_kernel (see above): arrival, then for the finishers the fold of
+/// their rows. Called by every thread of every block after fd_segment (block-uniform).
+template <int HD>
+__device__ __forceinline__ void fd_arrive_and_fold(const AttentionArgs& a, int group, const float* part, int n_seg,
+                                                   int slot, int fin) {
+  __shared__ int s_ticket;
+  const int kvh = int(blockIdx.x);
+  unsigned int* cnt = g_fd_sync + (slot * kFdMaxKv + kvh) * 2;
+  __threadfence();  // this thread's partial-state writes are visible device-wide before the arrival
+  __syncthreads();
+  if (threadIdx.x == 0) s_ticket = int(atomicAdd(cnt, 1u));
+  __syncthreads();
+  const int nf = fin < n_seg ? fin : n_seg;  // finishers
+  const int j = s_ticket - (n_seg - nf);     // this block's finisher index, < 0: none
+  if (j < 0) return;
+  if (threadIdx.x == 0) {
+    if (s_ticket != n_seg - 1)
+      while (*reinterpret_cast<volatile unsigned int*>(cnt) < unsigned(n_seg)) __nanosleep(32);
+    __threadfence();  // the other blocks' states are read after their arrivals were seen
+    if (atomicAdd(cnt + 1, 1u) == unsigned(nf - 1)) {  // every finisher has seen the count: reset
+      atomicExch(cnt, 0u);
+      atomicExch(cnt + 1, 0u);
+    }
+  }
+  __syncthreads();
+  const int64_t n_rows = a.n_tok * group;
+#pragma unroll 1
+  for (int64_t R = j; R < n_rows; R += nf) fa_fold_states<HD>(a, group, part, n_seg, kvh, R);
+}
+
+/// Split-KV decode (n_tok * group <= 8 NR query rows): fd_segment of block (KV head blockIdx.x,
+/// rows [8 NR blockIdx.y, + 8 NR), segment blockIdx.z), 4 warps. slot < 0: only the partial
+/// states (fa_combine folds them in a second launch); slot >= 0 (g_fd_sync's slot of the stream;
+/// gridDim.y must be 1): the fold too, by the blocks with the last fin arrivals
+/// (fd_arrive_and_fold), so out is written by this kernel with fa_combine's bits. Launch bounds
+/// (128, 3): at most 170 registers, which ptxas then uses without spilling in all four variants
+/// (with the default bound it spilled 24 bytes in <64, 1> once the fold was inlined).
+template <int HD, int NR>
+__global__ void __launch_bounds__(kFdWarps * 32, 3)
+    fa_decode_kernel(AttentionArgs a, int group, float* __restrict__ part, int n_seg, int slot, int fin) {
+  detail::grid_dependency_enter();
+  fd_segment<HD, NR>(a, group, part, n_seg);
+  if (slot >= 0) fd_arrive_and_fold<HD>(a, group, part, n_seg, slot, fin);
 }
 
 // ---- prefill: the K / V pieces split once per call, copied to shared memory with cp.async ----
@@ -891,9 +977,70 @@ void set_fa_prefill_enabled(bool on) { g_fa_prefill.store(on ? 1 : 0, std::memor
 
 namespace {
 std::atomic<bool> g_fa_split{true};
+std::atomic<int> g_fd_fused{-1};  // -1: not chosen yet (STRATA_CUDA_FA_FUSED decides on first use)
+
+/// g_fd_sync's slot of (current device, stream): the slots are handed out on first use and kept
+/// (at most kFdSlots (device, stream) pairs); -1 when all are taken (those calls run the
+/// two-kernel path). Two calls in flight at once on different streams never share a slot; a
+/// destroyed stream's slot passes to a new stream of the same address only through its handle
+/// value, and by then its counters are zero (every call leaves them so).
+int fd_slot(cudaStream_t st) {
+  static std::mutex mu;
+  static std::vector<std::pair<int, cudaStream_t>> taken;
+  int dev = 0;
+  STRATA_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  for (size_t i = 0; i < taken.size(); ++i)
+    if (taken[i].first == dev && taken[i].second == st) return int(i);
+  if (int(taken.size()) >= kFdSlots) return -1;
+  taken.emplace_back(dev, st);
+  return int(taken.size()) - 1;
+}
+
+/// Blocks of fa_decode_kernel<HD, NR> the current device holds at once (occupancy x SMs), cached
+/// per device (up to 64 devices; the others query every call).
+template <int HD, int NR>
+int fd_capacity() {
+  static std::atomic<int> cache[64] = {};
+  int dev = 0;
+  STRATA_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 64)
+    if (const int c = cache[dev].load(std::memory_order_relaxed)) return c;
+  int per_sm = 0, sms = 0;
+  STRATA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fa_decode_kernel<HD, NR>, kFdWarps * 32,
+                                                                  FdShape<HD, NR>::kSmem));
+  STRATA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const int c = per_sm * sms > 1 ? per_sm * sms : 1;
+  if (dev < 64) cache[dev].store(c, std::memory_order_relaxed);
+  return c;
+}
+
+/// Finishers per KV head of a fused call: one per query row while the waiting ones (at most
+/// fin x n_head_kv) stay within kFdMaxWaiting and half the device's resident blocks, else fewer
+/// (at least 1: the last block, which never waits).
+template <int HD, int NR>
+int fd_finishers(const AttentionArgs& a, int64_t n_rows) {
+  const int cap = fd_capacity<HD, NR>() / 2;
+  const int limit = cap < kFdMaxWaiting ? cap : kFdMaxWaiting;
+  const int per_head = limit / a.n_head_kv;
+  return int(per_head < 1 ? 1 : per_head < n_rows ? per_head : n_rows);
+}
 }  // namespace
 
 void set_fa_split_allowed(bool on) { g_fa_split.store(on, std::memory_order_relaxed); }
+
+bool fa_fused_enabled() {
+  int v = g_fd_fused.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* e = std::getenv("STRATA_CUDA_FA_FUSED");
+    v = e && std::string(e) == "0" ? 0 : 1;
+    int expected = -1;
+    if (!g_fd_fused.compare_exchange_strong(expected, v)) v = expected;
+  }
+  return v != 0;
+}
+
+void set_fa_fused_enabled(bool on) { g_fd_fused.store(on ? 1 : 0, std::memory_order_relaxed); }
 
 namespace {
 
@@ -913,14 +1060,24 @@ void launch_fa(const AttentionArgs& a, int group, cudaStream_t st) {
     float* part = acquire_part(a, plan.bytes, st);
     if (n_rows <= 16 && fd_enabled()) {  // decode: the transposed kernel (the same bits)
       const dim3 grid(unsigned(a.n_head_kv), 1u, unsigned(plan.n_seg));
+      // Fused (the fold by the kernel's last blocks, fa_combine's code): a counter slot for the
+      // stream, and fd_finishers finishing blocks per KV head.
+      const int slot = fa_fused_enabled() && a.n_head_kv <= kFdMaxKv ? fd_slot(st) : -1;
       if (n_rows <= 8) {
         opt_in_smem(reinterpret_cast<const void*>(fa_decode_kernel<HD, 1>), int(FdShape<HD, 1>::kSmem));
+        const int fin = slot >= 0 ? fd_finishers<HD, 1>(a, n_rows) : 1;
         detail::launch(fa_decode_kernel<HD, 1>, grid, kFdWarps * 32, FdShape<HD, 1>::kSmem, st, a, group, part,
-                       int(plan.n_seg));
+                       int(plan.n_seg), slot, fin);
       } else {
         opt_in_smem(reinterpret_cast<const void*>(fa_decode_kernel<HD, 2>), int(FdShape<HD, 2>::kSmem));
+        const int fin = slot >= 0 ? fd_finishers<HD, 2>(a, n_rows) : 1;
         detail::launch(fa_decode_kernel<HD, 2>, grid, kFdWarps * 32, FdShape<HD, 2>::kSmem, st, a, group, part,
-                       int(plan.n_seg));
+                       int(plan.n_seg), slot, fin);
+      }
+      if (slot >= 0) {
+        STRATA_CUDA_CHECK_LAUNCH();
+        release_part(a, part, st);
+        return;
       }
     } else {
       const dim3 grid(unsigned(a.n_head_kv), unsigned(gy), unsigned(plan.n_seg));

@@ -61,6 +61,15 @@ void set_fa_prefill_enabled(bool on);
 /// kernels can be compared at any shape; true (default): as split_plan decides.
 void set_fa_split_allowed(bool on);
 
+/// Whether split-KV decode (<= 16 query rows, fa_decode_kernel) folds its segment states in the
+/// same kernel: true (default): the blocks with the last arrivals at a per-(stream, KV head)
+/// counter fold them (fd_arrive_and_fold) with fa_combine's code; false: fa_combine runs as a
+/// second launch. Both give the same bits (tested). Process-wide; the first use reads
+/// STRATA_CUDA_FA_FUSED ("0": false), for before / after measurements. Thread-safe.
+bool fa_fused_enabled();
+/// Sets fa_fused_enabled() for later calls (tests compare the two paths).
+void set_fa_fused_enabled(bool on);
+
 /// True if the tensor-core kernel takes these arguments: head_dim 64 or 128, q, k, v 16-byte
 /// aligned, q_stride and kv_stride multiples of 4 floats. The other checks are cuda::attention's.
 bool attention_mma_takes(const AttentionArgs& a);
