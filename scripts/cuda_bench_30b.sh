@@ -38,7 +38,10 @@ run() {  # name, extra flags
 # without programmatic dependent launch: STRATA_CUDA_PDL=0), mv2off (every expert in VRAM, the
 # q8 mat-vec of before mv2_q8_kernel: STRATA_CUDA_MV16_V2=0), faoff (every expert in VRAM, prefill
 # attention on fa_kernel: STRATA_CUDA_FA_PREFILL=0), qkv (every expert in VRAM, decode's q, k and v
-# in one launch: STRATA_CUDA_QKV_ONE_LAUNCH=1).
+# in one launch: STRATA_CUDA_QKV_ONE_LAUNCH=1), x1off (every expert in VRAM, decode's mat-vecs
+# after a quantizer launch: STRATA_CUDA_Q8_X1=0), routeoff (decode routing in two launches:
+# STRATA_CUDA_FUSED_ROUTE=0), fdfuseoff (decode attention's fold in fa_combine: STRATA_CUDA_FA_FUSED=0),
+# alloff (all three off: the decode of before this stop).
 vram_done=0
 vram() { [ $vram_done = 1 ] || run vram; vram_done=1; }
 for set in ${RUNS:-basic}; do
@@ -75,6 +78,14 @@ for set in ${RUNS:-basic}; do
       STRATA_CUDA_FA_PREFILL=0 run vram-faoff ;;
     qkv)  # every expert in VRAM, decode's q, k and v in one launch (STRATA_CUDA_QKV_ONE_LAUNCH=1)
       STRATA_CUDA_QKV_ONE_LAUNCH=1 run vram-qkv ;;
+    x1off)  # every expert in VRAM, decode's q8 mat-vecs after a quantizer launch (STRATA_CUDA_Q8_X1=0)
+      STRATA_CUDA_Q8_X1=0 run vram-x1off ;;
+    routeoff)  # every expert in VRAM, decode routing as router mat-vec + select_topk (STRATA_CUDA_FUSED_ROUTE=0)
+      STRATA_CUDA_FUSED_ROUTE=0 run vram-routeoff ;;
+    fdfuseoff)  # every expert in VRAM, decode attention's segment fold in fa_combine (STRATA_CUDA_FA_FUSED=0)
+      STRATA_CUDA_FA_FUSED=0 run vram-fdfuseoff ;;
+    alloff)  # every expert in VRAM, the three above off together
+      STRATA_CUDA_Q8_X1=0 STRATA_CUDA_FUSED_ROUTE=0 STRATA_CUDA_FA_FUSED=0 run vram-alloff ;;
     prof)  # every expert in VRAM with STRATA_CUDA_PROFILE=1 (per-call device time, host waits)
       STRATA_CUDA_PROFILE=1 run vram-prof
       grep -A40 "cuda profile" "$OUT/bench_vram-prof.err" | head -60 ;;
@@ -84,6 +95,6 @@ for set in ${RUNS:-basic}; do
         --tokenizer-from "$MODELS/qwen3moe-code-Q8_0.gguf" --json | tee "$OUT/synth80b.json"
       M=$N80 run next80b-predict-on --arena-mb 6656 --host-cache-mb 0 --cold
       M=$N80 run next80b-predict-off --arena-mb 6656 --host-cache-mb 0 --cold --predict off ;;
-    *) echo "unknown RUNS set '$set' (basic, tiers, nvme, mma2, vram, vram-mma2, next80b, hostmoe, prof, mvold, fdold)"; exit 2 ;;
+    *) echo "unknown RUNS set '$set' (basic, tiers, nvme, mma2, vram, vram-mma2, next80b, hostmoe, prof, mvold, fdold, pdloff, mv2off, faoff, qkv, x1off, routeoff, fdfuseoff, alloff)"; exit 2 ;;
   esac
 done
