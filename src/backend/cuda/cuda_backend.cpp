@@ -596,6 +596,7 @@ void CudaBackend::download(void* dst, const Tensor& src, size_t bytes) {
   STRATA_CUDA_CHECK(cudaMemcpyAsync(dst, src.data, bytes, cudaMemcpyDeviceToHost, ctx_->stream));
   const auto t0 = std::chrono::steady_clock::now();
   STRATA_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));
+  note_sync(t0);
   if (prof_)
     prof_->host_wait("host wait: download sync", " [any]",
                      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
@@ -613,7 +614,21 @@ backend::EventPtr CudaBackend::record() {
 
 void CudaBackend::synchronize() {
   flush_experts();
+  const auto t0 = std::chrono::steady_clock::now();
   STRATA_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));
+  note_sync(t0);
+}
+
+void CudaBackend::note_sync(std::chrono::steady_clock::time_point t0) {
+  if (!host_times_) return;
+  const auto t1 = std::chrono::steady_clock::now();
+  const double wait = std::chrono::duration<double, std::micro>(t1 - t0).count();
+  const double since = sync_last_.time_since_epoch().count() == 0
+                           ? 0.0
+                           : std::chrono::duration<double, std::micro>(t0 - sync_last_).count();
+  std::fprintf(stderr, "strata: cuda host times: %.1f us on the host since the last sync, %.1f us waiting\n", since,
+               wait);
+  sync_last_ = t1;
 }
 
 std::unique_ptr<backend::ArenaMemory> CudaBackend::make_arena(size_t n_slots, size_t slot_bytes, int io_threads) {

@@ -23,9 +23,12 @@
 // softmax) and CUDA's expf (<= 2 ulp): see tests/test_cuda_backend.cpp for the tolerances.
 //
 // This header includes no CUDA header.
+#include <chrono>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "backend/backend.h"
@@ -300,6 +303,15 @@ class CudaBackend final : public backend::Backend {
   /// STRATA_CUDA_PROFILE=1: per-call device time (CUDA events around each call) and host
   /// waits, printed to stderr when the backend is destroyed (docs/cuda.md "Profile"); null when off.
   std::unique_ptr<OpProfile> prof_;
+  /// STRATA_CUDA_HOST_TIMES=1: each synchronize / download sync prints the host time since the
+  /// previous sync ended (enqueueing) and the time it waited (stderr), to tell a host-bound
+  /// decode from a device-bound one.
+  void note_sync(std::chrono::steady_clock::time_point t0);
+  bool host_times_ = [] {
+    const char* e = std::getenv("STRATA_CUDA_HOST_TIMES");
+    return e && std::string(e) == "1";
+  }();
+  std::chrono::steady_clock::time_point sync_last_{};
   friend class ProfScope;
 };
 
