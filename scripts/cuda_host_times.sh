@@ -29,5 +29,6 @@ if not dec:
     sys.exit("no host-time lines")
 h = statistics.median(r[0] for r in dec)
 w = statistics.median(r[1] for r in dec)
+print("last syncs (host us, wait us):", " ".join(f"{a:.0f}/{b:.0f}" for a, b in rows[-8:]))
 print(f"{len(rows)} syncs; decode (last {len(dec)}): host {h:.0f} us, wait {w:.0f} us per sync (median)")
 PY
