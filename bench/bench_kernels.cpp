@@ -255,6 +255,8 @@ void BM_Peak(benchmark::State& st) {
   for (auto _ : st) p = k::probe_peak(g_kernels.family, static_cast<int>(st.range(0)));
   st.counters["int8_GOPS"] = p.int8_gops;
   st.counters["maddubs_GOPS"] = p.maddubs_gops;
+  st.counters["amx_GOPS"] = p.amx_int8_gops;
+  st.counters["amx_k32_GOPS"] = p.amx_k32_gops;
   st.counters["read_GB/s"] = p.read_gbps;
 }
 

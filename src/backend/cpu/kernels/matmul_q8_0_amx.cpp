@@ -1,0 +1,196 @@
+// The AMX int8 GEMM of the AVX-512 q8 family for Q8_0 weights (issue 18; docs/kernels.md "AMX
+// tiles"): the tile unit gives the exact int32 block sums, AVX-512 folds them in the serial order
+// of matmul_q8_scalar_avx512, so the bits are those of the tokens-in-the-lanes GEMM
+// (matmul_q8_0_avx512.cpp) and of the scalar definition.
+//
+// One TDPBSUD (Intel SDM vol. 2, "TDPBSSD/TDPBSUD/TDPBUSD/TDPBUUD"; intrinsic _tile_dpbsud) with
+// K = 32 bytes is one Q8_0 block for a 16 x 16 tile of (weight rows, tokens):
+//   C[m][n] += sum_{k < 8} sum_{i < 4} A[m][4k + i] * B[k][4n + i]      (signed A, unsigned B)
+// A: 16 weight rows x 32 bytes, the block's codes read straight from the GGUF rows (row_bytes
+// apart, at 34 b + 2: no repack); B: 8 rows x 64 bytes, which is run k of the token-lane layout
+// (ActQ8::xg: per token n its codes 4k..4k+3 plus 128, unsigned), so B is xg as it is.
+// C = sum qw (qx + 128) = S_b + 128 sum qw, exact in int32; S_b = C + nc_m with
+// nc = -128 sum qw per (row, block), as the AVX-512 kernel starts its accumulator. The tile is
+// stored (1 KiB) and each of its 16 rows (one weight row, 16 tokens in the lanes) folded:
+//   acc_m = fma(float(C_m + nc_m), dw_m * dx, acc_m)    (dw_m * dx rounded on its own)
+// block after block, which is the definition's sequence per (row, token).
+//
+// Compiled with AMX-TILE and AMX-INT8 and only reached where CPUID reports them and the kernel
+// granted the tile data permission (amx_int8_usable, matmul_q8_avx512.cpp).
+#include "backend/cpu/kernels/simd_intrin.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "backend/cpu/kernels/act_q8.h"
+
+namespace strata::cpu::kernels::detail {
+
+namespace {
+
+constexpr int64_t kXBytes = int64_t{512} << 10;  // token codes per block of groups (L2)
+
+/// The palette-1 tile configuration (Intel SDM vol. 1, "Tile configuration", 64 bytes):
+/// tmm0..tmm3: C, 16 rows x 64 bytes (16 int32 per row: the tokens); tmm4, tmm5: A, 16 rows x
+/// 32 bytes (one block of 16 weight rows); tmm6, tmm7: B, 8 rows x 64 bytes (one block of 16
+/// tokens in the VNNI layout). Block k multiplies into C tile k % 4 from A tile 4 + k % 2 and B
+/// tile 6 + k % 2, three blocks ahead of the fold, so the tile unit's latency and the store of C
+/// stay off the fold's path.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 32, 32, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 8, 8};
+};
+static_assert(sizeof(TileConfig) == 64);
+
+/// Folds one stored C tile (c: 16 rows of 16 int32, row m = weight row m, lane n = token n) of
+/// block b into acc: acc[m] = fma(float(c[m] + nc[m]), dw[m] * dx, acc[m]).
+inline void fold(__m512 (&acc)[16], const int32_t* c, const int32_t* nc, const float* dw, __m512 dx) {
+#pragma GCC unroll 16
+  for (int m = 0; m < 16; ++m) {
+    const __m512i s = _mm512_add_epi32(_mm512_load_si512(c + 16 * m), _mm512_set1_epi32(nc[m]));
+    const __m512 f = _mm512_mul_ps(_mm512_set1_ps(dw[m]), dx);  // dw_b * dx_b, rounded
+    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), f, acc[m]);
+  }
+}
+
+// Block j's product into C tile j % 4 (the tile numbers of the AMX intrinsics are immediates).
+#define STRATA_AMX_ISSUE(CT, AT, BT, j) \
+  do {                                  \
+    _tile_loadd(AT, A + ab * (j), lda); \
+    _tile_loadd(BT, B + 512 * (j), 64); \
+    _tile_zero(CT);                     \
+    _tile_dpbsud(CT, AT, BT);           \
+  } while (0)
+#define STRATA_AMX_ISSUE_MOD4(j)                    \
+  do {                                              \
+    switch ((j)&3) {                                \
+      case 0: STRATA_AMX_ISSUE(0, 4, 6, j); break;  \
+      case 1: STRATA_AMX_ISSUE(1, 5, 7, j); break;  \
+      case 2: STRATA_AMX_ISSUE(2, 4, 6, j); break;  \
+      default: STRATA_AMX_ISSUE(3, 5, 7, j); break; \
+    }                                               \
+  } while (0)
+
+/// 16 weight rows x 16 tokens (one group) over nb blocks. A: the first row's codes of block 0
+/// (row m at A + m * lda, block b at + ab * b); B: the group's runs (512 bytes per block);
+/// dx: the group's scales (16 per block); nct, dwt: per block the 16 rows' nc and dw. Writes
+/// out[m][n] = the outputs of row m for token n.
+void tile16(const uint8_t* A, int64_t lda, int64_t ab, const uint8_t* B, const float* dx, const int32_t* nct,
+            const float* dwt, int64_t nb, float (*out)[16]) {
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int m = 0; m < 16; ++m) acc[m] = _mm512_setzero_ps();
+  alignas(64) int32_t c[2][256];
+  // step k: block k + 3 into the tile unit, C of block k stored, block k - 1 folded
+  for (int64_t j = 0; j < 3 && j < nb; ++j) STRATA_AMX_ISSUE_MOD4(j);
+  for (int64_t k = 0; k < nb; k += 4) {
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u) {
+      const int64_t b = k + u;
+      if (b >= nb) break;
+      if (b + 3 < nb) {
+        // (u is a constant after unrolling, so is (b + 3) % 4 = (u + 3) % 4 because k % 4 == 0)
+        switch ((u + 3) & 3) {
+          case 0: STRATA_AMX_ISSUE(0, 4, 6, b + 3); break;
+          case 1: STRATA_AMX_ISSUE(1, 5, 7, b + 3); break;
+          case 2: STRATA_AMX_ISSUE(2, 4, 6, b + 3); break;
+          default: STRATA_AMX_ISSUE(3, 5, 7, b + 3); break;
+        }
+      }
+      switch (u) {
+        case 0: _tile_stored(0, c[0], 64); break;
+        case 1: _tile_stored(1, c[1], 64); break;
+        case 2: _tile_stored(2, c[0], 64); break;
+        default: _tile_stored(3, c[1], 64); break;
+      }
+      if (b > 0) fold(acc, c[(u + 1) & 1], nct + 16 * (b - 1), dwt + 16 * (b - 1), _mm512_loadu_ps(dx + 16 * (b - 1)));
+    }
+  }
+  fold(acc, c[(nb - 1) & 1], nct + 16 * (nb - 1), dwt + 16 * (nb - 1), _mm512_loadu_ps(dx + 16 * (nb - 1)));
+#pragma GCC unroll 16
+  for (int m = 0; m < 16; ++m) _mm512_store_ps(out[m], acc[m]);
+}
+#undef STRATA_AMX_ISSUE_MOD4
+#undef STRATA_AMX_ISSUE
+
+/// Per block b and row m < R of the tile at w (rows row_bytes apart): dwt[16 b + m] = the fp16
+/// scale as fp32, nct[16 b + m] = -128 * (sum of the 32 codes); rows m >= R get 0 and 0.
+void tile_factors(const uint8_t* w, size_t row_bytes, int R, int64_t nb, float* dwt, int32_t* nct) {
+  const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < nb; ++b)
+    for (int m = 0; m < 16; ++m) {
+      if (m >= R) {
+        dwt[16 * b + m] = 0.0f;
+        nct[16 * b + m] = 0;
+        continue;
+      }
+      const uint8_t* wb = w + static_cast<size_t>(m) * row_bytes + 34 * b;
+      dwt[16 * b + m] = _cvtsh_ss(load_u16(wb));
+      // sum (qw + 128) by vpsadbw, minus 32 * 128
+      const __m256i v = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 2)), bias);
+      const __m256i sad = _mm256_sad_epu8(v, _mm256_setzero_si256());
+      const __m128i h = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
+      const int64_t sum = _mm_cvtsi128_si64(_mm_add_epi64(h, _mm_unpackhi_epi64(h, h))) - 32 * 128;
+      nct[16 * b + m] = static_cast<int32_t>(-128 * sum);
+    }
+}
+
+}  // namespace
+
+void matmul_q8_0_amx(const MatmulArgs& m, const ActQ8& a) {
+  const TokenLanes tl = token_lanes_of(a, false);
+  const int64_t nb = m.cols / 32, tiles = (m.row_end - m.row_begin + 15) / 16;
+  // per 16-row tile and block: the rows' dw and nc (made on the first block of groups, reused by
+  // the others), and the last tile's codes when it has fewer than 16 rows (zero-padded)
+  thread_local std::vector<float> dwt;
+  thread_local std::vector<int32_t> nct;
+  thread_local std::vector<uint8_t> tail;
+  dwt.resize(static_cast<size_t>(tiles * 16 * nb));
+  nct.resize(static_cast<size_t>(tiles * 16 * nb));
+  const TileConfig cfg;
+  _tile_loadconfig(&cfg);
+  const int64_t per_group = nb * (512 + 64);
+  const int64_t fit = std::max<int64_t>(1, kXBytes / per_group);
+  alignas(64) float out[16][16];
+  for (int64_t g0 = 0; g0 < tl.groups; g0 += fit) {
+    const int64_t g1 = std::min(tl.groups, g0 + fit);
+    for (int64_t i = 0; i < tiles; ++i) {
+      const int64_t r0 = m.row_begin + 16 * i;
+      const int R = static_cast<int>(std::min<int64_t>(16, m.row_end - r0));
+      const uint8_t* w = m.W + static_cast<size_t>(r0) * m.row_bytes;
+      float* dw = dwt.data() + i * 16 * nb;
+      int32_t* nc = nct.data() + i * 16 * nb;
+      const uint8_t* A = w + 2;
+      int64_t lda = static_cast<int64_t>(m.row_bytes), ab = 34;
+      if (R < 16) {  // rows past the range may be past the matrix: the tail's codes, copied
+        if (g0 == 0) {
+          tail.assign(static_cast<size_t>(16 * nb * 32), 0);
+          for (int r = 0; r < R; ++r)
+            for (int64_t b = 0; b < nb; ++b)
+              std::memcpy(tail.data() + (r * nb + b) * 32, w + static_cast<size_t>(r) * m.row_bytes + 34 * b + 2, 32);
+        }
+        A = tail.data();
+        lda = nb * 32;
+        ab = 32;
+      }
+      if (g0 == 0) tile_factors(w, m.row_bytes, R, nb, dw, nc);
+      // the tile loads are asm without a memory operand: the tables and the tail copy must be
+      // in memory before them
+      __asm__ volatile("" ::: "memory");
+      for (int64_t g = g0; g < g1; ++g) {
+        tile16(A, lda, ab, tl.x + g * nb * 512, tl.dx + g * nb * 16, nc, dw, nb, out);
+        const int64_t n = std::min<int64_t>(16, m.n_tok - 16 * g);
+        float* y = m.y + 16 * g * m.ldy + r0;
+        for (int64_t t = 0; t < n; ++t)
+          for (int r = 0; r < R; ++r) y[t * m.ldy + r] = out[r][t];
+      }
+    }
+  }
+  _tile_release();
+}
+
+}  // namespace strata::cpu::kernels::detail
