@@ -46,14 +46,13 @@ struct alignas(64) TileConfig {
 };
 static_assert(sizeof(TileConfig) == 64);
 
-/// Folds one stored C tile (c: 16 rows of 16 int32, row m = weight row m, lane n = token n) of
-/// block b into acc: acc[m] = fma(float(c[m] + nc[m]), dw[m] * dx, acc[m]).
-inline void fold(__m512 (&acc)[16], const int32_t* c, const int32_t* nc, const float* dw, __m512 dx) {
+/// Folds one stored C tile (c: 16 rows of 16 int32 S_b, row m = weight row m, lane n = token n)
+/// of block b into acc: acc[m] = fma(float(c[m]), dw[m] * dx, acc[m]).
+inline void fold(__m512 (&acc)[16], const int32_t* c, const float* dw, __m512 dx) {
 #pragma GCC unroll 16
   for (int m = 0; m < 16; ++m) {
-    const __m512i s = _mm512_add_epi32(_mm512_load_si512(c + 16 * m), _mm512_set1_epi32(nc[m]));
     const __m512 f = _mm512_mul_ps(_mm512_set1_ps(dw[m]), dx);  // dw_b * dx_b, rounded
-    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), f, acc[m]);
+    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * m)), f, acc[m]);
   }
 }
 
@@ -63,7 +62,7 @@ inline void fold(__m512 (&acc)[16], const int32_t* c, const int32_t* nc, const f
     _tile_loadd(AT, A + ab * (j), lda); \
     _tile_loadd(BT, B + 512 * (j), 64); \
     _tile_zero(CT);                     \
-    _tile_dpbsud(CT, AT, BT);           \
+    _tile_dpbssd(CT, AT, BT);           \
   } while (0)
 #define STRATA_AMX_ISSUE_MOD4(j)                    \
   do {                                              \
@@ -77,10 +76,10 @@ inline void fold(__m512 (&acc)[16], const int32_t* c, const int32_t* nc, const f
 
 /// 16 weight rows x 16 tokens (one group) over nb blocks. A: the first row's codes of block 0
 /// (row m at A + m * lda, block b at + ab * b); B: the group's runs (512 bytes per block);
-/// dx: the group's scales (16 per block); nct, dwt: per block the 16 rows' nc and dw. Writes
-/// out[m][n] = the outputs of row m for token n.
-void tile16(const uint8_t* A, int64_t lda, int64_t ab, const uint8_t* B, const float* dx, const int32_t* nct,
-            const float* dwt, int64_t nb, float (*out)[16]) {
+/// dx: the group's scales (16 per block); dwt: per block the 16 rows' dw. Writes out[m][n] = the
+/// outputs of row m for token n.
+void tile16(const uint8_t* A, int64_t lda, int64_t ab, const uint8_t* B, const float* dx, const float* dwt,
+            int64_t nb, float (*out)[16]) {
   __m512 acc[16];
 #pragma GCC unroll 16
   for (int m = 0; m < 16; ++m) acc[m] = _mm512_setzero_ps();
@@ -107,10 +106,10 @@ void tile16(const uint8_t* A, int64_t lda, int64_t ab, const uint8_t* B, const f
         case 2: _tile_stored(2, c[0], 64); break;
         default: _tile_stored(3, c[1], 64); break;
       }
-      if (b > 0) fold(acc, c[(u + 1) & 1], nct + 16 * (b - 1), dwt + 16 * (b - 1), _mm512_loadu_ps(dx + 16 * (b - 1)));
+      if (b > 0) fold(acc, c[(u + 1) & 1], dwt + 16 * (b - 1), _mm512_loadu_ps(dx + 16 * (b - 1)));
     }
   }
-  fold(acc, c[(nb - 1) & 1], nct + 16 * (nb - 1), dwt + 16 * (nb - 1), _mm512_loadu_ps(dx + 16 * (nb - 1)));
+  fold(acc, c[(nb - 1) & 1], dwt + 16 * (nb - 1), _mm512_loadu_ps(dx + 16 * (nb - 1)));
 #pragma GCC unroll 16
   for (int m = 0; m < 16; ++m) _mm512_store_ps(out[m], acc[m]);
 }
@@ -118,25 +117,11 @@ void tile16(const uint8_t* A, int64_t lda, int64_t ab, const uint8_t* B, const f
 #undef STRATA_AMX_ISSUE
 
 /// Per block b and row m < R of the tile at w (rows row_bytes apart): dwt[16 b + m] = the fp16
-/// scale as fp32, nct[16 b + m] = -128 * (sum of the 32 codes); rows m >= R get 0 and 0.
-void tile_factors(const uint8_t* w, size_t row_bytes, int R, int64_t nb, float* dwt, int32_t* nct) {
-  const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+/// scale as fp32; rows m >= R get 0.
+void tile_factors(const uint8_t* w, size_t row_bytes, int R, int64_t nb, float* dwt) {
   for (int64_t b = 0; b < nb; ++b)
-    for (int m = 0; m < 16; ++m) {
-      if (m >= R) {
-        dwt[16 * b + m] = 0.0f;
-        nct[16 * b + m] = 0;
-        continue;
-      }
-      const uint8_t* wb = w + static_cast<size_t>(m) * row_bytes + 34 * b;
-      dwt[16 * b + m] = _cvtsh_ss(load_u16(wb));
-      // sum (qw + 128) by vpsadbw, minus 32 * 128
-      const __m256i v = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 2)), bias);
-      const __m256i sad = _mm256_sad_epu8(v, _mm256_setzero_si256());
-      const __m128i h = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
-      const int64_t sum = _mm_cvtsi128_si64(_mm_add_epi64(h, _mm_unpackhi_epi64(h, h))) - 32 * 128;
-      nct[16 * b + m] = static_cast<int32_t>(-128 * sum);
-    }
+    for (int m = 0; m < 16; ++m)
+      dwt[16 * b + m] = m < R ? _cvtsh_ss(load_u16(w + static_cast<size_t>(m) * row_bytes + 34 * b)) : 0.0f;
 }
 
 }  // namespace
@@ -144,26 +129,28 @@ void tile_factors(const uint8_t* w, size_t row_bytes, int R, int64_t nb, float* 
 void matmul_q8_0_amx(const MatmulArgs& m, const ActQ8& a) {
   const TokenLanes tl = token_lanes_of(a, false);
   const int64_t nb = m.cols / 32, tiles = (m.row_end - m.row_begin + 15) / 16;
-  // per 16-row tile and block: the rows' dw and nc (made on the first block of groups, reused by
-  // the others), and the last tile's codes when it has fewer than 16 rows (zero-padded)
+  // per 16-row tile and block the rows' dw (made on the first block of groups, reused by the
+  // others); the last tile's codes when it has fewer than 16 rows (zero-padded); the block of
+  // groups' codes as signed bytes (xg - 128: B of TDPBSSD)
   thread_local std::vector<float> dwt;
-  thread_local std::vector<int32_t> nct;
-  thread_local std::vector<uint8_t> tail;
+  thread_local std::vector<uint8_t> tail, xs;
   dwt.resize(static_cast<size_t>(tiles * 16 * nb));
-  nct.resize(static_cast<size_t>(tiles * 16 * nb));
-  const TileConfig cfg;
-  _tile_loadconfig(&cfg);
   const int64_t per_group = nb * (512 + 64);
   const int64_t fit = std::max<int64_t>(1, kXBytes / per_group);
+  xs.resize(static_cast<size_t>(std::min(fit, tl.groups) * nb * 512));
+  const TileConfig cfg;
+  _tile_loadconfig(&cfg);
   alignas(64) float out[16][16];
   for (int64_t g0 = 0; g0 < tl.groups; g0 += fit) {
     const int64_t g1 = std::min(tl.groups, g0 + fit);
+    const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int64_t i = 0; i < (g1 - g0) * nb * 512; i += 64)
+      _mm512_storeu_si512(xs.data() + i, _mm512_xor_si512(_mm512_loadu_si512(tl.x + g0 * nb * 512 + i), bias));
     for (int64_t i = 0; i < tiles; ++i) {
       const int64_t r0 = m.row_begin + 16 * i;
       const int R = static_cast<int>(std::min<int64_t>(16, m.row_end - r0));
       const uint8_t* w = m.W + static_cast<size_t>(r0) * m.row_bytes;
       float* dw = dwt.data() + i * 16 * nb;
-      int32_t* nc = nct.data() + i * 16 * nb;
       const uint8_t* A = w + 2;
       int64_t lda = static_cast<int64_t>(m.row_bytes), ab = 34;
       if (R < 16) {  // rows past the range may be past the matrix: the tail's codes, copied
@@ -177,12 +164,12 @@ void matmul_q8_0_amx(const MatmulArgs& m, const ActQ8& a) {
         lda = nb * 32;
         ab = 32;
       }
-      if (g0 == 0) tile_factors(w, m.row_bytes, R, nb, dw, nc);
-      // the tile loads are asm without a memory operand: the tables and the tail copy must be
-      // in memory before them
+      if (g0 == 0) tile_factors(w, m.row_bytes, R, nb, dw);
+      // the tile loads are asm without a memory operand: the tables and copies must be in memory
+      // before them
       __asm__ volatile("" ::: "memory");
       for (int64_t g = g0; g < g1; ++g) {
-        tile16(A, lda, ab, tl.x + g * nb * 512, tl.dx + g * nb * 16, nc, dw, nb, out);
+        tile16(A, lda, ab, xs.data() + (g - g0) * nb * 512, tl.dx + g * nb * 16, dw, nb, out);
         const int64_t n = std::min<int64_t>(16, m.n_tok - 16 * g);
         float* y = m.y + 16 * g * m.ldy + r0;
         for (int64_t t = 0; t < n; ++t)
