@@ -130,11 +130,13 @@ void matmul_q8_0_amx(const MatmulArgs& m, const ActQ8& a) {
   const TokenLanes tl = token_lanes_of(a, false);
   const int64_t nb = m.cols / 32, tiles = (m.row_end - m.row_begin + 15) / 16;
   // per 16-row tile and block the rows' dw (made on the first block of groups, reused by the
-  // others); the last tile's codes when it has fewer than 16 rows (zero-padded); the block of
-  // groups' codes as signed bytes (xg - 128: B of TDPBSSD)
+  // others); the current tile's codes (wt, A of TDPBSSD); the block of groups' codes as signed
+  // bytes (xg - 128: B of TDPBSSD)
   thread_local std::vector<float> dwt;
-  thread_local std::vector<uint8_t> tail, xs;
+  thread_local std::vector<uint8_t> xs, wtile;
   dwt.resize(static_cast<size_t>(tiles * 16 * nb));
+  wtile.resize(static_cast<size_t>(16 * nb * 32 + 64));
+  uint8_t* wt = wtile.data() + (64 - reinterpret_cast<uintptr_t>(wtile.data()) % 64) % 64;
   const int64_t per_group = nb * (512 + 64);
   const int64_t fit = std::max<int64_t>(1, kXBytes / per_group);
   xs.resize(static_cast<size_t>(std::min(fit, tl.groups) * nb * 512));
@@ -151,25 +153,22 @@ void matmul_q8_0_amx(const MatmulArgs& m, const ActQ8& a) {
       const int R = static_cast<int>(std::min<int64_t>(16, m.row_end - r0));
       const uint8_t* w = m.W + static_cast<size_t>(r0) * m.row_bytes;
       float* dw = dwt.data() + i * 16 * nb;
-      const uint8_t* A = w + 2;
-      int64_t lda = static_cast<int64_t>(m.row_bytes), ab = 34;
-      if (R < 16) {  // rows past the range may be past the matrix: the tail's codes, copied
-        if (g0 == 0) {
-          tail.assign(static_cast<size_t>(16 * nb * 32), 0);
-          for (int r = 0; r < R; ++r)
-            for (int64_t b = 0; b < nb; ++b)
-              std::memcpy(tail.data() + (r * nb + b) * 32, w + static_cast<size_t>(r) * m.row_bytes + 34 * b + 2, 32);
+      // the tile's codes block-major (block b: 16 rows x 32 bytes at 512 b; rows >= R zero):
+      // a strided tile load straight from the rows (34-byte blocks, half of them across a cache
+      // line) took as long as the rest of the step
+      for (int64_t b = 0; b < nb; ++b)
+        for (int r = 0; r < 16; ++r) {
+          const __m256i v = r < R ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                        w + static_cast<size_t>(r) * m.row_bytes + 34 * b + 2))
+                                  : _mm256_setzero_si256();
+          _mm256_store_si256(reinterpret_cast<__m256i*>(wt + (16 * b + r) * 32), v);
         }
-        A = tail.data();
-        lda = nb * 32;
-        ab = 32;
-      }
       if (g0 == 0) tile_factors(w, m.row_bytes, R, nb, dw);
       // the tile loads are asm without a memory operand: the tables and copies must be in memory
       // before them
       __asm__ volatile("" ::: "memory");
       for (int64_t g = g0; g < g1; ++g) {
-        tile16(A, lda, ab, xs.data() + (g - g0) * nb * 512, tl.dx + g * nb * 16, dw, nb, out);
+        tile16(wt, 32, 512, xs.data() + (g - g0) * nb * 512, tl.dx + g * nb * 16, dw, nb, out);
         const int64_t n = std::min<int64_t>(16, m.n_tok - 16 * g);
         float* y = m.y + 16 * g * m.ldy + r0;
         for (int64_t t = 0; t < n; ++t)

@@ -594,7 +594,9 @@ Q8Isa best_q8_isa() {
 }
 
 bool matmul_q8_avx512(const MatmulArgs& m, const ActQ8& a, Q8Isa isa) {
-  if (isa == Q8Isa::Avx512Amx && m.type == GgmlType::Q8_0 && m.n_tok > kQ8_0MatVecMax) {
+  // (amx_int8_usable: also requests the tile data permission if no one has yet; without it the
+  // first tile instruction would fault)
+  if (isa == Q8Isa::Avx512Amx && m.type == GgmlType::Q8_0 && m.n_tok > kQ8_0MatVecMax && amx_int8_usable()) {
     matmul_q8_0_amx(m, a);
     return true;
   }
