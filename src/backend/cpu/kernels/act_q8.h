@@ -368,8 +368,10 @@ bool amx_int8_usable();
 /// The AMX Q8_0 GEMM (matmul_q8_0_amx.cpp; the CPU must pass amx_int8_usable()): y[t][r] for
 /// rows [row_begin, row_end) and all a.n_tok tokens (m.type Q8_0, m.n_tok > kQ8_0MatVecMax) with
 /// the bits of matmul_q8_scalar_avx512 and of matmul_tok16_avx512. Per 16 rows x 16 tokens and
-/// 32-block one TDPBSUD (Q8_0 codes straight from the rows as A, ActQ8::xg as B) gives the
-/// exact block sums; AVX-512 folds them per (row, token) in block order.
+/// 32-block one TDPBSSD (A: the 16 rows' codes of the block, 16 x 32 bytes; B: the 16 tokens'
+/// codes in ActQ8::xg's run order minus 128, 8 x 64 bytes) gives the exact block sums S_b; AVX-512
+/// folds them per (row, token) in block order. Uses this thread's tile configuration and releases
+/// it (tilerelease) before returning.
 void matmul_q8_0_amx(const MatmulArgs& m, const ActQ8& a);
 /// AVX-512 q8 family at level `isa` (which the CPU must have): the bits of
 /// matmul_q8_scalar_avx512. Returns false for types without a kernel.

@@ -3,17 +3,21 @@
 // of matmul_q8_scalar_avx512, so the bits are those of the tokens-in-the-lanes GEMM
 // (matmul_q8_0_avx512.cpp) and of the scalar definition.
 //
-// One TDPBSUD (Intel SDM vol. 2, "TDPBSSD/TDPBSUD/TDPBUSD/TDPBUUD"; intrinsic _tile_dpbsud) with
+// One TDPBSSD (Intel SDM vol. 2, "TDPBSSD/TDPBSUD/TDPBUSD/TDPBUUD"; intrinsic _tile_dpbssd) with
 // K = 32 bytes is one Q8_0 block for a 16 x 16 tile of (weight rows, tokens):
-//   C[m][n] += sum_{k < 8} sum_{i < 4} A[m][4k + i] * B[k][4n + i]      (signed A, unsigned B)
-// A: 16 weight rows x 32 bytes, the block's codes read straight from the GGUF rows (row_bytes
-// apart, at 34 b + 2: no repack); B: 8 rows x 64 bytes, which is run k of the token-lane layout
-// (ActQ8::xg: per token n its codes 4k..4k+3 plus 128, unsigned), so B is xg as it is.
-// C = sum qw (qx + 128) = S_b + 128 sum qw, exact in int32; S_b = C + nc_m with
-// nc = -128 sum qw per (row, block), as the AVX-512 kernel starts its accumulator. The tile is
-// stored (1 KiB) and each of its 16 rows (one weight row, 16 tokens in the lanes) folded:
-//   acc_m = fma(float(C_m + nc_m), dw_m * dx, acc_m)    (dw_m * dx rounded on its own)
+//   C[m][n] = sum_{k < 8} sum_{i < 4} A[m][4k + i] * B[k][4n + i]      (signed x signed bytes)
+// A: 16 weight rows x 32 bytes, the block's codes (copied per 16-row tile into a block-major
+// buffer, 512 bytes per block); B: 8 rows x 64 bytes, run k of the token-lane layout (ActQ8::xg:
+// per token n its codes 4k..4k+3 plus 128) minus 128, copied per block of token groups, so
+// C[m][n] = S_b of (row m, token n) exactly (|S_b| <= 32 * 128 * 128 < 2^24). The tile is stored
+// (1 KiB) and each of its 16 rows (one weight row, 16 tokens in the lanes) folded:
+//   acc_m = fma(float(C_m), dw_m * dx, acc_m)    (dw_m * dx rounded on its own)
 // block after block, which is the definition's sequence per (row, token).
+//
+// Loop order: blocks of token groups whose codes fit ~512 KiB (L2; copied to signed bytes), then
+// 16-row tiles (codes copied block-major, scales made once per call), then the groups, one 16 x
+// 16 tile at a time with its 16 fp32 accumulators in zmm registers; inside, block k + 3 is
+// multiplied while block k is stored and block k - 1 folded (4 C tiles in rotation).
 //
 // Compiled with AMX-TILE and AMX-INT8 and only reached where CPUID reports them and the kernel
 // granted the tile data permission (amx_int8_usable, matmul_q8_avx512.cpp).
