@@ -1167,28 +1167,33 @@ TEST(QuantQ8, Avx512IQ4_XSTokenLanesEqualDefinition) {
   token_lanes_equal_definition(GgmlType::IQ4_XS);
 }
 
-// The AMX Q8_0 GEMM (matmul_q8_0_amx.cpp, level Avx512Amx) against the serial definition
+// The AMX GEMMs (matmul_tok16_amx.cpp, level Avx512Amx) against the serial definition
 // (matmul_q8_scalar_avx512) and against the AVX-512 tokens-in-the-lanes GEMM (level Avx512Vnni),
 // bit for bit: 16-row tiles and their tails (37 rows; a row range starting and ending inside a
 // tile; 2 threads splitting at an odd row), token counts around the 16-token group (5 .. 512),
 // 8 to 512 blocks per row (16384 columns: the group's codes no longer fit the 512 KiB token block
 // more than once), the token-lane layout kept in ActQ8 and made by the kernel, and extreme codes
-// (weights -128 / +127 against activation codes +-127: |S_b| up to 32 * 128 * 127).
-TEST(QuantQ8, AmxQ8_0EqualsDefinitionAndAvx512) {
-  if (!cpu_has_avx512_q8() || kd::best_q8_isa() < kd::Q8Isa::Avx512Icl)
-    GTEST_SKIP() << "no AVX-512 VNNI/VBMI/GFNI on this CPU (so no AMX level)";
-  if (!kd::amx_int8_usable())
-    GTEST_SKIP() << "no AMX-INT8 on this CPU, or the kernel refused the tile data permission "
-                    "(arch_prctl ARCH_REQ_XCOMP_PERM)";
-  const GgmlType t = GgmlType::Q8_0;
-  std::mt19937_64 rng(test_seed() ^ 0xa3f);
+// (Q8_0: weights -128 / +127 against activation codes +-127, |S_b| up to 32 * 128 * 127; Q4_K:
+// codes 15 with scales and mins 63; IQ4_XS: values -127 / 113 with scales 31 / -32).
+static void amx_equals_definition(GgmlType t) {
+  std::mt19937_64 rng(test_seed() ^ 0xa3f ^ static_cast<uint64_t>(t));
   int64_t checked = 0;
   for (bool extreme : {false, true})
     for (int64_t cols : {256, 1024, 4096, 16384}) {
       const int64_t rows = 37;
       auto w = random_rows(t, rows, cols, rng);
-      if (extreme)
+      if (extreme && t == GgmlType::Q8_0)
         for (int64_t b = 0; b < rows * cols / 32; ++b) std::memset(w.data() + 34 * b + 2, b % 3 ? 0x80 : 0x7f, 32);
+      if (extreme && t == GgmlType::Q4_K)  // scales and mins 63 (k4_scale_min of all-ones bytes), codes 15 or 0
+        for (int64_t b = 0; b < rows * cols / 256; ++b) {
+          std::memset(w.data() + 144 * b + 4, 0xff, 12);
+          std::memset(w.data() + 144 * b + 16, b % 3 ? 0xff : 0x0f, 128);
+        }
+      if (extreme && t == GgmlType::IQ4_XS)  // scales 63 - 32 or 0 - 32, codes 0 (value -127) or 15 (113)
+        for (int64_t b = 0; b < rows * cols / 256; ++b) {
+          std::memset(w.data() + 136 * b + 2, b % 2 ? 0xff : 0x00, 6);
+          std::memset(w.data() + 136 * b + 8, b % 3 ? 0x00 : 0xff, 128);
+        }
       const size_t rb = q::row_size(t, cols);
       for (int64_t n_tok : {5, 15, 16, 17, 33, 64, 511, 512}) {
         if (cols == 16384 && n_tok > 64 && n_tok != 512) continue;
@@ -1235,16 +1240,47 @@ TEST(QuantQ8, AmxQ8_0EqualsDefinitionAndAvx512) {
                   continue;
                 }
                 ASSERT_EQ(bits(y[i]), bits(ref[i]))
-                    << "amx vs definition" << (extreme ? " extreme" : "") << " cols=" << cols << " n_tok=" << n_tok
-                    << " variant=" << variant << (ap == &kept ? " kept" : " made") << " token " << tk << " row " << r;
+                    << strata::quant::detail::type_name(t) << " amx vs definition" << (extreme ? " extreme" : "")
+                    << " cols=" << cols << " n_tok=" << n_tok << " variant=" << variant
+                    << (ap == &kept ? " kept" : " made") << " token " << tk << " row " << r;
                 ASSERT_EQ(bits(y[i]), bits(lanes[i])) << "amx vs avx512 lanes cols=" << cols << " n_tok=" << n_tok;
                 ++checked;
               }
           }
       }
     }
-  std::printf("[quant] amx q8_0: %lld outputs equal to the serial definition and to the avx512 GEMM\n",
-              static_cast<long long>(checked));
+  std::printf("[quant] amx %s: %lld outputs equal to the serial definition and to the avx512 GEMM\n",
+              strata::quant::detail::type_name(t), static_cast<long long>(checked));
+}
+
+static bool amx_test_skip(std::string& why) {
+  if (!cpu_has_avx512_q8() || kd::best_q8_isa() < kd::Q8Isa::Avx512Icl) {
+    why = "no AVX-512 VNNI/VBMI/GFNI on this CPU (so no AMX level)";
+    return true;
+  }
+  if (!kd::amx_int8_usable()) {
+    why = "no AMX-INT8 on this CPU, or the kernel refused the tile data permission (arch_prctl ARCH_REQ_XCOMP_PERM)";
+    return true;
+  }
+  return false;
+}
+
+TEST(QuantQ8, AmxQ8_0EqualsDefinitionAndAvx512) {
+  std::string why;
+  if (amx_test_skip(why)) GTEST_SKIP() << why;
+  amx_equals_definition(GgmlType::Q8_0);
+}
+
+TEST(QuantQ8, AmxQ4_KEqualsDefinitionAndAvx512) {
+  std::string why;
+  if (amx_test_skip(why)) GTEST_SKIP() << why;
+  amx_equals_definition(GgmlType::Q4_K);
+}
+
+TEST(QuantQ8, AmxIQ4_XSEqualsDefinitionAndAvx512) {
+  std::string why;
+  if (amx_test_skip(why)) GTEST_SKIP() << why;
+  amx_equals_definition(GgmlType::IQ4_XS);
 }
 
 // STRATA_CPU_AMX=0 takes the AMX level out of best_q8_isa (and so out of the run-time choice).

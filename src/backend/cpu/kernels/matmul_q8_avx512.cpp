@@ -596,8 +596,8 @@ Q8Isa best_q8_isa() {
 bool matmul_q8_avx512(const MatmulArgs& m, const ActQ8& a, Q8Isa isa) {
   // (amx_int8_usable: also requests the tile data permission if no one has yet; without it the
   // first tile instruction would fault)
-  if (isa == Q8Isa::Avx512Amx && m.type == GgmlType::Q8_0 && m.n_tok > kQ8_0MatVecMax && amx_int8_usable()) {
-    matmul_q8_0_amx(m, a);
+  if (isa == Q8Isa::Avx512Amx && has_tok16(m.type) && m.n_tok > kQ8_0MatVecMax && amx_int8_usable()) {
+    matmul_tok16_amx(m, a);
     return true;
   }
   if (has_tok16(m.type)) {  // tokens in the lanes, the serial definitions (matmul_q8_0_avx512.cpp)

@@ -1,18 +1,21 @@
-// The AMX int8 GEMM of the AVX-512 q8 family for Q8_0 weights (issue 18; docs/kernels.md "AMX
-// tiles"): the tile unit gives the exact int32 block sums, AVX-512 folds them in the serial order
-// of matmul_q8_scalar_avx512, so the bits are those of the tokens-in-the-lanes GEMM
-// (matmul_q8_0_avx512.cpp) and of the scalar definition.
+// The AMX int8 GEMMs of the AVX-512 q8 family for Q8_0, Q4_K and IQ4_XS weights (issue 18;
+// docs/kernels.md "AMX tiles"): the tile unit gives the exact int32 block sums, AVX-512 folds them
+// in the serial order of matmul_q8_scalar_avx512, so the bits are those of the tokens-in-the-lanes
+// GEMMs (matmul_q8_0_avx512.cpp) and of the scalar definitions.
 //
 // One TDPBSSD (Intel SDM vol. 2, "TDPBSSD/TDPBSUD/TDPBUSD/TDPBUUD"; intrinsic _tile_dpbssd) with
 // K = 32 bytes is one Q8_0 block for a 16 x 16 tile of (weight rows, tokens):
 //   C[m][n] = sum_{k < 8} sum_{i < 4} A[m][4k + i] * B[k][4n + i]      (signed x signed bytes)
-// A: 16 weight rows x 32 bytes, the block's codes (copied per 16-row tile into a block-major
-// buffer, 512 bytes per block); B: 8 rows x 64 bytes, run k of the token-lane layout (ActQ8::xg:
+// A: 16 weight rows x 32 bytes, the block's codes (per 16-row tile copied (Q8_0) or unpacked
+// (Q4_K: codes 0..15; IQ4_XS: kvalues_iq4nl; tok16_unpack.h) into a block-major buffer, 512 bytes
+// per block); B: 8 rows x 64 bytes, run k of the token-lane layout (ActQ8::xg:
 // per token n its codes 4k..4k+3 plus 128) minus 128, copied per block of token groups, so
 // C[m][n] = S_b of (row m, token n) exactly (|S_b| <= 32 * 128 * 128 < 2^24). The tile is stored
 // (1 KiB) and each of its 16 rows (one weight row, 16 tokens in the lanes) folded:
 //   acc_m = fma(float(C_m), dw_m * dx, acc_m)    (dw_m * dx rounded on its own)
-// block after block, which is the definition's sequence per (row, token).
+//   Q4_K only: acc_m = fma(gm_m, xs, acc_m)       (gm = -(dmin * m_s), xs: ActQ8::xsg)
+// block after block, which is the definition's sequence per (row, token) (dw: Q8_0's fp16 scale,
+// Q4_K's d * sc_s, IQ4_XS's d * (ls - 32), each rounded once).
 //
 // Loop order: blocks of token groups whose codes fit ~512 KiB (L2; copied to signed bytes), then
 // 16-row tiles (codes copied block-major, scales made once per call), then the groups, one 16 x
@@ -26,9 +29,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
 #include <vector>
 
 #include "backend/cpu/kernels/act_q8.h"
+#include "backend/cpu/kernels/tok16_unpack.h"
 
 namespace strata::cpu::kernels::detail {
 
@@ -51,12 +56,15 @@ struct alignas(64) TileConfig {
 static_assert(sizeof(TileConfig) == 64);
 
 /// Folds one stored C tile (c: 16 rows of 16 int32 S_b, row m = weight row m, lane n = token n)
-/// of block b into acc: acc[m] = fma(float(c[m]), dw[m] * dx, acc[m]).
-inline void fold(__m512 (&acc)[16], const int32_t* c, const float* dw, __m512 dx) {
+/// of block b into acc: acc[m] = fma(float(c[m]), dw[m] * dx, acc[m]), and with MIN (Q4_K) then
+/// acc[m] = fma(gm[m], xs, acc[m]) (xs: the 16 tokens' scaled code sums of the block).
+template <bool MIN>
+inline void fold(__m512 (&acc)[16], const int32_t* c, const float* dw, const float* gm, __m512 dx, __m512 xs) {
 #pragma GCC unroll 16
   for (int m = 0; m < 16; ++m) {
     const __m512 f = _mm512_mul_ps(_mm512_set1_ps(dw[m]), dx);  // dw_b * dx_b, rounded
     acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * m)), f, acc[m]);
+    if constexpr (MIN) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(gm[m]), xs, acc[m]);
   }
 }
 
@@ -80,10 +88,16 @@ inline void fold(__m512 (&acc)[16], const int32_t* c, const float* dw, __m512 dx
 
 /// 16 weight rows x 16 tokens (one group) over nb blocks. A: the first row's codes of block 0
 /// (row m at A + m * lda, block b at + ab * b); B: the group's runs (512 bytes per block);
-/// dx: the group's scales (16 per block); dwt: per block the 16 rows' dw. Writes out[m][n] = the
-/// outputs of row m for token n.
-void tile16(const uint8_t* A, int64_t lda, int64_t ab, const uint8_t* B, const float* dx, const float* dwt,
-            int64_t nb, float (*out)[16]) {
+/// dx: the group's scales (16 per block); dwt: per block the 16 rows' dw; with MIN also xs (the
+/// group's scaled code sums, 16 per block) and gmt (per block the 16 rows' -(dmin * m)). Writes
+/// out[m][n] = the outputs of row m for token n.
+template <bool MIN>
+void tile16(const uint8_t* A, int64_t lda, int64_t ab, const uint8_t* B, const float* dx, const float* xs,
+            const float* dwt, const float* gmt, int64_t nb, float (*out)[16]) {
+  const auto fold_block = [&](__m512(&acc)[16], const int32_t* c, int64_t b) {
+    fold<MIN>(acc, c, dwt + 16 * b, MIN ? gmt + 16 * b : nullptr, _mm512_loadu_ps(dx + 16 * b),
+              MIN ? _mm512_loadu_ps(xs + 16 * b) : _mm512_setzero_ps());
+  };
   __m512 acc[16];
 #pragma GCC unroll 16
   for (int m = 0; m < 16; ++m) acc[m] = _mm512_setzero_ps();
@@ -110,38 +124,31 @@ void tile16(const uint8_t* A, int64_t lda, int64_t ab, const uint8_t* B, const f
         case 2: _tile_stored(2, c[0], 64); break;
         default: _tile_stored(3, c[1], 64); break;
       }
-      if (b > 0) fold(acc, c[(u + 1) & 1], dwt + 16 * (b - 1), _mm512_loadu_ps(dx + 16 * (b - 1)));
+      if (b > 0) fold_block(acc, c[(u + 1) & 1], b - 1);
     }
   }
-  fold(acc, c[(nb - 1) & 1], dwt + 16 * (nb - 1), _mm512_loadu_ps(dx + 16 * (nb - 1)));
+  fold_block(acc, c[(nb - 1) & 1], nb - 1);
 #pragma GCC unroll 16
   for (int m = 0; m < 16; ++m) _mm512_store_ps(out[m], acc[m]);
 }
 #undef STRATA_AMX_ISSUE_MOD4
 #undef STRATA_AMX_ISSUE
 
-/// Per block b and row m < R of the tile at w (rows row_bytes apart): dwt[16 b + m] = the fp16
-/// scale as fp32; rows m >= R get 0.
-void tile_factors(const uint8_t* w, size_t row_bytes, int R, int64_t nb, float* dwt) {
-  for (int64_t b = 0; b < nb; ++b)
-    for (int m = 0; m < 16; ++m)
-      dwt[16 * b + m] = m < R ? _cvtsh_ss(load_u16(w + static_cast<size_t>(m) * row_bytes + 34 * b)) : 0.0f;
-}
-
-}  // namespace
-
-void matmul_q8_0_amx(const MatmulArgs& m, const ActQ8& a) {
-  const TokenLanes tl = token_lanes_of(a, false);
+template <GgmlType T>
+void gemm(const MatmulArgs& m, const ActQ8& a) {
+  constexpr bool Q4K = T == GgmlType::Q4_K, SB = T != GgmlType::Q8_0;  // SB: a 256-weight super-block type
+  const TokenLanes tl = token_lanes_of(a, Q4K);
   const int64_t nb = m.cols / 32, tiles = (m.row_end - m.row_begin + 15) / 16;
-  // per 16-row tile and block the rows' dw (made on the first block of groups, reused by the
-  // others); the current tile's codes (wt, A of TDPBSSD); the block of groups' codes as signed
-  // bytes (xg - 128: B of TDPBSSD)
-  thread_local std::vector<float> dwt;
+  // per 16-row tile and block the rows' dw (and Q4_K's gm; Q8_0's made on the first block of
+  // groups and reused by the others); the current tile's codes (wt, A of TDPBSSD: Q8_0's copied,
+  // the others' unpacked); the block of groups' codes as signed bytes (xg - 128: B of TDPBSSD)
+  thread_local std::vector<float> dwt, gmt;
   thread_local std::vector<uint8_t> xs, wtile;
   dwt.resize(static_cast<size_t>(tiles * 16 * nb));
+  if (Q4K) gmt.resize(static_cast<size_t>(tiles * 16 * nb));
   wtile.resize(static_cast<size_t>(16 * nb * 32 + 64));
   uint8_t* wt = wtile.data() + (64 - reinterpret_cast<uintptr_t>(wtile.data()) % 64) % 64;
-  const int64_t per_group = nb * (512 + 64);
+  const int64_t per_group = nb * (512 + (Q4K ? 128 : 64));
   const int64_t fit = std::max<int64_t>(1, kXBytes / per_group);
   xs.resize(static_cast<size_t>(std::min(fit, tl.groups) * nb * 512));
   const TileConfig cfg;
@@ -157,22 +164,36 @@ void matmul_q8_0_amx(const MatmulArgs& m, const ActQ8& a) {
       const int R = static_cast<int>(std::min<int64_t>(16, m.row_end - r0));
       const uint8_t* w = m.W + static_cast<size_t>(r0) * m.row_bytes;
       float* dw = dwt.data() + i * 16 * nb;
-      // the tile's codes block-major (block b: 16 rows x 32 bytes at 512 b; rows >= R zero):
-      // a strided tile load straight from the rows (34-byte blocks, half of them across a cache
-      // line) took as long as the rest of the step
-      for (int64_t b = 0; b < nb; ++b)
-        for (int r = 0; r < 16; ++r) {
-          const __m256i v = r < R ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                        w + static_cast<size_t>(r) * m.row_bytes + 34 * b + 2))
-                                  : _mm256_setzero_si256();
-          _mm256_store_si256(reinterpret_cast<__m256i*>(wt + (16 * b + r) * 32), v);
+      float* gm = Q4K ? gmt.data() + i * 16 * nb : nullptr;
+      // the tile's codes block-major (block b: 16 rows x 32 bytes at 512 b; rows >= R zero): a
+      // strided tile load straight from the rows (34-byte blocks, half of them across a cache
+      // line) was slower
+      for (int r = 0; r < 16; ++r) {
+        const uint8_t* row = w + static_cast<size_t>(r) * m.row_bytes;
+        if (r >= R) {
+          for (int64_t b = 0; b < nb; ++b) {
+            _mm256_store_si256(reinterpret_cast<__m256i*>(wt + (16 * b + r) * 32), _mm256_setzero_si256());
+            dw[16 * b + r] = 0.0f;
+            if (Q4K) gm[16 * b + r] = 0.0f;
+          }
+        } else if constexpr (Q4K) {
+          unpack_q4_k_row(row, nb / 8, wt + 32 * r, 512, dw + r, gm + r, 16, nullptr);
+        } else if constexpr (SB) {
+          unpack_iq4_xs_row(row, nb / 8, wt + 32 * r, 512, dw + r, 16, nullptr);
+        } else {
+          for (int64_t b = 0; b < nb; ++b) {
+            _mm256_store_si256(reinterpret_cast<__m256i*>(wt + (16 * b + r) * 32),
+                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 34 * b + 2)));
+            if (g0 == 0) dw[16 * b + r] = _cvtsh_ss(load_u16(row + 34 * b));
+          }
         }
-      if (g0 == 0) tile_factors(w, m.row_bytes, R, nb, dw);
+      }
       // the tile loads are asm without a memory operand: the tables and copies must be in memory
       // before them
       __asm__ volatile("" ::: "memory");
       for (int64_t g = g0; g < g1; ++g) {
-        tile16(wt, 32, 512, xs.data() + (g - g0) * nb * 512, tl.dx + g * nb * 16, dw, nb, out);
+        tile16<Q4K>(wt, 32, 512, xs.data() + (g - g0) * nb * 512, tl.dx + g * nb * 16,
+                    Q4K ? tl.xs + g * nb * 16 : nullptr, dw, gm, nb, out);
         const int64_t n = std::min<int64_t>(16, m.n_tok - 16 * g);
         float* y = m.y + 16 * g * m.ldy + r0;
         for (int64_t t = 0; t < n; ++t)
@@ -181,6 +202,17 @@ void matmul_q8_0_amx(const MatmulArgs& m, const ActQ8& a) {
     }
   }
   _tile_release();
+}
+
+}  // namespace
+
+void matmul_tok16_amx(const MatmulArgs& m, const ActQ8& a) {
+  switch (m.type) {
+    case GgmlType::Q8_0: gemm<GgmlType::Q8_0>(m, a); break;
+    case GgmlType::Q4_K: gemm<GgmlType::Q4_K>(m, a); break;
+    case GgmlType::IQ4_XS: gemm<GgmlType::IQ4_XS>(m, a); break;
+    default: throw std::runtime_error("cpu::kernels: no AMX kernel for this type");
+  }
 }
 
 }  // namespace strata::cpu::kernels::detail
