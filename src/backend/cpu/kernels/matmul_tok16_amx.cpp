@@ -146,7 +146,8 @@ void gemm(const MatmulArgs& m, const ActQ8& a) {
   thread_local std::vector<uint8_t> xs, wtile;
   dwt.resize(static_cast<size_t>(tiles * 16 * nb));
   if (Q4K) gmt.resize(static_cast<size_t>(tiles * 16 * nb));
-  wtile.resize(static_cast<size_t>(16 * nb * 32 + 64));
+  const int64_t ld = nb * 32 + 64;  // bytes between the tile's rows
+  wtile.resize(static_cast<size_t>(16 * ld + 64));
   uint8_t* wt = wtile.data() + (64 - reinterpret_cast<uintptr_t>(wtile.data()) % 64) % 64;
   const int64_t per_group = nb * (512 + (Q4K ? 128 : 64));
   const int64_t fit = std::max<int64_t>(1, kXBytes / per_group);
@@ -165,24 +166,27 @@ void gemm(const MatmulArgs& m, const ActQ8& a) {
       const uint8_t* w = m.W + static_cast<size_t>(r0) * m.row_bytes;
       float* dw = dwt.data() + i * 16 * nb;
       float* gm = Q4K ? gmt.data() + i * 16 * nb : nullptr;
-      // the tile's codes block-major (block b: 16 rows x 32 bytes at 512 b; rows >= R zero): a
-      // strided tile load straight from the rows (34-byte blocks, half of them across a cache
-      // line) was slower
+      // the tile's codes row-major, 32 bytes per block, rows ld bytes apart (rows >= R zero):
+      // written sequentially, read by the tile loads at stride ld (ld is not a multiple of 4 KiB,
+      // so the 16 rows do not share one L1 set). A strided tile load straight from the GGUF rows
+      // (34-byte blocks, half of them across a cache line) was slower, and so was a block-major
+      // copy (its partial-line stores at a 512-byte stride).
       for (int r = 0; r < 16; ++r) {
         const uint8_t* row = w + static_cast<size_t>(r) * m.row_bytes;
+        uint8_t* dst = wt + r * ld;
         if (r >= R) {
+          std::memset(dst, 0, static_cast<size_t>(nb * 32));
           for (int64_t b = 0; b < nb; ++b) {
-            _mm256_store_si256(reinterpret_cast<__m256i*>(wt + (16 * b + r) * 32), _mm256_setzero_si256());
             dw[16 * b + r] = 0.0f;
             if (Q4K) gm[16 * b + r] = 0.0f;
           }
         } else if constexpr (Q4K) {
-          unpack_q4_k_row(row, nb / 8, wt + 32 * r, 512, dw + r, gm + r, 16, nullptr);
+          unpack_q4_k_row(row, nb / 8, dst, 32, dw + r, gm + r, 16, nullptr);
         } else if constexpr (SB) {
-          unpack_iq4_xs_row(row, nb / 8, wt + 32 * r, 512, dw + r, 16, nullptr);
+          unpack_iq4_xs_row(row, nb / 8, dst, 32, dw + r, 16, nullptr);
         } else {
           for (int64_t b = 0; b < nb; ++b) {
-            _mm256_store_si256(reinterpret_cast<__m256i*>(wt + (16 * b + r) * 32),
+            _mm256_store_si256(reinterpret_cast<__m256i*>(dst + 32 * b),
                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 34 * b + 2)));
             if (g0 == 0) dw[16 * b + r] = _cvtsh_ss(load_u16(row + 34 * b));
           }
@@ -192,7 +196,7 @@ void gemm(const MatmulArgs& m, const ActQ8& a) {
       // before them
       __asm__ volatile("" ::: "memory");
       for (int64_t g = g0; g < g1; ++g) {
-        tile16<Q4K>(wt, 32, 512, xs.data() + (g - g0) * nb * 512, tl.dx + g * nb * 16,
+        tile16<Q4K>(wt, ld, 32, xs.data() + (g - g0) * nb * 512, tl.dx + g * nb * 16,
                     Q4K ? tl.xs + g * nb * 16 : nullptr, dw, gm, nb, out);
         const int64_t n = std::min<int64_t>(16, m.n_tok - 16 * g);
         float* y = m.y + 16 * g * m.ldy + r0;
