@@ -587,7 +587,8 @@ Q8Isa best_q8_isa() {
   if (!__builtin_cpu_supports("avx512vnni")) return Q8Isa::Avx512;
   if (__builtin_cpu_supports("gfni") && __builtin_cpu_supports("avx512vbmi")) {
     const char* env = std::getenv("STRATA_CPU_AMX");
-    if (amx_int8_usable() && !(env && std::string_view(env) == "0")) return Q8Isa::Avx512Amx;
+    // (the environment first: with STRATA_CPU_AMX=0 the tile permission is not even requested)
+    if (!(env && std::string_view(env) == "0") && amx_int8_usable()) return Q8Isa::Avx512Amx;
     return Q8Isa::Avx512Icl;
   }
   return Q8Isa::Avx512Vnni;
