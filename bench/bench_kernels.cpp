@@ -7,11 +7,15 @@
 //   MatVec/<type>/N        y = W x for one token, W ~1 GiB (far larger than the 300 MiB LLC):
 //                          GB/s of weight bytes streamed, N threads splitting rows
 //   MatMul/<type>/T/N      T tokens (prefill) on a 1024 x 4096 matrix (cache resident):
-//                          GFLOP/s = 2 * rows * cols * T / time
+//                          GFLOP/s = 2 * rows * cols * T / time (activations quantized in each call)
+//   MatMulQ8/<type>/T/N    the same, q8 activations quantized once outside the loop (kernel only)
+//   Peak/N                 the int8 probes (peak_probe.h): vpdpbusd / AVX2 sequence, and with AMX the
+//                          TDPBSSD tile peak (amx_GOPS, K = 64; amx_k32_GOPS, K = 32 as the Q8_0 GEMM)
 //   Iq2xsGatherFloor       the grid gathers of one IQ2_XS super-block alone (1 thread, L2):
 //                          the floor under any gather-based IQ2_XS decoder
 //
-// Each benchmark uses the active kernel family (auto; --cpu-kernels=scalar|avx2|avx512 forces one).
+// Each benchmark uses the active kernel family (auto; --cpu-kernels=scalar|avx2|avx512 forces one;
+// STRATA_CPU_AMX=0 keeps the AVX-512 family off its AMX tiles).
 #include <benchmark/benchmark.h>
 
 #include "backend/cpu/kernels/simd_intrin.h"  // <immintrin.h> minus GCC 12's false -Wuninitialized
@@ -255,6 +259,8 @@ void BM_Peak(benchmark::State& st) {
   for (auto _ : st) p = k::probe_peak(g_kernels.family, static_cast<int>(st.range(0)));
   st.counters["int8_GOPS"] = p.int8_gops;
   st.counters["maddubs_GOPS"] = p.maddubs_gops;
+  st.counters["amx_GOPS"] = p.amx_int8_gops;
+  st.counters["amx_k32_GOPS"] = p.amx_k32_gops;
   st.counters["read_GB/s"] = p.read_gbps;
 }
 
@@ -271,6 +277,33 @@ void BM_MatMul(benchmark::State& st, GgmlType t) {
   for (auto _ : st) {
     split_rows(threads, rows, [&](int64_t r0, int64_t r1) {
       k::matmul(g_kernels, t, w.get(), rb, r0, r1, kCols, x.data(), kCols, n_tok, y.data(), rows);
+    });
+    benchmark::DoNotOptimize(y.data());
+  }
+  st.counters["GFLOP/s"] =
+      benchmark::Counter(2.0 * static_cast<double>(rows * kCols * n_tok) * static_cast<double>(st.iterations()) / 1e9,
+                         benchmark::Counter::kIsRate);
+}
+
+// The same product with the activations quantized once, outside the timed loop (as the engine
+// does: one quantization per layer input, shared by every matmul and thread that reads it), so
+// only the kernel is timed: MatMulQ8/<type>/T/N.
+void BM_MatMulQ8(benchmark::State& st, GgmlType t) {
+  const int64_t n_tok = st.range(0);
+  const int threads = static_cast<int>(st.range(1));
+  const int64_t rows = 1024;
+  const size_t rb = q::row_size(t, kCols);
+  Buffer w = alloc(rb * static_cast<size_t>(rows));
+  fill_random(w.get(), rb * static_cast<size_t>(rows), 3);
+  sanitize(t, w.get(), rb * static_cast<size_t>(rows));
+  const auto x = activations(n_tok * kCols);
+  k::ActQ8 act;
+  act.resize(n_tok, kCols, t);
+  k::quantize_activations(g_kernels, x.data(), kCols, 0, n_tok, act);
+  std::vector<float> y(static_cast<size_t>(rows * n_tok));
+  for (auto _ : st) {
+    split_rows(threads, rows, [&](int64_t r0, int64_t r1) {
+      k::matmul_q8(g_kernels, t, w.get(), rb, r0, r1, kCols, act, y.data(), rows);
     });
     benchmark::DoNotOptimize(y.data());
   }
@@ -364,6 +397,14 @@ void register_all() {
       for (int64_t th : {1, 2}) b->Args({n, th});
     b->UseRealTime()->MeasureProcessCPUTime()->Unit(benchmark::kMillisecond);
   }
+  if (k::has_q8_activations(g_kernels, GgmlType::Q8_0))
+    for (GgmlType t : {GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::IQ4_XS}) {
+      const std::string name = std::string("MatMulQ8/") + strata::ggml_type_name(t);
+      auto* b = benchmark::RegisterBenchmark(name.c_str(), BM_MatMulQ8, t);
+      for (int64_t n : {16, 64, 512})
+        for (int64_t th : {1, 2}) b->Args({n, th});
+      b->UseRealTime()->MeasureProcessCPUTime()->Unit(benchmark::kMillisecond);
+    }
 }
 
 }  // namespace

@@ -747,9 +747,11 @@ TEST(QuantQ8, AllFamiliesBitIdentical) {
     const Q8Isa best = kd::best_q8_isa();
     levels.push_back(Q8Isa::Avx512);
     if (best != Q8Isa::Avx512) levels.push_back(Q8Isa::Avx512Vnni);
-    if (best == Q8Isa::Avx512Icl) levels.push_back(Q8Isa::Avx512Icl);
+    if (best >= Q8Isa::Avx512Icl) levels.push_back(Q8Isa::Avx512Icl);
+    // (AMX where the CPU and the kernel allow it, whatever STRATA_CPU_AMX says)
+    if (best >= Q8Isa::Avx512Icl && kd::amx_int8_usable()) levels.push_back(Q8Isa::Avx512Amx);
   }
-  static const char* const kLevelName[] = {"avx512", "avx512-vnni", "avx512-icl"};
+  static const char* const kLevelName[] = {"avx512", "avx512-vnni", "avx512-icl", "avx512-amx"};
   int64_t checked = 0;
   for (GgmlType t : kQ8Types) {
     const int be = q::block_elems(t);
@@ -1047,6 +1049,7 @@ bool cpu_has_avx512_q8() {
 std::vector<kd::Q8Isa> avx512_levels() {
   std::vector<kd::Q8Isa> v = {kd::Q8Isa::Avx512};
   if (kd::best_q8_isa() != kd::Q8Isa::Avx512) v.push_back(kd::Q8Isa::Avx512Vnni);
+  if (kd::best_q8_isa() >= kd::Q8Isa::Avx512Icl && kd::amx_int8_usable()) v.push_back(kd::Q8Isa::Avx512Amx);
   return v;
 }
 
@@ -1133,8 +1136,10 @@ static void token_lanes_equal_definition(GgmlType t) {
                   ASSERT_FALSE(std::isnan(ref[i]));
                   ASSERT_EQ(bits(y[i]), bits(ref[i]))
                       << strata::quant::detail::type_name(t) << " "
-                      << (isa == kd::Q8Isa::Avx512 ? "avx512" : "avx512-vnni") << (extreme ? " extreme" : "")
-                      << " cols=" << cols << " n_tok=" << n_tok << " threads=" << threads
+                      << (isa == kd::Q8Isa::Avx512      ? "avx512"
+                          : isa == kd::Q8Isa::Avx512Amx ? "avx512-amx"
+                                                        : "avx512-vnni")
+                      << (extreme ? " extreme" : "") << " cols=" << cols << " n_tok=" << n_tok << " threads=" << threads
                       << (ap == &kept ? " kept" : " made") << " token " << tk << " row " << r;
                   ++checked;
                 }
@@ -1160,6 +1165,139 @@ TEST(QuantQ8, Avx512Q4_KTokenLanesEqualDefinition) {
 TEST(QuantQ8, Avx512IQ4_XSTokenLanesEqualDefinition) {
   if (!cpu_has_avx512_q8()) GTEST_SKIP() << "no AVX-512 on this CPU";
   token_lanes_equal_definition(GgmlType::IQ4_XS);
+}
+
+// The AMX GEMMs (matmul_tok16_amx.cpp, level Avx512Amx) against the serial definition
+// (matmul_q8_scalar_avx512) and against the AVX-512 tokens-in-the-lanes GEMM (level Avx512Vnni),
+// bit for bit: 16-row tiles and their tails (37 rows; a row range starting and ending inside a
+// tile; 2 threads splitting at an odd row), token counts around the 16-token group (5 .. 512),
+// 8 to 512 blocks per row (16384 columns: the group's codes no longer fit the 512 KiB token block
+// more than once), the token-lane layout kept in ActQ8 and made by the kernel, and extreme codes
+// (Q8_0: weights -128 / +127 against activation codes +-127, |S_b| up to 32 * 128 * 127; Q4_K:
+// codes 15 with scales and mins 63; IQ4_XS: values -127 / 113 with scales 31 / -32).
+static void amx_equals_definition(GgmlType t) {
+  std::mt19937_64 rng(test_seed() ^ 0xa3f ^ static_cast<uint64_t>(t));
+  int64_t checked = 0;
+  for (bool extreme : {false, true})
+    for (int64_t cols : {256, 1024, 4096, 16384}) {
+      const int64_t rows = 37;
+      auto w = random_rows(t, rows, cols, rng);
+      if (extreme && t == GgmlType::Q8_0)
+        for (int64_t b = 0; b < rows * cols / 32; ++b) std::memset(w.data() + 34 * b + 2, b % 3 ? 0x80 : 0x7f, 32);
+      if (extreme && t == GgmlType::Q4_K)  // scales and mins 63 (k4_scale_min of all-ones bytes), codes 15 or 0
+        for (int64_t b = 0; b < rows * cols / 256; ++b) {
+          std::memset(w.data() + 144 * b + 4, 0xff, 12);
+          std::memset(w.data() + 144 * b + 16, b % 3 ? 0xff : 0x0f, 128);
+        }
+      if (extreme && t == GgmlType::IQ4_XS)  // scales 63 - 32 or 0 - 32, codes 0 (value -127) or 15 (113)
+        for (int64_t b = 0; b < rows * cols / 256; ++b) {
+          std::memset(w.data() + 136 * b + 2, b % 2 ? 0xff : 0x00, 6);
+          std::memset(w.data() + 136 * b + 8, b % 3 ? 0x00 : 0xff, 128);
+        }
+      const size_t rb = q::row_size(t, cols);
+      for (int64_t n_tok : {5, 15, 16, 17, 33, 64, 511, 512}) {
+        if (cols == 16384 && n_tok > 64 && n_tok != 512) continue;
+        if (cols >= 4096 && (n_tok == 15 || n_tok == 33)) continue;
+        std::vector<float> x = random_x(n_tok * cols, rng);
+        if (extreme)
+          for (int64_t i = 0; i < n_tok * cols; ++i) x[static_cast<size_t>(i)] = (i / 32) % 2 ? -0.5f : 0.5f;
+        k::ActQ8 kept, bare;
+        kept.resize(n_tok, cols, t);
+        bare.resize(n_tok, cols);
+        ASSERT_TRUE(kept.tok16);
+        k::quantize_activations(config(k::CpuKernels::Auto), x.data(), cols, 0, n_tok, kept);
+        k::quantize_activations(config(k::CpuKernels::Auto), x.data(), cols, 0, n_tok, bare);
+        const int64_t ldy = rows + 3;
+        std::vector<float> ref(static_cast<size_t>(ldy * n_tok), NAN), lanes(ref.size(), NAN);
+        kd::MatmulArgs a{t, w.data(), rb, 0, rows, cols, nullptr, cols, n_tok, ref.data(), ldy};
+        kd::matmul_q8_scalar_avx512(a, bare);
+        a.y = lanes.data();
+        ASSERT_TRUE(kd::matmul_q8_avx512(a, kept, kd::Q8Isa::Avx512Vnni));
+        // row ranges: all, [3, 35) (inside the first and the third tile), and two threads
+        for (int variant = 0; variant < 3; ++variant)
+          for (const k::ActQ8* ap : {&kept, &bare}) {
+            std::vector<float> y(ref.size(), NAN);
+            const int64_t r0 = variant == 1 ? 3 : 0, r1 = variant == 1 ? 35 : rows;
+            auto run = [&](int64_t b0, int64_t b1) {
+              kd::MatmulArgs s = a;
+              s.row_begin = b0;
+              s.row_end = b1;
+              s.y = y.data();
+              ASSERT_TRUE(kd::matmul_q8_avx512(s, *ap, kd::Q8Isa::Avx512Amx));
+            };
+            if (variant == 2) {
+              std::thread other([&] { run(19, rows); });
+              run(0, 19);
+              other.join();
+            } else {
+              run(r0, r1);
+            }
+            for (int64_t tk = 0; tk < n_tok; ++tk)
+              for (int64_t r = 0; r < ldy; ++r) {
+                const size_t i = static_cast<size_t>(tk * ldy + r);
+                if (r < r0 || r >= r1) {
+                  ASSERT_TRUE(std::isnan(y[i])) << "row outside the range written: " << r;
+                  continue;
+                }
+                ASSERT_EQ(bits(y[i]), bits(ref[i]))
+                    << strata::quant::detail::type_name(t) << " amx vs definition" << (extreme ? " extreme" : "")
+                    << " cols=" << cols << " n_tok=" << n_tok << " variant=" << variant
+                    << (ap == &kept ? " kept" : " made") << " token " << tk << " row " << r;
+                ASSERT_EQ(bits(y[i]), bits(lanes[i])) << "amx vs avx512 lanes cols=" << cols << " n_tok=" << n_tok;
+                ++checked;
+              }
+          }
+      }
+    }
+  std::printf("[quant] amx %s: %lld outputs equal to the serial definition and to the avx512 GEMM\n",
+              strata::quant::detail::type_name(t), static_cast<long long>(checked));
+}
+
+static bool amx_test_skip(std::string& why) {
+  if (!cpu_has_avx512_q8() || kd::best_q8_isa() < kd::Q8Isa::Avx512Icl) {
+    why = "no AVX-512 VNNI/VBMI/GFNI on this CPU (so no AMX level)";
+    return true;
+  }
+  if (!kd::amx_int8_usable()) {
+    why = "no AMX-INT8 on this CPU, or the kernel refused the tile data permission (arch_prctl ARCH_REQ_XCOMP_PERM)";
+    return true;
+  }
+  return false;
+}
+
+TEST(QuantQ8, AmxQ8_0EqualsDefinitionAndAvx512) {
+  std::string why;
+  if (amx_test_skip(why)) GTEST_SKIP() << why;
+  amx_equals_definition(GgmlType::Q8_0);
+}
+
+TEST(QuantQ8, AmxQ4_KEqualsDefinitionAndAvx512) {
+  std::string why;
+  if (amx_test_skip(why)) GTEST_SKIP() << why;
+  amx_equals_definition(GgmlType::Q4_K);
+}
+
+TEST(QuantQ8, AmxIQ4_XSEqualsDefinitionAndAvx512) {
+  std::string why;
+  if (amx_test_skip(why)) GTEST_SKIP() << why;
+  amx_equals_definition(GgmlType::IQ4_XS);
+}
+
+// STRATA_CPU_AMX=0 takes the AMX level out of best_q8_isa (and so out of the run-time choice).
+TEST(QuantQ8, AmxOffByEnvironment) {
+  if (!cpu_has_avx512_q8()) GTEST_SKIP() << "no AVX-512 on this CPU";
+  const char* old = std::getenv("STRATA_CPU_AMX");
+  const std::string saved = old ? old : "";
+  ::setenv("STRATA_CPU_AMX", "0", 1);
+  EXPECT_NE(kd::best_q8_isa(), kd::Q8Isa::Avx512Amx);
+  const bool icl = kd::best_q8_isa() == kd::Q8Isa::Avx512Icl;
+  ::setenv("STRATA_CPU_AMX", "1", 1);
+  EXPECT_EQ(kd::best_q8_isa() == kd::Q8Isa::Avx512Amx, icl && kd::amx_int8_usable());
+  if (old) {
+    ::setenv("STRATA_CPU_AMX", saved.c_str(), 1);
+  } else {
+    ::unsetenv("STRATA_CPU_AMX");
+  }
 }
 
 // Batch invariance of the token-lane GEMM: a token's outputs are the same bits alone, at every

@@ -47,6 +47,7 @@ nlohmann::json bench_roofline(const std::string& model, const nlohmann::json& be
                          {{"int8_gops", p.int8_gops},
                           {"int8_how", p.int8_how},
                           {"maddubs_gops", p.maddubs_gops},
+                          {"amx_int8_gops", p.amx_int8_gops},
                           {"read_gbps", p.read_gbps},
                           {"threads", p.threads}}}};
   for (const char* name : {"prefill", "decode"}) {
@@ -65,6 +66,7 @@ nlohmann::json bench_roofline(const std::string& model, const nlohmann::json& be
     out[name] = {{"gflops", gflops},
                  {"gbps", gbps},
                  {"pct_int8_peak", p.int8_gops > 0 ? 100 * gflops / p.int8_gops : 0.0},
+                 {"pct_amx_peak", p.amx_int8_gops > 0 ? 100 * gflops / p.amx_int8_gops : 0.0},
                  {"pct_read", p.read_gbps > 0 ? 100 * gbps / p.read_gbps : 0.0}};
   }
   return out;
@@ -76,12 +78,15 @@ void print_roofline(const nlohmann::json& r) {
              p["int8_gops"].get<double>(), p["int8_how"].get<std::string>(),
              count_of(p["threads"].get<int>(), "thread"), p["maddubs_gops"].get<double>(),
              p["read_gbps"].get<double>());
+  const double amx = p.value("amx_int8_gops", 0.0);
+  if (amx > 0) fmt::print("roofline: AMX int8 tile peak {:.1f} GOPS (tdpbssd 16x16x64)\n", amx);
   for (const char* name : {"prefill", "decode"}) {
     if (!r.contains(name)) continue;
     const auto& j = r[name];
     fmt::print("{:<8} matmul {:.1f} GFLOP/s ({:.0f} % of the int8 peak), weights {:.2f} GB/s ({:.0f} % of read)\n",
                name, j["gflops"].get<double>(), j["pct_int8_peak"].get<double>(), j["gbps"].get<double>(),
                j["pct_read"].get<double>());
+    if (amx > 0) fmt::print("{:<8} matmul at {:.1f} % of the AMX tile peak\n", name, j.value("pct_amx_peak", 0.0));
   }
 }
 

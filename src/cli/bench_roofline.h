@@ -15,11 +15,12 @@ namespace strata::cli {
 /// per decode token; attention scores are not counted. Weight bytes: decode reads the dense
 /// weights and top-k experts per token; prefill reads the dense weights once per chunk and each
 /// expert at most once per chunk (the expected distinct share for uniform routing). Returns
-/// {peak: {int8_gops, int8_how, maddubs_gops, read_gbps, threads}, prefill: {gflops, gbps,
-/// pct_int8_peak, pct_read}, decode: {...}}. Throws gguf::GgufError if the file cannot be read.
+/// {peak: {int8_gops, int8_how, maddubs_gops, amx_int8_gops, read_gbps, threads}, prefill: {gflops,
+/// gbps, pct_int8_peak, pct_amx_peak, pct_read}, decode: {...}} (amx_int8_gops: the AMX tile probe,
+/// 0 without AMX; pct_amx_peak 0 then). Throws gguf::GgufError if the file cannot be read.
 nlohmann::json bench_roofline(const std::string& model, const nlohmann::json& bench);
 
-/// Prints the report of bench_roofline() as three lines.
+/// Prints the report of bench_roofline() as three lines (with AMX, one more per line: the tile peak).
 void print_roofline(const nlohmann::json& roofline);
 
 }  // namespace strata::cli

@@ -46,7 +46,8 @@ void EngineFlags::add(CLI::App& app) {
                "when the arena holds every expert, read them all at start (then decode runs each MoE layer "
                "without a host round trip on --backend cuda); otherwise a warning");
   app.add_option("--cpu-kernels", cpu_kernels,
-                 "matrix kernels: auto (the best this CPU has, from CPUID), scalar, avx2, avx512")
+                 "matrix kernels: auto (the best this CPU has, from CPUID), scalar, avx2, avx512 (with AMX tiles for "
+                 "the Q8_0/Q4_K/IQ4_XS prefill GEMMs where the CPU has them; environment STRATA_CPU_AMX=0: without)")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "scalar", "avx2", "avx512"}));
   app.add_option("--act-quant", act_quant,

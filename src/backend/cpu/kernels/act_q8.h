@@ -353,9 +353,28 @@ enum class Q8Isa {
   Avx512,      ///< F/BW/VL/DQ: vpmaddubsw + vpmaddwd
   Avx512Vnni,  ///< + VNNI: vpdpbusd, vpdpwssd
   Avx512Icl,   ///< + VBMI and GFNI (Ice Lake and later): IQ2_XS signs with gf2p8affineqb and vpermb
+  Avx512Amx,  ///< + AMX-TILE/AMX-INT8, tile data permitted (Sapphire Rapids and later): Q8_0/Q4_K/IQ4_XS GEMMs on tiles
 };
-/// The best level this CPU has (only meaningful where AVX-512 F/BW/VL/DQ exist).
+/// The best level this CPU has (only meaningful where AVX-512 F/BW/VL/DQ exist). Avx512Amx only
+/// where amx_int8_usable() and the environment variable STRATA_CPU_AMX is not "0" (the switch
+/// for side-by-side measurements; the bits are the same either way).
 Q8Isa best_q8_isa();
+/// True if this CPU has AMX-TILE and AMX-INT8 (CPUID.(7,0):EDX bits 24, 25), the OS enables the
+/// tile state (XCR0 bits 17, 18) and the kernel grants this process the tile data permission
+/// (Linux: arch_prctl(ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18), requested on the
+/// first call, then confirmed with ARCH_GET_XCOMP_PERM). False elsewhere (the AVX-512 kernels
+/// run instead). Thread-safe; the answer is computed once per process.
+bool amx_int8_usable();
+/// The AMX GEMMs of Q8_0, Q4_K and IQ4_XS (matmul_tok16_amx.cpp; the CPU must pass
+/// amx_int8_usable()): y[t][r] for rows [row_begin, row_end) and all a.n_tok tokens (m.type:
+/// has_tok16, m.n_tok > kQ8_0MatVecMax) with the bits of matmul_q8_scalar_avx512 and of
+/// matmul_tok16_avx512. Per 16 rows x 16 tokens and 32-block one TDPBSSD (A: the 16 rows' 32
+/// signed codes of the block, 16 x 32 bytes (Q4_K: codes 0..15, IQ4_XS: kvalues_iq4nl, unpacked
+/// as for matmul_tok16_avx512); B: the 16 tokens' codes in ActQ8::xg's run order minus 128, 8 x 64
+/// bytes) gives the exact block sums S_b; AVX-512 folds them per (row, token) in block order
+/// (Q4_K with its second FMA, the min times ActQ8::xsg). Uses this thread's tile configuration
+/// and releases it (tilerelease) before returning. Throws std::runtime_error for another type.
+void matmul_tok16_amx(const MatmulArgs& m, const ActQ8& a);
 /// AVX-512 q8 family at level `isa` (which the CPU must have): the bits of
 /// matmul_q8_scalar_avx512. Returns false for types without a kernel.
 bool matmul_q8_avx512(const MatmulArgs& m, const ActQ8& a, Q8Isa isa);

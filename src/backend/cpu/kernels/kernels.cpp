@@ -2,6 +2,10 @@
 // and dispatch of matmul to the family the config names.
 #include "backend/cpu/kernels/kernels.h"
 
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <stdexcept>
 #include <string>
 
@@ -39,6 +43,32 @@ void run_q8(const KernelConfig& k, const detail::MatmulArgs& a, const ActQ8& act
 }
 
 }  // namespace
+
+namespace detail {
+
+// (here, in a translation unit compiled for any x86-64: the test may run on a CPU without AVX-512)
+bool amx_int8_usable() {
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c >> 27 & 1)) return false;  // OSXSAVE (xgetbv)
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d >> 24 & 1) || !(d >> 25 & 1)) return false;
+    unsigned lo = 0, hi = 0;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo >> 17 & 3) != 3) return false;  // XTILECFG, XTILEDATA enabled by the OS
+#ifdef __linux__
+    constexpr int kGetPerm = 0x1022, kReqPerm = 0x1023, kXtileData = 18;
+    if (syscall(SYS_arch_prctl, kReqPerm, kXtileData) != 0) return false;
+    unsigned long perm = 0;
+    if (syscall(SYS_arch_prctl, kGetPerm, &perm) != 0) return false;
+    return (perm >> kXtileData & 1) != 0;
+#else
+    return false;
+#endif
+  }();
+  return ok;
+}
+
+}  // namespace detail
 
 KernelConfig resolve_kernels(CpuKernels family, ActQuant act) {
   if (family == CpuKernels::Auto) family = best_family();

@@ -22,6 +22,10 @@
 namespace strata::cpu::kernels {
 
 /// Which kernel family runs. Auto picks the best the CPU supports (CPUID) in resolve_kernels().
+/// Avx512 uses the CPU's best sub-level (VNNI, VBMI/GFNI, and AMX tiles for the Q8_0, Q4_K and
+/// IQ4_XS GEMMs of more than 4 tokens where CPUID reports AMX-INT8 and the OS grants the tile data
+/// permission, unless the environment variable STRATA_CPU_AMX is "0"); every sub-level gives the
+/// same bits (docs/kernels.md "AMX tiles").
 enum class CpuKernels { Auto, Scalar, Avx2, Avx512 };
 
 /// How matmul treats activations for the quantized weight types (every one has an int8

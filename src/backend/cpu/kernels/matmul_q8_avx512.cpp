@@ -12,7 +12,9 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -542,7 +544,7 @@ struct Avx512Q8 {
   }
   bool lane_block(const MatmulArgs& m, int64_t t0, int64_t t1, const LaneTokens& tk) const {
     if (m.type != GgmlType::IQ2_XS) return false;
-    if (isa == Q8Isa::Avx512Icl) {
+    if (isa >= Q8Isa::Avx512Icl) {
       iq2xs_rows_icl(m.W, m.row_bytes, m.row_begin, m.row_end, t1 - t0, tk, m.y + t0 * m.ldy, m.ldy);
     } else {
       iq2q8::rows<VNNI, false>(m.W, m.row_bytes, m.row_begin, m.row_end, t1 - t0, tk, m.y + t0 * m.ldy, m.ldy);
@@ -583,11 +585,22 @@ float quantize_block_q8_avx512(const float* x, int8_t* q, int16_t* s16) {
 
 Q8Isa best_q8_isa() {
   if (!__builtin_cpu_supports("avx512vnni")) return Q8Isa::Avx512;
-  if (__builtin_cpu_supports("gfni") && __builtin_cpu_supports("avx512vbmi")) return Q8Isa::Avx512Icl;
+  if (__builtin_cpu_supports("gfni") && __builtin_cpu_supports("avx512vbmi")) {
+    const char* env = std::getenv("STRATA_CPU_AMX");
+    // (the environment first: with STRATA_CPU_AMX=0 the tile permission is not even requested)
+    if (!(env && std::string_view(env) == "0") && amx_int8_usable()) return Q8Isa::Avx512Amx;
+    return Q8Isa::Avx512Icl;
+  }
   return Q8Isa::Avx512Vnni;
 }
 
 bool matmul_q8_avx512(const MatmulArgs& m, const ActQ8& a, Q8Isa isa) {
+  // (amx_int8_usable: also requests the tile data permission if no one has yet; without it the
+  // first tile instruction would fault)
+  if (isa == Q8Isa::Avx512Amx && has_tok16(m.type) && m.n_tok > kQ8_0MatVecMax && amx_int8_usable()) {
+    matmul_tok16_amx(m, a);
+    return true;
+  }
   if (has_tok16(m.type)) {  // tokens in the lanes, the serial definitions (matmul_q8_0_avx512.cpp)
     matmul_tok16_avx512(m, a, isa != Q8Isa::Avx512);
     return true;

@@ -2,6 +2,8 @@
 // machine's rate with every core busy (shared caches, memory channels and frequency included).
 #include "backend/cpu/kernels/peak_probe.h"
 
+#include "backend/cpu/kernels/act_q8.h"
+
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -70,6 +72,10 @@ PeakProbe probe_peak(CpuKernels family, int n_threads, double seconds, size_t re
   } else if (avx2) {
     p.int8_how = "vpmaddubsw+vpmaddwd+vpaddd";
     p.int8_gops = on_threads(n_threads, seconds, [](int, long it) { return detail::int8_loop_avx2(it); }) / 1e9;
+  }
+  if (family == CpuKernels::Avx512 && detail::amx_int8_usable()) {
+    p.amx_int8_gops = on_threads(n_threads, seconds, [](int, long it) { return detail::int8_loop_amx(it, 64); }) / 1e9;
+    p.amx_k32_gops = on_threads(n_threads, seconds, [](int, long it) { return detail::int8_loop_amx(it, 32); }) / 1e9;
   }
   if (avx2)
     p.maddubs_gops = on_threads(n_threads, seconds, [](int, long it) { return detail::maddubs_loop_avx2(it); }) / 1e9;

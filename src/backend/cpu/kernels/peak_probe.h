@@ -17,6 +17,11 @@ struct PeakProbe {
   /// vpdpbusd, as the AVX2 kernels form them), "vpdpbusd zmm" (AVX-512 VNNI), "none" (scalar)
   const char* int8_how = "none";
   double maddubs_gops = 0;  ///< bare vpmaddubsw ymm rate (int16 pair sums only), 0 without AVX2
+  /// AMX tile peak (TDPBSSD, 16 x 16 x 64 tiles held in the tile registers), all threads, 1e9 ops/s;
+  /// 0 where the family is not Avx512 or !amx_int8_usable()
+  double amx_int8_gops = 0;
+  /// the same with K = 32 bytes per TDPBSSD, the shape of the Q8_0 AMX GEMM (one block per dot)
+  double amx_k32_gops = 0;
   double read_gbps = 0;     ///< sequential read of `read_bytes` per thread, all threads, 1e9 B/s
   int threads = 0;
 };
@@ -34,6 +39,10 @@ double maddubs_loop_avx2(long iters);
 /// vpdpbusd zmm loop (AVX-512 VNNI). Compiles on every x86 build; NOT MEASURED on the
 /// development machine (no AVX-512 there).
 double int8_loop_avx512vnni(long iters);
+/// TDPBSSD loop (AMX-INT8; peak_probe_amx.cpp): 4 independent 16 x 16 int32 tiles, each
+/// `iters` times += A (16 x k_bytes) * B (k_bytes/4 x 64 bytes); k_bytes 4..64, a multiple of 4.
+/// Only where amx_int8_usable().
+double int8_loop_amx(long iters, int k_bytes);
 /// Sums n bytes at p (n % 128 == 0) with 256-bit loads; returns a value that depends on them.
 long long read_avx2(const void* p, size_t n);
 }  // namespace detail
