@@ -32,8 +32,9 @@ CpuKernels best_family() {
 }
 
 // The q8 family of k: AVX-512 or AVX2 kernels (the type has one in both), else the scalar
-// definition; all give the same bits except Q8_0 in the AVX-512 family, whose definition is
-// the serial one of matmul_q8_scalar_avx512 (the CUDA q8 arithmetic).
+// definition; all give the same bits except Q8_0, Q4_K and IQ4_XS in the AVX-512 family and Q8_0
+// in the AVX2 family, whose definitions are the serial ones of matmul_q8_scalar_avx512 (for Q8_0
+// the CUDA q8 arithmetic; matmul_q8_scalar_avx2).
 void run_q8(const KernelConfig& k, const detail::MatmulArgs& a, const ActQ8& act) {
   // the AVX-512 sub-level (VNNI, GFNI/VBMI) is a property of the CPU, not a choice
   static const detail::Q8Isa isa = cpu_has_avx512() ? detail::best_q8_isa() : detail::Q8Isa::Avx512;

@@ -134,8 +134,9 @@ void matmul_q8(const KernelConfig& k, GgmlType t, const void* W, size_t row_byte
 /// from the scalar reference (double accumulation) only by fp32 accumulation, at most
 /// (cols/16 + 8) * 2^-24 * sum_k |w_k x_k|. In Q8 mode (has_q8_activations(k, t)) every family
 /// computes the same bits (the arithmetic is defined in matmul_q8_ref.cpp), except Q8_0, Q4_K and
-/// IQ4_XS in the AVX-512 family, which have their own serial definitions (act_q8.h,
-/// matmul_q8_scalar_avx512; for Q8_0 the CUDA q8 one). Throws
+/// IQ4_XS in the AVX-512 family and Q8_0 in the AVX2 family, which have their own serial
+/// definitions (act_q8.h, matmul_q8_scalar_avx512 / matmul_q8_scalar_avx2; for Q8_0 the CUDA q8
+/// one, the same in both families). Throws
 /// std::runtime_error for an unsupported type, a ragged `cols`, a bad row range or
 /// row_bytes < quant::row_size(t, cols).
 void matmul(const KernelConfig& k, GgmlType t, const void* W, size_t row_bytes, int64_t row_begin, int64_t row_end,
