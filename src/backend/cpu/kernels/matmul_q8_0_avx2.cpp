@@ -183,20 +183,27 @@ inline __m256i transpose_add8(const __m256i* v) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20), _mm256_permute2x128_si256(g0, g1, 0x31));
 }
 
+/// Rows [r0, r0 + 8) against NT tokens. The 8 rows are one contiguous run of 8 * rb bytes, and
+/// so is the next tile: it is prefetched into L2 as one sequential stream, ~8 * 34 bytes per
+/// block, while this tile runs.
 template <int NT>
-void matvec_rows8(const uint8_t* W, size_t rb, int64_t r0, int64_t nb, const ActQ8& a, float* y, int64_t ldy) {
+void matvec_rows8(const uint8_t* W, size_t rb, int64_t r0, int64_t r_end, int64_t nb, const ActQ8& a, float* y,
+                  int64_t ldy) {
   __m256 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
   const uint8_t* row0 = W + static_cast<size_t>(r0) * rb;
+  const uint8_t* next = row0 + 8 * rb;
+  const int64_t next_bytes = std::min<int64_t>(8, r_end - (r0 + 8)) * static_cast<int64_t>(rb);
   for (int64_t b = 0; b < nb; ++b) {
     __m256i wv[8];
-    alignas(16) uint16_t h[8];
+    __m128i h = _mm_setzero_si128();
+#pragma GCC unroll 8
     for (int r = 0; r < 8; ++r) {
       const uint8_t* wb = row0 + r * rb + 34 * b;
-      h[r] = load_u16(wb);
       wv[r] = load256(wb + 2);
+      h = _mm_insert_epi16(h, load_u16(wb), r);
     }
-    const __m256 dw = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
+    const __m256 dw = _mm256_cvtph_ps(h);
     for (int t = 0; t < NT; ++t) {
       const __m256i x = load256(a.qt(t) + 32 * b);
       __m256i v[8];
@@ -205,9 +212,8 @@ void matvec_rows8(const uint8_t* W, size_t rb, int64_t r0, int64_t nb, const Act
       const __m256 f = _mm256_mul_ps(dw, _mm256_set1_ps(a.dt(t)[b]));  // dw_b * dx_b, rounded
       acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), f, acc[t]);
     }
-    if (b + 4 < nb)
-      for (int r = 0; r < 8; ++r)
-        _mm_prefetch(reinterpret_cast<const char*>(row0 + r * rb + 34 * (b + 4)), _MM_HINT_T0);
+    for (int64_t o = b * 272; o < (b + 1) * 272 && o < next_bytes; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T1);
   }
   for (int t = 0; t < NT; ++t) _mm256_storeu_ps(y + t * ldy + r0, acc[t]);
 }
@@ -234,7 +240,7 @@ template <int NT>
 void matvec(const MatmulArgs& m, const ActQ8& a) {
   const int64_t nb = m.cols / 32;
   int64_t r = m.row_begin;
-  for (; r + 8 <= m.row_end; r += 8) matvec_rows8<NT>(m.W, m.row_bytes, r, nb, a, m.y, m.ldy);
+  for (; r + 8 <= m.row_end; r += 8) matvec_rows8<NT>(m.W, m.row_bytes, r, m.row_end, nb, a, m.y, m.ldy);
   for (; r < m.row_end; ++r) matvec_row1<NT>(m.W + static_cast<size_t>(r) * m.row_bytes, r, nb, a, m.y, m.ldy);
 }
 
