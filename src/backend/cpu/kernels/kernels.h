@@ -75,7 +75,7 @@ bool has_q8_activations(const KernelConfig& k, GgmlType t);
 /// dxl, n_tok x cols/16 per-lane block scales; xs, n_tok x cols/32, Q4_K/Q5_K only: d times the
 /// block's code sum), which the SIMD kernels read directly (act_q8.h; otherwise every matmul call
 /// rearranges the codes itself). For Q8_0 weights and more than 4 tokens (the GEMM's sizes) the
-/// codes are also kept with the tokens in the lanes (tok16; the AVX-512 Q8_0 GEMM, act_q8.h
+/// codes are also kept with the tokens in the lanes (tok16; the AVX-512 and AVX2 Q8_0 GEMMs, act_q8.h
 /// "Tokens in the lanes"): groups of 16 tokens, per group g and 32-block b 8 runs j of 64 bytes,
 /// run j holding for each of the 16 tokens (lane l = token 16g + l) its codes 4j..4j+3 of block b
 /// plus 128 as unsigned bytes:
