@@ -6,6 +6,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -72,6 +73,10 @@ bool amx_int8_usable() {
 }  // namespace detail
 
 KernelConfig resolve_kernels(CpuKernels family, ActQuant act) {
+  // STRATA_CPU_KERNELS=scalar|avx2|avx512 stands for `auto` (so that a whole test run can go
+  // through one family, e.g. the AVX2 one on an AVX-512 machine); an explicit choice wins.
+  if (family == CpuKernels::Auto)
+    if (const char* e = std::getenv("STRATA_CPU_KERNELS"); e && *e) family = parse_cpu_kernels(e);
   if (family == CpuKernels::Auto) family = best_family();
   if (family == CpuKernels::Avx2 && !cpu_has_avx2())
     throw std::runtime_error("cpu kernels: avx2 requested but this CPU lacks AVX2/FMA/F16C/BMI2");

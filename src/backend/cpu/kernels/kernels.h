@@ -51,6 +51,7 @@ struct KernelConfig {
 /// (CPUID: AVX-512 F/BW/VL/DQ, else AVX2+FMA+F16C+BMI2, else scalar); Auto activations -> Q8 with
 /// the AVX2 and AVX-512 families, F32 with the scalar one. Throws std::runtime_error if the CPU
 /// lacks the instructions of the requested family.
+/// Auto reads STRATA_CPU_KERNELS (scalar|avx2|avx512) first, if set: one family for a whole run.
 KernelConfig resolve_kernels(CpuKernels family = CpuKernels::Auto, ActQuant act = ActQuant::Auto);
 
 /// "auto", "scalar", "avx2", "avx512".
