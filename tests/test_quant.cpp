@@ -785,7 +785,8 @@ TEST(QuantQ8, AllFamiliesBitIdentical) {
               } else {
                 ASSERT_TRUE(kd::matmul_q8_avx512(a, *ap, levels[static_cast<size_t>(isa)]));
               }
-              const std::vector<float>& want = isa < 0 ? ref : ref512;
+              // (the AVX2 family's Q8_0 is the serial definition too: matmul_q8_scalar_avx2)
+              const std::vector<float>& want = isa < 0 && t != GgmlType::Q8_0 ? ref : ref512;
               for (size_t i = 0; i < y.size(); ++i)
                 ASSERT_EQ(bits(y[i]), bits(want[i]))
                     << strata::quant::detail::type_name(t) << " "
@@ -798,8 +799,8 @@ TEST(QuantQ8, AllFamiliesBitIdentical) {
       }
     }
   }
-  // and through the public entry point, per family: the scalar family's bits, except Q8_0 in the
-  // AVX-512 family (its serial definition)
+  // and through the public entry point, per family: the scalar family's bits, except Q8_0, Q4_K
+  // and IQ4_XS in the AVX-512 family and Q8_0 in the AVX2 family (their serial definitions)
   for (GgmlType t : kQ8Types) {
     const int64_t rows = 9, cols = 512, n_tok = 6;
     const auto w = random_rows(t, rows, cols, rng);
@@ -817,7 +818,8 @@ TEST(QuantQ8, AllFamiliesBitIdentical) {
       ASSERT_TRUE(k::has_q8_activations(kc, t));
       std::vector<float> y(static_cast<size_t>(rows * n_tok));
       k::matmul(kc, t, w.data(), q::row_size(t, cols), 0, rows, cols, x.data(), cols, n_tok, y.data(), rows);
-      const std::vector<float>& want = fam == k::CpuKernels::Avx512 ? ref512 : ref;
+      const bool serial = fam == k::CpuKernels::Avx512 || (fam == k::CpuKernels::Avx2 && t == GgmlType::Q8_0);
+      const std::vector<float>& want = serial ? ref512 : ref;
       for (size_t i = 0; i < y.size(); ++i) ASSERT_EQ(bits(y[i]), bits(want[i])) << k::cpu_kernels_name(fam);
     }
   }
@@ -967,7 +969,8 @@ TEST(QuantQ8, ModeSelection) {
 }
 
 // The AVX2 prefill tiles (gemm_q8_avx2 in matmul_q8_avx2.cpp: 2 rows x 4 tokens for the 32-weight
-// block types, 4 tokens per row for Q4_K/Q5_K/IQ4_XS; n_tok >= 4) against the scalar definition
+// block types, 4 tokens per row for Q4_K/Q5_K/IQ4_XS; n_tok >= 4; Q8_0: matmul_q8_0_avx2.cpp)
+// against the AVX2 family's definition (matmul_q8_scalar_avx2)
 // and against the row kernels (n_tok < 4), bit for bit: row ranges that start and end inside a
 // row tile, every tile remainder (n_tok 4..9, and 67 crossing the 64-token block), wider ldy, and
 // the codes at the ends of the int16 range (all-maximal Q4_K/Q5_K/Q8_0/IQ4_XS codes against
@@ -1006,7 +1009,7 @@ TEST(QuantQ8, Avx2TilesEqualDefinitionAndRowKernels) {
         const int64_t ldy = rows + 3;
         std::vector<float> ref(static_cast<size_t>(ldy * n_tok), NAN), y(ref.size(), NAN), one(ref.size(), NAN);
         kd::MatmulArgs a{t, w.data(), rb, r0, r1, cols, x.data(), cols, n_tok, ref.data(), ldy};
-        kd::matmul_q8_scalar(a, act);
+        kd::matmul_q8_scalar_avx2(a, act);
         a.y = y.data();
         ASSERT_TRUE(kd::matmul_q8_avx2(a, act));
         // each token alone (the row kernels), from its own quantization
@@ -1302,13 +1305,13 @@ TEST(QuantQ8, AmxOffByEnvironment) {
 
 // Batch invariance of the token-lane GEMM: a token's outputs are the same bits alone, at every
 // position of a group of 16, and at several positions of a batch of 512 (the other tokens random).
-static void token_lanes_batch_invariant(GgmlType t) {
+static void token_lanes_batch_invariant(GgmlType t, k::CpuKernels fam = k::CpuKernels::Avx512) {
   std::mt19937_64 rng(test_seed() ^ 0x16 ^ static_cast<uint64_t>(t));
   const int64_t rows = 11, cols = 1024;
   const size_t rb = q::row_size(t, cols);
   const auto w = random_rows(t, rows, cols, rng);
   const std::vector<float> probe = random_x(cols, rng);
-  const k::KernelConfig kc = config(k::CpuKernels::Avx512, k::ActQuant::Q8);
+  const k::KernelConfig kc = config(fam, k::ActQuant::Q8);
   auto outputs = [&](int64_t n_tok, int64_t pos) {  // the probe's outputs at `pos` of n_tok tokens
     std::vector<float> x = random_x(n_tok * cols, rng);
     std::copy(probe.begin(), probe.end(), x.begin() + pos * cols);
@@ -1340,4 +1343,97 @@ TEST(QuantQ8, Avx512Q4_KTokenLanesBatchInvariant) {
 TEST(QuantQ8, Avx512IQ4_XSTokenLanesBatchInvariant) {
   if (!cpu_has_avx512_q8()) GTEST_SKIP() << "no AVX-512 on this CPU";
   token_lanes_batch_invariant(GgmlType::IQ4_XS);
+}
+
+// The AVX2 Q8_0 kernels (matmul_q8_0_avx2.cpp: the GEMM with 8 tokens per ymm, 2-row x 16-token
+// register tiles, and the 8-row mat-vec) against the AVX2 family's definition
+// (matmul_q8_scalar_avx2, for Q8_0 the serial one of matmul_q8_scalar_avx512) and, where the CPU
+// has AVX-512, against the AVX-512 family's GEMM and mat-vec, bit for bit: 37 rows (tails of the
+// 2-row tile and of the mat-vec's 8), the row range [3, 34) (starting and ending inside a tile)
+// and two threads split at row 19; cols 256..16384; n_tok 1..9, 15, 16, 17, 33, 64, 67, 511, 512
+// (the larger ones skipped at the wider rows); the layout kept in ActQ8 and made by the kernel;
+// the extreme codes (weights -128 / +127 against activation codes +-127: |S_b| = 32 * 128 * 127,
+// vpmaddubsw pair sums at 2 * 128 * 127 = 32512).
+TEST(QuantQ8, Avx2Q8_0TokenLanesEqualDefinition) {
+  if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+        __builtin_cpu_supports("bmi2")))
+    GTEST_SKIP() << "no AVX2 on this CPU";
+  const GgmlType t = GgmlType::Q8_0;
+  const bool avx512 = cpu_has_avx512_q8();
+  std::mt19937_64 rng(test_seed() ^ 0xa2a2);
+  int64_t checked = 0, vs512 = 0;
+  for (bool extreme : {false, true}) {
+    for (int64_t cols : {256, 800, 1024, 4096, 16384}) {
+      const int64_t rows = cols >= 4096 ? 21 : 37;
+      auto w = random_rows(t, rows, cols, rng);
+      if (extreme)
+        for (int64_t b = 0; b < rows * cols / 32; ++b) std::memset(w.data() + 34 * b + 2, b % 3 ? 0x80 : 0x7f, 32);
+      const size_t rb = q::row_size(t, cols);
+      for (int64_t n_tok : {1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 33, 64, 67, 511, 512}) {
+        if (cols == 4096 && n_tok > 67 && n_tok != 512) continue;
+        if (cols == 16384 && n_tok > 17 && n_tok != 64) continue;
+        std::vector<float> x = random_x(n_tok * cols, rng);
+        if (extreme)
+          for (int64_t i = 0; i < n_tok * cols; ++i) x[static_cast<size_t>(i)] = (i / 32) % 2 ? -0.5f : 0.5f;
+        k::ActQ8 kept, bare;
+        kept.resize(n_tok, cols, t);
+        bare.resize(n_tok, cols);
+        k::quantize_activations(config(k::CpuKernels::Avx2), x.data(), cols, 0, n_tok / 2, kept);
+        k::quantize_activations(config(k::CpuKernels::Avx2), x.data(), cols, n_tok / 2, n_tok, kept);
+        k::quantize_activations(config(k::CpuKernels::Avx2), x.data(), cols, 0, n_tok, bare);
+        const int64_t ldy = rows + 1;
+        std::vector<float> ref(static_cast<size_t>(ldy * n_tok), NAN), y512(ref.size(), NAN);
+        kd::MatmulArgs a{t, w.data(), rb, 0, rows, cols, nullptr, cols, n_tok, ref.data(), ldy};
+        kd::matmul_q8_scalar_avx2(a, bare);
+        if (avx512) {
+          a.y = y512.data();
+          ASSERT_TRUE(kd::matmul_q8_avx512(a, bare, kd::Q8Isa::Avx512));
+          for (size_t i = 0; i < ref.size(); ++i) ASSERT_EQ(bits(y512[i]), bits(ref[i])) << "avx512 i=" << i;
+          vs512 += static_cast<int64_t>(ref.size());
+        }
+        for (int split : {0, 1, 2})  // 0: all rows; 1: rows [3, 34); 2: two threads split at row 19
+          for (const k::ActQ8* ap : {&kept, &bare}) {
+            std::vector<float> y(ref.size(), NAN);
+            auto run = [&](int64_t r0, int64_t r1) {
+              kd::MatmulArgs s = a;
+              s.row_begin = r0;
+              s.row_end = r1;
+              s.y = y.data();
+              ASSERT_TRUE(kd::matmul_q8_avx2(s, *ap));
+            };
+            const int64_t lo = split == 1 ? 3 : 0, hi = split == 1 ? rows - 3 : rows;
+            if (split == 2) {
+              std::thread other([&] { run(19, rows); });
+              run(0, 19);
+              other.join();
+            } else {
+              run(lo, hi);
+            }
+            for (int64_t tk = 0; tk < n_tok; ++tk)
+              for (int64_t r = 0; r < ldy; ++r) {
+                const size_t i = static_cast<size_t>(tk * ldy + r);
+                if (r < lo || r >= hi) {
+                  ASSERT_TRUE(std::isnan(y[i])) << "row outside the range written";
+                  continue;
+                }
+                ASSERT_EQ(bits(y[i]), bits(ref[i]))
+                    << "avx2 Q8_0" << (extreme ? " extreme" : "") << " cols=" << cols << " n_tok=" << n_tok
+                    << " split=" << split << (ap == &kept ? " kept" : " made") << " token " << tk << " row " << r;
+                ++checked;
+              }
+          }
+      }
+    }
+  }
+  std::printf("[quant] avx2 Q8_0 token lanes: %lld outputs equal to the serial definition (%lld also to avx512)\n",
+              static_cast<long long>(checked), static_cast<long long>(vs512));
+}
+
+// A token's outputs under the AVX2 family's Q8_0 kernels do not depend on the batch: alone (the
+// mat-vec), at each position of a group of 16, in a batch of 512 and of 7 (the GEMM).
+TEST(QuantQ8, Avx2Q8_0TokenLanesBatchInvariant) {
+  if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+        __builtin_cpu_supports("bmi2")))
+    GTEST_SKIP() << "no AVX2 on this CPU";
+  token_lanes_batch_invariant(GgmlType::Q8_0, k::CpuKernels::Avx2);
 }

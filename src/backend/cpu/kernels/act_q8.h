@@ -344,9 +344,22 @@ void matmul_q8_scalar(const MatmulArgs& m, const ActQ8& a);
 /// (these CPU definitions are not the CUDA ones for Q4_K and IQ4_XS).
 void matmul_q8_scalar_avx512(const MatmulArgs& m, const ActQ8& a);
 
+/// The definition of the AVX2 q8 family: matmul_q8_scalar for every type but Q8_0, whose
+/// arithmetic is the serial one of matmul_q8_scalar_avx512 (dot_q8_0_serial: per (row, token)
+/// S_b exact, acc = fma(float(S_b), dw_b * dx_b, acc) block after block), so the AVX2 and AVX-512
+/// families give the same Q8_0 bits.
+void matmul_q8_scalar_avx2(const MatmulArgs& m, const ActQ8& a);
+
 /// AVX2 q8 family (+ FMA, F16C, BMI2; the CPU must have them): y[t][r] with the bits of
-/// matmul_q8_scalar. Returns false for types without a kernel (!has_q8_kernel).
+/// matmul_q8_scalar_avx2. Returns false for types without a kernel (!has_q8_kernel).
 bool matmul_q8_avx2(const MatmulArgs& m, const ActQ8& a);
+
+/// The AVX2 Q8_0 kernels with the bits of the serial definition (matmul_q8_scalar_avx2 /
+/// matmul_q8_scalar_avx512; matmul_q8_0_avx2.cpp): y[t][r] for rows [row_begin, row_end) and all
+/// a.n_tok tokens (m.type must be Q8_0). More than kQ8_0MatVecMax tokens: the tokens-in-the-lanes
+/// GEMM (ActQ8::xg / dxg as two ymm halves of 8 tokens, made by the kernel when `a` has none);
+/// fewer: the mat-vec, 8 rows per register, natural code order.
+void matmul_q8_0_avx2(const MatmulArgs& m, const ActQ8& a);
 
 /// Instruction-set levels of the AVX-512 q8 family. All give the same bits.
 enum class Q8Isa {

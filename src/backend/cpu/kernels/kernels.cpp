@@ -6,6 +6,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -32,8 +33,9 @@ CpuKernels best_family() {
 }
 
 // The q8 family of k: AVX-512 or AVX2 kernels (the type has one in both), else the scalar
-// definition; all give the same bits except Q8_0 in the AVX-512 family, whose definition is
-// the serial one of matmul_q8_scalar_avx512 (the CUDA q8 arithmetic).
+// definition; all give the same bits except Q8_0, Q4_K and IQ4_XS in the AVX-512 family and Q8_0
+// in the AVX2 family, whose definitions are the serial ones of matmul_q8_scalar_avx512 (for Q8_0
+// the CUDA q8 arithmetic; matmul_q8_scalar_avx2).
 void run_q8(const KernelConfig& k, const detail::MatmulArgs& a, const ActQ8& act) {
   // the AVX-512 sub-level (VNNI, GFNI/VBMI) is a property of the CPU, not a choice
   static const detail::Q8Isa isa = cpu_has_avx512() ? detail::best_q8_isa() : detail::Q8Isa::Avx512;
@@ -71,6 +73,10 @@ bool amx_int8_usable() {
 }  // namespace detail
 
 KernelConfig resolve_kernels(CpuKernels family, ActQuant act) {
+  // STRATA_CPU_KERNELS=scalar|avx2|avx512 stands for `auto` (so that a whole test run can go
+  // through one family, e.g. the AVX2 one on an AVX-512 machine); an explicit choice wins.
+  if (family == CpuKernels::Auto)
+    if (const char* e = std::getenv("STRATA_CPU_KERNELS"); e && *e) family = parse_cpu_kernels(e);
   if (family == CpuKernels::Auto) family = best_family();
   if (family == CpuKernels::Avx2 && !cpu_has_avx2())
     throw std::runtime_error("cpu kernels: avx2 requested but this CPU lacks AVX2/FMA/F16C/BMI2");

@@ -51,6 +51,7 @@ struct KernelConfig {
 /// (CPUID: AVX-512 F/BW/VL/DQ, else AVX2+FMA+F16C+BMI2, else scalar); Auto activations -> Q8 with
 /// the AVX2 and AVX-512 families, F32 with the scalar one. Throws std::runtime_error if the CPU
 /// lacks the instructions of the requested family.
+/// Auto reads STRATA_CPU_KERNELS (scalar|avx2|avx512) first, if set: one family for a whole run.
 KernelConfig resolve_kernels(CpuKernels family = CpuKernels::Auto, ActQuant act = ActQuant::Auto);
 
 /// "auto", "scalar", "avx2", "avx512".
@@ -75,7 +76,7 @@ bool has_q8_activations(const KernelConfig& k, GgmlType t);
 /// dxl, n_tok x cols/16 per-lane block scales; xs, n_tok x cols/32, Q4_K/Q5_K only: d times the
 /// block's code sum), which the SIMD kernels read directly (act_q8.h; otherwise every matmul call
 /// rearranges the codes itself). For Q8_0 weights and more than 4 tokens (the GEMM's sizes) the
-/// codes are also kept with the tokens in the lanes (tok16; the AVX-512 Q8_0 GEMM, act_q8.h
+/// codes are also kept with the tokens in the lanes (tok16; the AVX-512 and AVX2 Q8_0 GEMMs, act_q8.h
 /// "Tokens in the lanes"): groups of 16 tokens, per group g and 32-block b 8 runs j of 64 bytes,
 /// run j holding for each of the 16 tokens (lane l = token 16g + l) its codes 4j..4j+3 of block b
 /// plus 128 as unsigned bytes:
@@ -134,8 +135,9 @@ void matmul_q8(const KernelConfig& k, GgmlType t, const void* W, size_t row_byte
 /// from the scalar reference (double accumulation) only by fp32 accumulation, at most
 /// (cols/16 + 8) * 2^-24 * sum_k |w_k x_k|. In Q8 mode (has_q8_activations(k, t)) every family
 /// computes the same bits (the arithmetic is defined in matmul_q8_ref.cpp), except Q8_0, Q4_K and
-/// IQ4_XS in the AVX-512 family, which have their own serial definitions (act_q8.h,
-/// matmul_q8_scalar_avx512; for Q8_0 the CUDA q8 one). Throws
+/// IQ4_XS in the AVX-512 family and Q8_0 in the AVX2 family, which have their own serial
+/// definitions (act_q8.h, matmul_q8_scalar_avx512 / matmul_q8_scalar_avx2; for Q8_0 the CUDA q8
+/// one, the same in both families). Throws
 /// std::runtime_error for an unsupported type, a ragged `cols`, a bad row range or
 /// row_bytes < quant::row_size(t, cols).
 void matmul(const KernelConfig& k, GgmlType t, const void* W, size_t row_bytes, int64_t row_begin, int64_t row_end,

@@ -2,7 +2,8 @@
 // by lane, with the 16 int32/fp32 lanes of the AVX-512 kernels (matmul_q8_avx512.cpp) held as
 // two ymm (lanes 0-7 and 8-15). Products are summed with vpmaddubsw + vpmaddwd (the integers of
 // vpdpbusd: no pair sum can saturate for the codes used here), so every result has the bits of
-// the scalar definition and of the AVX-512 kernels.
+// the scalar definition and of the AVX-512 kernels. Q8_0 is the exception: it runs the serial
+// definition (matmul_q8_scalar_avx2) with the tokens in the lanes, matmul_q8_0_avx2.cpp.
 //
 // Kernels: every type of has_q8_kernel (the 32-weight block types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
 // IQ4_NL, MXFP4; Q2_K..Q6_K, IQ2_XS, IQ3_S, IQ4_XS in their lane orders).
@@ -1023,6 +1024,10 @@ bool gemm_q8_avx2(const MatmulArgs& m, const ActQ8& a) {
 
 bool matmul_q8_avx2(const MatmulArgs& m, const ActQ8& a) {
   thread_local std::vector<int32_t> x128;
+  if (m.type == GgmlType::Q8_0) {  // the serial definition, tokens in the lanes (matmul_q8_0_avx2.cpp)
+    matmul_q8_0_avx2(m, a);
+    return true;
+  }
   if (m.n_tok >= kTileTok && gemm_q8_avx2(m, a)) return true;
   Avx2Q8 k{x128};
   return run_q8_blocks<2>(m, a, k);

@@ -395,6 +395,14 @@ void matmul_q8_scalar_avx512(const MatmulArgs& m, const ActQ8& a) {
   }
 }
 
+void matmul_q8_scalar_avx2(const MatmulArgs& m, const ActQ8& a) {
+  if (m.type == GgmlType::Q8_0) {
+    matmul_q8_scalar_avx512(m, a);  // dot_q8_0_serial
+    return;
+  }
+  matmul_q8_scalar(m, a);
+}
+
 void lane_order(GgmlType type, const ActQ8& a, int64_t t0, int64_t t1, int8_t* xp, float* dxl, float* xs) {
   // source dword of each destination dword of a 256-block (a lane's 4 elements are consecutive)
   using Map = std::array<uint8_t, 64>;
