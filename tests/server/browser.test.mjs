@@ -85,22 +85,29 @@ test('chromium: load, API key, counters, send and stream, stop, reload', async (
   const counters = async () => page.evaluate(() =>
     Object.fromEntries(['tps', 'hits', 'misses', 'wait'].map((id) => [id, document.getElementById(id).textContent])));
 
-  // Send: the reply streams in (its text grows over several observations), then ends.
+  // Send: the reply streams in (its text grows over several observations), then ends. The
+  // lengths are recorded in the page by a MutationObserver on every change of the log, so that
+  // how fast this side polls (a loaded machine, a fast decode) does not decide what is seen.
+  await page.evaluate(() => {
+    window.replyLengths = [];
+    new MutationObserver(() => {
+      const m = document.querySelectorAll('#log .msg');
+      const a = window.replyLengths;
+      const n = m.length >= 2 ? m[1].textContent.length : -1;
+      if (n > 0 && n !== a[a.length - 1]) a.push(n);
+    }).observe(document.getElementById('log'), { childList: true, subtree: true, characterData: true });
+  });
   await page.fill('#input', 'def fibonacci(n):');
   await page.press('#input', 'Enter');
-  const seen = [];
   for (let i = 0; i < 3000; ++i) {
-    const [len, status] = await page.evaluate(() => {
-      const m = document.querySelectorAll('#log .msg');
-      return [m.length >= 2 ? m[1].textContent.length : -1, document.getElementById('status').textContent];
-    });
-    if (len > 0 && len !== seen[seen.length - 1]) seen.push(len);
+    const status = await page.evaluate(() => document.getElementById('status').textContent);
     if (status !== 'generating') {
       assert.equal(status, 'done');
       break;
     }
     await new Promise((r) => setTimeout(r, 5));
   }
+  const seen = await page.evaluate(() => window.replyLengths);
   assert.ok(seen.length >= 3, `the reply grew over several observations: lengths seen ${seen}`);
   for (let i = 1; i < seen.length; ++i) assert.ok(seen[i] > seen[i - 1], `lengths only grow: ${seen}`);
   const userMsg = await page.textContent('#log .msg.user');
