@@ -196,13 +196,15 @@ void matvec_rows8(const uint8_t* W, size_t rb, int64_t r0, int64_t r_end, int64_
   const int64_t next_bytes = std::min<int64_t>(8, r_end - (r0 + 8)) * static_cast<int64_t>(rb);
   for (int64_t b = 0; b < nb; ++b) {
     __m256i wv[8];
-    __m128i h = _mm_setzero_si128();
+    const uint8_t* wb = row0 + 34 * b;
 #pragma GCC unroll 8
-    for (int r = 0; r < 8; ++r) {
-      const uint8_t* wb = row0 + r * rb + 34 * b;
-      wv[r] = load256(wb + 2);
-      h = _mm_insert_epi16(h, load_u16(wb), r);
-    }
+    for (int r = 0; r < 8; ++r) wv[r] = load256(wb + r * rb + 2);
+    // the 8 rows' fp16 scales, row r in lane r, built in registers (no store-forwarding stall);
+    // _mm_set_epi16 rather than _mm_insert_epi16 in the loop, whose lane must be a constant
+    const __m128i h =
+        _mm_set_epi16(short(load_u16(wb + 7 * rb)), short(load_u16(wb + 6 * rb)), short(load_u16(wb + 5 * rb)),
+                      short(load_u16(wb + 4 * rb)), short(load_u16(wb + 3 * rb)), short(load_u16(wb + 2 * rb)),
+                      short(load_u16(wb + rb)), short(load_u16(wb)));
     const __m256 dw = _mm256_cvtph_ps(h);
     for (int t = 0; t < NT; ++t) {
       const __m256i x = load256(a.qt(t) + 32 * b);
