@@ -986,7 +986,17 @@ void ensure_smem_attrs() {
   STRATA_CUDA_CHECK(cudaFuncSetAttribute(mv_q8_kernel<true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          mv_smem_bytes<true>()));
   // the small-matrix variants stay under the 48 KiB default (4 rows: 9 / 18 KiB), and so do the
-  // v2 ones (mv2_q8_kernel: 8.3 / 16.5 KiB a one-warp block, 21.4 / 42.75 KiB a 4-warp one)
+  // v2 ones (mv2_q8_kernel: 8.3 / 16.5 KiB a one-warp block, 21.4 / 42.75 KiB a 4-warp one).
+  // The X1 instances prefer the largest shared-memory carveout, so that six 37 KiB DUAL blocks
+  // fit an SM.
+  for (const void* k : {reinterpret_cast<const void*>(mv2_q8_kernel<true, 8, 24, 1, false, true>),
+                        reinterpret_cast<const void*>(mv2_q8_kernel<true, 2, 64, 4, false, true>),
+                        reinterpret_cast<const void*>(mv2_q8_kernel<false, 8, 24, 1, false, true>),
+                        reinterpret_cast<const void*>(mv2_q8_kernel<false, 2, 64, 4, false, true>),
+                        reinterpret_cast<const void*>(mv2_q8_kernel<false, 8, 24, 1, true, true>),
+                        reinterpret_cast<const void*>(mv2_q8_kernel<false, 2, 64, 4, true, true>)})
+    STRATA_CUDA_CHECK(
+        cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout, int(cudaSharedmemCarveoutMaxShared)));
   if (done.size() <= size_t(dev)) done.resize(size_t(dev) + 1, false);
   done[size_t(dev)] = true;
 }
@@ -1037,39 +1047,38 @@ bool q8_x1_enabled() {
   return (o < 0 ? env : o != 0) && mv16_v2_enabled();
 }
 
-/// X1's launch of mv2_q8_kernel (the instance by cols, as launch_q8 picks it): the block's
-/// shared memory is the quantized row plus its warps'. The X1 instances prefer the largest
-/// shared-memory carveout (so that six 37 KiB DUAL blocks fit an SM; set once per device).
-template <bool DUAL, bool MULTI>
-void launch_x1(unsigned grid, const GroupedMatmulJob* jobs, int n_jobs, const GroupedMatmulJob& one, size_t row_bytes,
-               int64_t rows, int cols, float* y, int64_t ldy, const Q8MultiOut& multi, const Q8X1Src& x1,
-               cudaStream_t st) {
-  static std::mutex mu;
-  static std::vector<bool> done;
-  int dev = 0;
-  STRATA_CUDA_CHECK(cudaGetDevice(&dev));
-  auto small = mv2_q8_kernel<DUAL, 8, 24, 1, MULTI, true>;
-  auto large = mv2_q8_kernel<DUAL, 2, 64, 4, MULTI, true>;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    if (size_t(dev) >= done.size() || !done[size_t(dev)]) {
-      STRATA_CUDA_CHECK(cudaFuncSetAttribute(small, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                             int(cudaSharedmemCarveoutMaxShared)));
-      STRATA_CUDA_CHECK(cudaFuncSetAttribute(large, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                             int(cudaSharedmemCarveoutMaxShared)));
-      if (done.size() <= size_t(dev)) done.resize(size_t(dev) + 1, false);
-      done[size_t(dev)] = true;
-    }
-  }
-  const size_t xb = size_t(mv2_x1_bytes(cols));
+/// Launches mv2_q8_kernel<DUAL, ..., MULTI, X1>: the one-warp instance (R = 8, KB = 24) for
+/// rows of at most kV2SmallMaxBlocks Q8_0 blocks, else the 4-warp one (R = 2, KB = 64); X1's
+/// blocks hold the quantized row in front of their warps' shared memory.
+template <bool DUAL, bool MULTI, bool X1>
+void launch_v2(unsigned grid, const GroupedMatmulJob* jobs, int n_jobs, const GroupedMatmulJob& one, size_t row_bytes,
+               int64_t rows, int cols, const int8_t* xq, const float* xd, float* y, int64_t ldy,
+               const Q8MultiOut& multi, const Q8X1Src& x1, cudaStream_t st) {
+  ensure_smem_attrs();
+  const size_t xb = X1 ? size_t(mv2_x1_bytes(cols)) : 0;
   if (cols / 32 <= kV2SmallMaxBlocks)
-    detail::launch(small, grid, 32, xb + mv2_warp_bytes<DUAL, 8, 24, true>(), st, jobs, n_jobs, one, row_bytes, rows,
-                   cols, static_cast<const int8_t*>(nullptr), static_cast<const float*>(nullptr), y, ldy, multi, x1);
+    detail::launch(mv2_q8_kernel<DUAL, 8, 24, 1, MULTI, X1>, grid, 32, xb + mv2_warp_bytes<DUAL, 8, 24, X1>(), st, jobs,
+                   n_jobs, one, row_bytes, rows, cols, xq, xd, y, ldy, multi, x1);
   else
-    detail::launch(large, grid, 4 * 32, xb + 4 * mv2_warp_bytes<DUAL, 2, 64, true>(), st, jobs, n_jobs, one, row_bytes,
-                   rows, cols, static_cast<const int8_t*>(nullptr), static_cast<const float*>(nullptr), y, ldy, multi,
-                   x1);
+    detail::launch(mv2_q8_kernel<DUAL, 2, 64, 4, MULTI, X1>, grid, 4 * 32, xb + 4 * mv2_warp_bytes<DUAL, 2, 64, X1>(),
+                   st, jobs, n_jobs, one, row_bytes, rows, cols, xq, xd, y, ldy, multi, x1);
   STRATA_CUDA_CHECK_LAUNCH();
+}
+
+/// Fills m with the n (1 ..= kMax) parts of a matmul_q8_multi launch, each part's blocks one token
+/// tile of kWRowsBlock rows after the previous part's; returns the launch's blocks (CudaError
+/// above 2^31 - 1, naming fn).
+int64_t fill_multi(const MatmulQ8Part* parts, int n, Q8MultiOut& m, const char* fn) {
+  m.n = n;
+  int64_t blocks = 0;
+  for (int i = 0; i < n; ++i) {
+    m.w[i] = parts[i].w, m.y[i] = parts[i].y, m.rows[i] = parts[i].rows, m.ldy[i] = parts[i].ldy;
+    m.block0[i] = blocks;
+    blocks += (parts[i].rows + kWRowsBlock - 1) / kWRowsBlock;
+  }
+  m.block0[n] = blocks;
+  STRATA_CUDA_REQUIRE(blocks <= INT32_MAX, std::string(fn) + ": too many blocks");
+  return blocks;
 }
 
 /// The common checks of the X1 entry points.
@@ -1099,12 +1108,9 @@ void launch_q8(bool gemm, bool al4, int rb, unsigned grid, const GroupedMatmulJo
   if (gemm)
     detail::launch(gemm_q8_kernel<DUAL>, grid, DUAL ? 2 * kGThreads : kGThreads, kGStages * gemm_stage_bytes<DUAL>(),
                    st, jobs, n_jobs, one, row_bytes, rows, cols, xq, xd, y, ldy, yrows);
-  else if (rb == kWRowsBlock && mv16_v2_enabled() && cols / 32 <= kV2SmallMaxBlocks)
-    detail::launch(mv2_q8_kernel<DUAL, 8, 24, 1>, grid, 32, mv2_warp_bytes<DUAL, 8, 24>(), st, jobs, n_jobs, one,
-                   row_bytes, rows, cols, xq, xd, y, ldy, Q8MultiOut{}, Q8X1Src{});
   else if (rb == kWRowsBlock && mv16_v2_enabled())
-    detail::launch(mv2_q8_kernel<DUAL, 2, 64, 4>, grid, 4 * 32, 4 * mv2_warp_bytes<DUAL, 2, 64>(), st, jobs, n_jobs,
-                   one, row_bytes, rows, cols, xq, xd, y, ldy, Q8MultiOut{}, Q8X1Src{});
+    launch_v2<DUAL, false, false>(grid, jobs, n_jobs, one, row_bytes, rows, cols, xq, xd, y, ldy, Q8MultiOut{},
+                                  Q8X1Src{}, st);
   else if (rb == kWRowsBlock)
     detail::launch(mv16_q8_kernel<DUAL>, grid, kWWarps * 32, mv16_smem_bytes<DUAL>(), st, jobs, n_jobs, one, row_bytes,
                    rows, cols, xq, xd, y, ldy);
@@ -1198,26 +1204,11 @@ void matmul_q8_multi(GgmlType type, const MatmulQ8Part* parts, int n, size_t row
     return;
   }
   Q8MultiOut m;
-  m.n = n;
-  int64_t blocks = 0;
-  for (int i = 0; i < n; ++i) {
-    m.w[i] = parts[i].w, m.y[i] = parts[i].y, m.rows[i] = parts[i].rows, m.ldy[i] = parts[i].ldy;
-    m.block0[i] = blocks;
-    blocks += (parts[i].rows + kWRowsBlock - 1) / kWRowsBlock;  // one token tile (n_tok <= kVTok)
-  }
-  m.block0[n] = blocks;
-  STRATA_CUDA_REQUIRE(blocks <= INT32_MAX, "cuda::matmul_q8_multi: too many blocks");
+  const int64_t blocks = fill_multi(parts, n, m, "cuda::matmul_q8_multi");  // one token tile (n_tok <= kVTok)
   GroupedMatmulJob one;
   one.row0 = 0, one.n_tok = n_tok, one.block0 = 0;
-  auto st = static_cast<cudaStream_t>(stream);
-  ensure_smem_attrs();
-  if (cols / 32 <= kV2SmallMaxBlocks)
-    detail::launch(mv2_q8_kernel<false, 8, 24, 1, true>, unsigned(blocks), 32, mv2_warp_bytes<false, 8, 24>(), st,
-                   nullptr, 1, one, row_bytes, int64_t(0), int(cols), xq, xd, nullptr, int64_t(0), m, Q8X1Src{});
-  else
-    detail::launch(mv2_q8_kernel<false, 2, 64, 4, true>, unsigned(blocks), 4 * 32, 4 * mv2_warp_bytes<false, 2, 64>(),
-                   st, nullptr, 1, one, row_bytes, int64_t(0), int(cols), xq, xd, nullptr, int64_t(0), m, Q8X1Src{});
-  STRATA_CUDA_CHECK_LAUNCH();
+  launch_v2<false, true, false>(unsigned(blocks), nullptr, 1, one, row_bytes, 0, int(cols), xq, xd, nullptr, 0, m,
+                                Q8X1Src{}, static_cast<cudaStream_t>(stream));
 }
 
 GroupedMatmulPlan plan_grouped_q8_bound(int n_jobs, int64_t n_tok, int64_t rows, bool gemm, bool words, bool vec16,
@@ -1294,31 +1285,25 @@ void matmul_q8_x1(GgmlType type, const void* W, size_t row_bytes, int64_t rows, 
   one.w = W, one.row0 = 0, one.n_tok = 1, one.block0 = 0;
   const int64_t blocks = (rows + kWRowsBlock - 1) / kWRowsBlock;
   STRATA_CUDA_REQUIRE(blocks <= INT32_MAX, "cuda::matmul_q8_x1: too many blocks");
-  launch_x1<false, false>(unsigned(blocks), nullptr, 1, one, row_bytes, rows, int(cols), y, ldy, Q8MultiOut{},
-                          Q8X1Src{x, cols, 1}, static_cast<cudaStream_t>(stream));
+  launch_v2<false, false, true>(unsigned(blocks), nullptr, 1, one, row_bytes, rows, int(cols), nullptr, nullptr, y, ldy,
+                                Q8MultiOut{}, Q8X1Src{x, cols, 1}, static_cast<cudaStream_t>(stream));
 }
 
 void matmul_q8_multi_x1(GgmlType type, const MatmulQ8Part* parts, int n, size_t row_bytes, int64_t cols, const float* x,
                         void* stream) {
   STRATA_CUDA_REQUIRE(n >= 1 && n <= Q8MultiOut::kMax && parts,
                       "cuda::matmul_q8_multi_x1: 1 to " + std::to_string(Q8MultiOut::kMax) + " matrices");
-  Q8MultiOut m;
-  m.n = n;
-  int64_t blocks = 0;
   for (int i = 0; i < n; ++i) {
     check_x1("cuda::matmul_q8_multi_x1", type, row_bytes, parts[i].rows, cols, x, cols, parts[i].ldy);
     STRATA_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(parts[i].w) % 16 == 0,
                         "cuda::matmul_q8_multi_x1: W must be 16-byte aligned");
-    m.w[i] = parts[i].w, m.y[i] = parts[i].y, m.rows[i] = parts[i].rows, m.ldy[i] = parts[i].ldy;
-    m.block0[i] = blocks;
-    blocks += (parts[i].rows + kWRowsBlock - 1) / kWRowsBlock;
   }
-  m.block0[n] = blocks;
-  STRATA_CUDA_REQUIRE(blocks <= INT32_MAX, "cuda::matmul_q8_multi_x1: too many blocks");
+  Q8MultiOut m;
+  const int64_t blocks = fill_multi(parts, n, m, "cuda::matmul_q8_multi_x1");
   GroupedMatmulJob one;
   one.row0 = 0, one.n_tok = 1, one.block0 = 0;
-  launch_x1<false, true>(unsigned(blocks), nullptr, 1, one, row_bytes, 0, int(cols), nullptr, 0, m,
-                         Q8X1Src{x, cols, 1}, static_cast<cudaStream_t>(stream));
+  launch_v2<false, true, true>(unsigned(blocks), nullptr, 1, one, row_bytes, 0, int(cols), nullptr, nullptr, nullptr, 0,
+                               m, Q8X1Src{x, cols, 1}, static_cast<cudaStream_t>(stream));
 }
 
 void grouped_matmul_q8_x1(const GroupedMatmulPlan& plan, GgmlType type, const GroupedMatmulJob* jobs, int n_jobs,
@@ -1332,11 +1317,11 @@ void grouped_matmul_q8_x1(const GroupedMatmulPlan& plan, GgmlType type, const Gr
   GroupedMatmulJob one;
   auto st = static_cast<cudaStream_t>(stream);
   if (swiglu_pair)
-    launch_x1<true, false>(unsigned(plan.blocks), jobs, n_jobs, one, row_bytes, rows, int(cols), y, ldy, Q8MultiOut{},
-                           Q8X1Src{x, ldx, rep}, st);
+    launch_v2<true, false, true>(unsigned(plan.blocks), jobs, n_jobs, one, row_bytes, rows, int(cols), nullptr, nullptr,
+                                 y, ldy, Q8MultiOut{}, Q8X1Src{x, ldx, rep}, st);
   else
-    launch_x1<false, false>(unsigned(plan.blocks), jobs, n_jobs, one, row_bytes, rows, int(cols), y, ldy, Q8MultiOut{},
-                            Q8X1Src{x, ldx, rep}, st);
+    launch_v2<false, false, true>(unsigned(plan.blocks), jobs, n_jobs, one, row_bytes, rows, int(cols), nullptr,
+                                  nullptr, y, ldy, Q8MultiOut{}, Q8X1Src{x, ldx, rep}, st);
 }
 
 }  // namespace strata::cuda
