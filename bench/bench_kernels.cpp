@@ -229,14 +229,29 @@ void BM_MatVec(benchmark::State& st, GgmlType t) {
                          benchmark::Counter::kIsRate);
 }
 
+// `rows` random rows of type t and kCols columns (rows row_size(t, kCols) bytes apart), made
+// valid for the type's decoder (sanitize), from `seed`.
+Buffer random_weights(GgmlType t, int64_t rows, uint64_t seed) {
+  const size_t bytes = q::row_size(t, kCols) * static_cast<size_t>(rows);
+  Buffer w = alloc(bytes);
+  fill_random(w.get(), bytes, seed);
+  sanitize(t, w.get(), bytes);
+  return w;
+}
+
+// A matrix-matrix benchmark's rate: 2 rows x kCols x n_tok flops per iteration, in GFLOP/s.
+benchmark::Counter gflops(const benchmark::State& st, int64_t rows, int64_t n_tok) {
+  return benchmark::Counter(2.0 * static_cast<double>(rows * kCols * n_tok) * static_cast<double>(st.iterations()) /
+                                1e9,
+                            benchmark::Counter::kIsRate);
+}
+
 // The same matrix-vector product on ~1 MiB of weights (L2 resident): the decode+FMA compute
 // ceiling, to compare with the DRAM-bound MatVec.
 void BM_MatVecHot(benchmark::State& st, GgmlType t) {
   const size_t rb = q::row_size(t, kCols);
   const int64_t rows = std::max<int64_t>(1, static_cast<int64_t>((size_t{1} << 20) / rb));
-  Buffer w = alloc(rb * static_cast<size_t>(rows));
-  fill_random(w.get(), rb * static_cast<size_t>(rows), 5);
-  sanitize(t, w.get(), rb * static_cast<size_t>(rows));
+  Buffer w = random_weights(t, rows, 5);
   const auto x = activations(kCols);
   std::vector<float> y(static_cast<size_t>(rows));
   for (auto _ : st) {
@@ -269,9 +284,7 @@ void BM_MatMul(benchmark::State& st, GgmlType t) {
   const int threads = static_cast<int>(st.range(1));
   const int64_t rows = 1024;
   const size_t rb = q::row_size(t, kCols);
-  Buffer w = alloc(rb * static_cast<size_t>(rows));
-  fill_random(w.get(), rb * static_cast<size_t>(rows), 3);
-  sanitize(t, w.get(), rb * static_cast<size_t>(rows));
+  Buffer w = random_weights(t, rows, 3);
   const auto x = activations(n_tok * kCols);
   std::vector<float> y(static_cast<size_t>(rows * n_tok));
   for (auto _ : st) {
@@ -280,9 +293,7 @@ void BM_MatMul(benchmark::State& st, GgmlType t) {
     });
     benchmark::DoNotOptimize(y.data());
   }
-  st.counters["GFLOP/s"] =
-      benchmark::Counter(2.0 * static_cast<double>(rows * kCols * n_tok) * static_cast<double>(st.iterations()) / 1e9,
-                         benchmark::Counter::kIsRate);
+  st.counters["GFLOP/s"] = gflops(st, rows, n_tok);
 }
 
 // The same product with the activations quantized once, outside the timed loop (as the engine
@@ -293,9 +304,7 @@ void BM_MatMulQ8(benchmark::State& st, GgmlType t) {
   const int threads = static_cast<int>(st.range(1));
   const int64_t rows = 1024;
   const size_t rb = q::row_size(t, kCols);
-  Buffer w = alloc(rb * static_cast<size_t>(rows));
-  fill_random(w.get(), rb * static_cast<size_t>(rows), 3);
-  sanitize(t, w.get(), rb * static_cast<size_t>(rows));
+  Buffer w = random_weights(t, rows, 3);
   const auto x = activations(n_tok * kCols);
   k::ActQ8 act;
   act.resize(n_tok, kCols, t);
@@ -307,9 +316,7 @@ void BM_MatMulQ8(benchmark::State& st, GgmlType t) {
     });
     benchmark::DoNotOptimize(y.data());
   }
-  st.counters["GFLOP/s"] =
-      benchmark::Counter(2.0 * static_cast<double>(rows * kCols * n_tok) * static_cast<double>(st.iterations()) / 1e9,
-                         benchmark::Counter::kIsRate);
+  st.counters["GFLOP/s"] = gflops(st, rows, n_tok);
 }
 
 // The floor of any IQ2_XS decoder that looks its grid up with vpgatherqq, as the q8 kernel
