@@ -43,6 +43,15 @@ uint32_t bits(float f) {
   return u;
 }
 
+// run(0, mid) on this thread and run(mid, end) on a second one at the same time: a kernel's rows
+// split between two threads (mid inside a tile), as the engine's pool splits them.
+template <class F>
+void run_split(int64_t mid, int64_t end, F& run) {
+  std::thread other([&] { run(mid, end); });
+  run(0, mid);
+  other.join();
+}
+
 uint64_t test_seed() {
   static const uint64_t seed = [] {
     uint64_t s = std::random_device{}();
@@ -1122,13 +1131,10 @@ static void token_lanes_equal_definition(GgmlType t) {
                 s.y = y.data();
                 ASSERT_TRUE(kd::matmul_q8_avx512(s, *ap, isa));
               };
-              if (threads == 1) {
+              if (threads == 1)
                 run(0, rows);
-              } else {
-                std::thread other([&] { run(split, rows); });
-                run(0, split);
-                other.join();
-              }
+              else
+                run_split(split, rows, run);
               for (int64_t tk = 0; tk < n_tok; ++tk)
                 for (int64_t r = 0; r < ldy; ++r) {
                   const size_t i = static_cast<size_t>(tk * ldy + r);
@@ -1228,13 +1234,10 @@ static void amx_equals_definition(GgmlType t) {
               s.y = y.data();
               ASSERT_TRUE(kd::matmul_q8_avx512(s, *ap, kd::Q8Isa::Avx512Amx));
             };
-            if (variant == 2) {
-              std::thread other([&] { run(19, rows); });
-              run(0, 19);
-              other.join();
-            } else {
+            if (variant == 2)
+              run_split(19, rows, run);
+            else
               run(r0, r1);
-            }
             for (int64_t tk = 0; tk < n_tok; ++tk)
               for (int64_t r = 0; r < ldy; ++r) {
                 const size_t i = static_cast<size_t>(tk * ldy + r);
@@ -1402,13 +1405,10 @@ TEST(QuantQ8, Avx2Q8_0TokenLanesEqualDefinition) {
               ASSERT_TRUE(kd::matmul_q8_avx2(s, *ap));
             };
             const int64_t lo = split == 1 ? 3 : 0, hi = split == 1 ? rows - 3 : rows;
-            if (split == 2) {
-              std::thread other([&] { run(19, rows); });
-              run(0, 19);
-              other.join();
-            } else {
+            if (split == 2)
+              run_split(19, rows, run);
+            else
               run(lo, hi);
-            }
             for (int64_t tk = 0; tk < n_tok; ++tk)
               for (int64_t r = 0; r < ldy; ++r) {
                 const size_t i = static_cast<size_t>(tk * ldy + r);
