@@ -3,7 +3,8 @@
 # `dpkg -x` root of Debian's -dev packages (.devdeps, see scripts/cuda_device_run.sh), writes the
 # Qwen3-30B-A3B shape (strata synth, Q8_0, 48 layers, 128 experts top-8, random weights) and runs
 # `strata bench --backend cuda` (a) with every expert in VRAM and (b) with a 6.5 GiB arena fed from
-# NVMe (no host tier), 2048-token prompt in one chunk, 32 decode tokens. Logs and JSON in $OUT.
+# NVMe (no host tier), 2048-token prompt in one chunk, 32 decode tokens (PT, PC, GEN, CTX change
+# them). Logs and JSON in $OUT.
 set -u
 OUT=${OUT:-${REPO:-$(pwd)}/cuda-bench}
 . "$(dirname "$0")/cuda_env.sh"
@@ -19,7 +20,7 @@ echo "built in $(( $(date +%s) - t0 )) s"
 echo "synth done at $(( $(date +%s) - t0 )) s"
 run() {  # name, extra flags
   local name=$1; shift
-  timeout 200 "$B/strata" bench -m "$M" --backend cuda --prompt-tokens "${PT:-2048}" --prompt-chunk "${PC:-2048}" --gen 32 -c "${CTX:-4096}" \
+  timeout 200 "$B/strata" bench -m "$M" --backend cuda --prompt-tokens "${PT:-2048}" --prompt-chunk "${PC:-2048}" --gen "${GEN:-32}" -c "${CTX:-4096}" \
     --ssd-seconds 2 "$@" --json > "$OUT/bench_$name.json" 2> "$OUT/bench_$name.err"
   echo "== $name ($*): rc $? at $(( $(date +%s) - t0 )) s"
   bench_summary "$OUT/bench_$name.json"
@@ -41,7 +42,7 @@ run() {  # name, extra flags
 # in one launch: STRATA_CUDA_QKV_ONE_LAUNCH=1), x1off (every expert in VRAM, decode's mat-vecs
 # after a quantizer launch: STRATA_CUDA_Q8_X1=0), routeoff (decode routing in two launches:
 # STRATA_CUDA_FUSED_ROUTE=0), fdfuseoff (decode attention's fold in fa_combine: STRATA_CUDA_FA_FUSED=0),
-# alloff (all three off: the decode of before this stop).
+# alloff (all three off: the decode of before this stop), tg128 (llama-bench's pp512 and tg128).
 vram_done=0
 vram() { [ $vram_done = 1 ] || run vram; vram_done=1; }
 for set in ${RUNS:-basic}; do
@@ -86,6 +87,10 @@ for set in ${RUNS:-basic}; do
       STRATA_CUDA_FA_FUSED=0 run vram-fdfuseoff ;;
     alloff)  # every expert in VRAM, the three above off together
       STRATA_CUDA_Q8_X1=0 STRATA_CUDA_FUSED_ROUTE=0 STRATA_CUDA_FA_FUSED=0 run vram-alloff ;;
+    tg128)  # every expert in VRAM, llama-bench's pp512 and tg128 tests: a 512-token prompt, and 128
+      # decode tokens after a 1-token prompt (llama-bench decodes from an empty cache: positions 0..127)
+      PT=512 PC=512 GEN=1 run vram-pp512
+      PT=1 PC=1 GEN=128 run vram-tg128 ;;
     prof)  # every expert in VRAM with STRATA_CUDA_PROFILE=1 (per-call device time, host waits)
       STRATA_CUDA_PROFILE=1 run vram-prof
       grep -A40 "cuda profile" "$OUT/bench_vram-prof.err" | head -60 ;;
@@ -95,6 +100,6 @@ for set in ${RUNS:-basic}; do
         --tokenizer-from "$MODELS/qwen3moe-code-Q8_0.gguf" --json | tee "$OUT/synth80b.json"
       M=$N80 run next80b-predict-on --arena-mb 6656 --host-cache-mb 0 --cold
       M=$N80 run next80b-predict-off --arena-mb 6656 --host-cache-mb 0 --cold --predict off ;;
-    *) echo "unknown RUNS set '$set' (basic, tiers, nvme, mma2, vram, vram-mma2, next80b, hostmoe, prof, mvold, fdold, pdloff, mv2off, faoff, qkv, x1off, routeoff, fdfuseoff, alloff)"; exit 2 ;;
+    *) echo "unknown RUNS set '$set' (basic, tiers, nvme, mma2, vram, vram-mma2, next80b, hostmoe, prof, mvold, fdold, pdloff, mv2off, faoff, qkv, x1off, routeoff, fdfuseoff, alloff, tg128)"; exit 2 ;;
   esac
 done
