@@ -9,6 +9,7 @@
 #include "io/file_testing.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -124,11 +125,18 @@ void File::read_at(uint64_t offset, size_t n, void* dst) const {
   }
 }
 
+void* alloc_streamed(size_t bytes) {
+  const bool huge = bytes >= kHugePage;
+  void* p = nullptr;
+  if (posix_memalign(&p, huge ? kHugePage : kDirectAlign, bytes) != 0) return nullptr;
+  if (huge) (void)madvise(p, bytes / kHugePage * kHugePage, MADV_HUGEPAGE);  // a hint: refusal is fine
+  return p;
+}
+
 AlignedBuffer::AlignedBuffer(size_t bytes) : n_(bytes) {
   if (bytes == 0) return;
-  void* p = nullptr;
-  if (posix_memalign(&p, kDirectAlign, bytes) != 0) throw std::bad_alloc();
-  p_ = static_cast<uint8_t*>(p);
+  p_ = static_cast<uint8_t*>(alloc_streamed(bytes));
+  if (!p_) throw std::bad_alloc();
 }
 
 AlignedBuffer::~AlignedBuffer() { std::free(p_); }

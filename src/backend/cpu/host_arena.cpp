@@ -7,6 +7,8 @@
 
 #include <fmt/format.h>
 
+#include "io/file.h"
+
 namespace strata::cpu {
 
 namespace {
@@ -21,7 +23,7 @@ HostArena::HostArena(size_t n_slots, size_t slot_bytes, int io_threads) : n_slot
     throw std::invalid_argument(fmt::format("host arena: {} slots of {} bytes overflow", n_slots, slot_bytes));
   const size_t bytes = n_slots * slot_bytes;
   if (bytes == 0) return;
-  data_ = static_cast<uint8_t*>(std::aligned_alloc(kAlign, bytes));
+  data_ = static_cast<uint8_t*>(io::alloc_streamed(bytes));  // huge pages where THP allows
   if (!data_)
     throw std::runtime_error(fmt::format("host arena: cannot allocate {} slots x {:.1f} KiB = {:.1f} MiB", n_slots,
                                          static_cast<double>(slot_bytes) / 1024.0,
