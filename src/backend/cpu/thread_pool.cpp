@@ -1,10 +1,50 @@
 #include "backend/cpu/thread_pool.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <string>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace strata::cpu {
 
-ThreadPool::ThreadPool(int n_threads) : n_threads_(std::max(1, n_threads)) {
+namespace {
+// STRATA_POOL_SPIN_US: microseconds a thread spins before it sleeps (read once; default 100).
+int64_t spin_us_from_env() {
+  static const int64_t us = [] {
+    const char* e = std::getenv("STRATA_POOL_SPIN_US");
+    if (!e || !*e) return int64_t(100);
+    char* end = nullptr;
+    const long long v = std::strtoll(e, &end, 10);
+    return (end && *end == 0 && v >= 0) ? int64_t(std::min<long long>(v, 100000)) : int64_t(100);
+  }();
+  return us;
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__)
+  _mm_pause();
+#endif
+}
+}  // namespace
+
+template <class Pred>
+bool ThreadPool::spin_until(Pred pred) const {
+  if (spin_us_ <= 0) return pred();
+  const auto end = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
+  for (;;) {
+    for (int i = 0; i < 64; ++i) {
+      if (pred()) return true;
+      cpu_relax();
+    }
+    if (std::chrono::steady_clock::now() >= end) return pred();
+  }
+}
+
+ThreadPool::ThreadPool(int n_threads) : n_threads_(std::max(1, n_threads)), spin_us_(spin_us_from_env()) {
   for (int i = 1; i < n_threads_; ++i) workers_.emplace_back([this] { worker_loop(); });
 }
 
@@ -35,16 +75,22 @@ void ThreadPool::run_blocks() {
 void ThreadPool::worker_loop() {
   uint64_t seen = 0;
   for (;;) {
-    {
+    // The next loop, first by spinning (its fields are written before the release of
+    // generation_, so the acquire load sees them), then asleep.
+    if (!spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; })) {
       std::unique_lock<std::mutex> lk(mu_);
-      cv_start_.wait(lk, [&] { return stop_ || generation_ != seen; });
+      cv_start_.wait(lk, [&] { return stop_ || generation_.load(std::memory_order_relaxed) != seen; });
       if (stop_) return;
-      seen = generation_;
+    }
+    {
+      std::lock_guard<std::mutex> lk(mu_);  // stop_ and the loop's fields, consistent
+      if (stop_) return;
+      seen = generation_.load(std::memory_order_relaxed);
     }
     run_blocks();
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      if (--active_ == 0) cv_done_.notify_one();
+    if (active_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      std::lock_guard<std::mutex> lk(mu_);  // the caller may be asleep in cv_done_
+      cv_done_.notify_one();
     }
   }
 }
@@ -63,15 +109,16 @@ void ThreadPool::parallel_for(int64_t n, int64_t grain, const std::function<void
     grain_ = grain;
     next_.store(0, std::memory_order_relaxed);
     error_ = nullptr;
-    active_ = static_cast<int>(workers_.size());
-    ++generation_;
+    active_.store(static_cast<int>(workers_.size()), std::memory_order_relaxed);
+    generation_.fetch_add(1, std::memory_order_release);
   }
   cv_start_.notify_all();
   run_blocks();
+  spin_until([&] { return active_.load(std::memory_order_acquire) == 0; });
   std::exception_ptr err;
   {
     std::unique_lock<std::mutex> lk(mu_);
-    cv_done_.wait(lk, [&] { return active_ == 0; });
+    cv_done_.wait(lk, [&] { return active_.load(std::memory_order_acquire) == 0; });
     fn_ = nullptr;
     err = error_;
   }

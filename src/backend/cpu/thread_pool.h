@@ -4,6 +4,13 @@
 // parallel_for hands out index blocks from an atomic counter, so which thread computes
 // which block varies run to run; callers must make each index's result independent of
 // the thread that computes it (the kernels do: threads split rows, never a reduction).
+//
+// Between loops the threads spin for a while before they sleep (workers waiting for the next
+// loop, the caller waiting for the workers): decode runs ~10 short loops a layer, and a
+// condition-variable wake-up costs tens of microseconds on a VM (a futex system call and a
+// reschedule each way), which was ~10 % of a decode token. The spin is bounded
+// (STRATA_POOL_SPIN_US, default 100 microseconds; 0 sleeps at once) so that idle workers give
+// the cores back to the IO threads.
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -32,14 +39,18 @@ class ThreadPool {
  private:
   void worker_loop();
   void run_blocks();
+  /// Spins up to spin_us_ for pred() (with a pause between tries); true if it came true.
+  template <class Pred>
+  bool spin_until(Pred pred) const;
 
   int n_threads_;
   std::vector<std::thread> workers_;
   std::mutex mu_;
   std::condition_variable cv_start_, cv_done_;
-  uint64_t generation_ = 0;
-  int active_ = 0;
+  std::atomic<uint64_t> generation_{0};  // bumped (under mu_) after the loop's fields are set
+  std::atomic<int> active_{0};           // workers still in the current loop
   bool stop_ = false;
+  int64_t spin_us_ = 100;
   const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
   int64_t n_ = 0, grain_ = 1;
   std::atomic<int64_t> next_{0};
