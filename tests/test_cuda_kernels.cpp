@@ -2262,6 +2262,59 @@ TEST(CudaKernels, RouteFusedDefectsEqualTwoLaunches) {
   EXPECT_EQ(download<uint32_t>(counter, 1)[0], 0u);
 }
 
+TEST(CudaKernels, RouteSelectTooFewValidScoresIsStatus4) {
+  REQUIRE_CUDA_DEVICE();
+  // A selection bias with NaN (a damaged model: the logit checks do not see it) leaves fewer than
+  // top_k valid scores: the token's status is 4 ("unusable") and its pair jobs name expert 0's
+  // weights (never a null pointer), on both paths, bit for bit equal; the other tokens select.
+  std::mt19937 rng(41);
+  cuda::DeviceBuffer counter = upload(std::vector<uint32_t>{0});
+  const int n = 128, K = 8;
+  const int64_t cols = 2048, T = 2;
+  cuda::DeviceBuffer table = fake_table(n);
+  cuda::DeviceBuffer d_w = upload(random_floats(size_t(n) * size_t(cols), rng, -0.1f, 0.1f));
+  cuda::DeviceBuffer d_x = upload(random_floats(size_t(T) * size_t(cols), rng, -1.0f, 1.0f));
+  for (int valid : {0, 3, K - 1, K}) {  // how many experts keep a finite selection bias
+    std::vector<float> sbias(size_t(n), NAN);
+    for (int e = 0; e < valid; ++e) sbias[size_t(11 * e % n)] = 0.01f * float(e);
+    cuda::DeviceBuffer d_sb = upload(sbias);
+    FusedRouteInputs in;
+    in.n = n, in.K = K, in.cols = cols, in.T = T;
+    in.rs.gating = 1, in.rs.n_expert = n, in.rs.top_k = K, in.rs.selection_bias = d_sb.as<float>();
+    in.W = d_w.as<float>(), in.x = d_x.as<float>();
+    in.table = static_cast<const void* const*>(table.get());
+    const std::string what = std::to_string(valid) + " valid scores";
+    FusedRouteBuffers fus(n, K, T);
+    queue_route(in, fus, true, counter.as<unsigned>());
+    FusedRouteBuffers ref(n, K, T);
+    queue_route(in, ref, false, counter.as<unsigned>());
+    const FusedRouteRun a = ref.download_all(n, K, T), b = fus.download_all(n, K, T);
+    EXPECT_TRUE(a.route == b.route && a.gate_up == b.gate_up && a.down == b.down) << what;
+    std::vector<int32_t> status(size_t(T));
+    std::memcpy(status.data(), b.route.data(), status.size() * 4);
+    std::vector<cuda::GroupedMatmulJob> gu(size_t(T * K)), dn(size_t(T * K));
+    std::memcpy(gu.data(), b.gate_up.data(), b.gate_up.size());
+    std::memcpy(dn.data(), b.down.data(), b.down.size());
+    const std::vector<uint64_t> tab = download<uint64_t>(table, size_t(n) * 3);
+    for (int64_t t = 0; t < T; ++t) {
+      EXPECT_EQ(status[size_t(t)], valid < K ? 4 : 0) << what;
+      for (int k = 0; k < K; ++k) {
+        const cuda::GroupedMatmulJob &g = gu[size_t(t * K + k)], &d = dn[size_t(t * K + k)];
+        ASSERT_NE(g.w, nullptr) << what;
+        ASSERT_NE(g.w2, nullptr) << what;
+        ASSERT_NE(d.w, nullptr) << what;
+        if (valid < K) {
+          EXPECT_EQ(reinterpret_cast<uint64_t>(g.w), tab[0]) << what;
+          EXPECT_EQ(reinterpret_cast<uint64_t>(g.w2), tab[1]) << what;
+          EXPECT_EQ(reinterpret_cast<uint64_t>(d.w), tab[2]) << what;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(download<uint32_t>(counter, 1)[0], 0u);
+  EXPECT_NE(strata::backend::router_logits_defect_message(4, 0).find("unusable"), std::string::npos);
+}
+
 TEST(CudaKernels, RouteFusedConsecutiveCalls) {
   REQUIRE_CUDA_DEVICE();
   // Many launches queued back to back on one counter (PDL where the device has it), interleaved

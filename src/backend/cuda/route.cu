@@ -189,12 +189,14 @@ __device__ void select_token(const RouteSpec& sp, const float* lg, int64_t t, co
   float bv = 0;
   int bi = -1;
   const void* pre[3] = {nullptr, nullptr, nullptr};
+  bool too_few = false;  // fewer than K valid scores (e.g. a NaN selection bias): warp-uniform
   for (int i = lane; i < n; i += 32)
     if (!isnan(s[i])) keep_better(bv, bi, s[i], i);
   for (int r = 0; r < n_sorted; ++r) {
     const unsigned key = bi < 0 ? 0u : order_key(bv);
     const unsigned best = __reduce_max_sync(kFull, key);
     const int id = int(__reduce_min_sync(kFull, key == best && bi >= 0 ? unsigned(bi) : 0xffffffffu));
+    too_few = too_few || (r < K && id < 0);
     if (lane == 0) {
       if (r < K)
         sid[r] = id;
@@ -214,6 +216,11 @@ __device__ void select_token(const RouteSpec& sp, const float* lg, int64_t t, co
     }
   }
   __syncwarp();  // lane 0's sid writes before every lane reads them
+  if (too_few) {  // status 4 ("unusable"), and pair jobs on expert 0 so that the expert launches read valid weights
+    if (lane == 0) out.status[t] = 4;
+    if (pj.table) write_pair_jobs(pj, sid, t, K, false, lane, nullptr);
+    return;
+  }
   if (pj.table) write_pair_jobs(pj, sid, t, K, true, lane, pre);
   for (int k = lane; k < K; k += 32) out.ids[t * K + k] = sid[k];
 
