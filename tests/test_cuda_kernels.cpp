@@ -2290,7 +2290,7 @@ TEST(CudaKernels, RouteSelectTooFewValidScoresIsStatus4) {
     queue_route(in, ref, false, counter.as<unsigned>());
     const FusedRouteRun a = ref.download_all(n, K, T), b = fus.download_all(n, K, T);
     EXPECT_TRUE(a.route == b.route && a.gate_up == b.gate_up && a.down == b.down) << what;
-    std::vector<int32_t> status(size_t(T));
+    std::vector<int32_t> status(static_cast<size_t>(T));
     std::memcpy(status.data(), b.route.data(), status.size() * 4);
     std::vector<cuda::GroupedMatmulJob> gu(size_t(T * K)), dn(size_t(T * K));
     std::memcpy(gu.data(), b.gate_up.data(), b.gate_up.size());
