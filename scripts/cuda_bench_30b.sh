@@ -42,7 +42,8 @@ run() {  # name, extra flags
 # in one launch: STRATA_CUDA_QKV_ONE_LAUNCH=1), x1off (every expert in VRAM, decode's mat-vecs
 # after a quantizer launch: STRATA_CUDA_Q8_X1=0), routeoff (decode routing in two launches:
 # STRATA_CUDA_FUSED_ROUTE=0), fdfuseoff (decode attention's fold in fa_combine: STRATA_CUDA_FA_FUSED=0),
-# alloff (all three off: the decode of before this stop), tg128 (llama-bench's pp512 and tg128).
+# alloff (all three off: the decode of before this stop), tg128 (llama-bench's pp512 and tg128),
+# l2pf (the next-kernel L2 prefetch, STRATA_CUDA_L2_PREFETCH=1 / 2).
 vram_done=0
 vram() { [ $vram_done = 1 ] || run vram; vram_done=1; }
 for set in ${RUNS:-basic}; do
@@ -91,6 +92,11 @@ for set in ${RUNS:-basic}; do
       # decode tokens after a 1-token prompt (llama-bench decodes from an empty cache: positions 0..127)
       PT=512 PC=512 GEN=1 run vram-pp512
       PT=1 PC=1 GEN=128 run vram-tg128 ;;
+    l2pf)  # every expert in VRAM, decode's next-kernel L2 prefetch (STRATA_CUDA_L2_PREFETCH 1 and 2),
+      # at depth 2048 and as tg128
+      STRATA_CUDA_L2_PREFETCH=1 run vram-l2pf1
+      STRATA_CUDA_L2_PREFETCH=2 run vram-l2pf2
+      STRATA_CUDA_L2_PREFETCH=2 PT=1 PC=1 GEN=128 run vram-tg128-l2pf2 ;;
     prof)  # every expert in VRAM with STRATA_CUDA_PROFILE=1 (per-call device time, host waits)
       STRATA_CUDA_PROFILE=1 run vram-prof
       grep -A40 "cuda profile" "$OUT/bench_vram-prof.err" | head -60 ;;
@@ -100,6 +106,6 @@ for set in ${RUNS:-basic}; do
         --tokenizer-from "$MODELS/qwen3moe-code-Q8_0.gguf" --json | tee "$OUT/synth80b.json"
       M=$N80 run next80b-predict-on --arena-mb 6656 --host-cache-mb 0 --cold
       M=$N80 run next80b-predict-off --arena-mb 6656 --host-cache-mb 0 --cold --predict off ;;
-    *) echo "unknown RUNS set '$set' (basic, tiers, nvme, mma2, vram, vram-mma2, next80b, hostmoe, prof, mvold, fdold, pdloff, mv2off, faoff, qkv, x1off, routeoff, fdfuseoff, alloff, tg128)"; exit 2 ;;
+    *) echo "unknown RUNS set '$set' (basic, tiers, nvme, mma2, vram, vram-mma2, next80b, hostmoe, prof, mvold, fdold, pdloff, mv2off, faoff, qkv, x1off, routeoff, fdfuseoff, alloff, tg128, l2pf)"; exit 2 ;;
   esac
 done

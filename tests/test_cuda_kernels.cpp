@@ -1544,6 +1544,21 @@ TEST(CudaKernels, MatmulQ8X1EqualsQuantizeThenMatmul) {
       compare(ym[size_t(i)], yr[size_t(i)], size_t(rows[i]), differ);
     }
     EXPECT_EQ(differ, 0) << "single / multi";
+    // with the L2 prefetch hint (both modes, direct regions): the same bits
+    for (int mode : {1, 2}) {
+      cuda::detail::set_l2_prefetch(mode);
+      cuda::L2Prefetch pf;
+      pf.p[0] = w[0].get(), pf.bytes[0] = size_t(rows[0]) * rb;
+      pf.p[1] = w[2].get(), pf.bytes[1] = size_t(rows[2]) * rb - 16;  // not a whole line
+      pf.n = 2;
+      for (int i = 0; i < 3; ++i) ym[size_t(i)] = upload(std::vector<float>(size_t(rows[i]), std::nanf("")));
+      for (int i = 0; i < 3; ++i) parts[i].y = ym[size_t(i)].as<float>();
+      cuda::matmul_q8_multi_x1(GgmlType::Q8_0, parts, 3, rb, cols, dx.as<float>(), nullptr, &pf);
+      int64_t pdiffer = 0;
+      for (int i = 0; i < 3; ++i) compare(ym[size_t(i)], yr[size_t(i)], size_t(rows[i]), pdiffer);
+      EXPECT_EQ(pdiffer, 0) << "multi with L2 prefetch mode " << mode;
+      cuda::detail::set_l2_prefetch(-1);
+    }
     // grouped: a MoE step's pairs, one token per job; gate/up (rep: tokens of K pairs) and down
     for (int rep : {1, 8}) {
       const int nj = 16;
@@ -1578,6 +1593,17 @@ TEST(CudaKernels, MatmulQ8X1EqualsQuantizeThenMatmul) {
         int64_t gdiffer = 0;
         compare(ya, yb, size_t(nj * grows), gdiffer);
         EXPECT_EQ(gdiffer, 0);
+        // with the L2 prefetch of a device job table's weights (as gate/up prefetches down's)
+        cuda::detail::set_l2_prefetch(2);
+        cuda::L2Prefetch pf;
+        pf.jobs = dj.as<cuda::GroupedMatmulJob>(), pf.n_jobs = nj, pf.job_bytes = size_t(grows) * rb;
+        auto yc = upload(poison);
+        cuda::grouped_matmul_q8_x1(plan, GgmlType::Q8_0, dj.as<cuda::GroupedMatmulJob>(), nj, rb, grows, cols,
+                                   gx.as<float>(), cols, rep, yc.as<float>(), grows, pair, nullptr, &pf);
+        cuda::detail::set_l2_prefetch(-1);
+        gdiffer = 0;
+        compare(yc, yb, size_t(nj * grows), gdiffer);
+        EXPECT_EQ(gdiffer, 0) << "with the L2 prefetch";
       }
     }
   }

@@ -753,8 +753,10 @@ void CudaBackend::attention(const backend::AttentionSpec& s, const backend::Atte
     const MatmulQ8Part parts[3] = {{w.wq.data, w.wq.rows(), qy, ldq},
                                    {w.wk.data, w.wk.rows(), kc, kv_dim},
                                    {w.wv.data, w.wv.rows(), vc, kv_dim}};
+    L2Prefetch wo;  // the output projection into L2 while q, k and v stream (decode)
+    wo.p[0] = w.wo.data, wo.bytes[0] = size_t(w.wo.rows()) * w.wo.row_bytes(), wo.n = w.wo.data ? 1 : 0;
     if (x1_qkv)
-      matmul_q8_multi_x1(w.wq.type, parts, 3, w.wq.row_bytes(), h.cols(), h.f(), stream());
+      matmul_q8_multi_x1(w.wq.type, parts, 3, w.wq.row_bytes(), h.cols(), h.f(), stream(), &wo);
     else
       matmul_q8_multi(w.wq.type, parts, 3, w.wq.row_bytes(), h.cols(), hq.q, hq.d, T, stream());
   } else {
@@ -1438,8 +1440,10 @@ const int32_t* CudaBackend::moe_on_device(const backend::DeviceMoeCall& c) {
                   q8_x1_takes(tb.gate_type, tb.gate_rb, E, c.h.f(), ld(c.h)) &&
                   q8_x1_takes(tb.down_type, tb.down_rb, F, act, F);
   if (x1) {
+    L2Prefetch down_w;  // the pairs' down weights into L2 while gate/up streams its own
+    down_w.jobs = d_dn, down_w.n_jobs = int(TK), down_w.job_bytes = size_t(E) * tb.down_rb;
     grouped_matmul_q8_x1(pgu, tb.gate_type, d_gu, int(TK), tb.gate_rb, F, E, c.h.f(), ld(c.h), K, act, F, true,
-                         stream());  // pair j: token j / K's row
+                         stream(), &down_w);  // pair j: token j / K's row
     grouped_matmul_q8_x1(pdn, tb.down_type, d_dn, int(TK), tb.down_rb, E, F, act, F, 1, y, ldy, false, stream());
   } else if (tb.q8) {
     const auto [xq, xd, aq, ad] = q8_ffn_scratch(TK, E, F);

@@ -243,7 +243,30 @@ void set_mv16_v2(int mode);
 /// quantize first, as before), -1 back to the default (on unless STRATA_CUDA_Q8_X1=0, read
 /// once). For tests and same-process comparisons.
 void set_q8_x1(int mode);
+/// The L2 prefetch of the *_x1 launches (L2Prefetch): 0 off, 1 plain prefetches, 2 with the
+/// evict_last priority, -1 back to the default (STRATA_CUDA_L2_PREFETCH, read once; off unless
+/// set). For tests and same-process comparisons.
+void set_l2_prefetch(int mode);
 }  // namespace detail
+
+/// Bytes a decode mat-vec launch asks the L2 cache to fetch for the kernel after it, while its
+/// own weights stream: decode's kernels depend on each other in a chain, so each one's weight
+/// reads otherwise start only after the one before it ends. Direct regions (p[i], bytes[i]: device
+/// pointers known at the launch, e.g. attention's output projection during q/k/v) or, with jobs,
+/// n_jobs regions of job_bytes bytes at jobs[j].w of a device job table that an earlier kernel
+/// wrote (a MoE step's down weights during gate/up). The launch's blocks split the regions
+/// evenly, one 128-byte line per prefetch (PTX ISA, `prefetch.global.L2`). A hint only: no
+/// result depends on it (STRATA_CUDA_L2_PREFETCH: 0 off, 1 on, 2 with evict_last).
+struct L2Prefetch {
+  static constexpr int kMax = 4;
+  const void* p[kMax] = {};
+  size_t bytes[kMax] = {};
+  int n = 0;
+  const GroupedMatmulJob* jobs = nullptr;
+  int n_jobs = 0;
+  size_t job_bytes = 0;
+  int mode = 0;  ///< set by the launch from STRATA_CUDA_L2_PREFETCH / detail::set_l2_prefetch
+};
 
 // ---- one token, fp32 activations, quantized inside the mat-vec (decode) ----
 //
@@ -292,8 +315,9 @@ void matmul_q8_multi(GgmlType type, const MatmulQ8Part* parts, int n, size_t row
 /// matmul_q8_multi for one token of fp32 activations x (device [cols]) quantized inside the
 /// launch (matmul_q8_x1's scheme): 1 to 4 parts, one launch, the bits of quantize_q8 +
 /// matmul_q8 per part. Throws CudaError unless q8_x1_takes and every W 16-byte aligned.
+/// pf: what the launch prefetches into L2 for the next kernel (nullptr: nothing).
 void matmul_q8_multi_x1(GgmlType type, const MatmulQ8Part* parts, int n, size_t row_bytes, int64_t cols, const float* x,
-                        void* stream = nullptr);
+                        void* stream = nullptr, const L2Prefetch* pf = nullptr);
 
 /// The plan of a grouped_matmul_q8 launch whose job table is written on the device (group_pairs):
 /// `n_jobs` jobs with `n_tok` tokens in all, of `rows`-row weights. gemm: every job's weights and
@@ -321,10 +345,10 @@ void grouped_matmul_q8(const GroupedMatmulPlan& plan, GgmlType type, const Group
 /// row row0 / rep (x: device, rows ldx floats apart; rep = top_k for a MoE step's pairs of one
 /// token), quantized inside the launch (matmul_q8_x1's scheme); the bits of quantize_q8(x, ...,
 /// rep) + grouped_matmul_q8. plan: plan_grouped_q8's with one_token and vec16 (a mat-vec plan).
-/// Throws CudaError unless q8_x1_takes, such a plan and rep >= 1.
+/// Throws CudaError unless q8_x1_takes, such a plan and rep >= 1. pf: as matmul_q8_multi_x1's.
 void grouped_matmul_q8_x1(const GroupedMatmulPlan& plan, GgmlType type, const GroupedMatmulJob* jobs, int n_jobs,
                           size_t row_bytes, int64_t rows, int64_t cols, const float* x, int64_t ldx, int rep, float* y,
-                          int64_t ldy, bool swiglu_pair, void* stream = nullptr);
+                          int64_t ldy, bool swiglu_pair, void* stream = nullptr, const L2Prefetch* pf = nullptr);
 
 /// Embedding lookup: out[t][:] = dequantize_row(table row ids[t]) for t < n, bit-identical
 /// with quant::dequantize_row. table: device, [cols, n_rows_table] of `type`, rows row_bytes

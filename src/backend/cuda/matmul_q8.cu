@@ -772,13 +772,46 @@ struct Q8MultiOut {
   int n = 0;
 };
 
+/// This block's share of pf (L2Prefetch): region r = blockIdx / parts of the n regions, its piece
+/// blockIdx % parts (parts = gridDim / n, at least 1), one prefetch per 128-byte line by the
+/// block's NTH threads; blocks past the last region's pieces issue none. Jobs' pointers are read
+/// after the launch's dependency wait (the caller's order). No memory is written.
+template <int NTH>
+__device__ __forceinline__ void issue_l2_prefetch(const L2Prefetch& pf) {
+  const int n = pf.jobs ? pf.n_jobs : pf.n;
+  if (pf.mode == 0 || n <= 0) return;
+  const unsigned parts = max(1u, gridDim.x / unsigned(n)), r = blockIdx.x / parts, k = blockIdx.x % parts;
+  if (r >= unsigned(n)) return;
+  const char* base;
+  size_t bytes;
+  if (pf.jobs) {
+    base = static_cast<const char*>(pf.jobs[r].w);
+    bytes = pf.job_bytes;
+  } else {  // (selects, not an index: an indexed parameter array would be copied to local memory)
+    base = nullptr, bytes = 0;
+#pragma unroll
+    for (int i = 0; i < L2Prefetch::kMax; ++i)
+      if (unsigned(i) == r) base = static_cast<const char*>(pf.p[i]), bytes = pf.bytes[i];
+  }
+  if (!base) return;
+  const size_t piece = ((bytes + parts - 1) / parts + 127) / 128 * 128, lo = size_t(k) * piece;
+  const size_t hi = min(bytes, lo + piece);
+  for (size_t off = lo + 128 * size_t(threadIdx.x); off < hi; off += 128 * size_t(NTH)) {
+    const char* a = base + off;
+    if (pf.mode == 2)
+      asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(a));
+    else
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+  }
+}
+
 // Blocks per SM the register budget must allow: a MoE decode step's 2048 one-warp down blocks
 // (16 a SM on 132 SMs) and its 768 4-warp gate/up blocks (6 a SM) in one wave.
 template <bool DUAL, int R, int KB, int WARPS, bool MULTI = false, bool X1 = false>
 __global__ void __launch_bounds__(WARPS * 32, WARPS == 1 ? 16 : 6)
     mv2_q8_kernel(const GroupedMatmulJob* __restrict__ jobs, int n_jobs, GroupedMatmulJob one, size_t row_bytes,
                   int64_t rows_all, int cols, const int8_t* __restrict__ xq, const float* __restrict__ xd,
-                  float* __restrict__ y_all, int64_t ldy_all, Q8MultiOut multi, Q8X1Src x1) {
+                  float* __restrict__ y_all, int64_t ldy_all, Q8MultiOut multi, Q8X1Src x1, L2Prefetch pf) {
   constexpr int NW = DUAL ? 2 : 1, NS = NW * R;
   constexpr int NP = KB / 2;                               // block pairs per stream and stage
   constexpr int NTASK = NS * NP, TPL = (NTASK + 31) / 32;  // (stream, pair) tasks: per warp, per lane
@@ -819,6 +852,7 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 1 ? 16 : 6)
   };
   if (t.nt <= 0 || r0 >= rows) {  // the whole warp (warps never wait for each other, but for X1's barrier)
     if (early) detail::grid_dependency_enter();
+    issue_l2_prefetch<WARPS * 32>(pf);
     if (X1 && t.nt > 0) x1_quantize();
     return;
   }
@@ -847,6 +881,7 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 1 ? 16 : 6)
     }
     cp_commit();
     if (early && b0 == 0) detail::grid_dependency_enter();  // the weights are in flight; x and y after this
+    if (b0 == 0) issue_l2_prefetch<WARPS * 32>(pf);         // the next kernel's weights, behind this one's
     if (X1 && b0 == 0) x1_quantize();
     // this lane's tasks: j -> flattened task lane + 32 j = (stream, pair); all compile-time divisions
     int tP[TPL];
@@ -1047,21 +1082,36 @@ bool q8_x1_enabled() {
   return (o < 0 ? env : o != 0) && mv16_v2_enabled();
 }
 
+/// The L2 prefetch mode of the X1 launches: STRATA_CUDA_L2_PREFETCH (read once; 0 unless 1 or
+/// 2), detail::set_l2_prefetch overrides.
+std::atomic<int> g_l2_prefetch_override{-1};
+int l2_prefetch_mode() {
+  static const int env = [] {
+    const char* e = std::getenv("STRATA_CUDA_L2_PREFETCH");
+    const std::string v = e ? e : "";
+    return v == "1" ? 1 : v == "2" ? 2 : 0;
+  }();
+  const int o = g_l2_prefetch_override.load(std::memory_order_relaxed);
+  return o < 0 ? env : o;
+}
+
 /// Launches mv2_q8_kernel<DUAL, ..., MULTI, X1>: the one-warp instance (R = 8, KB = 24) for
 /// rows of at most kV2SmallMaxBlocks Q8_0 blocks, else the 4-warp one (R = 2, KB = 64); X1's
 /// blocks hold the quantized row in front of their warps' shared memory.
 template <bool DUAL, bool MULTI, bool X1>
 void launch_v2(unsigned grid, const GroupedMatmulJob* jobs, int n_jobs, const GroupedMatmulJob& one, size_t row_bytes,
                int64_t rows, int cols, const int8_t* xq, const float* xd, float* y, int64_t ldy,
-               const Q8MultiOut& multi, const Q8X1Src& x1, cudaStream_t st) {
+               const Q8MultiOut& multi, const Q8X1Src& x1, cudaStream_t st, const L2Prefetch* pf = nullptr) {
   ensure_smem_attrs();
   const size_t xb = X1 ? size_t(mv2_x1_bytes(cols)) : 0;
+  L2Prefetch p = pf ? *pf : L2Prefetch{};
+  p.mode = pf ? l2_prefetch_mode() : 0;
   if (cols / 32 <= kV2SmallMaxBlocks)
     detail::launch(mv2_q8_kernel<DUAL, 8, 24, 1, MULTI, X1>, grid, 32, xb + mv2_warp_bytes<DUAL, 8, 24, X1>(), st, jobs,
-                   n_jobs, one, row_bytes, rows, cols, xq, xd, y, ldy, multi, x1);
+                   n_jobs, one, row_bytes, rows, cols, xq, xd, y, ldy, multi, x1, p);
   else
     detail::launch(mv2_q8_kernel<DUAL, 2, 64, 4, MULTI, X1>, grid, 4 * 32, xb + 4 * mv2_warp_bytes<DUAL, 2, 64, X1>(),
-                   st, jobs, n_jobs, one, row_bytes, rows, cols, xq, xd, y, ldy, multi, x1);
+                   st, jobs, n_jobs, one, row_bytes, rows, cols, xq, xd, y, ldy, multi, x1, p);
   STRATA_CUDA_CHECK_LAUNCH();
 }
 
@@ -1134,6 +1184,9 @@ void launch_q8(bool gemm, bool al4, int rb, unsigned grid, const GroupedMatmulJo
 namespace detail {
 void set_mv16_v2(int mode) { g_mv16_v2_override.store(mode < 0 ? -1 : mode != 0, std::memory_order_relaxed); }
 void set_q8_x1(int mode) { g_q8_x1_override.store(mode < 0 ? -1 : mode != 0, std::memory_order_relaxed); }
+void set_l2_prefetch(int mode) {
+  g_l2_prefetch_override.store(mode < 0 ? -1 : mode > 2 ? 1 : mode, std::memory_order_relaxed);
+}
 }  // namespace detail
 
 bool has_q8(GgmlType t, int64_t cols) { return t == GgmlType::Q8_0 && cols > 0 && cols % 32 == 0; }
@@ -1290,7 +1343,7 @@ void matmul_q8_x1(GgmlType type, const void* W, size_t row_bytes, int64_t rows, 
 }
 
 void matmul_q8_multi_x1(GgmlType type, const MatmulQ8Part* parts, int n, size_t row_bytes, int64_t cols, const float* x,
-                        void* stream) {
+                        void* stream, const L2Prefetch* pf) {
   STRATA_CUDA_REQUIRE(n >= 1 && n <= Q8MultiOut::kMax && parts,
                       "cuda::matmul_q8_multi_x1: 1 to " + std::to_string(Q8MultiOut::kMax) + " matrices");
   for (int i = 0; i < n; ++i) {
@@ -1303,12 +1356,12 @@ void matmul_q8_multi_x1(GgmlType type, const MatmulQ8Part* parts, int n, size_t 
   GroupedMatmulJob one;
   one.row0 = 0, one.n_tok = 1, one.block0 = 0;
   launch_v2<false, true, true>(unsigned(blocks), nullptr, 1, one, row_bytes, 0, int(cols), nullptr, nullptr, nullptr, 0,
-                               m, Q8X1Src{x, cols, 1}, static_cast<cudaStream_t>(stream));
+                               m, Q8X1Src{x, cols, 1}, static_cast<cudaStream_t>(stream), pf);
 }
 
 void grouped_matmul_q8_x1(const GroupedMatmulPlan& plan, GgmlType type, const GroupedMatmulJob* jobs, int n_jobs,
                           size_t row_bytes, int64_t rows, int64_t cols, const float* x, int64_t ldx, int rep, float* y,
-                          int64_t ldy, bool swiglu_pair, void* stream) {
+                          int64_t ldy, bool swiglu_pair, void* stream, const L2Prefetch* pf) {
   check_x1("cuda::grouped_matmul_q8_x1", type, row_bytes, rows, cols, x, ldx, ldy);
   STRATA_CUDA_REQUIRE(n_jobs >= 1 && plan.blocks >= 1 && plan.blocks <= INT32_MAX && plan.tile_tokens == kVTok &&
                           plan.vec16 && plan.one_token && rep >= 1,
@@ -1318,10 +1371,10 @@ void grouped_matmul_q8_x1(const GroupedMatmulPlan& plan, GgmlType type, const Gr
   auto st = static_cast<cudaStream_t>(stream);
   if (swiglu_pair)
     launch_v2<true, false, true>(unsigned(plan.blocks), jobs, n_jobs, one, row_bytes, rows, int(cols), nullptr, nullptr,
-                                 y, ldy, Q8MultiOut{}, Q8X1Src{x, ldx, rep}, st);
+                                 y, ldy, Q8MultiOut{}, Q8X1Src{x, ldx, rep}, st, pf);
   else
     launch_v2<false, false, true>(unsigned(plan.blocks), jobs, n_jobs, one, row_bytes, rows, int(cols), nullptr,
-                                  nullptr, y, ldy, Q8MultiOut{}, Q8X1Src{x, ldx, rep}, st);
+                                  nullptr, y, ldy, Q8MultiOut{}, Q8X1Src{x, ldx, rep}, st, pf);
 }
 
 }  // namespace strata::cuda
