@@ -97,6 +97,11 @@ for set in ${RUNS:-basic}; do
       STRATA_CUDA_L2_PREFETCH=1 run vram-l2pf1
       STRATA_CUDA_L2_PREFETCH=2 run vram-l2pf2
       STRATA_CUDA_L2_PREFETCH=2 PT=1 PC=1 GEN=128 run vram-tg128-l2pf2 ;;
+    quick)  # every expert in VRAM: depth 2048 and tg128, each without and with STRATA_CUDA_L2_PREFETCH=2
+      vram
+      STRATA_CUDA_L2_PREFETCH=2 run vram-l2pf2
+      PT=1 PC=1 GEN=128 run vram-tg128
+      STRATA_CUDA_L2_PREFETCH=2 PT=1 PC=1 GEN=128 run vram-tg128-l2pf2 ;;
     prof)  # every expert in VRAM with STRATA_CUDA_PROFILE=1 (per-call device time, host waits)
       STRATA_CUDA_PROFILE=1 run vram-prof
       grep -A40 "cuda profile" "$OUT/bench_vram-prof.err" | head -60 ;;
@@ -106,6 +111,6 @@ for set in ${RUNS:-basic}; do
         --tokenizer-from "$MODELS/qwen3moe-code-Q8_0.gguf" --json | tee "$OUT/synth80b.json"
       M=$N80 run next80b-predict-on --arena-mb 6656 --host-cache-mb 0 --cold
       M=$N80 run next80b-predict-off --arena-mb 6656 --host-cache-mb 0 --cold --predict off ;;
-    *) echo "unknown RUNS set '$set' (basic, tiers, nvme, mma2, vram, vram-mma2, next80b, hostmoe, prof, mvold, fdold, pdloff, mv2off, faoff, qkv, x1off, routeoff, fdfuseoff, alloff, tg128, l2pf)"; exit 2 ;;
+    *) echo "unknown RUNS set '$set' (basic, tiers, nvme, mma2, vram, vram-mma2, next80b, hostmoe, prof, mvold, fdold, pdloff, mv2off, faoff, qkv, x1off, routeoff, fdfuseoff, alloff, tg128, l2pf, quick)"; exit 2 ;;
   esac
 done
