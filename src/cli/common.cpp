@@ -17,7 +17,10 @@ namespace strata::cli {
 void EngineFlags::add(CLI::App& app) {
   opts.backend = "auto";  // the command line's default: the GPU when there is one
   app.add_option("-m,--model", model, "GGUF model file")->required()->check(CLI::ExistingFile);
-  app.add_option("-t,--threads", opts.n_threads, "compute threads (0 = all cores)")->capture_default_str();
+  app.add_option("-t,--threads", opts.n_threads,
+                 "compute threads, 0..1024 (0 = all cores); between loops they spin up to STRATA_POOL_SPIN_US "
+                 "microseconds (environment, default 100, 0 = sleep at once) before sleeping")
+      ->capture_default_str();
   app.add_option("--backend", opts.backend,
                  "where the forward pass runs: cpu, cuda (a CUDA GPU; an error without one), auto (cuda when a "
                  "device is present, else cpu)")

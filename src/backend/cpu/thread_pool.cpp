@@ -1,7 +1,9 @@
 #include "backend/cpu/thread_pool.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -12,14 +14,26 @@
 namespace strata::cpu {
 
 namespace {
-// STRATA_POOL_SPIN_US: microseconds a thread spins before it sleeps (read once; default 100).
+constexpr int64_t kDefaultSpinUs = 100, kMaxSpinUs = 100000;
+
+// STRATA_POOL_SPIN_US: microseconds a thread spins before it sleeps (read once; default 100,
+// at most 100000). A value that is not such a number is reported once on stderr and the default
+// used.
 int64_t spin_us_from_env() {
   static const int64_t us = [] {
     const char* e = std::getenv("STRATA_POOL_SPIN_US");
-    if (!e || !*e) return int64_t(100);
+    if (!e || !*e) return kDefaultSpinUs;
     char* end = nullptr;
+    errno = 0;
     const long long v = std::strtoll(e, &end, 10);
-    return (end && *end == 0 && v >= 0) ? int64_t(std::min<long long>(v, 100000)) : int64_t(100);
+    if (end == e || *end != 0 || errno == ERANGE || v < 0 || v > kMaxSpinUs) {
+      std::fprintf(stderr,
+                   "strata: warning: STRATA_POOL_SPIN_US='%s' is not a number of microseconds in [0, %lld]; "
+                   "using %lld\n",
+                   e, static_cast<long long>(kMaxSpinUs), static_cast<long long>(kDefaultSpinUs));
+      return kDefaultSpinUs;
+    }
+    return int64_t(v);
   }();
   return us;
 }
@@ -45,6 +59,10 @@ bool ThreadPool::spin_until(Pred pred) const {
 }
 
 ThreadPool::ThreadPool(int n_threads) : n_threads_(std::max(1, n_threads)), spin_us_(spin_us_from_env()) {
+  // More threads than the machine runs at once: a spinning thread would hold a core that a
+  // working one needs (-t above the core count), so they sleep at once.
+  const unsigned hw = std::thread::hardware_concurrency();
+  if (hw > 0 && unsigned(n_threads_) > hw) spin_us_ = 0;
   for (int i = 1; i < n_threads_; ++i) workers_.emplace_back([this] { worker_loop(); });
 }
 

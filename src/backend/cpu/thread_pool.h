@@ -9,8 +9,9 @@
 // loop, the caller waiting for the workers): decode runs ~10 short loops a layer, and a
 // condition-variable wake-up costs tens of microseconds on a VM (a futex system call and a
 // reschedule each way), which was ~10 % of a decode token. The spin is bounded
-// (STRATA_POOL_SPIN_US, default 100 microseconds; 0 sleeps at once) so that idle workers give
-// the cores back to the IO threads.
+// (STRATA_POOL_SPIN_US, default 100 microseconds, at most 100000; 0 sleeps at once) so that idle
+// workers give the cores back to the IO threads; with more threads than the hardware runs at
+// once nothing spins.
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
