@@ -19,7 +19,8 @@ void EngineFlags::add(CLI::App& app) {
   app.add_option("-m,--model", model, "GGUF model file")->required()->check(CLI::ExistingFile);
   app.add_option("-t,--threads", opts.n_threads,
                  "compute threads, 0..1024 (0 = all cores); between loops they spin up to STRATA_POOL_SPIN_US "
-                 "microseconds (environment, default 100, 0 = sleep at once) before sleeping")
+                 "microseconds (environment, default 100, 0 = sleep at once) before sleeping, unless there are more "
+                 "threads than cores")
       ->capture_default_str();
   app.add_option("--backend", opts.backend,
                  "where the forward pass runs: cpu, cuda (a CUDA GPU; an error without one), auto (cuda when a "

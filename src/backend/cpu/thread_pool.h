@@ -51,7 +51,7 @@ class ThreadPool {
   std::atomic<uint64_t> generation_{0};  // bumped (under mu_) after the loop's fields are set
   std::atomic<int> active_{0};           // workers still in the current loop
   bool stop_ = false;
-  int64_t spin_us_ = 100;
+  int64_t spin_us_ = 0;  // set by the constructor
   const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
   int64_t n_ = 0, grain_ = 1;
   std::atomic<int64_t> next_{0};

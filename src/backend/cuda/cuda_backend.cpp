@@ -753,12 +753,13 @@ void CudaBackend::attention(const backend::AttentionSpec& s, const backend::Atte
     const MatmulQ8Part parts[3] = {{w.wq.data, w.wq.rows(), qy, ldq},
                                    {w.wk.data, w.wk.rows(), kc, kv_dim},
                                    {w.wv.data, w.wv.rows(), vc, kv_dim}};
-    L2Prefetch wo;  // the output projection into L2 while q, k and v stream (decode)
-    wo.p[0] = w.wo.data, wo.bytes[0] = size_t(w.wo.rows()) * w.wo.row_bytes(), wo.n = w.wo.data ? 1 : 0;
-    if (x1_qkv)
+    if (x1_qkv) {
+      L2Prefetch wo;  // the output projection into L2 while q, k and v stream (decode)
+      wo.p[0] = w.wo.data, wo.bytes[0] = size_t(w.wo.rows()) * w.wo.row_bytes(), wo.n = w.wo.data ? 1 : 0;
       matmul_q8_multi_x1(w.wq.type, parts, 3, w.wq.row_bytes(), h.cols(), h.f(), stream(), &wo);
-    else
+    } else {
       matmul_q8_multi(w.wq.type, parts, 3, w.wq.row_bytes(), h.cols(), hq.q, hq.d, T, stream());
+    }
   } else {
     proj(w.wq, qy, ldq);
     proj(w.wk, kc, kv_dim);
