@@ -11,6 +11,9 @@
 #   LAYERS (8)  THREADS ("1 4 16")  PT (512)  GEN (16)  CTX (1024)  MODEL (/tmp/q30b-q8-l$LAYERS.gguf)
 #   STRATA_BIN: use this strata binary instead of building (e.g. a local build)
 #   CUDA=ON: build with the CUDA backend too (the same binary as the device scripts)
+#   LLAMA_BENCH: a llama-bench binary (built elsewhere; nothing here builds llama.cpp): after
+#     strata's runs, llama.cpp on the same file at each thread count, CPU only (no GPU visible):
+#     its pp$PT and tg128 tests, for the side-by-side ratios
 # Local check on the 2-core VM: STRATA_BIN=build/strata LAYERS=2 THREADS="1 2" PT=64 GEN=4 \
 #   MODELS=models OUT=/tmp/cpu-scaling bash scripts/cpu_scaling_run.sh
 set -u
@@ -85,4 +88,12 @@ for ph in ("prefill", "decode"):
 PY
   [ $rc = 0 ] || tail -5 "$OUT/bench_t$t.err"
 done
+if [ -n "${LLAMA_BENCH:-}" ] && [ -x "$LLAMA_BENCH" ]; then
+  for t in $THREADS; do
+    echo "== llama.cpp, $t threads, CPU only"
+    CUDA_VISIBLE_DEVICES="" timeout 600 "$LLAMA_BENCH" -m "$M" -ngl 0 -t "$t" -p "$PT" -n 128 -r 1 -o md \
+      > "$OUT/llama_t$t.md" 2>&1
+    grep -E "^\|" "$OUT/llama_t$t.md" || tail -5 "$OUT/llama_t$t.md"
+  done
+fi
 echo "done at $(( $(date +%s) - t0 )) s"

@@ -43,7 +43,9 @@ run() {  # name, extra flags
 # after a quantizer launch: STRATA_CUDA_Q8_X1=0), routeoff (decode routing in two launches:
 # STRATA_CUDA_FUSED_ROUTE=0), fdfuseoff (decode attention's fold in fa_combine: STRATA_CUDA_FA_FUSED=0),
 # alloff (all three off: the decode of before this stop), tg128 (llama-bench's pp512 and tg128),
-# l2pf (the next-kernel L2 prefetch, STRATA_CUDA_L2_PREFETCH=1 / 2).
+# l2pf (the next-kernel L2 prefetch, STRATA_CUDA_L2_PREFETCH=1 / 2), peer (llama.cpp's
+# llama-bench on the same file and card, LLAMA_BENCH=path: every layer on the GPU, then the
+# experts on the CPU).
 vram_done=0
 vram() { [ $vram_done = 1 ] || run vram; vram_done=1; }
 for set in ${RUNS:-basic}; do
@@ -102,6 +104,21 @@ for set in ${RUNS:-basic}; do
       STRATA_CUDA_L2_PREFETCH=2 run vram-l2pf2
       PT=1 PC=1 GEN=128 run vram-tg128
       STRATA_CUDA_L2_PREFETCH=2 PT=1 PC=1 GEN=128 run vram-tg128-l2pf2 ;;
+    peer)  # llama.cpp's llama-bench on the same file and card, when LLAMA_BENCH names a llama-bench
+      # binary (built elsewhere: nothing here builds or ships llama.cpp): every layer on the GPU
+      # with flash attention (pp512, pp2048, tg128), then the experts on the CPU (--n-cpu-moe,
+      # PEER_THREADS threads, default every core), as the llama.cpp figures were taken
+      if [ -z "${LLAMA_BENCH:-}" ] || [ ! -x "$LLAMA_BENCH" ]; then
+        echo "== peer: skipped (set LLAMA_BENCH to a llama-bench binary)"
+      else
+        NL=${PEER_CPU_MOE:-48}  # the 30B shape's layers: every layer's experts on the CPU
+        echo "== peer: $LLAMA_BENCH, all layers on the GPU, flash attention on"
+        timeout 240 "$LLAMA_BENCH" -m "$M" -ngl 99 -fa 1 -p 512,2048 -n 128 -r "${PEER_REPS:-2}" -o md 2>&1 |
+          tee "$OUT/peer_vram.md" | grep -E "^\|" || tail -5 "$OUT/peer_vram.md"
+        echo "== peer: experts on the CPU (--n-cpu-moe ${NL:-48} -t ${PEER_THREADS:-$(nproc)})"
+        timeout 300 "$LLAMA_BENCH" -m "$M" -ngl 99 -fa 1 --n-cpu-moe "${NL:-48}" -t "${PEER_THREADS:-$(nproc)}" \
+          -p 512,2048 -n 128 -r 1 -o md 2>&1 | tee "$OUT/peer_cpumoe.md" | grep -E "^\|" || tail -5 "$OUT/peer_cpumoe.md"
+      fi ;;
     prof)  # every expert in VRAM with STRATA_CUDA_PROFILE=1 (per-call device time, host waits)
       STRATA_CUDA_PROFILE=1 run vram-prof
       grep -A40 "cuda profile" "$OUT/bench_vram-prof.err" | head -60 ;;
@@ -111,6 +128,6 @@ for set in ${RUNS:-basic}; do
         --tokenizer-from "$MODELS/qwen3moe-code-Q8_0.gguf" --json | tee "$OUT/synth80b.json"
       M=$N80 run next80b-predict-on --arena-mb 6656 --host-cache-mb 0 --cold
       M=$N80 run next80b-predict-off --arena-mb 6656 --host-cache-mb 0 --cold --predict off ;;
-    *) echo "unknown RUNS set '$set' (basic, tiers, nvme, mma2, vram, vram-mma2, next80b, hostmoe, prof, mvold, fdold, pdloff, mv2off, faoff, qkv, x1off, routeoff, fdfuseoff, alloff, tg128, l2pf, quick)"; exit 2 ;;
+    *) echo "unknown RUNS set '$set' (basic, tiers, nvme, mma2, vram, vram-mma2, next80b, hostmoe, prof, mvold, fdold, pdloff, mv2off, faoff, qkv, x1off, routeoff, fdfuseoff, alloff, tg128, l2pf, quick, peer)"; exit 2 ;;
   esac
 done

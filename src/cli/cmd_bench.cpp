@@ -218,11 +218,18 @@ void register_bench(CLI::App& root) {
         const std::string decode = forced.empty() ? fmt::format("--gen {}", f->gen)
                                                   : fmt::format("--decode-from '{}' ({} of its {} tokens, --gen {})",
                                                                 f->decode_from, n_decode, forced.size(), f->gen);
+        // -c cannot go past the model's training context: only suggest raising it below that
+        const int64_t train = eng.hparams().n_ctx_train;
+        const bool at_limit = train > 0 && n_ctx >= train;
         throw std::invalid_argument(fmt::format(
-            "the prompt's {} tokens and {} need {} positions, more than the context of {} tokens (-c/--ctx-size); "
-            "decode at most {} tokens, shorten the prompt or raise -c",
+            "the prompt's {} tokens and {} need {} positions, more than the context of {} tokens (-c/--ctx-size{}); "
+            "decode at most {} tokens{}",
             prompt.size(), decode, prompt.size() + n_decode, n_ctx,
-            std::max<int64_t>(0, n_ctx - int64_t(prompt.size()))));
+            at_limit ? ", already the model's training context" : "",
+            std::max<int64_t>(0, n_ctx - int64_t(prompt.size())),
+            at_limit ? " or shorten the prompt"
+                     : fmt::format(", shorten the prompt or raise -c{}",
+                                   train > 0 ? fmt::format(" (up to {})", train) : std::string())));
       }
       record = eng.stream().slot_bytes();
       arena_bytes = eng.arena_bytes();
@@ -348,7 +355,8 @@ void register_bench(CLI::App& root) {
       const std::string io_floor = ssd_gbps > 0 ? fmt::format("{:.3f} s", j["io_floor_s"].get<double>()) : "-";
       fmt::print(
           "{:<8} {:5d} tok {:8.3f} s {:8.2f} tok/s | needed {} hit {} ahead {} missed {} wasted {} | read {} "
-          "({:.2f} GB/s) wait {:.3f} s | IO floor {}, compute floor {:.3f} s, ratio {:.2f}{} | recall "
+          "({:.2f} GB/s) wait {:.3f} s | IO floor {} (Belady-optimal reads), compute floor {:.3f} s, ratio {:.2f}{} | "
+          "recall "
           "{:.1f} %\n",
           name, j["tokens"].get<int64_t>(), j["seconds"].get<double>(), j["tokens_per_s"].get<double>(),
           j["needed"].get<uint64_t>(), j["hit"].get<uint64_t>(), j["streamed_ahead"].get<uint64_t>(),
@@ -369,7 +377,7 @@ void register_bench(CLI::App& root) {
           copy.gbps > 0 ? fmt::format("{:.2f} GB/s {}", copy.gbps, copy.kind) : std::string("not measured");
       fmt::print(
           "{:<8} tiers: arena hits {} | host hits {} ({}) | disk reads {} ({}) | copied {} at {:.2f} GB/s (peak {}) | "
-          "floors: disk {}, copy {}, compute {:.3f} s | time / max(floors) {:.2f}\n",
+          "floors: disk {} (this run's reads), copy {}, compute {:.3f} s | time / max(floors) {:.2f}\n",
           name, j["arena_hits"].get<uint64_t>(), j["host_hits"].get<uint64_t>(),
           human_bytes(double(j["host_hit_bytes"].get<uint64_t>())), j["disk_reads"].get<uint64_t>(),
           human_bytes(double(j["disk_bytes"].get<uint64_t>())), human_bytes(double(j["h2d_bytes"].get<uint64_t>())),

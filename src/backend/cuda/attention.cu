@@ -9,6 +9,7 @@
 
 #include "backend/cuda/attention_mma.h"
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/env_switch.h"
 #include "backend/cuda/launch.cuh"
 
 namespace strata::cuda {
@@ -230,10 +231,9 @@ namespace {
 // The kernel cuda::attention picks: Mma when asked, or for Auto where it takes the shape and the
 // environment does not ask for Simt (STRATA_CUDA_ATTN=simt, for before / after measurements).
 bool takes_mma(const AttentionArgs& a) {
-  static const bool simt_env = [] {
-    const char* e = std::getenv("STRATA_CUDA_ATTN");
-    return e && std::string(e) == "simt";
-  }();
+  static detail::EnvSwitch simt{"STRATA_CUDA_ATTN",
+                                [](const char* v) { return v && std::string(v) == "simt" ? 1 : 0; }};
+  const bool simt_env = simt.get() != 0;
   return a.path == AttentionPath::Mma || (a.path == AttentionPath::Auto && !simt_env && attention_has_mma(a));
 }
 

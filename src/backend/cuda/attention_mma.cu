@@ -15,6 +15,7 @@
 #include "backend/cuda/attention_mma.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device_common.cuh"
+#include "backend/cuda/env_switch.h"
 #include "backend/cuda/launch.cuh"
 
 namespace strata::cuda::detail {
@@ -948,36 +949,22 @@ __global__ void __launch_bounds__(kFpWarps * 32, 1)
 }
 
 /// STRATA_CUDA_FA_DECODE=0 keeps decode on fa_kernel (for before / after measurements).
-bool fd_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("STRATA_CUDA_FA_DECODE");
-    return !(e && std::string(e) == "0");
-  }();
-  return on;
-}
+detail::EnvSwitch g_fd{"STRATA_CUDA_FA_DECODE", detail::off_if_zero};
+bool fd_enabled() { return g_fd.get() != 0; }
 
 }  // namespace
 
 namespace {
-std::atomic<int> g_fa_prefill{-1};  // -1: not chosen yet (STRATA_CUDA_FA_PREFILL decides on first use)
+detail::EnvSwitch g_fa_prefill{"STRATA_CUDA_FA_PREFILL", detail::off_if_zero};
 }  // namespace
 
-bool fa_prefill_enabled() {
-  int v = g_fa_prefill.load(std::memory_order_relaxed);
-  if (v < 0) {
-    const char* e = std::getenv("STRATA_CUDA_FA_PREFILL");
-    v = e && std::string(e) == "0" ? 0 : 1;
-    int expected = -1;
-    if (!g_fa_prefill.compare_exchange_strong(expected, v)) v = expected;
-  }
-  return v != 0;
-}
+bool fa_prefill_enabled() { return g_fa_prefill.get() != 0; }
 
-void set_fa_prefill_enabled(bool on) { g_fa_prefill.store(on ? 1 : 0, std::memory_order_relaxed); }
+void set_fa_prefill_enabled(bool on) { g_fa_prefill.set(on ? 1 : 0); }
 
 namespace {
 std::atomic<bool> g_fa_split{true};
-std::atomic<int> g_fd_fused{-1};  // -1: not chosen yet (STRATA_CUDA_FA_FUSED decides on first use)
+detail::EnvSwitch g_fd_fused{"STRATA_CUDA_FA_FUSED", detail::off_if_zero};
 
 /// g_fd_sync's slot of (current device, stream): the slots are handed out on first use and kept
 /// (at most kFdSlots (device, stream) pairs); -1 when all are taken (those calls run the
@@ -1029,18 +1016,9 @@ int fd_finishers(const AttentionArgs& a, int64_t n_rows) {
 
 void set_fa_split_allowed(bool on) { g_fa_split.store(on, std::memory_order_relaxed); }
 
-bool fa_fused_enabled() {
-  int v = g_fd_fused.load(std::memory_order_relaxed);
-  if (v < 0) {
-    const char* e = std::getenv("STRATA_CUDA_FA_FUSED");
-    v = e && std::string(e) == "0" ? 0 : 1;
-    int expected = -1;
-    if (!g_fd_fused.compare_exchange_strong(expected, v)) v = expected;
-  }
-  return v != 0;
-}
+bool fa_fused_enabled() { return g_fd_fused.get() != 0; }
 
-void set_fa_fused_enabled(bool on) { g_fd_fused.store(on ? 1 : 0, std::memory_order_relaxed); }
+void set_fa_fused_enabled(bool on) { g_fd_fused.set(on ? 1 : 0); }
 
 namespace {
 

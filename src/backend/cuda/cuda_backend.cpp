@@ -451,12 +451,11 @@ CudaBackend::CudaBackend(const CudaOptions& opts) : device_(opts.device), act_q8
   }
   ring_bytes_ = kRingBytes;
   ring_ = host_alloc(ring_bytes_, ring_pinned_, "the upload ring");
-  if (const char* e = std::getenv("STRATA_CUDA_PROFILE"); e && *e && std::string_view(e) != "0")
-    prof_ = std::make_unique<OpProfile>(ctx_->stream);
-  host_route_ = opts.host_route;
-  if (const char* e = std::getenv("STRATA_CUDA_HOST_ROUTE"); e && *e && std::string_view(e) != "0") host_route_ = true;
-  if (const char* e = std::getenv("STRATA_CUDA_HOST_MOE"); e && *e && std::string_view(e) != "0") host_moe_ = true;
-  if (const char* e = std::getenv("STRATA_CUDA_FUSED_ROUTE"); e && std::string_view(e) == "0") fused_route_ = false;
+  // Read per backend (not once per process): a test may construct backends under several settings.
+  if (detail::on_if_set(std::getenv("STRATA_CUDA_PROFILE"))) prof_ = std::make_unique<OpProfile>(ctx_->stream);
+  host_route_ = opts.host_route || detail::on_if_set(std::getenv("STRATA_CUDA_HOST_ROUTE"));
+  if (detail::on_if_set(std::getenv("STRATA_CUDA_HOST_MOE"))) host_moe_ = true;
+  if (!detail::off_if_zero(std::getenv("STRATA_CUDA_FUSED_ROUTE"))) fused_route_ = false;
   route_counter_ = DeviceBuffer(sizeof(unsigned));
   STRATA_CUDA_CHECK(cudaMemsetAsync(route_counter_.get(), 0, sizeof(unsigned), ctx_->stream));
   STRATA_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));  // zero before any kernel can count on it
@@ -743,10 +742,9 @@ void CudaBackend::attention(const backend::AttentionSpec& s, const backend::Atte
   float* qy = s.q_gate ? qg : q;
   const int64_t ldq = s.q_gate ? 2 * q_dim : q_dim;
   // Opt-in until measured on a device (STRATA_CUDA_QKV_ONE_LAUNCH=1; docs/cuda.md "Next").
-  static const bool qkv_one_launch = [] {
-    const char* e = std::getenv("STRATA_CUDA_QKV_ONE_LAUNCH");
-    return e && std::string(e) == "1";
-  }();
+  static detail::EnvSwitch qkv_env{"STRATA_CUDA_QKV_ONE_LAUNCH",
+                                   [](const char* v) { return v && std::string(v) == "1" ? 1 : 0; }};
+  const bool qkv_one_launch = qkv_env.get() != 0;
   const bool fused_qkv =
       qkv_one_launch && hq.q && w.wq.row_bytes() == w.wk.row_bytes() && w.wq.row_bytes() == w.wv.row_bytes();
   if (x1_qkv || fused_qkv) {

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cuda/env_switch.h"
 #include "backend/cuda/kernels.h"
 #include "backend/cuda/route.h"
 
@@ -303,14 +304,11 @@ class CudaBackend final : public backend::Backend {
   /// STRATA_CUDA_PROFILE=1: per-call device time (CUDA events around each call) and host
   /// waits, printed to stderr when the backend is destroyed (docs/cuda.md "Profile"); null when off.
   std::unique_ptr<OpProfile> prof_;
-  /// STRATA_CUDA_HOST_TIMES=1: each synchronize / download sync prints the host time since the
+  /// STRATA_CUDA_HOST_TIMES=1 (any value but 0): each synchronize / download sync prints the host time since the
   /// previous sync ended (enqueueing) and the time it waited (stderr), to tell a host-bound
   /// decode from a device-bound one.
   void note_sync(std::chrono::steady_clock::time_point t0);
-  bool host_times_ = [] {
-    const char* e = std::getenv("STRATA_CUDA_HOST_TIMES");
-    return e && std::string(e) == "1";
-  }();
+  bool host_times_ = detail::on_if_set(std::getenv("STRATA_CUDA_HOST_TIMES"));
   std::chrono::steady_clock::time_point sync_last_{};
   friend class ProfScope;
 };

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/env_switch.h"
 #include "backend/cuda/launch.cuh"
 
 namespace strata::cuda {
@@ -32,11 +33,8 @@ void opt_in_smem(const void* func, int bytes) {
 }
 
 bool pdl_enabled() {
-  static const bool env_on = [] {
-    const char* e = std::getenv("STRATA_CUDA_PDL");
-    return !(e && std::string_view(e) == "0");
-  }();
-  if (!env_on) return false;
+  static EnvSwitch env{"STRATA_CUDA_PDL", off_if_zero};
+  if (!env.get()) return false;
   constexpr int kMaxDevices = 64;
   static std::atomic<signed char> known[kMaxDevices] = {};  // 0 unknown, 1 yes, -1 no
   int dev = 0;

@@ -16,6 +16,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device_common.cuh"
+#include "backend/cuda/env_switch.h"
 #include "backend/cuda/launch.cuh"
 #include "quant/quant_impl.h"
 #include "quant/quant_tables.h"
@@ -1241,24 +1242,16 @@ void matmul(GgmlType type, const void* W, size_t row_bytes, int64_t rows, int64_
 }
 
 namespace {
-std::atomic<int> g_mma_version{0};  // 0: not chosen yet (STRATA_CUDA_MMA decides on first use)
+int parse_mma_version(const char* v) { return v && v[0] == '2' && !v[1] ? 2 : 1; }
+detail::EnvSwitch g_mma_version{"STRATA_CUDA_MMA", parse_mma_version};
 }  // namespace
 
-int mma_kernel_version() {
-  int v = g_mma_version.load(std::memory_order_relaxed);
-  if (v == 0) {
-    const char* e = std::getenv("STRATA_CUDA_MMA");
-    v = e && std::string(e) == "2" ? 2 : 1;
-    int expected = 0;
-    if (!g_mma_version.compare_exchange_strong(expected, v)) v = expected;
-  }
-  return v;
-}
+int mma_kernel_version() { return g_mma_version.get(); }
 
 void set_mma_kernel_version(int version) {
   if (version != 1 && version != 2)
     throw std::invalid_argument("cuda::set_mma_kernel_version: version " + std::to_string(version) + " is not 1 or 2");
-  g_mma_version.store(version, std::memory_order_relaxed);
+  g_mma_version.set(version);
 }
 
 bool has_mma(GgmlType t, int64_t cols) {

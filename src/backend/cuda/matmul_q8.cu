@@ -14,6 +14,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device_common.cuh"
+#include "backend/cuda/env_switch.h"
 #include "backend/cuda/kernels.h"
 #include "backend/cuda/launch.cuh"
 
@@ -428,14 +429,14 @@ __device__ __forceinline__ void load_pair(const uint8_t* __restrict__ p, bool tw
 /// STRATA_CUDA_MV16=0 the choice without the 16-byte staging (comparisons). The rows a block holds and the kernel change no element's operations.
 constexpr int kWRowsBlockFwd = 8;  // = kWRowsBlock (mv16_q8_kernel, below)
 int mv_rows_per_block(int64_t rows, bool vec16) {
-  static const int forced = [] {
-    const char* e = std::getenv("STRATA_CUDA_MV_ROWS");
-    return e && std::string(e) == "16" ? kVRows : e && std::string(e) == "4" ? kVRowsSmall : 0;
-  }();
-  static const bool no16 = [] {
-    const char* e = std::getenv("STRATA_CUDA_MV16");
-    return e && std::string(e) == "0";
-  }();
+  static detail::EnvSwitch rows_env{"STRATA_CUDA_MV_ROWS", [](const char* v) {
+                                      return v && std::string(v) == "16"  ? kVRows
+                                             : v && std::string(v) == "4" ? kVRowsSmall
+                                                                          : 0;
+                                    }};
+  static detail::EnvSwitch v16_env{"STRATA_CUDA_MV16", detail::off_if_zero};
+  const int forced = rows_env.get();
+  const bool no16 = v16_env.get() == 0;
   if (forced) return forced;
   if (vec16 && !no16) return kWRowsBlockFwd;
   return (rows + kVRows - 1) / kVRows < kVSmallBelow ? kVRowsSmall : kVRows;
@@ -1058,42 +1059,19 @@ void check_q8_common(const char* fn, GgmlType type, size_t row_bytes, int64_t ro
                       std::string(fn) + ": ldy=" + std::to_string(ldy) + " < rows=" + std::to_string(rows));
 }
 
+int parse_l2_prefetch(const char* v) { return v && v[0] && !v[1] && (v[0] == '1' || v[0] == '2') ? v[0] - '0' : 0; }
 /// Whether the 16-byte mat-vec runs as mv2_q8_kernel (default) or as mv16_q8_kernel:
-/// STRATA_CUDA_MV16_V2=0 (read once) picks mv16, detail::set_mv16_v2 overrides (tests).
-std::atomic<int> g_mv16_v2_override{-1};
-bool mv16_v2_enabled() {
-  static const bool env = [] {
-    const char* e = std::getenv("STRATA_CUDA_MV16_V2");
-    return !(e && std::string(e) == "0");
-  }();
-  const int o = g_mv16_v2_override.load(std::memory_order_relaxed);
-  return o < 0 ? env : o != 0;
-}
-
+/// STRATA_CUDA_MV16_V2=0 picks mv16, detail::set_mv16_v2 overrides (tests).
+detail::EnvSwitch g_mv16_v2{"STRATA_CUDA_MV16_V2", detail::off_if_zero};
 /// Whether the one-token launches quantize their fp32 activations in the mat-vec (X1):
-/// STRATA_CUDA_Q8_X1=0 (read once) keeps the quantizer launch, detail::set_q8_x1 overrides.
-std::atomic<int> g_q8_x1_override{-1};
-bool q8_x1_enabled() {
-  static const bool env = [] {
-    const char* e = std::getenv("STRATA_CUDA_Q8_X1");
-    return !(e && std::string(e) == "0");
-  }();
-  const int o = g_q8_x1_override.load(std::memory_order_relaxed);
-  return (o < 0 ? env : o != 0) && mv16_v2_enabled();
-}
-
-/// The L2 prefetch mode of the X1 launches: STRATA_CUDA_L2_PREFETCH (read once; 0 unless 1 or
-/// 2), detail::set_l2_prefetch overrides.
-std::atomic<int> g_l2_prefetch_override{-1};
-int l2_prefetch_mode() {
-  static const int env = [] {
-    const char* e = std::getenv("STRATA_CUDA_L2_PREFETCH");
-    const std::string v = e ? e : "";
-    return v == "1" ? 1 : v == "2" ? 2 : 0;
-  }();
-  const int o = g_l2_prefetch_override.load(std::memory_order_relaxed);
-  return o < 0 ? env : o;
-}
+/// STRATA_CUDA_Q8_X1=0 keeps the quantizer launch, detail::set_q8_x1 overrides.
+detail::EnvSwitch g_q8_x1{"STRATA_CUDA_Q8_X1", detail::off_if_zero};
+/// The L2 prefetch mode of the X1 launches: STRATA_CUDA_L2_PREFETCH (0 unless 1 or 2),
+/// detail::set_l2_prefetch overrides.
+detail::EnvSwitch g_l2_prefetch{"STRATA_CUDA_L2_PREFETCH", parse_l2_prefetch};
+bool mv16_v2_enabled() { return g_mv16_v2.get() != 0; }
+bool q8_x1_enabled() { return g_q8_x1.get() != 0 && mv16_v2_enabled(); }
+int l2_prefetch_mode() { return g_l2_prefetch.get(); }
 
 /// Launches mv2_q8_kernel<DUAL, ..., MULTI, X1>: the one-warp instance (R = 8, KB = 24) for
 /// rows of at most kV2SmallMaxBlocks Q8_0 blocks, else the 4-warp one (R = 2, KB = 64); X1's
@@ -1182,11 +1160,9 @@ void launch_q8(bool gemm, bool al4, int rb, unsigned grid, const GroupedMatmulJo
 }  // namespace
 
 namespace detail {
-void set_mv16_v2(int mode) { g_mv16_v2_override.store(mode < 0 ? -1 : mode != 0, std::memory_order_relaxed); }
-void set_q8_x1(int mode) { g_q8_x1_override.store(mode < 0 ? -1 : mode != 0, std::memory_order_relaxed); }
-void set_l2_prefetch(int mode) {
-  g_l2_prefetch_override.store(mode < 0 ? -1 : mode > 2 ? 1 : mode, std::memory_order_relaxed);
-}
+void set_mv16_v2(int mode) { mode < 0 ? g_mv16_v2.clear() : g_mv16_v2.set(mode != 0); }
+void set_q8_x1(int mode) { mode < 0 ? g_q8_x1.clear() : g_q8_x1.set(mode != 0); }
+void set_l2_prefetch(int mode) { mode < 0 ? g_l2_prefetch.clear() : g_l2_prefetch.set(mode > 2 ? 1 : mode); }
 }  // namespace detail
 
 bool has_q8(GgmlType t, int64_t cols) { return t == GgmlType::Q8_0 && cols > 0 && cols % 32 == 0; }
