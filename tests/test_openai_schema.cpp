@@ -141,6 +141,40 @@ TEST(OpenAISchema, ChatDefaults) {
   EXPECT_EQ(p.gen.prompt, std::vector<int32_t>(prompt.begin(), prompt.end()));
 }
 
+// serve's sampling flags (ModelContext::default_sampler) fill the fields a request leaves unset;
+// the request's own fields win, and its "seed": -1 is random whatever the server's seed.
+TEST(OpenAISchema, ServerSamplingDefaults) {
+  ModelContext m = fake_model();
+  m.default_sampler.temp = 0.0f;
+  m.default_sampler.top_k = 5;
+  m.default_sampler.top_p = 0.5f;
+  m.default_sampler.min_p = 0.0f;
+  m.default_sampler.repeat_penalty = 1.25f;
+  m.default_sampler.repeat_last_n = 16;
+  m.default_sampler.seed = 7;
+  m.default_sampler.logit_bias = {{1, 5.0f}};  // never carried over: logit_bias is per request
+  for (const bool chat : {true, false}) {
+    const ParsedRequest p = chat ? parse_chat_request(chat_body(), m) : parse_completion_request(completion_body(), m);
+    EXPECT_EQ(p.gen.sampler.temp, 0.0f);
+    EXPECT_EQ(p.gen.sampler.top_k, 5);
+    EXPECT_EQ(p.gen.sampler.top_p, 0.5f);
+    EXPECT_EQ(p.gen.sampler.min_p, 0.0f);
+    EXPECT_EQ(p.gen.sampler.repeat_penalty, 1.25f);
+    EXPECT_EQ(p.gen.sampler.repeat_last_n, 16);
+    EXPECT_EQ(p.gen.sampler.seed, 7u);
+    EXPECT_TRUE(p.gen.sampler.logit_bias.empty());
+  }
+  Json b = chat_body();
+  b.update(Json::parse(R"({"temperature": 1.5, "top_k": 0, "seed": 3})"));
+  ParsedRequest q = parse_chat_request(b, m);
+  EXPECT_EQ(q.gen.sampler.temp, 1.5f);
+  EXPECT_EQ(q.gen.sampler.top_k, 0);
+  EXPECT_EQ(q.gen.sampler.seed, 3u);
+  EXPECT_EQ(q.gen.sampler.top_p, 0.5f);  // unset: still the server's
+  b["seed"] = -1;
+  EXPECT_EQ(parse_chat_request(b, m).gen.sampler.seed, 0xFFFFFFFFu);
+}
+
 TEST(OpenAISchema, ChatFields) {
   const Json b = Json::parse(R"({
     "messages": [{"role": "system", "content": null},

@@ -19,6 +19,7 @@ namespace {
 struct ServeFlags {
   EngineFlags engine;
   server::ServerOptions server;
+  SamplingFlags sampling;  ///< the defaults of requests that leave a sampling field unset
   std::string chat_template_file;
   int64_t max_body_kb = 1024;
   int64_t cache_ram_mb = 1024;
@@ -123,6 +124,7 @@ void register_serve(CLI::App& root) {
                   "on SIGINT/SIGTERM, seconds running requests get to finish before they are cancelled")
       ->capture_default_str()
       ->check(non_negative_real());
+  f->sampling.add(*app);  // --temp, --top-k, ... as run and chat: a request's own fields win
   app->add_option("--alias", s.model_name, "model id reported by /v1/models (default: the file name)");
   app->add_option("--chat-template-file", f->chat_template_file, "Jinja chat template to use instead of the model's")
       ->check(CLI::ExistingFile);
@@ -135,9 +137,10 @@ void register_serve(CLI::App& root) {
     sigaddset(&sigs, SIGUSR1);
     pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
 
+    server::ServerOptions opts = f->server;
+    opts.sampling = f->sampling.resolve();  // checked before the model loads
     engine::Engine eng(f->engine.model, f->engine.resolve());
     chat::ChatTemplate tmpl = load_chat_template(eng, f->chat_template_file);
-    server::ServerOptions opts = f->server;
     opts.max_body_bytes = size_t(f->max_body_kb) * 1024;
     opts.scheduling.cache_bytes = uint64_t(f->cache_ram_mb) << 20;
     opts.scheduling.batching = !f->no_cont_batching;

@@ -97,13 +97,16 @@ ParsedRequest parse_common(const Json& b, const ModelContext& m, bool chat) {
   ParsedRequest p;
   const int64_t n_ctx = m.n_ctx;
   auto& sp = p.gen.sampler;
+  sp = m.default_sampler;  // the server's flags; the request's own fields override them below
+  sp.logit_bias.clear();
   sp.temp = float(get_number(b, "temperature", sp.temp, 0, 2));
   sp.top_p = float(get_number(b, "top_p", sp.top_p, 0, 1));
   sp.top_k = int(get_int(b, "top_k", sp.top_k, 0, 1 << 20));
   sp.min_p = float(get_number(b, "min_p", sp.min_p, 0, 1));
   sp.repeat_penalty = float(get_number(b, "repeat_penalty", sp.repeat_penalty, 0, 10));
   const int64_t seed = get_int(b, "seed", -1, -1, INT64_MAX);
-  sp.seed = seed < 0 ? 0xFFFFFFFF : uint64_t(seed);
+  // unset: the server's -s/--seed (random by default); -1: random
+  if (field(b, "seed")) sp.seed = seed < 0 ? 0xFFFFFFFF : uint64_t(seed);
   for (const char* pen : {"presence_penalty", "frequency_penalty"})
     if (get_number(b, pen, 0, -2, 2) != 0)
       throw bad_request(pen, fmt::format("'{}' is not supported by this server", pen), "unsupported");

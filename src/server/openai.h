@@ -73,6 +73,8 @@ bool get_bool(const Json& b, const char* name, bool dflt);
 struct ModelContext {
   int64_t n_ctx = 0;                ///< context in tokens: max_tokens' limit, the prompt's limit
   int64_t default_max_tokens = 0;   ///< max_tokens when the request leaves it unset (<= 0: n_ctx), capped at n_ctx
+  /// Sampling fields (and the seed) when the request leaves them unset: serve's --temp, ...
+  engine::SamplerParams default_sampler;
   int32_t n_vocab = 0;              ///< token ids of a token-id prompt must lie in [0, n_vocab)
   std::vector<int32_t> end_tokens;  ///< tokens that end generation unless ignore_eos
   /// Text to token ids (no BOS added); control-token text becomes control tokens only when

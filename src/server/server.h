@@ -37,6 +37,9 @@ struct ServerOptions {
   SchedulerOptions scheduling;
   /// max_tokens of a request that leaves it unset (-n, --n-predict), capped by the context; <= 0 = the context.
   int n_predict = 2048;
+  /// Sampling of a request that leaves a field unset (--temp, --top-k, --top-p, --min-p,
+  /// --repeat-penalty, --repeat-last-n, -s/--seed; llama.cpp's defaults). logit_bias is ignored.
+  engine::SamplerParams sampling;
 };
 
 class Server {

@@ -1,10 +1,12 @@
 // Operations of `strata serve`: a non-streaming request whose client hangs up stops generating
 // (its slot is freed and counted as cancelled), an unset max_tokens is capped by -n, /metrics
 // carries the scheduler's histograms and prefix-cache counters, and SIGTERM is a graceful
-// shutdown (running requests finish within --shutdown-grace or are cancelled; exit status 0).
+// shutdown (running requests finish within --shutdown-grace or are cancelled; exit status 0);
+// serve's sampling flags are the defaults of requests that leave the fields unset.
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
-import { post, readSSE, requireSetup, startServer } from './harness.mjs';
+import { execFileSync, spawnSync } from 'node:child_process';
+import { BINARY, MODEL, post, readSSE, requireSetup, startServer } from './harness.mjs';
 
 requireSetup();
 
@@ -118,4 +120,33 @@ test('SIGTERM during a long prefill: stops within a layer, the request gets 503 
   assert.doesNotMatch(s.text, /"finish_reason":"cancelled"/);
   assert.ok(/the server is shutting down/.test(s.text) || /"finish_reason":"(length|stop)"/.test(s.text), s.text);
   assert.match(s.text, /data: \[DONE\]/);
+});
+
+test('serve --temp 0 --seed: unset sampling fields take the flags; a bad flag fails before the model loads', async () => {
+  const run = JSON.parse(
+    execFileSync(BINARY, ['run', '-m', MODEL, '-p', 'def read_lines(path):', '-n', '32', '--temp', '0', '--json'], {
+      stdio: ['ignore', 'pipe', 'ignore'],
+    }).toString(),
+  );
+  const srv = await startServer(['--ctx-size', '512', '--parallel', '1', '--temp', '0', '--top-k', '1', '-s', '5']);
+  try {
+    // no temperature in the request: greedy from the flag, the text of `strata run --temp 0`
+    // (openai.test.mjs: neither stops early on this prompt)
+    const r = await post(`${srv.url}/v1/completions`, { prompt: 'def read_lines(path):', max_tokens: 32 });
+    assert.equal(r.status, 200, r.text);
+    assert.equal(r.body.choices[0].text, run.text);
+    // the request's own fields win over the flags: a hot, unrestricted request with its own seed
+    // is reproducible for that seed and, over three seeds, not always the greedy text
+    const hot = async (seed) =>
+      (await post(`${srv.url}/v1/completions`, { prompt: 'def read_lines(path):', max_tokens: 32, temperature: 2, top_k: 0, top_p: 1, min_p: 0, seed })).body.choices[0].text;
+    const texts = [await hot(1), await hot(2), await hot(3)];
+    assert.equal(await hot(1), texts[0]);
+    assert.ok(texts.some((t) => t !== run.text), 'a request temperature of 2 was not applied');
+  } finally {
+    assert.equal(await srv.stop(), 0);
+  }
+  const bad = spawnSync(BINARY, ['serve', '-m', MODEL, '--port', '0', '--temp', '-1'], { encoding: 'utf8', timeout: 20000 });
+  assert.notEqual(bad.status, 0);
+  assert.match(bad.stderr, /--temp must be a number >= 0/);
+  assert.doesNotMatch(bad.stderr, /listening/);
 });
