@@ -744,18 +744,31 @@ struct Q8X1Src {
 
 /// X1: the block's NTH threads quantize the fp32 row xr (cols floats, 16-byte aligned) into
 /// codes xs[0, cols) and scales at xs + cols, 4 columns a thread (a 32-block's 8 threads adjacent
-/// lanes: NTH is a multiple of 32, cols of 32), quantize4_q8's operations.
+/// lanes: NTH is a multiple of 32, cols of 32), quantize4_q8's operations. A thread's loads of a
+/// batch of kX1Batch float4s are issued together before any shuffle (one L2 round trip per batch
+/// instead of one per float4).
+constexpr int kX1Batch = 4;
 template <int NTH>
 __device__ __forceinline__ void mv2_quantize_row(const float* __restrict__ xr, int cols, uint8_t* xs) {
   const int lane = int(threadIdx.x) & 31;
   const unsigned gmask = 0xffu << (lane & ~7);
   float* xds = reinterpret_cast<float*>(xs + cols);
-  for (int c0 = 4 * int(threadIdx.x); c0 < cols; c0 += 4 * NTH) {  // uniform over a 32-block's 8 threads
-    const float4 f = *reinterpret_cast<const float4*>(xr + c0);
-    const float v[4] = {f.x, f.y, f.z, f.w};
-    float dv;
-    *reinterpret_cast<uint32_t*>(xs + c0) = quantize4_q8(v, gmask, dv);
-    if ((lane & 7) == 0) xds[c0 / 32] = dv;
+  for (int base = 4 * int(threadIdx.x); base < cols; base += 4 * NTH * kX1Batch) {
+    float4 f[kX1Batch];
+#pragma unroll
+    for (int u = 0; u < kX1Batch; ++u) {
+      const int c0 = base + 4 * NTH * u;
+      f[u] = c0 < cols ? *reinterpret_cast<const float4*>(xr + c0) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+#pragma unroll
+    for (int u = 0; u < kX1Batch; ++u) {
+      const int c0 = base + 4 * NTH * u;
+      if (c0 >= cols) break;  // uniform over a 32-block's 8 threads
+      const float v[4] = {f[u].x, f[u].y, f[u].z, f[u].w};
+      float dv;
+      *reinterpret_cast<uint32_t*>(xs + c0) = quantize4_q8(v, gmask, dv);
+      if ((lane & 7) == 0) xds[c0 / 32] = dv;
+    }
   }
 }
 
