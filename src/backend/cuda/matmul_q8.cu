@@ -704,7 +704,8 @@ __global__ void __launch_bounds__(kWWarps * 32)
 // Two instances: R = 2, KB = 64, 4 warps (long rows: mv16's geometry, 32 pairs a stream, lane l
 // takes pair l of every stream) and R = 8, KB = 24, one warp (rows of up to 32 blocks: 768
 // columns give 8 x 12 = 96 pair tasks, 3 per lane, where mv16 kept 12 of 32 lanes busy).
-// STRATA_CUDA_MV16_V2=0 runs mv16_q8_kernel instead (mv16_v2_enabled).
+// STRATA_CUDA_MV16_V2=0 runs mv16_q8_kernel instead (mv16_v2_enabled); STRATA_CUDA_MV2_SMALL=0 the
+// 4-warp instance for short rows too (g_mv2_small).
 //
 // X1 (one token per block, its activations in fp32: decode): the block first quantizes the
 // token's row into shared memory with quantize4_q8 (the quantizer kernel's operations, so the
@@ -1084,6 +1085,9 @@ detail::EnvSwitch g_q8_x1{"STRATA_CUDA_Q8_X1", detail::off_if_zero};
 detail::EnvSwitch g_l2_prefetch{"STRATA_CUDA_L2_PREFETCH", parse_l2_prefetch};
 bool mv16_v2_enabled() { return g_mv16_v2.get() != 0; }
 bool q8_x1_enabled() { return g_q8_x1.get() != 0 && mv16_v2_enabled(); }
+/// STRATA_CUDA_MV2_SMALL=0: rows of at most kV2SmallMaxBlocks blocks take the 4-warp instance too
+/// (both instances give the same bits; for before / after measurements of the one-warp one).
+detail::EnvSwitch g_mv2_small{"STRATA_CUDA_MV2_SMALL", detail::off_if_zero};
 int l2_prefetch_mode() { return g_l2_prefetch.get(); }
 
 /// Launches mv2_q8_kernel<DUAL, ..., MULTI, X1>: the one-warp instance (R = 8, KB = 24) for
@@ -1097,7 +1101,7 @@ void launch_v2(unsigned grid, const GroupedMatmulJob* jobs, int n_jobs, const Gr
   const size_t xb = X1 ? size_t(mv2_x1_bytes(cols)) : 0;
   L2Prefetch p = pf ? *pf : L2Prefetch{};
   p.mode = pf ? l2_prefetch_mode() : 0;
-  if (cols / 32 <= kV2SmallMaxBlocks)
+  if (cols / 32 <= kV2SmallMaxBlocks && g_mv2_small.get())
     detail::launch(mv2_q8_kernel<DUAL, 8, 24, 1, MULTI, X1>, grid, 32, xb + mv2_warp_bytes<DUAL, 8, 24, X1>(), st, jobs,
                    n_jobs, one, row_bytes, rows, cols, xq, xd, y, ldy, multi, x1, p);
   else
