@@ -115,8 +115,8 @@ for set in ${RUNS:-basic}; do
         echo "== peer: $LLAMA_BENCH, all layers on the GPU, flash attention on"
         timeout 240 "$LLAMA_BENCH" -m "$M" -ngl 99 -fa 1 -p 512,2048 -n 128 -r "${PEER_REPS:-2}" -o md 2>&1 |
           tee "$OUT/peer_vram.md" | grep -E "^\|" || tail -5 "$OUT/peer_vram.md"
-        echo "== peer: experts on the CPU (--n-cpu-moe ${NL:-48} -t ${PEER_THREADS:-$(nproc)})"
-        timeout 300 "$LLAMA_BENCH" -m "$M" -ngl 99 -fa 1 --n-cpu-moe "${NL:-48}" -t "${PEER_THREADS:-$(nproc)}" \
+        echo "== peer: experts on the CPU (--n-cpu-moe $NL -t ${PEER_THREADS:-$(nproc)})"
+        timeout 300 "$LLAMA_BENCH" -m "$M" -ngl 99 -fa 1 --n-cpu-moe "$NL" -t "${PEER_THREADS:-$(nproc)}" \
           -p 512,2048 -n 128 -r 1 -o md 2>&1 | tee "$OUT/peer_cpumoe.md" | grep -E "^\|" || tail -5 "$OUT/peer_cpumoe.md"
       fi ;;
     prof)  # every expert in VRAM with STRATA_CUDA_PROFILE=1 (per-call device time, host waits)

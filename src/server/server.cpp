@@ -129,8 +129,7 @@ struct Server::Impl {
     if (opts.model_name.empty()) opts.model_name = std::filesystem::path(eng.gguf().path()).stem().string();
     model.n_ctx = eng.n_ctx();
     model.default_max_tokens = opts.n_predict;
-    model.default_sampler = opts.sampling;
-    model.default_sampler.logit_bias.clear();
+    model.default_sampler = opts.sampling;  // parse_common drops its logit_bias per request
     model.n_vocab = eng.tokenizer().n_vocab();
     model.end_tokens = chat::end_of_generation_tokens(eng.tokenizer());
     model.encode = [this](const std::string& text, bool parse_special) {
