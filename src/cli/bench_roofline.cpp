@@ -83,10 +83,10 @@ void print_roofline(const nlohmann::json& r) {
   for (const char* name : {"prefill", "decode"}) {
     if (!r.contains(name)) continue;
     const auto& j = r[name];
-    fmt::print("{:<8} matmul {:.1f} GFLOP/s ({:.0f} % of the int8 peak), weights {:.2f} GB/s ({:.0f} % of read)\n",
-               name, j["gflops"].get<double>(), j["pct_int8_peak"].get<double>(), j["gbps"].get<double>(),
-               j["pct_read"].get<double>());
-    if (amx > 0) fmt::print("{:<8} matmul at {:.1f} % of the AMX tile peak\n", name, j.value("pct_amx_peak", 0.0));
+    fmt::print("{:<8} matmul {:.1f} GFLOP/s ({:.0f} % of the int8 peak{}), weights {:.2f} GB/s ({:.0f} % of read)\n",
+               name, j["gflops"].get<double>(), j["pct_int8_peak"].get<double>(),
+               amx > 0 ? fmt::format(", {:.1f} % of the AMX tile peak", j.value("pct_amx_peak", 0.0)) : std::string(),
+               j["gbps"].get<double>(), j["pct_read"].get<double>());
   }
 }
 

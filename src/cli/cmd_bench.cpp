@@ -238,8 +238,8 @@ void register_bench(CLI::App& root) {
       expert_file = eng.expert_file();
       if (!f->no_ssd) {
         if (!f->json)
-          fmt::print(stderr, "measuring the drive: random {} reads of {} for {:.0f} s ...\n", opts.io_threads,
-                     human_bytes(double(record)), f->ssd_seconds);
+          fmt::print(stderr, "measuring the drive: random reads of {} by {} for {:.0f} s ...\n",
+                     human_bytes(double(record)), count_of(opts.io_threads, "IO thread"), f->ssd_seconds);
         ssd_gbps = io::measure_read_gbps(expert_file, record, opts.io_threads, f->ssd_seconds);
       }
       if (!f->json)
@@ -375,13 +375,19 @@ void register_bench(CLI::App& root) {
           copy.gbps > 0 ? fmt::format("{:.3f} s", j["copy_floor_s"].get<double>()) : std::string("-");
       const std::string peak =
           copy.gbps > 0 ? fmt::format("{:.2f} GB/s {}", copy.gbps, copy.kind) : std::string("not measured");
+      // A run with nothing to copy (a host arena and no host tier: the CPU backend) has no copy tier.
+      const uint64_t h2d = j["h2d_bytes"].get<uint64_t>();
+      const bool copies = copy.gbps > 0 || h2d > 0 || host_slots > 0;
+      const std::string copied = copies ? fmt::format("copied {} at {:.2f} GB/s (peak {})", human_bytes(double(h2d)),
+                                                      j["h2d_gbps"].get<double>(), peak)
+                                        : std::string("no copies (the arena is in host memory)");
       fmt::print(
-          "{:<8} tiers: arena hits {} | host hits {} ({}) | disk reads {} ({}) | copied {} at {:.2f} GB/s (peak {}) | "
-          "floors: disk {} (this run's reads), copy {}, compute {:.3f} s | time / max(floors) {:.2f}\n",
+          "{:<8} tiers: arena hits {} | host hits {} ({}) | disk reads {} ({}) | {} | "
+          "floors: disk {} (this run's reads){}, compute {:.3f} s | time / max(floors) {:.2f}\n",
           name, j["arena_hits"].get<uint64_t>(), j["host_hits"].get<uint64_t>(),
           human_bytes(double(j["host_hit_bytes"].get<uint64_t>())), j["disk_reads"].get<uint64_t>(),
-          human_bytes(double(j["disk_bytes"].get<uint64_t>())), human_bytes(double(j["h2d_bytes"].get<uint64_t>())),
-          j["h2d_gbps"].get<double>(), peak, disk_floor, copy_floor, j["compute_floor_s"].get<double>(),
+          human_bytes(double(j["disk_bytes"].get<uint64_t>())), copied, disk_floor,
+          copies ? ", copy " + copy_floor : std::string(), j["compute_floor_s"].get<double>(),
           j["ratio_to_tier_floors"].get<double>());
     }
     for (int r = 0; r < ep_ranks; ++r)

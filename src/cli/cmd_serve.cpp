@@ -124,7 +124,7 @@ void register_serve(CLI::App& root) {
                   "on SIGINT/SIGTERM, seconds running requests get to finish before they are cancelled")
       ->capture_default_str()
       ->check(non_negative_real());
-  f->sampling.add(*app);  // --temp, --top-k, ... as run and chat: a request's own fields win
+  f->sampling.add(*app, true);  // --temp, --top-k, ... as run and chat: a request's own fields win
   app->add_option("--alias", s.model_name, "model id reported by /v1/models (default: the file name)");
   app->add_option("--chat-template-file", f->chat_template_file, "Jinja chat template to use instead of the model's")
       ->check(CLI::ExistingFile);
@@ -147,6 +147,13 @@ void register_serve(CLI::App& root) {
     check_serve_memory(eng, opts.parallel, opts.scheduling.cache_bytes);
     server::Server srv(eng, std::move(tmpl), opts);
     const int port = srv.bind();
+    const engine::SamplerParams& d = opts.sampling;
+    fmt::print(stderr,
+               "strata serve: defaults of unset request fields: temperature {}, top_k {}, top_p {}, min_p {}, "
+               "repeat_penalty {}, repeat_last_n {}, seed {}, max_tokens {}\n",
+               d.temp, d.top_k, d.top_p, d.min_p, d.repeat_penalty, d.repeat_last_n,
+               f->sampling.seed < 0 ? std::string("random") : std::to_string(f->sampling.seed),
+               opts.n_predict <= 0 ? std::string("up to the end of the context") : std::to_string(opts.n_predict));
     fmt::print(stderr,
                "strata serve: listening on http://{}:{} ({}, {} of {} tokens, queue {}, arena {} in {}, "
                "{}, prefix cache {})\n",

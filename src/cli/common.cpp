@@ -123,27 +123,43 @@ std::string threads_warning(int n_threads) {
       n_threads, hw, hw == 1 ? "" : "s", hw);
 }
 
-void add_seed_option(CLI::App& app, int64_t& seed) {
-  app.add_option("-s,--seed", seed, "sampling seed (-1 = random, printed when sampling; default -1)")
-      ->check(at_least(-1));
+void add_seed_option(CLI::App& app, int64_t& seed, const std::string& help) {
+  app.add_option("-s,--seed", seed, help)->check(at_least(-1));
 }
 
-void SamplingFlags::add(CLI::App& app) {
-  app.add_option("--temp", sp.temp, "temperature (0 = greedy)")->capture_default_str();
-  app.add_option("--top-k", sp.top_k, "top-k sampling (0 = off)")->capture_default_str();
-  app.add_option("--top-p", sp.top_p, "top-p sampling (1 = off, 0 = only the most likely token)")
+void SamplingFlags::add(CLI::App& app, bool defaults) {
+  request_defaults = defaults;
+  // serve: each flag is the default of a request field (OpenAI's name in the help)
+  auto h = [defaults](const char* text, const char* field) {
+    return defaults ? fmt::format("{}; the default of requests that leave \"{}\" unset", text, field)
+                    : std::string(text);
+  };
+  app.add_option("--temp", sp.temp,
+                 h(defaults ? "temperature, 0 to 2 (0 = greedy)" : "temperature (0 = greedy)", "temperature"))
       ->capture_default_str();
-  app.add_option("--min-p", sp.min_p, "min-p sampling (0 = off)")->capture_default_str();
-  app.add_option("--repeat-penalty", sp.repeat_penalty, "repetition penalty (1 = off)")->capture_default_str();
+  app.add_option("--top-k", sp.top_k, h("top-k sampling (0 = off)", "top_k"))->capture_default_str();
+  app.add_option("--top-p", sp.top_p, h("top-p sampling (1 = off, 0 = only the most likely token)", "top_p"))
+      ->capture_default_str();
+  app.add_option("--min-p", sp.min_p, h("min-p sampling (0 = off)", "min_p"))->capture_default_str();
+  app.add_option("--repeat-penalty", sp.repeat_penalty, h("repetition penalty (1 = off)", "repeat_penalty"))
+      ->capture_default_str();
   app.add_option("--repeat-last-n", sp.repeat_last_n,
-                 "tokens the repetition penalty looks back (0 = off, -1 = the whole context)")
+                 h("tokens the repetition penalty looks back (0 = off, -1 = the whole context)", "repeat_last_n"))
       ->capture_default_str();
-  add_seed_option(app, seed);
+  if (defaults)
+    add_seed_option(app, seed,
+                    "sampling seed of requests that leave \"seed\" unset (-1 = a random seed per request, which "
+                    "the response does not report; default -1)");
+  else
+    add_seed_option(app, seed);
 }
 
 engine::SamplerParams SamplingFlags::resolve() const {
   if (!std::isfinite(sp.temp) || sp.temp < 0)
     throw std::invalid_argument(fmt::format("--temp must be a number >= 0 (0 = greedy), got {}", sp.temp));
+  if (request_defaults && sp.temp > 2)  // a request's temperature is checked against [0, 2] (openai.cpp)
+    throw std::invalid_argument(
+        fmt::format("--temp must be in [0, 2] for serve, the range of a request's temperature, got {}", sp.temp));
   // [0, 1] as the server's top_p (OpenAI's range): 0 keeps only the most likely token, as
   // llama.cpp's top-p sampler does (it keeps the first token whose running sum reaches p).
   if (!(sp.top_p >= 0 && sp.top_p <= 1))

@@ -136,7 +136,11 @@ inline CLI::Validator non_negative_real() {
 struct SamplingFlags {
   engine::SamplerParams sp;  ///< as parsed; sp.seed is set by resolve() from `seed`
   int64_t seed = -1;         ///< -s/--seed: -1 = random
-  void add(CLI::App& app);
+  /// Adds the flags to `app`. request_defaults (serve): the help says that each flag is the
+  /// default of requests that leave the field unset, and resolve() also keeps --temp within the
+  /// requests' temperature range [0, 2] (OpenAI's).
+  void add(CLI::App& app, bool request_defaults = false);
+  bool request_defaults = false;  ///< set by add()
   /// The sampler's parameters, checked: --temp finite and >= 0, --top-p in [0, 1] (as the server's top_p), --min-p in
   /// [0, 1], --top-k >= 0, --repeat-penalty finite and > 0, --repeat-last-n >= -1 (-1 = the
   /// context, 0 = off, as llama.cpp), --seed >= -1. Throws std::invalid_argument naming the flag
@@ -149,7 +153,9 @@ struct SamplingFlags {
 CLI::Option* add_n_predict_option(CLI::App& app, int& n, const std::string& description);
 
 /// -s/--seed as llama.cpp spells it: an integer >= -1 into `seed`, -1 (the default) = random.
-void add_seed_option(CLI::App& app, int64_t& seed);
+/// `help`: the option's description (default: run's and chat's).
+void add_seed_option(CLI::App& app, int64_t& seed,
+                     const std::string& help = "sampling seed (-1 = random, printed when sampling; default -1)");
 /// The sampler's seed for a --seed value: -1 -> engine::SamplerParams' random marker
 /// (0xFFFFFFFF), else the value. Throws std::invalid_argument below -1.
 uint64_t resolve_seed(int64_t seed);

@@ -148,6 +148,7 @@ test('serve --temp 0 / -s: unset sampling fields take the flags; a bad flag fail
   // -s 5 with a hot server default: requests without a seed all draw with seed 5
   srv = await startServer(['--ctx-size', '512', '--parallel', '1', '--temp', '2', '--top-k', '0', '--top-p', '1', '--min-p', '0', '-s', '5']);
   try {
+    assert.match(srv.log(), /defaults of unset request fields: temperature 2, top_k 0, top_p 1, min_p 0, .*seed 5/);
     const a = await text(srv.url, {}), b = await text(srv.url, {});
     assert.equal(a, b);
     assert.equal(await text(srv.url, { seed: 5 }), a);
@@ -161,4 +162,9 @@ test('serve --temp 0 / -s: unset sampling fields take the flags; a bad flag fail
   assert.match(bad.stderr, /--temp must be a number >= 0/);
   assert.doesNotMatch(bad.stderr, /listening|loading|arena/);
   assert.ok(Date.now() - t0 < 10000);
+  // above a request's own range [0, 2]: refused as a default too
+  const hi = spawnSync(BINARY, ['serve', '-m', MODEL, '--port', '0', '--temp', '2.5'], { encoding: 'utf8', timeout: 20000 });
+  assert.notEqual(hi.status, 0);
+  assert.match(hi.stderr, /--temp must be in \[0, 2\] for serve/);
+  assert.doesNotMatch(hi.stderr, /listening/);
 });
