@@ -761,6 +761,11 @@ TEST(QuantQ8, AllFamiliesBitIdentical) {
     if (best >= Q8Isa::Avx512Icl && kd::amx_int8_usable()) levels.push_back(Q8Isa::Avx512Amx);
   }
   static const char* const kLevelName[] = {"avx512", "avx512-vnni", "avx512-icl", "avx512-amx"};
+  // the AVX2 family's Q8_0 GEMM on AVX-VNNI where the CPU has it (whatever STRATA_CPU_AVXVNNI says)
+  const bool vnni_before = kd::avx_vnni_enabled();
+  kd::set_avx_vnni_enabled(true);
+  const bool avx_vnni = kd::avx_vnni_usable();
+  kd::set_avx_vnni_enabled(vnni_before);
   int64_t checked = 0;
   for (GgmlType t : kQ8Types) {
     const int be = q::block_elems(t);
@@ -785,12 +790,17 @@ TEST(QuantQ8, AllFamiliesBitIdentical) {
           kd::matmul_q8_scalar(a, act);
           a.y = ref512.data();
           kd::matmul_q8_scalar_avx512(a, act);
-          for (int isa = -1; isa < static_cast<int>(levels.size()); ++isa)  // -1: the AVX2 family
+          // -2: the AVX2 family without AVX-VNNI; -1: with it (where the CPU has it)
+          for (int isa = -2; isa < static_cast<int>(levels.size()); ++isa)
             for (const k::ActQ8* ap : {&act, &act_lanes}) {
+              if (isa == -1 && !avx_vnni) continue;
               std::fill(y.begin(), y.end(), NAN);
               a.y = y.data();
               if (isa < 0) {
-                ASSERT_TRUE(kd::matmul_q8_avx2(a, *ap));
+                kd::set_avx_vnni_enabled(isa == -1);
+                const bool ok = kd::matmul_q8_avx2(a, *ap);
+                kd::set_avx_vnni_enabled(vnni_before);
+                ASSERT_TRUE(ok);
               } else {
                 ASSERT_TRUE(kd::matmul_q8_avx512(a, *ap, levels[static_cast<size_t>(isa)]));
               }
@@ -799,7 +809,9 @@ TEST(QuantQ8, AllFamiliesBitIdentical) {
               for (size_t i = 0; i < y.size(); ++i)
                 ASSERT_EQ(bits(y[i]), bits(want[i]))
                     << strata::quant::detail::type_name(t) << " "
-                    << (isa < 0 ? "avx2" : kLevelName[static_cast<int>(levels[static_cast<size_t>(isa)])])
+                    << (isa == -2   ? "avx2"
+                        : isa == -1 ? "avx2 + AVX-VNNI"
+                                    : kLevelName[static_cast<int>(levels[static_cast<size_t>(isa)])])
                     << (ap == &act ? "" : " lanes kept") << " rows=" << rows << " cols=" << cols << " n_tok=" << n_tok
                     << " i=" << i;
               checked += static_cast<int64_t>(y.size());
@@ -832,7 +844,7 @@ TEST(QuantQ8, AllFamiliesBitIdentical) {
       for (size_t i = 0; i < y.size(); ++i) ASSERT_EQ(bits(y[i]), bits(want[i])) << k::cpu_kernels_name(fam);
     }
   }
-  std::string names = " / avx2";
+  std::string names = avx_vnni ? " / avx2 / avx2 + AVX-VNNI" : " / avx2 (no AVX-VNNI on this CPU)";
   for (Q8Isa isa : levels) names += std::string(" / ") + kLevelName[static_cast<int>(isa)];
   std::printf("[quant] q8 path: %lld outputs bit-identical across scalar%s\n", static_cast<long long>(checked),
               names.c_str());

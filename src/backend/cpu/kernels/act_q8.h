@@ -361,6 +361,19 @@ bool matmul_q8_avx2(const MatmulArgs& m, const ActQ8& a);
 /// fewer: the mat-vec, 8 rows per register, natural code order.
 void matmul_q8_0_avx2(const MatmulArgs& m, const ActQ8& a);
 
+/// True where the AVX2 family's Q8_0 GEMM runs on AVX-VNNI (gemm_q8_0_avxvnni): the CPU reports
+/// AVX-VNNI (CPUID.(7,1):EAX bit 4) and avx_vnni_enabled(). Thread-safe.
+bool avx_vnni_usable();
+/// Whether AVX-VNNI may be used: true unless the environment variable STRATA_CPU_AVXVNNI is "0"
+/// (read on first use; for side-by-side measurements), or set_avx_vnni_enabled changed it.
+bool avx_vnni_enabled();
+/// Sets avx_vnni_enabled() for later calls (tests compare the two kernels). Thread-safe.
+void set_avx_vnni_enabled(bool on);
+/// The AVX2 family's Q8_0 GEMM (more than kQ8_0MatVecMax tokens) on AVX-VNNI, with
+/// matmul_q8_0_avx2's bits (matmul_q8_0_avxvnni.cpp): y[t][r] for rows [row_begin, row_end) and
+/// all a.n_tok tokens. The CPU must have AVX-VNNI (avx_vnni_usable).
+void gemm_q8_0_avxvnni(const MatmulArgs& m, const ActQ8& a);
+
 /// Instruction-set levels of the AVX-512 q8 family. All give the same bits.
 enum class Q8Isa {
   Avx512,      ///< F/BW/VL/DQ: vpmaddubsw + vpmaddwd

@@ -6,6 +6,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
@@ -68,6 +69,33 @@ bool amx_int8_usable() {
 #endif
   }();
   return ok;
+}
+
+namespace {
+std::atomic<int> g_avx_vnni{-1};  // -1: not read yet; else 0 / 1
+}  // namespace
+
+bool avx_vnni_enabled() {
+  int v = g_avx_vnni.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* e = std::getenv("STRATA_CPU_AVXVNNI");
+    int want = e && std::string(e) == "0" ? 0 : 1;
+    g_avx_vnni.compare_exchange_strong(v, want, std::memory_order_relaxed);
+    v = g_avx_vnni.load(std::memory_order_relaxed);
+  }
+  return v != 0;
+}
+
+void set_avx_vnni_enabled(bool on) { g_avx_vnni.store(on ? 1 : 0, std::memory_order_relaxed); }
+
+bool avx_vnni_usable() {
+  // CPUID.(EAX=7, ECX=1):EAX bit 4 = AVX-VNNI (Intel SDM vol. 2, CPUID); the OS must save the
+  // ymm state, which AVX2 (cpu_has_avx2, checked by the caller's family) already needs.
+  static const bool cpu = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1) && cpu_has_avx2();
+  }();
+  return cpu && avx_vnni_enabled();
 }
 
 }  // namespace detail

@@ -250,7 +250,11 @@ void matvec(const MatmulArgs& m, const ActQ8& a) {
 
 void matmul_q8_0_avx2(const MatmulArgs& m, const ActQ8& a) {
   if (m.n_tok > kQ8_0MatVecMax) {
-    gemm(m, a);
+    if (avx_vnni_usable()) {
+      gemm_q8_0_avxvnni(m, a);  // the same bits, one vpdpbusd per 8 tokens and run
+    } else {
+      gemm(m, a);
+    }
     return;
   }
   switch (m.n_tok) {

@@ -69,6 +69,9 @@ PeakProbe probe_peak(CpuKernels family, int n_threads, double seconds, size_t re
   if (family == CpuKernels::Avx512 && has_vnni512()) {
     p.int8_how = "vpdpbusd zmm";
     p.int8_gops = on_threads(n_threads, seconds, [](int, long it) { return detail::int8_loop_avx512vnni(it); }) / 1e9;
+  } else if (family == CpuKernels::Avx2 && detail::avx_vnni_usable()) {
+    p.int8_how = "vpdpbusd ymm (AVX-VNNI)";
+    p.int8_gops = on_threads(n_threads, seconds, [](int, long it) { return detail::int8_loop_avxvnni(it); }) / 1e9;
   } else if (avx2) {
     p.int8_how = "vpmaddubsw+vpmaddwd+vpaddd";
     p.int8_gops = on_threads(n_threads, seconds, [](int, long it) { return detail::int8_loop_avx2(it); }) / 1e9;

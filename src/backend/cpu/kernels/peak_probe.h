@@ -27,9 +27,9 @@ struct PeakProbe {
 };
 
 /// Runs the probes on `n_threads` threads at once (each ~`seconds` per probe) with the dot-product
-/// instructions of `family` (Avx512 uses vpdpbusd where the CPU has AVX-512 VNNI, else the AVX2
-/// sequence; Scalar reports no int8 peak). `read_bytes`: the buffer each thread reads (choose it
-/// well above the last-level cache). Throws std::invalid_argument for n_threads < 1.
+/// instructions of `family` (Avx512 uses vpdpbusd zmm where the CPU has AVX-512 VNNI, Avx2
+/// vpdpbusd ymm where avx_vnni_usable(), else the AVX2 sequence; Scalar reports no int8 peak). `read_bytes`: the buffer
+/// each thread reads (choose it well above the last-level cache). Throws std::invalid_argument for n_threads < 1.
 PeakProbe probe_peak(CpuKernels family, int n_threads, double seconds = 0.25, size_t read_bytes = size_t(256) << 20);
 
 namespace detail {
@@ -39,6 +39,9 @@ double maddubs_loop_avx2(long iters);
 /// vpdpbusd zmm loop (AVX-512 VNNI). Compiles on every x86 build; NOT MEASURED on the
 /// development machine (no AVX-512 there).
 double int8_loop_avx512vnni(long iters);
+/// vpdpbusd ymm loop (AVX-VNNI, VEX; peak_probe_avxvnni.cpp): the AVX2 family's int8 peak where
+/// avx_vnni_usable() (its Q8_0 GEMM runs on that instruction there).
+double int8_loop_avxvnni(long iters);
 /// TDPBSSD loop (AMX-INT8; peak_probe_amx.cpp): 4 independent 16 x 16 int32 tiles, each
 /// `iters` times += A (16 x k_bytes) * B (k_bytes/4 x 64 bytes); k_bytes 4..64, a multiple of 4.
 /// Only where amx_int8_usable().

@@ -1,0 +1,155 @@
+// The AVX2 family's Q8_0 GEMM on AVX-VNNI: vpdpbusd on ymm registers (VEX encoding), which CPUs
+// without AVX-512 have from Alder Lake on (and Sierra Forest, Arrow Lake, Lunar Lake). The same
+// serial definition and the same tile order as matmul_q8_0_avx2.cpp's gemm (per (row, token)
+// acc = 0, then for each 32-block b in column order acc = fma(float(S_b), dw_b * dx_b, acc)), so
+// its bits are the AVX2 family's; only S_b, an exact int32 sum, is formed differently.
+//
+// The activations stay in ActQ8's token-lane layout with their +128 (unsigned codes u = qx + 128,
+// ActQ8::xg): for row r, block b, run j the row's 4 signed codes 4j..4j+3 are one broadcast w and
+// per token lane vpdpbusd(s, u, w) adds sum_k u_k * w_k = sum_k qx_k * qw_k + 128 * sum_k qw_k
+// (products of u8 and s8 summed in 32 bits: no int16 step, so nothing saturates). After the 8
+// runs, S_b = s - 128 * sum(qw over the block), the row's block sum taken once per tile (the sum
+// starts at -128 * sum(qw)). Where the
+// sign trick of the AVX2 kernel costs four instructions per 8 tokens and run (vpsignb,
+// vpmaddubsw, vpmaddwd, vpaddd) and a signed copy of the activations, this costs one.
+//
+// Register tile: 2 rows x 2 halves of 8 tokens; each (row, half) sum runs as two chains (even and
+// odd runs) so that vpdpbusd's latency does not serialize the 8 runs of a block.
+#include "backend/cpu/kernels/simd_intrin.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "backend/cpu/kernels/act_q8.h"
+
+namespace strata::cpu::kernels::detail {
+
+namespace {
+
+constexpr int64_t kXBytes = int64_t{256} << 10;  // token codes per block of groups (L2)
+constexpr int kRows = 2;                          // rows per register tile (x 2 halves of 8 tokens)
+
+inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+/// R rows x H halves (8 tokens each) of one group over all nb blocks. w[r]: row r's first code
+/// (blocks 34 bytes apart, GGUF order); bias: 128 * the sum of row r's codes of block b at
+/// r * nb + b; dw: fp32 scales, row r at r * nb; x: the group's unsigned runs (block b at b * 512,
+/// run j at + 64 j, half h at + 32 h); dx: the group's scales (block b at 16 b, half h at + 8 h).
+/// Writes y[(8 h + l) * ldy + r] for tokens 8h + l < valid.
+template <int R, int H>
+void tile(const uint8_t* const* w, const int32_t* bias, const float* dw, int64_t nb, const uint8_t* x, const float* dx,
+          int64_t valid, float* y, int64_t ldy) {
+  __m256 acc[R][H];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i s0[R][H], s1[R][H];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+      for (int h = 0; h < H; ++h) {
+        s0[r][h] = _mm256_set1_epi32(-bias[r * nb + b]);  // the +128's share, taken off up front
+        s1[r][h] = _mm256_setzero_si256();
+      }
+    const uint8_t* xb = x + b * 512;
+#pragma GCC unroll 4
+    for (int j = 0; j < 8; j += 2) {
+#pragma GCC unroll 2
+      for (int h = 0; h < H; ++h) {
+        const __m256i x0 = load256(xb + 64 * j + 32 * h), x1 = load256(xb + 64 * (j + 1) + 32 * h);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const __m256i w0 = _mm256_set1_epi32(static_cast<int>(load_u32(w[r] + 34 * b + 4 * j)));
+          const __m256i w1 = _mm256_set1_epi32(static_cast<int>(load_u32(w[r] + 34 * b + 4 * j + 4)));
+          s0[r][h] = _mm256_dpbusd_avx_epi32(s0[r][h], x0, w0);
+          s1[r][h] = _mm256_dpbusd_avx_epi32(s1[r][h], x1, w1);
+        }
+      }
+    }
+#pragma GCC unroll 2
+    for (int h = 0; h < H; ++h) {
+      const __m256 d = _mm256_loadu_ps(dx + 16 * b + 8 * h);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256i S = _mm256_add_epi32(s0[r][h], s1[r][h]);
+        const __m256 f = _mm256_mul_ps(_mm256_broadcast_ss(dw + r * nb + b), d);  // dw_b * dx_b, rounded
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), f, acc[r][h]);
+      }
+    }
+  }
+#pragma GCC unroll 2
+  for (int h = 0; h < H; ++h) {
+    const int64_t n = std::min<int64_t>(8, valid - 8 * h);
+    if (n <= 0) break;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      alignas(32) float o[8];
+      _mm256_store_ps(o, acc[r][h]);
+      for (int64_t l = 0; l < n; ++l) y[(8 * h + l) * ldy + r] = o[l];
+    }
+  }
+}
+
+template <int R>
+void tile_group(int H, const uint8_t* const* w, const int32_t* bias, const float* dw, int64_t nb, const uint8_t* x,
+                const float* dx, int64_t valid, float* y, int64_t ldy) {
+  if (H == 2) {
+    tile<R, 2>(w, bias, dw, nb, x, dx, valid, y, ldy);
+  } else {
+    tile<R, 1>(w, bias, dw, nb, x, dx, valid, y, ldy);
+  }
+}
+
+/// 128 * the sum of the 32 signed codes at p (exact).
+inline int32_t code_sum_x128(const uint8_t* p) {
+  const __m256i s = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1), load256(p));
+  __m128i q = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  q = _mm_add_epi32(q, _mm_unpackhi_epi64(q, q));
+  q = _mm_add_epi32(q, _mm_shuffle_epi32(q, 1));
+  return 128 * _mm_cvtsi128_si32(q);
+}
+
+}  // namespace
+
+void gemm_q8_0_avxvnni(const MatmulArgs& m, const ActQ8& a) {
+  const TokenLanes tl = token_lanes_of(a, false);
+  const int64_t nb = m.cols / 32;
+  thread_local std::vector<int32_t> bias;
+  thread_local std::vector<float> dw;
+  bias.resize(static_cast<size_t>(kRows * nb));
+  dw.resize(static_cast<size_t>(kRows * nb));
+  const int64_t per_group = nb * 512;
+  const int64_t fit = std::max<int64_t>(1, kXBytes / per_group);
+  for (int64_t g0 = 0; g0 < tl.groups; g0 += fit) {
+    const int64_t g1 = std::min(tl.groups, g0 + fit);
+    for (int64_t r0 = m.row_begin; r0 < m.row_end; r0 += kRows) {
+      const int R = static_cast<int>(std::min<int64_t>(kRows, m.row_end - r0));
+      const uint8_t* w[kRows];
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* row = m.W + static_cast<size_t>(r0 + r) * m.row_bytes;
+        w[r] = row + 2;
+        for (int64_t b = 0; b < nb; ++b) {
+          dw[static_cast<size_t>(r * nb + b)] = _cvtsh_ss(load_u16(row + 34 * b));
+          bias[static_cast<size_t>(r * nb + b)] = code_sum_x128(row + 34 * b + 2);
+        }
+      }
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t valid = m.n_tok - 16 * g;
+        const int H = valid > 8 ? 2 : 1;
+        const uint8_t* x = tl.x + g * per_group;
+        const float* dx = tl.dx + g * nb * 16;
+        float* y = m.y + 16 * g * m.ldy + r0;
+        if (R == 2) {
+          tile_group<2>(H, w, bias.data(), dw.data(), nb, x, dx, valid, y, m.ldy);
+        } else {
+          tile_group<1>(H, w, bias.data(), dw.data(), nb, x, dx, valid, y, m.ldy);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace strata::cpu::kernels::detail
