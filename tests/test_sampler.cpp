@@ -2,6 +2,8 @@
 // empirical distribution against softmax.
 #include "engine/sampler.h"
 
+#include "engine/logits_scan.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -244,4 +246,73 @@ TEST(Sampler, LogitBiasForcesAndBans) {
   hot.logit_bias = {{1, -100.0f}};
   Sampler b(hot);
   for (int i = 0; i < 2000; ++i) ASSERT_NE(b.sample(logits, {}), 1);
+}
+
+// The whole-vocabulary scans (engine/logits_scan.h) against plain loops: random logits on a
+// coarse grid (many ties), NaN and +-inf sprinkled in, every length from 0 to 80 (the SSE2 body
+// and its scalar tail) and a Qwen3-sized vocabulary; argmax counts NaN as -inf with the lowest
+// index on ties, top_k gives the set and order of a partial sort by (higher logit, lower id).
+TEST(LogitsScan, EqualPlainLoops) {
+  namespace e = strata::engine;
+  std::mt19937 rng(77);
+  std::uniform_int_distribution<int> grid(-8, 8), pick(0, 99);
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<size_t> lengths;
+  for (size_t n = 0; n <= 80; ++n) lengths.push_back(n);
+  lengths.push_back(151936);
+  int checked = 0;
+  for (size_t n : lengths)
+    for (int variant = 0; variant < 6; ++variant) {
+      std::vector<float> v(n);
+      for (float& x : v) {
+        const int r = pick(rng);
+        x = variant == 5            ? nan  // all NaN
+            : variant >= 1 && r < 3 ? nan
+            : variant >= 2 && r < 5 ? -inf
+            : variant >= 3 && r < 6 ? inf
+                                    : 0.5f * float(grid(rng));
+      }
+      // all_finite
+      bool fin = true;
+      for (float x : v) fin = fin && std::isfinite(x);
+      EXPECT_EQ(e::all_finite(v), fin) << "n " << n << " variant " << variant;
+      // argmax
+      int32_t best = 0;
+      auto key = [&](size_t i) { return std::isnan(v[i]) ? -inf : v[i]; };
+      for (size_t i = 1; i < n; ++i)
+        if (key(i) > key(size_t(best))) best = int32_t(i);
+      EXPECT_EQ(e::argmax(v), best) << "n " << n << " variant " << variant;
+      // top_k
+      std::vector<e::LogitCand> all;
+      for (size_t i = 0; i < n; ++i) all.push_back({key(i), int32_t(i)});
+      auto better = [](const e::LogitCand& a, const e::LogitCand& b) {
+        return a.logit != b.logit ? a.logit > b.logit : a.id < b.id;
+      };
+      for (int k : {1, 2, 5, 40, int(n) - 1, int(n), int(n) + 3}) {
+        if (k <= 0) continue;
+        std::vector<e::LogitCand> want = all;
+        const size_t m = std::min(size_t(k), n);
+        std::partial_sort(want.begin(), want.begin() + std::ptrdiff_t(m), want.end(), better);
+        want.resize(m);
+        std::vector<e::LogitCand> got;
+        e::top_k(v, k, got);
+        ASSERT_EQ(got.size(), want.size()) << "n " << n << " k " << k;
+        for (size_t i = 0; i < m; ++i) {
+          EXPECT_EQ(got[i].id, want[i].id) << "n " << n << " k " << k << " rank " << i;
+          EXPECT_EQ(got[i].logit, want[i].logit) << "n " << n << " k " << k << " rank " << i;
+        }
+        ++checked;
+      }
+    }
+  // a single non-finite value is found at every position of a 16-float step and in the tail
+  for (size_t at = 0; at < 40; ++at)
+    for (float bad : {nan, inf, -inf}) {
+      std::vector<float> v(40, 1.0f);
+      v[at] = bad;
+      EXPECT_FALSE(e::all_finite(v)) << at;
+    }
+  std::vector<e::LogitCand> none;
+  e::top_k(std::vector<float>(5, 1.0f), 0, none);
+  EXPECT_TRUE(none.empty());
+  EXPECT_GT(checked, 400);
 }

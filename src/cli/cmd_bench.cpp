@@ -13,6 +13,7 @@
 #include "cli/bench_roofline.h"
 #include "cli/commands.h"
 #include "cli/common.h"
+#include "engine/logits_scan.h"
 #include "io/ssdbw.h"
 
 namespace strata::cli {
@@ -139,8 +140,7 @@ void run_phases(engine::Engine& eng, const std::vector<int32_t>& prompt, int gen
   const auto ranks1 = rank_stats(eng);
   const int n = forced.empty() ? gen : int(std::min<size_t>(forced.size(), size_t(gen)));
   for (int i = 0; i < n && st.n_past < st.n_ctx; ++i) {
-    const int32_t id =
-        forced.empty() ? int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin()) : forced[size_t(i)];
+    const int32_t id = forced.empty() ? engine::argmax(logits) : forced[size_t(i)];
     dec.fed.push_back(id);
     eng.decode(st, id, logits, &dec.trace);
   }

@@ -1,5 +1,7 @@
 #include "engine/engine.h"
 
+#include "engine/logits_scan.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -574,13 +576,12 @@ void Engine::run(model::SequenceState& st, std::span<const int32_t> ids, model::
     if (m == model::LogitsMode::All)
       std::copy(chunk_logits.begin(), chunk_logits.end(), logits.begin() + c0 * V);
     else if (m == model::LogitsMode::Last)
-      logits = chunk_logits;
+      logits.swap(chunk_logits);  // the last chunk: nothing reads chunk_logits after it
   }
   // A NaN weight or a broken hyper-parameter shows up here: refuse it instead of sampling garbage.
-  for (float v : logits)
-    if (!std::isfinite(v))
-      throw EngineError(
-          "the model produced non-finite logits (NaN or Inf weights, or invalid hyper-parameters in the file)");
+  if (!all_finite(logits))
+    throw EngineError(
+        "the model produced non-finite logits (NaN or Inf weights, or invalid hyper-parameters in the file)");
   phase.tokens += n;
   phase.seconds += seconds_since(t0);
   phase.stream += stream_stats() - s0;
@@ -619,11 +620,9 @@ void Engine::forward_batch(std::span<model::SeqInput> batch, model::RoutingTrace
   ctx.interrupt = interrupt_;
   model_->forward(ctx, batch);
   for (const model::SeqInput& s : batch)
-    if (s.mode != model::LogitsMode::None)
-      for (float v : *s.logits)
-        if (!std::isfinite(v))
-          throw EngineError(
-              "the model produced non-finite logits (NaN or Inf weights, or invalid hyper-parameters in the file)");
+    if (s.mode != model::LogitsMode::None && !all_finite(*s.logits))
+      throw EngineError(
+          "the model produced non-finite logits (NaN or Inf weights, or invalid hyper-parameters in the file)");
   phase.tokens += n;
   phase.seconds += seconds_since(t0);
   phase.stream += stream_stats() - s0;

@@ -33,44 +33,51 @@ int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> 
   const auto n = static_cast<int32_t>(logits.size());
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-  logits_.assign(logits.begin(), logits.end());
-  for (float& l : logits_)
-    if (std::isnan(l)) l = kNegInf;
-  for (const auto& [id, bias] : params_.logit_bias)
-    if (id >= 0 && id < n) logits_[static_cast<size_t>(id)] += bias;
+  // The logits as the filters see them: NaN as -inf (the scans count it so), plus the logit bias
+  // and the repetition penalty. Without those two the input is read as it is (no copy): each
+  // whole-vocabulary pass below is one SSE2 scan (logits_scan.h).
+  const bool penalty = params_.repeat_penalty != 1.0f && params_.repeat_last_n != 0 && !history.empty();
+  std::span<const float> l = logits;
+  if (penalty || !params_.logit_bias.empty()) {
+    logits_.assign(logits.begin(), logits.end());
+    for (const auto& [id, bias] : params_.logit_bias)
+      if (id >= 0 && id < n) {
+        float& x = logits_[static_cast<size_t>(id)];
+        x = std::isnan(x) ? kNegInf : x + bias;
+      }
 
-  // 1. repetition penalty over the last repeat_last_n ids, each distinct token once.
-  if (params_.repeat_penalty != 1.0f && params_.repeat_last_n != 0 && !history.empty()) {
-    size_t last = params_.repeat_last_n < 0 ? history.size()
-                                            : std::min(history.size(), static_cast<size_t>(params_.repeat_last_n));
-    std::unordered_set<int32_t> seen;
-    for (int32_t id : history.subspan(history.size() - last)) {
-      if (id < 0 || id >= n || !seen.insert(id).second) continue;
-      float& l = logits_[static_cast<size_t>(id)];
-      l = l > 0 ? l / params_.repeat_penalty : l * params_.repeat_penalty;
+    // 1. repetition penalty over the last repeat_last_n ids, each distinct token once.
+    if (penalty) {
+      size_t last = params_.repeat_last_n < 0 ? history.size()
+                                              : std::min(history.size(), static_cast<size_t>(params_.repeat_last_n));
+      std::unordered_set<int32_t> seen;
+      for (int32_t id : history.subspan(history.size() - last)) {
+        if (id < 0 || id >= n || !seen.insert(id).second) continue;
+        float& x = logits_[static_cast<size_t>(id)];
+        if (std::isnan(x)) x = kNegInf;
+        x = x > 0 ? x / params_.repeat_penalty : x * params_.repeat_penalty;
+      }
     }
+    l = logits_;
   }
 
   // Greedy: argmax, lowest id on ties.
-  if (params_.temp <= 0.0f) {
-    int32_t best = 0;
-    for (int32_t i = 1; i < n; ++i)
-      if (logits_[static_cast<size_t>(i)] > logits_[static_cast<size_t>(best)]) best = i;
-    return best;
-  }
+  if (params_.temp <= 0.0f) return argmax(l);
 
-  cands_.clear();
-  cands_.reserve(logits_.size());
-  for (int32_t i = 0; i < n; ++i) cands_.push_back({logits_[static_cast<size_t>(i)], i});
-  auto cmp = [](const Cand& a, const Cand& b) { return better(a.logit, a.id, b.logit, b.id); };
+  auto cmp = [](const LogitCand& a, const LogitCand& b) { return better(a.logit, a.id, b.logit, b.id); };
   bool sorted = false;
 
-  // 2. top-k
+  // 2. top-k: the k best in order by one scan (the set and order of a partial sort)
   if (params_.top_k > 0 && params_.top_k < n) {
-    auto k = static_cast<size_t>(params_.top_k);
-    std::partial_sort(cands_.begin(), cands_.begin() + static_cast<std::ptrdiff_t>(k), cands_.end(), cmp);
-    cands_.resize(k);
+    top_k(l, params_.top_k, cands_);
     sorted = true;
+  } else {
+    cands_.clear();
+    cands_.reserve(l.size());
+    for (int32_t i = 0; i < n; ++i) {
+      const float x = l[static_cast<size_t>(i)];
+      cands_.push_back({std::isnan(x) ? kNegInf : x, i});
+    }
   }
 
   // softmax over the current candidates (in candidate order) into probs_
@@ -118,7 +125,7 @@ int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> 
     if (mx != kNegInf) {
       const double thr = std::min(static_cast<double>(mx),  // min_p > 1 still keeps the best token
                                   static_cast<double>(mx) + std::log(static_cast<double>(params_.min_p)));
-      std::erase_if(cands_, [&](const Cand& c) { return static_cast<double>(c.logit) < thr; });
+      std::erase_if(cands_, [&](const LogitCand& c) { return static_cast<double>(c.logit) < thr; });
     }
   }
 

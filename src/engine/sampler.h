@@ -7,6 +7,8 @@
 #include <utility>
 #include <vector>
 
+#include "engine/logits_scan.h"
+
 namespace strata::engine {
 
 /// Sampling parameters. Defaults follow llama.cpp's.
@@ -54,11 +56,7 @@ class Sampler {
   std::mt19937_64 rng_;
   // scratch, reused between calls
   std::vector<float> logits_;
-  struct Cand {
-    float logit;
-    int32_t id;
-  };
-  std::vector<Cand> cands_;
+  std::vector<LogitCand> cands_;
   std::vector<double> probs_;
 };
 
