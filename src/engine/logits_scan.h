@@ -3,7 +3,7 @@
 // the host once per generated token: the finiteness check after a forward pass, the greedy
 // argmax and the top-k candidates of the sampler. Written with SSE2 (x86-64's baseline) so that
 // they run at memory speed: the plain loops were not vectorized at -O2 and took 60-500 us a token
-// on the development machine, a tenth of a GPU decode step (docs/engine.md, "Host work per token").
+// on the development machine, a tenth of a GPU decode step (docs/architecture.md, "Host work per token").
 #include <cstdint>
 #include <span>
 #include <vector>
