@@ -34,12 +34,11 @@
 #include <vector>
 
 #include "backend/cpu/kernels/act_q8.h"
+#include "backend/cpu/kernels/q8_0_lanes_gemm.h"
 
 namespace strata::cpu::kernels::detail {
 
 namespace {
-
-constexpr int64_t kXBytes = int64_t{256} << 10;  // signed token codes per block of groups (L2)
 
 inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
@@ -97,74 +96,44 @@ void tile(const uint8_t* const* w, const uint8_t* aw, const float* dw, int64_t n
       }
     }
   }
-#pragma GCC unroll 2
-  for (int h = 0; h < H; ++h) {
-    const int64_t n = std::min<int64_t>(8, valid - 8 * h);
-    if (n <= 0) break;
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      alignas(32) float o[8];
-      _mm256_store_ps(o, acc[r][h]);
-      for (int64_t l = 0; l < n; ++l) y[(8 * h + l) * ldy + r] = o[l];
+  store_lane_tile<R, H>(acc, valid, y, ldy);
+}
+
+// The sign-trick kernel's parts of q8_0_lanes_gemm: the signed copy of a block of groups, |w|
+// and the fp32 scales per row tile.
+struct SignTrickTiles {
+  std::vector<int8_t>& xs;
+  std::vector<uint8_t>& aw;
+  std::vector<float>& dw;
+  const void* groups(const uint8_t* src, int64_t bytes) {
+    if (xs.size() < static_cast<size_t>(bytes)) xs.resize(static_cast<size_t>(bytes));
+    const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int64_t i = 0; i < bytes; i += 32)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xs.data() + i), _mm256_xor_si256(load256(src + i), bias));
+    return xs.data();
+  }
+  void rows(const uint8_t* row, int r, int64_t nb) {
+    for (int64_t b = 0; b < nb; ++b) {
+      dw[static_cast<size_t>(r * nb + b)] = _cvtsh_ss(load_u16(row + 34 * b));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(aw.data() + (r * nb + b) * 32),
+                          _mm256_abs_epi8(load256(row + 34 * b + 2)));
     }
   }
-}
-
-template <int R>
-void tile_group(int H, const uint8_t* const* w, const uint8_t* aw, const float* dw, int64_t nb, const int8_t* x,
-                const float* dx, int64_t valid, float* y, int64_t ldy) {
-  if (H == 2) {
-    tile<R, 2>(w, aw, dw, nb, x, dx, valid, y, ldy);
-  } else {
-    tile<R, 1>(w, aw, dw, nb, x, dx, valid, y, ldy);
+  template <int R, int H>
+  void tile(const uint8_t* const* w, int64_t nb, const void* x, const float* dx, int64_t valid, float* y, int64_t ldy) {
+    detail::tile<R, H>(w, aw.data(), dw.data(), nb, static_cast<const int8_t*>(x), dx, valid, y, ldy);
   }
-}
-
-constexpr int kRows = 2;  // rows per register tile (x 2 halves of 8 tokens)
+};
 
 void gemm(const MatmulArgs& m, const ActQ8& a) {
-  const TokenLanes tl = token_lanes_of(a, false);
-  const int64_t nb = m.cols / 32;
   thread_local std::vector<int8_t> xs;  // signed runs of the current block of groups
   thread_local std::vector<uint8_t> aw;
   thread_local std::vector<float> dw;
-  aw.resize(static_cast<size_t>(kRows * nb * 32));
-  dw.resize(static_cast<size_t>(kRows * nb));
-  const int64_t per_group = nb * 512;
-  const int64_t fit = std::max<int64_t>(1, kXBytes / per_group);
-  xs.resize(static_cast<size_t>(std::min(fit, tl.groups) * per_group));
-  const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
-  for (int64_t g0 = 0; g0 < tl.groups; g0 += fit) {
-    const int64_t g1 = std::min(tl.groups, g0 + fit);
-    const uint8_t* src = tl.x + g0 * per_group;
-    for (int64_t i = 0; i < (g1 - g0) * per_group; i += 32)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xs.data() + i), _mm256_xor_si256(load256(src + i), bias));
-    for (int64_t r0 = m.row_begin; r0 < m.row_end; r0 += kRows) {
-      const int R = static_cast<int>(std::min<int64_t>(kRows, m.row_end - r0));
-      const uint8_t* w[kRows];
-      for (int r = 0; r < R; ++r) {
-        const uint8_t* row = m.W + static_cast<size_t>(r0 + r) * m.row_bytes;
-        w[r] = row + 2;
-        for (int64_t b = 0; b < nb; ++b) {
-          dw[static_cast<size_t>(r * nb + b)] = _cvtsh_ss(load_u16(row + 34 * b));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(aw.data() + (r * nb + b) * 32),
-                              _mm256_abs_epi8(load256(row + 34 * b + 2)));
-        }
-      }
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t valid = m.n_tok - 16 * g;
-        const int H = valid > 8 ? 2 : 1;
-        const int8_t* x = xs.data() + (g - g0) * per_group;
-        const float* dx = tl.dx + g * nb * 16;
-        float* y = m.y + 16 * g * m.ldy + r0;
-        if (R == 2) {
-          tile_group<2>(H, w, aw.data(), dw.data(), nb, x, dx, valid, y, m.ldy);
-        } else {
-          tile_group<1>(H, w, aw.data(), dw.data(), nb, x, dx, valid, y, m.ldy);
-        }
-      }
-    }
-  }
+  const int64_t nb = m.cols / 32;
+  aw.resize(static_cast<size_t>(kQ8_0LaneRows * nb * 32));
+  dw.resize(static_cast<size_t>(kQ8_0LaneRows * nb));
+  SignTrickTiles k{xs, aw, dw};
+  q8_0_lanes_gemm(m, a, k);
 }
 
 /// Sum of the 8 int32 lanes of v (exact).
