@@ -116,6 +116,11 @@ TEST(OpenAISchema, ParseBody) {
   e = error_of([] { parse_body("{\"a\": "); });
   EXPECT_EQ(e.code, "invalid_json");
   EXPECT_EQ(e.message.rfind("the request body is not valid JSON: ", 0), 0u) << e.message;
+  // a number beyond a double (nlohmann's out_of_range while parsing): the client's error, 400
+  e = error_of([] { parse_body(R"({"temperature": 1e400})"); });
+  EXPECT_EQ(e.status, 400);
+  EXPECT_EQ(e.code, "invalid_json");
+  EXPECT_EQ(e.message.rfind("the request body is not valid JSON: number overflow", 0), 0u) << e.message;
   e = error_of([] { parse_body("[1, 2]"); });
   EXPECT_EQ(e.code, "invalid_json");
   EXPECT_EQ(e.message, "the request body must be a JSON object");
@@ -130,7 +135,7 @@ TEST(OpenAISchema, ChatDefaults) {
   EXPECT_EQ(p.gen.sampler.top_p, dflt.top_p);
   EXPECT_EQ(p.gen.sampler.min_p, dflt.min_p);
   EXPECT_EQ(p.gen.sampler.repeat_penalty, dflt.repeat_penalty);
-  EXPECT_EQ(p.gen.sampler.seed, 0xFFFFFFFFu);
+  EXPECT_EQ(p.gen.sampler.seed, strata::engine::kRandomSeed);
   EXPECT_EQ(p.gen.max_tokens, kCtx);
   EXPECT_EQ(p.gen.top_logprobs, -1);
   EXPECT_TRUE(p.gen.stop.empty());
@@ -172,7 +177,14 @@ TEST(OpenAISchema, ServerSamplingDefaults) {
   EXPECT_EQ(q.gen.sampler.seed, 3u);
   EXPECT_EQ(q.gen.sampler.top_p, 0.5f);  // unset: still the server's
   b["seed"] = -1;
-  EXPECT_EQ(parse_chat_request(b, m).gen.sampler.seed, 0xFFFFFFFFu);
+  EXPECT_EQ(parse_chat_request(b, m).gen.sampler.seed, strata::engine::kRandomSeed);
+  b["seed"] = 4294967295LL;  // any seed a client can give is used as given (kRandomSeed is above them)
+  EXPECT_EQ(parse_chat_request(b, m).gen.sampler.seed, 4294967295u);
+  // a request's repeat_last_n overrides the server's (-1: the whole context, 0: off)
+  b["repeat_last_n"] = 0;
+  EXPECT_EQ(parse_chat_request(b, m).gen.sampler.repeat_last_n, 0);
+  b["repeat_last_n"] = -1;
+  EXPECT_EQ(parse_chat_request(b, m).gen.sampler.repeat_last_n, -1);
 }
 
 TEST(OpenAISchema, ChatFields) {
@@ -312,6 +324,14 @@ TEST(OpenAISchema, CompletionValidationErrors) {
        "the prompt is 34 tokens, but the context holds 32 (--ctx-size) and at least one token must be generated"},
   };
   for (const Case& c : cases) expect_completion_error(c);
+  // the sampling fields' own limits (both endpoints share them)
+  const Case sampling[] = {
+      {R"({"repeat_penalty": 0})", "repeat_penalty", "invalid_value", "'repeat_penalty' must be > 0 (1 = off), got 0"},
+      {R"({"repeat_last_n": -2})", "repeat_last_n", "invalid_value",
+       "'repeat_last_n' must be between -1 and 1073741824, got -2"},
+      {R"({"repeat_last_n": 1.5})", "repeat_last_n", "invalid_type", "'repeat_last_n' must be an integer"},
+  };
+  for (const Case& c : sampling) expect_completion_error(c);
 }
 
 TEST(OpenAISchema, ErrorObjects) {

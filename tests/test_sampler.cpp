@@ -88,8 +88,8 @@ TEST(Sampler, SameSeedSameSequence) {
     EXPECT_NE(sa, sc);
   }
   // the random seed is not the sentinel and is reported
-  Sampler r(no_filters(1.0f, 0xFFFFFFFF));
-  EXPECT_NE(r.seed(), 0xFFFFFFFFu);
+  Sampler r(no_filters(1.0f, strata::engine::kRandomSeed));
+  EXPECT_NE(r.seed(), strata::engine::kRandomSeed);
 }
 
 TEST(Sampler, TopK1IsGreedy) {

@@ -953,12 +953,15 @@ TEST(NewUser, EveryCommandThatSamplesChecksItsFlagsAsRunDoes) {
   // Each bad value, for run and chat: refused before the model loads, naming the flag and the range.
   const std::vector<std::pair<std::string, std::string>> bad = {
       {"--temp -1", "--temp must be a number >= 0 (0 = greedy), got -1"},
-      {"--temp nan", "--temp must be a number >= 0 (0 = greedy), got nan"},
+      {"--temp nan", "--temp: must be a number, got 'nan'"},
+      {"--temp ''", "--temp: must be a number, got ''"},  // CLI11 alone would read it as 0
+      {"--top-k ''", "--top-k: must be an integer, got ''"},
       {"--top-p 1.5", "--top-p must be in [0, 1] (1 = off, 0 = only the most likely token), got 1.5"},
       {"--top-p -0.1", "--top-p must be in [0, 1] (1 = off, 0 = only the most likely token), got -0.1"},
-      {"--min-p nan", "--min-p must be in [0, 1], got nan"},
+      {"--min-p nan", "--min-p: must be a number, got 'nan'"},
       {"--top-k -3", "--top-k must be >= 0 (0 = off), got -3"},
-      {"--repeat-penalty inf", "--repeat-penalty must be > 0 (1 = off), got inf"},
+      {"--repeat-penalty inf", "--repeat-penalty: must be a number, got 'inf'"},
+      {"--repeat-penalty 0", "--repeat-penalty must be > 0 (1 = off), got 0"},
       {"--repeat-last-n -7", "--repeat-last-n must be >= -1 (-1 = the whole context, 0 = off), got -7"},
       {"--seed -2", "--seed: must be at least -1, got -2"},
       {"-n -5", "--n-predict: must be at least -1, got -5"}};
@@ -974,6 +977,16 @@ TEST(NewUser, EveryCommandThatSamplesChecksItsFlagsAsRunDoes) {
   const CmdResult s = run_strata("serve " + shipped() + " --port 0 -n -5");
   EXPECT_NE(s.rc, 0) << s.out;
   EXPECT_THAT(s.out, HasSubstr("--n-predict: must be at least -1, got -5"));
+  // serve's sampling flags are request defaults: each within the range a request's field has
+  for (const auto& [flag, message] : std::vector<std::pair<std::string, std::string>>{
+           {"--repeat-penalty 11", "--repeat-penalty must be at most 10 for serve"},
+           {"--top-k 2000000", "--top-k must be at most 1048576 for serve"},
+           {"--repeat-last-n 2000000000", "--repeat-last-n must be at most 1073741824 for serve"}}) {
+    const CmdResult d = run_strata("serve " + shipped() + " --port 0 " + flag);
+    EXPECT_NE(d.rc, 0) << flag << "\n" << d.out;
+    EXPECT_THAT(d.out, HasSubstr(message)) << flag;
+    EXPECT_THAT(d.out, ::testing::Not(HasSubstr("listening"))) << flag;
+  }
   // llama.cpp's meanings of --repeat-last-n: -1 = the context, 0 = off; both run.
   for (const char* n : {"-1", "0"}) {
     const CmdResult r =
@@ -987,6 +1000,15 @@ TEST(NewUser, EveryCommandThatSamplesChecksItsFlagsAsRunDoes) {
   ASSERT_EQ(greedy.rc, 0) << greedy.out;
   ASSERT_EQ(top_p0.rc, 0) << top_p0.out;
   EXPECT_EQ(nlohmann::json::parse(top_p0.out)["ids"], nlohmann::json::parse(greedy.out)["ids"]);
+  // --json reports the seed used, the random one too, and -s with it reproduces the run
+  const CmdResult random = run_strata("run " + shipped() + " -p 'def f(x):' -n 8 --temp 1 --json");
+  ASSERT_EQ(random.rc, 0) << random.out;
+  const nlohmann::json rj = nlohmann::json::parse(random.out);
+  ASSERT_TRUE(rj.contains("seed")) << random.out;
+  const CmdResult again = run_strata("run " + shipped() + " -p 'def f(x):' -n 8 --temp 1 --json -s " +
+                                     std::to_string(rj["seed"].get<uint64_t>()));
+  ASSERT_EQ(again.rc, 0) << again.out;
+  EXPECT_EQ(nlohmann::json::parse(again.out)["ids"], rj["ids"]);
   // chat runs with the shared flags, and -s -1 is random there too (printed, as run prints it).
   const CmdResult c = run_cmd("printf 'def f(x):\\n' | " + test::strata_binary() + " chat " + shipped() +
                               " -n 2 --temp 0.5 --repeat-last-n -1 -s -1 2>&1");

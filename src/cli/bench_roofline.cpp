@@ -74,19 +74,27 @@ nlohmann::json bench_roofline(const std::string& model, const nlohmann::json& be
 
 void print_roofline(const nlohmann::json& r) {
   const auto& p = r["peak"];
-  fmt::print("roofline: int8 peak {:.1f} GOPS ({}, {}; bare vpmaddubsw {:.1f}), memory read {:.1f} GB/s\n",
-             p["int8_gops"].get<double>(), p["int8_how"].get<std::string>(),
-             count_of(p["threads"].get<int>(), "thread"), p["maddubs_gops"].get<double>(),
-             p["read_gbps"].get<double>());
+  const bool int8 = p["int8_gops"].get<double>() > 0;  // the scalar kernels have no int8 SIMD peak
+  if (int8)
+    fmt::print("roofline: int8 peak {:.1f} GOPS ({}, {}; bare vpmaddubsw {:.1f}), memory read {:.1f} GB/s\n",
+               p["int8_gops"].get<double>(), p["int8_how"].get<std::string>(),
+               count_of(p["threads"].get<int>(), "thread"), p["maddubs_gops"].get<double>(),
+               p["read_gbps"].get<double>());
+  else
+    fmt::print("roofline: int8 peak n/a (scalar kernels), memory read {:.1f} GB/s ({})\n", p["read_gbps"].get<double>(),
+               count_of(p["threads"].get<int>(), "thread"));
   const double amx = p.value("amx_int8_gops", 0.0);
   if (amx > 0) fmt::print("roofline: AMX int8 tile peak {:.1f} GOPS (tdpbssd 16x16x64)\n", amx);
   for (const char* name : {"prefill", "decode"}) {
     if (!r.contains(name)) continue;
     const auto& j = r[name];
-    fmt::print("{:<8} matmul {:.1f} GFLOP/s ({:.0f} % of the int8 peak{}), weights {:.2f} GB/s ({:.0f} % of read)\n",
-               name, j["gflops"].get<double>(), j["pct_int8_peak"].get<double>(),
-               amx > 0 ? fmt::format(", {:.1f} % of the AMX tile peak", j.value("pct_amx_peak", 0.0)) : std::string(),
-               j["gbps"].get<double>(), j["pct_read"].get<double>());
+    const std::string share =
+        int8 ? fmt::format(" ({:.0f} % of the int8 peak{})", j["pct_int8_peak"].get<double>(),
+                           amx > 0 ? fmt::format(", {:.1f} % of the AMX tile peak", j.value("pct_amx_peak", 0.0))
+                                   : std::string())
+             : std::string();
+    fmt::print("{:<8} matmul {:.1f} GFLOP/s{}, weights {:.2f} GB/s ({:.0f} % of the memory read probe)\n", name,
+               j["gflops"].get<double>(), share, j["gbps"].get<double>(), j["pct_read"].get<double>());
   }
 }
 

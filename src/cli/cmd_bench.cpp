@@ -221,15 +221,18 @@ void register_bench(CLI::App& root) {
         // -c cannot go past the model's training context: only suggest raising it below that
         const int64_t train = eng.hparams().n_ctx_train;
         const bool at_limit = train > 0 && n_ctx >= train;
+        // decoding fewer tokens is a remedy only while the prompt alone leaves room for some
+        const int64_t room = n_ctx - int64_t(prompt.size());
+        const std::string raise =
+            at_limit ? std::string()
+                     : fmt::format(" or raise -c{}", train > 0 ? fmt::format(" (up to {})", train) : std::string());
         throw std::invalid_argument(fmt::format(
             "the prompt's {} tokens and {} need {} positions, more than the context of {} tokens (-c/--ctx-size{}); "
-            "decode at most {} tokens{}",
+            "{}",
             prompt.size(), decode, prompt.size() + n_decode, n_ctx,
             at_limit ? ", already the model's training context" : "",
-            std::max<int64_t>(0, n_ctx - int64_t(prompt.size())),
-            at_limit ? " or shorten the prompt"
-                     : fmt::format(", shorten the prompt or raise -c{}",
-                                   train > 0 ? fmt::format(" (up to {})", train) : std::string())));
+            room > 0 ? fmt::format("decode at most {} tokens, shorten the prompt{}", room, raise)
+                     : fmt::format("shorten the prompt{}", raise)));
       }
       record = eng.stream().slot_bytes();
       arena_bytes = eng.arena_bytes();
@@ -282,7 +285,9 @@ void register_bench(CLI::App& root) {
       j["ratio_to_floor"] = r.stats.seconds / std::max({io_floor, compute_floor, 1e-12});
       // A floor is a lower bound: a run faster than it means the floor's own measurement (the
       // --fake-stream run, or the drive probe) was slowed by other load on the machine.
-      j["floor_disturbed"] = j["ratio_to_floor"].get<double>() < 1.0;
+      // (below 0.995 only: within half a percent of the floor is that floor's own noise, and the
+      // ratio then prints as 1.00)
+      j["floor_disturbed"] = r.stats.tokens > 0 && j["ratio_to_floor"].get<double>() < 0.995;
       j["read_gbps"] = r.stats.seconds > 0 ? double(r.stats.stream.bytes_read) / r.stats.seconds / 1e9 : 0.0;
       // ---- tiers: the IO floor per tier from this run's counters, the copy rate achieved ----
       const auto& st = r.stats.stream;
@@ -351,6 +356,10 @@ void register_bench(CLI::App& root) {
     fmt::print("backend: {} ({})\n", backend_name, backend_device);
     for (const char* name : {"prefill", "decode"}) {
       const auto& j = out[name];
+      if (j["tokens"].get<int64_t>() == 0) {  // --gen 0: nothing was measured
+        fmt::print("{:<8} not run (0 tokens)\n", name);
+        continue;
+      }
       // without a drive measurement there is no IO floor to print
       const std::string io_floor = ssd_gbps > 0 ? fmt::format("{:.3f} s", j["io_floor_s"].get<double>()) : "-";
       fmt::print(

@@ -139,6 +139,7 @@ void register_run(CLI::App& root) {
       nlohmann::json j = {{"prompt_ids", prompt},
                           {"ids", generated},
                           {"text", text},
+                          {"seed", sampler.seed()},  // the seed used (the random one too): -s reproduces the run
                           {"stats",
                            {{"prefill", phase_json(eng.prefill_stats())},
                             {"decode", phase_json(eng.decode_stats())},

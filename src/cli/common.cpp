@@ -146,6 +146,9 @@ void SamplingFlags::add(CLI::App& app, bool defaults) {
   app.add_option("--repeat-last-n", sp.repeat_last_n,
                  h("tokens the repetition penalty looks back (0 = off, -1 = the whole context)", "repeat_last_n"))
       ->capture_default_str();
+  // CLI11 would read an empty value ("--temp ''") as 0: the text must be a number; the ranges are resolve()'s
+  for (const char* name : {"--temp", "--top-p", "--min-p", "--repeat-penalty"}) app.get_option(name)->check(a_number());
+  for (const char* name : {"--top-k", "--repeat-last-n"}) app.get_option(name)->check(an_integer());
   if (defaults)
     add_seed_option(app, seed,
                     "sampling seed of requests that leave \"seed\" unset (-1 = a random seed per request, which "
@@ -157,9 +160,21 @@ void SamplingFlags::add(CLI::App& app, bool defaults) {
 engine::SamplerParams SamplingFlags::resolve() const {
   if (!std::isfinite(sp.temp) || sp.temp < 0)
     throw std::invalid_argument(fmt::format("--temp must be a number >= 0 (0 = greedy), got {}", sp.temp));
-  if (request_defaults && sp.temp > 2)  // a request's temperature is checked against [0, 2] (openai.cpp)
+  // serve: a default must be a value a request could give (the ranges of openai.cpp's fields)
+  if (request_defaults && sp.temp > 2)
     throw std::invalid_argument(
         fmt::format("--temp must be in [0, 2] for serve, the range of a request's temperature, got {}", sp.temp));
+  if (request_defaults && sp.top_k > (1 << 20))
+    throw std::invalid_argument(
+        fmt::format("--top-k must be at most {} for serve, the range of a request's top_k, got {}", 1 << 20, sp.top_k));
+  if (request_defaults && sp.repeat_penalty > 10)
+    throw std::invalid_argument(
+        fmt::format("--repeat-penalty must be at most 10 for serve, the range of a request's repeat_penalty, got {}",
+                    sp.repeat_penalty));
+  if (request_defaults && sp.repeat_last_n > (1 << 30))
+    throw std::invalid_argument(
+        fmt::format("--repeat-last-n must be at most {} for serve, the range of a request's repeat_last_n, got {}",
+                    1 << 30, sp.repeat_last_n));
   // [0, 1] as the server's top_p (OpenAI's range): 0 keeps only the most likely token, as
   // llama.cpp's top-p sampler does (it keeps the first token whose running sum reaches p).
   if (!(sp.top_p >= 0 && sp.top_p <= 1))
@@ -184,7 +199,7 @@ CLI::Option* add_n_predict_option(CLI::App& app, int& n, const std::string& desc
 
 uint64_t resolve_seed(int64_t seed) {
   if (seed < -1) throw std::invalid_argument(fmt::format("--seed must be >= -1 (-1 = random), got {}", seed));
-  return seed == -1 ? uint64_t(0xFFFFFFFF) : uint64_t(seed);
+  return seed == -1 ? engine::kRandomSeed : uint64_t(seed);
 }
 
 std::string llama_cpp_flag_error(int argc, const char* const* argv) {

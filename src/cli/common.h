@@ -130,6 +130,32 @@ inline CLI::Validator non_negative_real() {
       "NUM>=0");
 }
 
+/// CLI11 check that an option's text is a number at all (finite; not "", "1x", nan): CLI11 would
+/// read an empty value as 0. The option's own range is checked where it is used.
+inline CLI::Validator a_number() {
+  return CLI::Validator(
+      [](std::string& s) -> std::string {
+        return parse_finite(s) ? std::string() : "must be a number, got '" + s + "'";
+      },
+      "NUM");
+}
+
+/// CLI11 check that an option's text is an integer (not "", "1.5", "x"); its range is checked
+/// where it is used.
+inline CLI::Validator an_integer() {
+  return CLI::Validator(
+      [](std::string& s) -> std::string {
+        size_t used = 0;
+        try {
+          (void)std::stoll(s, &used);
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        return used != 0 && used == s.size() ? std::string() : "must be an integer, got '" + s + "'";
+      },
+      "INT");
+}
+
 /// Sampling flags, with llama.cpp's names and defaults, shared by every command that samples
 /// (run, chat): --temp, --top-k, --top-p, --min-p, --repeat-penalty, --repeat-last-n and
 /// -s/--seed. One validation for all of them (resolve()).
@@ -157,7 +183,7 @@ CLI::Option* add_n_predict_option(CLI::App& app, int& n, const std::string& desc
 void add_seed_option(CLI::App& app, int64_t& seed,
                      const std::string& help = "sampling seed (-1 = random, printed when sampling; default -1)");
 /// The sampler's seed for a --seed value: -1 -> engine::SamplerParams' random marker
-/// (0xFFFFFFFF), else the value. Throws std::invalid_argument below -1.
+/// (engine::kRandomSeed), else the value. Throws std::invalid_argument below -1.
 uint64_t resolve_seed(int64_t seed);
 
 /// llama.cpp flags strata does not take under that name (-ngl, --n-gpu-layers, -tb, -fa, -b,

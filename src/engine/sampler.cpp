@@ -10,15 +10,13 @@ namespace strata::engine {
 
 namespace {
 
-constexpr uint64_t kRandomSeed = 0xFFFFFFFF;
-
 uint64_t pick_seed(uint64_t requested) {
   if (requested != kRandomSeed) return requested;
   std::random_device rd;
   // 63 bits: the seed is printed for reuse, and --seed (and the server's "seed") take a signed
   // 64-bit integer.
   uint64_t s = ((static_cast<uint64_t>(rd()) << 32) ^ rd()) & 0x7fff'ffff'ffff'ffffull;
-  return s == kRandomSeed ? s + 1 : s;
+  return s;  // never kRandomSeed (above 2^63 - 1)
 }
 
 // Higher logit first; lower id first on ties (deterministic order).

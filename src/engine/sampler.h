@@ -11,6 +11,10 @@
 
 namespace strata::engine {
 
+/// SamplerParams::seed's "pick a random seed": outside the seeds a user can give (-s and the
+/// server's "seed" take 0 .. 2^63 - 1), so every one of those is used as given.
+inline constexpr uint64_t kRandomSeed = ~uint64_t{0};
+
 /// Sampling parameters. Defaults follow llama.cpp's.
 struct SamplerParams {
   /// Temperature; <= 0 selects greedy argmax (after the repetition penalty; lowest id on ties).
@@ -27,8 +31,8 @@ struct SamplerParams {
   float repeat_penalty = 1.0f;
   /// How many of the last history ids the penalty looks at; 0 turns it off, < 0 means all.
   int repeat_last_n = 64;
-  /// Seed of the std::mt19937_64 draw; 0xFFFFFFFF picks a random seed (see Sampler::seed()).
-  uint64_t seed = 0xFFFFFFFF;
+  /// Seed of the std::mt19937_64 draw; kRandomSeed picks a random seed (see Sampler::seed()).
+  uint64_t seed = kRandomSeed;
   /// (token id, bias) pairs added to the raw logits before everything else (OpenAI's
   /// logit_bias: -100 all but bans a token, +100 all but forces it); ids outside the logits
   /// are ignored here (front ends validate them).
@@ -47,7 +51,7 @@ class Sampler {
   int32_t sample(std::span<const float> logits, std::span<const int32_t> history);
 
   const SamplerParams& params() const { return params_; }
-  /// The seed actually used (the random one when params.seed was 0xFFFFFFFF).
+  /// The seed actually used (the random one when params.seed was kRandomSeed).
   uint64_t seed() const { return seed_; }
 
  private:

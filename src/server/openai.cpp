@@ -35,8 +35,13 @@ Json parse_body(std::string_view body) {
   Json b;
   try {
     b = Json::parse(body);
-  } catch (const Json::parse_error& e) {
-    throw bad_request("", fmt::format("the request body is not valid JSON: {}", e.what()), "invalid_json");
+  } catch (const Json::exception& e) {
+    // a syntax error, or a number outside the range of a double (1e400): both the client's.
+    // nlohmann's "[json.exception.parse_error.101] " prefix is dropped from the message.
+    std::string what = e.what();
+    if (what.rfind("[json.exception.", 0) == 0)
+      if (const size_t close = what.find("] "); close != std::string::npos) what.erase(0, close + 2);
+    throw bad_request("", fmt::format("the request body is not valid JSON: {}", what), "invalid_json");
   }
   if (!b.is_object()) throw bad_request("", "the request body must be a JSON object", "invalid_json");
   if (const size_t d = chat::json_depth(b); d > chat::kMaxJsonDepth)
@@ -104,9 +109,13 @@ ParsedRequest parse_common(const Json& b, const ModelContext& m, bool chat) {
   sp.top_k = int(get_int(b, "top_k", sp.top_k, 0, 1 << 20));
   sp.min_p = float(get_number(b, "min_p", sp.min_p, 0, 1));
   sp.repeat_penalty = float(get_number(b, "repeat_penalty", sp.repeat_penalty, 0, 10));
+  if (!(sp.repeat_penalty > 0))  // the penalty divides positive logits by it
+    throw bad_request("repeat_penalty", "'repeat_penalty' must be > 0 (1 = off), got 0");
+  // the tokens the penalty looks back over (-1: the whole context, 0: off), as --repeat-last-n
+  sp.repeat_last_n = int(get_int(b, "repeat_last_n", sp.repeat_last_n, -1, 1 << 30));
   const int64_t seed = get_int(b, "seed", -1, -1, INT64_MAX);
   // unset: the server's -s/--seed (random by default); -1: random
-  if (field(b, "seed")) sp.seed = seed < 0 ? 0xFFFFFFFF : uint64_t(seed);
+  if (field(b, "seed")) sp.seed = seed < 0 ? engine::kRandomSeed : uint64_t(seed);
   for (const char* pen : {"presence_penalty", "frequency_penalty"})
     if (get_number(b, pen, 0, -2, 2) != 0)
       throw bad_request(pen, fmt::format("'{}' is not supported by this server", pen), "unsupported");
