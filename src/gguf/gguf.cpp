@@ -354,9 +354,11 @@ File File::parse(Reader& r, std::string path_arg, uint64_t file_size) {
   uint64_t tensor_count = r.u64("tensor count");
   uint64_t kv_count = r.u64("kv count");
   if (kv_count > r.remaining() / kMinKvBytes)
-    fail(path, fmt::format("kv count {} is absurd for a file of {} bytes", kv_count, f.file_size_));
+    fail(path,
+         fmt::format("kv count {} is absurd for a file of {} bytes (truncated or corrupt)", kv_count, f.file_size_));
   if (tensor_count > r.remaining() / kMinTensorInfoBytes)
-    fail(path, fmt::format("tensor count {} is absurd for a file of {} bytes", tensor_count, f.file_size_));
+    fail(path, fmt::format("tensor count {} is absurd for a file of {} bytes (truncated or corrupt)", tensor_count,
+                           f.file_size_));
 
   // ---- metadata
   f.kv_.reserve(std::min(kv_count, kMaxReserve));
