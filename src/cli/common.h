@@ -92,9 +92,10 @@ inline CLI::Validator at_least(long long lo) {
       "INT>=" + std::to_string(lo));
 }
 
-/// `s` read whole as a finite number (std::stod takes every character; no "1x", "", nan, inf);
-/// nullopt otherwise.
+/// `s` read whole as a finite decimal number (std::stod takes every character; no "1x", "", nan,
+/// inf, and no hexadecimal "0x10", which stod would read as 16); nullopt otherwise.
 inline std::optional<double> parse_finite(const std::string& s) {
+  if (s.find_first_of("xX") != std::string::npos) return std::nullopt;
   size_t used = 0;
   double v = 0;
   try {
