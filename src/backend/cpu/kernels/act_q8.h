@@ -373,6 +373,10 @@ void set_avx_vnni_enabled(bool on);
 /// matmul_q8_0_avx2's bits (matmul_q8_0_avxvnni.cpp): y[t][r] for rows [row_begin, row_end) and
 /// all a.n_tok tokens. The CPU must have AVX-VNNI (avx_vnni_usable).
 void gemm_q8_0_avxvnni(const MatmulArgs& m, const ActQ8& a);
+/// The AVX2 family's Q4_K (fifth = false) / Q5_K (true) prefill tile on AVX-VNNI: nt (1-4) tokens
+/// of tk against the row at w, y[t * ldy], with the bits of matmul_q8_avx2.cpp's tile_q4_k
+/// (q4_k_lanes_tile.h). The CPU must have AVX-VNNI (avx_vnni_usable).
+void tile_q4_k_avxvnni(int nt, bool fifth, const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy);
 
 /// Instruction-set levels of the AVX-512 q8 family. All give the same bits.
 enum class Q8Isa {

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "backend/cpu/kernels/act_q8.h"
+#include "backend/cpu/kernels/q4_k_lanes_tile.h"
 #include "backend/cpu/kernels/q8_0_lanes_gemm.h"
 
 namespace strata::cpu::kernels::detail {
@@ -118,6 +119,20 @@ void gemm_q8_0_avxvnni(const MatmulArgs& m, const ActQ8& a) {
   dw.resize(static_cast<size_t>(kQ8_0LaneRows * nb));
   VnniTiles k{bias, dw};
   q8_0_lanes_gemm(m, a, k);
+}
+
+void tile_q4_k_avxvnni(int nt, bool fifth, const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
+  switch (nt * 2 + (fifth ? 1 : 0)) {
+    case 2: tile_q4_k<1, false, true>(w, tk, y, ldy); return;
+    case 3: tile_q4_k<1, true, true>(w, tk, y, ldy); return;
+    case 4: tile_q4_k<2, false, true>(w, tk, y, ldy); return;
+    case 5: tile_q4_k<2, true, true>(w, tk, y, ldy); return;
+    case 6: tile_q4_k<3, false, true>(w, tk, y, ldy); return;
+    case 7: tile_q4_k<3, true, true>(w, tk, y, ldy); return;
+    case 8: tile_q4_k<4, false, true>(w, tk, y, ldy); return;
+    case 9: tile_q4_k<4, true, true>(w, tk, y, ldy); return;
+    default: break;
+  }
 }
 
 }  // namespace strata::cpu::kernels::detail

@@ -18,6 +18,7 @@
 
 #include "backend/cpu/kernels/act_q8.h"
 #include "backend/cpu/kernels/b32_factors.h"
+#include "backend/cpu/kernels/q4_k_lanes_tile.h"
 #include "quant/quant_tables.h"
 
 namespace strata::cpu::kernels::detail {
@@ -139,21 +140,6 @@ void row_b32(const uint8_t* w, const Tokens& tk, const int32_t* x128, float* y, 
 
 // ---- super-block types in their lane orders (act_q8.h) ----
 
-/// 16 int8 / uint8 values as fp32 lanes 0-7 and 8-15.
-inline void i8x16_ps(__m128i v, bool is_signed, __m256 (&out)[2]) {
-  const __m128i hi = _mm_unpackhi_epi64(v, v);
-  out[0] = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
-  out[1] = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(hi) : _mm256_cvtepu8_epi32(hi));
-}
-
-/// Two 64-bit words as [a, a, b, b].
-inline __m256i words_aabb(const uint8_t* a, const uint8_t* b) {
-  long long x, z;
-  std::memcpy(&x, a, 8);
-  std::memcpy(&z, b, 8);
-  return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi64x(x)), _mm_set1_epi64x(z), 1);
-}
-
 /// Q4_K (and Q5_K: FIFTH), lane order q4k_lane_element: lanes 0-7 are sub-blocks 0-3 (quant runs
 /// 0 and 1), lanes 8-15 sub-blocks 4-7 (runs 2 and 3); chunk k is word k of each run, low
 /// nibbles for even sub-blocks, high for odd; Q5_K's 5th bit of sub-block s is bit s of qh's
@@ -165,19 +151,11 @@ void row_q4_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
   for (int t = 0; t < TB; ++t) acc[t][0] = acc[t][1] = accm[t] = _mm256_setzero_ps();
   const __m256i nib = _mm256_set1_epi8(0x0f), shift = _mm256_setr_epi64x(0, 4, 0, 4), bit4 = _mm256_set1_epi8(0x10);
   const __m256i up = _mm256_setr_epi64x(4, 3, 2, 1), down = _mm256_setr_epi64x(0, 1, 2, 3);  // bit s -> bit 4
-  const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);       // sub-block L/2
   const int64_t nsb = tk.cols / 256;
   for (int64_t i = 0; i < nsb; ++i, w += kBytes) {
     for (int o = 0; o < kBytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + o, _MM_HINT_T0);
-    uint64_t sc, m;
-    k4_scales_packed(w + 4, sc, m);
-    __m256 scf[2];
-    i8x16_ps(_mm_shuffle_epi8(_mm_cvtsi64_si128(static_cast<long long>(sc)), pairs), false, scf);
-    const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(w)));
-    const __m256 dsc[2] = {_mm256_mul_ps(d, scf[0]), _mm256_mul_ps(d, scf[1])};
-    const __m256 dm =
-        _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(load_u16(w + 2))),
-                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(m)))));
+    __m256 dsc[2], dm;
+    q4k_factors(w, dsc, dm);
     const uint8_t* qs = w + kQs;
     __m256i sum[TB][2];
     for (int t = 0; t < TB; ++t) sum[t][0] = sum[t][1] = _mm256_setzero_si256();
@@ -720,66 +698,6 @@ void tile_b32(const uint8_t* w, size_t row_bytes, const float* fdc, const Tokens
     }
 }
 
-/// TB tokens of one Q4_K/Q5_K row (row_q4_k's arithmetic): per super-block and half, each token's
-/// 4 chunk products are summed as int16 pairs (vpaddw: Q4_K's pairs are at most 2*15*127, Q5_K's
-/// 2*31*127, so 4 of them fit in int16 exactly) and widened once (vpmaddwd), which halves the
-/// widening multiplies; the codes of a chunk are unpacked once for the TB tokens.
-template <int TB, bool FIFTH>
-void tile_q4_k(const uint8_t* w, const LaneTokens& tk, float* y, int64_t ldy) {
-  constexpr int kBytes = FIFTH ? 176 : 144, kQs = FIFTH ? 48 : 16;
-  __m256 acc[TB][2], accm[TB];
-  for (int t = 0; t < TB; ++t) acc[t][0] = acc[t][1] = accm[t] = _mm256_setzero_ps();
-  const __m256i nib = _mm256_set1_epi8(0x0f), shift = _mm256_setr_epi64x(0, 4, 0, 4), bit4 = _mm256_set1_epi8(0x10);
-  const __m256i up = _mm256_setr_epi64x(4, 3, 2, 1), down = _mm256_setr_epi64x(0, 1, 2, 3);
-  const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  const int64_t nsb = tk.cols / 256;
-  for (int64_t i = 0; i < nsb; ++i, w += kBytes) {
-    uint64_t sc, m;
-    k4_scales_packed(w + 4, sc, m);
-    __m256 scf[2];
-    i8x16_ps(_mm_shuffle_epi8(_mm_cvtsi64_si128(static_cast<long long>(sc)), pairs), false, scf);
-    const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(w)));
-    const __m256 dsc[2] = {_mm256_mul_ps(d, scf[0]), _mm256_mul_ps(d, scf[1])};
-    const __m256 dm =
-        _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(load_u16(w + 2))),
-                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(m)))));
-    const uint8_t* qs = w + kQs;
-#pragma GCC unroll 2
-    for (int half = 0; half < 2; ++half) {
-      __m256i s16[TB];
-      for (int t = 0; t < TB; ++t) s16[t] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-      for (int k = 0; k < 4; ++k) {
-        const __m256i v = words_aabb(qs + 64 * half + 8 * k, qs + 64 * half + 32 + 8 * k);
-        __m256i wq = _mm256_and_si256(_mm256_srlv_epi64(v, shift), nib);
-        if constexpr (FIFTH) {
-          long long h;
-          std::memcpy(&h, w + 16 + 8 * k, 8);
-          const __m256i hb = _mm256_set1_epi64x(h);
-          const __m256i b4 = half == 0 ? _mm256_sllv_epi64(hb, up) : _mm256_srlv_epi64(hb, down);
-          wq = _mm256_or_si256(wq, _mm256_and_si256(b4, bit4));
-        }
-#pragma GCC unroll 4
-        for (int t = 0; t < TB; ++t)
-          s16[t] =
-              _mm256_add_epi16(s16[t],
-                               _mm256_maddubs_epi16(wq, load256(tk.q + t * tk.cols + 256 * i + 64 * k + 32 * half)));
-      }
-#pragma GCC unroll 4
-      for (int t = 0; t < TB; ++t) {
-        const __m256i sum = _mm256_madd_epi16(s16[t], _mm256_set1_epi16(1));
-        const float* dxl = tk.dxl + t * (tk.cols / 16) + 16 * i;
-        acc[t][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum),
-                                       _mm256_mul_ps(dsc[half], _mm256_loadu_ps(dxl + 8 * half)), acc[t][half]);
-      }
-    }
-#pragma GCC unroll 4
-    for (int t = 0; t < TB; ++t)
-      accm[t] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(tk.xs + t * (tk.cols / 32) + 8 * i), accm[t]);
-  }
-  for (int t = 0; t < TB; ++t) y[t * ldy] = simd_hsum8(_mm256_add_ps(acc[t][0], acc[t][1])) - simd_hsum8(accm[t]);
-}
-
 /// TB tokens of one IQ4_XS row (row_iq4_xs's arithmetic, halves outermost so that TB int32 sums
 /// are live): the 64 codes of a chunk are unpacked once (two vpermd, a blend, vpshufb) for the
 /// TB tokens.
@@ -959,16 +877,19 @@ bool gemm_q8_avx2(const MatmulArgs& m, const ActQ8& a) {
     const int64_t t1 = m.n_tok < t0 + kQ8TokBlock ? m.n_tok : t0 + kQ8TokBlock;
     if (lane) {
       const LaneTokens tk = lane_tokens(T, a, t0, t1);
+      const bool vnni = avx_vnni_usable();
       for (int64_t r = m.row_begin; r < m.row_end; ++r) {
         const uint8_t* w = m.W + static_cast<size_t>(r) * m.row_bytes;
         for (int64_t t = t0; t < t1; t += kTileTok) {
           float* y = m.y + t * m.ldy + r;
           with_count<kTileTok>(t1 - t, [&](auto nt) {
             constexpr int NT = decltype(nt)::value;
-            if (T == G::Q4_K)
-              tile_q4_k<NT, false>(w, tk.from(t - t0), y, m.ldy);
+            if ((T == G::Q4_K || T == G::Q5_K) && vnni)  // the same bits, vpdpbusd for vpmaddubsw + vpaddw
+              tile_q4_k_avxvnni(NT, T == G::Q5_K, w, tk.from(t - t0), y, m.ldy);
+            else if (T == G::Q4_K)
+              tile_q4_k<NT, false, false>(w, tk.from(t - t0), y, m.ldy);
             else if (T == G::Q5_K)
-              tile_q4_k<NT, true>(w, tk.from(t - t0), y, m.ldy);
+              tile_q4_k<NT, true, false>(w, tk.from(t - t0), y, m.ldy);
             else
               tile_iq4_xs<NT>(w, tk.from(t - t0), y, m.ldy);
           });
