@@ -1,6 +1,7 @@
 #include "cli/common.h"
 
 #include "engine/quality.h"
+#include "server/openai.h"
 
 #include <fmt/format.h>
 
@@ -160,21 +161,26 @@ void SamplingFlags::add(CLI::App& app, bool defaults) {
 engine::SamplerParams SamplingFlags::resolve() const {
   if (!std::isfinite(sp.temp) || sp.temp < 0)
     throw std::invalid_argument(fmt::format("--temp must be a number >= 0 (0 = greedy), got {}", sp.temp));
-  // serve: a default must be a value a request could give (the ranges of openai.cpp's fields)
-  if (request_defaults && sp.temp > 2)
-    throw std::invalid_argument(
-        fmt::format("--temp must be in [0, 2] for serve, the range of a request's temperature, got {}", sp.temp));
-  if (request_defaults && sp.top_k > (1 << 20))
-    throw std::invalid_argument(
-        fmt::format("--top-k must be at most {} for serve, the range of a request's top_k, got {}", 1 << 20, sp.top_k));
-  if (request_defaults && sp.repeat_penalty > 10)
-    throw std::invalid_argument(
-        fmt::format("--repeat-penalty must be at most 10 for serve, the range of a request's repeat_penalty, got {}",
-                    sp.repeat_penalty));
-  if (request_defaults && sp.repeat_last_n > (1 << 30))
-    throw std::invalid_argument(
-        fmt::format("--repeat-last-n must be at most {} for serve, the range of a request's repeat_last_n, got {}",
-                    1 << 30, sp.repeat_last_n));
+  // serve: a default must be a value a request could give (openai.h's limits of its fields)
+  if (request_defaults) {
+    namespace oa = server::openai;
+    if (sp.temp > oa::kMaxTemperature)
+      throw std::invalid_argument(
+          fmt::format("--temp must be in [0, {}] for serve, the range of a request's temperature, got {}",
+                      oa::kMaxTemperature, sp.temp));
+    if (sp.top_k > oa::kMaxTopK)
+      throw std::invalid_argument(
+          fmt::format("--top-k must be at most {} for serve, the range of a request's top_k, got {}", oa::kMaxTopK,
+                      sp.top_k));
+    if (sp.repeat_penalty > oa::kMaxRepeatPenalty)
+      throw std::invalid_argument(
+          fmt::format("--repeat-penalty must be at most {} for serve, the range of a request's repeat_penalty, got {}",
+                      oa::kMaxRepeatPenalty, sp.repeat_penalty));
+    if (sp.repeat_last_n > oa::kMaxRepeatLastN)
+      throw std::invalid_argument(
+          fmt::format("--repeat-last-n must be at most {} for serve, the range of a request's repeat_last_n, got {}",
+                      oa::kMaxRepeatLastN, sp.repeat_last_n));
+  }
   // [0, 1] as the server's top_p (OpenAI's range): 0 keeps only the most likely token, as
   // llama.cpp's top-p sampler does (it keeps the first token whose running sum reaches p).
   if (!(sp.top_p >= 0 && sp.top_p <= 1))

@@ -73,20 +73,28 @@ std::string read_prompt_file(const std::string& path, const std::string& purpose
 /// any context or perplexity run needs; beyond it the error says so instead of growing without bound.
 inline constexpr size_t kMaxPromptFileBytes = size_t(64) << 20;
 
+/// `s` read whole as a decimal integer (std::stoll takes every character: no "", "1.5", "x");
+/// nullopt otherwise.
+inline std::optional<long long> parse_integer(const std::string& s) {
+  size_t used = 0;
+  long long v = 0;
+  try {
+    v = std::stoll(s, &used);
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+  if (used == 0 || used != s.size()) return std::nullopt;
+  return v;
+}
+
 /// CLI11 check for an integer option: at least `lo`. Its message reads "--top: must be at least
 /// 1, got 0" (CLI11's PositiveNumber would print its range up to 1.8e308).
 inline CLI::Validator at_least(long long lo) {
   return CLI::Validator(
       [lo](std::string& s) -> std::string {
-        long long v = 0;
-        size_t used = 0;
-        try {
-          v = std::stoll(s, &used);
-        } catch (const std::exception&) {
-          used = 0;
-        }
-        if (used == 0 || used != s.size()) return "must be an integer, got '" + s + "'";
-        if (v < lo) return "must be at least " + std::to_string(lo) + ", got " + s;
+        const std::optional<long long> v = parse_integer(s);
+        if (!v) return "must be an integer, got '" + s + "'";
+        if (*v < lo) return "must be at least " + std::to_string(lo) + ", got " + s;
         return std::string();
       },
       "INT>=" + std::to_string(lo));
@@ -146,13 +154,7 @@ inline CLI::Validator a_number() {
 inline CLI::Validator an_integer() {
   return CLI::Validator(
       [](std::string& s) -> std::string {
-        size_t used = 0;
-        try {
-          (void)std::stoll(s, &used);
-        } catch (const std::exception&) {
-          used = 0;
-        }
-        return used != 0 && used == s.size() ? std::string() : "must be an integer, got '" + s + "'";
+        return parse_integer(s) ? std::string() : "must be an integer, got '" + s + "'";
       },
       "INT");
 }
@@ -164,8 +166,8 @@ struct SamplingFlags {
   engine::SamplerParams sp;  ///< as parsed; sp.seed is set by resolve() from `seed`
   int64_t seed = -1;         ///< -s/--seed: -1 = random
   /// Adds the flags to `app`. request_defaults (serve): the help says that each flag is the
-  /// default of requests that leave the field unset, and resolve() also keeps --temp within the
-  /// requests' temperature range [0, 2] (OpenAI's).
+  /// default of requests that leave the field unset, and resolve() also keeps --temp, --top-k,
+  /// --repeat-penalty and --repeat-last-n within a request's ranges (server/openai.h).
   void add(CLI::App& app, bool request_defaults = false);
   bool request_defaults = false;  ///< set by add()
   /// The sampler's parameters, checked: --temp finite and >= 0, --top-p in [0, 1] (as the server's top_p), --min-p in

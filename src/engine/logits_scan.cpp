@@ -16,11 +16,6 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline float nan_as_neginf(float x) { return std::isnan(x) ? kNegInf : x; }
 
-// The strict order of the sampler: higher logit first, ties: lower id first.
-inline bool better(const LogitCand& a, const LogitCand& b) {
-  return a.logit != b.logit ? a.logit > b.logit : a.id < b.id;
-}
-
 }  // namespace
 
 bool all_finite(std::span<const float> v) {

@@ -23,6 +23,11 @@ struct LogitCand {
   int32_t id;
 };
 
+/// The sampler's strict order: higher logit first; ties: lower id first.
+inline bool better(const LogitCand& a, const LogitCand& b) {
+  return a.logit != b.logit ? a.logit > b.logit : a.id < b.id;
+}
+
 /// The k best of `v` into `out` (resized to min(k, v.size())), best first in the strict order
 /// (higher logit first; ties: lower id first), NaN counted as -inf (and stored as -inf). The same
 /// set and order as a partial sort of every (logit, id) pair by that order. k <= 0: `out` empty.

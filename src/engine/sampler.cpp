@@ -19,9 +19,6 @@ uint64_t pick_seed(uint64_t requested) {
   return s;  // never kRandomSeed (above 2^63 - 1)
 }
 
-// Higher logit first; lower id first on ties (deterministic order).
-bool better(float la, int32_t ia, float lb, int32_t ib) { return la != lb ? la > lb : ia < ib; }
-
 }  // namespace
 
 Sampler::Sampler(const SamplerParams& params) : params_(params), seed_(pick_seed(params.seed)), rng_(seed_) {}
@@ -62,7 +59,6 @@ int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> 
   // Greedy: argmax, lowest id on ties.
   if (params_.temp <= 0.0f) return argmax(l);
 
-  auto cmp = [](const LogitCand& a, const LogitCand& b) { return better(a.logit, a.id, b.logit, b.id); };
   bool sorted = false;
 
   // 2. top-k: the k best in order by one scan (the set and order of a partial sort)
@@ -98,7 +94,7 @@ int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> 
   // 3. top-p: smallest prefix (by probability) whose sum reaches top_p; at least one token.
   if (params_.top_p < 1.0f) {
     if (!sorted) {
-      std::sort(cands_.begin(), cands_.end(), cmp);
+      std::sort(cands_.begin(), cands_.end(), better);  // logits_scan.h's order
       sorted = true;
     }
     double sum = softmax(1.0f);
@@ -131,7 +127,7 @@ int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> 
   double sum = softmax(1.0f / params_.temp);
   if (!(sum > 0) || !std::isfinite(sum)) {
     // every candidate is -inf (or overflow): fall back to the best candidate
-    return std::min_element(cands_.begin(), cands_.end(), cmp)->id;
+    return std::min_element(cands_.begin(), cands_.end(), better)->id;
   }
   const double u = static_cast<double>(rng_() >> 11) * 0x1.0p-53 * sum;  // uniform in [0, sum)
   double cum = 0;

@@ -104,15 +104,15 @@ ParsedRequest parse_common(const Json& b, const ModelContext& m, bool chat) {
   auto& sp = p.gen.sampler;
   sp = m.default_sampler;  // the server's flags; the request's own fields override them below
   sp.logit_bias.clear();
-  sp.temp = float(get_number(b, "temperature", sp.temp, 0, 2));
+  sp.temp = float(get_number(b, "temperature", sp.temp, 0, kMaxTemperature));
   sp.top_p = float(get_number(b, "top_p", sp.top_p, 0, 1));
-  sp.top_k = int(get_int(b, "top_k", sp.top_k, 0, 1 << 20));
+  sp.top_k = int(get_int(b, "top_k", sp.top_k, 0, kMaxTopK));
   sp.min_p = float(get_number(b, "min_p", sp.min_p, 0, 1));
-  sp.repeat_penalty = float(get_number(b, "repeat_penalty", sp.repeat_penalty, 0, 10));
+  sp.repeat_penalty = float(get_number(b, "repeat_penalty", sp.repeat_penalty, 0, kMaxRepeatPenalty));
   if (!(sp.repeat_penalty > 0))  // the penalty divides positive logits by it
     throw bad_request("repeat_penalty", "'repeat_penalty' must be > 0 (1 = off), got 0");
   // the tokens the penalty looks back over (-1: the whole context, 0: off), as --repeat-last-n
-  sp.repeat_last_n = int(get_int(b, "repeat_last_n", sp.repeat_last_n, -1, 1 << 30));
+  sp.repeat_last_n = int(get_int(b, "repeat_last_n", sp.repeat_last_n, -1, kMaxRepeatLastN));
   const int64_t seed = get_int(b, "seed", -1, -1, INT64_MAX);
   // unset: the server's -s/--seed (random by default); -1: random
   if (field(b, "seed")) sp.seed = seed < 0 ? engine::kRandomSeed : uint64_t(seed);

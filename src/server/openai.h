@@ -23,6 +23,13 @@
 
 namespace strata::server::openai {
 
+/// Upper bounds of a request's sampling fields (temperature: OpenAI's range; the others this
+/// server's), which serve's defaults (--temp, --top-k, --repeat-penalty, --repeat-last-n) keep too.
+inline constexpr double kMaxTemperature = 2;
+inline constexpr int kMaxTopK = 1 << 20;
+inline constexpr double kMaxRepeatPenalty = 10;
+inline constexpr int kMaxRepeatLastN = 1 << 30;
+
 using Json = nlohmann::ordered_json;
 
 /// An error answered to the client as {"error": {"message", "type", "param", "code"}} with
