@@ -7,9 +7,11 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -32,7 +34,7 @@ struct TierFile {
   fs::path dir, path;
   std::vector<uint8_t> bytes;
   std::vector<LayerExperts> layers;
-  TierFile(const std::string& name, int n_layers, int n_expert) {
+  TierFile(const std::string& name, int n_layers, int n_expert, uint64_t part_bytes = 6000) {
     dir = fs::temp_directory_path() / ("strata-test-tier-" + std::to_string(::getpid()) + "-" + name);
     fs::create_directories(dir);
     path = dir / "experts.bin";
@@ -44,7 +46,7 @@ struct TierFile {
       for (auto& p : L.part) {
         pos += 53;
         p.base_offset = pos;
-        p.expert_bytes = 6000 + rng() % 3000;
+        p.expert_bytes = part_bytes + rng() % 3000;
         pos += uint64_t(n_expert) * p.expert_bytes;
       }
       layers.push_back(L);
@@ -274,6 +276,83 @@ TEST(HostTier, CudaLogitsBitIdenticalAndCountersAddUp) {
   EXPECT_EQ(small.pass2.misses, small.pass2.host_hits + small.pass2.disk_reads);
   EXPECT_GT(small.pass2.host_hits, 0u);
   EXPECT_EQ(all.pass2.disk_reads, 0u);
+}
+
+namespace {
+
+/// A host-memory arena that lands host-tier hits whole (as the CUDA backend's device arena
+/// does), counting how each landing arrives.
+class WholeArena : public backend::ArenaMemory {
+ public:
+  WholeArena(size_t n_slots, size_t slot_bytes, int io_threads)
+      : n_(n_slots), bytes_(slot_bytes), slots_(n_slots * slot_bytes, 0xEE), staging_(size_t(io_threads)) {
+    for (auto& st : staging_) st.resize(slot_bytes);
+  }
+  size_t n_slots() const override { return n_; }
+  size_t slot_bytes() const override { return bytes_; }
+  uint8_t* read_target(size_t, int io_thread) override { return staging_.at(size_t(io_thread)).data(); }
+  void land(size_t slot, int io_thread, size_t bytes, size_t offset) override {
+    std::memcpy(slots_.data() + slot * bytes_ + offset, staging_.at(size_t(io_thread)).data() + offset, bytes);
+  }
+  void land_from(size_t slot, int, const uint8_t* src, size_t bytes, size_t offset) override {
+    EXPECT_LE(offset + bytes, bytes_);
+    std::memcpy(slots_.data() + slot * bytes_ + offset, src, bytes);
+    ++from_calls;
+  }
+  bool lands_whole() const override { return true; }
+  void land_ranges(size_t slot, int, std::span<const HostRange> ranges) override {
+    EXPECT_GE(ranges.size(), 1u);
+    EXPECT_LE(ranges.size(), 3u);
+    for (const HostRange& r : ranges) {
+      EXPECT_EQ(r.offset % 4096, 0u);
+      EXPECT_LE(r.offset + r.bytes, bytes_);
+      std::memcpy(slots_.data() + slot * bytes_ + r.offset, r.src, r.bytes);
+    }
+    ++range_calls;
+  }
+  const uint8_t* slot_data(size_t slot) const override { return slots_.data() + slot * bytes_; }
+  backend::Place place() const override { return backend::Place::Host; }
+
+  std::atomic<int> from_calls{0}, range_calls{0};
+
+ private:
+  size_t n_, bytes_;
+  std::vector<uint8_t> slots_;
+  std::vector<std::vector<uint8_t>> staging_;
+};
+
+}  // namespace
+
+// An arena that lands whole gets each host-tier hit in one land_ranges() call (the expert's
+// three ranges, each several 256 KiB pieces long), with the file's bytes and the same counters;
+// disk fills still land piece by piece.
+TEST(HostTier, WholeLandingArenaGetsOneCallPerHitAndTheSameBytes) {
+  TierFile f("whole", 2, 5, 600000);
+  WholeArena* arena = nullptr;
+  ExpertStream s(f.path.string(), f.layers, tier_opts(f, 2, 10, 4), [&](size_t n, size_t bytes, int threads) {
+    auto a = std::make_unique<WholeArena>(n, bytes, threads);
+    arena = a.get();
+    return a;
+  });
+  ASSERT_NE(arena, nullptr);
+  for (int l = 0; l < 2; ++l)
+    for (int e = 0; e < 5; ++e) use(s, f, l, e);
+  auto st = s.stats();
+  EXPECT_EQ(st.host_fills, 10u);
+  EXPECT_EQ(arena->range_calls.load(), 0);
+  EXPECT_GE(arena->from_calls.load(), 10 * 3 * 3);  // every fill: 3 ranges of >= 3 pieces each
+  const int fill_calls = arena->from_calls.load();
+  const uint64_t disk_bytes = st.bytes_read;
+  // Second pass: the arena holds layer 1's experts 3 and 4; everything else is a host hit.
+  for (int l = 0; l < 2; ++l)
+    for (int e = 0; e < 5; ++e) use(s, f, l, e);
+  st = s.stats();
+  EXPECT_EQ(st.host_hits, 10u);
+  EXPECT_EQ(arena->range_calls.load(), 10);
+  EXPECT_EQ(arena->from_calls.load(), fill_calls);  // no hit landed piece by piece
+  EXPECT_EQ(st.bytes_read, disk_bytes);
+  EXPECT_EQ(st.h2d_bytes, st.host_hit_bytes + disk_bytes);
+  expect_sums(st);
 }
 
 TEST(HostTier, CpuDefaultIsOffAndBadSizesAreErrors) {

@@ -212,6 +212,32 @@ TEST(SlotTable, PiecesInOrderAndPauseLetsOnlyStartedReadsContinue) {
   EXPECT_THROW(t.piece_done(s1, nullptr), std::logic_error);  // not being read
 }
 
+TEST(SlotTable, MergedPiecesAreOneJobAndTheNextReadComesNext) {
+  SlotTable t({8}, 4, [](int, int32_t) { return 4; });
+  request_all(t, 0, {1, 2});
+  const int s1 = t.slot_of(0, 1), s2 = t.slot_of(0, 2);
+  SlotTable::Piece a, b;
+  ASSERT_TRUE(t.next_piece(true, a));
+  EXPECT_EQ(a.slot, s1);
+  t.merge_pieces(s1);                  // (0,1) lands whole with piece 0's holder
+  ASSERT_TRUE(t.next_piece(true, b));  // not (0,1)'s piece 1: (0,2)'s piece 0
+  EXPECT_EQ(b.slot, s2);
+  EXPECT_EQ(b.index, 0);
+  EXPECT_TRUE(t.piece_done(s1, nullptr));  // the one piece finishes the read
+  EXPECT_EQ(t.state(s1), SlotState::Resident);
+  SlotTable::Piece c;
+  ASSERT_TRUE(t.next_piece(true, c));                  // (0,2) was not merged: its piece 1
+  EXPECT_THROW(t.merge_pieces(s2), std::logic_error);  // two pieces handed out
+  EXPECT_EQ(c.index, 1);
+  EXPECT_THROW(t.merge_pieces(t.slot_of(0, 1)), std::logic_error);  // not being read
+  EXPECT_EQ(drain(t), std::vector<int>{});                          // (0,2)'s pieces 2 and 3, finished
+  EXPECT_FALSE(t.piece_done(s2, nullptr));                          // piece 0
+  EXPECT_TRUE(t.piece_done(s2, nullptr));                           // piece 1, the last
+  EXPECT_EQ(t.reading(), 0);
+  EXPECT_FALSE(t.has_open_jobs());
+  EXPECT_EQ(t.stats().reads, 2u);
+}
+
 TEST(SlotTable, ZeroPieceReadIsResidentAtOnce) {
   SlotTable t({4}, 2, [](int, int32_t) { return 0; });
   request_all(t, 0, {0});

@@ -132,6 +132,26 @@ class ArenaMemory {
     std::memcpy(read_target(slot, io_thread) + offset, src, bytes);
     land(slot, io_thread, bytes, offset);
   }
+  /// One range of a slot to land from host memory: [offset, offset + bytes) from `src`.
+  struct HostRange {
+    const uint8_t* src = nullptr;
+    size_t bytes = 0;
+    size_t offset = 0;  ///< within the slot, a multiple of 4 KiB
+  };
+  /// True if a host-tier hit should land whole, in one land_ranges() call by one IO thread,
+  /// instead of as 256 KiB pieces spread over the IO threads. A device arena says true: each
+  /// land_from() is a host-to-device copy plus its synchronization, a fixed cost of several
+  /// microseconds that pieces multiply (a 5 MiB expert is 20 pieces), while a host-to-device
+  /// copy needs no second thread to reach the link's rate. Default false (a host arena's
+  /// memcpy gains from pieces copied by several threads).
+  virtual bool lands_whole() const { return false; }
+  /// Lands every range of `ranges` (distinct, non-overlapping, of one slot) as land_from()
+  /// would, and returns when all of them are visible to kernels queued afterwards. Default:
+  /// land_from() for each in turn; a device arena queues every copy, then synchronizes once.
+  /// Same threading rules as land(). Throws on a device error.
+  virtual void land_ranges(size_t slot, int io_thread, std::span<const HostRange> ranges) {
+    for (const HostRange& r : ranges) land_from(slot, io_thread, r.src, r.bytes, r.offset);
+  }
   /// Where kernels find slot `slot` (a host or device address, as place() says).
   virtual const uint8_t* slot_data(size_t slot) const = 0;
   virtual Place place() const = 0;

@@ -294,7 +294,14 @@ struct ExpertStream::Impl {
         return got;
       });
       if (stop) return;
-      if (job.index == 0) plan_read(job);
+      bool whole = false;  // this job lands the whole read (every range), not one piece
+      if (job.index == 0) {
+        plan_read(job);
+        if (plan[size_t(job.slot)].hit && arena->lands_whole()) {
+          table->merge_pieces(job.slot);
+          whole = true;
+        }
+      }
       const ReadPlan pl = plan[static_cast<size_t>(job.slot)];
       lk.unlock();
 
@@ -310,12 +317,35 @@ struct ExpertStream::Impl {
                 fmt::format("{}: layer {} expert {} part {}: slice [{}, {}) runs past the end of the file "
                             "({} bytes)",
                             file->path(), job.layer, job.expert, p, r.slice_off[p], r.slice_end[p], file->size()));
-        const ExpertRanges::Read pc = r.piece(job.index);
-        uint64_t n = pc.len;
         // Buffered reads may not run past EOF; direct reads may (up to the aligned EOF).
-        if (!file->direct()) n = pc.file_off >= file->size() ? 0 : std::min<uint64_t>(n, file->size() - pc.file_off);
+        auto clamp = [&](const ExpertRanges::Read& rd) {
+          if (file->direct()) return rd.len;
+          return rd.file_off >= file->size() ? uint64_t{0} : std::min<uint64_t>(rd.len, file->size() - rd.file_off);
+        };
         const size_t slot = static_cast<size_t>(job.slot);
-        if (pl.entry >= 0) {
+        const ExpertRanges::Read pc = whole ? ExpertRanges::Read{} : r.piece(job.index);
+        const uint64_t n = whole ? 0 : clamp(pc);
+        if (whole) {
+          // A host-tier hit landed whole: each of the expert's 1-3 aligned ranges out of the
+          // entry, the bytes the pieces would have landed.
+          backend::ArenaMemory::HostRange rs[3];
+          size_t nr = 0;
+          uint64_t total = 0;
+          for (int i = 0; i < r.n_reads; ++i) {
+            const uint64_t len = clamp(r.read[i]);
+            if (len == 0) continue;
+            rs[nr++] = {host.data(pl.entry) + r.read[i].slot_off, size_t(len), size_t(r.read[i].slot_off)};
+            total += len;
+          }
+          if (job.reuse_after) job.reuse_after->wait();
+          if (nr > 0) {
+            const auto t1 = Clock::now();
+            arena->land_ranges(slot, tid, std::span<const backend::ArenaMemory::HostRange>(rs, nr));
+            copy_busy += seconds_since(t1);
+            copied += total;
+            hit_bytes += total;
+          }
+        } else if (pl.entry >= 0) {
           // Host tier: a hit copies out of the entry; a fill reads into the entry (not the
           // slot, so the last-use event is waited for only before the copy), then copies.
           uint8_t* ent = host.data(pl.entry) + pc.slot_off;

@@ -344,6 +344,16 @@ bool SlotTable::next_piece(bool start_new, Piece& out) {
   return false;
 }
 
+void SlotTable::merge_pieces(int slot) {
+  Slot& sl = slots_[static_cast<size_t>(slot)];
+  if (sl.state != SlotState::Reading || sl.next_piece != 1 || sl.pieces_left != sl.n_pieces)
+    throw std::logic_error("slot table: merge_pieces needs a read whose only handed-out piece is piece 0");
+  // The job's queue entry, if it is still there, is no longer open (next_piece == n_pieces) and
+  // is dropped when next_piece() passes it.
+  sl.n_pieces = 1;
+  sl.pieces_left = 1;
+}
+
 bool SlotTable::piece_done(int slot, std::exception_ptr err) {
   Slot& sl = slots_[static_cast<size_t>(slot)];
   if (sl.state != SlotState::Reading)

@@ -120,6 +120,11 @@ class SlotTable {
   /// false only reads already started hand out pieces (pause_io). A read with no pieces
   /// becomes resident at once. Returns false when there is nothing to hand out.
   bool next_piece(bool start_new, Piece& out);
+  /// Makes the read of `slot` one piece, held by the caller: for the IO thread that was just
+  /// handed piece 0 of a read that lands whole (a host-tier hit on a device arena), before any
+  /// other piece was handed out. Its piece_done() then finishes the read. Throws
+  /// std::logic_error if the slot is not being read or another piece was handed out.
+  void merge_pieces(int slot);
   /// Piece of `slot` finished (`err`: its error, or null). After the last piece the slot is
   /// Resident (reads + 1) or Failed with the first error. Returns true when the read finished.
   bool piece_done(int slot, std::exception_ptr err);

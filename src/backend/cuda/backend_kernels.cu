@@ -132,8 +132,14 @@ __global__ void gated_accumulate_kernel(float* out, int64_t ldo, const float* __
 }
 
 __global__ void moe_combine_kernel(const float* __restrict__ eo, int64_t lde, const float* __restrict__ w, int K,
-                                   float* __restrict__ out, int64_t ldo, int64_t cols, int64_t t0) {
+                                   float* __restrict__ out, int64_t ldo, int64_t cols, int64_t t0,
+                                   const int32_t* __restrict__ pub_src, int32_t* __restrict__ pub_dst,
+                                   int64_t pub_words) {
   detail::grid_dependency_enter();
+  // The layer's routing words to host memory (block 0 of the first launch), in place of a copy
+  // node between this layer's kernels and the next layer's.
+  if (pub_words > 0 && blockIdx.x == 0 && blockIdx.y == 0)
+    for (int64_t j = threadIdx.x; j < pub_words; j += blockDim.x) pub_dst[j] = pub_src[j];
   const int64_t t = t0 + blockIdx.y;
   const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= cols) return;
@@ -229,13 +235,15 @@ void gated_accumulate(float* out, int64_t ldo, const float* y, int64_t ldy, cons
   });
 }
 
-void moe_combine(const float* eo, int64_t lde, const float* w, int K, int64_t T, float* out, int64_t ldo,
-                 int64_t cols, void* stream) {
-  STRATA_CUDA_REQUIRE(K > 0 && T >= 0 && cols >= 0, "cuda::moe_combine: bad shape");
+void moe_combine(const float* eo, int64_t lde, const float* w, int K, int64_t T, float* out, int64_t ldo, int64_t cols,
+                 void* stream, const int32_t* pub_src, int32_t* pub_dst, int64_t pub_words) {
+  STRATA_CUDA_REQUIRE(K > 0 && T >= 0 && cols >= 0 && pub_words >= 0, "cuda::moe_combine: bad shape");
+  STRATA_CUDA_REQUIRE(pub_words == 0 || (pub_src && pub_dst), "cuda::moe_combine: null publish pointers");
+  STRATA_CUDA_REQUIRE(pub_words == 0 || (T > 0 && cols > 0), "cuda::moe_combine: nothing to launch for the publish");
   if (T == 0 || cols == 0) return;
   by_rows(T, [&](int64_t t0, int64_t m) {
     detail::launch(moe_combine_kernel, grid_for(cols, m), kThreads, 0, as_stream(stream), eo, lde, w, K, out, ldo, cols,
-                   t0);
+                   t0, pub_src, pub_dst, t0 == 0 ? pub_words : int64_t{0});
   });
 }
 

@@ -63,8 +63,13 @@ void gated_accumulate(float* out, int64_t ldo, const float* y, int64_t ldy, cons
 
 /// out[t][i] = sum over k = 0..K-1, in that order, of w[t*K + k] * eo[t*K + k][i], starting
 /// from 0 (each product rounded, then added: the CPU backend's loop). eo rows lde apart, out
-/// rows ldo apart, w: T*K floats.
+/// rows ldo apart, w: T*K floats. With pub_words > 0 the launch also copies pub_words int32
+/// words from pub_src (device) to pub_dst (host memory the device can write: pinned, under
+/// unified addressing) after its dependency wait, so that the words are on the host once the
+/// stream is synchronized (a layer's routing results, without a copy node in the stream).
+/// Throws CudaError for a bad shape, null publish pointers, or a publish with T or cols 0.
 void moe_combine(const float* eo, int64_t lde, const float* w, int K, int64_t T, float* out, int64_t ldo, int64_t cols,
-                 void* stream = nullptr);
+                 void* stream = nullptr, const int32_t* pub_src = nullptr, int32_t* pub_dst = nullptr,
+                 int64_t pub_words = 0);
 
 }  // namespace strata::cuda

@@ -255,6 +255,22 @@ class DeviceArena final : public backend::ArenaMemory {
                                       cudaMemcpyHostToDevice, io.stream));
     STRATA_CUDA_CHECK(cudaStreamSynchronize(io.stream));
   }
+  // A whole host-tier hit: every range's copy queued on this IO thread's stream, one
+  // synchronization (not one copy and one synchronization per 256 KiB piece).
+  // STRATA_CUDA_WHOLE_LANDING=0: piece by piece, as before (docs/cuda.md, thirteenth session).
+  bool lands_whole() const override {
+    static detail::EnvSwitch whole_env{"STRATA_CUDA_WHOLE_LANDING", detail::off_if_zero};
+    return whole_env.get() != 0;
+  }
+  void land_ranges(size_t slot, int io_thread, std::span<const HostRange> ranges) override {
+    Io& io = io_[size_t(io_thread)];
+    STRATA_CUDA_CHECK(cudaSetDevice(ctx_->device));
+    uint8_t* base = static_cast<uint8_t*>(slots_) + slot * slot_bytes_;
+    for (const HostRange& r : ranges)
+      if (r.bytes > 0)
+        STRATA_CUDA_CHECK(cudaMemcpyAsync(base + r.offset, r.src, r.bytes, cudaMemcpyHostToDevice, io.stream));
+    STRATA_CUDA_CHECK(cudaStreamSynchronize(io.stream));
+  }
   const uint8_t* slot_data(size_t slot) const override {
     return static_cast<const uint8_t*>(slots_) + slot * slot_bytes_;
   }
@@ -1381,6 +1397,11 @@ int32_t* CudaBackend::moe_landing(int layer, size_t n) {
     m = MoeLanding{};
     m.p = reinterpret_cast<int32_t*>(host_alloc(n * 4, m.pinned, "the MoE routing landing area"));
     m.words = n;
+    void* dev = nullptr;
+    if (m.pinned && cudaHostGetDevicePointer(&dev, m.p, 0) == cudaSuccess)
+      m.dev = static_cast<int32_t*>(dev);
+    else
+      (void)cudaGetLastError();
   }
   return m.p;
 }
@@ -1455,9 +1476,17 @@ const int32_t* CudaBackend::moe_on_device(const backend::DeviceMoeCall& c) {
     grouped_matmul(pgu, tb.gate_type, d_gu, int(TK), tb.gate_rb, F, E, xg, E, act, F, true, stream());
     grouped_matmul(pdn, tb.down_type, d_dn, int(TK), tb.down_rb, E, F, act, F, y, ldy, false, stream());
   }
-  cuda::moe_combine(y, ldy, ro.weights, K, T, c.out.f(), ld(c.out), c.out.cols(), stream());
-  int32_t* land = moe_landing(c.layer, route_bytes(T, K) / 4);
-  STRATA_CUDA_CHECK(cudaMemcpyAsync(land, ro.status, route_bytes(T, K), cudaMemcpyDeviceToHost, ctx_->stream));
+  const int64_t words = int64_t(route_bytes(T, K) / 4);
+  int32_t* land = moe_landing(c.layer, size_t(words));
+  // The routing words reach the landing from the combine kernel itself where the device can
+  // write it (no copy node between this layer's kernels and the next's);
+  // STRATA_CUDA_ROUTE_PUBLISH=0 for the copy of before (docs/cuda.md, thirteenth session).
+  static detail::EnvSwitch publish_env{"STRATA_CUDA_ROUTE_PUBLISH", detail::off_if_zero};
+  int32_t* dev_land = publish_env.get() != 0 && c.out.cols() > 0 ? moe_host_[size_t(c.layer)].dev : nullptr;
+  cuda::moe_combine(y, ldy, ro.weights, K, T, c.out.f(), ld(c.out), c.out.cols(), stream(), ro.status, dev_land,
+                    dev_land ? words : 0);
+  if (!dev_land)
+    STRATA_CUDA_CHECK(cudaMemcpyAsync(land, ro.status, route_bytes(T, K), cudaMemcpyDeviceToHost, ctx_->stream));
   ++device_moe_layers_;
   return land;
 }

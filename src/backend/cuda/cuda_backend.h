@@ -180,6 +180,7 @@ class CudaBackend final : public backend::Backend {
     int32_t* p = nullptr;
     bool pinned = false;
     size_t words = 0;
+    int32_t* dev = nullptr;  // p as the device addresses it (pinned, unified addressing); null: copy
   };
   std::vector<MoeLanding> moe_host_;
   bool host_moe_ = false;  // STRATA_CUDA_HOST_MOE=1
