@@ -183,7 +183,7 @@ void register_bench(CLI::App& root) {
     PhaseRun pre, dec, fpre, fdec;
     double ssd_gbps = 0;
     uint64_t record = 0, io_pre = 0, io_dec = 0, arena_bytes = 0, n_slots = 0;
-    std::string expert_file, kernels, actq, backend_name, backend_device;
+    std::string expert_file, kernels, kernels_label, actq, backend_name, backend_device;
     int n_threads = 0, ep_ranks = 0;
     // ---- tiers (host RAM tier, memory): filled in the first engine's scope ----
     engine::CopyProbe copy;  // the landing peak: pinned host-to-device (CUDA) or memcpy (CPU)
@@ -193,6 +193,7 @@ void register_bench(CLI::App& root) {
     {
       engine::Engine eng(f->engine.model, opts);
       kernels = eng.cpu_kernels();
+      kernels_label = eng.cpu_kernels_label();
       actq = eng.act_quant();
       backend_name = eng.backend_info().name;
       backend_device = eng.backend_info().device;
@@ -352,7 +353,7 @@ void register_bench(CLI::App& root) {
                                   : std::string("not measured (no IO floor)");
     fmt::print("drive: {}   arena: {} in {}   predict: {}   compute: {}, {} kernels, {} activations\n", drive,
                human_bytes(double(arena_bytes)), count_of(n_slots, "slot"), opts.predict ? "on" : "off",
-               count_of(n_threads, "thread"), kernels, actq);
+               count_of(n_threads, "thread"), kernels_label, actq);
     fmt::print("backend: {} ({})\n", backend_name, backend_device);
     for (const char* name : {"prefill", "decode"}) {
       const auto& j = out[name];

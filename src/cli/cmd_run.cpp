@@ -55,7 +55,7 @@ void register_run(CLI::App& root) {
       const std::string host = bi.name == "cpu" ? std::string()
                                                 : fmt::format("{}, {} kernels, {} activations, ",
                                                               count_of(eng.options().n_threads, "thread"),
-                                                              eng.cpu_kernels(), eng.act_quant());
+                                                              eng.cpu_kernels_label(), eng.act_quant());
       fmt::print(stderr, "strata: {} ({}), {}, arena {} ({}), prompt chunk {}{}, {}backend {} ({})\n", f->engine.model,
                  eng.hparams().arch, count_of(prompt.size(), "prompt token"), human_bytes(double(eng.arena_bytes())),
                  count_of(eng.stream().n_slots(), "slot"), eng.options().prompt_chunk,

@@ -492,6 +492,7 @@ uint64_t Engine::host_cache_bytes() const {
 }
 
 std::string Engine::cpu_kernels() const { return cpu::kernels::cpu_kernels_name(kernels_.family); }
+std::string Engine::cpu_kernels_label() const { return cpu::kernels::cpu_kernels_label(kernels_); }
 std::string Engine::act_quant() const { return cpu::kernels::act_quant_name(kernels_.act); }
 
 model::SequenceState Engine::new_sequence() const { return model_->new_state(opts_.n_ctx); }

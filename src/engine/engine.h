@@ -125,6 +125,8 @@ class Engine {
   /// The CPU kernel family and activation mode in use after resolving `auto`, e.g. "avx512" and
   /// "q8" (cpu::kernels::cpu_kernels_name, act_quant_name).
   std::string cpu_kernels() const;
+  /// cpu_kernels() with the int8 extension the q8 kernels use ("avx2 + AVX-VNNI", "avx512 + AMX").
+  std::string cpu_kernels_label() const;
   std::string act_quant() const;
   /// The resolved kernel family and activation mode every forward of this engine runs.
   const cpu::kernels::KernelConfig& kernel_config() const { return kernels_; }

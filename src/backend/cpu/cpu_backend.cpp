@@ -58,7 +58,7 @@ CpuBackend::~CpuBackend() = default;
 backend::BackendInfo CpuBackend::info() const {
   return {"cpu",
           fmt::format("{} thread{}, {} kernels, {} activations", pool_.n_threads(), pool_.n_threads() == 1 ? "" : "s",
-                      kernels::cpu_kernels_name(kc_.family), kernels::act_quant_name(kc_.act))};
+                      kernels::cpu_kernels_label(kc_), kernels::act_quant_name(kc_.act))};
 }
 
 std::unique_ptr<backend::Buffer> CpuBackend::alloc(backend::BufferRole role, size_t bytes) {

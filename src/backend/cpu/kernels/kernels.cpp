@@ -126,6 +126,17 @@ const char* cpu_kernels_name(CpuKernels k) {
   return "?";
 }
 
+std::string cpu_kernels_label(const KernelConfig& k) {
+  std::string s = cpu_kernels_name(k.family);
+  if (k.act != ActQuant::Q8) return s;
+  if (k.family == CpuKernels::Avx2 && detail::avx_vnni_usable()) s += " + AVX-VNNI";
+  if (k.family == CpuKernels::Avx512 && cpu_has_avx512()) {
+    const detail::Q8Isa isa = detail::best_q8_isa();
+    s += isa == detail::Q8Isa::Avx512Amx ? " + AMX" : isa == detail::Q8Isa::Avx512 ? "" : " + VNNI";
+  }
+  return s;
+}
+
 CpuKernels parse_cpu_kernels(const std::string& s) {
   if (s == "auto") return CpuKernels::Auto;
   if (s == "scalar") return CpuKernels::Scalar;

@@ -56,6 +56,10 @@ KernelConfig resolve_kernels(CpuKernels family = CpuKernels::Auto, ActQuant act 
 
 /// "auto", "scalar", "avx2", "avx512".
 const char* cpu_kernels_name(CpuKernels k);
+/// The family's name with the int8 instructions its q8 kernels use on this CPU, for the
+/// human-readable lines (`run`, `bench`, the backend description): "avx2 + AVX-VNNI",
+/// "avx512 + AMX", "avx512 + VNNI", or the bare name (f32 activations, scalar, no extension).
+std::string cpu_kernels_label(const KernelConfig& k);
 /// Parses "scalar|avx2|avx512|auto"; throws std::invalid_argument otherwise.
 CpuKernels parse_cpu_kernels(const std::string& s);
 /// "auto", "f32", "q8".
