@@ -257,9 +257,10 @@ class DeviceArena final : public backend::ArenaMemory {
   }
   // A whole host-tier hit: every range's copy queued on this IO thread's stream, one
   // synchronization (not one copy and one synchronization per 256 KiB piece).
-  // STRATA_CUDA_WHOLE_LANDING=0: piece by piece, as before (docs/cuda.md, thirteenth session).
+  // Opt-in (STRATA_CUDA_WHOLE_LANDING=1): measured on an H100 within the host tier's run-to-run
+  // spread, not faster (docs/cuda.md, thirteenth session); pieces stay the default.
   bool lands_whole() const override {
-    static detail::EnvSwitch whole_env{"STRATA_CUDA_WHOLE_LANDING", detail::off_if_zero};
+    static detail::EnvSwitch whole_env{"STRATA_CUDA_WHOLE_LANDING", detail::on_if_set};
     return whole_env.get() != 0;
   }
   void land_ranges(size_t slot, int io_thread, std::span<const HostRange> ranges) override {
