@@ -168,18 +168,14 @@ engine::SamplerParams SamplingFlags::resolve() const {
       throw std::invalid_argument(
           fmt::format("--temp must be in [0, {}] for serve, the range of a request's temperature, got {}",
                       oa::kMaxTemperature, sp.temp));
-    if (sp.top_k > oa::kMaxTopK)
-      throw std::invalid_argument(
-          fmt::format("--top-k must be at most {} for serve, the range of a request's top_k, got {}", oa::kMaxTopK,
-                      sp.top_k));
-    if (sp.repeat_penalty > oa::kMaxRepeatPenalty)
-      throw std::invalid_argument(
-          fmt::format("--repeat-penalty must be at most {} for serve, the range of a request's repeat_penalty, got {}",
-                      oa::kMaxRepeatPenalty, sp.repeat_penalty));
-    if (sp.repeat_last_n > oa::kMaxRepeatLastN)
-      throw std::invalid_argument(
-          fmt::format("--repeat-last-n must be at most {} for serve, the range of a request's repeat_last_n, got {}",
-                      oa::kMaxRepeatLastN, sp.repeat_last_n));
+    auto at_most = [](const char* flag, const char* field, auto value, auto max) {
+      if (value > max)
+        throw std::invalid_argument(fmt::format("{} must be at most {} for serve, the range of a request's {}, got {}",
+                                                flag, max, field, value));
+    };
+    at_most("--top-k", "top_k", sp.top_k, oa::kMaxTopK);
+    at_most("--repeat-penalty", "repeat_penalty", sp.repeat_penalty, oa::kMaxRepeatPenalty);
+    at_most("--repeat-last-n", "repeat_last_n", sp.repeat_last_n, oa::kMaxRepeatLastN);
   }
   // [0, 1] as the server's top_p (OpenAI's range): 0 keeps only the most likely token, as
   // llama.cpp's top-p sampler does (it keeps the first token whose running sum reaches p).

@@ -249,11 +249,8 @@ class DeviceArena final : public backend::ArenaMemory {
   }
   // A host-tier hit or fill: host-to-device straight from the tier's (pinned) entry.
   void land_from(size_t slot, int io_thread, const uint8_t* src, size_t bytes, size_t offset) override {
-    Io& io = io_[size_t(io_thread)];
-    STRATA_CUDA_CHECK(cudaSetDevice(ctx_->device));
-    STRATA_CUDA_CHECK(cudaMemcpyAsync(static_cast<uint8_t*>(slots_) + slot * slot_bytes_ + offset, src, bytes,
-                                      cudaMemcpyHostToDevice, io.stream));
-    STRATA_CUDA_CHECK(cudaStreamSynchronize(io.stream));
+    const HostRange r{src, bytes, offset};
+    land_ranges(slot, io_thread, std::span<const HostRange>(&r, 1));
   }
   // A whole host-tier hit: every range's copy queued on this IO thread's stream, one
   // synchronization (not one copy and one synchronization per 256 KiB piece).
