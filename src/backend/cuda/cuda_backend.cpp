@@ -473,12 +473,22 @@ CudaBackend::CudaBackend(const CudaOptions& opts) : device_(opts.device), act_q8
   route_counter_ = DeviceBuffer(sizeof(unsigned));
   STRATA_CUDA_CHECK(cudaMemsetAsync(route_counter_.get(), 0, sizeof(unsigned), ctx_->stream));
   STRATA_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));  // zero before any kernel can count on it
+#ifdef STRATA_CUDA_STAMPS
+  detail::stamps_collect();  // a profiling build: the stamps of every kernel from here on (docs/cuda.md)
+#endif
 }
 
 CudaBackend::~CudaBackend() {
   (void)cudaSetDevice(device_);
   prof_.reset();
   (void)cudaStreamSynchronize(ctx_->stream);
+#ifdef STRATA_CUDA_STAMPS
+  try {
+    detail::stamps_report();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "strata: cuda stamps: %s\n", e.what());
+  }
+#endif
   if (scratch_) (void)cudaFreeAsync(scratch_, ctx_->stream);
   if (q8_scratch_) (void)cudaFreeAsync(q8_scratch_, ctx_->stream);
   if (attn_part_) (void)cudaFreeAsync(attn_part_, ctx_->stream);

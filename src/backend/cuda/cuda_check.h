@@ -18,6 +18,24 @@ namespace strata::cuda::detail {
 /// Thread-safe. Throws CudaError as STRATA_CUDA_CHECK.
 void opt_in_smem(const void* func, int bytes);
 
+#ifdef STRATA_CUDA_STAMPS
+// In-chain timing stamps of a profiling build (CMake STRATA_CUDA_STAMPS=ON; launch.cuh, docs/cuda.md "Stamps").
+/// The stamp buffer's capacity (stamps).
+constexpr unsigned long long kStampCap = 1ull << 22;
+/// Registers a translation unit's setter of its stamp-buffer symbol (called at static init).
+bool register_stamp_setter(void (*set)(unsigned long long*));
+/// Notes launch i (kernel, grid, block) on the host, in stream order (detail::launch).
+void stamps_note(const void* kernel, dim3 grid, dim3 block);
+/// The first call allocates the device buffer and points every translation unit's symbol at it
+/// (synchronizes the device). Later calls copy the stamps taken so far to the host, pair stamp i
+/// with noted launch i and add each kernel's in-chain time (its stamp to the next one's, ns) to a
+/// table keyed by kernel name, grid and block threads, then reset the buffer. Throws CudaError.
+void stamps_collect();
+/// Collects, then writes the table (largest total first) to $STRATA_CUDA_STAMPS_OUT, else to
+/// stderr, and clears it.
+void stamps_report();
+#endif
+
 }  // namespace strata::cuda::detail
 
 #define STRATA_CUDA_CHECK(expr)                                                              \

@@ -1,11 +1,17 @@
 // Device queries, memory helpers and the error paths of cuda_check.h.
+#include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <mutex>
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
+#ifdef STRATA_CUDA_STAMPS
+#include <cxxabi.h>
+#endif
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/env_switch.h"
@@ -49,6 +55,120 @@ bool pdl_enabled() {
   }
   return k > 0;
 }
+
+#ifdef STRATA_CUDA_STAMPS
+namespace {
+struct StampNote {
+  const void* kernel;
+  dim3 grid, block;
+};
+struct StampRow {
+  double total_ns = 0;
+  uint64_t n = 0;
+};
+struct Stamps {
+  std::mutex mu;
+  std::vector<void (*)(unsigned long long*)> setters;
+  unsigned long long* buf = nullptr;  // device: [0] count, [1..] stamps
+  std::vector<StampNote> notes;
+  std::map<std::string, StampRow> rows;
+  uint64_t launches = 0, unpaired = 0, mismatched = 0;
+  double all_ns = 0;
+};
+Stamps& stamps() {
+  static Stamps s;
+  return s;
+}
+std::string kernel_name(const void* k) {
+  const char* n = nullptr;
+  if (cudaFuncGetName(&n, k) != cudaSuccess || !n) {
+    (void)cudaGetLastError();
+    return "?";
+  }
+  int st = 0;
+  char* d = abi::__cxa_demangle(n, nullptr, nullptr, &st);
+  std::string r = st == 0 && d ? d : n;
+  std::free(d);
+  // the kernel's name and template arguments, without the parameter list or namespaces
+  if (const size_t p = r.find('('); p != std::string::npos) r.resize(p);
+  for (const char* ns : {"strata::cuda::", "(anonymous namespace)::", "detail::"})
+    for (size_t q; (q = r.find(ns)) != std::string::npos;) r.erase(q, std::string_view(ns).size());
+  return r;
+}
+}  // namespace
+
+bool register_stamp_setter(void (*set)(unsigned long long*)) {
+  Stamps& s = stamps();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.setters.push_back(set);
+  return true;
+}
+
+void stamps_note(const void* kernel, dim3 grid, dim3 block) {
+  Stamps& s = stamps();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (s.buf && s.notes.size() < kStampCap) s.notes.push_back({kernel, grid, block});
+}
+
+void stamps_collect() {
+  Stamps& s = stamps();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (!s.buf) {  // the first call: the buffer, every translation unit's symbol, nothing to collect
+    STRATA_CUDA_CHECK(cudaDeviceSynchronize());
+    void* p = nullptr;
+    STRATA_CUDA_CHECK(cudaMalloc(&p, sizeof(unsigned long long) * (1 + kStampCap)));
+    STRATA_CUDA_CHECK(cudaMemset(p, 0, sizeof(unsigned long long)));
+    s.buf = static_cast<unsigned long long*>(p);
+    for (auto* set : s.setters) set(s.buf);
+    STRATA_CUDA_CHECK(cudaDeviceSynchronize());
+    s.notes.clear();
+    return;
+  }
+  STRATA_CUDA_CHECK(cudaDeviceSynchronize());
+  unsigned long long n = 0;
+  STRATA_CUDA_CHECK(cudaMemcpy(&n, s.buf, sizeof n, cudaMemcpyDeviceToHost));
+  n = std::min<unsigned long long>(n, kStampCap);
+  std::vector<unsigned long long> t(n);
+  if (n) STRATA_CUDA_CHECK(cudaMemcpy(t.data(), s.buf + 1, n * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+  if (n != s.notes.size()) ++s.mismatched;  // a kernel that stamps without being noted, or the reverse
+  const size_t m = std::min<size_t>(n, s.notes.size());
+  s.launches += m;
+  static std::map<const void*, std::string> names;
+  for (size_t i = 0; i + 1 < m; ++i) {
+    const StampNote& k = s.notes[i];
+    auto it = names.find(k.kernel);
+    if (it == names.end()) it = names.emplace(k.kernel, kernel_name(k.kernel)).first;
+    char key[64];
+    snprintf(key, sizeof key, " %ux%ux%u %u", k.grid.x, k.grid.y, k.grid.z, k.block.x * k.block.y * k.block.z);
+    StampRow& r = s.rows[it->second + key];
+    const double d = double(t[i + 1] - t[i]);
+    r.total_ns += d, ++r.n, s.all_ns += d;
+  }
+  if (m) ++s.unpaired;  // the last stamp of each collection has no successor
+  s.notes.clear();
+  STRATA_CUDA_CHECK(cudaMemset(s.buf, 0, sizeof(unsigned long long)));
+}
+
+void stamps_report() {
+  stamps_collect();
+  Stamps& s = stamps();
+  std::lock_guard<std::mutex> lock(s.mu);
+  const char* path = std::getenv("STRATA_CUDA_STAMPS_OUT");
+  FILE* f = path && *path ? std::fopen(path, "w") : nullptr;
+  FILE* o = f ? f : stderr;
+  std::vector<std::pair<std::string, StampRow>> v(s.rows.begin(), s.rows.end());
+  std::sort(v.begin(), v.end(), [](const auto& a, const auto& b) { return a.second.total_ns > b.second.total_ns; });
+  std::fprintf(o, "# strata cuda stamps: %llu launches, %.3f ms between stamps, %llu collections (the last launch of "
+               "each unpaired), %llu with a count mismatch\n# total_ms n avg_us name grid block_threads\n",
+               (unsigned long long)s.launches, s.all_ns / 1e6, (unsigned long long)s.unpaired,
+               (unsigned long long)s.mismatched);
+  for (const auto& [k, r] : v)
+    std::fprintf(o, "%10.3f %8llu %9.2f %s\n", r.total_ns / 1e6, (unsigned long long)r.n, r.total_ns / 1e3 / double(r.n),
+                 k.c_str());
+  if (f) std::fclose(f);
+  s.rows.clear(), s.launches = s.unpaired = s.mismatched = 0, s.all_ns = 0;
+}
+#endif
 
 void throw_arg_error(const std::string& what, const char* file, int line) {
   throw CudaError("strata::cuda: " + what + " (" + file + ":" + std::to_string(line) + ")");

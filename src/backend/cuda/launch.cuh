@@ -16,9 +16,9 @@
 // the one before it has finished (reads after writes and writes after reads alike), and a kernel
 // completes only after its predecessor did (so waiting for the latest kernel waits for all). It
 // allows the next kernel to launch only after the wait, so at most one kernel waits ahead.
-// The one exception: mv16_q8_kernel on one model weight matrix copies its first stage of
-// weights (memory no kernel writes) before the wait, so that those reads overlap the kernel
-// before it; it waits before any other global access and on every path.
+// The exception: the q8 mat-vecs on one model weight matrix (mv16_q8_kernel, mv2_q8_kernel)
+// copy their first stage of weights (memory no kernel writes) before the wait, so that those
+// reads overlap the kernel before it; each waits before any other global access and on every path.
 // Results are the same bits with and without (STRATA_CUDA_PDL=0 turns the attribute off).
 #include <cuda_runtime.h>
 
@@ -28,6 +28,29 @@
 
 namespace strata::cuda::detail {
 
+#ifdef STRATA_CUDA_STAMPS
+// In-chain timing stamps (a profiling build, CMake STRATA_CUDA_STAMPS=ON; docs/cuda.md "Stamps"):
+// block 0's thread 0 of every kernel writes %globaltimer (PTX ISA, special registers: ns) right
+// after its dependency wait, which returns when the kernel before it has completed. The
+// difference between consecutive stamps is therefore what each kernel adds to the stream's
+// chain, with programmatic dependent launch and every overlap as they run. Word 0 of the buffer
+// counts the stamps; stamp i is launch i noted by detail::launch (stamps_note).
+namespace {
+__device__ unsigned long long* g_stamps = nullptr;  // this translation unit's copy (no device linking)
+void set_tu_stamps(unsigned long long* p) { STRATA_CUDA_CHECK(cudaMemcpyToSymbol(g_stamps, &p, sizeof p)); }
+[[maybe_unused]] const bool g_stamps_registered = register_stamp_setter(&set_tu_stamps);
+__device__ __forceinline__ void take_stamp() {
+  if ((threadIdx.x | threadIdx.y | threadIdx.z | blockIdx.x | blockIdx.y | blockIdx.z) != 0) return;
+  unsigned long long* b = g_stamps;
+  if (!b) return;
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  const unsigned long long i = atomicAdd(b, 1ull);
+  if (i < kStampCap) b[1 + i] = t;
+}
+}  // namespace
+#endif
+
 /// First statement of every kernel: waits until the kernel before this one in the stream has
 /// completed and its writes are visible, then lets the next kernel launch. Both instructions are
 /// no-ops when the launch had no programmatic dependency (and are left out before sm_90).
@@ -35,6 +58,9 @@ __device__ __forceinline__ void grid_dependency_enter() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+#ifdef STRATA_CUDA_STAMPS
+  take_stamp();
 #endif
 }
 
@@ -59,6 +85,9 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaS
   cfg.attrs = attr;
   cfg.numAttrs = pdl_enabled() ? 1 : 0;
   STRATA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+#ifdef STRATA_CUDA_STAMPS
+  stamps_note(reinterpret_cast<const void*>(kernel), grid, block);
+#endif
 }
 
 }  // namespace strata::cuda::detail
