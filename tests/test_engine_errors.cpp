@@ -58,6 +58,21 @@ TEST(EngineErrors, ArenaBelowMinimum) {
   EXPECT_THAT(msg, HasSubstr("--prompt-chunk 1 or less"));
 }
 
+TEST(EngineErrors, ArenaBelowOneTokensTopKNamesThatMinimum) {
+  // 300 KiB holds 4 slots of ~68 KiB, fewer than one token's top-8: with the automatic chunk the
+  // error names the chunk-1 minimum (8 slots), not a whole layer of a 2048-token chunk; with a
+  // pinned chunk of 16 it names that chunk's minimum and the chunk-1 one.
+  engine::EngineOptions o = small();
+  o.arena_bytes = 300 << 10;
+  std::string msg = error_of<stream::ArenaTooSmall>([&] { engine::Engine eng(test::shipped_model(), o); });
+  EXPECT_THAT(msg, HasSubstr("holds 4 expert slots"));
+  EXPECT_THAT(msg, HasSubstr("one layer can need 8 at once: use --arena-mb 1 or more"));
+  o.prompt_chunk = 16;
+  msg = error_of<stream::ArenaTooSmall>([&] { engine::Engine eng(test::shipped_model(), o); });
+  EXPECT_THAT(msg, HasSubstr("one layer can need 64 at once: use --arena-mb 5 or more"));
+  EXPECT_THAT(msg, HasSubstr("(with --prompt-chunk 1: --arena-mb 1 or more)"));
+}
+
 TEST(EngineErrors, PinnedSmallArenaShrinksTheAutomaticChunk) {
   // Only the arena pinned: the automatic chunk shrinks until one layer's top-k fits (15 slots /
   // top-8 = 1 token), so any prompt runs, and gives the logits of a roomy arena.

@@ -336,8 +336,10 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
   const uint64_t rank_experts = (max_experts + ep_n - 1) / ep_n;
   if (pinned_arena && auto_chunk && max_experts > 0) {
     const uint64_t slots = pinned_bytes / slot / ep_n;
-    if (slots < std::min<uint64_t>(top_k * uint64_t(opts_.prompt_chunk), rank_experts) && slots >= top_k)
-      opts_.prompt_chunk = int(std::min<uint64_t>(uint64_t(opts_.prompt_chunk), slots / top_k));
+    if (slots < std::min<uint64_t>(top_k * uint64_t(opts_.prompt_chunk), rank_experts))
+      // (fewer slots than top-k: chunk 1, so that the error below names the true minimum, one
+      // token's top-k experts, not a whole layer)
+      opts_.prompt_chunk = int(std::min<uint64_t>(uint64_t(opts_.prompt_chunk), std::max<uint64_t>(1, slots / top_k)));
   }
   const uint64_t min_slots = std::min<uint64_t>(top_k * uint64_t(opts_.prompt_chunk), max_experts);
   min_arena_bytes_ = std::max<uint64_t>(1, min_slots) * slot;
@@ -412,6 +414,12 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
     const uint64_t fit = (arena / slot / ep_n) / top_k;
     if (!auto_chunk && fit >= 1)
       throw stream::ArenaTooSmall(fmt::format("{}, or --prompt-chunk {} or less", e.what(), fit), e.min_bytes);
+    if (!auto_chunk && opts_.prompt_chunk > 1) {  // not even one token's top-k fits: the chunk-1 minimum too
+      const uint64_t one = ep_n * top_k * slot;
+      throw stream::ArenaTooSmall(
+          fmt::format("{} (with --prompt-chunk 1: --arena-mb {} or more)", e.what(), (one + (1u << 20) - 1) >> 20),
+          e.min_bytes);
+    }
     throw;
   }
   // The stream allocates no more slots than there are experts: a larger --arena-mb is not an
