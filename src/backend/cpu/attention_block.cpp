@@ -7,12 +7,16 @@
 namespace strata::cpu {
 
 namespace {
-// y[t][i] += b[i] for T rows of n floats (a projection's bias; b null: nothing).
-void add_bias(float* y, const float* b, int64_t T, int64_t n) {
+// y[t][i] += b[i] for T rows of n floats (a projection's bias; b null: nothing), rows split over
+// the pool.
+void add_bias(ThreadPool& pool, float* y, const float* b, int64_t T, int64_t n) {
   if (!b) return;
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t i = 0; i < n; ++i) y[t * n + i] += b[i];
+  pool.parallel_for(T, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t i = 0; i < n; ++i) y[t * n + i] += b[i];
+  });
 }
+
 }  // namespace
 
 void attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, const AttentionWeights& w,
@@ -20,35 +24,41 @@ void attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, const At
                      float* v_cache, float* out) {
   const int64_t q_dim = int64_t(s.n_head) * s.head_dim;
   const int64_t kv_dim = int64_t(s.n_head_kv) * s.head_dim;
-  std::vector<float> q(T * q_dim), k(T * kv_dim), v(T * kv_dim), att(T * q_dim);
+  thread_local std::vector<float> tl_q, tl_k, tl_v, tl_att, tl_gate, tl_qg;
+  float* const q = scratch_floats(tl_q, T * q_dim);
+  float* const k = scratch_floats(tl_k, T * kv_dim);
+  float* const v = scratch_floats(tl_v, T * kv_dim);
+  float* const att = scratch_floats(tl_att, T * q_dim);
 
   // Projections. Gated: attn_q gives [n_head][q, gate] per token; split it into q and gate.
-  std::vector<float> gate;
+  float* gate = nullptr;
   if (s.q_gate) {
-    std::vector<float> qg(T * 2 * q_dim);
-    matmul(pool, kc, w.wq, h, n_embd, T, qg.data(), 2 * q_dim);
-    add_bias(qg.data(), w.bq, T, 2 * q_dim);
-    gate.resize(T * q_dim);
-    for (int64_t t = 0; t < T; ++t)
-      for (int hh = 0; hh < s.n_head; ++hh) {
-        const float* src = qg.data() + t * 2 * q_dim + int64_t(hh) * 2 * s.head_dim;
-        std::copy_n(src, s.head_dim, q.data() + t * q_dim + int64_t(hh) * s.head_dim);
-        std::copy_n(src + s.head_dim, s.head_dim, gate.data() + t * q_dim + int64_t(hh) * s.head_dim);
-      }
+    float* const qg = scratch_floats(tl_qg, T * 2 * q_dim);
+    matmul(pool, kc, w.wq, h, n_embd, T, qg, 2 * q_dim);
+    add_bias(pool, qg, w.bq, T, 2 * q_dim);
+    gate = scratch_floats(tl_gate, T * q_dim);
+    pool.parallel_for(T, 4, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        for (int hh = 0; hh < s.n_head; ++hh) {
+          const float* src = qg + t * 2 * q_dim + int64_t(hh) * 2 * s.head_dim;
+          std::copy_n(src, s.head_dim, q + t * q_dim + int64_t(hh) * s.head_dim);
+          std::copy_n(src + s.head_dim, s.head_dim, gate + t * q_dim + int64_t(hh) * s.head_dim);
+        }
+    });
   } else {
-    matmul(pool, kc, w.wq, h, n_embd, T, q.data(), q_dim);
-    add_bias(q.data(), w.bq, T, q_dim);
+    matmul(pool, kc, w.wq, h, n_embd, T, q, q_dim);
+    add_bias(pool, q, w.bq, T, q_dim);
   }
-  matmul(pool, kc, w.wk, h, n_embd, T, k.data(), kv_dim);
-  matmul(pool, kc, w.wv, h, n_embd, T, v.data(), kv_dim);
-  add_bias(k.data(), w.bk, T, kv_dim);
-  add_bias(v.data(), w.bv, T, kv_dim);
+  matmul(pool, kc, w.wk, h, n_embd, T, k, kv_dim);
+  matmul(pool, kc, w.wv, h, n_embd, T, v, kv_dim);
+  add_bias(pool, k, w.bk, T, kv_dim);
+  add_bias(pool, v, w.bv, T, kv_dim);
 
   // q/k RMSNorm (per head, or over the whole row), rotary embedding, then K and V into the cache.
   pool.parallel_for(T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      float* qt = q.data() + t * q_dim;
-      float* kt = k.data() + t * kv_dim;
+      float* qt = q + t * q_dim;
+      float* kt = k + t * kv_dim;
       if (s.qk_norm_full) {  // one norm over the whole row (MiniMax-M2)
         if (w.q_norm) rms_norm(qt, w.q_norm, qt, int(q_dim), s.rms_eps);
         if (w.k_norm) rms_norm(kt, w.k_norm, kt, int(kv_dim), s.rms_eps);
@@ -61,7 +71,7 @@ void attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, const At
       rope_apply(*s.rope, qt, s.n_head, s.head_dim, pos0 + t);
       rope_apply(*s.rope, kt, s.n_head_kv, s.head_dim, pos0 + t);
       std::copy(kt, kt + kv_dim, k_cache + (pos0 + t) * kv_dim);
-      std::copy(v.data() + t * kv_dim, v.data() + (t + 1) * kv_dim, v_cache + (pos0 + t) * kv_dim);
+      std::copy(v + t * kv_dim, v + (t + 1) * kv_dim, v_cache + (pos0 + t) * kv_dim);
     }
   });
 
@@ -95,7 +105,7 @@ void attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, const At
       if (nh <= 0) continue;
       const int64_t t0 = tile * kTileTokens, nt = std::min(kTileTokens, T - t0);
       AttentionTile at;
-      at.q = q.data() + t0 * q_dim + (int64_t(g) * group + h0) * s.head_dim;
+      at.q = q + t0 * q_dim + (int64_t(g) * group + h0) * s.head_dim;
       at.q_stride = q_dim;
       at.n_tok = int(nt);
       at.n_head = nh;
@@ -106,7 +116,7 @@ void attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, const At
       at.first = first.data() + t0;
       at.last = last.data() + t0;
       at.scale = scale;
-      at.out = att.data() + t0 * q_dim + (int64_t(g) * group + h0) * s.head_dim;
+      at.out = att + t0 * q_dim + (int64_t(g) * group + h0) * s.head_dim;
       at.out_stride = q_dim;
       at.sinks = w.sinks ? w.sinks + int64_t(g) * group + h0 : nullptr;
       scratch.resize(size_t(attention_tile_scratch(at)));
@@ -116,11 +126,13 @@ void attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, const At
 
   // Gated output: att *= sigmoid(gate), element by element.
   if (s.q_gate)
-    for (int64_t i = 0; i < T * q_dim; ++i) att[i] *= 1.0f / (1.0f + std::exp(-gate[i]));
+    pool.parallel_for(T, 4, [&](int64_t t0, int64_t t1) {
+      for (int64_t i = t0 * q_dim; i < t1 * q_dim; ++i) att[i] *= 1.0f / (1.0f + std::exp(-gate[i]));
+    });
 
   // Output projection.
-  matmul(pool, kc, w.wo, att.data(), q_dim, T, out, n_embd);
-  add_bias(out, w.bo, T, n_embd);
+  matmul(pool, kc, w.wo, att, q_dim, T, out, n_embd);
+  add_bias(pool, out, w.bo, T, n_embd);
 }
 
 void mla_attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, const MlaWeights& w,
@@ -129,31 +141,35 @@ void mla_attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, cons
   const int64_t H = s.n_head, R = s.kv_lora_rank, P = s.n_rot, N = s.n_nope, Vd = s.v_dim;
   const int64_t qk = N + P, C = R + P;  // q/k dims per head; cache row (= absorbed query) dims
   // Queries [T][H][N + P].
-  std::vector<float> q(size_t(T * H * qk));
+  thread_local std::vector<float> tl_q, tl_qa, tl_kva, tl_qabs, tl_att, tl_o;
+  float* const q = scratch_floats(tl_q, T * H * qk);
   if (s.q_lora_rank > 0) {
     const int64_t QL = s.q_lora_rank;
-    std::vector<float> qa(size_t(T * QL));
-    matmul(pool, kc, w.wq_a, h, n_embd, T, qa.data(), QL);
-    for (int64_t t = 0; t < T; ++t) rms_norm(qa.data() + t * QL, w.q_a_norm, qa.data() + t * QL, int(QL), s.rms_eps);
-    matmul(pool, kc, w.wq_b, qa.data(), QL, T, q.data(), H * qk);
+    float* const qa = scratch_floats(tl_qa, T * QL);
+    matmul(pool, kc, w.wq_a, h, n_embd, T, qa, QL);
+    pool.parallel_for(T, 4, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) rms_norm(qa + t * QL, w.q_a_norm, qa + t * QL, int(QL), s.rms_eps);
+    });
+    matmul(pool, kc, w.wq_b, qa, QL, T, q, H * qk);
   } else {
-    matmul(pool, kc, w.wq, h, n_embd, T, q.data(), H * qk);
+    matmul(pool, kc, w.wq, h, n_embd, T, q, H * qk);
   }
   // Latent and shared rotary key [T][R + P]: normed latent into the cache, kpe rotated.
-  std::vector<float> kva(size_t(T * C));
-  matmul(pool, kc, w.wkv_a, h, n_embd, T, kva.data(), C);
+  float* const kva = scratch_floats(tl_kva, T * C);
+  matmul(pool, kc, w.wkv_a, h, n_embd, T, kva, C);
   // Absorbed queries [T][H][R + P]: k_b[h]^T q_nope[h], then the rotated q_pe.
-  std::vector<float> qabs(size_t(T * H * C)), att(size_t(T * H * C));
+  float* const qabs = scratch_floats(tl_qabs, T * H * C);
+  float* const att = scratch_floats(tl_att, T * H * C);
   pool.parallel_for(T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      float* row = kva.data() + t * C;
+      float* row = kva + t * C;
       rms_norm(row, w.kv_a_norm, row, int(R), s.rms_eps);
       rope_apply(*s.rope, row + R, 1, int(P), pos0 + t);
       std::copy(row, row + C, cache + (pos0 + t) * C);
       for (int64_t hh = 0; hh < H; ++hh) {
-        float* qh = q.data() + (t * H + hh) * qk;
+        float* qh = q + (t * H + hh) * qk;
         rope_apply(*s.rope, qh + N, 1, int(P), pos0 + t);
-        std::copy(qh + N, qh + qk, qabs.data() + (t * H + hh) * C + R);
+        std::copy(qh + N, qh + qk, qabs + (t * H + hh) * C + R);
       }
     }
   });
@@ -165,25 +181,25 @@ void mla_attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, cons
     MatrixRef kb = w.wk_b;
     kb.data = static_cast<const uint8_t*>(w.wk_b.data) + size_t(hh) * kb_head_bytes;
     kb.rows = R;
-    matmul(pool, kc, kb, q.data() + hh * qk, H * qk, T, qabs.data() + hh * C, H * C);
+    matmul(pool, kc, kb, q + hh * qk, H * qk, T, qabs + hh * C, H * C);
   }
   // Attention of all heads over one shared KV "head" (keys: cache rows; values: their latent).
   const float scale = s.scale != 0 ? s.scale : 1.0f / std::sqrt(float(qk));
   pool.parallel_for(T, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scratch(size_t(std::min<int64_t>(H, 8)) * size_t(pos0 + T));
     for (int64_t t = t0; t < t1; ++t)
-      attention_one(kc, qabs.data() + t * H * C, cache, cache, C, pos0 + t + 1, int(H), 1, int(C), scale,
-                    att.data() + t * H * C, scratch.data());
+      attention_one(kc, qabs + t * H * C, cache, cache, C, pos0 + t + 1, int(H), 1, int(C), scale, att + t * H * C,
+                    scratch.data());
   });
   // out[h] = v_b[h] ctx[h] (ctx: the first R dims of each head's output), then attn_output.
-  std::vector<float> o(size_t(T * H * Vd));
+  float* const o = scratch_floats(tl_o, T * H * Vd);
   for (int64_t hh = 0; hh < H; ++hh) {
     MatrixRef vb = w.wv_b;
     vb.data = static_cast<const uint8_t*>(w.wv_b.data) + size_t(hh) * vb_head_bytes;
     vb.rows = Vd;
-    matmul(pool, kc, vb, att.data() + hh * C, H * C, T, o.data() + hh * Vd, H * Vd);
+    matmul(pool, kc, vb, att + hh * C, H * C, T, o + hh * Vd, H * Vd);
   }
-  matmul(pool, kc, w.wo, o.data(), H * Vd, T, out, n_embd);
+  matmul(pool, kc, w.wo, o, H * Vd, T, out, n_embd);
 }
 
 }  // namespace strata::cpu

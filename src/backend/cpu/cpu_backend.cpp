@@ -89,9 +89,12 @@ std::unique_ptr<backend::ArenaMemory> CpuBackend::make_arena(size_t n_slots, siz
 void CpuBackend::embed(const Tensor& table, std::span<const int32_t> ids, const Tensor& x) {
   flush();
   const int64_t E = table.cols();
-  for (size_t t = 0; t < ids.size(); ++t)
-    quant::dequantize_row(table.type, static_cast<const uint8_t*>(table.data) + size_t(ids[t]) * table.row_bytes(),
-                          x.row(int64_t(t)), E);
+  pool_.parallel_for(int64_t(ids.size()), 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      quant::dequantize_row(table.type,
+                            static_cast<const uint8_t*>(table.data) + size_t(ids[size_t(t)]) * table.row_bytes(),
+                            x.row(t), E);
+  });
 }
 
 void CpuBackend::rms_norm(const Tensor& x, const Tensor& w, float eps, const Tensor& y) {
@@ -106,11 +109,14 @@ void CpuBackend::rms_norm(const Tensor& x, const Tensor& w, float eps, const Ten
 void CpuBackend::add(const Tensor& x, const Tensor& y) {
   flush();
   const int64_t E = x.cols();
-  for (int64_t t = 0; t < x.rows(); ++t) {
-    float* a = x.row(t);
-    const float* b = y.row(t);
-    for (int64_t i = 0; i < E; ++i) a[i] += b[i];
-  }
+  // rows split over the pool (element-wise: the same bits for any split)
+  pool_.parallel_for(x.rows(), 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* a = x.row(t);
+      const float* b = y.row(t);
+      for (int64_t i = 0; i < E; ++i) a[i] += b[i];
+    }
+  });
 }
 
 void CpuBackend::matmul(const Tensor& W, const Tensor& x, const Tensor& y) {

@@ -59,17 +59,21 @@ void gated_delta_net_block(ThreadPool& pool, const kernels::KernelConfig& kc, co
   const int64_t C = s.conv_dim(), key_dim = s.key_dim(), value_dim = s.value_dim();
   const int K = s.conv_kernel, dk = s.head_k_dim, dv = s.head_v_dim, nv = s.n_v_head;
   const int r = s.n_v_head / s.n_k_head;  // value heads per key head
-  std::vector<float> x(T * C), xc(T * C), z(T * value_dim), ba(T * 2 * nv);
+  thread_local std::vector<float> tl_x, tl_xc, tl_z, tl_ba, tl_beta, tl_decay, tl_o;
+  float* const x = scratch_floats(tl_x, T * C);
+  float* const xc = scratch_floats(tl_xc, T * C);
+  float* const z = scratch_floats(tl_z, T * value_dim);
+  float* const ba = scratch_floats(tl_ba, T * 2 * nv);
 
   // Input projections.
-  matmul(pool, kc, w.wqkv, h, n_embd, T, x.data(), C);
-  matmul(pool, kc, w.wz, h, n_embd, T, z.data(), value_dim);
+  matmul(pool, kc, w.wqkv, h, n_embd, T, x, C);
+  matmul(pool, kc, w.wz, h, n_embd, T, z, value_dim);
   const bool separate_ba = w.wba.data == nullptr;  // ssm_beta and ssm_alpha: [b (nv) | a (nv)] per token in `ba`
   if (!separate_ba) {
-    matmul(pool, kc, w.wba, h, n_embd, T, ba.data(), 2 * nv);
+    matmul(pool, kc, w.wba, h, n_embd, T, ba, 2 * nv);
   } else {
-    matmul(pool, kc, w.wbeta, h, n_embd, T, ba.data(), 2 * nv);
-    matmul(pool, kc, w.walpha, h, n_embd, T, ba.data() + nv, 2 * nv);
+    matmul(pool, kc, w.wbeta, h, n_embd, T, ba, 2 * nv);
+    matmul(pool, kc, w.walpha, h, n_embd, T, ba + nv, 2 * nv);
   }
 
   // Causal depthwise convolution over time with the rolling state, then SiLU. Channels are
@@ -77,7 +81,7 @@ void gated_delta_net_block(ThreadPool& pool, const kernels::KernelConfig& kc, co
   const int64_t grain = std::max<int64_t>(64, C / (int64_t(pool.n_threads()) * 4));
   pool.parallel_for(C, grain, [&](int64_t c0, int64_t c1) {
     for (int64_t t = 0; t < T; ++t) {
-      const float* xt = x.data() + t * C;
+      const float* xt = x + t * C;
       for (int64_t c = c0; c < c1; ++c) {
         const float* wc = w.conv + c * K;
         float acc = 0.0f;
@@ -92,18 +96,19 @@ void gated_delta_net_block(ThreadPool& pool, const kernels::KernelConfig& kc, co
   });
 
   // Per token: L2-normalize q and k per key head, scale q; gates beta and g per value head.
-  std::vector<float> beta(T * nv), decay(T * nv);
+  float* const beta = scratch_floats(tl_beta, T * nv);
+  float* const decay = scratch_floats(tl_decay, T * nv);
   const float q_scale = 1.0f / std::sqrt(float(dk));
   pool.parallel_for(T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      float* q = xc.data() + t * C;
+      float* q = xc + t * C;
       float* k = q + key_dim;
       for (int hk = 0; hk < s.n_k_head; ++hk) {
         l2norm(q + int64_t(hk) * dk, dk, kL2Eps);
         l2norm(k + int64_t(hk) * dk, dk, kL2Eps);
       }
       for (int64_t i = 0; i < key_dim; ++i) q[i] *= q_scale;
-      const float* bat = ba.data() + t * 2 * nv;
+      const float* bat = ba + t * 2 * nv;
       for (int j = 0; j < nv; ++j) {
         const int g = j / r, i = j % r;
         const float b = separate_ba ? bat[j] : bat[g * 2 * r + i];
@@ -115,17 +120,17 @@ void gated_delta_net_block(ThreadPool& pool, const kernels::KernelConfig& kc, co
   });
 
   // The delta-rule recurrence: value heads are independent; each walks the tokens in order.
-  std::vector<float> o(T * value_dim);
+  float* const o = scratch_floats(tl_o, T * value_dim);
   pool.parallel_for(nv, 1, [&](int64_t j0, int64_t j1) {
     std::vector<float> scratch(dv);
     for (int64_t j = j0; j < j1; ++j) {
       float* S = ssm_state + j * int64_t(dk) * dv;
       const int64_t hk = s.v_head_order == GatedDeltaNetShape::VHeadOrder::Tiled ? j % s.n_k_head : j / r;
       for (int64_t t = 0; t < T; ++t) {
-        const float* q = xc.data() + t * C + hk * dk;
+        const float* q = xc + t * C + hk * dk;
         const float* k = q + key_dim;
-        const float* v = xc.data() + t * C + 2 * key_dim + j * dv;
-        delta_rule_step(S, q, k, v, decay[t * nv + j], beta[t * nv + j], dk, dv, o.data() + t * value_dim + j * dv,
+        const float* v = xc + t * C + 2 * key_dim + j * dv;
+        delta_rule_step(S, q, k, v, decay[t * nv + j], beta[t * nv + j], dk, dv, o + t * value_dim + j * dv,
                         scratch.data());
       }
     }
@@ -135,15 +140,15 @@ void gated_delta_net_block(ThreadPool& pool, const kernels::KernelConfig& kc, co
   pool.parallel_for(T, 4, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int j = 0; j < nv; ++j) {
-        float* oh = o.data() + t * value_dim + int64_t(j) * dv;
-        const float* zh = z.data() + t * value_dim + int64_t(j) * dv;
+        float* oh = o + t * value_dim + int64_t(j) * dv;
+        const float* zh = z + t * value_dim + int64_t(j) * dv;
         rms_norm(oh, w.norm, oh, dv, s.rms_eps);
         for (int d = 0; d < dv; ++d) oh[d] *= silu(zh[d]);
       }
   });
 
   // Output projection.
-  matmul(pool, kc, w.wout, o.data(), value_dim, T, out, n_embd);
+  matmul(pool, kc, w.wout, o, value_dim, T, out, n_embd);
 }
 
 }  // namespace strata::cpu
