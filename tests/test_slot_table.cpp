@@ -135,6 +135,8 @@ TEST(SlotTable, ReadAheadThenUseIsStreamedAhead) {
   EXPECT_EQ(t.request(1, 5), Outcome::Hit);  // second use: not counted as ahead again
   t.release(1);
   EXPECT_EQ(t.stats().streamed_ahead, 1u);
+  EXPECT_EQ(t.stats().ahead_in_flight, 0u);  // it had landed
+  EXPECT_EQ(t.stats().ahead_late, 0u);
   EXPECT_EQ(t.stats().hits, 2u);
   EXPECT_EQ(t.stats().misses, 0u);
   EXPECT_EQ(t.stats().wasted, 0u);  // (1, 6) is still in the arena
@@ -153,6 +155,8 @@ TEST(SlotTable, UnstartedReadAheadRequestedIsPromotedAndReadFirst) {
   t.release(0);
   EXPECT_EQ(t.stats().streamed_ahead, 0u);
   EXPECT_EQ(t.stats().misses, 2u);
+  EXPECT_EQ(t.stats().ahead_late, 1u);  // (1, 3) was predicted, (0, 0) was not
+  EXPECT_EQ(t.stats().ahead_in_flight, 0u);
   EXPECT_EQ(t.stats().dropped, 0u);
 }
 
@@ -163,8 +167,10 @@ TEST(SlotTable, StartedReadAheadRequestedKeepsReadingAndJumpsTheQueue) {
   ASSERT_TRUE(t.next_piece(true, p));  // (1, 4) piece 0 started
   const int s4 = p.slot;
   EXPECT_EQ(t.request(0, 7), Outcome::Miss);
-  EXPECT_EQ(t.request(1, 4), Outcome::Hit);  // being read ahead: a hit, streamed ahead
+  EXPECT_EQ(t.request(1, 4), Outcome::Hit);  // being read ahead: a hit, streamed ahead, in flight
   EXPECT_EQ(t.stats().streamed_ahead, 1u);
+  EXPECT_EQ(t.stats().ahead_in_flight, 1u);
+  EXPECT_EQ(t.stats().ahead_late, 0u);
   // (1, 4)'s remaining pieces go in front of the urgent queue, before (0, 7)
   ASSERT_TRUE(t.next_piece(true, p));
   EXPECT_EQ(p.slot, s4);

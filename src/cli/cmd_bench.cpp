@@ -364,15 +364,16 @@ void register_bench(CLI::App& root) {
       // without a drive measurement there is no IO floor to print
       const std::string io_floor = ssd_gbps > 0 ? fmt::format("{:.3f} s", j["io_floor_s"].get<double>()) : "-";
       fmt::print(
-          "{:<8} {:5d} tok {:8.3f} s {:8.2f} tok/s | needed {} hit {} ahead {} missed {} wasted {} | read {} "
+          "{:<8} {:5d} tok {:8.3f} s {:8.2f} tok/s | needed {} hit {} ahead {} (in flight {}) missed {} (late {}) "
+          "wasted {} | read {} "
           "({:.2f} GB/s) wait {:.3f} s | IO floor {} (Belady-optimal reads), compute floor {:.3f} s, ratio {:.2f}{} | "
           "recall "
           "{:.1f} %\n",
           name, j["tokens"].get<int64_t>(), j["seconds"].get<double>(), j["tokens_per_s"].get<double>(),
           j["needed"].get<uint64_t>(), j["hit"].get<uint64_t>(), j["streamed_ahead"].get<uint64_t>(),
-          j["missed"].get<uint64_t>(), j["wasted"].get<uint64_t>(),
-          human_bytes(double(j["bytes_read"].get<uint64_t>())), j["read_gbps"].get<double>(),
-          j["exposed_wait_s"].get<double>(), io_floor, j["compute_floor_s"].get<double>(),
+          j["ahead_in_flight"].get<uint64_t>(), j["missed"].get<uint64_t>(), j["ahead_late"].get<uint64_t>(),
+          j["wasted"].get<uint64_t>(), human_bytes(double(j["bytes_read"].get<uint64_t>())),
+          j["read_gbps"].get<double>(), j["exposed_wait_s"].get<double>(), io_floor, j["compute_floor_s"].get<double>(),
           j["ratio_to_floor"].get<double>(),
           j["floor_disturbed"].get<bool>()
               ? " (below 1: the floor measurement was disturbed by other load; not a valid ratio, rerun on a quiet "

@@ -457,6 +457,8 @@ nlohmann::json phase_json(const engine::PhaseStats& p) {
           {"hit", p.stream.hits},
           {"missed", p.stream.misses},
           {"streamed_ahead", p.stream.streamed_ahead},
+          {"ahead_late", p.stream.ahead_late},
+          {"ahead_in_flight", p.stream.ahead_in_flight},
           {"wasted", p.stream.wasted},
           {"reads", p.stream.reads},
           {"bytes_read", p.stream.bytes_read},
@@ -521,9 +523,10 @@ void print_stats(engine::Engine& e) {
     const double hit_rate = s.needed ? 100.0 * double(s.hits) / double(s.needed) : 0.0;
     fmt::print(stderr,
                "{:<8} {:5d} tokens in {:7.3f} s = {:8.2f} tok/s | experts needed {} hit {} ({:.1f} %) missed {} | "
-               "ahead {} wasted {} | read {} | exposed wait {:.3f} s | recall {:.1f} %\n",
+               "ahead {} (in flight {}, late {}) wasted {} | read {} | exposed wait {:.3f} s | recall {:.1f} %\n",
                name, p.tokens, p.seconds, p.tokens_per_s(), s.needed, s.hits, hit_rate, s.misses, s.streamed_ahead,
-               s.wasted, human_bytes(double(s.bytes_read)), s.exposed_wait_s, 100.0 * overall_recall(p.prediction));
+               s.ahead_in_flight, s.ahead_late, s.wasted, human_bytes(double(s.bytes_read)), s.exposed_wait_s,
+               100.0 * overall_recall(p.prediction));
     if (p.moce.substituted || p.moce.misses_avoided)
       fmt::print(stderr, "{:<8} moce: {} experts substituted, {} misses avoided\n", "", p.moce.substituted,
                  p.moce.misses_avoided);

@@ -226,6 +226,8 @@ void each_counter(stream::StreamStats& a, const stream::StreamStats& b, F f) {
   f(a.exposed_wait_s, b.exposed_wait_s);
   f(a.read_busy_s, b.read_busy_s);
   f(a.dropped, b.dropped);
+  f(a.ahead_late, b.ahead_late);
+  f(a.ahead_in_flight, b.ahead_in_flight);
   // tiers
   f(a.host_hits, b.host_hits);
   f(a.host_hit_bytes, b.host_hit_bytes);

@@ -148,6 +148,8 @@ stream::StreamStats ExpertParallel::stats() const {
     s.exposed_wait_s += r.exposed_wait_s;
     s.read_busy_s += r.read_busy_s;
     s.dropped += r.dropped;
+    s.ahead_late += r.ahead_late;
+    s.ahead_in_flight += r.ahead_in_flight;
     s.host_hits += r.host_hits;
     s.host_hit_bytes += r.host_hit_bytes;
     s.disk_reads += r.disk_reads;

@@ -171,6 +171,7 @@ SlotTable::Outcome SlotTable::request(int layer, int32_t e) {
       case SlotState::Reading:
         ++st_.hits;
         if (sl.ahead) ++st_.streamed_ahead;
+        if (sl.ahead && sl.state == SlotState::Reading) ++st_.ahead_in_flight;
         if (sl.state == SlotState::Reading && sl.next_piece < sl.n_pieces) {
           urgent_q_.push_front(Job{s, sl.gen});  // started read-ahead: its remaining pieces jump ahead
           new_work_ = true;
@@ -181,6 +182,7 @@ SlotTable::Outcome SlotTable::request(int layer, int32_t e) {
           ++st_.hits;  // requested again before its urgent read started
         } else {
           ++st_.misses;  // read-ahead not started yet: promote it
+          ++st_.ahead_late;
           queue(s, true);
         }
         break;

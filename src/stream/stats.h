@@ -16,6 +16,12 @@ struct StreamStats {
   double exposed_wait_s = 0;    ///< seconds the compute thread blocked in wait()
   double read_busy_s = 0;       ///< seconds IO threads spent inside read calls (summed over threads)
   uint64_t dropped = 0;         ///< read-aheads dropped before they started (release, cancel, eviction)
+  /// Of the misses: read-aheads still queued, not started, when their layer asked (predicted
+  /// but late: promoted to urgent reads). misses - ahead_late were not read ahead at all.
+  uint64_t ahead_late = 0;
+  /// Of the hits: read-aheads still being read when their layer asked (the compute waits for
+  /// the rest in wait()). streamed_ahead - ahead_in_flight had landed in time.
+  uint64_t ahead_in_flight = 0;
 
   // ---- tiers: arena <- host RAM tier <- disk (docs/streaming.md, "Tiers") ----
   // Every completed arena fill (`reads`) came from exactly one place: reads = host_hits + disk_reads.
