@@ -40,7 +40,8 @@ except Exception as e:
     print("no json:", e); sys.exit()
 for ph in ("prefill", "decode"):
     p = d.get(ph, {})
-    print(f"{ph:8s} {p.get('tokens_per_s', 0):10.1f} tok/s  {p.get('seconds', 0):7.3f} s  needed {p.get('needed')} missed {p.get('missed')} "
+    print(f"{ph:8s} {p.get('tokens_per_s', 0):10.1f} tok/s  {p.get('seconds', 0):7.3f} s  needed {p.get('needed')} missed {p.get('missed')} (late {p.get('ahead_late')}) "
+          f"ahead {p.get('streamed_ahead')} (in flight {p.get('ahead_in_flight')}) "
           f"read {p.get('bytes_read', 0)/2**30:.2f} GiB  wait {p.get('exposed_wait_s', 0):.3f} s  io floor {p.get('io_floor_s', 0):.3f} s  "
           f"compute floor {p.get('compute_floor_s', 0):.3f} s  ratio {p.get('ratio_to_floor', 0):.2f}")
 print("arena", d.get("arena_bytes", 0) / 2**30, "GiB, ssd", d.get("ssd_gbps"), "GB/s, act_quant", d.get("act_quant"))

@@ -522,10 +522,10 @@ void print_stats(engine::Engine& e) {
     const auto& s = p.stream;
     const double hit_rate = s.needed ? 100.0 * double(s.hits) / double(s.needed) : 0.0;
     fmt::print(stderr,
-               "{:<8} {:5d} tokens in {:7.3f} s = {:8.2f} tok/s | experts needed {} hit {} ({:.1f} %) missed {} | "
-               "ahead {} (in flight {}, late {}) wasted {} | read {} | exposed wait {:.3f} s | recall {:.1f} %\n",
-               name, p.tokens, p.seconds, p.tokens_per_s(), s.needed, s.hits, hit_rate, s.misses, s.streamed_ahead,
-               s.ahead_in_flight, s.ahead_late, s.wasted, human_bytes(double(s.bytes_read)), s.exposed_wait_s,
+               "{:<8} {:5d} tokens in {:7.3f} s = {:8.2f} tok/s | experts needed {} hit {} ({:.1f} %) missed {} "
+               "(late {}) | ahead {} (in flight {}) wasted {} | read {} | exposed wait {:.3f} s | recall {:.1f} %\n",
+               name, p.tokens, p.seconds, p.tokens_per_s(), s.needed, s.hits, hit_rate, s.misses, s.ahead_late,
+               s.streamed_ahead, s.ahead_in_flight, s.wasted, human_bytes(double(s.bytes_read)), s.exposed_wait_s,
                100.0 * overall_recall(p.prediction));
     if (p.moce.substituted || p.moce.misses_avoided)
       fmt::print(stderr, "{:<8} moce: {} experts substituted, {} misses avoided\n", "", p.moce.substituted,
