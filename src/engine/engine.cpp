@@ -212,41 +212,14 @@ MemoryReport memory_report(int device) {
   return r;
 }
 
-namespace {
-// Applies f(field_a, field_b) to every counter of two StreamStats.
-template <typename F>
-void each_counter(stream::StreamStats& a, const stream::StreamStats& b, F f) {
-  f(a.needed, b.needed);
-  f(a.hits, b.hits);
-  f(a.misses, b.misses);
-  f(a.streamed_ahead, b.streamed_ahead);
-  f(a.wasted, b.wasted);
-  f(a.reads, b.reads);
-  f(a.bytes_read, b.bytes_read);
-  f(a.exposed_wait_s, b.exposed_wait_s);
-  f(a.read_busy_s, b.read_busy_s);
-  f(a.dropped, b.dropped);
-  f(a.ahead_late, b.ahead_late);
-  f(a.ahead_in_flight, b.ahead_in_flight);
-  // tiers
-  f(a.host_hits, b.host_hits);
-  f(a.host_hit_bytes, b.host_hit_bytes);
-  f(a.disk_reads, b.disk_reads);
-  f(a.host_fills, b.host_fills);
-  f(a.host_evictions, b.host_evictions);
-  f(a.h2d_bytes, b.h2d_bytes);
-  f(a.h2d_busy_s, b.h2d_busy_s);
-}
-}  // namespace
-
 stream::StreamStats operator-(const stream::StreamStats& b, const stream::StreamStats& a) {
   stream::StreamStats d = b;
-  each_counter(d, a, [](auto& x, const auto& y) { x -= y; });
+  stream::for_each_counter(d, a, [](auto& x, const auto& y) { x -= y; });
   return d;
 }
 
 stream::StreamStats& operator+=(stream::StreamStats& a, const stream::StreamStats& b) {
-  each_counter(a, b, [](auto& x, const auto& y) { x += y; });
+  stream::for_each_counter(a, b, [](auto& x, const auto& y) { x += y; });
   return a;
 }
 

@@ -136,28 +136,7 @@ void ExpertParallel::combine(int layer, const backend::Routing& routing, const T
 
 stream::StreamStats ExpertParallel::stats() const {
   stream::StreamStats s;
-  for (const auto& st : streams_) {
-    const stream::StreamStats r = st->stats();
-    s.needed += r.needed;
-    s.hits += r.hits;
-    s.misses += r.misses;
-    s.streamed_ahead += r.streamed_ahead;
-    s.wasted += r.wasted;
-    s.reads += r.reads;
-    s.bytes_read += r.bytes_read;
-    s.exposed_wait_s += r.exposed_wait_s;
-    s.read_busy_s += r.read_busy_s;
-    s.dropped += r.dropped;
-    s.ahead_late += r.ahead_late;
-    s.ahead_in_flight += r.ahead_in_flight;
-    s.host_hits += r.host_hits;
-    s.host_hit_bytes += r.host_hit_bytes;
-    s.disk_reads += r.disk_reads;
-    s.host_fills += r.host_fills;
-    s.host_evictions += r.host_evictions;
-    s.h2d_bytes += r.h2d_bytes;
-    s.h2d_busy_s += r.h2d_busy_s;
-  }
+  for (const auto& st : streams_) stream::for_each_counter(s, st->stats(), [](auto& x, const auto& y) { x += y; });
   return s;
 }
 

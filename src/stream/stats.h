@@ -38,4 +38,31 @@ struct StreamStats {
   double h2d_busy_s = 0;  ///< seconds IO threads spent in those copies (summed over threads)
 };
 
+/// Applies f(field_a, field_b) to every counter of two StreamStats, field by field (the phase
+/// deltas and sums of engine::Engine, the ranks' sum of ExpertParallel): one list of the fields,
+/// so that a new counter is never left out of one of them.
+template <typename F>
+void for_each_counter(StreamStats& a, const StreamStats& b, F f) {
+  f(a.needed, b.needed);
+  f(a.hits, b.hits);
+  f(a.misses, b.misses);
+  f(a.streamed_ahead, b.streamed_ahead);
+  f(a.wasted, b.wasted);
+  f(a.reads, b.reads);
+  f(a.bytes_read, b.bytes_read);
+  f(a.exposed_wait_s, b.exposed_wait_s);
+  f(a.read_busy_s, b.read_busy_s);
+  f(a.dropped, b.dropped);
+  f(a.ahead_late, b.ahead_late);
+  f(a.ahead_in_flight, b.ahead_in_flight);
+  // tiers
+  f(a.host_hits, b.host_hits);
+  f(a.host_hit_bytes, b.host_hit_bytes);
+  f(a.disk_reads, b.disk_reads);
+  f(a.host_fills, b.host_fills);
+  f(a.host_evictions, b.host_evictions);
+  f(a.h2d_bytes, b.h2d_bytes);
+  f(a.h2d_busy_s, b.h2d_busy_s);
+}
+
 }  // namespace strata::stream
