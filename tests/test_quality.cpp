@@ -755,6 +755,66 @@ TEST(Routing, DefectiveLogitsAreAClearErrorForTheFirstBadToken) {
   EXPECT_EQ(r.next_prob[0], 0.5f);
 }
 
+// The TokenRanges form (the CPU backend spreads the selection over its pool) against the plain
+// form: every byte of the result equal, for every gating, with a selection bias and a group
+// limit, whatever the split, and the same first bad token.
+TEST(Routing, TokenRangesFormEqualsThePlainForm) {
+  using G = backend::RouterSpec::Gating;
+  const int64_t T = 700, n = 64;
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> uni(-3.0f, 3.0f);
+  // Uneven ranges of 1..13 tokens, run last first, so no split the plain form uses.
+  int calls = 0;
+  const backend::TokenRanges odd = [&](int64_t TT, const std::function<void(int64_t, int64_t)>& fn) {
+    std::vector<std::pair<int64_t, int64_t>> parts;
+    for (int64_t t = 0, w = 1; t < TT; t += w, w = w % 13 + 1) parts.push_back({t, std::min(TT, t + w)});
+    for (auto it = parts.rbegin(); it != parts.rend(); ++it) fn(it->first, it->second);
+    ++calls;
+  };
+  auto same = [](const backend::Routing& a, const backend::Routing& b) {
+    auto bytes = [](const auto& v) {
+      return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(v[0]));
+    };
+    return a.top_k == b.top_k && a.ids == b.ids && bytes(a.probs) == bytes(b.probs) &&
+           bytes(a.weights) == bytes(b.weights) && bytes(a.next_prob) == bytes(b.next_prob);
+  };
+  for (G gating : {G::Softmax, G::Sigmoid, G::SoftmaxTopK}) {
+    for (bool grouped : {false, true}) {
+      backend::RouterSpec spec;
+      spec.gating = gating;
+      spec.n_expert = int(n);
+      spec.top_k = 6;
+      if (grouped && gating == G::Sigmoid) {  // DeepSeek-V3's shape: bias, 8 groups, 4 used
+        spec.n_group = 8;
+        spec.n_group_used = 4;
+        for (int e = 0; e < n; ++e) spec.selection_bias.push_back(0.01f * float(e % 7));
+      } else if (grouped) {
+        continue;
+      }
+      std::vector<float> l(size_t(T * n));
+      for (float& x : l) x = uni(rng);
+      l[size_t(5 * n + 3)] = l[size_t(5 * n + 4)];  // a tie
+      std::vector<float> l2 = l;
+      backend::Routing a, b;
+      backend::select_experts(spec, l.data(), T, a);
+      calls = 0;
+      backend::select_experts(spec, l2.data(), T, b, odd);
+      EXPECT_EQ(calls, 1);
+      EXPECT_TRUE(same(a, b)) << "gating " << int(gating) << (grouped ? " grouped" : "");
+      EXPECT_EQ(std::memcmp(l.data(), l2.data(), l.size() * sizeof(float)), 0) << "the probabilities left in place";
+      // A bad token: the same (first) one reported.
+      l2[size_t(600 * n + 1)] = NAN;
+      l2[size_t(40 * n + 2)] = NAN;
+      try {
+        backend::select_experts(spec, l2.data(), T, b, odd);
+        ADD_FAILURE() << "NaN accepted";
+      } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("token 40:"), std::string::npos) << e.what();
+      }
+    }
+  }
+}
+
 // ---- MoCE (--moce-bonus, arXiv:2412.00099) ----
 
 TEST(QualityMoce, SelectionWithBonusOnAHandComputedCase) {

@@ -137,13 +137,21 @@ void for_token_ranges(int64_t T, const std::function<void(int64_t, int64_t)>& fn
     if (e) std::rethrow_exception(e);
 }
 
+// The tokens [0, T) through `ranges`, or for_token_ranges when it is empty.
+void spread(const TokenRanges& ranges, int64_t T, const std::function<void(int64_t, int64_t)>& fn) {
+  if (ranges)
+    ranges(T, fn);
+  else
+    for_token_ranges(T, fn);
+}
+
 // Gating::SoftmaxTopK: the top_k largest raw logits (ties: lower id first), then a softmax
 // over those k values only (max-subtracted, sum in double, as softmax() above).
 // `sel` (null: the logits themselves) orders the experts; the weights use the original logits.
 void select_softmax_topk(const RouterSpec& spec, float* logits, const float* sel, int64_t T, Routing& r,
-                         uint8_t* defect) {
+                         uint8_t* defect, const TokenRanges& ranges) {
   const int n_expert = spec.n_expert, top_k = spec.top_k;
-  for_token_ranges(T, [&](int64_t t_begin, int64_t t_end) {
+  spread(ranges, T, [&](int64_t t_begin, int64_t t_end) {
     std::vector<int32_t> order(n_expert);
     std::vector<float> e(size_t(top_k) + 1);
     for (int64_t t = t_begin; t < t_end; ++t) {
@@ -205,14 +213,16 @@ std::string router_logits_defect_message(int code, int64_t t) {
          " (the activations are not finite: a damaged model file or expert pack, or a wrong tensor type in it)";
 }
 
-void Backend::route(std::span<const RouteCall> calls, const Tensor& h) {
+void Backend::route(std::span<const RouteCall> calls, const Tensor& h) { route_on_host(calls, h, {}); }
+
+void Backend::route_on_host(std::span<const RouteCall> calls, const Tensor& h, const TokenRanges& ranges) {
   std::vector<float> logits;
   for (const RouteCall& c : calls) {
     if (c.bias.empty())
       router_logits(c.w, h, logits);
     else
       router_logits_biased(c.w, c.bias, h, logits);
-    select_experts(*c.spec, logits.data(), h.rows(), *c.out);
+    select_experts(*c.spec, logits.data(), h.rows(), *c.out, ranges);
   }
 }
 
@@ -220,7 +230,8 @@ namespace {
 
 // The shared selection; `sel` ([T][n_expert] logits with the residency bonus, or null) replaces
 // the logits for choosing the experts only.
-void select_impl(const RouterSpec& spec, float* logits, const float* sel, int64_t T, Routing& r) {
+void select_impl(const RouterSpec& spec, float* logits, const float* sel, int64_t T, Routing& r,
+                 const TokenRanges& ranges) {
   const int n_expert = spec.n_expert, top_k = spec.top_k;
   if (spec.gating != RouterSpec::Gating::Softmax && spec.gating != RouterSpec::Gating::Sigmoid &&
       spec.gating != RouterSpec::Gating::SoftmaxTopK)
@@ -248,11 +259,11 @@ void select_impl(const RouterSpec& spec, float* logits, const float* sel, int64_
       if (defect[size_t(t)]) throw std::invalid_argument(router_logits_defect_message(defect[size_t(t)], t));
   };
   if (spec.gating == RouterSpec::Gating::SoftmaxTopK) {
-    select_softmax_topk(spec, logits, sel, T, r, defect.data());
+    select_softmax_topk(spec, logits, sel, T, r, defect.data(), ranges);
     report();
     return;
   }
-  for_token_ranges(T, [&](int64_t t_begin, int64_t t_end) {
+  spread(ranges, T, [&](int64_t t_begin, int64_t t_end) {
     std::vector<int32_t> order(n_expert), gorder;
     std::vector<float> score_buf, gscore, sel_buf;
     if (grouped) {
@@ -330,14 +341,18 @@ void select_impl(const RouterSpec& spec, float* logits, const float* sel, int64_
 }  // namespace
 
 void select_experts(const RouterSpec& spec, float* logits, int64_t T, Routing& r) {
-  select_impl(spec, logits, nullptr, T, r);
+  select_impl(spec, logits, nullptr, T, r, {});
+}
+
+void select_experts(const RouterSpec& spec, float* logits, int64_t T, Routing& r, const TokenRanges& ranges) {
+  select_impl(spec, logits, nullptr, T, r, ranges);
 }
 
 void select_experts(const RouterSpec& spec, float* logits, int64_t T, Routing& r, const ResidencyBonus& bonus) {
   if (!std::isfinite(bonus.bonus) || bonus.bonus < 0)
     throw std::invalid_argument("select_experts: the residency bonus must be finite and >= 0");
   if (bonus.bonus == 0) {
-    select_impl(spec, logits, nullptr, T, r);
+    select_impl(spec, logits, nullptr, T, r, {});
     return;
   }
   if (int64_t(bonus.resident.size()) != spec.n_expert)
@@ -352,7 +367,7 @@ void select_experts(const RouterSpec& spec, float* logits, int64_t T, Routing& r
     for (int e = 0; e < n_expert; ++e)
       if (bonus.resident[size_t(e)]) l[e] += add;
   }
-  select_impl(spec, logits, sel.data(), T, r);
+  select_impl(spec, logits, sel.data(), T, r, {});
 }
 
 void Backend::mla_attention(const MlaSpec&, const MlaWeights&, const Tensor&, int64_t, const Tensor&, const Tensor&) {

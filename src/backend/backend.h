@@ -421,6 +421,18 @@ void softmax(float* x, int64_t n);
 /// first such token t, in token order; router_logits_defect says which).
 void select_experts(const RouterSpec& spec, float* logits, int64_t T, Routing& out);
 
+/// How select_experts spreads its tokens: calls fn(t_begin, t_end) over ranges covering [0, T)
+/// once each, in any order and on any threads, returns when all are done and rethrows what fn
+/// threw (a backend's thread pool; the CPU backend's ThreadPool::parallel_for). A token's
+/// selection reads its own logits row and writes its own rows of the result only, so every
+/// split gives the same bits. Empty: up to 8 threads of its own for T >= 512, each a range of
+/// >= 256 tokens, else the calling thread.
+using TokenRanges = std::function<void(int64_t T, const std::function<void(int64_t, int64_t)>& fn)>;
+
+/// select_experts with the tokens spread by `ranges` (TokenRanges): the same result as the plain
+/// form, bit for bit, and the same errors.
+void select_experts(const RouterSpec& spec, float* logits, int64_t T, Routing& out, const TokenRanges& ranges);
+
 /// What makes one token's router logits (n_expert values) unusable for `gating`: 0 = none;
 /// 1 = a NaN (any gating); 2 = +inf, 3 = no finite value (Softmax and SoftmaxTopK: the softmax's
 /// max-subtraction would give inf - inf). -inf is a defined input (probability 0; Sigmoid takes
@@ -498,6 +510,30 @@ struct BackendInfo {
   std::string device;  ///< e.g. "2 threads, avx2 kernels, q8 activations"
 };
 
+/// What a backend ran in parallel loops over host threads (the CPU backend's pool), summed
+/// since profiling was turned on (Backend::set_loop_profiling), for `--profile`'s thread-scaling
+/// projection. A loop's projection is max(work / threads, its longest block): its time on as
+/// many free cores as the pool has threads (Amdahl's bound with the loop's own granularity;
+/// memory-bandwidth contention and hand-offs not modelled). All zero on a backend without loops.
+struct LoopProfile {
+  double loop_s = 0;       ///< the caller's wall time inside loops (s)
+  double work_s = 0;       ///< every block's own CPU time, summed over threads (s)
+  double projected_s = 0;  ///< the loops' projected time at the pool's thread count (s)
+  uint64_t loops = 0;      ///< loops run
+
+  /// The difference this - before, field by field (what ran between two snapshots).
+  LoopProfile minus(const LoopProfile& before) const {
+    return {loop_s - before.loop_s, work_s - before.work_s, projected_s - before.projected_s, loops - before.loops};
+  }
+  /// Adds another span's totals to this one.
+  void add(const LoopProfile& o) {
+    loop_s += o.loop_s;
+    work_s += o.work_s;
+    projected_s += o.projected_s;
+    loops += o.loops;
+  }
+};
+
 /// The machine an architecture's forward pass runs on. One instance per engine; not
 /// thread-safe (one compute thread drives it). All compute calls may run asynchronously with
 /// respect to the host; download() and Event::wait() synchronize.
@@ -527,6 +563,11 @@ class Backend {
   /// calls it before blocking on an expert's arrival, so the device computes the queued experts
   /// meanwhile. Default: nothing is held back.
   virtual void flush() {}
+  /// Turns the accounting of loop_profile() on (the engine does for --profile) or off.
+  /// Default: nothing to account.
+  virtual void set_loop_profiling(bool) {}
+  /// The host-thread loops' totals so far (LoopProfile); zero on a backend without them.
+  virtual LoopProfile loop_profile() const { return {}; }
   /// The arena of `n_slots` slots of `slot_bytes` (a multiple of 4 KiB) for `io_threads`
   /// reader threads. Throws (naming the sizes) when the memory cannot be had.
   virtual std::unique_ptr<ArenaMemory> make_arena(size_t n_slots, size_t slot_bytes, int io_threads) = 0;
@@ -606,6 +647,11 @@ class Backend {
     (void)c;
     return nullptr;
   }
+
+ protected:
+  /// route()'s host form (the default's body): router_logits(_biased), then select_experts
+  /// with the tokens spread by `ranges` (TokenRanges; empty: select_experts' own threads).
+  void route_on_host(std::span<const RouteCall> calls, const Tensor& h, const TokenRanges& ranges);
 };
 
 }  // namespace strata::backend

@@ -404,9 +404,20 @@ void print_profile(engine::Engine& e) {
              e.backend_info().name == "cpu" ? "; the CPU backend is synchronous, so this is compute"
                                             : "; the device is synchronized at each stage's start and end, so a "
                                               "stage's time is its GPU time; the syncs slow the run");
-  fmt::print(stderr, "{:<16} {:>10} {:>7} {:>9} {:>10} {:>7} {:>9}\n", "stage", "prefill s", "%", "calls", "decode s",
-             "%", "calls");
   const engine::PhaseStats &pf = e.prefill_stats(), &dc = e.decode_stats();
+  using backend::LoopProfile;
+  LoopProfile loops_p, loops_d;
+  for (int s = 0; s < model::StageProfile::kCount; ++s) {
+    loops_p.add(pf.profile.loops[s]);
+    loops_d.add(dc.profile.loops[s]);
+  }
+  const bool pooled = loops_p.loops + loops_d.loops > 0;
+  const int n = e.options().n_threads;
+  // With the backend's loop accounting (the CPU pool): per stage, the share of its time in
+  // parallel loops and its time projected on n free cores (the code outside loops as measured).
+  auto projected = [](double secs, const LoopProfile& l) { return secs - l.loop_s + l.projected_s; };
+  fmt::print(stderr, "{:<16} {:>10} {:>7} {:>9} {:>10} {:>7} {:>9}{}\n", "stage", "prefill s", "%", "calls", "decode s",
+             "%", "calls", pooled ? fmt::format("   prefill: in loops  on {:>2} cores", n) : "");
   double sum_p = 0, sum_d = 0;
   auto pct = [](double s, double total) { return total > 0 ? 100.0 * s / total : 0.0; };
   for (int s = 0; s < model::StageProfile::kCount; ++s) {
@@ -414,11 +425,32 @@ void print_profile(engine::Engine& e) {
     sum_p += a;
     sum_d += b;
     if (pf.profile.calls[s] == 0 && dc.profile.calls[s] == 0) continue;
-    fmt::print(stderr, "{:<16} {:>10.4f} {:>6.1f}% {:>9} {:>10.4f} {:>6.1f}% {:>9}\n", model::StageProfile::name(s), a,
-               pct(a, pf.seconds), pf.profile.calls[s], b, pct(b, dc.seconds), dc.profile.calls[s]);
+    const LoopProfile& l = pf.profile.loops[s];
+    fmt::print(stderr, "{:<16} {:>10.4f} {:>6.1f}% {:>9} {:>10.4f} {:>6.1f}% {:>9}{}\n", model::StageProfile::name(s),
+               a, pct(a, pf.seconds), pf.profile.calls[s], b, pct(b, dc.seconds), dc.profile.calls[s],
+               pooled ? fmt::format("   {:>16.1f}% {:>10.4f}", pct(l.loop_s, a), projected(a, l)) : "");
   }
   fmt::print(stderr, "{:<16} {:>10.4f} {:>6.1f}% {:>9} {:>10.4f} {:>6.1f}%\n", "other (engine)", pf.seconds - sum_p,
              pct(pf.seconds - sum_p, pf.seconds), "", dc.seconds - sum_d, pct(dc.seconds - sum_d, dc.seconds));
+  if (!pooled) return;
+  fmt::print(stderr,
+             "thread scaling (Amdahl over the pool's loops as this run split them for {} thread{}: a loop takes "
+             "max(its blocks' CPU time / {}, its longest block) on {} free cores, code outside loops runs on one "
+             "thread; memory bandwidth and hand-offs are not modelled):\n",
+             n, n == 1 ? "" : "s", n, n);
+  // The exposed expert wait is the drive's, not compute: left out of both sides.
+  auto line = [&](const char* phase, const engine::PhaseStats& ph, const LoopProfile& l) {
+    if (ph.seconds <= 0) return;
+    const double wait = ph.profile.seconds[model::StageProfile::ExpertWait];
+    const double serial = std::max(0.0, ph.seconds - wait - l.loop_s), one = serial + l.work_s,
+                 at_n = serial + l.projected_s;
+    fmt::print(stderr,
+               "  {:<8} outside loops {:.4f} s ({:.1f}%), {} loops of {:.4f} s CPU; one thread's work {:.4f} s, on {} "
+               "cores >= {:.4f} s: {:.2f}x (expert wait {:.4f} s left out)\n",
+               phase, serial, pct(serial, one), l.loops, l.work_s, one, n, at_n, at_n > 0 ? one / at_n : 0.0, wait);
+  };
+  line("prefill", pf, loops_p);
+  line("decode", dc, loops_d);
 }
 
 std::string human_bytes(double b) {

@@ -246,6 +246,7 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
   tok_ = std::make_unique<tokenizer::Tokenizer>(tokenizer::Tokenizer::from_gguf(*gguf_));
   if (opts_.n_threads <= 0) opts_.n_threads = int(std::max(1u, std::thread::hardware_concurrency()));
   backend_ = make_backend(opts_, kernels_);
+  if (opts_.profile) backend_->set_loop_profiling(true);  // the stages' thread-scaling projection
   model_ = model::load_model(*gguf_, *backend_, opts_.load);
   const auto& hp = model_->hparams();
   if (tok_->n_vocab() < hp.n_vocab)

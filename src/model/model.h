@@ -135,6 +135,16 @@ struct StageProfile {
   }
   double seconds[kCount] = {};
   uint64_t calls[kCount] = {};
+  /// Per stage, what ran in the backend's host-thread loops (backend::LoopProfile; zero on a
+  /// backend without them): the stage's time outside them runs on one thread.
+  backend::LoopProfile loops[kCount];
+
+  /// One call of stage s that took `secs` seconds, of which `in_loops` ran in loops.
+  void add(Stage s, double secs, const backend::LoopProfile& in_loops = {}) {
+    seconds[s] += secs;
+    ++calls[s];
+    loops[s].add(in_loops);
+  }
 };
 
 class Dumper;

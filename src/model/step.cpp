@@ -40,12 +40,12 @@ class StageTimer {
     if (!p_) return;
     be_.synchronize();
     t0_ = std::chrono::steady_clock::now();
+    loops0_ = be_.loop_profile();
   }
   ~StageTimer() {
     if (!p_) return;
     be_.synchronize();
-    p_->seconds[s_] += seconds_between(t0_, std::chrono::steady_clock::now());
-    ++p_->calls[s_];
+    p_->add(s_, seconds_between(t0_, std::chrono::steady_clock::now()), be_.loop_profile().minus(loops0_));
   }
 
  private:
@@ -53,6 +53,7 @@ class StageTimer {
   backend::Backend& be_;
   StageProfile::Stage s_;
   std::chrono::steady_clock::time_point t0_;
+  backend::LoopProfile loops0_;
 };
 }  // namespace
 
@@ -337,13 +338,19 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
   const ReadAhead ra = plan_read_ahead(layer + 1, next, &pred_next);
 
   // Router and top-k selection; the ids come to the host.
-  auto profile_from = [&](StageProfile::Stage st, std::chrono::steady_clock::time_point t0) {
+  // --profile: a stage runs from the last restart() to its profile_from().
+  auto t_stage = std::chrono::steady_clock::now();
+  backend::LoopProfile loops_stage = ctx_.profile ? be_.loop_profile() : backend::LoopProfile{};
+  auto restart = [&] {
+    t_stage = std::chrono::steady_clock::now();
+    if (ctx_.profile) loops_stage = be_.loop_profile();
+  };
+  auto profile_from = [&](StageProfile::Stage st) {
     if (!ctx_.profile) return;
     be_.synchronize();
-    ctx_.profile->seconds[st] += seconds_between(t0, std::chrono::steady_clock::now());
-    ++ctx_.profile->calls[st];
+    ctx_.profile->add(st, seconds_between(t_stage, std::chrono::steady_clock::now()),
+                      be_.loop_profile().minus(loops_stage));
   };
-  auto t_stage = std::chrono::steady_clock::now();
   backend::Routing r;
   // With MoCE, `exact` is the routing without the bonus: the prediction is scored against it,
   // so residency the bonus created is never taken as evidence that the prediction was right.
@@ -383,10 +390,10 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
   for (int e = 0; e < w.spec.n_expert; ++e)
     if (!pairs[size_t(e)].empty()) needed.push_back(e);
 
-  profile_from(StageProfile::Router, t_stage);
+  profile_from(StageProfile::Router);
   // The cut: ask for every expert this layer needs; misses become urgent reads. With expert
   // parallelism each rank asks its own stream for the experts it owns.
-  t_stage = std::chrono::steady_clock::now();
+  restart();
   std::vector<std::vector<int32_t>> rank_needed;
   if (ctx_.ep) {
     rank_needed = ctx_.ep->split(layer, needed);
@@ -394,13 +401,14 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
   } else {
     stream.request(layer, needed);
   }
-  profile_from(StageProfile::StreamRequest, t_stage);
+  profile_from(StageProfile::StreamRequest);
   // While this layer computes, the IO threads read ahead for the next one.
-  t_stage = std::chrono::steady_clock::now();
+  restart();
   read_ahead(ra, h_, pred_ready ? &pred : nullptr);
-  profile_from(StageProfile::ReadAhead, t_stage);
+  profile_from(StageProfile::ReadAhead);
 
-  const auto t_start = std::chrono::steady_clock::now();
+  restart();  // the expert stage's loops are counted from here
+  const auto t_start = t_stage;
   double waited = 0;
   auto run_expert = [&](stream::ExpertStream& from, int32_t e, const Tensor& rows) {
     const auto t_wait = std::chrono::steady_clock::now();
@@ -441,13 +449,11 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
   // The slots may be reused once the expert kernels queued so far have read them.
   if (ctx_.profile) {
     be_.synchronize();
-    ctx_.profile->seconds[StageProfile::ExpertMatmuls] +=
-        seconds_between(t_start, std::chrono::steady_clock::now()) - waited;
-    ctx_.profile->seconds[StageProfile::ExpertWait] += waited;
-    ++ctx_.profile->calls[StageProfile::ExpertMatmuls];
-    ++ctx_.profile->calls[StageProfile::ExpertWait];
+    ctx_.profile->add(StageProfile::ExpertMatmuls, seconds_between(t_start, std::chrono::steady_clock::now()) - waited,
+                      be_.loop_profile().minus(loops_stage));
+    ctx_.profile->add(StageProfile::ExpertWait, waited);
   }
-  t_stage = std::chrono::steady_clock::now();
+  restart();
   if (ctx_.ep) {
     const backend::EventPtr last_use = be_.record();
     for (int rk = 0; rk < ctx_.ep->n_ranks(); ++rk) ctx_.ep->stream(rk).release(layer, last_use);
@@ -462,7 +468,7 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
     ctx_.ep->combine(layer, r, expert_out, o_);
   else
     be_.moe_combine(r, expert_out, o_);
-  profile_from(StageProfile::MoeCombine, t_stage);
+  profile_from(StageProfile::MoeCombine);
   name(o_, "ffn_moe_out", layer);
   score_prediction(layer, moce ? exact : r, pred_);
   record_routing(layer, r);

@@ -23,7 +23,7 @@ void attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, const At
                      float* v_cache, float* out) {
   const int64_t q_dim = int64_t(s.n_head) * s.head_dim;
   const int64_t kv_dim = int64_t(s.n_head_kv) * s.head_dim;
-  thread_local std::vector<float> tl_q, tl_k, tl_v, tl_att, tl_gate, tl_qg;
+  thread_local GrowBuffer<float> tl_q, tl_k, tl_v, tl_att, tl_gate, tl_qg;
   float* const q = scratch_floats(tl_q, T * q_dim);
   float* const k = scratch_floats(tl_k, T * kv_dim);
   float* const v = scratch_floats(tl_v, T * kv_dim);
@@ -140,7 +140,7 @@ void mla_attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, cons
   const int64_t H = s.n_head, R = s.kv_lora_rank, P = s.n_rot, N = s.n_nope, Vd = s.v_dim;
   const int64_t qk = N + P, C = R + P;  // q/k dims per head; cache row (= absorbed query) dims
   // Queries [T][H][N + P].
-  thread_local std::vector<float> tl_q, tl_qa, tl_kva, tl_qabs, tl_att, tl_o;
+  thread_local GrowBuffer<float> tl_q, tl_qa, tl_kva, tl_qabs, tl_att, tl_o;
   float* const q = scratch_floats(tl_q, T * H * qk);
   if (s.q_lora_rank > 0) {
     const int64_t QL = s.q_lora_rank;

@@ -171,7 +171,7 @@ void CpuBackend::ffn(const backend::FfnCall& call, const backend::FfnWeights& w,
   }
   if (call.accumulate) {  // out += ffn(h)
     const int64_t n = h.rows() * out.cols();
-    ffn_scratch_.resize(size_t(n));
+    ffn_scratch_.grow(size_t(n));
     swiglu_ffn(pool_, kc_, fw, h.f(), h.cols(), h.rows(), ffn_scratch_.data());
     for (int64_t t = 0; t < h.rows(); ++t) {
       float* o = out.row(t);
@@ -188,6 +188,13 @@ void CpuBackend::router_logits(const Tensor& w, const Tensor& h, std::vector<flo
   const int64_t n_expert = w.rows();
   logits.resize(size_t(h.rows() * n_expert));
   cpu::matmul(pool_, kc_, as_matrix(w), h.f(), ld(h), h.rows(), logits.data(), n_expert);
+}
+
+void CpuBackend::route(std::span<const backend::RouteCall> calls, const Tensor& h) {
+  // A few blocks per thread: the tokens' selections cost alike.
+  route_on_host(calls, h, [this](int64_t T, const std::function<void(int64_t, int64_t)>& fn) {
+    pool_.parallel_for(T, std::max<int64_t>(16, T / (int64_t(pool_.n_threads()) * 4)), fn);
+  });
 }
 
 namespace {

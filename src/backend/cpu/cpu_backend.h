@@ -51,6 +51,8 @@ class CpuBackend final : public backend::Backend {
   void flush() override;
   /// expert_ffn calls queued and not yet run.
   size_t queued_experts() const { return queue_.size(); }
+  void set_loop_profiling(bool on) override { pool_.set_profiling(on); }
+  backend::LoopProfile loop_profile() const override { return pool_.loop_profile(); }
   std::unique_ptr<backend::ArenaMemory> make_arena(size_t n_slots, size_t slot_bytes, int io_threads) override;
 
   void embed(const backend::Tensor& table, std::span<const int32_t> ids, const backend::Tensor& x) override;
@@ -66,6 +68,9 @@ class CpuBackend final : public backend::Backend {
   void ffn(const backend::FfnCall& call, const backend::FfnWeights& w, const backend::Tensor& h,
            const backend::Tensor& out) override;
   void router_logits(const backend::Tensor& w, const backend::Tensor& h, std::vector<float>& logits) override;
+  /// Backend::route's host form, with the selection's tokens spread over this backend's pool
+  /// (select_experts' TokenRanges form; the same bits) instead of threads of its own.
+  void route(std::span<const backend::RouteCall> calls, const backend::Tensor& h) override;
   /// Queues the expert (backend::Backend::expert_ffn; run at flush()). Throws
   /// std::invalid_argument at once for shapes that do not agree (gate/up ne {n_embd, n_ff} with
   /// n_embd = h's columns, down ne {n_ff, out's columns}, biases of those lengths) or a pair
@@ -83,7 +88,7 @@ class CpuBackend final : public backend::Backend {
   std::vector<ExpertCall> queue_;   // expert_ffn calls not yet run
   ExpertBatchScratch batch_;        // their scratch, reused across flushes
   std::vector<uint8_t> written_;    // rows of queue_'s out tensor that a queued call writes
-  std::vector<float> ffn_scratch_;  // ffn(accumulate) without a gate: the FFN's rows before the add
+  GrowBuffer<float> ffn_scratch_;   // ffn(accumulate) without a gate: the FFN's rows before the add
 };
 
 }  // namespace strata::cpu

@@ -128,9 +128,9 @@ void run_expert_batch(ThreadPool& pool, const kernels::KernelConfig& kc, std::sp
   const Batch bt = plan_batch(kc, calls, pool.n_threads());
   const std::vector<Plan>& plan = bt.plan;
   const std::vector<Item>& items = bt.items;
-  if (sc.x.size() < bt.x_floats) sc.x.resize(bt.x_floats);
-  if (sc.g.size() < bt.g_floats) sc.g.resize(bt.g_floats);
-  if (sc.u.size() < bt.g_floats) sc.u.resize(bt.g_floats);
+  sc.x.grow(bt.x_floats);
+  sc.g.grow(bt.g_floats);
+  sc.u.grow(bt.g_floats);
   while (sc.act_x.size() < C) sc.act_x.push_back(std::make_unique<kernels::ActQ8>());
   while (sc.act_h.size() < C) sc.act_h.push_back(std::make_unique<kernels::ActQ8>());
   for (size_t c = 0; c < C; ++c) {

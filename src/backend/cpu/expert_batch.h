@@ -56,7 +56,7 @@ struct ExpertCall {
 
 /// Scratch of run_expert_batch, kept by the caller between flushes (buffers only grow).
 struct ExpertBatchScratch {
-  std::vector<float> x, g, u;  ///< per call: inputs (then down's outputs), gate, up (then the activation)
+  GrowBuffer<float> x, g, u;  ///< per call: inputs (then down's outputs), gate, up (then the activation)
   std::vector<std::unique_ptr<kernels::ActQ8>> act_x, act_h;  ///< q8 activations of x and of the activation
 };
 

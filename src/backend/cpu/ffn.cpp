@@ -8,7 +8,7 @@ namespace strata::cpu {
 void swiglu_ffn(ThreadPool& pool, const kernels::KernelConfig& kc, const FfnWeights& w, const float* h, int64_t n_embd,
                 int64_t T, float* out) {
   const int64_t n_ff = w.gate.rows;
-  thread_local std::vector<float> tl_g, tl_u;
+  thread_local GrowBuffer<float> tl_g, tl_u;
   float* const g = scratch_floats(tl_g, T * n_ff);
   float* const u = scratch_floats(tl_u, T * n_ff);
   matmul(pool, kc, w.gate, h, n_embd, T, g, n_ff);
@@ -21,7 +21,7 @@ void swiglu_ffn(ThreadPool& pool, const kernels::KernelConfig& kc, const FfnWeig
 
 void add_gated_swiglu_ffn(ThreadPool& pool, const kernels::KernelConfig& kc, const FfnWeights& w,
                           const MatrixRef& gate_inp, const float* h, int64_t n_embd, int64_t T, float* out) {
-  thread_local std::vector<float> tl_y, tl_gate;
+  thread_local GrowBuffer<float> tl_y, tl_gate;
   float* const y = scratch_floats(tl_y, T * n_embd);
   float* const gate = scratch_floats(tl_gate, T);
   swiglu_ffn(pool, kc, w, h, n_embd, T, y);

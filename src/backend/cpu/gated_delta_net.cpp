@@ -59,7 +59,7 @@ void gated_delta_net_block(ThreadPool& pool, const kernels::KernelConfig& kc, co
   const int64_t C = s.conv_dim(), key_dim = s.key_dim(), value_dim = s.value_dim();
   const int K = s.conv_kernel, dk = s.head_k_dim, dv = s.head_v_dim, nv = s.n_v_head;
   const int r = s.n_v_head / s.n_k_head;  // value heads per key head
-  thread_local std::vector<float> tl_x, tl_xc, tl_z, tl_ba, tl_beta, tl_decay, tl_o;
+  thread_local GrowBuffer<float> tl_x, tl_xc, tl_z, tl_ba, tl_beta, tl_decay, tl_o;
   float* const x = scratch_floats(tl_x, T * C);
   float* const xc = scratch_floats(tl_xc, T * C);
   float* const z = scratch_floats(tl_z, T * value_dim);

@@ -34,14 +34,12 @@ void matmul(ThreadPool& pool, const kernels::KernelConfig& kc, const MatrixRef& 
 /// x and y may alias. The mean is accumulated in double.
 void rms_norm(const float* x, const float* w, float* y, int64_t n, float eps);
 
-/// At least n floats of v, grown (never shrunk) on demand, for a block's activations that are
-/// written before they are read: keep v thread_local in the caller, so that a chunk does not
-/// zero-fill (and page-fault in) fresh memory on the calling thread alone, a serial part of
-/// prefill that grew with the thread count (docs/kernels.md, "Serial parts of prefill").
-inline float* scratch_floats(std::vector<float>& v, int64_t n) {
-  if (v.size() < size_t(n)) v.resize(size_t(n));
-  return v.data();
-}
+/// At least n floats of v (GrowBuffer: grown, never shrunk, not zero-filled), for a block's
+/// activations that are written before they are read: keep v thread_local in the caller, so
+/// that a chunk neither allocates nor zero-fills fresh memory on the calling thread alone, a
+/// serial part of prefill that grew with the thread count (docs/kernels.md, "Serial parts of
+/// prefill").
+inline float* scratch_floats(GrowBuffer<float>& v, int64_t n) { return v.grow(size_t(n)); }
 
 /// SiLU(x) = x * sigmoid(x).
 inline float silu(float x) { return x / (1.0f + __builtin_expf(-x)); }

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -35,6 +36,14 @@ int64_t spin_us_from_env() {
     return int64_t(v);
   }();
   return us;
+}
+
+// CPU time of the calling thread (ns): a block's work, without the time it waited for a core
+// (a pool of more threads than cores) or slept inside the block.
+int64_t thread_cpu_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
 }
 
 inline void cpu_relax() {
@@ -80,7 +89,16 @@ void ThreadPool::run_blocks() {
     if (b >= n_) break;
     int64_t e = std::min(n_, b + grain_);
     try {
-      (*fn_)(b, e);
+      if (profiling_) {
+        const int64_t t0 = thread_cpu_ns();
+        (*fn_)(b, e);
+        const int64_t ns = thread_cpu_ns() - t0;
+        work_ns_.fetch_add(ns, std::memory_order_relaxed);
+        int64_t m = longest_ns_.load(std::memory_order_relaxed);
+        while (ns > m && !longest_ns_.compare_exchange_weak(m, ns, std::memory_order_relaxed)) {}
+      } else {
+        (*fn_)(b, e);
+      }
     } catch (...) {
       std::lock_guard<std::mutex> lk(mu_);
       if (!error_) error_ = std::current_exception();
@@ -112,12 +130,40 @@ void ThreadPool::worker_loop() {
   }
 }
 
+void ThreadPool::add_loop(std::chrono::steady_clock::time_point t0, int64_t work_ns, int64_t longest_ns) {
+  const double work = double(work_ns) * 1e-9;
+  profile_.loop_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  profile_.work_s += work;
+  profile_.projected_s += std::max(work / n_threads_, double(longest_ns) * 1e-9);
+  ++profile_.loops;
+}
+
 void ThreadPool::parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
   if (n <= 0) return;
   grain = std::max<int64_t>(1, grain);
   if (workers_.empty() || n <= grain) {
-    fn(0, n);
+    if (!profiling_) {
+      fn(0, n);
+      return;
+    }
+    // On a one-thread pool the blocks it would hand out are timed one by one (without
+    // profiling they run as one call), so the projection sees the loop's grain.
+    const auto t0 = std::chrono::steady_clock::now();
+    int64_t work = 0, longest = 0;
+    for (int64_t b = 0; b < n; b += grain) {
+      const int64_t c0 = thread_cpu_ns();
+      fn(b, std::min(n, b + grain));
+      const int64_t ns = thread_cpu_ns() - c0;
+      work += ns;
+      longest = std::max(longest, ns);
+    }
+    add_loop(t0, work, longest);
     return;
+  }
+  const auto t_loop = profiling_ ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
+  if (profiling_) {
+    work_ns_.store(0, std::memory_order_relaxed);
+    longest_ns_.store(0, std::memory_order_relaxed);
   }
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -139,6 +185,8 @@ void ThreadPool::parallel_for(int64_t n, int64_t grain, const std::function<void
     fn_ = nullptr;
     err = error_;
   }
+  if (profiling_)
+    add_loop(t_loop, work_ns_.load(std::memory_order_relaxed), longest_ns_.load(std::memory_order_relaxed));
   if (err) std::rethrow_exception(err);
 }
 

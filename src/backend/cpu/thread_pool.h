@@ -13,12 +13,15 @@
 // workers give the cores back to the IO threads; with more threads than the hardware runs at
 // once nothing spins.
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#include "backend/backend.h"
 
 namespace strata::cpu {
 
@@ -37,9 +40,21 @@ class ThreadPool {
   /// An exception thrown by fn is rethrown here after all threads stop.
   void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
 
+  /// Turns the loop accounting of loop_profile() on or off (off at construction: then a loop
+  /// reads no clock). Not to be called while a loop runs.
+  void set_profiling(bool on) { profiling_ = on; }
+  /// The loops' totals since profiling was turned on (backend::LoopProfile): the caller's wall
+  /// time in loops, the blocks' summed CPU time (each block timed by its thread's CPU clock, so a
+  /// pool of more threads than cores still measures each block's own work), and each loop's
+  /// projected time on n_threads() free cores, max(work / n_threads(), its longest block). A call
+  /// with one block runs on one thread at any thread count, so its projection is its own time.
+  const backend::LoopProfile& loop_profile() const { return profile_; }
+
  private:
   void worker_loop();
   void run_blocks();
+  /// Adds one loop that began at t0 (the caller's clock) to profile_.
+  void add_loop(std::chrono::steady_clock::time_point t0, int64_t work_ns, int64_t longest_ns);
   /// Spins up to spin_us_ for pred() (with a pause between tries); true if it came true.
   template <class Pred>
   bool spin_until(Pred pred) const;
@@ -56,6 +71,9 @@ class ThreadPool {
   int64_t n_ = 0, grain_ = 1;
   std::atomic<int64_t> next_{0};
   std::exception_ptr error_;
+  bool profiling_ = false;
+  backend::LoopProfile profile_;
+  std::atomic<int64_t> work_ns_{0}, longest_ns_{0};  // the current loop's blocks, when profiling
 };
 
 }  // namespace strata::cpu

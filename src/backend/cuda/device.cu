@@ -89,11 +89,13 @@ std::string kernel_name(const void* k) {
   char* d = abi::__cxa_demangle(n, nullptr, nullptr, &st);
   std::string r = st == 0 && d ? d : n;
   std::free(d);
-  // the kernel's name and template arguments, without the parameter list or namespaces
-  if (const size_t p = r.find('('); p != std::string::npos) r.resize(p);
-  for (const char* ns : {"strata::cuda::", "(anonymous namespace)::", "detail::"})
+  // the kernel's name and template arguments, without the namespaces (first: "(anonymous
+  // namespace)" holds a parenthesis), the parameter list or the return type
+  for (const char* ns : {"(anonymous namespace)::", "strata::cuda::", "detail::"})
     for (size_t q; (q = r.find(ns)) != std::string::npos;) r.erase(q, std::string_view(ns).size());
-  return r;
+  if (const size_t p = r.find('('); p != std::string::npos) r.resize(p);
+  if (r.rfind("void ", 0) == 0) r.erase(0, 5);
+  return r.empty() ? std::string(n) : r;
 }
 }  // namespace
 

@@ -169,9 +169,7 @@ void ActQ8::resize(int64_t n_tok_, int64_t cols_, GgmlType for_type) {
                              std::to_string(cols_));
   cols = cols_;
   n_tok = n_tok_;
-  const auto grow = [](auto& v, int64_t n) {
-    if (v.size() < static_cast<size_t>(n)) v.resize(static_cast<size_t>(n));
-  };
+  const auto grow = [](auto& v, int64_t n) { v.grow(static_cast<size_t>(n)); };
   grow(q, n_tok * cols);
   grow(d, n_tok * cols / 32);
   grow(s16, n_tok * cols / 16);

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/cpu/grow_buffer.h"
 #include "gguf/ggml_types.h"
 
 namespace strata::cpu::kernels {
@@ -92,17 +93,18 @@ bool has_q8_activations(const KernelConfig& k, GgmlType t);
 ///   xsg[(g * cols/32 + b) * 16 + l] = d(16g + l)[b] * float(s16[2b] + s16[2b+1])   (0 in padding)
 struct ActQ8 {
   int64_t cols = 0, n_tok = 0;
-  std::vector<int8_t> q;
-  std::vector<float> d;
-  std::vector<int16_t> s16;
+  GrowBuffer<int8_t> q;
+  GrowBuffer<float> d;
+  GrowBuffer<int16_t> s16;
   GgmlType lanes = GgmlType::F32;  ///< the type ql/dxl/xs are arranged for; F32: none
-  std::vector<int8_t> ql;
-  std::vector<float> dxl, xs;
+  GrowBuffer<int8_t> ql;
+  GrowBuffer<float> dxl, xs;
   bool tok16 = false;     ///< xg/dxg are kept (resize() for Q8_0, Q4_K, IQ4_XS and > 4 tokens)
   bool tok16_xs = false;  ///< xsg is kept too (Q4_K)
-  std::vector<uint8_t> xg;
-  std::vector<float> dxg, xsg;
-  /// Sizes the buffers for n_tok x cols (only grows) and chooses the lane order to keep
+  GrowBuffer<uint8_t> xg;
+  GrowBuffer<float> dxg, xsg;
+  /// Sizes the buffers for n_tok x cols (only grows; the contents are undefined until
+  /// quantize_activations writes them: no zero-fill) and chooses the lane order to keep
   /// (`for_type`; any type without one keeps none). Throws std::runtime_error if cols % 32.
   void resize(int64_t n_tok, int64_t cols, GgmlType for_type = GgmlType::F32);
   /// Codes, block scales and 16-sums of token t.
