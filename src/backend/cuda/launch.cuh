@@ -17,8 +17,10 @@
 // completes only after its predecessor did (so waiting for the latest kernel waits for all). It
 // allows the next kernel to launch only after the wait, so at most one kernel waits ahead.
 // The exception: the q8 mat-vecs on one model weight matrix (mv16_q8_kernel, mv2_q8_kernel)
-// copy their first stage of weights (memory no kernel writes) before the wait, so that those
-// reads overlap the kernel before it; each waits before any other global access and on every path.
+// copy their first stage of weights, and the RMSNorm kernels (rms_norm_kernel,
+// add_rms_norm_kernel) load their weight vector, before the wait (memory no kernel writes), so
+// that those reads overlap the kernel before it; each waits before any other global access and
+// on every path.
 // Results are the same bits with and without (STRATA_CUDA_PDL=0 turns the attribute off).
 #include <cuda_runtime.h>
 

@@ -41,18 +41,82 @@ __device__ float block_max(float v, float* sh) {
   return r;
 }
 
-__global__ void __launch_bounds__(kRowThreads)
-    rms_norm_kernel(const float* x, int64_t ldx, const float* __restrict__ w, float* y, int64_t ldy, int64_t n,
-                    float eps) {
+// Rows of up to kRowThreads * PER values (PER = 8, 16 or 32, the smallest that holds the row) are
+// normalized from registers: each thread loads its values i = threadIdx.x + kRowThreads j (and the
+// weights, before the dependency wait: model weights, which no kernel writes) all at once, where a
+// loop over them waited for one load after another (a decode norm's ~8 us a call was mostly those
+// latencies). Longer rows take the loop (PER = 0).
+constexpr int kRowRegsMax = 32;
+
+/// The register count per thread for a row of n values: 8, 16, 32, or 0 (the loop).
+inline int row_regs(int64_t n) {
+  for (int per : {8, 16, kRowRegsMax})
+    if (n <= int64_t(kRowThreads) * per) return per;
+  return 0;
+}
+
+/// The RMSNorm scale float(1 / sqrt(ss_total / n + eps)) of one row (Zhang & Sennrich 2019), from
+/// each thread's partial sum of squares (double, over its values in j order), summed in
+/// block_sum's tree order: the cross-warp steps (128, 64, 32) in shared memory, then warp 0's five
+/// steps by shuffles, which pair the same lanes as the shared-memory steps they replace (the same
+/// bits as block_sum, five barriers fewer). Every thread of the block must call it.
+__device__ float row_rms_scale(double ss, double* sh, int64_t n, float eps) {
+  sh[threadIdx.x] = ss;
+  __syncthreads();
+#pragma unroll
+  for (int s = kRowThreads / 2; s >= 32; s /= 2) {
+    if (int(threadIdx.x) < s) sh[threadIdx.x] = sh[threadIdx.x] + sh[threadIdx.x + s];
+    __syncthreads();
+  }
+  if (threadIdx.x < 32) {
+    double v = sh[threadIdx.x];
+#pragma unroll
+    for (int s = 16; s > 0; s /= 2) v = v + __shfl_down_sync(0xffffffffu, v, s);
+    if (threadIdx.x == 0) sh[0] = v;
+  }
+  __syncthreads();
+  return float(1.0 / sqrt(sh[0] / double(n) + double(eps)));
+}
+
+/// One block per row: y = x * scale * w, rounded as (x * scale) * w, scale = row_rms_scale.
+template <int PER>
+__global__ void __launch_bounds__(kRowThreads) rms_norm_kernel(const float* x, int64_t ldx, const float* __restrict__ w,
+                                                               float* y, int64_t ldy, int64_t n, float eps) {
+  constexpr bool regs = PER > 0;
+  constexpr int kRowRegs = PER > 0 ? PER : 1;
+  float wv[kRowRegs], xv[kRowRegs];
+  if constexpr (regs) {
+#pragma unroll
+    for (int j = 0; j < kRowRegs; ++j) {
+      const int64_t i = threadIdx.x + int64_t(kRowThreads) * j;
+      wv[j] = i < n ? w[i] : 0.0f;
+    }
+  }
   detail::grid_dependency_enter();
   __shared__ double sh[kRowThreads];
   const float* xr = x + int64_t(blockIdx.x) * ldx;
   float* yr = y + int64_t(blockIdx.x) * ldy;
   double ss = 0;
-  for (int64_t i = threadIdx.x; i < n; i += kRowThreads) ss += double(xr[i]) * double(xr[i]);
-  ss = block_sum(ss, sh);
-  const float scale = float(1.0 / sqrt(ss / double(n) + double(eps)));
-  for (int64_t i = threadIdx.x; i < n; i += kRowThreads) yr[i] = __fmul_rn(__fmul_rn(xr[i], scale), w[i]);
+  if constexpr (regs) {
+#pragma unroll
+    for (int j = 0; j < kRowRegs; ++j) {
+      const int64_t i = threadIdx.x + int64_t(kRowThreads) * j;
+      xv[j] = i < n ? xr[i] : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < kRowRegs; ++j)
+      if (threadIdx.x + int64_t(kRowThreads) * j < n) ss += double(xv[j]) * double(xv[j]);
+    const float scale = row_rms_scale(ss, sh, n, eps);
+#pragma unroll
+    for (int j = 0; j < kRowRegs; ++j) {
+      const int64_t i = threadIdx.x + int64_t(kRowThreads) * j;
+      if (i < n) yr[i] = __fmul_rn(__fmul_rn(xv[j], scale), wv[j]);
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < n; i += kRowThreads) ss += double(xr[i]) * double(xr[i]);
+    const float scale = row_rms_scale(ss, sh, n, eps);
+    for (int64_t i = threadIdx.x; i < n; i += kRowThreads) yr[i] = __fmul_rn(__fmul_rn(xr[i], scale), w[i]);
+  }
 }
 
 __global__ void add_kernel(const float* a, const float* b, float* y, int64_t n) {
@@ -214,23 +278,58 @@ __global__ void __launch_bounds__(kRowThreads)
 
 /// One block per row: x += y as add_kernel, then out = the RMSNorm of the sum as rms_norm_kernel.
 /// Each thread reads back only the sums it wrote itself, so no barrier is needed between the two.
+template <int PER>
 __global__ void __launch_bounds__(kRowThreads)
     add_rms_norm_kernel(float* x, int64_t ldx, const float* __restrict__ y, int64_t ldy, const float* __restrict__ w,
                         float* __restrict__ out, int64_t ldo, int64_t n, float eps) {
+  constexpr bool regs = PER > 0;
+  constexpr int kRowRegs = PER > 0 ? PER : 1;
+  float wv[kRowRegs], sv[kRowRegs];
+  if constexpr (regs) {
+#pragma unroll
+    for (int j = 0; j < kRowRegs; ++j) {
+      const int64_t i = threadIdx.x + int64_t(kRowThreads) * j;
+      wv[j] = i < n ? w[i] : 0.0f;
+    }
+  }
   detail::grid_dependency_enter();
   __shared__ double sh[kRowThreads];
   float* xr = x + int64_t(blockIdx.x) * ldx;
   const float* yr = y + int64_t(blockIdx.x) * ldy;
   float* orow = out + int64_t(blockIdx.x) * ldo;
   double ss = 0;
-  for (int64_t i = threadIdx.x; i < n; i += kRowThreads) {
-    const float v = __fadd_rn(xr[i], yr[i]);
-    xr[i] = v;
-    ss += double(v) * double(v);
+  if constexpr (regs) {
+    float yv[kRowRegs];
+#pragma unroll
+    for (int j = 0; j < kRowRegs; ++j) {
+      const int64_t i = threadIdx.x + int64_t(kRowThreads) * j;
+      sv[j] = i < n ? xr[i] : 0.0f;
+      yv[j] = i < n ? yr[i] : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < kRowRegs; ++j) {
+      const int64_t i = threadIdx.x + int64_t(kRowThreads) * j;
+      if (i < n) {
+        sv[j] = __fadd_rn(sv[j], yv[j]);
+        xr[i] = sv[j];
+        ss += double(sv[j]) * double(sv[j]);
+      }
+    }
+    const float scale = row_rms_scale(ss, sh, n, eps);
+#pragma unroll
+    for (int j = 0; j < kRowRegs; ++j) {
+      const int64_t i = threadIdx.x + int64_t(kRowThreads) * j;
+      if (i < n) orow[i] = __fmul_rn(__fmul_rn(sv[j], scale), wv[j]);
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < n; i += kRowThreads) {
+      const float v = __fadd_rn(xr[i], yr[i]);
+      xr[i] = v;
+      ss += double(v) * double(v);
+    }
+    const float scale = row_rms_scale(ss, sh, n, eps);
+    for (int64_t i = threadIdx.x; i < n; i += kRowThreads) orow[i] = __fmul_rn(__fmul_rn(xr[i], scale), w[i]);
   }
-  ss = block_sum(ss, sh);
-  const float scale = float(1.0 / sqrt(ss / double(n) + double(eps)));
-  for (int64_t i = threadIdx.x; i < n; i += kRowThreads) orow[i] = __fmul_rn(__fmul_rn(xr[i], scale), w[i]);
 }
 
 unsigned elementwise_blocks(int64_t n) {
@@ -245,8 +344,14 @@ void rms_norm(const float* x, int64_t ldx, const float* w, float* y, int64_t ldy
   STRATA_CUDA_REQUIRE(n > 0 && ldx >= n && ldy >= n, "cuda::rms_norm: bad n/ldx/ldy");
   STRATA_CUDA_REQUIRE(n_rows >= 0 && n_rows <= 0x7fffffff, "cuda::rms_norm: bad n_rows");
   if (n_rows == 0) return;
-  detail::launch(rms_norm_kernel, unsigned(n_rows), kRowThreads, 0, static_cast<cudaStream_t>(stream), x, ldx, w, y,
-                 ldy, n, eps);
+  auto* k = &rms_norm_kernel<0>;
+  switch (row_regs(n)) {
+    case 8: k = &rms_norm_kernel<8>; break;
+    case 16: k = &rms_norm_kernel<16>; break;
+    case kRowRegsMax: k = &rms_norm_kernel<kRowRegsMax>; break;
+    default: break;
+  }
+  detail::launch(k, unsigned(n_rows), kRowThreads, 0, static_cast<cudaStream_t>(stream), x, ldx, w, y, ldy, n, eps);
   STRATA_CUDA_CHECK_LAUNCH();
 }
 
@@ -321,8 +426,15 @@ void add_rms_norm(float* x, int64_t ldx, const float* y, int64_t ldy, const floa
   STRATA_CUDA_REQUIRE(n > 0 && ldx >= n && ldy >= n && ldo >= n, "cuda::add_rms_norm: bad n/ldx/ldy/ldo");
   STRATA_CUDA_REQUIRE(n_rows >= 0 && n_rows <= 0x7fffffff, "cuda::add_rms_norm: bad n_rows");
   if (n_rows == 0) return;
-  detail::launch(add_rms_norm_kernel, unsigned(n_rows), kRowThreads, 0, static_cast<cudaStream_t>(stream), x, ldx, y,
-                 ldy, w, out, ldo, n, eps);
+  auto* k = &add_rms_norm_kernel<0>;
+  switch (row_regs(n)) {
+    case 8: k = &add_rms_norm_kernel<8>; break;
+    case 16: k = &add_rms_norm_kernel<16>; break;
+    case kRowRegsMax: k = &add_rms_norm_kernel<kRowRegsMax>; break;
+    default: break;
+  }
+  detail::launch(k, unsigned(n_rows), kRowThreads, 0, static_cast<cudaStream_t>(stream), x, ldx, y, ldy, w, out, ldo, n,
+                 eps);
   STRATA_CUDA_CHECK_LAUNCH();
 }
 
