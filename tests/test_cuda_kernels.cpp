@@ -501,41 +501,44 @@ TEST(CudaKernels, RmsNormIsTheBlockTreeOrderBitForBit) {
     const float scale = float(1.0 / std::sqrt(part[0] / double(n) + double(eps)));
     for (int64_t i = 0; i < n; ++i) y[i] = (x[i] * scale) * w[i];
   };
-  for (int64_t n :
-       {int64_t(100), int64_t(2048), int64_t(2049), int64_t(4096), int64_t(5000), int64_t(8192), int64_t(9001)}) {
-    SCOPED_TRACE("n=" + std::to_string(n));
-    const int64_t n_rows = 3, ld = n + 7;
-    const auto x = random_floats(size_t(n_rows * ld), rng, -3, 3);
-    const auto r = random_floats(size_t(n_rows * ld), rng, -3, 3);
-    const auto w = random_floats(size_t(n), rng, 0.5f, 1.5f);
-    std::vector<float> sum = x, want(size_t(n_rows * ld)), want_sum(size_t(n_rows * ld));
-    for (int64_t row = 0; row < n_rows; ++row) {
-      for (int64_t i = 0; i < n; ++i) sum[size_t(row * ld + i)] = x[size_t(row * ld + i)] + r[size_t(row * ld + i)];
-      replica(sum.data() + row * ld, w.data(), want_sum.data() + row * ld, n, 1e-6f);
-      replica(x.data() + row * ld, w.data(), want.data() + row * ld, n, 1e-6f);
-    }
-    auto dx = upload(x), dr = upload(r), dw = upload(w), dinplace = upload(x), dsum = upload(x);
-    cuda::DeviceBuffer dy(size_t(n_rows * ld) * 4), dout(size_t(n_rows * ld) * 4);
-    cuda::rms_norm(dx.as<float>(), ld, dw.as<float>(), dy.as<float>(), ld, n, n_rows, 1e-6f);
-    cuda::rms_norm(dinplace.as<float>(), ld, dw.as<float>(), dinplace.as<float>(), ld, n, n_rows, 1e-6f);
-    cuda::add_rms_norm(dsum.as<float>(), ld, dr.as<float>(), ld, dw.as<float>(), dout.as<float>(), ld, n, n_rows,
-                       1e-6f);
-    const auto y = download<float>(dy, x.size()), yi = download<float>(dinplace, x.size());
-    const auto s2 = download<float>(dsum, x.size()), o = download<float>(dout, x.size());
-    int64_t differ[4] = {};
-    for (int64_t row = 0; row < n_rows; ++row)
-      for (int64_t i = 0; i < n; ++i) {
-        const size_t k = size_t(row * ld + i);
-        differ[0] += !bits_equal(y[k], want[k]);
-        differ[1] += !bits_equal(yi[k], want[k]);
-        differ[2] += !bits_equal(s2[k], sum[k]);
-        differ[3] += !bits_equal(o[k], want_sum[k]);
+  for (int regs : {1, 0})  // registers (the default), then the loop for every width
+    for (int64_t n :
+         {int64_t(100), int64_t(2048), int64_t(2049), int64_t(4096), int64_t(5000), int64_t(8192), int64_t(9001)}) {
+      cuda::set_norm_regs(regs);
+      SCOPED_TRACE("n=" + std::to_string(n) + (regs ? "" : ", the loop"));
+      const int64_t n_rows = 3, ld = n + 7;
+      const auto x = random_floats(size_t(n_rows * ld), rng, -3, 3);
+      const auto r = random_floats(size_t(n_rows * ld), rng, -3, 3);
+      const auto w = random_floats(size_t(n), rng, 0.5f, 1.5f);
+      std::vector<float> sum = x, want(size_t(n_rows * ld)), want_sum(size_t(n_rows * ld));
+      for (int64_t row = 0; row < n_rows; ++row) {
+        for (int64_t i = 0; i < n; ++i) sum[size_t(row * ld + i)] = x[size_t(row * ld + i)] + r[size_t(row * ld + i)];
+        replica(sum.data() + row * ld, w.data(), want_sum.data() + row * ld, n, 1e-6f);
+        replica(x.data() + row * ld, w.data(), want.data() + row * ld, n, 1e-6f);
       }
-    EXPECT_EQ(differ[0], 0) << "rms_norm";
-    EXPECT_EQ(differ[1], 0) << "rms_norm in place";
-    EXPECT_EQ(differ[2], 0) << "add_rms_norm's sum";
-    EXPECT_EQ(differ[3], 0) << "add_rms_norm's norm";
-  }
+      auto dx = upload(x), dr = upload(r), dw = upload(w), dinplace = upload(x), dsum = upload(x);
+      cuda::DeviceBuffer dy(size_t(n_rows * ld) * 4), dout(size_t(n_rows * ld) * 4);
+      cuda::rms_norm(dx.as<float>(), ld, dw.as<float>(), dy.as<float>(), ld, n, n_rows, 1e-6f);
+      cuda::rms_norm(dinplace.as<float>(), ld, dw.as<float>(), dinplace.as<float>(), ld, n, n_rows, 1e-6f);
+      cuda::add_rms_norm(dsum.as<float>(), ld, dr.as<float>(), ld, dw.as<float>(), dout.as<float>(), ld, n, n_rows,
+                         1e-6f);
+      const auto y = download<float>(dy, x.size()), yi = download<float>(dinplace, x.size());
+      const auto s2 = download<float>(dsum, x.size()), o = download<float>(dout, x.size());
+      int64_t differ[4] = {};
+      for (int64_t row = 0; row < n_rows; ++row)
+        for (int64_t i = 0; i < n; ++i) {
+          const size_t k = size_t(row * ld + i);
+          differ[0] += !bits_equal(y[k], want[k]);
+          differ[1] += !bits_equal(yi[k], want[k]);
+          differ[2] += !bits_equal(s2[k], sum[k]);
+          differ[3] += !bits_equal(o[k], want_sum[k]);
+        }
+      EXPECT_EQ(differ[0], 0) << "rms_norm";
+      EXPECT_EQ(differ[1], 0) << "rms_norm in place";
+      EXPECT_EQ(differ[2], 0) << "add_rms_norm's sum";
+      EXPECT_EQ(differ[3], 0) << "add_rms_norm's norm";
+    }
+  cuda::set_norm_regs(-1);
 }
 
 // The fused residual add + RMSNorm against add then rms_norm: bit for bit (x and out), on rows of

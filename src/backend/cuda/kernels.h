@@ -407,6 +407,13 @@ void qk_norm_rope(float* q, int64_t ldq, int n_head, float* k, int64_t ldk, int 
 void add_rms_norm(float* x, int64_t ldx, const float* y, int64_t ldy, const float* w, float* out, int64_t ldo,
                   int64_t n, int64_t n_rows, float eps, void* stream = nullptr);
 
+/// rms_norm and add_rms_norm from registers (rows of up to 8192 values: each thread's values
+/// loaded at once, the weights before the dependency wait) or by a loop over each thread's values
+/// (as every row longer than that): 1 registers, 0 the loop (the same bits), -1 back to the
+/// default (registers unless STRATA_CUDA_NORM_REGS=0, read once). For tests and same-process
+/// comparisons; a launch reads it when it is issued.
+void set_norm_regs(int mode);
+
 // ---------------------------------------------------------------------------------------------
 // Attention
 

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/env_switch.h"
 #include "backend/cuda/launch.cuh"
 
 namespace strata::cuda {
@@ -48,8 +49,12 @@ __device__ float block_max(float v, float* sh) {
 // latencies). Longer rows take the loop (PER = 0).
 constexpr int kRowRegsMax = 32;
 
-/// The register count per thread for a row of n values: 8, 16, 32, or 0 (the loop).
+detail::EnvSwitch g_norm_regs{"STRATA_CUDA_NORM_REGS", detail::off_if_zero};
+
+/// The register count per thread for a row of n values: 8, 16, 32, or 0 (the loop; always with
+/// STRATA_CUDA_NORM_REGS=0 / set_norm_regs(0)).
 inline int row_regs(int64_t n) {
+  if (g_norm_regs.get() == 0) return 0;
   for (int per : {8, 16, kRowRegsMax})
     if (n <= int64_t(kRowThreads) * per) return per;
   return 0;
@@ -437,5 +442,7 @@ void add_rms_norm(float* x, int64_t ldx, const float* y, int64_t ldy, const floa
                  eps);
   STRATA_CUDA_CHECK_LAUNCH();
 }
+
+void set_norm_regs(int mode) { mode < 0 ? g_norm_regs.clear() : g_norm_regs.set(mode != 0); }
 
 }  // namespace strata::cuda
