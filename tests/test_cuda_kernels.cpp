@@ -1920,6 +1920,33 @@ TEST(CudaKernels, Timings) {
   }
 }
 
+// The host's cost of one kernel launch, only with STRATA_CUDA_BENCH=1 (as Timings): 4000 launches
+// of the smallest kernel (cuda::add of one float, through detail::launch as every kernel goes,
+// with programmatic dependent launch unless STRATA_CUDA_PDL=0) enqueued back to back, the host's
+// time for the enqueueing and then its wait for the device. When the host time per launch is the
+// larger, a chain of small kernels (decode: ~510 a token on the 30B shape) is bound by the host.
+TEST(CudaKernels, TimingsLaunchCost) {
+  REQUIRE_CUDA_DEVICE();
+  const char* env = std::getenv("STRATA_CUDA_BENCH");
+  if (!env || std::string(env) != "1") GTEST_SKIP() << "set STRATA_CUDA_BENCH=1 to time the launches";
+  cuda::DeviceBuffer a(4), b(4), y(4);
+  cudaStream_t st = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+  for (int round = 0; round < 3; ++round) {
+    constexpr int kLaunches = 4000;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < kLaunches; ++i) cuda::add(a.as<float>(), b.as<float>(), y.as<float>(), 1, st);
+    const auto t1 = std::chrono::steady_clock::now();
+    ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+    const auto t2 = std::chrono::steady_clock::now();
+    const double host = std::chrono::duration<double, std::micro>(t1 - t0).count() / kLaunches;
+    const double wait = std::chrono::duration<double, std::micro>(t2 - t1).count();
+    std::printf("launch cost (round %d): host %.2f us per launch, then %.1f us waiting for the device (PDL %s)\n",
+                round, host, wait, std::getenv("STRATA_CUDA_PDL") ? std::getenv("STRATA_CUDA_PDL") : "default");
+  }
+  cudaStreamDestroy(st);
+}
+
 // Attention timings, only with STRATA_CUDA_BENCH=1 (as Timings): both kernels side by side at
 // the Qwen3-30B-A3B shape (32 query heads, 4 KV heads, dim 128): a 2048-token prefill from
 // position 0 (TFLOP/s of the causal product's useful FLOPs) and one decode token at KV 2048,
