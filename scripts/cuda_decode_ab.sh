@@ -7,7 +7,7 @@
 # (`bench --backend cuda --prompt-tokens 1 --prompt-chunk 1 --gen 128 -c 1024`), stopping before
 # BUDGET seconds. Logs and tables under $OUT.
 #   OFF      e.g. "STRATA_CUDA_ROUTER_EARLY=0 STRATA_CUDA_FD_ONE_SEG=0" (default: empty, no A/B)
-#   ROUNDS   2;  BUDGET 540;  MODEL /tmp/q30b-q8.gguf
+#   ROUNDS   2;  BUDGET 540;  MODEL /tmp/q30b-q8.gguf;  STAMPS=0: no stamps build or table (a short call)
 set -u
 REPO=${REPO:-$(pwd)}
 . "$REPO/scripts/cuda_env.sh"
@@ -20,7 +20,8 @@ M=${MODEL:-/tmp/q30b-q8.gguf}
 SB=${STAMPS_BUILD:-/tmp/strata-stamps-build}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 (strata_build -- strata test_cuda_backend test_cuda_kernels > "$OUT/build.log" 2>&1; echo "build rc $? at $(el) s") &
-(B=$SB strata_build -DSTRATA_TESTS=OFF -DSTRATA_CUDA_STAMPS=ON -- strata > "$OUT/stamps_build.log" 2>&1
+STAMPS=${STAMPS:-1}
+[ "$STAMPS" = 0 ] || (B=$SB strata_build -DSTRATA_TESTS=OFF -DSTRATA_CUDA_STAMPS=ON -- strata > "$OUT/stamps_build.log" 2>&1
  echo "stamps build rc $? at $(el) s") &
 wait
 [ -x "$B/strata" ] || { tail -20 "$OUT/build.log"; exit 1; }
@@ -36,7 +37,7 @@ echo "test_cuda_backend rc $? at $(el) s"
 grep -E "^\[  (FAILED|PASSED) |Failure" "$OUT/test_cuda_backend.log" | head
 wait
 for v in on ${OFF:+off}; do
-  [ "$(el)" -lt "$BUDGET" ] || break
+  [ "$(el)" -lt "$BUDGET" ] && [ "$STAMPS" != 0 ] || break
   MODEL=$M N=64 TAG=$v RUN_ENV="$([ $v = off ] && echo "$OFF")" bash "$REPO/scripts/cuda_stamps_run.sh" 2>&1 | head -30
   echo "stamps $v at $(el) s"
 done
