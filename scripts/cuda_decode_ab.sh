@@ -7,6 +7,7 @@
 # (`bench --backend cuda --prompt-tokens 1 --prompt-chunk 1 --gen 128 -c 1024`), stopping before
 # BUDGET seconds. Logs and tables under $OUT.
 #   OFF      e.g. "STRATA_CUDA_ROUTER_EARLY=0 STRATA_CUDA_FD_ONE_SEG=0" (default: empty, no A/B)
+#   ON       the same for the "on" runs, for a change that is opt-in (e.g. "STRATA_CUDA_NORM_REGS=1")
 #   ROUNDS   2;  BUDGET 540;  MODEL /tmp/q30b-q8.gguf;  STAMPS=0: no stamps build or table (a short call)
 set -u
 REPO=${REPO:-$(pwd)}
@@ -14,6 +15,7 @@ REPO=${REPO:-$(pwd)}
 t0=$(date +%s)
 el() { echo $(($(date +%s) - t0)); }
 OFF=${OFF:-}
+ON=${ON:-}
 ROUNDS=${ROUNDS:-2}
 BUDGET=${BUDGET:-540}
 M=${MODEL:-/tmp/q30b-q8.gguf}
@@ -38,7 +40,7 @@ grep -E "^\[  (FAILED|PASSED) |Failure" "$OUT/test_cuda_backend.log" | head
 wait
 for v in on ${OFF:+off}; do
   [ "$(el)" -lt "$BUDGET" ] && [ "$STAMPS" != 0 ] || break
-  MODEL=$M N=64 TAG=$v RUN_ENV="$([ $v = off ] && echo "$OFF")" bash "$REPO/scripts/cuda_stamps_run.sh" 2>&1 | head -30
+  MODEL=$M N=64 TAG=$v RUN_ENV="$([ $v = off ] && echo "$OFF" || echo "$ON")" bash "$REPO/scripts/cuda_stamps_run.sh" 2>&1 | head -30
   echo "stamps $v at $(el) s"
 done
 tok_s() { python3 -c "import json,sys; print(round(json.load(open(sys.argv[1]))['decode']['tokens_per_s'], 1))" "$1" 2>/dev/null; }
@@ -46,7 +48,7 @@ for r in $(seq "$ROUNDS"); do
   for v in on ${OFF:+off}; do
     [ "$(el)" -lt "$BUDGET" ] || break 2
     # shellcheck disable=SC2046
-    env $([ $v = off ] && echo "$OFF") timeout 60 "$B/strata" bench -m "$M" --backend cuda --prompt-tokens 1 --prompt-chunk 1 \
+    env $([ $v = off ] && echo "$OFF" || echo "$ON") timeout 60 "$B/strata" bench -m "$M" --backend cuda --prompt-tokens 1 --prompt-chunk 1 \
       --gen 128 -c 1024 --no-ssdbw --no-direct-io --json > "$OUT/tg_$v$r.json" 2> "$OUT/tg_$v$r.err"
     echo "tg128 $v round $r rc $?: $(tok_s "$OUT/tg_$v$r.json") tok/s at $(el) s"
   done

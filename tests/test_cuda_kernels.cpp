@@ -501,7 +501,7 @@ TEST(CudaKernels, RmsNormIsTheBlockTreeOrderBitForBit) {
     const float scale = float(1.0 / std::sqrt(part[0] / double(n) + double(eps)));
     for (int64_t i = 0; i < n; ++i) y[i] = (x[i] * scale) * w[i];
   };
-  for (int regs : {1, 0})  // registers (the default), then the loop for every width
+  for (int regs : {1, 0})  // registers (STRATA_CUDA_NORM_REGS=1), then the loop for every width
     for (int64_t n :
          {int64_t(100), int64_t(2048), int64_t(2049), int64_t(4096), int64_t(5000), int64_t(8192), int64_t(9001)}) {
       cuda::set_norm_regs(regs);

@@ -410,8 +410,8 @@ void add_rms_norm(float* x, int64_t ldx, const float* y, int64_t ldy, const floa
 /// rms_norm and add_rms_norm from registers (rows of up to 8192 values: each thread's values
 /// loaded at once, the weights before the dependency wait) or by a loop over each thread's values
 /// (as every row longer than that): 1 registers, 0 the loop (the same bits), -1 back to the
-/// default (registers unless STRATA_CUDA_NORM_REGS=0, read once). For tests and same-process
-/// comparisons; a launch reads it when it is issued.
+/// default (the loop unless STRATA_CUDA_NORM_REGS=1, read once: opt-in until the registers have
+/// run on a GPU). For tests and same-process comparisons; a launch reads it when it is issued.
 void set_norm_regs(int mode);
 
 // ---------------------------------------------------------------------------------------------
