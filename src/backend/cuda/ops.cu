@@ -85,6 +85,17 @@ __device__ float row_rms_scale(double ss, double* sh, int64_t n, float eps) {
   return float(1.0 / sqrt(sh[0] / double(n) + double(eps)));
 }
 
+/// v[j] = p[threadIdx.x + kRowThreads j] for the j inside [0, n), else 0: a thread's values of a
+/// row, every load issued before any is used.
+template <int N>
+__device__ __forceinline__ void load_row_regs(const float* p, int64_t n, float (&v)[N]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const int64_t i = threadIdx.x + int64_t(kRowThreads) * j;
+    v[j] = i < n ? p[i] : 0.0f;
+  }
+}
+
 /// One block per row: y = x * scale * w, rounded as (x * scale) * w, scale = row_rms_scale.
 template <int PER>
 __global__ void __launch_bounds__(kRowThreads) rms_norm_kernel(const float* x, int64_t ldx, const float* __restrict__ w,
@@ -93,11 +104,7 @@ __global__ void __launch_bounds__(kRowThreads) rms_norm_kernel(const float* x, i
   constexpr int kRowRegs = PER > 0 ? PER : 1;
   float wv[kRowRegs], xv[kRowRegs];
   if constexpr (regs) {
-#pragma unroll
-    for (int j = 0; j < kRowRegs; ++j) {
-      const int64_t i = threadIdx.x + int64_t(kRowThreads) * j;
-      wv[j] = i < n ? w[i] : 0.0f;
-    }
+    load_row_regs(w, n, wv);
   }
   detail::grid_dependency_enter();
   __shared__ double sh[kRowThreads];
@@ -105,11 +112,7 @@ __global__ void __launch_bounds__(kRowThreads) rms_norm_kernel(const float* x, i
   float* yr = y + int64_t(blockIdx.x) * ldy;
   double ss = 0;
   if constexpr (regs) {
-#pragma unroll
-    for (int j = 0; j < kRowRegs; ++j) {
-      const int64_t i = threadIdx.x + int64_t(kRowThreads) * j;
-      xv[j] = i < n ? xr[i] : 0.0f;
-    }
+    load_row_regs(xr, n, xv);
 #pragma unroll
     for (int j = 0; j < kRowRegs; ++j)
       if (threadIdx.x + int64_t(kRowThreads) * j < n) ss += double(xv[j]) * double(xv[j]);
@@ -293,11 +296,7 @@ __global__ void __launch_bounds__(kRowThreads)
   constexpr int kRowRegs = PER > 0 ? PER : 1;
   float wv[kRowRegs], sv[kRowRegs];
   if constexpr (regs) {
-#pragma unroll
-    for (int j = 0; j < kRowRegs; ++j) {
-      const int64_t i = threadIdx.x + int64_t(kRowThreads) * j;
-      wv[j] = i < n ? w[i] : 0.0f;
-    }
+    load_row_regs(w, n, wv);
   }
   detail::grid_dependency_enter();
   __shared__ double sh[kRowThreads];
@@ -307,12 +306,8 @@ __global__ void __launch_bounds__(kRowThreads)
   double ss = 0;
   if constexpr (regs) {
     float yv[kRowRegs];
-#pragma unroll
-    for (int j = 0; j < kRowRegs; ++j) {
-      const int64_t i = threadIdx.x + int64_t(kRowThreads) * j;
-      sv[j] = i < n ? xr[i] : 0.0f;
-      yv[j] = i < n ? yr[i] : 0.0f;
-    }
+    load_row_regs(xr, n, sv);
+    load_row_regs(yr, n, yv);
 #pragma unroll
     for (int j = 0; j < kRowRegs; ++j) {
       const int64_t i = threadIdx.x + int64_t(kRowThreads) * j;
