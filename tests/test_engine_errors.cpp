@@ -106,6 +106,12 @@ TEST(EngineErrors, NegativeSettingsAreRefused) {
     EXPECT_THAT(error_of<engine::EngineError>([&] { engine::Engine eng(test::shipped_model(), o); }),
                 HasSubstr("--threads must be between 0"));
   }
+  for (int layers : {0, 3}) {
+    engine::EngineOptions o = small();
+    o.read_ahead_layers = layers;
+    EXPECT_THAT(error_of<engine::EngineError>([&] { engine::Engine eng(test::shipped_model(), o); }),
+                HasSubstr("--read-ahead-layers must be 1 or 2, got " + std::to_string(layers)));
+  }
 }
 
 TEST(EngineErrors, InterruptStopsBeforeTheNextLayerAndTheSequenceStaysUsable) {

@@ -674,6 +674,9 @@ TEST(QualityDeterminism, PrefillAndDecodeBitIdenticalAcrossIoTiming) {
   with("arena 5 MiB, prompt chunk 16", [](auto& o) { o.arena_mb = 5, o.prompt_chunk = 16; });
   with("minimum arena (auto chunk)", [](auto& o) { o.arena_mb = 1; });
   with("prediction off", [](auto& o) { o.predict = false; });
+  with("read ahead 2 layers", [](auto& o) { o.read_ahead_layers = 2; });
+  with("read ahead 2 layers, arena 5 MiB, chunk 16",
+       [](auto& o) { o.read_ahead_layers = 2, o.arena_mb = 5, o.prompt_chunk = 16; });
   with("prediction off, arena 5 MiB, chunk 16",
        [](auto& o) { o.predict = false, o.arena_mb = 5, o.prompt_chunk = 16; });
   with("buffered reads", [](auto& o) { o.direct_io = false; });

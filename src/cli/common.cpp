@@ -66,6 +66,9 @@ void EngineFlags::add(CLI::App& app) {
       ->check(CLI::IsMember({"on", "off"}));
   app.add_option("--predict-min", opts.predict_min, "read ahead only experts predicted by at least N tokens")
       ->capture_default_str();
+  app.add_option("--read-ahead-layers", opts.read_ahead_layers,
+                 "layers a MoE layer predicts and reads ahead: 1 (the next) or 2 (also the one after it)")
+      ->capture_default_str();
   app.add_option("--static-rank", opts.static_rank,
                  "expert popularity file from `strata profile` (default: MODEL.strata-rank if present; 'none' = off)");
   app.add_flag("--trace", opts.trace, "print one line per prompt chunk splitting compute, exposed wait and host time");

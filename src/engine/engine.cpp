@@ -359,6 +359,8 @@ Engine::Engine(const std::string& path, const EngineOptions& opts) : opts_(opts)
   so.host_cache_bytes = size_t(host_cache);
   if (opts_.predict_min < 1)
     throw EngineError(fmt::format("--predict-min must be at least 1, got {}", opts_.predict_min));
+  if (opts_.read_ahead_layers < 1 || opts_.read_ahead_layers > 2)
+    throw EngineError(fmt::format("--read-ahead-layers must be 1 or 2, got {}", opts_.read_ahead_layers));
 
   // Static rank sidecar: explicit path, or MODEL.strata-rank when present.
   if (opts_.static_rank != "none") {
@@ -522,6 +524,7 @@ void Engine::run(model::SequenceState& st, std::span<const int32_t> ids, model::
   model::ForwardContext ctx{*backend_, stream(), trace, &times_, {}, nullptr, dump_.get()};
   ctx.ahead.predict = opts_.predict;
   ctx.ahead.predict_min = opts_.predict_min;
+  ctx.ahead.layers = opts_.read_ahead_layers;
   ctx.ahead.static_rank = static_rank_.empty() ? nullptr : &static_rank_;
   ctx.prediction = &phase.prediction;
   ctx.moce_bonus = (&phase == &decode_ || opts_.moce_prefill) ? opts_.moce_bonus : 0.0f;
@@ -596,6 +599,7 @@ void Engine::forward_batch(std::span<model::SeqInput> batch, model::RoutingTrace
   model::ForwardContext ctx{*backend_, stream(), trace, &times_, {}, &phase.prediction, dump_.get()};
   ctx.ahead.predict = opts_.predict;
   ctx.ahead.predict_min = opts_.predict_min;
+  ctx.ahead.layers = opts_.read_ahead_layers;
   ctx.ahead.static_rank = static_rank_.empty() ? nullptr : &static_rank_;
   ctx.moce_bonus = (all_single || opts_.moce_prefill) ? opts_.moce_bonus : 0.0f;
   if (dump_) dump_->set_phase(all_single ? "decode" : "prefill");

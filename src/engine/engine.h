@@ -58,6 +58,7 @@ struct EngineOptions {
   model::LoadOptions load;  ///< numerics switches for parity tests (defaults are exact)
   bool predict = true;      ///< --predict: read ahead the next layer's predicted experts
   int predict_min = 1;      ///< --predict-min: only experts predicted by >= N tokens
+  int read_ahead_layers = 1;  ///< --read-ahead-layers: 1 the next layer, 2 also the one after it
   /// Static-rank sidecar; "" = MODEL.strata-rank when present, "none" = do not use one.
   std::string static_rank;
   bool fake_stream = false;

@@ -81,6 +81,7 @@ struct ForwardTimes {
 struct ReadAheadOptions {
   bool predict = true;  ///< --predict: next layer's router on this layer's MoE input
   int predict_min = 1;  ///< --predict-min: queue experts predicted by at least this many tokens
+  int layers = 1;       ///< --read-ahead-layers: 1 = the next layer, 2 = also the one after it
   /// Per layer, expert ids by descending popularity (`strata profile`); null or empty rows =
   /// unknown. Used for layer 0 and wherever no prediction is made.
   const std::vector<std::vector<int32_t>>* static_rank = nullptr;

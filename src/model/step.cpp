@@ -318,7 +318,7 @@ void Step::record_routing(int layer, const backend::Routing& r) {
 
 Interrupted::Interrupted(int l) : std::runtime_error(fmt::format("interrupted before layer {}", l)), layer(l) {}
 
-void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
+void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next, const MoeLayer* after_next) {
   stream::ExpertStream& stream = ctx_.stream;
   // Stop between layers when asked: nothing of this layer is pinned yet; queued read-aheads
   // are dropped and the backend's queued work is finished before the buffers go.
@@ -336,6 +336,11 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
   if (moe_on_device(layer, w, next, expert_out)) return;
   std::vector<int32_t> pred_next;
   const ReadAhead ra = plan_read_ahead(layer + 1, next, &pred_next);
+  // --read-ahead-layers 2: the layer after next too, with its router on this layer's input (a
+  // longer window for its reads; queued after the next layer's, which it never displaces).
+  const ReadAhead ra2 = ctx_.ahead.layers >= 2 && ctx_.ahead.predict && after_next
+                            ? plan_read_ahead(layer + 2, after_next, nullptr)
+                            : ReadAhead{};
 
   // Router and top-k selection; the ids come to the host.
   // --profile: a stage runs from the last restart() to its profile_from().
@@ -358,7 +363,8 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
   // CUDA backend: on the device, only [T][top_k] results come back).
   backend::Routing exact;
   backend::Routing pred;  // the next layer's predicted ids, when routed together with this layer
-  bool pred_ready = false;
+  backend::Routing pred2;  // and the layer after it's (--read-ahead-layers 2)
+  bool pred_ready = false, pred2_ready = false;
   const bool moce = ctx_.moce_bonus > 0;
   if (moce) {
     std::vector<float> logits;
@@ -374,9 +380,16 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
     // The next layer's prediction reads the same h_: both routers in one backend call (on the
     // CUDA backend one synchronization instead of two).
     const MoeLayer& nx = *ra.router_of;
-    const backend::RouteCall calls[2] = {{&w.spec, w.router, w.router_bias, &r, false},
-                                         {&nx.spec, nx.router, nx.router_bias, &pred, true}};
-    be_.route(calls, h_);
+    backend::RouteCall calls[3] = {{&w.spec, w.router, w.router_bias, &r, false},
+                                   {&nx.spec, nx.router, nx.router_bias, &pred, true},
+                                   {}};
+    size_t n_calls = 2;
+    if (ra2.router_of && ra2.router_of->spec.top_k == ra2.top_k) {
+      const MoeLayer& n2 = *ra2.router_of;
+      calls[n_calls++] = {&n2.spec, n2.router, n2.router_bias, &pred2, true};
+      pred2_ready = true;
+    }
+    be_.route(std::span<const backend::RouteCall>(calls, n_calls), h_);
     pred_ready = true;
   } else {
     be_.route(w.spec, w.router, w.router_bias, h_, r);
@@ -405,6 +418,7 @@ void Step::moe(int layer, const MoeLayer& w, const MoeLayer* next) {
   // While this layer computes, the IO threads read ahead for the next one.
   restart();
   read_ahead(ra, h_, pred_ready ? &pred : nullptr);
+  read_ahead(ra2, h_, pred2_ready ? &pred2 : nullptr);
   profile_from(StageProfile::ReadAhead);
 
   restart();  // the expert stage's loops are counted from here
@@ -618,7 +632,7 @@ void AttnMoeModel::forward(ForwardContext& ctx, std::span<SeqInput> batch) {
     const AttnMoeLayer& L = layers_[size_t(l)];
     s.attention(l, *L.spec, L.attn);
     s.residual_norm("ffn_inp", l, L.ffn_norm, ffn_norm_name_, l);
-    s.moe(l, L.moe, l + 1 < n ? &layers_[size_t(l + 1)].moe : nullptr);
+    s.moe(l, L.moe, moe_ahead(layers_, l, n, 1), moe_ahead(layers_, l, n, 2));
     if (l + 1 < n)
       s.residual_norm("l_out", l, layers_[size_t(l + 1)].attn_norm, "attn_norm", l + 1);  // the next layer's norm
     else

@@ -84,8 +84,10 @@ class Step {
   /// layer's index (0 unless leading layers are dense).
   void read_ahead_first(const MoeLayer& first, const backend::Tensor& norm0, int layer = 0);
   /// o = routed MoE of `layer` on h with experts from the stream (the cut), layer+1's experts
-  /// read ahead with `next`'s router (null: the last MoE layer). Names "ffn_moe_out-<layer>".
-  void moe(int layer, const MoeLayer& w, const MoeLayer* next);
+  /// read ahead with `next`'s router (null: the last MoE layer) and, with --read-ahead-layers 2,
+  /// layer+2's with `after_next`'s on the same h (null: none), queued after layer+1's. Names
+  /// "ffn_moe_out-<layer>".
+  void moe(int layer, const MoeLayer& w, const MoeLayer* next, const MoeLayer* after_next = nullptr);
   /// The final norm and output head for the rows each sequence's mode asks for, into its
   /// logits. Names "result_norm" and "result_output".
   void output(const backend::Tensor& norm, const backend::Tensor& head);
@@ -165,5 +167,12 @@ class AttnMoeModel : public Model {
   std::vector<AttnMoeLayer> layers_;
   const char* ffn_norm_name_ = "ffn_norm";
 };
+
+/// &layers[l + d].moe when l + d < n, else null: the routers a family's forward hands Step::moe
+/// for its read-ahead (d = 1: next, d = 2: after_next).
+template <class Layers>
+const MoeLayer* moe_ahead(const Layers& layers, int l, int n, int d) {
+  return l + d < n ? &layers[size_t(l + d)].moe : nullptr;
+}
 
 }  // namespace strata::model

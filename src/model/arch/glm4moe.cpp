@@ -138,7 +138,7 @@ class Glm4Moe final : public Model {
       if (L.dense) {
         s.ffn(dense, L.ffn, "ffn_out", l);
       } else {
-        s.moe(l, L.moe, l + 1 < n_fwd_ ? &layers_[size_t(l + 1)].moe : nullptr);
+        s.moe(l, L.moe, moe_ahead(layers_, l, n_fwd_, 1), moe_ahead(layers_, l, n_fwd_, 2));
         if (!L.shexp.gate.empty()) s.ffn(shared, L.shexp, "ffn_out", l);
       }
       s.residual("l_out", l);

@@ -244,7 +244,7 @@ class Qwen35Moe final : public Model {
         s.attention(l, attn_, L.att);
       s.residual("ffn_inp", l);
       s.norm(L.post_attn_norm, "ffn_norm", l);
-      s.moe(l, L.moe, l + 1 < n_main_ ? &layers_[size_t(l + 1)].moe : nullptr);
+      s.moe(l, L.moe, moe_ahead(layers_, l, n_main_, 1), moe_ahead(layers_, l, n_main_, 2));
       shared.scalar_gate = L.shexp_gate;
       s.ffn(shared, L.shexp, "ffn_out", l);
       s.residual("l_out", l);
