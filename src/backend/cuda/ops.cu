@@ -3,6 +3,7 @@
 // row's result depends only on that row.
 #include <cfloat>
 #include <string>
+#include <type_traits>
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/env_switch.h"
@@ -46,7 +47,7 @@ __device__ float block_max(float v, float* sh) {
 // normalized from registers: each thread loads its values i = threadIdx.x + kRowThreads j (and the
 // weights, before the dependency wait: model weights, which no kernel writes) all at once, where a
 // loop over them waited for one load after another (a decode norm's ~8 us a call was mostly those
-// latencies). Longer rows take the loop (PER = 0).
+// latencies). Longer rows take the loop (PER = 0), which is the code of before, block_sum included.
 constexpr int kRowRegsMax = 32;
 
 // Opt-in until it has run on a GPU (written in the fifteenth session, docs/cuda.md): the loop
@@ -62,7 +63,7 @@ inline int row_regs(int64_t n) {
   return 0;
 }
 
-/// The RMSNorm scale float(1 / sqrt(ss_total / n + eps)) of one row (Zhang & Sennrich 2019), from
+/// The register path's RMSNorm scale float(1 / sqrt(ss_total / n + eps)) of one row (Zhang & Sennrich 2019), from
 /// each thread's partial sum of squares (double, over its values in j order), summed in
 /// block_sum's tree order: the cross-warp steps (128, 64, 32) in shared memory, then warp 0's five
 /// steps by shuffles, which pair the same lanes as the shared-memory steps they replace (the same
@@ -124,7 +125,8 @@ __global__ void __launch_bounds__(kRowThreads) rms_norm_kernel(const float* x, i
     }
   } else {
     for (int64_t i = threadIdx.x; i < n; i += kRowThreads) ss += double(xr[i]) * double(xr[i]);
-    const float scale = row_rms_scale(ss, sh, n, eps);
+    ss = block_sum(ss, sh);
+    const float scale = float(1.0 / sqrt(ss / double(n) + double(eps)));
     for (int64_t i = threadIdx.x; i < n; i += kRowThreads) yr[i] = __fmul_rn(__fmul_rn(xr[i], scale), w[i]);
   }
 }
@@ -329,8 +331,21 @@ __global__ void __launch_bounds__(kRowThreads)
       xr[i] = v;
       ss += double(v) * double(v);
     }
-    const float scale = row_rms_scale(ss, sh, n, eps);
+    ss = block_sum(ss, sh);
+    const float scale = float(1.0 / sqrt(ss / double(n) + double(eps)));
     for (int64_t i = threadIdx.x; i < n; i += kRowThreads) orow[i] = __fmul_rn(__fmul_rn(xr[i], scale), w[i]);
+  }
+}
+
+/// pick(std::integral_constant<int, PER>{}) for row_regs(n)'s PER: the instance of a norm
+/// kernel (rms_norm_kernel, add_rms_norm_kernel) that takes a row of n values.
+template <class Pick>
+auto row_kernel(int64_t n, Pick pick) {
+  switch (row_regs(n)) {
+    case 8: return pick(std::integral_constant<int, 8>{});
+    case 16: return pick(std::integral_constant<int, 16>{});
+    case kRowRegsMax: return pick(std::integral_constant<int, kRowRegsMax>{});
+    default: return pick(std::integral_constant<int, 0>{});
   }
 }
 
@@ -346,13 +361,7 @@ void rms_norm(const float* x, int64_t ldx, const float* w, float* y, int64_t ldy
   STRATA_CUDA_REQUIRE(n > 0 && ldx >= n && ldy >= n, "cuda::rms_norm: bad n/ldx/ldy");
   STRATA_CUDA_REQUIRE(n_rows >= 0 && n_rows <= 0x7fffffff, "cuda::rms_norm: bad n_rows");
   if (n_rows == 0) return;
-  auto* k = &rms_norm_kernel<0>;
-  switch (row_regs(n)) {
-    case 8: k = &rms_norm_kernel<8>; break;
-    case 16: k = &rms_norm_kernel<16>; break;
-    case kRowRegsMax: k = &rms_norm_kernel<kRowRegsMax>; break;
-    default: break;
-  }
+  auto* k = row_kernel(n, [](auto per) { return &rms_norm_kernel<decltype(per)::value>; });
   detail::launch(k, unsigned(n_rows), kRowThreads, 0, static_cast<cudaStream_t>(stream), x, ldx, w, y, ldy, n, eps);
   STRATA_CUDA_CHECK_LAUNCH();
 }
@@ -428,13 +437,7 @@ void add_rms_norm(float* x, int64_t ldx, const float* y, int64_t ldy, const floa
   STRATA_CUDA_REQUIRE(n > 0 && ldx >= n && ldy >= n && ldo >= n, "cuda::add_rms_norm: bad n/ldx/ldy/ldo");
   STRATA_CUDA_REQUIRE(n_rows >= 0 && n_rows <= 0x7fffffff, "cuda::add_rms_norm: bad n_rows");
   if (n_rows == 0) return;
-  auto* k = &add_rms_norm_kernel<0>;
-  switch (row_regs(n)) {
-    case 8: k = &add_rms_norm_kernel<8>; break;
-    case 16: k = &add_rms_norm_kernel<16>; break;
-    case kRowRegsMax: k = &add_rms_norm_kernel<kRowRegsMax>; break;
-    default: break;
-  }
+  auto* k = row_kernel(n, [](auto per) { return &add_rms_norm_kernel<decltype(per)::value>; });
   detail::launch(k, unsigned(n_rows), kRowThreads, 0, static_cast<cudaStream_t>(stream), x, ldx, y, ldy, w, out, ldo, n,
                  eps);
   STRATA_CUDA_CHECK_LAUNCH();
