@@ -16,6 +16,7 @@ void add_bias(ThreadPool& pool, float* y, const float* b, int64_t T, int64_t n) 
       for (int64_t i = 0; i < n; ++i) y[t * n + i] += b[i];
   });
 }
+
 }  // namespace
 
 void attention_block(ThreadPool& pool, const kernels::KernelConfig& kc, const AttentionWeights& w,

@@ -46,6 +46,13 @@ int64_t thread_cpu_ns() {
   return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
 }
 
+// fn(b, e), and the CPU time it took this thread (ns).
+int64_t timed_block(const std::function<void(int64_t, int64_t)>& fn, int64_t b, int64_t e) {
+  const int64_t t0 = thread_cpu_ns();
+  fn(b, e);
+  return thread_cpu_ns() - t0;
+}
+
 inline void cpu_relax() {
 #if defined(__x86_64__)
   _mm_pause();
@@ -90,9 +97,7 @@ void ThreadPool::run_blocks() {
     int64_t e = std::min(n_, b + grain_);
     try {
       if (profiling_) {
-        const int64_t t0 = thread_cpu_ns();
-        (*fn_)(b, e);
-        const int64_t ns = thread_cpu_ns() - t0;
+        const int64_t ns = timed_block(*fn_, b, e);
         work_ns_.fetch_add(ns, std::memory_order_relaxed);
         int64_t m = longest_ns_.load(std::memory_order_relaxed);
         while (ns > m && !longest_ns_.compare_exchange_weak(m, ns, std::memory_order_relaxed)) {}
@@ -151,9 +156,7 @@ void ThreadPool::parallel_for(int64_t n, int64_t grain, const std::function<void
     const auto t0 = std::chrono::steady_clock::now();
     int64_t work = 0, longest = 0;
     for (int64_t b = 0; b < n; b += grain) {
-      const int64_t c0 = thread_cpu_ns();
-      fn(b, std::min(n, b + grain));
-      const int64_t ns = thread_cpu_ns() - c0;
+      const int64_t ns = timed_block(fn, b, std::min(n, b + grain));
       work += ns;
       longest = std::max(longest, ns);
     }
